@@ -1,0 +1,74 @@
+"""What every backend module provides: the neutral face, framework-free.
+
+Each backend module (``unimp.backends.torch``, ``.tensorflow``, ``.jax``) exports at least
+:data:`COMMON_API` under the same names (a test checks it), plus its framework's own pieces
+(torch's ``GradScaler``, Keras's ``LossScaleOptimizer``, JAX's loss-scale pytrees).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unimp.recipe import Recipe, get_recipe
+from unimp.step import StepResult
+
+__all__ = ["COMMON_API", "MixedPrecisionBase"]
+
+#: Public names every backend module exports, meaning the same thing in each:
+#:
+#: * ``MixedPrecision``: a recipe bound to the framework (subclass of :class:`MixedPrecisionBase`).
+#: * ``StepResult``: :class:`unimp.step.StepResult`.
+#: * ``cast_tree(tree, dtype)``: casts floating array leaves of a nested structure, passes
+#:   integers, booleans, Python scalars and non-arrays through.
+#: * ``all_finite(tree)``: a device bool scalar, every floating leaf is finite (no host sync).
+#: * ``to_dtype(name)``: the framework dtype for a canonical dtype name.
+#: * ``framework_version()``: the installed framework version string.
+#: * ``device_info()``: list of dicts ``{"device", "float16", "bfloat16", "recommended"}``
+#:   for ``unimp info``: which half dtypes each device runs and the recommended recipe name.
+COMMON_API = (
+    "MixedPrecision",
+    "StepResult",
+    "all_finite",
+    "cast_tree",
+    "device_info",
+    "framework_version",
+    "to_dtype",
+)
+
+
+class MixedPrecisionBase:
+    """A recipe bound to a framework. Backends subclass this and add:
+
+    * ``compute_dtype``, ``param_dtype``, ``output_dtype``: framework dtypes.
+    * ``cast_to_compute(tree)``, ``cast_to_param(tree)``, ``cast_to_output(tree)``.
+    * ``autocast()``: a context manager (the framework's autocast, a policy scope, or a no-op).
+    * ``prepare(...)``: applies the recipe to a model / optimizer.
+    * ``train_step(...)``: returns a compiled ``step(batch) -> StepResult``.
+
+    Args:
+        recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
+    """
+
+    backend: str = ""
+
+    def __init__(self, recipe: Any = "mixed_float16") -> None:
+        self._recipe: Recipe = get_recipe(recipe)
+
+    @property
+    def recipe(self) -> Recipe:
+        """The bound :class:`~unimp.Recipe`."""
+        return self._recipe
+
+    @property
+    def policy(self):
+        """The recipe's :class:`~unimp.Policy`."""
+        return self._recipe.policy
+
+    @property
+    def loss_scale(self):
+        """The recipe's loss-scale config."""
+        return self._recipe.loss_scale
+
+    def __repr__(self) -> str:
+        return f"{type(self).__module__}.{type(self).__name__}({self._recipe.describe()})"
+

@@ -1,0 +1,182 @@
+"""Canonical floating dtype names, recognised from strings and from any framework's dtype objects.
+
+This module is framework-free: torch, TensorFlow and JAX dtypes are recognised by their type's
+module and their printed name, never by importing the framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CANONICAL_DTYPES",
+    "DTYPE_ALIASES",
+    "HALF_DTYPES",
+    "canonical_dtype",
+    "finfo",
+    "is_half",
+]
+
+#: The floating dtypes unimp knows, widest first.
+CANONICAL_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+
+#: The half-precision dtypes: the ones a mixed-precision recipe computes in.
+HALF_DTYPES: frozenset[str] = frozenset({"float16", "bfloat16"})
+
+#: Accepted spellings, case-insensitive. "float" and "full" mean float32, as in jmp.
+DTYPE_ALIASES: dict[str, str] = {
+    "float64": "float64",
+    "f64": "float64",
+    "fp64": "float64",
+    "double": "float64",
+    "float32": "float32",
+    "f32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "full": "float32",
+    "single": "float32",
+    "float16": "float16",
+    "f16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+# The name a framework's dtype object prints or carries, e.g. "torch.float16" -> "float16".
+_FRAMEWORK_PREFIXES = ("torch.", "tf.", "jnp.", "np.", "numpy.")
+
+
+def _accepted() -> str:
+    return ", ".join(sorted(DTYPE_ALIASES))
+
+
+def _from_name(name: str) -> str | None:
+    key = name.strip().lower()
+    for prefix in _FRAMEWORK_PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix) :]
+            break
+    if key == "half":
+        # "half" is platform dependent (float16 on GPU, bfloat16 on TPU); Policy parsing handles it.
+        return None
+    return DTYPE_ALIASES.get(key)
+
+
+def canonical_dtype(x: Any) -> str:
+    """Returns the canonical name of a floating dtype.
+
+    Args:
+        x: a name (``"float16"``, ``"fp16"``, ``"bf16"``, ``"float"``, ...), a NumPy dtype or scalar
+            type (ml_dtypes' ``bfloat16`` included), a ``torch.dtype``, a ``tf.DType``, a JAX dtype
+            (``jnp.float16``), or an array or tensor, whose ``dtype`` is read. No framework is
+            imported to recognise its dtypes.
+
+    Returns:
+        One of ``"float64"``, ``"float32"``, ``"float16"``, ``"bfloat16"``.
+
+    Raises:
+        ValueError: ``x`` is not a floating dtype unimp supports; the message lists the
+            accepted names.
+
+    Example:
+        >>> canonical_dtype("bf16")
+        'bfloat16'
+        >>> import numpy as np
+        >>> canonical_dtype(np.float16)
+        'float16'
+    """
+    if isinstance(x, str):
+        name = _from_name(x)
+        if name is not None:
+            return name
+        if x.strip().lower() == "half":
+            raise ValueError(
+                "'half' is float16 on GPU and bfloat16 on TPU; name the dtype ('float16' or "
+                "'bfloat16'), or use unimp.get_policy('half', platform=...)."
+            )
+        raise ValueError(f"unknown dtype {x!r}; expected one of: {_accepted()}.")
+    if isinstance(x, bool) or x is None or isinstance(x, (int, float)):
+        raise ValueError(f"{x!r} is not a dtype; expected a dtype or one of: {_accepted()}.")
+    module = type(x).__module__ or ""
+    # torch.dtype prints as "torch.float16"; tf.DType has .name; both recognised without import.
+    if module.startswith("torch"):
+        name = _from_name(str(x))
+        if name is not None:
+            return name
+        raise ValueError(f"{x} is not a floating dtype unimp supports; expected one of: {_accepted()}.")
+    if module.startswith("tensorflow") and hasattr(x, "name") and isinstance(x.name, str):
+        name = _from_name(x.name)
+        if name is not None:
+            return name
+        raise ValueError(f"tf.{x.name} is not a floating dtype unimp supports; expected one of: {_accepted()}.")
+    # JAX's jnp.float16 and friends are classes carrying a NumPy dtype; arrays and tensors too.
+    inner = getattr(x, "dtype", None)
+    if inner is not None and inner is not x and not isinstance(x, np.dtype):
+        if isinstance(inner, (np.dtype, str)) or type(inner).__module__.split(".")[0] in (
+            "torch",
+            "tensorflow",
+        ):
+            return canonical_dtype(inner)
+    try:
+        dt = np.dtype(x)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{x!r} is not a dtype unimp recognises; expected one of: {_accepted()}."
+        ) from None
+    name = _from_name(dt.name)
+    if name is None:
+        raise ValueError(
+            f"{dt.name} is not a floating dtype unimp supports; expected one of: {_accepted()}."
+        )
+    return name
+
+
+def is_half(x: Any) -> bool:
+    """True when ``x`` names float16 or bfloat16 (any form :func:`canonical_dtype` accepts)."""
+    return canonical_dtype(x) in HALF_DTYPES
+
+
+class _FInfo:
+    __slots__ = ("bits", "eps", "max", "tiny", "min_subnormal")
+
+    def __init__(self, bits: int, eps: float, max_: float, tiny: float, min_subnormal: float):
+        self.bits, self.eps, self.max, self.tiny, self.min_subnormal = (
+            bits,
+            eps,
+            max_,
+            tiny,
+            min_subnormal,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"finfo(bits={self.bits}, eps={self.eps!r}, max={self.max!r}, tiny={self.tiny!r}, "
+            f"min_subnormal={self.min_subnormal!r})"
+        )
+
+
+_FINFO = {
+    "float64": _FInfo(64, 2.0**-52, float(np.finfo(np.float64).max), 2.0**-1022, 2.0**-1074),
+    "float32": _FInfo(32, 2.0**-23, float(np.finfo(np.float32).max), 2.0**-126, 2.0**-149),
+    "float16": _FInfo(16, 2.0**-10, 65504.0, 2.0**-14, 2.0**-24),
+    # bfloat16 has float32's exponent range with 8 bits of significand.
+    "bfloat16": _FInfo(16, 2.0**-7, 3.3895313892515355e38, 2.0**-126, 2.0**-133),
+}
+
+
+def finfo(dtype: Any) -> _FInfo:
+    """Machine limits of a floating dtype, as Python floats (no framework or ml_dtypes needed).
+
+    Args:
+        dtype: anything :func:`canonical_dtype` accepts.
+
+    Returns:
+        An object with ``bits``, ``eps``, ``max``, ``tiny`` (smallest normal) and
+        ``min_subnormal``.
+
+    Raises:
+        ValueError: ``dtype`` is not a supported floating dtype.
+    """
+    return _FINFO[canonical_dtype(dtype)]

@@ -1,0 +1,616 @@
+"""Loss-scale configs and the reference loss-scale algorithm.
+
+This module is the definition every backend matches bit for bit. The algorithm is written once,
+in :func:`update_arrays`, over a tiny array namespace (``where``, ``minimum``, ``maximum``,
+``isfinite`` and float32 / int32 constructors). The reference runs it on NumPy float32 / int32
+scalars; each backend runs the *same function* on its own device tensors, so no backend
+re-decides a rule and no step needs a host-device sync or a Python branch on a tensor.
+
+The rule (dynamic scale):
+
+* finite gradients: the counter grows by one; when it reaches ``growth_interval`` the scale is
+  multiplied by ``growth_factor`` (in float32), clamped to ``max_scale``, kept at its old value
+  if the product is not finite, and the counter restarts at 0. Matches torch.amp.GradScaler:
+  grows on the growth_interval-th consecutive finite step.
+* non-finite gradients (overflow): the step is skipped, the scale is multiplied by
+  ``backoff_factor`` and floored at ``min_scale`` (``None`` floors at the smallest normal
+  float32, 2**-126, so ``1/scale`` stays finite), the counter restarts, and a skip is counted.
+* non-finite loss (overflow in the forward pass): the step is skipped and counted, but the
+  scale and the counter are left alone: loss scaling cannot fix a forward overflow, so it must
+  not drive the scale down.
+
+Static and disabled scales never change their scale; they still skip non-finite steps (a NaN
+update would destroy the parameters) and count the skips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import numpy as np
+
+__all__ = [
+    "STATE_FORMAT",
+    "DynamicLossScale",
+    "LossScaleConfig",
+    "LossScaleError",
+    "LossScaleState",
+    "NoLossScale",
+    "StaticLossScale",
+    "check_state",
+    "from_state_dict",
+    "loss_scale_from_dict",
+    "simulate",
+    "state_dict",
+    "update",
+    "update_arrays",
+]
+
+#: Version tag of the portable state_dict format, the same in every backend.
+STATE_FORMAT = "unimp.loss_scale/1"
+
+_F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, smallest normal float32
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+class LossScaleError(RuntimeError):
+    """The loss scale is stuck: more consecutive skipped steps than ``max_consecutive_skips``."""
+
+
+def _number(cls: str, field: str, value: Any) -> float:
+    """Any real number (Python, NumPy, float16/bfloat16, a 0-d tensor) as a float32-rounded float."""
+    if isinstance(value, bool):
+        raise ValueError(f"{cls}.{field} must be a number, got a bool ({value!r}).")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{cls}.{field} must be a real number, got {value!r}.") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{cls}.{field} must be finite, got {value!r}.")
+    return float(np.float32(f)) if abs(f) <= _F32_MAX else f
+
+
+def _positive_int(cls: str, field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValueError(f"{cls}.{field} must be an integer >= {minimum}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{cls}.{field} must be >= {minimum}, got {value!r}.")
+    if value > np.iinfo(np.int32).max:
+        raise ValueError(f"{cls}.{field} must fit in int32, got {value!r}.")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class LossScaleState:
+    """The loss scaler's state, the same in every backend.
+
+    Attributes:
+        scale: float32 scalar, the loss scale used for the next step.
+        counter: int32 scalar, consecutive finite steps since the last growth or overflow,
+            always in ``[0, growth_interval)``.
+        consecutive_skips: int32 scalar, skipped steps in a row (reset by an applied step).
+        total_skips: int32 scalar, skipped steps since the start.
+    """
+
+    scale: np.float32
+    counter: np.int32
+    consecutive_skips: np.int32
+    total_skips: np.int32
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            cast = np.float32 if f.name == "scale" else np.int32
+            object.__setattr__(self, f.name, cast(np.asarray(value).item()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values: ``scale`` a float, the counters ints."""
+        return {
+            f.name: (float if f.name == "scale" else int)(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LossScaleState:
+        """Inverse of :meth:`to_dict`. Raises ``ValueError`` naming a missing or bad key."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"loss-scale state must be a dict, got {type(d).__name__}.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in d]
+        extra = sorted(set(d) - set(names))
+        if missing or extra:
+            raise ValueError(
+                f"loss-scale state: missing keys {missing}, unknown keys {extra}; expected {names}."
+            )
+        scale = d["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            raise ValueError(f"loss-scale state 'scale' must be a number, got {scale!r}.")
+        if not math.isfinite(float(scale)) or float(scale) <= 0:
+            raise ValueError(f"loss-scale state 'scale' must be finite and > 0, got {scale!r}.")
+        for n in names[1:]:
+            v = d[n]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"loss-scale state {n!r} must be an int >= 0, got {v!r}.")
+        return cls(**{n: d[n] for n in names})
+
+
+class _Config:
+    """Shared behaviour of the loss-scale configs (framework-free, frozen dataclasses)."""
+
+    kind: ClassVar[str]
+    dynamic: ClassVar[bool] = False
+
+    @property
+    def enabled(self) -> bool:
+        """False for :class:`NoLossScale`: the loss is not multiplied."""
+        return True
+
+    def initial_scale(self) -> float:
+        raise NotImplementedError
+
+    def initial_state(self) -> LossScaleState:
+        """The state before the first step (counters zero, the initial scale as float32)."""
+        return LossScaleState(np.float32(self.initial_scale()), 0, 0, 0)
+
+    def update(self, state: LossScaleState, grads_finite: bool, loss_finite: bool = True) -> LossScaleState:
+        """One step of the reference algorithm; see :func:`update`."""
+        return update(self, state, grads_finite, loss_finite)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: ``{"kind": ..., <every dataclass field>}``."""
+        out: dict[str, Any] = {"kind": self.kind}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            out[f.name] = getattr(self, f.name)
+        return out
+
+
+@dataclass(frozen=True)
+class NoLossScale(_Config):
+    """No loss scaling: the scale is 1.0 and never changes.
+
+    Non-finite steps are still skipped and counted.
+    """
+
+    kind: ClassVar[str] = "none"
+
+    @property
+    def enabled(self) -> bool:
+        return False
+
+    def initial_scale(self) -> float:
+        return 1.0
+
+
+@dataclass(frozen=True)
+class StaticLossScale(_Config):
+    """A fixed loss scale (Apex ``loss_scale=128.0``, jmp ``StaticLossScale``).
+
+    Args:
+        scale: the loss scale, a finite number > 0 (any numeric type; stored as float32).
+
+    Raises:
+        ValueError: ``scale`` is not a finite positive number.
+    """
+
+    scale: float = 1.0
+    kind: ClassVar[str] = "static"
+
+    def __post_init__(self) -> None:
+        s = _number("StaticLossScale", "scale", self.scale)
+        if not s > 0 or s > _F32_MAX:
+            raise ValueError(f"StaticLossScale.scale must be in (0, float32 max], got {self.scale!r}.")
+        object.__setattr__(self, "scale", s)
+
+    def initial_scale(self) -> float:
+        return self.scale
+
+
+@dataclass(frozen=True)
+class DynamicLossScale(_Config):
+    """A dynamic loss scale: backs off on overflow, grows after a run of finite steps.
+
+    Args:
+        init_scale: the first scale; any real number (Python int, float16 or bfloat16 value);
+            the state is float32.
+        growth_factor: > 1; the scale is multiplied by it after ``growth_interval``
+            consecutive finite steps.
+        backoff_factor: in (0, 1); the scale is multiplied by it on overflow.
+        growth_interval: >= 1, consecutive finite steps before the scale grows.
+        min_scale: floor of the scale, > 0; ``None`` floors at the smallest normal float32
+            (2**-126) so ``1/scale`` stays finite.
+        max_scale: cap of the scale; ``None`` means no cap (growth still never makes it inf).
+        max_consecutive_skips: ``None``, or N >= 1: more than N skipped steps in a row raise
+            :class:`LossScaleError` when the state is checked.
+
+    Raises:
+        ValueError: naming the field, for growth_factor <= 1, backoff_factor outside (0, 1),
+            growth_interval < 1, min_scale above max_scale, init_scale outside
+            [min_scale, max_scale], or a non-finite number.
+
+    Example:
+        >>> cfg = DynamicLossScale(init_scale=2**15, growth_interval=1)
+        >>> float(cfg.update(cfg.initial_state(), grads_finite=True).scale)
+        65536.0
+    """
+
+    init_scale: float = 2.0**15
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = 1.0
+    max_scale: float | None = 2.0**24
+    max_consecutive_skips: int | None = None
+    kind: ClassVar[str] = "dynamic"
+    dynamic: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        c = "DynamicLossScale"
+        init = _number(c, "init_scale", self.init_scale)
+        growth = _number(c, "growth_factor", self.growth_factor)
+        backoff = _number(c, "backoff_factor", self.backoff_factor)
+        interval = _positive_int(c, "growth_interval", self.growth_interval, 1)
+        lo = None if self.min_scale is None else _number(c, "min_scale", self.min_scale)
+        hi = None if self.max_scale is None else _number(c, "max_scale", self.max_scale)
+        if not growth > 1:
+            raise ValueError(f"{c}.growth_factor must be > 1, got {self.growth_factor!r}.")
+        if not 0 < backoff < 1:
+            raise ValueError(f"{c}.backoff_factor must be in (0, 1), got {self.backoff_factor!r}.")
+        if lo is not None and not lo > 0:
+            raise ValueError(f"{c}.min_scale must be > 0 or None, got {self.min_scale!r}.")
+        if hi is not None and (not hi > 0 or hi > _F32_MAX):
+            raise ValueError(f"{c}.max_scale must be in (0, float32 max] or None, got {self.max_scale!r}.")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"{c}.min_scale ({lo}) must not be above max_scale ({hi}).")
+        floor = _F32_TINY if lo is None else lo
+        if not floor <= init <= (hi if hi is not None else _F32_MAX):
+            raise ValueError(
+                f"{c}.init_scale must be in [min_scale, max_scale] = [{floor}, {hi}], got {self.init_scale!r}."
+            )
+        skips = self.max_consecutive_skips
+        if skips is not None:
+            skips = _positive_int(c, "max_consecutive_skips", skips, 1)
+        for name, value in (
+            ("init_scale", init),
+            ("growth_factor", growth),
+            ("backoff_factor", backoff),
+            ("growth_interval", interval),
+            ("min_scale", lo),
+            ("max_scale", hi),
+            ("max_consecutive_skips", skips),
+        ):
+            object.__setattr__(self, name, value)
+
+    def initial_scale(self) -> float:
+        return self.init_scale
+
+    @property
+    def floor(self) -> float:
+        """The effective floor: ``min_scale``, or 2**-126 when it is ``None``."""
+        return _F32_TINY if self.min_scale is None else self.min_scale
+
+    def replace(self, **changes: Any) -> DynamicLossScale:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> DynamicLossScale:
+        """Each framework's own dynamic loss-scale defaults and rules.
+
+        ============  ==========  ========  ===========  ==========================================
+        preset        init        interval  min / max    source
+        ============  ==========  ========  ===========  ==========================================
+        ``torch``     2**16       2000      none / none  torch.amp.GradScaler
+        ``keras``     2**15       2000      none / none  keras.optimizers.LossScaleOptimizer (Keras 3)
+        ``tf_keras``  2**15       2000      1 / none     tf.keras 2 mixed_precision.LossScaleOptimizer
+        ``jmp``       2**15       2000      1 / none     jmp.DynamicLossScale (typical init)
+        ``flax``      2**16       2001      none / fmax  flax.training.dynamic_scale.DynamicScale
+        ``apex``      2**16       2000      none / 2**24 apex.amp (dynamic LossScaler)
+        ============  ==========  ========  ===========  ==========================================
+
+        "none" as a floor means unimp's ``min_scale=None`` (2**-126): the frameworks without a
+        floor would keep halving into float32 subnormals and finally to 0 after about 140
+        overflows in a row; unimp stops at the smallest normal so ``1/scale`` stays finite.
+        flax checks ``fin_steps == growth_interval`` before counting the current step, so it
+        grows one clean step later than the others: its ``growth_interval=2000`` is unimp's
+        2001. flax clamps growth at the largest float32, hence ``max_scale`` = float32 max.
+
+        Args:
+            name: one of ``torch``, ``keras``, ``tf_keras``, ``jmp``, ``flax``, ``apex``.
+            **overrides: fields to change, e.g. ``growth_interval=100``.
+
+        Raises:
+            ValueError: unknown preset name (the message lists them), or a bad override.
+        """
+        presets: dict[str, dict[str, Any]] = {
+            "torch": dict(init_scale=2.0**16, growth_interval=2000, min_scale=None, max_scale=None),
+            "keras": dict(init_scale=2.0**15, growth_interval=2000, min_scale=None, max_scale=None),
+            "tf_keras": dict(init_scale=2.0**15, growth_interval=2000, min_scale=1.0, max_scale=None),
+            "jmp": dict(init_scale=2.0**15, growth_interval=2000, min_scale=1.0, max_scale=None),
+            "flax": dict(init_scale=2.0**16, growth_interval=2001, min_scale=None, max_scale=_F32_MAX),
+            "apex": dict(init_scale=2.0**16, growth_interval=2000, min_scale=None, max_scale=2.0**24),
+        }
+        key = name.strip().lower().replace("-", "_").replace(".", "_") if isinstance(name, str) else name
+        key = {"tf.keras": "tf_keras", "tfkeras": "tf_keras", "pytorch": "torch"}.get(key, key)
+        if key not in presets:
+            import difflib
+
+            close = difflib.get_close_matches(str(name), list(presets), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown loss-scale preset {name!r}.{hint} Presets: {', '.join(presets)}.")
+        return cls(**{**presets[key], **overrides})
+
+
+LossScaleConfig = Union[NoLossScale, StaticLossScale, DynamicLossScale]
+
+_KINDS: dict[str, type] = {"none": NoLossScale, "static": StaticLossScale, "dynamic": DynamicLossScale}
+
+
+def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScaleConfig:
+    """Builds a config from ``to_dict()`` output, ``"dynamic"``, ``"none"``, or a number (static).
+
+    Raises:
+        ValueError: unknown ``kind`` or field, naming it and listing the valid ones.
+    """
+    if d is None:
+        return NoLossScale()
+    if isinstance(d, _Config):
+        return d  # type: ignore[return-value]
+    if isinstance(d, str):
+        key = d.strip().lower()
+        if key in ("none", "no", "off", "disabled"):
+            return NoLossScale()
+        if key == "dynamic":
+            return DynamicLossScale()
+        if key.startswith("preset:"):
+            return DynamicLossScale.preset(key[len("preset:") :])
+        try:
+            return StaticLossScale(float(key))
+        except ValueError:
+            raise ValueError(
+                f"unknown loss scale {d!r}; use 'none', 'dynamic', 'preset:<name>', a number, or a dict."
+            ) from None
+    if isinstance(d, (int, float, np.number)) and not isinstance(d, bool):
+        return StaticLossScale(d)
+    if not isinstance(d, Mapping):
+        raise ValueError(f"loss scale must be a dict, a name or a number, got {type(d).__name__}.")
+    kind = d.get("kind")
+    if kind not in _KINDS:
+        raise ValueError(f"loss scale 'kind' must be one of {sorted(_KINDS)}, got {kind!r}.")
+    cls = _KINDS[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names - {"kind"})
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {unknown} for loss scale kind {kind!r}; valid keys: {sorted(names)}."
+        )
+    return cls(**{k: v for k, v in d.items() if k != "kind"})
+
+
+class _NumpyOps:
+    """The array namespace of the reference: NumPy float32 / int32 0-d arrays."""
+
+    where = staticmethod(np.where)
+    minimum = staticmethod(np.minimum)
+    maximum = staticmethod(np.maximum)
+    isfinite = staticmethod(np.isfinite)
+
+    @staticmethod
+    def f32(x: Any) -> Any:
+        return np.float32(x)
+
+    @staticmethod
+    def i32(x: Any) -> Any:
+        return np.int32(x)
+
+
+def update_arrays(
+    ops: Any,
+    config: LossScaleConfig,
+    scale: Any,
+    counter: Any,
+    consecutive_skips: Any,
+    total_skips: Any,
+    grads_finite: Any,
+    loss_finite: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """The loss-scale algorithm, branch-free, over any array namespace.
+
+    Backends call this with their own tensors so the rule is written once. Python branches
+    here depend only on the (static) config, never on array values, so the function traces
+    under ``jax.jit``, ``tf.function`` and ``torch.compile``.
+
+    Args:
+        ops: a namespace with ``where(c, a, b)``, ``minimum``, ``maximum``, ``isfinite``,
+            ``f32(x)`` and ``i32(x)`` (make a float32 / int32 scalar on the right device).
+        config: the loss-scale config (static).
+        scale: float32 scalar.
+        counter, consecutive_skips, total_skips: int32 scalars.
+        grads_finite: bool scalar, every gradient element is finite.
+        loss_finite: bool scalar, the (unscaled) loss is finite.
+
+    Returns:
+        ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes.
+    """
+    applied = grads_finite & loss_finite
+    zero = ops.i32(0)
+    one = ops.i32(1)
+    new_consecutive = ops.where(applied, zero, consecutive_skips + one)
+    new_total = ops.where(applied, total_skips, total_skips + one)
+    if not config.dynamic:
+        return scale, counter, new_consecutive, new_total
+    grown = scale * ops.f32(config.growth_factor)
+    if config.max_scale is not None:
+        grown = ops.minimum(grown, ops.f32(config.max_scale))
+    grown = ops.where(ops.isfinite(grown), grown, scale)  # growth never makes the scale inf
+    backed = ops.maximum(scale * ops.f32(config.backoff_factor), ops.f32(config.floor))
+    next_counter = counter + one
+    grow = next_counter >= ops.i32(config.growth_interval)
+    # finite loss and grads: count, maybe grow; finite loss, bad grads: back off;
+    # non-finite loss (forward overflow): leave scale and counter alone.
+    new_scale = ops.where(applied, ops.where(grow, grown, scale), ops.where(loss_finite, backed, scale))
+    new_counter = ops.where(applied, ops.where(grow, zero, next_counter), ops.where(loss_finite, zero, counter))
+    return new_scale, new_counter, new_consecutive, new_total
+
+
+def update(
+    config: LossScaleConfig,
+    state: LossScaleState,
+    grads_finite: bool,
+    loss_finite: bool = True,
+) -> LossScaleState:
+    """One step of the reference algorithm (NumPy, float32 arithmetic).
+
+    Args:
+        config: the loss-scale config.
+        state: the state before the step.
+        grads_finite: every gradient element was finite (no overflow).
+        loss_finite: the loss was finite; ``False`` is a forward overflow: the step is skipped
+            and counted but the scale and counter are unchanged.
+
+    Returns:
+        The state after the step.
+    """
+    with np.errstate(over="ignore"):  # an overflowing growth is expected and handled
+        out = _reference(config, state, grads_finite, loss_finite)
+    return LossScaleState(*out)
+
+
+def _reference(config: LossScaleConfig, state: LossScaleState, grads_finite: bool, loss_finite: bool) -> Any:
+    return update_arrays(
+        _NumpyOps,
+        config,
+        np.float32(state.scale),
+        np.int32(state.counter),
+        np.int32(state.consecutive_skips),
+        np.int32(state.total_skips),
+        np.bool_(grads_finite),
+        np.bool_(loss_finite),
+    )
+
+
+def _event(flag: Any) -> tuple[bool, bool]:
+    if isinstance(flag, (tuple, list)):
+        if len(flag) != 2:
+            raise ValueError(f"a step event is grads_finite or (grads_finite, loss_finite), got {flag!r}.")
+        return bool(flag[0]), bool(flag[1])
+    return bool(flag), True
+
+
+def simulate(
+    config: LossScaleConfig,
+    flags: Iterable[bool | tuple[bool, bool]],
+    state: LossScaleState | None = None,
+) -> list[LossScaleState]:
+    """Runs the reference algorithm over a sequence of steps.
+
+    Args:
+        config: the loss-scale config.
+        flags: per step, ``grads_finite`` (True for a clean step, False for an overflow), or a
+            pair ``(grads_finite, loss_finite)``.
+        state: the starting state; ``config.initial_state()`` by default.
+
+    Returns:
+        The state after each step (``len(flags)`` states; the start state is not included).
+
+    Example:
+        >>> cfg = DynamicLossScale(init_scale=8, growth_interval=2, min_scale=1)
+        >>> [float(s.scale) for s in simulate(cfg, [True, True, False, False, False, False])]
+        [8.0, 16.0, 8.0, 4.0, 2.0, 1.0]
+    """
+    s = config.initial_state() if state is None else state
+    out = []
+    for flag in flags:
+        g, lf = _event(flag)
+        s = update(config, s, g, lf)
+        out.append(s)
+    return out
+
+
+def check_state(config: LossScaleConfig, state: LossScaleState) -> None:
+    """Raises :class:`LossScaleError` when ``max_consecutive_skips`` is exceeded.
+
+    Backends call this when results are read, not every step, to avoid a host-device sync.
+
+    Raises:
+        LossScaleError: more than ``max_consecutive_skips`` skipped steps in a row; the message
+            says why the scale is stuck and what to look at.
+    """
+    limit = getattr(config, "max_consecutive_skips", None)
+    if limit is None or int(state.consecutive_skips) <= limit:
+        return
+    raise LossScaleError(
+        f"the loss scale is stuck: {int(state.consecutive_skips)} skipped steps in a row "
+        f"(max_consecutive_skips={limit}), scale now {float(state.scale)!r}"
+        + (f", floor {config.floor!r}" if config.dynamic else "")
+        + ". Gradients stay non-finite at every scale, so the cause is not float16 range: look "
+        "for NaN/inf in the inputs or labels, a learning rate that makes the weights diverge, or "
+        "a forward overflow (StepResult.loss_finite is False; compute that op in float32)."
+    )
+
+
+def state_dict(config: LossScaleConfig, state: LossScaleState | None = None) -> dict[str, Any]:
+    """The portable, JSON-able state of a loss scaler, the same in every backend.
+
+    Returns:
+        ``{"format": "unimp.loss_scale/1", "config": config.to_dict(), "state":
+        state.to_dict()}``; before the first step ``state`` is the initial state.
+    """
+    s = config.initial_state() if state is None else state
+    return {"format": STATE_FORMAT, "config": config.to_dict(), "state": s.to_dict()}
+
+
+def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleState]:
+    """Inverse of :func:`state_dict`: validates everything before returning.
+
+    Raises:
+        ValueError: not a dict, a missing or foreign ``format`` (e.g. a torch GradScaler
+            state_dict, which has ``"scale"`` and ``"_growth_tracker"`` keys), or a bad config or
+            state; the message names the key.
+    """
+    if not isinstance(d, Mapping):
+        raise ValueError(f"a loss-scale state_dict must be a dict, got {type(d).__name__}.")
+    fmt = d.get("format")
+    if fmt != STATE_FORMAT:
+        if "_growth_tracker" in d or "growth_tracker" in d:
+            hint = (
+                " This looks like a torch.amp.GradScaler state_dict; load it with "
+                "unimp.backends.torch.GradScaler.load_state_dict, which converts it."
+            )
+        else:
+            hint = " Save it with unimp's state_dict() to get the portable format."
+        raise ValueError(f"state_dict 'format' must be {STATE_FORMAT!r}, got {fmt!r}.{hint}")
+    extra = sorted(set(d) - {"format", "config", "state"})
+    if extra:
+        raise ValueError(f"unknown key(s) {extra} in loss-scale state_dict; expected format, config, state.")
+    if "config" not in d or "state" not in d:
+        raise ValueError("loss-scale state_dict needs both 'config' and 'state' keys.")
+    config = loss_scale_from_dict(d["config"])
+    state = LossScaleState.from_dict(d["state"])
+    if config.dynamic:
+        if not state.counter < config.growth_interval:
+            raise ValueError(
+                f"loss-scale state 'counter' ({int(state.counter)}) must be < growth_interval "
+                f"({config.growth_interval})."
+            )
+        hi = config.max_scale if config.max_scale is not None else _F32_MAX
+        if not config.floor <= float(state.scale) <= hi:
+            raise ValueError(
+                f"loss-scale state 'scale' ({float(state.scale)}) is outside [min_scale, max_scale] "
+                f"= [{config.floor}, {config.max_scale}]."
+            )
+    elif float(state.scale) != config.initial_scale():
+        raise ValueError(
+            f"loss-scale state 'scale' ({float(state.scale)}) must equal the {config.kind} scale "
+            f"({config.initial_scale()})."
+        )
+    if state.consecutive_skips > state.total_skips:
+        raise ValueError("loss-scale state 'consecutive_skips' cannot exceed 'total_skips'.")
+    return config, state
+

@@ -1,0 +1,245 @@
+"""The dtype Policy: which dtype parameters are stored in, computed in, and returned in.
+
+Framework-free. Names from jmp, Keras, Apex, PyTorch Lightning and Hugging Face Accelerate are
+parsed into one :class:`Policy`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from unimp.dtypes import DTYPE_ALIASES, HALF_DTYPES, canonical_dtype
+
+__all__ = ["Policy", "get_policy", "policy_names"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A mixed-precision dtype policy.
+
+    Attributes:
+        param_dtype: dtype the parameters (master weights) are stored and updated in.
+        compute_dtype: dtype the forward and backward maths run in.
+        output_dtype: dtype the model's floating outputs are returned in (the loss is
+            computed from them).
+
+    Each field is a canonical dtype name (``"float64"``, ``"float32"``, ``"float16"``,
+    ``"bfloat16"``); any spelling :func:`unimp.dtypes.canonical_dtype` accepts is normalised
+    on construction. ``str(policy)`` parses back to an equal policy with :func:`get_policy`.
+
+    Raises:
+        ValueError: a field is not a supported floating dtype.
+
+    Example:
+        >>> p = Policy("f32", "bf16", "f32")
+        >>> str(p)
+        'params=float32,compute=bfloat16,output=float32'
+        >>> get_policy(str(p)) == p
+        True
+    """
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    output_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            value = getattr(self, field)
+            try:
+                canonical = canonical_dtype(value)
+            except ValueError as e:
+                raise ValueError(f"Policy.{field}: {e}") from None
+            object.__setattr__(self, field, canonical)
+
+    def __str__(self) -> str:
+        return f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when compute runs in a half dtype while parameters are stored wider."""
+        return self.compute_dtype in HALF_DTYPES and self.param_dtype not in HALF_DTYPES
+
+    @property
+    def is_float32(self) -> bool:
+        """True when every dtype is float32: the recipe changes nothing."""
+        return self.param_dtype == self.compute_dtype == self.output_dtype == "float32"
+
+    def with_(self, **changes: Any) -> Policy:
+        """A copy with some fields replaced (``param_dtype=``, ``compute_dtype=``, ``output_dtype=``)."""
+        fields = {
+            "param_dtype": self.param_dtype,
+            "compute_dtype": self.compute_dtype,
+            "output_dtype": self.output_dtype,
+        }
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"unknown Policy field(s) {sorted(unknown)}; fields are {sorted(fields)}")
+        fields.update(changes)
+        return Policy(**fields)
+
+
+_F32 = "float32"
+_F16 = "float16"
+_BF16 = "bfloat16"
+_F64 = "float64"
+
+# Keras names, Apex opt levels, Lightning precision strings, Accelerate mixed_precision values.
+# Keras's mixed policies return the compute dtype from layers; unimp casts the model output to
+# float32 so the loss and a final softmax run in float32.
+_NAMED: dict[str, Policy] = {
+    # Keras
+    "mixed_float16": Policy(_F32, _F16, _F32),
+    "mixed_bfloat16": Policy(_F32, _BF16, _F32),
+    # Apex amp opt levels (O2 keeps float32 master weights in the optimizer; O3 is pure float16)
+    "O0": Policy(_F32, _F32, _F32),
+    "O1": Policy(_F32, _F16, _F32),
+    "O2": Policy(_F32, _F16, _F32),
+    "O3": Policy(_F16, _F16, _F16),
+    # PyTorch Lightning precision
+    "16-mixed": Policy(_F32, _F16, _F32),
+    "bf16-mixed": Policy(_F32, _BF16, _F32),
+    "32-true": Policy(_F32, _F32, _F32),
+    "16-true": Policy(_F16, _F16, _F16),
+    "bf16-true": Policy(_BF16, _BF16, _BF16),
+    "64-true": Policy(_F64, _F64, _F64),
+    "16": Policy(_F32, _F16, _F32),
+    # Lightning's legacy "bf16" and Accelerate's "fp16"/"bf16" are mixed (float32 params),
+    # so these names win over the dtype aliases of the same spelling.
+    "bf16": Policy(_F32, _BF16, _F32),
+    "32": Policy(_F32, _F32, _F32),
+    "64": Policy(_F64, _F64, _F64),
+    # Hugging Face Accelerate mixed_precision
+    "no": Policy(_F32, _F32, _F32),
+    "fp16": Policy(_F32, _F16, _F32),
+}
+
+_UNSUPPORTED = {
+    "fp8": "FP8 recipes are not supported yet; use 'bf16' or 'fp16' (Accelerate) or 'mixed_bfloat16'.",
+    "transformer-engine": "FP8 recipes are not supported yet; use 'bf16-mixed' or '16-mixed'.",
+    "transformer-engine-float16": "FP8 recipes are not supported yet; use '16-mixed'.",
+}
+
+_KEYS = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "param": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
+
+
+def policy_names() -> list[str]:
+    """The named policies :func:`get_policy` accepts besides dtype names and jmp's grammar."""
+    return sorted(_NAMED)
+
+
+def _suggestions(name: str) -> str:
+    candidates = list(_NAMED) + list(DTYPE_ALIASES) + ["half"]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"{hint} Valid names: dtype names ({', '.join(sorted(DTYPE_ALIASES))}, half), "
+        f"named policies ({', '.join(policy_names())}), or jmp's grammar "
+        "'params=float32,compute=float16,output=float32' (keys p|params, c|compute, o|output)."
+    )
+
+
+def _dtype(value: str, platform: str | None, name: str) -> str:
+    key = value.strip().lower()
+    if key == "half":
+        return _BF16 if (platform or "").lower() == "tpu" else _F16
+    try:
+        return canonical_dtype(key)
+    except ValueError:
+        raise ValueError(f"unknown dtype {value!r} in policy {name!r}.{_suggestions(value)}") from None
+
+
+def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
+    """Parses a policy name into a :class:`Policy`.
+
+    Accepted forms:
+
+    * jmp's grammar and defaulting rules: ``"params=float32,compute=float16,output=float32"``
+      with keys ``p|params``, ``c|compute``, ``o|output``; params default to float32, compute
+      follows params, output follows compute. Without ``=``, one dtype for all three
+      (``"float16"``, ``"bf16"``, ``"half"``).
+    * Keras: ``mixed_float16``, ``mixed_bfloat16`` (params float32, compute half, output
+      float32); plain dtype names give one dtype for all three.
+    * Apex opt levels ``O0`` .. ``O3``.
+    * PyTorch Lightning precision: ``16-mixed``, ``bf16-mixed``, ``32-true``, ``16-true``,
+      ``bf16-true``, ``64-true`` and the legacy ``16``, ``bf16``, ``32``, ``64``.
+    * Hugging Face Accelerate: ``no``, ``fp16``, ``bf16``.
+
+    Note that ``"bf16"`` and ``"fp16"`` follow Lightning and Accelerate (mixed, float32
+    params) rather than meaning one dtype for all three; write ``"bfloat16"`` / ``"float16"``
+    or ``"p=bf16"`` for pure half precision.
+
+    Args:
+        name: the policy name, or a :class:`Policy` (returned unchanged).
+        platform: ``"tpu"`` makes ``"half"`` mean bfloat16; otherwise it means float16.
+
+    Returns:
+        The parsed :class:`Policy`.
+
+    Raises:
+        ValueError: unknown name or dtype; the message names the closest valid name. For
+            ``fp8``, says that FP8 recipes are not supported yet.
+        TypeError: ``name`` is neither a string nor a Policy.
+
+    Example:
+        >>> get_policy("c=f16")
+        Policy(param_dtype='float32', compute_dtype='float16', output_dtype='float16')
+        >>> get_policy("mixed_bfloat16")
+        Policy(param_dtype='float32', compute_dtype='bfloat16', output_dtype='float32')
+    """
+    if isinstance(name, Policy):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"policy name must be a str or unimp.Policy, got {type(name).__name__}")
+    text = name.strip()
+    if not text:
+        raise ValueError(f"empty policy name.{_suggestions('')}")
+    lower = text.lower()
+    if lower in _UNSUPPORTED:
+        raise ValueError(_UNSUPPORTED[lower])
+    if text in _NAMED:
+        return _NAMED[text]
+    if lower in _NAMED:
+        return _NAMED[lower]
+    if text.upper() in ("O0", "O1", "O2", "O3"):
+        return _NAMED[text.upper()]
+    if "=" not in text:
+        if "," in text:
+            raise ValueError(f"policy {name!r} has ',' but no '=': write key=dtype pairs.{_suggestions(text)}")
+        try:
+            dtype = _dtype(text, platform, name)
+        except ValueError:
+            raise ValueError(f"unknown policy {name!r}.{_suggestions(text)}") from None
+        return Policy(dtype, dtype, dtype)
+    values: dict[str, str] = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise ValueError(
+                f"policy {name!r}: part {part.strip()!r} is not key=dtype.{_suggestions(part.strip())}"
+            )
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        if key not in _KEYS:
+            close = difflib.get_close_matches(key, list(_KEYS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"policy {name!r}: unknown key {key!r}.{hint} Keys are p|params, c|compute, o|output."
+            )
+        field = _KEYS[key]
+        if field in values:
+            raise ValueError(f"policy {name!r}: {field} given twice.")
+        values[field] = _dtype(value, platform, name)
+    # jmp's defaulting: params float32, compute follows params, output follows compute.
+    param = values.get("param_dtype", _F32)
+    compute = values.get("compute_dtype", param)
+    output = values.get("output_dtype", compute)
+    return Policy(param, compute, output)

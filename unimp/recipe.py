@@ -1,0 +1,218 @@
+"""A Recipe: a dtype Policy plus a loss scale plus how casts are applied. Framework-free."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from unimp.loss_scale import (
+    DynamicLossScale,
+    LossScaleConfig,
+    NoLossScale,
+    StaticLossScale,
+    loss_scale_from_dict,
+)
+from unimp.policy import Policy, get_policy
+
+__all__ = ["CAST_MODES", "Recipe", "get_recipe"]
+
+#: ``autocast``: per-op casting with the framework's float32 op lists (as torch.autocast);
+#: ``module``: parameters and inputs cast at module boundaries (as jmp, haiku and Keras layers),
+#: normalization layers kept float32; ``auto``: autocast where the framework has it, else module.
+CAST_MODES = ("auto", "autocast", "module")
+
+_RECIPE_KEYS = ("policy", "loss_scale", "cast_mode")
+
+
+def _default_loss_scale(policy: Policy) -> LossScaleConfig:
+    # float16 has a narrow exponent range: small gradients flush to zero without scaling.
+    # bfloat16 has float32's exponent range, so it needs none (it may still be asked for).
+    if policy.compute_dtype == "float16":
+        return DynamicLossScale()
+    return NoLossScale()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A mixed-precision recipe, the same in every framework.
+
+    Args:
+        policy: a :class:`~unimp.Policy` or any name :func:`~unimp.get_policy` accepts.
+        loss_scale: a loss-scale config (:class:`~unimp.NoLossScale`,
+            :class:`~unimp.StaticLossScale`, :class:`~unimp.DynamicLossScale`), ``"dynamic"``,
+            ``"none"``, a number (static), or a dict from ``to_dict()``. ``None`` picks the
+            default for the policy: dynamic for float16 compute, none otherwise.
+        cast_mode: ``"auto"``, ``"autocast"`` or ``"module"`` (see :data:`CAST_MODES`).
+
+    Raises:
+        ValueError: unknown policy, loss scale or cast mode; the message names the valid values.
+
+    Example:
+        >>> r = Recipe("mixed_float16")
+        >>> r.policy.compute_dtype, r.loss_scale.kind
+        ('float16', 'dynamic')
+    """
+
+    policy: Policy = field(default_factory=Policy)
+    loss_scale: LossScaleConfig | None = None
+    cast_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        policy = get_policy(self.policy)
+        ls = _default_loss_scale(policy) if self.loss_scale is None else loss_scale_from_dict(self.loss_scale)
+        if not isinstance(self.cast_mode, str) or self.cast_mode.strip().lower() not in CAST_MODES:
+            raise ValueError(f"Recipe.cast_mode must be one of {CAST_MODES}, got {self.cast_mode!r}.")
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "loss_scale", ls)
+        object.__setattr__(self, "cast_mode", self.cast_mode.strip().lower())
+
+    @property
+    def is_noop(self) -> bool:
+        """True for an all-float32 recipe without loss scaling: binding it changes nothing."""
+        return self.policy.is_float32 and not self.loss_scale.enabled
+
+    def replace(self, **changes: Any) -> Recipe:
+        """A validated copy with ``policy``, ``loss_scale`` or ``cast_mode`` changed."""
+        unknown = set(changes) - set(_RECIPE_KEYS)
+        if unknown:
+            raise TypeError(f"unknown Recipe field(s) {sorted(unknown)}; fields are {list(_RECIPE_KEYS)}")
+        values = {"policy": self.policy, "loss_scale": self.loss_scale, "cast_mode": self.cast_mode}
+        values.update(changes)
+        return Recipe(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: ``{"policy": str(policy), "loss_scale": {...}, "cast_mode": ...}``."""
+        return {
+            "policy": str(self.policy),
+            "loss_scale": self.loss_scale.to_dict(),
+            "cast_mode": self.cast_mode,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Recipe:
+        """Inverse of :meth:`to_dict`. ``loss_scale`` may be omitted (the policy's default).
+
+        Raises:
+            ValueError: an unknown key or a bad value, naming the key.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a recipe must be a dict, got {type(d).__name__}.")
+        unknown = sorted(set(d) - set(_RECIPE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown recipe key(s) {unknown}; valid keys: {list(_RECIPE_KEYS)}.")
+        if "policy" not in d:
+            raise ValueError("recipe key 'policy' is missing, e.g. {\"policy\": \"mixed_float16\"}.")
+        out = {}
+        for key in _RECIPE_KEYS:
+            if key not in d:
+                continue
+            try:
+                if key == "policy":
+                    out[key] = get_policy(d[key])
+                elif key == "loss_scale":
+                    out[key] = loss_scale_from_dict(d[key])
+                else:
+                    out[key] = d[key]
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"recipe key {key!r}: {e}") from None
+        return cls(**out)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Recipe:
+        """Reads a recipe from a ``.toml`` or ``.json`` file (same keys as :meth:`to_dict`).
+
+        A TOML file may hold the keys at top level or under a ``[recipe]`` table; in
+        ``[loss_scale]``, ``kind`` is ``none``, ``static`` or ``dynamic``.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: unknown extension, a parse error, or a bad key (named).
+        """
+        path = os.fspath(path)
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".toml", ".json"):
+            raise ValueError(f"recipe file {path!r} must end in .toml or .json.")
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            if ext == ".json":
+                data = json.loads(raw.decode("utf-8"))
+            else:
+                try:
+                    import tomllib
+                except ModuleNotFoundError:  # Python 3.10
+                    import tomli as tomllib  # type: ignore[no-redef]
+                data = tomllib.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot parse recipe file {path!r}: {e}") from None
+        if isinstance(data, dict) and set(data) == {"recipe"}:
+            data = data["recipe"]
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"recipe file {path!r}: {e}") from None
+
+    def describe(self) -> str:
+        """One line: policy, loss scale and cast mode."""
+        ls = self.loss_scale
+        if ls.kind == "dynamic":
+            ls_text = (
+                f"dynamic(init={ls.init_scale:g}, growth={ls.growth_factor:g}x every "
+                f"{ls.growth_interval}, backoff={ls.backoff_factor:g}, min={ls.min_scale}, max={ls.max_scale})"
+            )
+        elif ls.kind == "static":
+            ls_text = f"static({ls.scale:g})"
+        else:
+            ls_text = "none"
+        return f"policy {self.policy}; loss scale {ls_text}; cast_mode {self.cast_mode}"
+
+
+# Apex opt levels fix the cast mode and the loss scale, as Apex did.
+_APEX = {
+    "O0": ("autocast", NoLossScale()),
+    "O1": ("autocast", DynamicLossScale.preset("apex")),
+    "O2": ("module", DynamicLossScale.preset("apex")),
+    "O3": ("module", StaticLossScale(1.0)),
+}
+
+
+def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
+    """Builds a recipe from any policy name, a recipe file path, or a Policy.
+
+    The loss scale defaults to dynamic (unimp's defaults) for float16 compute and to none
+    for bfloat16 and float32 (bfloat16 has float32's exponent range). Apex opt levels set
+    the cast mode and loss scale as Apex did: O1 autocast + dynamic, O2 module (float16 model,
+    float32 master weights) + dynamic, O3 pure float16 with scale 1.
+
+    Args:
+        name: a policy name (see :func:`~unimp.get_policy`), a path ending in ``.toml`` /
+            ``.json``, a :class:`Policy` or a :class:`Recipe`.
+        **overrides: ``loss_scale=`` and ``cast_mode=`` replace the defaults.
+
+    Raises:
+        ValueError: unknown name (naming the closest valid one) or bad override.
+
+    Example:
+        >>> get_recipe("bf16-mixed").loss_scale.kind
+        'none'
+        >>> get_recipe("O2").cast_mode
+        'module'
+    """
+    unknown = set(overrides) - {"loss_scale", "cast_mode", "platform"}
+    if unknown:
+        raise TypeError(f"unknown get_recipe option(s) {sorted(unknown)}; use loss_scale=, cast_mode=.")
+    platform = overrides.pop("platform", None)
+    if isinstance(name, Recipe):
+        return name.replace(**overrides) if overrides else name
+    if isinstance(name, str) and os.path.splitext(name)[1].lower() in (".toml", ".json"):
+        recipe = Recipe.from_file(name)
+        return recipe.replace(**overrides) if overrides else recipe
+    policy = get_policy(name, platform=platform)
+    key = name.strip().upper() if isinstance(name, str) else None
+    if key in _APEX:
+        cast_mode, ls = _APEX[key]
+        return Recipe(policy, overrides.get("loss_scale", ls), overrides.get("cast_mode", cast_mode))
+    return Recipe(policy, overrides.get("loss_scale"), overrides.get("cast_mode", "auto"))

@@ -1,0 +1,252 @@
+"""The one list of backends: lookup by name and alias, lazy import, entry-point plug-ins.
+
+Framework-free: finding out whether a framework is installed uses ``importlib.util.find_spec``
+and package metadata, never an import of the framework.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "BackendInfo",
+    "available_backends",
+    "backend_info",
+    "detect_backend",
+    "framework_versions",
+    "get_backend",
+    "list_backends",
+    "mixed_precision",
+    "register_backend",
+]
+
+ENTRY_POINT_GROUP = "unimp.backends"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What unimp knows about a backend without importing it.
+
+    Attributes:
+        name: canonical name (``torch``, ``tensorflow``, ``jax``).
+        module: the module implementing it (imported on first use).
+        requires: top-level packages that must be importable.
+        distributions: pip distributions whose version ``unimp info`` reports.
+        extra: the ``pip install "unimp[extra]"`` that installs it.
+        aliases: other names accepted for it.
+        array_modules: top-level modules whose array types belong to this backend.
+    """
+
+    name: str
+    module: str
+    requires: tuple[str, ...]
+    distributions: tuple[str, ...]
+    extra: str
+    aliases: tuple[str, ...] = ()
+    array_modules: tuple[str, ...] = ()
+
+
+_BUILTIN = (
+    BackendInfo("torch", "unimp.backends.torch", ("torch",), ("torch",), "torch", ("pytorch",), ("torch",)),
+    BackendInfo(
+        "tensorflow",
+        "unimp.backends.tensorflow",
+        ("tensorflow", "keras"),
+        ("tensorflow", "tensorflow-cpu", "keras"),
+        "tensorflow",
+        ("tf", "keras"),
+        ("tensorflow", "keras"),
+    ),
+    BackendInfo(
+        "jax",
+        "unimp.backends.jax",
+        ("jax", "optax"),
+        ("jax", "jaxlib", "flax", "optax"),
+        "jax",
+        ("flax",),
+        ("jax", "jaxlib"),
+    ),
+)
+
+_lock = threading.RLock()
+_backends: dict[str, BackendInfo] = {b.name: b for b in _BUILTIN}
+_loaded: dict[str, ModuleType] = {}
+_entry_points_read = False
+
+
+def register_backend(info: BackendInfo) -> None:
+    """Adds a backend (third parties normally use the ``unimp.backends`` entry-point group,
+    whose entries point at a :class:`BackendInfo` object).
+
+    Raises:
+        ValueError: the name or an alias is taken by another backend.
+    """
+    with _lock:
+        taken = _alias_map()
+        for n in (info.name, *info.aliases):
+            if n in taken and taken[n] != info.name:
+                raise ValueError(f"backend name {n!r} is already used by backend {taken[n]!r}.")
+        _backends[info.name] = info
+
+
+def _read_entry_points() -> None:
+    global _entry_points_read
+    with _lock:
+        if _entry_points_read:
+            return
+        _entry_points_read = True
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in _backends:
+                continue
+            info = ep.load()
+            if not isinstance(info, BackendInfo):
+                raise TypeError(
+                    f"entry point {ep.name!r} in group {ENTRY_POINT_GROUP!r} must point at a "
+                    f"unimp.registry.BackendInfo, got {type(info).__name__}."
+                )
+            register_backend(info)
+
+
+def _alias_map() -> dict[str, str]:
+    out = {}
+    for b in _backends.values():
+        out[b.name] = b.name
+        for a in b.aliases:
+            out[a] = b.name
+    return out
+
+
+def _canonical(name: str) -> str:
+    _read_entry_points()
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a str, got {type(name).__name__}.")
+    key = name.strip().lower()
+    aliases = _alias_map()
+    if key in aliases:
+        return aliases[key]
+    close = difflib.get_close_matches(key, list(aliases), n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    valid = ", ".join(
+        f"{b.name}" + (f" (aliases: {', '.join(b.aliases)})" if b.aliases else "") for b in _backends.values()
+    )
+    raise ValueError(f"unknown backend {name!r}.{hint} Valid backends: {valid}.")
+
+
+def list_backends() -> list[str]:
+    """Canonical names of every registered backend, installed or not."""
+    _read_entry_points()
+    return list(_backends)
+
+
+def backend_info(name: str) -> BackendInfo:
+    """The :class:`BackendInfo` for a name or alias. Raises ``ValueError`` for unknown names."""
+    return _backends[_canonical(name)]
+
+
+def _installed(info: BackendInfo) -> bool:
+    return all(importlib.util.find_spec(req) is not None for req in info.requires)
+
+
+def available_backends() -> list[str]:
+    """Backends whose frameworks are installed (found with ``find_spec``, nothing imported)."""
+    _read_entry_points()
+    return [n for n, b in _backends.items() if _installed(b)]
+
+
+def framework_versions(name: str) -> dict[str, str | None]:
+    """Installed versions of a backend's distributions, from package metadata (no import)."""
+    out: dict[str, str | None] = {}
+    for dist in backend_info(name).distributions:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def get_backend(name: str) -> ModuleType:
+    """Imports (once) and returns a backend module by name or alias.
+
+    Raises:
+        ValueError: unknown name; the message lists valid names, aliases and the closest match.
+        ImportError: the framework is not installed; the message names the extra to install,
+            e.g. ``pip install "unimp[torch]"``.
+    """
+    canonical = _canonical(name)
+    with _lock:
+        if canonical in _loaded:
+            return _loaded[canonical]
+        info = _backends[canonical]
+        missing = [r for r in info.requires if importlib.util.find_spec(r) is None]
+        if missing:
+            raise ImportError(
+                f"backend {canonical!r} needs {', '.join(missing)}, which is not installed. "
+                f'Install it with: pip install "unimp[{info.extra}]"'
+            )
+        module = importlib.import_module(info.module)
+        _loaded[canonical] = module
+        return module
+
+
+def mixed_precision(recipe_or_name: Any = "mixed_float16", backend: str | None = None, **options: Any) -> Any:
+    """Binds a recipe to a backend: returns that backend's ``MixedPrecision``.
+
+    Args:
+        recipe_or_name: a :class:`~unimp.Recipe`, or anything :func:`~unimp.get_recipe` accepts.
+        backend: backend name or alias (``"torch"``, ``"tf"``, ``"jax"``, ...). Required.
+        **options: backend options, e.g. ``device="cuda"`` for torch.
+
+    Raises:
+        ValueError: unknown backend or recipe name.
+        ImportError: the backend's framework is not installed (names the extra).
+        TypeError: ``backend`` not given.
+    """
+    from unimp.recipe import get_recipe
+
+    if backend is None:
+        raise TypeError(f"mixed_precision() needs backend=, one of {list_backends()}.")
+    recipe = get_recipe(recipe_or_name)
+    module = get_backend(backend)
+    return module.MixedPrecision(recipe, **options)
+
+
+def detect_backend(*values: Any) -> str | None:
+    """The backend whose arrays are among ``values`` (searched one level into lists, tuples
+    and dicts), from ``type(x).__module__`` alone: nothing is imported.
+
+    Returns:
+        The canonical backend name, or ``None`` when no framework array is found.
+
+    Raises:
+        TypeError: arrays of two frameworks are mixed; the message names both.
+    """
+    _read_entry_points()
+    found: dict[str, str] = {}
+
+    def visit(x: Any) -> None:
+        top = (type(x).__module__ or "").split(".")[0]
+        for b in _backends.values():
+            if top in b.array_modules and top in sys.modules:
+                found.setdefault(b.name, type(x).__qualname__)
+
+    for v in values:
+        if isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+        else:
+            visit(v)
+    if len(found) > 1:
+        names = ", ".join(f"{k} ({t})" for k, t in found.items())
+        raise TypeError(f"arrays from different frameworks in one call: {names}; convert them to one framework.")
+    return next(iter(found), None)

@@ -1,0 +1,115 @@
+"""StepResult: what one training step reports, the same in every backend. Framework-free."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
+
+__all__ = ["STEP_FIELDS", "StepResult"]
+
+#: The fields of :class:`StepResult`, in order.
+STEP_FIELDS = (
+    "loss",
+    "scale",
+    "applied",
+    "loss_finite",
+    "grads_finite",
+    "grad_norm",
+    "consecutive_skips",
+    "total_skips",
+)
+
+_KIND = {
+    "loss": float,
+    "scale": float,
+    "applied": bool,
+    "loss_finite": bool,
+    "grads_finite": bool,
+    "grad_norm": float,
+    "consecutive_skips": int,
+    "total_skips": int,
+}
+
+
+class StepResult:
+    """The outcome of one training step.
+
+    Taking a step never synchronizes with the device: the result holds the step's device
+    values. Reading a field converts it to a Python value, which may wait for the device;
+    the first read also checks ``max_consecutive_skips`` and may raise
+    :class:`~unimp.LossScaleError`.
+
+    Attributes:
+        loss: float, the unscaled loss of the step (the mean over micro-batches when
+            accumulating).
+        scale: float, the loss scale used for this step (1.0 without scaling).
+        applied: bool, the optimizer step was applied (False: skipped).
+        loss_finite: bool, the loss was finite (False is a forward overflow: skipped, the
+            scale is not reduced).
+        grads_finite: bool, every unscaled gradient element was finite.
+        grad_norm: float or None, global L2 norm of the unscaled gradients before clipping;
+            None when not computed (no ``max_grad_norm``).
+        consecutive_skips: int, skipped steps in a row, this one included.
+        total_skips: int, skipped steps since the start.
+    """
+
+    __slots__ = ("_raw", "_to_host", "_config", "_values", "_checked")
+
+    def __init__(
+        self,
+        raw: Mapping[str, Any],
+        to_host: Callable[[Any], Any] | None = None,
+        config: LossScaleConfig | None = None,
+    ) -> None:
+        missing = [f for f in STEP_FIELDS if f not in raw]
+        if missing:
+            raise ValueError(f"StepResult is missing fields {missing}.")
+        self._raw = dict(raw)
+        self._to_host = to_host or (lambda x: x)
+        self._config = config
+        self._values: dict[str, Any] = {}
+        self._checked = False
+
+    def _get(self, name: str) -> Any:
+        if name not in self._values:
+            raw = self._raw[name]
+            value = None if raw is None else _KIND[name](self._to_host(raw))
+            self._values[name] = value
+        if not self._checked:
+            self._checked = True
+            if self._config is not None and getattr(self._config, "max_consecutive_skips", None) is not None:
+                skips = self._get("consecutive_skips")
+                state = LossScaleState(self._get("scale"), 0, skips, max(skips, self._get("total_skips")))
+                check_state(self._config, state)
+        return self._values[name]
+
+    loss = property(lambda self: self._get("loss"), doc="float, the unscaled loss.")
+    scale = property(lambda self: self._get("scale"), doc="float, the loss scale used for this step.")
+    applied = property(lambda self: self._get("applied"), doc="bool, the optimizer step was applied.")
+    loss_finite = property(lambda self: self._get("loss_finite"), doc="bool, the loss was finite.")
+    grads_finite = property(lambda self: self._get("grads_finite"), doc="bool, the gradients were finite.")
+    grad_norm = property(lambda self: self._get("grad_norm"), doc="float or None, unscaled norm before clipping.")
+    consecutive_skips = property(lambda self: self._get("consecutive_skips"), doc="int, skips in a row.")
+    total_skips = property(lambda self: self._get("total_skips"), doc="int, skips since the start.")
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The device values, unconverted (reading this never synchronizes)."""
+        return dict(self._raw)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as a Python value (synchronizes)."""
+        return {f: self._get(f) for f in STEP_FIELDS}
+
+    def __repr__(self) -> str:
+        try:
+            parts = []
+            for f in STEP_FIELDS:
+                v = self._get(f)
+                parts.append(f"{f}={v:.6g}" if isinstance(v, float) and math.isfinite(v) else f"{f}={v}")
+            return f"StepResult({', '.join(parts)})"
+        except Exception as e:  # repr must not raise
+            return f"StepResult(<unreadable: {e}>)"
