@@ -26,8 +26,10 @@ def require_backend(name: str):
     """Returns the backend module, skips (with a reason) when the backend is not under test,
     and fails when it is under test but cannot be loaded."""
     if name not in backends_under_test():
-        pytest.skip(f"backend {name!r} not in UNIMP_TEST_BACKENDS={os.environ.get('UNIMP_TEST_BACKENDS')!r}",
-                    allow_module_level=True)
+        pytest.skip(
+            f"backend {name!r} not in UNIMP_TEST_BACKENDS={os.environ.get('UNIMP_TEST_BACKENDS')!r}",
+            allow_module_level=True,
+        )
     try:
         return registry.get_backend(name)
     except ImportError as e:  # listed but missing: that is a failure, never a skip

@@ -49,7 +49,9 @@ def _info(args: argparse.Namespace) -> int:
             print(f"  {row['backend']:<11} not installed   ({row['install']})")
         for dev in row["devices"]:
             halves = ", ".join(d for d in ("float16", "bfloat16") if dev.get(d)) or "none"
-            print(f"      {dev['device']:<22} half dtypes: {halves:<18} recommended: {dev.get('recommended')}")
+            print(
+                f"      {dev['device']:<22} half dtypes: {halves:<18} recommended: {dev.get('recommended')}"
+            )
         if "error" in row:
             print(f"      cannot load: {row['error']}")
     return 0
@@ -64,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="installed frameworks, devices and their half dtypes")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
-    info.add_argument("--no-devices", action="store_true", help="do not import frameworks to list devices")
+    info.add_argument(
+        "--no-devices", action="store_true", help="do not import frameworks to list devices"
+    )
     info.set_defaults(func=_info)
     return parser
 

@@ -105,12 +105,16 @@ def canonical_dtype(x: Any) -> str:
         name = _from_name(str(x))
         if name is not None:
             return name
-        raise ValueError(f"{x} is not a floating dtype unimp supports; expected one of: {_accepted()}.")
+        raise ValueError(
+            f"{x} is not a floating dtype unimp supports; expected one of: {_accepted()}."
+        )
     if module.startswith("tensorflow") and hasattr(x, "name") and isinstance(x.name, str):
         name = _from_name(x.name)
         if name is not None:
             return name
-        raise ValueError(f"tf.{x.name} is not a floating dtype unimp supports; expected one of: {_accepted()}.")
+        raise ValueError(
+            f"tf.{x.name} is not a floating dtype unimp supports; expected one of: {_accepted()}."
+        )
     # JAX's jnp.float16 and friends are classes carrying a NumPy dtype; arrays and tensors too.
     inner = getattr(x, "dtype", None)
     if inner is not None and inner is not x and not isinstance(x, np.dtype):

@@ -29,7 +29,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -159,7 +159,9 @@ class _Config:
         """The state before the first step (counters zero, the initial scale as float32)."""
         return LossScaleState(np.float32(self.initial_scale()), 0, 0, 0)
 
-    def update(self, state: LossScaleState, grads_finite: bool, loss_finite: bool = True) -> LossScaleState:
+    def update(
+        self, state: LossScaleState, grads_finite: bool, loss_finite: bool = True
+    ) -> LossScaleState:
         """One step of the reference algorithm; see :func:`update`."""
         return update(self, state, grads_finite, loss_finite)
 
@@ -205,7 +207,9 @@ class StaticLossScale(_Config):
     def __post_init__(self) -> None:
         s = _number("StaticLossScale", "scale", self.scale)
         if not s > 0 or s > _F32_MAX:
-            raise ValueError(f"StaticLossScale.scale must be in (0, float32 max], got {self.scale!r}.")
+            raise ValueError(
+                f"StaticLossScale.scale must be in (0, float32 max], got {self.scale!r}."
+            )
         object.__setattr__(self, "scale", s)
 
     def initial_scale(self) -> float:
@@ -265,7 +269,9 @@ class DynamicLossScale(_Config):
         if lo is not None and not lo > 0:
             raise ValueError(f"{c}.min_scale must be > 0 or None, got {self.min_scale!r}.")
         if hi is not None and (not hi > 0 or hi > _F32_MAX):
-            raise ValueError(f"{c}.max_scale must be in (0, float32 max] or None, got {self.max_scale!r}.")
+            raise ValueError(
+                f"{c}.max_scale must be in (0, float32 max] or None, got {self.max_scale!r}."
+            )
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"{c}.min_scale ({lo}) must not be above max_scale ({hi}).")
         floor = _F32_TINY if lo is None else lo
@@ -331,25 +337,41 @@ class DynamicLossScale(_Config):
         presets: dict[str, dict[str, Any]] = {
             "torch": dict(init_scale=2.0**16, growth_interval=2000, min_scale=None, max_scale=None),
             "keras": dict(init_scale=2.0**15, growth_interval=2000, min_scale=None, max_scale=None),
-            "tf_keras": dict(init_scale=2.0**15, growth_interval=2000, min_scale=1.0, max_scale=None),
+            "tf_keras": dict(
+                init_scale=2.0**15, growth_interval=2000, min_scale=1.0, max_scale=None
+            ),
             "jmp": dict(init_scale=2.0**15, growth_interval=2000, min_scale=1.0, max_scale=None),
-            "flax": dict(init_scale=2.0**16, growth_interval=2001, min_scale=None, max_scale=_F32_MAX),
-            "apex": dict(init_scale=2.0**16, growth_interval=2000, min_scale=None, max_scale=2.0**24),
+            "flax": dict(
+                init_scale=2.0**16, growth_interval=2001, min_scale=None, max_scale=_F32_MAX
+            ),
+            "apex": dict(
+                init_scale=2.0**16, growth_interval=2000, min_scale=None, max_scale=2.0**24
+            ),
         }
-        key = name.strip().lower().replace("-", "_").replace(".", "_") if isinstance(name, str) else name
+        key = (
+            name.strip().lower().replace("-", "_").replace(".", "_")
+            if isinstance(name, str)
+            else name
+        )
         key = {"tf.keras": "tf_keras", "tfkeras": "tf_keras", "pytorch": "torch"}.get(key, key)
         if key not in presets:
             import difflib
 
             close = difflib.get_close_matches(str(name), list(presets), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown loss-scale preset {name!r}.{hint} Presets: {', '.join(presets)}.")
+            raise ValueError(
+                f"unknown loss-scale preset {name!r}.{hint} Presets: {', '.join(presets)}."
+            )
         return cls(**{**presets[key], **overrides})
 
 
-LossScaleConfig = Union[NoLossScale, StaticLossScale, DynamicLossScale]
+LossScaleConfig = NoLossScale | StaticLossScale | DynamicLossScale
 
-_KINDS: dict[str, type] = {"none": NoLossScale, "static": StaticLossScale, "dynamic": DynamicLossScale}
+_KINDS: dict[str, type] = {
+    "none": NoLossScale,
+    "static": StaticLossScale,
+    "dynamic": DynamicLossScale,
+}
 
 
 def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScaleConfig:
@@ -454,8 +476,12 @@ def update_arrays(
     grow = next_counter >= ops.i32(config.growth_interval)
     # finite loss and grads: count, maybe grow; finite loss, bad grads: back off;
     # non-finite loss (forward overflow): leave scale and counter alone.
-    new_scale = ops.where(applied, ops.where(grow, grown, scale), ops.where(loss_finite, backed, scale))
-    new_counter = ops.where(applied, ops.where(grow, zero, next_counter), ops.where(loss_finite, zero, counter))
+    new_scale = ops.where(
+        applied, ops.where(grow, grown, scale), ops.where(loss_finite, backed, scale)
+    )
+    new_counter = ops.where(
+        applied, ops.where(grow, zero, next_counter), ops.where(loss_finite, zero, counter)
+    )
     return new_scale, new_counter, new_consecutive, new_total
 
 
@@ -482,7 +508,9 @@ def update(
     return LossScaleState(*out)
 
 
-def _reference(config: LossScaleConfig, state: LossScaleState, grads_finite: bool, loss_finite: bool) -> Any:
+def _reference(
+    config: LossScaleConfig, state: LossScaleState, grads_finite: bool, loss_finite: bool
+) -> Any:
     return update_arrays(
         _NumpyOps,
         config,
@@ -498,7 +526,9 @@ def _reference(config: LossScaleConfig, state: LossScaleState, grads_finite: boo
 def _event(flag: Any) -> tuple[bool, bool]:
     if isinstance(flag, (tuple, list)):
         if len(flag) != 2:
-            raise ValueError(f"a step event is grads_finite or (grads_finite, loss_finite), got {flag!r}.")
+            raise ValueError(
+                f"a step event is grads_finite or (grads_finite, loss_finite), got {flag!r}."
+            )
         return bool(flag[0]), bool(flag[1])
     return bool(flag), True
 
@@ -588,7 +618,9 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
         raise ValueError(f"state_dict 'format' must be {STATE_FORMAT!r}, got {fmt!r}.{hint}")
     extra = sorted(set(d) - {"format", "config", "state"})
     if extra:
-        raise ValueError(f"unknown key(s) {extra} in loss-scale state_dict; expected format, config, state.")
+        raise ValueError(
+            f"unknown key(s) {extra} in loss-scale state_dict; expected format, config, state."
+        )
     if "config" not in d or "state" not in d:
         raise ValueError("loss-scale state_dict needs both 'config' and 'state' keys.")
     config = loss_scale_from_dict(d["config"])
@@ -613,4 +645,3 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
     if state.consecutive_skips > state.total_skips:
         raise ValueError("loss-scale state 'consecutive_skips' cannot exceed 'total_skips'.")
     return config, state
-

@@ -75,7 +75,9 @@ class Policy:
         }
         unknown = set(changes) - set(fields)
         if unknown:
-            raise TypeError(f"unknown Policy field(s) {sorted(unknown)}; fields are {sorted(fields)}")
+            raise TypeError(
+                f"unknown Policy field(s) {sorted(unknown)}; fields are {sorted(fields)}"
+            )
         fields.update(changes)
         return Policy(**fields)
 
@@ -155,7 +157,9 @@ def _dtype(value: str, platform: str | None, name: str) -> str:
     try:
         return canonical_dtype(key)
     except ValueError:
-        raise ValueError(f"unknown dtype {value!r} in policy {name!r}.{_suggestions(value)}") from None
+        raise ValueError(
+            f"unknown dtype {value!r} in policy {name!r}.{_suggestions(value)}"
+        ) from None
 
 
 def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
@@ -214,7 +218,9 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
         return _NAMED[text.upper()]
     if "=" not in text:
         if "," in text:
-            raise ValueError(f"policy {name!r} has ',' but no '=': write key=dtype pairs.{_suggestions(text)}")
+            raise ValueError(
+                f"policy {name!r} has ',' but no '=': write key=dtype pairs.{_suggestions(text)}"
+            )
         try:
             dtype = _dtype(text, platform, name)
         except ValueError:

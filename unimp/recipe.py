@@ -62,9 +62,15 @@ class Recipe:
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
-        ls = _default_loss_scale(policy) if self.loss_scale is None else loss_scale_from_dict(self.loss_scale)
+        ls = (
+            _default_loss_scale(policy)
+            if self.loss_scale is None
+            else loss_scale_from_dict(self.loss_scale)
+        )
         if not isinstance(self.cast_mode, str) or self.cast_mode.strip().lower() not in CAST_MODES:
-            raise ValueError(f"Recipe.cast_mode must be one of {CAST_MODES}, got {self.cast_mode!r}.")
+            raise ValueError(
+                f"Recipe.cast_mode must be one of {CAST_MODES}, got {self.cast_mode!r}."
+            )
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "loss_scale", ls)
         object.__setattr__(self, "cast_mode", self.cast_mode.strip().lower())
@@ -78,7 +84,9 @@ class Recipe:
         """A validated copy with ``policy``, ``loss_scale`` or ``cast_mode`` changed."""
         unknown = set(changes) - set(_RECIPE_KEYS)
         if unknown:
-            raise TypeError(f"unknown Recipe field(s) {sorted(unknown)}; fields are {list(_RECIPE_KEYS)}")
+            raise TypeError(
+                f"unknown Recipe field(s) {sorted(unknown)}; fields are {list(_RECIPE_KEYS)}"
+            )
         values = {"policy": self.policy, "loss_scale": self.loss_scale, "cast_mode": self.cast_mode}
         values.update(changes)
         return Recipe(**values)
@@ -104,7 +112,7 @@ class Recipe:
         if unknown:
             raise ValueError(f"unknown recipe key(s) {unknown}; valid keys: {list(_RECIPE_KEYS)}.")
         if "policy" not in d:
-            raise ValueError("recipe key 'policy' is missing, e.g. {\"policy\": \"mixed_float16\"}.")
+            raise ValueError('recipe key \'policy\' is missing, e.g. {"policy": "mixed_float16"}.')
         out = {}
         for key in _RECIPE_KEYS:
             if key not in d:
@@ -203,7 +211,9 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
     """
     unknown = set(overrides) - {"loss_scale", "cast_mode", "platform"}
     if unknown:
-        raise TypeError(f"unknown get_recipe option(s) {sorted(unknown)}; use loss_scale=, cast_mode=.")
+        raise TypeError(
+            f"unknown get_recipe option(s) {sorted(unknown)}; use loss_scale=, cast_mode=."
+        )
     platform = overrides.pop("platform", None)
     if isinstance(name, Recipe):
         return name.replace(**overrides) if overrides else name
@@ -214,5 +224,7 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
     key = name.strip().upper() if isinstance(name, str) else None
     if key in _APEX:
         cast_mode, ls = _APEX[key]
-        return Recipe(policy, overrides.get("loss_scale", ls), overrides.get("cast_mode", cast_mode))
+        return Recipe(
+            policy, overrides.get("loss_scale", ls), overrides.get("cast_mode", cast_mode)
+        )
     return Recipe(policy, overrides.get("loss_scale"), overrides.get("cast_mode", "auto"))

@@ -55,7 +55,9 @@ class BackendInfo:
 
 
 _BUILTIN = (
-    BackendInfo("torch", "unimp.backends.torch", ("torch",), ("torch",), "torch", ("pytorch",), ("torch",)),
+    BackendInfo(
+        "torch", "unimp.backends.torch", ("torch",), ("torch",), "torch", ("pytorch",), ("torch",)
+    ),
     BackendInfo(
         "tensorflow",
         "unimp.backends.tensorflow",
@@ -135,7 +137,8 @@ def _canonical(name: str) -> str:
     close = difflib.get_close_matches(key, list(aliases), n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     valid = ", ".join(
-        f"{b.name}" + (f" (aliases: {', '.join(b.aliases)})" if b.aliases else "") for b in _backends.values()
+        f"{b.name}" + (f" (aliases: {', '.join(b.aliases)})" if b.aliases else "")
+        for b in _backends.values()
     )
     raise ValueError(f"unknown backend {name!r}.{hint} Valid backends: {valid}.")
 
@@ -196,7 +199,9 @@ def get_backend(name: str) -> ModuleType:
         return module
 
 
-def mixed_precision(recipe_or_name: Any = "mixed_float16", backend: str | None = None, **options: Any) -> Any:
+def mixed_precision(
+    recipe_or_name: Any = "mixed_float16", backend: str | None = None, **options: Any
+) -> Any:
     """Binds a recipe to a backend: returns that backend's ``MixedPrecision``.
 
     Args:
@@ -248,5 +253,7 @@ def detect_backend(*values: Any) -> str | None:
             visit(v)
     if len(found) > 1:
         names = ", ".join(f"{k} ({t})" for k, t in found.items())
-        raise TypeError(f"arrays from different frameworks in one call: {names}; convert them to one framework.")
+        raise TypeError(
+            f"arrays from different frameworks in one call: {names}; convert them to one framework."
+        )
     return next(iter(found), None)

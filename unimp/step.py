@@ -80,19 +80,34 @@ class StepResult:
             self._values[name] = value
         if not self._checked:
             self._checked = True
-            if self._config is not None and getattr(self._config, "max_consecutive_skips", None) is not None:
+            if (
+                self._config is not None
+                and getattr(self._config, "max_consecutive_skips", None) is not None
+            ):
                 skips = self._get("consecutive_skips")
-                state = LossScaleState(self._get("scale"), 0, skips, max(skips, self._get("total_skips")))
+                state = LossScaleState(
+                    self._get("scale"), 0, skips, max(skips, self._get("total_skips"))
+                )
                 check_state(self._config, state)
         return self._values[name]
 
     loss = property(lambda self: self._get("loss"), doc="float, the unscaled loss.")
-    scale = property(lambda self: self._get("scale"), doc="float, the loss scale used for this step.")
-    applied = property(lambda self: self._get("applied"), doc="bool, the optimizer step was applied.")
+    scale = property(
+        lambda self: self._get("scale"), doc="float, the loss scale used for this step."
+    )
+    applied = property(
+        lambda self: self._get("applied"), doc="bool, the optimizer step was applied."
+    )
     loss_finite = property(lambda self: self._get("loss_finite"), doc="bool, the loss was finite.")
-    grads_finite = property(lambda self: self._get("grads_finite"), doc="bool, the gradients were finite.")
-    grad_norm = property(lambda self: self._get("grad_norm"), doc="float or None, unscaled norm before clipping.")
-    consecutive_skips = property(lambda self: self._get("consecutive_skips"), doc="int, skips in a row.")
+    grads_finite = property(
+        lambda self: self._get("grads_finite"), doc="bool, the gradients were finite."
+    )
+    grad_norm = property(
+        lambda self: self._get("grad_norm"), doc="float or None, unscaled norm before clipping."
+    )
+    consecutive_skips = property(
+        lambda self: self._get("consecutive_skips"), doc="int, skips in a row."
+    )
     total_skips = property(lambda self: self._get("total_skips"), doc="int, skips since the start.")
 
     @property
@@ -109,7 +124,9 @@ class StepResult:
             parts = []
             for f in STEP_FIELDS:
                 v = self._get(f)
-                parts.append(f"{f}={v:.6g}" if isinstance(v, float) and math.isfinite(v) else f"{f}={v}")
+                parts.append(
+                    f"{f}={v:.6g}" if isinstance(v, float) and math.isfinite(v) else f"{f}={v}"
+                )
             return f"StepResult({', '.join(parts)})"
         except Exception as e:  # repr must not raise
             return f"StepResult(<unreadable: {e}>)"

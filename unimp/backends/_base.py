@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from unimp.recipe import Recipe, get_recipe
-from unimp.step import StepResult
 
 __all__ = ["COMMON_API", "MixedPrecisionBase"]
 
@@ -71,4 +70,3 @@ class MixedPrecisionBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__module__}.{type(self).__name__}({self._recipe.describe()})"
-

@@ -1,0 +1,318 @@
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unimp import (
+    DynamicLossScale,
+    LossScaleError,
+    NoLossScale,
+    StaticLossScale,
+    from_state_dict,
+    simulate,
+    state_dict,
+    update,
+)
+from unimp.loss_scale import check_state, loss_scale_from_dict
+
+# ---- right values from the core issue ---------------------------------------------------------
+
+
+def test_growth_stops_at_2_pow_127_and_never_inf():
+    cfg = DynamicLossScale(init_scale=2**16, growth_factor=2, growth_interval=1, max_scale=None)
+    states = simulate(cfg, [True] * 200)
+    scales = [float(s.scale) for s in states]
+    growths = sum(1 for a, b in zip([2.0**16] + scales, scales, strict=False) if b > a)
+    assert growths == 111
+    assert scales[110] == 2.0**127
+    assert all(s == 2.0**127 for s in scales[110:])
+    assert all(math.isfinite(s) for s in scales)
+    assert states[-1].scale.dtype == np.float32
+
+
+@pytest.mark.parametrize("min_scale,expected", [(1.0, 1.0), (2**-5, 0.03125)])
+def test_forty_overflows_floor(min_scale, expected):
+    cfg = DynamicLossScale(init_scale=2**16, min_scale=min_scale)
+    final = simulate(cfg, [False] * 40)[-1]
+    assert float(final.scale) == expected
+    assert int(final.total_skips) == 40 and int(final.consecutive_skips) == 40
+
+
+@pytest.mark.parametrize("grads_finite,expected", [(True, 65536.0), (False, 16384.0)])
+def test_float16_init(grads_finite, expected):
+    cfg = DynamicLossScale(init_scale=np.float16(2**15), growth_interval=1)
+    s = update(cfg, cfg.initial_state(), grads_finite)
+    assert float(s.scale) == expected
+    assert s.scale.dtype == np.float32
+
+
+def test_bfloat16_init():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes ships with jax and tensorflow")
+    cfg = DynamicLossScale(init_scale=ml_dtypes.bfloat16(2**15))
+    assert cfg.initial_state().scale == np.float32(32768.0)
+
+
+# ---- rules -----------------------------------------------------------------------------------
+
+
+def test_grows_on_growth_interval_th_finite_step():
+    cfg = DynamicLossScale(init_scale=8, growth_interval=3)
+    scales = [float(s.scale) for s in simulate(cfg, [True] * 7)]
+    assert scales == [8, 8, 16, 16, 16, 32, 32]
+
+
+def test_overflow_restarts_counter():
+    cfg = DynamicLossScale(init_scale=8, growth_interval=2, min_scale=1)
+    states = simulate(cfg, [True, False, True, True])
+    assert [float(s.scale) for s in states] == [8, 4, 4, 8]
+    assert [int(s.counter) for s in states] == [1, 0, 1, 0]
+
+
+def test_max_scale_clamps():
+    cfg = DynamicLossScale(init_scale=3, growth_factor=2, growth_interval=1, max_scale=10)
+    assert [float(s.scale) for s in simulate(cfg, [True] * 3)] == [6, 10, 10]
+
+
+def test_no_floor_stops_at_smallest_normal():
+    cfg = DynamicLossScale(init_scale=1, min_scale=None)
+    final = simulate(cfg, [False] * 300)[-1]
+    assert float(final.scale) == 2.0**-126
+    assert math.isfinite(1.0 / float(final.scale))
+
+
+def test_forward_overflow_keeps_scale_and_counter():
+    cfg = DynamicLossScale(init_scale=1024, growth_interval=3)
+    states = simulate(cfg, [True, (False, False), (True, False), True, True])
+    assert [float(s.scale) for s in states] == [1024, 1024, 1024, 1024, 2048]
+    assert [int(s.counter) for s in states] == [1, 1, 1, 2, 0]
+    assert [int(s.consecutive_skips) for s in states] == [0, 1, 2, 0, 0]
+    assert [int(s.total_skips) for s in states] == [0, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("cfg", [NoLossScale(), StaticLossScale(128.0)], ids=["none", "static"])
+def test_fixed_scales_skip_and_count(cfg):
+    states = simulate(cfg, [True, False, False, True, (True, False)])
+    assert {float(s.scale) for s in states} == {cfg.initial_scale()}
+    assert [int(s.consecutive_skips) for s in states] == [0, 1, 2, 0, 1]
+    assert [int(s.total_skips) for s in states] == [0, 1, 2, 2, 3]
+    assert {int(s.counter) for s in states} == {0}
+
+
+def test_non_power_of_two_factors_use_float32_arithmetic():
+    cfg = DynamicLossScale(
+        init_scale=1000.0, growth_factor=1.5, backoff_factor=0.7, growth_interval=1, min_scale=1
+    )
+    s = update(cfg, cfg.initial_state(), False)
+    assert s.scale == np.float32(1000.0) * np.float32(0.7)
+    s = update(cfg, s, True)
+    assert s.scale == np.float32(np.float32(1000.0) * np.float32(0.7)) * np.float32(1.5)
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"backoff_factor": 0.0}, "backoff_factor"),
+        ({"backoff_factor": -0.5}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"growth_interval": 2.5}, "growth_interval"),
+        ({"growth_interval": True}, "growth_interval"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "min_scale"),
+        ({"init_scale": 0.5, "min_scale": 1.0}, "init_scale"),
+        ({"init_scale": 2.0**30}, "init_scale"),
+        ({"init_scale": float("inf")}, "init_scale"),
+        ({"init_scale": float("nan")}, "init_scale"),
+        ({"growth_factor": float("inf")}, "growth_factor"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"max_scale": float("inf")}, "max_scale"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
+        ({"init_scale": "big"}, "init_scale"),
+    ],
+)
+def test_invalid_dynamic_config_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "x"])
+def test_invalid_static(bad):
+    with pytest.raises(ValueError, match="scale"):
+        StaticLossScale(bad)
+
+
+def test_configs_frozen_and_hashable():
+    cfg = DynamicLossScale()
+    with pytest.raises(AttributeError):
+        cfg.init_scale = 1.0  # type: ignore[misc]
+    assert hash(cfg) == hash(DynamicLossScale())
+    assert cfg.replace(growth_interval=5).growth_interval == 5
+    with pytest.raises(ValueError, match="growth_interval"):
+        cfg.replace(growth_interval=0)
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,init,interval,min_scale,max_scale",
+    [
+        ("torch", 2.0**16, 2000, None, None),
+        ("keras", 2.0**15, 2000, None, None),
+        ("tf_keras", 2.0**15, 2000, 1.0, None),
+        ("jmp", 2.0**15, 2000, 1.0, None),
+        ("flax", 2.0**16, 2001, None, float(np.finfo(np.float32).max)),
+        ("apex", 2.0**16, 2000, None, 2.0**24),
+    ],
+)
+def test_presets(name, init, interval, min_scale, max_scale):
+    p = DynamicLossScale.preset(name)
+    assert (p.init_scale, p.growth_interval, p.min_scale, p.max_scale) == (
+        init,
+        interval,
+        min_scale,
+        max_scale,
+    )
+    assert (p.growth_factor, p.backoff_factor) == (2.0, 0.5)
+
+
+def test_preset_overrides_and_unknown():
+    assert DynamicLossScale.preset("torch", growth_interval=10).growth_interval == 10
+    assert DynamicLossScale.preset("tf.keras") == DynamicLossScale.preset("tf_keras")
+    with pytest.raises(ValueError, match="Did you mean 'keras'"):
+        DynamicLossScale.preset("kera")
+
+
+# ---- state_dict ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        NoLossScale(),
+        StaticLossScale(64),
+        DynamicLossScale(),
+        DynamicLossScale.preset("flax"),
+        DynamicLossScale(min_scale=None, max_scale=None, max_consecutive_skips=3),
+    ],
+    ids=["none", "static", "dynamic", "flax", "no-bounds"],
+)
+def test_state_dict_round_trip_before_first_step(cfg):
+    d = state_dict(cfg)
+    d2 = json.loads(json.dumps(d))
+    assert d2["format"] == "unimp.loss_scale/1"
+    cfg2, s2 = from_state_dict(d2)
+    assert cfg2 == cfg and s2 == cfg.initial_state()
+
+
+def test_state_dict_round_trip_mid_run():
+    cfg = DynamicLossScale(init_scale=1024, growth_interval=2)
+    s = simulate(cfg, [True, False, True])[-1]
+    cfg2, s2 = from_state_dict(json.loads(json.dumps(state_dict(cfg, s))))
+    assert (cfg2, s2) == (cfg, s)
+    assert update(cfg2, s2, True) == update(cfg, s, True)
+
+
+def _sd(**changes):
+    d = state_dict(DynamicLossScale(growth_interval=4), None)
+    for path, value in changes.items():
+        where = d
+        *head, last = path.split("__")
+        for h in head:
+            where = where[h]
+        if value is KeyError:
+            del where[last]
+        else:
+            where[last] = value
+    return d
+
+
+@pytest.mark.parametrize(
+    "d,needle",
+    [
+        ([], "dict"),
+        ({}, "format"),
+        ({"scale": 65536.0, "_growth_tracker": 3}, "GradScaler"),
+        (_sd(format="unimp.loss_scale/99"), "format"),
+        (_sd(extra=1), "extra"),
+        (_sd(state=KeyError), "state"),
+        (_sd(config__kind="adaptive"), "kind"),
+        (_sd(config__growth_factor=0.5), "growth_factor"),
+        (_sd(config__bogus=1), "bogus"),
+        (_sd(state__counter=4), "counter"),
+        (_sd(state__counter=-1), "counter"),
+        (_sd(state__counter=1.5), "counter"),
+        (_sd(state__scale="x"), "scale"),
+        (_sd(state__scale=float("inf")), "scale"),
+        (_sd(state__scale=2.0**30), "scale"),
+        (_sd(state__total_skips=KeyError), "total_skips"),
+        (_sd(state__consecutive_skips=5), "consecutive_skips"),
+    ],
+)
+def test_corrupt_or_foreign_state_dict(d, needle):
+    with pytest.raises(ValueError, match=needle):
+        from_state_dict(d)
+
+
+def test_loss_scale_from_dict_forms():
+    assert loss_scale_from_dict(None) == NoLossScale()
+    assert loss_scale_from_dict("dynamic") == DynamicLossScale()
+    assert loss_scale_from_dict("none") == NoLossScale()
+    assert loss_scale_from_dict(128) == StaticLossScale(128)
+    assert loss_scale_from_dict("preset:torch") == DynamicLossScale.preset("torch")
+    with pytest.raises(ValueError, match="'none', 'dynamic'"):
+        loss_scale_from_dict("sometimes")
+
+
+# ---- max_consecutive_skips -------------------------------------------------------------------
+
+
+def test_max_consecutive_skips_raises_with_reason():
+    cfg = DynamicLossScale(max_consecutive_skips=3)
+    states = simulate(cfg, [False] * 4)
+    for s in states[:3]:
+        check_state(cfg, s)
+    with pytest.raises(LossScaleError, match="stuck.*4 skipped steps in a row"):
+        check_state(cfg, states[3])
+
+
+# ---- properties ------------------------------------------------------------------------------
+
+configs = st.builds(
+    DynamicLossScale,
+    init_scale=st.sampled_from([1.0, 3.0, 2.0**10, 2.0**15, 2.0**16]),
+    growth_factor=st.sampled_from([1.5, 2.0, 3.0, 4.0]),
+    backoff_factor=st.sampled_from([0.25, 0.5, 0.7, 0.9]),
+    growth_interval=st.integers(1, 6),
+    min_scale=st.sampled_from([None, 1.0, 0.5]),
+    max_scale=st.sampled_from([None, 2.0**16, 2.0**20]),
+)
+events = st.lists(st.one_of(st.booleans(), st.tuples(st.booleans(), st.booleans())), max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(configs, events)
+def test_reference_invariants(cfg, flags):
+    s = cfg.initial_state()
+    hi = cfg.max_scale if cfg.max_scale is not None else float(np.finfo(np.float32).max)
+    skips = run = 0
+    states = []
+    for flag in flags:
+        g, lf = flag if isinstance(flag, tuple) else (flag, True)
+        s = update(cfg, s, g, lf)
+        states.append(s)
+        applied = g and lf
+        skips += not applied
+        run = 0 if applied else run + 1
+        assert s.scale.dtype == np.float32 and s.counter.dtype == np.int32
+        assert math.isfinite(float(s.scale)) and cfg.floor <= float(s.scale) <= hi
+        assert 0 <= int(s.counter) < cfg.growth_interval
+        assert int(s.total_skips) == skips and int(s.consecutive_skips) == run
+    assert simulate(cfg, flags) == states

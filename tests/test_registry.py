@@ -1,0 +1,85 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+import unimp
+from unimp import registry
+
+
+def test_list_backends():
+    assert registry.list_backends()[:3] == ["torch", "tensorflow", "jax"]
+
+
+@pytest.mark.parametrize(
+    "alias,name",
+    [
+        ("pytorch", "torch"),
+        ("tf", "tensorflow"),
+        ("keras", "tensorflow"),
+        ("flax", "jax"),
+        ("TORCH", "torch"),
+    ],
+)
+def test_aliases(alias, name):
+    assert registry.backend_info(alias).name == name
+
+
+@pytest.mark.parametrize(
+    "bad,closest", [("pytroch", "pytorch"), ("tensorflw", "tensorflow"), ("jaxx", "jax")]
+)
+def test_unknown_backend_lists_valid_names(bad, closest):
+    with pytest.raises(ValueError) as e:
+        registry.get_backend(bad)
+    msg = str(e.value)
+    assert f"Did you mean '{closest}'" in msg and "torch" in msg and "aliases" in msg
+
+
+def test_missing_framework_names_extra(monkeypatch):
+    info = registry.BackendInfo(
+        "fakefw", "unimp.backends.fakefw", ("no_such_framework_xyz",), (), "fakefw"
+    )
+    monkeypatch.setitem(registry._backends, "fakefw", info)
+    with pytest.raises(ImportError, match=r'pip install "unimp\[fakefw\]"'):
+        registry.get_backend("fakefw")
+    assert "fakefw" not in registry.available_backends()
+
+
+def test_register_backend_rejects_taken_alias():
+    with pytest.raises(ValueError, match="already used"):
+        registry.register_backend(
+            registry.BackendInfo("mine", "x", (), (), "mine", aliases=("tf",))
+        )
+
+
+def test_mixed_precision_needs_backend():
+    with pytest.raises(TypeError, match="backend="):
+        unimp.mixed_precision("mixed_float16")
+
+
+def test_import_unimp_imports_no_framework():
+    code = (
+        "import sys, json, unimp, unimp.cli, unimp.backends._base; unimp.available_backends(); "
+        "unimp.get_recipe('mixed_float16'); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch','tensorflow','jax','jaxlib','keras','flax','optax'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+class _FakeArray:
+    pass
+
+
+def test_detect_backend_without_import(monkeypatch):
+    assert registry.detect_backend(1.0, [2, 3], {"a": "x"}) is None
+    torch_like = type("Tensor", (), {"__module__": "torch"})()
+    jax_like = type("ArrayImpl", (), {"__module__": "jaxlib.xla_extension"})()
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
+    monkeypatch.setitem(sys.modules, "jaxlib", sys.modules.get("jaxlib", object()))
+    assert registry.detect_backend(torch_like, 3) == "torch"
+    assert registry.detect_backend({"w": jax_like}) == "jax"
+    with pytest.raises(TypeError, match="torch.*jax|jax.*torch"):
+        registry.detect_backend([torch_like, jax_like])

@@ -1,0 +1,70 @@
+import doctest
+import importlib
+
+import numpy as np
+import pytest
+
+from unimp import DynamicLossScale, LossScaleError, StepResult
+from unimp.backends._base import COMMON_API, MixedPrecisionBase
+
+
+def _raw(**changes):
+    raw = dict(
+        loss=np.float32(0.5),
+        scale=np.float32(1024),
+        applied=np.bool_(True),
+        loss_finite=np.bool_(True),
+        grads_finite=np.bool_(True),
+        grad_norm=None,
+        consecutive_skips=np.int32(0),
+        total_skips=np.int32(2),
+    )
+    raw.update(changes)
+    return raw
+
+
+def test_step_result_converts_lazily():
+    calls = []
+
+    def to_host(x):
+        calls.append(x)
+        return x
+
+    r = StepResult(_raw(), to_host)
+    assert calls == []  # nothing read, nothing converted
+    assert r.loss == 0.5 and isinstance(r.loss, float)
+    assert r.applied is True and r.total_skips == 2 and r.grad_norm is None
+    assert r.as_dict()["scale"] == 1024.0
+    assert "loss=0.5" in repr(r)
+
+
+def test_step_result_checks_stuck_scale_on_read():
+    cfg = DynamicLossScale(max_consecutive_skips=2)
+    r = StepResult(
+        _raw(applied=np.bool_(False), consecutive_skips=np.int32(3), total_skips=np.int32(3)),
+        config=cfg,
+    )
+    with pytest.raises(LossScaleError, match="3 skipped steps in a row"):
+        _ = r.loss
+
+
+def test_step_result_missing_field():
+    raw = _raw()
+    del raw["grad_norm"]
+    with pytest.raises(ValueError, match="grad_norm"):
+        StepResult(raw)
+
+
+def test_mixed_precision_base():
+    mp = MixedPrecisionBase("mixed_bfloat16")
+    assert mp.policy.compute_dtype == "bfloat16" and mp.loss_scale.kind == "none"
+    assert "bfloat16" in repr(mp)
+    assert "MixedPrecision" in COMMON_API and "StepResult" in COMMON_API
+
+
+@pytest.mark.parametrize(
+    "module", ["unimp", "unimp.dtypes", "unimp.policy", "unimp.loss_scale", "unimp.recipe"]
+)
+def test_core_doctests(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
