@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +58,114 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from unimp.compare.explain import explain_recipe, scaler_sequence, scaler_table
+    from unimp.recipe import get_recipe
+
+    recipe = get_recipe(args.recipe)
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if not 0 <= args.overflow_rate <= 1:
+        raise UsageError(f"--overflow-rate must be in [0, 1], got {args.overflow_rate}")
+    if args.growth_interval is not None and args.growth_interval < 1:
+        raise UsageError(f"--growth-interval must be >= 1, got {args.growth_interval}")
+    out: dict[str, Any] = {"recipe": recipe.to_dict(), "frameworks": dict(explain_recipe(recipe))}
+    if args.scalers:
+        if args.burst < 0:
+            raise UsageError(f"--burst must be >= 0, got {args.burst}")
+        flags = scaler_sequence(args.steps, args.overflow_rate, args.seed, args.burst)
+        out["scalers"] = scaler_table(flags, growth_interval=args.growth_interval)
+        out["scalers"]["flags"] = flags
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{args.recipe}: {recipe.describe()}")
+    for framework, lines in explain_recipe(recipe):
+        print(f"\n{framework}:")
+        for line in lines:
+            print(f"  - {line}")
+    if args.scalers:
+        table = out["scalers"]
+        marks = "".join("." if f else "X" for f in flags)
+        print(
+            f"\nNative dynamic scalers on the same {args.steps} steps ('.' clean, 'X' overflow):\n  {marks}"
+        )
+        for name, row in table["scalers"].items():
+            cfg = row["config"]
+            print(
+                f"  {name:<9} {row['native']:<48} init {cfg['init_scale']:<8g} interval {cfg['growth_interval']:<5} "
+                f"min {cfg['min_scale']!s:<5} max {cfg['max_scale']!s:<10} final {row['scale'][-1]:g}"
+            )
+        print("Differences (scale index 0 is the initial scale):")
+        for line in table["differences"]:
+            print(f"  - {line}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from unimp.compare.report import COLUMNS, summary_rows, write_report
+    from unimp.compare.run import CompareConfig, run_compare, validate
+
+    out_dir = os.path.abspath(args.out)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError(f"--out {args.out!r} exists and is not a folder; pick another path")
+    cfg = CompareConfig(
+        recipe=args.recipe,
+        backends=tuple(b.strip() for b in args.backends.split(",") if b.strip())
+        if args.backends
+        else None,
+        model=args.model,
+        data=args.data,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        device=args.device,
+        baseline=args.baseline,
+        dropout=args.dropout,
+    )
+    validate(cfg)  # every bad option fails here, before any framework runs or anything is written
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.quiet,
+    )
+
+    class _Bar:
+        def __init__(self, label: str, total: int):
+            self.task = progress.add_task(label, total=total)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def advance(self):
+            progress.advance(self.task)
+
+    with progress:
+        report = run_compare(cfg, progress_factory=_Bar)
+    written = write_report(report, out_dir)
+    table = Table(title=f"unimp compare: {args.recipe}")
+    for col in COLUMNS:
+        table.add_column(col)
+    for row in summary_rows(report):
+        table.add_row(*row)
+    Console().print(table)
+    print("wrote " + ", ".join(written))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="unimp",
@@ -70,6 +179,57 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-devices", action="store_true", help="do not import frameworks to list devices"
     )
     info.set_defaults(func=_info)
+
+    cmp_ = sub.add_parser("compare", help="train one recipe in every framework and compare them")
+    cmp_.add_argument(
+        "--recipe", default="mixed_float16", help="any recipe name or a .toml/.json recipe file"
+    )
+    cmp_.add_argument(
+        "--backends", default=None, help="comma-separated (default: every installed framework)"
+    )
+    cmp_.add_argument("--model", default="mlp", help="mlp (the seeds' model) or cnn")
+    cmp_.add_argument(
+        "--data",
+        default="digits",
+        help="'digits' (ships with scikit-learn) or an .npz with x and y",
+    )
+    cmp_.add_argument("--epochs", type=int, default=3)
+    cmp_.add_argument("--batch-size", type=int, default=32)
+    cmp_.add_argument("--lr", type=float, default=1e-3)
+    cmp_.add_argument("--optimizer", default="adam", help="adam or sgd")
+    cmp_.add_argument("--seed", type=int, default=0)
+    cmp_.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    cmp_.add_argument(
+        "--dropout", type=float, default=0.2, help="dropout rate; masks are drawn once in NumPy"
+    )
+    cmp_.add_argument(
+        "--baseline", action="store_true", help="also run float32 and report the deviation"
+    )
+    cmp_.add_argument(
+        "--out", default="unimp-report", help="folder for report.json, report.md, report.png"
+    )
+    cmp_.add_argument("--quiet", action="store_true", help="no progress bars")
+    cmp_.set_defaults(func=_compare)
+
+    exp = sub.add_parser("explain", help="how a recipe maps onto each framework's native objects")
+    exp.add_argument("recipe", help="any recipe name or a .toml/.json recipe file")
+    exp.add_argument(
+        "--scalers", action="store_true", help="simulate each framework's native scaler"
+    )
+    exp.add_argument("--steps", type=int, default=60, help="steps simulated with --scalers")
+    exp.add_argument("--overflow-rate", type=float, default=0.1, help="share of overflowing steps")
+    exp.add_argument(
+        "--growth-interval",
+        type=int,
+        default=10,
+        help="interval used for every scaler so growth shows in a short run (flax: +1)",
+    )
+    exp.add_argument(
+        "--burst", type=int, default=24, help="overflows in a row mid-sequence (shows the floors)"
+    )
+    exp.add_argument("--seed", type=int, default=0)
+    exp.add_argument("--json", action="store_true")
+    exp.set_defaults(func=_explain)
     return parser
 
 

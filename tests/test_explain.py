@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from unimp.cli import main
+from unimp.compare.explain import scaler_sequence, scaler_table
+
+
+def test_explain_maps_recipe_to_each_framework(capsys):
+    assert main(["explain", "mixed_float16"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.autocast(device_type, dtype=torch.float16)" in out
+    assert 'keras.DTypePolicy("mixed_float16")' in out
+    assert "compute jnp.float16" in out
+
+
+def test_explain_apex_o2_is_module_mode(capsys):
+    assert main(["explain", "O2"]) == 0
+    assert "master weights" in capsys.readouterr().out
+
+
+def test_scalers_show_framework_differences(capsys):
+    assert main(["explain", "mixed_float16", "--scalers", "--json", "--steps", "60"]) == 0
+    data = json.loads(capsys.readouterr().out)["scalers"]
+    s = data["scalers"]
+    # initial scales differ: torch/apex/flax 2**16, Keras/jmp 2**15
+    assert s["torch"]["scale"][0] == 65536.0 and s["keras"]["scale"][0] == 32768.0
+    # the burst of 24 overflows: floors show (tf.keras and jmp stop at 1, keras and torch keep halving)
+    assert min(s["tf_keras"]["scale"]) == 1.0 and min(s["jmp"]["scale"]) == 1.0
+    assert min(s["keras"]["scale"]) < 1.0 and min(s["torch"]["scale"]) < 1.0
+
+
+def test_flax_grows_one_step_later():
+    table = scaler_table([True] * 5, presets=["keras", "flax"], growth_interval=2)
+    keras = table["scalers"]["keras"]["scale"]
+    flax = table["scalers"]["flax"]["scale"]
+    assert [k / keras[0] for k in keras] == [1, 1, 2, 2, 4, 4]
+    assert [f / flax[0] for f in flax] == [1, 1, 1, 2, 2, 2]
+
+
+def test_sequence_has_burst():
+    flags = scaler_sequence(40, 0.0, seed=1, burst=5)
+    assert flags[20:25] == [False] * 5 and all(flags[:20]) and all(flags[25:])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["explain", "mixed_flot16"],
+        ["explain", "O2", "--scalers", "--steps", "0"],
+        ["explain", "O2", "--scalers", "--overflow-rate", "2"],
+        ["explain", "fp8"],
+    ],
+)
+def test_explain_bad_input_exit_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unimp explain: error:") and "Traceback" not in err

@@ -1,0 +1,160 @@
+"""``unimp explain``: how a recipe maps onto each framework's native objects, and how the
+frameworks' own loss scalers would differ on the same steps. Framework-free."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from unimp.loss_scale import DynamicLossScale, simulate
+from unimp.recipe import Recipe
+
+__all__ = ["PRESETS", "explain_recipe", "scaler_table", "scaler_sequence"]
+
+#: The frameworks' native dynamic scalers, as unimp presets, with what each stands for.
+PRESETS = {
+    "unimp": "unimp's DynamicLossScale defaults",
+    "torch": "torch.amp.GradScaler()",
+    "keras": "keras.optimizers.LossScaleOptimizer (Keras 3)",
+    "tf_keras": "tf.keras 2 mixed_precision.LossScaleOptimizer",
+    "jmp": "jmp.DynamicLossScale(2**15)",
+    "flax": "flax.training.dynamic_scale.DynamicScale()",
+    "apex": "apex.amp dynamic loss scaler",
+}
+
+_TORCH_DTYPE = {
+    "float16": "torch.float16",
+    "bfloat16": "torch.bfloat16",
+    "float32": "torch.float32",
+    "float64": "torch.float64",
+}
+_JNP_DTYPE = {
+    "float16": "jnp.float16",
+    "bfloat16": "jnp.bfloat16",
+    "float32": "jnp.float32",
+    "float64": "jnp.float64",
+}
+
+
+def _scaler_text(recipe: Recipe) -> str:
+    ls = recipe.loss_scale
+    if ls.kind == "none":
+        return "no loss scaling (scale 1.0; non-finite steps are still skipped)"
+    if ls.kind == "static":
+        return f"static loss scale {ls.scale:g}"
+    return (
+        f"dynamic loss scale init={ls.init_scale:g}, growth x{ls.growth_factor:g} after "
+        f"{ls.growth_interval} finite steps, backoff x{ls.backoff_factor:g}, "
+        f"min={'2**-126' if ls.min_scale is None else f'{ls.min_scale:g}'}, "
+        f"max={'none' if ls.max_scale is None else f'{ls.max_scale:g}'}"
+    )
+
+
+def _keras_policy_name(recipe: Recipe) -> str:
+    p = recipe.policy
+    if p.param_dtype == "float32" and p.compute_dtype in ("float16", "bfloat16"):
+        return f"mixed_{p.compute_dtype}"
+    return p.compute_dtype
+
+
+def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
+    """Per framework, the native objects the recipe becomes.
+
+    Returns:
+        ``[(framework, [lines...]), ...]`` for torch, tensorflow and jax.
+    """
+    p = recipe.policy
+    mode = recipe.cast_mode
+    scaler = _scaler_text(recipe)
+    torch_lines = []
+    if mode in ("auto", "autocast"):
+        torch_lines.append(
+            f"torch.autocast(device_type, dtype={_TORCH_DTYPE[p.compute_dtype]}) around the forward pass"
+            + ("" if p.compute_dtype != "float32" else " (disabled: float32 compute)")
+        )
+    else:
+        torch_lines.append(
+            f"model.to({_TORCH_DTYPE[p.compute_dtype]}) with normalization layers kept float32, "
+            f"{p.param_dtype} master weights in the optimizer (Apex O2 style)"
+        )
+    torch_lines.append(
+        f"parameters stored in {_TORCH_DTYPE[p.param_dtype]}; outputs cast to {_TORCH_DTYPE[p.output_dtype]}"
+    )
+    torch_lines.append(f"unimp.backends.torch.GradScaler: {scaler}")
+    keras_lines = [
+        f'keras.DTypePolicy("{_keras_policy_name(recipe)}") for layers built under mp.autocast()',
+        f"model outputs cast to {p.output_dtype} (softmax / loss in {p.output_dtype})",
+        f"unimp.backends.tensorflow.LossScaleOptimizer(inner_optimizer): {scaler}",
+    ]
+    jax_lines = [
+        f"jmp-style policy: params {_JNP_DTYPE[p.param_dtype]}, compute {_JNP_DTYPE[p.compute_dtype]}, "
+        f"output {_JNP_DTYPE[p.output_dtype]} (mp.apply(fn) / mp.cast_to_compute)",
+        f"flax modules: dtype={_JNP_DTYPE[p.compute_dtype]}, param_dtype={_JNP_DTYPE[p.param_dtype]} (mp.module_kwargs())",
+        f"unimp.backends.jax loss-scale pytree + optax transformation: {scaler}",
+    ]
+    return [("torch", torch_lines), ("tensorflow", keras_lines), ("jax", jax_lines)]
+
+
+def scaler_sequence(steps: int, overflow_rate: float, seed: int, burst: int = 0) -> list[bool]:
+    """A reproducible sequence of clean (True) and overflowing (False) steps.
+
+    Args:
+        steps: length of the sequence.
+        overflow_rate: probability of an overflow at each step.
+        seed: random seed.
+        burst: that many overflows in a row from the middle of the sequence on (shows the
+            floors: a scaler without one keeps halving).
+    """
+    rng = random.Random(seed)
+    flags = [rng.random() >= overflow_rate for _ in range(steps)]
+    start = steps // 2
+    for i in range(start, min(steps, start + burst)):
+        flags[i] = False
+    return flags
+
+
+def scaler_table(
+    flags: list[bool], presets: list[str] | None = None, growth_interval: int | None = None
+) -> dict[str, Any]:
+    """Simulates each framework's native scaler (its unimp preset) on the same steps.
+
+    Args:
+        flags: per step, True for a clean step, False for an overflow.
+        presets: preset names (default: all of :data:`PRESETS`).
+        growth_interval: override every preset's interval (the frameworks' 2000 rarely shows
+            within a short sequence); flax keeps its one-step lag.
+
+    Returns:
+        ``{"steps": n, "scalers": {name: {"native": str, "config": dict, "scale": [...],
+        "skips": int}}, "differences": [str, ...]}``.
+    """
+    names = list(PRESETS) if presets is None else presets
+    out: dict[str, Any] = {"steps": len(flags), "scalers": {}, "differences": []}
+    for name in names:
+        overrides = {}
+        if growth_interval is not None:
+            overrides["growth_interval"] = growth_interval + (1 if name == "flax" else 0)
+        cfg = (
+            DynamicLossScale(**overrides)
+            if name == "unimp"
+            else DynamicLossScale.preset(name, **overrides)
+        )
+        states = simulate(cfg, flags)
+        out["scalers"][name] = {
+            "native": PRESETS.get(name, name),
+            "config": cfg.to_dict(),
+            "scale": [float(cfg.init_scale)] + [float(s.scale) for s in states],
+            "skips": int(states[-1].total_skips) if states else 0,
+        }
+    base = names[0]
+    for name in names[1:]:
+        a, b = out["scalers"][base]["scale"], out["scalers"][name]["scale"]
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if first is None:
+            out["differences"].append(f"{name}: same scale as {base} at every step")
+        else:
+            out["differences"].append(
+                f"{name}: first differs from {base} at step {first} ({b[first]:g} vs {a[first]:g}); "
+                f"final {b[-1]:g} vs {a[-1]:g}"
+            )
+    return out

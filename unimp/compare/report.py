@@ -1,0 +1,160 @@
+"""Writes the comparison report: ``report.json``, ``report.md`` and ``report.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+__all__ = ["summary_rows", "write_report", "cross_framework_difference"]
+
+COLUMNS = (
+    "backend",
+    "framework",
+    "device",
+    "recipe",
+    "final loss",
+    "test acc",
+    "applied",
+    "skipped",
+    "final scale",
+    "median step ms",
+    "peak memory MB",
+    "dev. from f32",
+    "max loss diff",
+)
+
+
+def _rel(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def cross_framework_difference(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per backend, the largest relative per-step loss difference to any other backend
+    (steps where both losses are finite)."""
+    out = {}
+    for name, run in runs.items():
+        worst = 0.0
+        for other, orun in runs.items():
+            if other == name:
+                continue
+            for a, b in zip(run["loss"], orun["loss"], strict=False):
+                if math.isfinite(a) and math.isfinite(b):
+                    worst = max(worst, _rel(a, b))
+        out[name] = worst if len(runs) > 1 else float("nan")
+    return out
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else format(v, spec)
+    return str(v)
+
+
+def summary_rows(report: dict[str, Any]) -> list[list[str]]:
+    """The table, one row per backend, columns :data:`COLUMNS`."""
+    rows = []
+    diffs = report["cross_framework_max_rel_loss_diff"]
+    for name, run in report["runs"].items():
+        base = report.get("baseline_deviation", {}).get(name)
+        mem = run.get("peak_memory_bytes")
+        rows.append(
+            [
+                name,
+                f"{run['framework']} {run['version']}",
+                run["device"],
+                report["recipe_name"],
+                _fmt(run["loss"][-1] if run["loss"] else None),
+                _fmt(run["test_accuracy"], ".3f"),
+                str(sum(run["applied"])),
+                str(len(run["applied"]) - sum(run["applied"])),
+                _fmt(run["scale"][-1] if run["scale"] else None, "g"),
+                _fmt(float(np.median(run["step_time"])) * 1e3 if run["step_time"] else None, ".2f"),
+                _fmt(None if mem is None else mem / 2**20, ".1f"),
+                _fmt(base, ".2e"),
+                _fmt(diffs.get(name), ".2e"),
+            ]
+        )
+    return rows
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    from tabulate import tabulate
+
+    lines = [
+        f"# unimp compare: {report['recipe_name']}",
+        "",
+        f"Recipe: {report['recipe_description']}",
+        "",
+        f"Model {report['config']['model']}, data {report['data']}, {report['steps']} steps, "
+        f"optimizer {report['config']['optimizer']} lr {report['config']['lr']}, seed {report['config']['seed']}.",
+        "",
+        tabulate(summary_rows(report), headers=list(COLUMNS), tablefmt="github"),
+        "",
+        "`max loss diff`: largest relative per-step loss difference to the other frameworks. "
+        "`dev. from f32`: largest relative per-step loss difference to the same framework's float32 run "
+        "(with `--baseline`). Step time includes reading the loss back each step.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for name, run in report["runs"].items():
+        steps = np.arange(1, len(run["loss"]) + 1)
+        ax_loss.plot(steps, run["loss"], label=name, linewidth=1)
+        ax_scale.step(steps, run["scale"], where="post", label=name, linewidth=1)
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title(f"unimp compare: {report['recipe_name']}")
+    ax_loss.legend()
+    ax_scale.set_ylabel("loss scale (used)")
+    ax_scale.set_xlabel("step")
+    if any(min(r["scale"], default=1) > 0 for r in report["runs"].values()):
+        ax_scale.set_yscale("log", base=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(report: dict[str, Any], out_dir: str) -> list[str]:
+    """Writes the three files into ``out_dir`` all at once: they are built in a temporary
+    folder beside it and moved in only when all three exist, so a failure leaves nothing
+    half-written.
+
+    Returns:
+        The written paths.
+    """
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".unimp-report-", dir=parent)
+    try:
+        with open(os.path.join(tmp, "report.json"), "w") as f:
+            json.dump(report, f, indent=1, allow_nan=True)
+        with open(os.path.join(tmp, "report.md"), "w") as f:
+            f.write(_markdown(report))
+        _plot(report, os.path.join(tmp, "report.png"))
+        os.makedirs(out_dir, exist_ok=True)
+        written = []
+        for name in ("report.json", "report.md", "report.png"):
+            dest = os.path.join(out_dir, name)
+            os.replace(os.path.join(tmp, name), dest)
+            written.append(dest)
+        return written
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,210 @@
+"""Runs one recipe in every requested framework and collects the per-step data."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import unimp
+from unimp import registry
+from unimp.compare.data import Dataset, batches, load_dataset
+from unimp.compare.models import MODELS, hidden_size, init_weights
+from unimp.compare.report import cross_framework_difference
+from unimp.recipe import Recipe, get_recipe
+
+__all__ = ["CompareConfig", "RunSpec", "run_compare", "validate"]
+
+OPTIMIZERS = ("adam", "sgd")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """Options of ``unimp compare`` (see ``unimp compare --help``)."""
+
+    recipe: str = "mixed_float16"
+    backends: tuple[str, ...] | None = None
+    model: str = "mlp"
+    data: str = "digits"
+    epochs: int = 3
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    seed: int = 0
+    device: str = "auto"
+    baseline: bool = False
+    dropout: float = 0.2
+
+
+@dataclass
+class RunSpec:
+    """What a framework runner gets: everything already in NumPy, identical for each.
+
+    Attributes:
+        recipe: the recipe to train with.
+        model: ``mlp`` or ``cnn`` (see :mod:`unimp.compare.models`).
+        weights: initial float32 weights.
+        batches: ``{"x", "y", "mask"}`` per step.
+        x_test, y_test: held-out data for the accuracy.
+        num_classes: model outputs.
+        optimizer: ``adam`` or ``sgd``; lr: learning rate.
+        device: ``cpu`` or ``cuda``.
+        progress: called after each step with the step index.
+    """
+
+    recipe: Recipe
+    model: str
+    weights: dict[str, np.ndarray]
+    batches: list[dict[str, np.ndarray]]
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    optimizer: str
+    lr: float
+    device: str
+    progress: Callable[[int], None] = field(default=lambda i: None)
+
+
+def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
+    if names is None:
+        found = registry.available_backends()
+        if not found:
+            raise ImportError(
+                'no framework is installed: pip install "unimp[all-cpu]" (or unimp[torch], ...)'
+            )
+        return found
+    out = []
+    for n in names:
+        info = registry.backend_info(n)  # ValueError naming valid names for unknown ones
+        if info.name not in registry.available_backends():
+            raise ImportError(
+                f'backend {info.name!r} is not installed: pip install "unimp[{info.extra}]"'
+            )
+        if info.name not in out:
+            out.append(info.name)
+    return out
+
+
+def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
+    """Checks every option before anything runs or is written.
+
+    Raises:
+        ValueError, ImportError, FileNotFoundError: with a message that names the fix.
+    """
+    recipe = get_recipe(cfg.recipe)
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}.")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"unknown --optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}."
+        )
+    if cfg.device not in DEVICES:
+        raise ValueError(f"unknown --device {cfg.device!r}; choose one of {', '.join(DEVICES)}.")
+    if cfg.epochs < 1:
+        raise ValueError(f"--epochs must be >= 1, got {cfg.epochs}.")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {cfg.lr}.")
+    backends = _resolve_backends(cfg.backends)
+    ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
+    if cfg.batch_size < 1 or cfg.batch_size > len(ds.x_train):
+        raise ValueError(
+            f"--batch-size must be in [1, {len(ds.x_train)}] for this data, got {cfg.batch_size}."
+        )
+    return recipe, backends, ds
+
+
+def _device_for(backend: str, wanted: str) -> str:
+    module = registry.get_backend(backend)
+    devices = [d["device"] for d in module.device_info()]
+    has_gpu = any(not d.startswith("cpu") for d in devices)
+    if wanted == "auto":
+        return "cuda" if has_gpu else "cpu"
+    if wanted == "cuda" and not has_gpu:
+        raise ValueError(
+            f"--device cuda: {backend} sees no GPU (devices: {', '.join(devices)}); use --device cpu or auto."
+        )
+    return wanted
+
+
+def run_compare(
+    cfg: CompareConfig,
+    progress_factory: Callable[[str, int], Any] | None = None,
+) -> dict[str, Any]:
+    """Trains the same model, weights and batches with the recipe in every backend.
+
+    Args:
+        cfg: the options.
+        progress_factory: ``(label, total_steps) -> context manager with .advance()``;
+            ``None`` for no progress display.
+
+    Returns:
+        The report dict (what ``report.json`` holds).
+    """
+    recipe, backends, ds = validate(cfg)
+    devices = {b: _device_for(b, cfg.device) for b in backends}
+    weights = init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
+    steps = batches(
+        ds,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        seed=cfg.seed,
+        dropout=cfg.dropout,
+        hidden=hidden_size(cfg.model, ds.image_shape),
+    )
+
+    def one(backend: str, rec: Recipe, label: str) -> dict[str, Any]:
+        runner = importlib.import_module(f"unimp.compare.runner_{backend}")
+        spec = RunSpec(
+            rec,
+            cfg.model,
+            weights,
+            steps,
+            ds.x_test,
+            ds.y_test,
+            ds.num_classes,
+            cfg.optimizer,
+            cfg.lr,
+            devices[backend],
+        )
+        if progress_factory is None:
+            return runner.run(spec)
+        with progress_factory(label, len(steps)) as bar:
+            spec.progress = lambda i: bar.advance()
+            return runner.run(spec)
+
+    runs = {b: one(b, recipe, b) for b in backends}
+    report: dict[str, Any] = {
+        "unimp": unimp.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "recipe_name": cfg.recipe,
+        "recipe": recipe.to_dict(),
+        "recipe_description": recipe.describe(),
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
+        "data": ds.name,
+        "steps": len(steps),
+        "runs": runs,
+        "cross_framework_max_rel_loss_diff": cross_framework_difference(runs),
+    }
+    if cfg.baseline:
+        f32 = get_recipe("float32")
+        base = {b: one(b, f32, f"{b} (float32)") for b in backends}
+        report["baseline"] = base
+        report["baseline_deviation"] = {
+            b: max(
+                (
+                    abs(x - y) / max(abs(y), 1e-12)
+                    for x, y in zip(runs[b]["loss"], base[b]["loss"], strict=True)
+                    if math.isfinite(x) and math.isfinite(y)
+                ),
+                default=float("nan"),
+            )
+            for b in backends
+        }
+    return report
