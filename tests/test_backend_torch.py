@@ -4,6 +4,9 @@ ut = require_backend("torch")  # skips with a reason if not under test, FAILS if
 
 import copy  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -16,7 +19,9 @@ import unimp  # noqa: E402
 from unimp.backends._base import COMMON_API, MixedPrecisionBase  # noqa: E402
 from unimp.loss_scale import DynamicLossScale, LossScaleError, NoLossScale, StaticLossScale  # noqa: E402
 
-DEV = "cpu"
+# the device under test; CPU here, e.g. UNIMP_TORCH_TEST_DEVICE=cuda on a GPU machine
+DEV = os.environ.get("UNIMP_TORCH_TEST_DEVICE", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF = ["float16", "bfloat16"]
 MIXED = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 
@@ -666,3 +671,46 @@ def test_device_info_lists_cpu():
     assert info[0]["device"] == "cpu" and info[0]["bfloat16"] is True
     assert info[0]["recommended"] == "mixed_bfloat16"
     assert ut.framework_version() == torch.__version__
+
+
+def test_update_with_new_scale():
+    s = _used_scaler()
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    s.update(new_scale=8.0)
+    assert s.get_scale() == 8.0 and int(s.state.counter) == 2
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    with pytest.raises(ValueError, match="outside"):
+        s.update(new_scale=0.5)  # below min_scale=1
+    assert s.get_scale() == 8.0
+
+
+def test_update_without_step_raises():
+    with pytest.raises(RuntimeError, match="no unscale_"):
+        ut.GradScaler(device=DEV).update()
+
+
+def test_module_mode_moves_existing_optimizer_state_to_masters():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y, _ = _batch(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    steps = sorted(int(s["step"]) for s in opt.state.values())
+    model, opt = ut.MixedPrecision("O2", device=DEV).prepare(model, opt)
+    assert set(opt.state) == set(ut.master_params(opt))
+    assert sorted(int(s["step"]) for s in opt.state.values()) == steps
+
+
+@pytest.mark.parametrize("args", [[], ["--loop", "scaler"], ["--recipe", "mixed_bfloat16"], ["--recipe", "O2"]])
+def test_mlp_example_runs(args):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "torch_mlp.py"), "--steps", "3", *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "last" in out.stdout
