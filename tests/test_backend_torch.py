@@ -714,3 +714,42 @@ def test_mlp_example_runs(args):
     )
     assert out.returncode == 0, out.stderr
     assert "last" in out.stdout
+
+
+def test_module_mode_checkpoints_carry_the_masters():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ut.MixedPrecision("O2", device=DEV).prepare(model, opt)
+    step = ut.MixedPrecision("O2", device=DEV).train_step(model, opt, _loss)
+    step(_batch(0))
+    sd = model.state_dict()
+    masters = list(ut.master_params(opt))
+    assert sd["0.weight"].dtype == torch.float32 and torch.equal(sd["0.weight"], masters[0].detach())
+    plain = _mlp(seed=1)
+    plain.load_state_dict(sd)  # loads into a float32 model without loss
+    assert torch.equal(plain[0].weight, masters[0].detach())
+    model.load_state_dict(_mlp(seed=2).state_dict())
+    assert torch.equal(masters[0].detach(), _mlp(seed=2)[0].weight.detach())
+    step(_batch(1))  # the next step starts from the loaded weights, not the old masters
+    assert not torch.equal(masters[0].detach(), plain[0].weight.detach())
+    assert torch.equal(model[0].weight, masters[0].detach().half())
+
+
+@pytest.mark.parametrize(
+    "setter, value",
+    [("set_growth_factor", 0.5), ("set_backoff_factor", 2.0), ("set_growth_interval", 0)],
+)
+def test_scaler_setters_validate(setter, value):
+    s = ut.GradScaler(device=DEV)
+    before = s.config
+    with pytest.raises(ValueError):
+        getattr(s, setter)(value)
+    assert s.config == before
+
+
+def test_scaler_setters_and_getters():
+    s = ut.GradScaler(device=DEV)
+    s.set_growth_factor(4.0)
+    s.set_backoff_factor(0.25)
+    s.set_growth_interval(10)
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (4.0, 0.25, 10)

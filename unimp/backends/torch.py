@@ -29,7 +29,7 @@ import torch
 
 from unimp import loss_scale as _ls
 from unimp.backends._base import COMMON_API, MixedPrecisionBase
-from unimp.dtypes import canonical_dtype
+from unimp.dtypes import canonical_dtype, finfo
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -48,6 +48,8 @@ __all__ = [
     "default_device",
     "master_params",
 ]
+
+_F32 = finfo("float32")
 
 _TORCH_DTYPES = {
     "float64": torch.float64,
@@ -105,13 +107,23 @@ def _as_device(device: Any) -> torch.device:
         raise ValueError(f"device={device!r} is not a torch device; use e.g. 'cuda', 'cuda:1', 'cpu'.") from None
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: asynchronous host-to-device or device-to-device, but a blocking copy
+    into CPU memory (a non-blocking device-to-host copy may be read before it lands)."""
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
 def _map_tree(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, Mapping):
-        return type(tree)((k, _map_tree(v, fn)) for k, v in tree.items()) if type(tree) is not dict else {
-            k: _map_tree(v, fn) for k, v in tree.items()
-        }
+        items = [(k, _map_tree(v, fn)) for k, v in tree.items()]
+        try:
+            return type(tree)(items)
+        except TypeError:  # e.g. defaultdict: a plain dict keeps the values
+            return dict(items)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
         return type(tree)(*(_map_tree(v, fn) for v in tree))
     if isinstance(tree, (list, tuple)):
@@ -161,7 +173,7 @@ def all_finite(tree: Any) -> torch.Tensor:
     if not flags:
         return torch.tensor(True)
     dev = flags[0].device
-    return torch.stack([f.to(dev, non_blocking=True) for f in flags]).all()
+    return torch.stack([_to(f, dev) for f in flags]).all()
 
 
 def _dtype_ok(device: torch.device, dtype: torch.dtype, autocast: bool) -> str | None:
@@ -324,15 +336,15 @@ def _guarded_step(
             ret = step_fn(*args, **kwargs)
             with torch.no_grad():
                 for p, old in zip(params, p_old):
-                    p.copy_(torch.where(skip.to(p.device, non_blocking=True), old, p))
+                    p.copy_(torch.where(_to(skip, p.device), old, p))
                 changed_host = []
                 for p in params:
                     state = optimizer.state.get(p, {})
                     for k, v in state.items():
                         key = (id(p), k)
                         if key in s_old:
-                            cond = skip.to(v.device, non_blocking=True)  # a sync only across devices
-                            v.copy_(torch.where(cond, s_old[key], v))
+                            # a sync only for state on the host while the flag is on a device
+                            v.copy_(torch.where(_to(skip, v.device), s_old[key], v))
                         elif key in host and host[key] is not v and host[key] != v:
                             changed_host.append((state, k, host[key]))
                 if changed_host and bool(skip):
@@ -384,6 +396,39 @@ class _MasterWeights:
         for model_p, master_p in self.pairs:
             model_p.copy_(master_p)
             master_p.grad = None
+
+
+def _checkpoint_masters(
+    model: torch.nn.Module, names: dict[int, str], pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]]
+) -> None:
+    """Makes checkpoints carry the float32 masters: ``model.state_dict()`` holds the master
+    values (so nothing is lost to half precision, and the checkpoint loads into a float32 model),
+    and ``model.load_state_dict()`` sets the masters too (else the next step would copy the old
+    masters back over the loaded weights)."""
+    by_name = {names[id(p)]: master for p, master in pairs if id(p) in names}
+    pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+    def save(module: Any, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for name, master in by_name.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = master.detach()
+
+    def load_pre(module: Any, state_dict: Mapping, prefix: str, *rest: Any) -> None:
+        pending.clear()
+        for name, master in by_name.items():
+            v = state_dict.get(prefix + name)
+            if isinstance(v, torch.Tensor) and v.shape == master.shape:
+                pending.append((master, v))
+
+    @torch.no_grad()
+    def load_post(module: Any, incompatible_keys: Any) -> None:
+        for master, v in pending:
+            master.copy_(v)
+        pending.clear()
+
+    model.register_state_dict_post_hook(save)
+    model.register_load_state_dict_pre_hook(load_pre)
+    model.register_load_state_dict_post_hook(load_post)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
@@ -517,6 +562,41 @@ class GradScaler:
         check_state(self._config, self.state)
         return float(self._scale.item())
 
+    def get_growth_factor(self) -> float | None:
+        """The growth factor (None for a static or disabled scale)."""
+        return getattr(self._config, "growth_factor", None)
+
+    def get_backoff_factor(self) -> float | None:
+        """The backoff factor (None for a static or disabled scale)."""
+        return getattr(self._config, "backoff_factor", None)
+
+    def get_growth_interval(self) -> int | None:
+        """The growth interval (None for a static or disabled scale)."""
+        return getattr(self._config, "growth_interval", None)
+
+    def _set(self, field: str, value: Any) -> None:
+        if not self._config.dynamic:
+            raise ValueError(f"{field} belongs to a dynamic loss scale; this one is {self._config.kind!r}.")
+        self._config = self._config.replace(**{field: value})  # validated before it is kept
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Sets the growth factor (> 1). Raises ValueError for a bad value or a static scale."""
+        self._set("growth_factor", new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Sets the backoff factor (in (0, 1)). Raises ValueError for a bad value or a static scale."""
+        self._set("backoff_factor", new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Sets the growth interval (>= 1, above the current counter). Raises ValueError otherwise."""
+        if not self._config.dynamic:
+            raise ValueError(f"growth_interval belongs to a dynamic loss scale; this one is {self._config.kind!r}.")
+        config = self._config.replace(growth_interval=new_interval)
+        counter = int(self._counter.item())
+        if counter >= config.growth_interval:
+            raise ValueError(f"growth_interval={new_interval} must exceed the current counter {counter}.")
+        self._config = config
+
     def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._per_opt.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
 
@@ -541,9 +621,8 @@ class GradScaler:
             return outputs
         if not any(True for _ in _leaves(outputs)):
             raise TypeError(f"scale() needs a tensor or a structure of tensors, got {type(outputs).__name__}.")
-        fin = all_finite(outputs).to(self._device, non_blocking=True)
-        self._loss_finite = self._loss_finite & fin
-        return _map_tree(outputs, lambda t: t * self._scale.to(t.device, non_blocking=True))
+        self._loss_finite = self._loss_finite & _to(all_finite(outputs), self._device)
+        return _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
 
     def _grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         out = []
@@ -608,12 +687,12 @@ class GradScaler:
                 if dev not in per_device:
                     per_device[dev] = (
                         torch.zeros((), dtype=torch.float32, device=dev),
-                        inv_scale.to(dev, non_blocking=True),
+                        _to(inv_scale, dev),
                     )
                 fi, inv = per_device[dev]
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)
             for fi, _ in per_device.values():
-                found_inf = found_inf + fi.to(self._device, non_blocking=True)
+                found_inf = found_inf + _to(fi, self._device)
         st["found_inf"] = found_inf
         st["stage"] = _UNSCALED
 
@@ -679,8 +758,8 @@ class GradScaler:
             value = new_scale.to(self._device, torch.float32) if isinstance(new_scale, torch.Tensor) else None
             if value is None:
                 f = float(new_scale)
-                hi = getattr(self._config, "max_scale", None) or _ls._F32_MAX
-                lo = getattr(self._config, "floor", _ls._F32_TINY)
+                hi = getattr(self._config, "max_scale", None) or _F32.max
+                lo = getattr(self._config, "floor", _F32.tiny)
                 if not (math.isfinite(f) and lo <= f <= hi):
                     raise ValueError(f"new_scale={new_scale!r} is outside [{lo}, {hi}].")
         self._apply_update(grads_finite, loss_finite)
@@ -743,7 +822,7 @@ class GradScaler:
                 growth_factor=float(d["growth_factor"]),
                 backoff_factor=float(d["backoff_factor"]),
                 growth_interval=int(d["growth_interval"]),
-                init_scale=min(max(scale, base.floor), base.max_scale or _ls._F32_MAX),
+                init_scale=min(max(scale, base.floor), base.max_scale or _F32.max),
             )
         except ValueError as e:
             raise ValueError(f"cannot convert torch GradScaler state_dict: {e}") from None
@@ -857,7 +936,8 @@ class MixedPrecision(MixedPrecisionBase):
           compute dtype, and the optimizer's parameters are replaced by float32 master copies
           (moved optimizer state included); gradients flow model -> master before unscaling or
           ``optimizer.step()``, and new values master -> model after it (Apex O2). Clip
-          :func:`master_params`.
+          :func:`master_params`. ``model.state_dict()`` holds the float32 master values and
+          ``model.load_state_dict()`` sets the masters, so checkpoints lose nothing.
         * every mode: the model's floating outputs are cast to the output dtype.
 
         A float32 recipe returns the model (and optimizer) untouched.
@@ -927,6 +1007,7 @@ class MixedPrecision(MixedPrecisionBase):
                 group["params"] = new
             optimizer.state.update(moved)
             optimizer._unimp_master = _MasterWeights(optimizer, pairs)  # type: ignore[attr-defined]
+            _checkpoint_masters(model, names, pairs)
         elif self._mode == "module":
             model.to(self.param_dtype)
         if optimizer is not None:
@@ -1066,14 +1147,16 @@ class TrainStep:
                 loss = self.loss_fn(self.model, mb)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 opt.zero_grad(set_to_none=True)
+                self.model.zero_grad(set_to_none=True)
+                sc._loss_finite = torch.ones((), dtype=torch.bool, device=sc.device)
                 raise ValueError(
                     f"loss_fn must return a scalar tensor, got "
                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}."
                 )
             loss = loss.reshape(())
-            sc._loss_finite = sc._loss_finite & torch.isfinite(loss.detach()).to(sc.device, non_blocking=True)
-            (loss * factor.to(loss.device, non_blocking=True)).backward()
-            losses.append(loss.detach().float().to(sc.device, non_blocking=True))
+            sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
+            (loss * _to(factor, loss.device)).backward()
+            losses.append(_to(loss.detach().float(), sc.device))
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
         sc.unscale_(opt)
         found_inf = sc._opt_state(opt)["found_inf"]
@@ -1087,7 +1170,7 @@ class TrainStep:
                 for g in grads:
                     groups.setdefault(g.device, []).append(g)
                 for dev, gs in groups.items():
-                    torch._foreach_mul_(gs, coef.to(dev, non_blocking=True))
+                    torch._foreach_mul_(gs, _to(coef, dev))
         applied = sc.step(opt)
         grads_finite, loss_finite = found_inf == 0, sc._loss_finite.clone()
         sc.update()
@@ -1120,4 +1203,4 @@ def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-    return torch.linalg.vector_norm(torch.stack([n.to(device, non_blocking=True) for n in norms]))
+    return torch.linalg.vector_norm(torch.stack([_to(n, device) for n in norms]))
