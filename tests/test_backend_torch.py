@@ -174,7 +174,7 @@ def test_module_mode_masters_start_exact():
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ut.MixedPrecision(unimp.get_recipe("O2"), device=DEV).prepare(model, opt)
-    for b, m in zip(before, ut.master_params(opt)):
+    for b, m in zip(before, ut.master_params(opt), strict=True):
         _assert_bitwise(b, m.detach())
 
 
@@ -246,7 +246,7 @@ def test_matches_torch_grad_scaler(opt_name, flags):
     m_ref, o_ref, s_ref = _run_scaler(ref, flags, OPTS[opt_name])
     m, o, s = _run_scaler(ut.GradScaler(cfg, device=DEV), flags, OPTS[opt_name])
     assert s == s_ref
-    for a, b in zip(m.parameters(), m_ref.parameters()):
+    for a, b in zip(m.parameters(), m_ref.parameters(), strict=True):
         _assert_bitwise(a.detach(), b.detach())
     assert set(o.state) == {p for p in o.param_groups[0]["params"] if p in o.state}
     assert len(o.state) == len(o_ref.state)
@@ -309,7 +309,7 @@ def test_two_optimizers_share_one_scaler():
     scaler = ut.GradScaler(DynamicLossScale(init_scale=256.0), device=DEV)
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     oa, ob = torch.optim.SGD([a], lr=0.5), torch.optim.SGD([b], lr=0.5)
-    scaler.scale((a.sum() + b.sum())).backward()
+    scaler.scale(a.sum() + b.sum()).backward()
     a.grad[0] = float("inf")
     ra, rb = scaler.step(oa), scaler.step(ob)
     scaler.update()
@@ -441,7 +441,7 @@ def test_skip_leaves_params_and_optimizer_state_bitwise(half, opt_name):
     state = _state_copy(opt)
     r = step(_batch(2, bad=True))
     assert (r.applied, r.grads_finite, r.loss_finite) == (False, False, True)
-    for a, b in zip(model.parameters(), params):
+    for a, b in zip(model.parameters(), params, strict=True):
         _assert_bitwise(a.detach(), b)
     assert set(opt.state) == set(state)
     for p, s in opt.state.items():
@@ -467,7 +467,7 @@ def test_skipped_first_step_then_same_as_fresh():
         step(_batch(1))
         step(_batch(2))
         runs.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*runs):
+    for a, b in zip(*runs, strict=True):
         _assert_bitwise(a, b)
 
 
@@ -542,7 +542,7 @@ def test_max_consecutive_skips_raises_on_read():
     results = [step(_batch(i, bad=True)) for i in range(3)]
     assert results[1].total_skips == 2
     with pytest.raises(LossScaleError, match="stuck"):
-        results[2].applied
+        _ = results[2].applied
 
 
 # ------------------------------------------------------------------ accumulation
@@ -571,7 +571,7 @@ def test_accumulation_window_skipped_whole():
     params, state = [p.detach().clone() for p in model.parameters()], _state_copy(opt)
     r = step([_batch(3), _batch(4, bad=True), _batch(5)])
     assert not r.applied and r.total_skips == 1
-    for a, b in zip(model.parameters(), params):
+    for a, b in zip(model.parameters(), params, strict=True):
         _assert_bitwise(a.detach(), b)
     for p, s in opt.state.items():
         _assert_bitwise(s["momentum_buffer"], state[p]["momentum_buffer"])

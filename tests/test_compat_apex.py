@@ -103,9 +103,9 @@ def test_overflow_skips_the_next_step_bitwise(opt_level):
     bufs = {id(p): s["momentum_buffer"].clone() for p, s in opt.state.items()}
     _iteration(model, opt, seed=1, overflow=True)
     opt.step()
-    for a, b in zip(model.parameters(), params):
+    for a, b in zip(model.parameters(), params, strict=True):
         assert torch.equal(a.detach(), b)
-    for a, b in zip(amp.master_params(opt), masters):
+    for a, b in zip(amp.master_params(opt), masters, strict=True):
         assert torch.equal(a.detach(), b)
     for p, s in opt.state.items():
         assert torch.equal(s["momentum_buffer"], bufs[id(p)])

@@ -34,7 +34,6 @@ from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
     LossScaleState,
-    NoLossScale,
     check_state,
     loss_scale_from_dict,
     update_arrays,
@@ -335,7 +334,7 @@ def _guarded_step(
                             host[(id(p), k)] = v
             ret = step_fn(*args, **kwargs)
             with torch.no_grad():
-                for p, old in zip(params, p_old):
+                for p, old in zip(params, p_old, strict=True):
                     p.copy_(torch.where(_to(skip, p.device), old, p))
                 changed_host = []
                 for p in params:
