@@ -234,12 +234,14 @@ def _run_scaler(scaler, flags, opt_factory):
 OPTS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
 }
 
 
 @pytest.mark.parametrize("opt_name", list(OPTS))
-@settings(max_examples=12, deadline=None)
-@given(flags=st.lists(st.booleans(), min_size=1, max_size=12))
+@settings(max_examples=8, deadline=None)
+@given(flags=st.lists(st.booleans(), min_size=1, max_size=10))
 def test_matches_torch_grad_scaler(opt_name, flags):
     cfg = DynamicLossScale.preset("torch", growth_interval=2)
     ref = torch.amp.GradScaler(DEV, init_scale=cfg.init_scale, growth_interval=2)
@@ -248,8 +250,8 @@ def test_matches_torch_grad_scaler(opt_name, flags):
     assert s == s_ref
     for a, b in zip(m.parameters(), m_ref.parameters(), strict=True):
         _assert_bitwise(a.detach(), b.detach())
-    assert set(o.state) == {p for p in o.param_groups[0]["params"] if p in o.state}
-    assert len(o.state) == len(o_ref.state)
+    # torch's fused path leaves zero state behind a skipped first step; unimp leaves none
+    assert len(o.state) == (len(o_ref.state) if any(flags) else 0)
 
 
 @pytest.mark.parametrize(
@@ -453,14 +455,24 @@ def test_skip_leaves_params_and_optimizer_state_bitwise(half, opt_name):
     assert any("step" in s for s in opt.state.values()) == ("adam" in opt_name or "rms" in opt_name)
 
 
-def test_skipped_first_step_then_same_as_fresh():
-    """dampening != 0: a momentum buffer left behind by a skipped first step would change the
-    next update (SGD initialises it from the first gradient)."""
+FIRST_STEP_OPTS = {
+    # dampening != 0: a zero momentum buffer left by a skipped first step would change the next
+    # update (SGD initialises the buffer from the first gradient)
+    "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5),
+    # fused SGD allocates its buffers with torch.empty_like on the first step; torch.amp's
+    # GradScaler leaves that uninitialised memory behind when the first step overflows
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(FIRST_STEP_OPTS))
+def test_skipped_first_step_then_same_as_fresh(opt_name):
     runs = []
     for skip_first in (False, True):
         mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
         model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+        opt = FIRST_STEP_OPTS[opt_name](model.parameters())
         step = mp.train_step(model, opt, _loss)
         if skip_first:
             step(_batch(0, bad=True))
@@ -474,8 +486,11 @@ def test_skipped_first_step_then_same_as_fresh():
 # ------------------------------------------------------------------ train step right values
 
 
-def _right_value_step(max_grad_norm=1.0, grad=(3.0, 4.0), **kw):
-    mp = ut.MixedPrecision(unimp.get_recipe("float32", loss_scale=StaticLossScale(2.0**16)), device=DEV)
+RIGHT_VALUE_RECIPES = ["float32", "mixed_float16", "mixed_bfloat16"]
+
+
+def _right_value_step(max_grad_norm=1.0, grad=(3.0, 4.0), recipe="float32", **kw):
+    mp = ut.MixedPrecision(unimp.get_recipe(recipe, loss_scale=StaticLossScale(2.0**16)), device=DEV)
     w = torch.nn.Parameter(torch.zeros(2))
     model = torch.nn.Module()
     model.w = w
@@ -484,15 +499,17 @@ def _right_value_step(max_grad_norm=1.0, grad=(3.0, 4.0), **kw):
     return step, w, torch.tensor(grad)
 
 
-def test_clipping_on_unscaled_gradients():
-    step, w, g = _right_value_step()
+@pytest.mark.parametrize("recipe", RIGHT_VALUE_RECIPES)
+def test_clipping_on_unscaled_gradients(recipe):
+    step, w, g = _right_value_step(recipe=recipe)
     r = step(g)
     assert r.scale == 65536.0 and r.grad_norm == 5.0 and r.applied
     torch.testing.assert_close(w.detach(), torch.tensor([-0.6, -0.8]), rtol=0, atol=0)
 
 
-def test_clipping_with_inf_gradient_skips():
-    step, w, g = _right_value_step(grad=(3.0, float("inf")))
+@pytest.mark.parametrize("recipe", RIGHT_VALUE_RECIPES)
+def test_clipping_with_inf_gradient_skips(recipe):
+    step, w, g = _right_value_step(grad=(3.0, float("inf")), recipe=recipe)
     r = step(g)
     assert not np.isfinite(r.grad_norm) and r.applied is False and r.grads_finite is False
     assert torch.equal(w.detach(), torch.zeros(2))
@@ -705,7 +722,7 @@ def test_module_mode_moves_existing_optimizer_state_to_masters():
     assert sorted(int(s["step"]) for s in opt.state.values()) == steps
 
 
-@pytest.mark.parametrize("args", [[], ["--loop", "scaler"], ["--recipe", "mixed_bfloat16"], ["--recipe", "O2"]])
+@pytest.mark.parametrize("args", [["--recipe", "mixed_bfloat16"], ["--loop", "scaler", "--recipe", "O2"]])
 def test_mlp_example_runs(args):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(

@@ -215,3 +215,12 @@ def test_example_script_runs(opt_level):
     with open(os.path.join(ROOT, "examples", "apex_o2.py")) as f:
         src = f.read()
     assert "from unimp.compat.apex import amp  # was: from apex import amp" in src
+
+
+def test_scale_loss_refuses_an_optimizer_not_initialized():
+    model, opt = _model_opt("O1")
+    stranger = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not passed to amp.initialize"):
+        with amp.scale_loss(model(_data()[0]).sum(), stranger):
+            pass
+    assert all(p.grad is None for p in model.parameters())

@@ -182,11 +182,18 @@ def scale_loss(
 
     Raises:
         RuntimeError: :func:`initialize` was not called.
+        ValueError: an optimizer that was not passed to :func:`initialize`.
     """
     scaler = _STATE["scaler"]
     if scaler is None:
         raise RuntimeError("call amp.initialize(model, optimizer, opt_level=...) before amp.scale_loss.")
     opts, _ = _as_list(optimizers)
+    strangers = [o for o in opts if not hasattr(o, "_unimp_apex_bad")]
+    if strangers:
+        raise ValueError(
+            "scale_loss got an optimizer that was not passed to amp.initialize; its step could not "
+            "be skipped on overflow. Pass every optimizer to amp.initialize."
+        )
     yield scaler.scale(loss.float())
     if delay_unscale:
         return
