@@ -426,6 +426,7 @@ SKIP_OPTS = {
     "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5),
+    "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.1),  # keeps no state at all
 }
 
 
@@ -650,7 +651,7 @@ def test_scheduler_advances_only_on_applied_steps():
 # ------------------------------------------------------------------ no host sync
 
 
-@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused", "sgd_plain"])
 def test_step_does_not_sync(opt_name, monkeypatch):
     mp = ut.MixedPrecision("mixed_float16", device=DEV)
     model = _mlp()

@@ -349,8 +349,9 @@ def _guarded_step(
                 if changed_host and bool(skip):
                     for state, k, old in changed_host:
                         state[k] = old
-        if fresh and bool(skip):  # once per parameter: the step that creates its lazy state
-            for p in fresh:
+        created = [p for p in fresh if optimizer.state.get(p)]
+        if created and bool(skip):  # once per parameter: the step that creates its lazy state
+            for p in created:
                 optimizer.state.pop(p, None)
         if master is not None:
             master.to_model()
