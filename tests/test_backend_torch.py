@@ -19,8 +19,8 @@ import unimp  # noqa: E402
 from unimp.backends._base import COMMON_API, MixedPrecisionBase  # noqa: E402
 from unimp.loss_scale import DynamicLossScale, LossScaleError, NoLossScale, StaticLossScale  # noqa: E402
 
-# the device under test; CPU here, e.g. UNIMP_TORCH_TEST_DEVICE=cuda on a GPU machine
-DEV = os.environ.get("UNIMP_TORCH_TEST_DEVICE", "cpu")
+# These tests build their tensors on the CPU; the backend itself takes the device from the user.
+DEV = "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF = ["float16", "bfloat16"]
 MIXED = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
@@ -89,9 +89,10 @@ def test_mixed_precision_binding(half):
         assert torch.is_autocast_enabled(DEV) and torch.get_autocast_dtype(DEV) == ut.to_dtype(half)
 
 
+@pytest.mark.parametrize("device", [DEV, "meta"])
 @pytest.mark.parametrize("name", ["float32", "O0", "32-true"])
-def test_float32_recipe_is_a_noop(name):
-    mp = unimp.mixed_precision(name, backend="torch", device=DEV)
+def test_float32_recipe_is_a_noop(name, device):
+    mp = unimp.mixed_precision(name, backend="torch", device=device)
     model = _mlp()
     forward = model.forward
     with warnings.catch_warnings():
@@ -259,10 +260,11 @@ def test_matches_torch_grad_scaler(opt_name, flags):
     [
         DynamicLossScale(init_scale=4.0, growth_interval=1, min_scale=1.0, max_scale=16.0),
         DynamicLossScale.preset("apex", growth_interval=1),
+        DynamicLossScale(init_scale=2.0**127, growth_interval=1, min_scale=None, max_scale=None),
         StaticLossScale(128.0),
         NoLossScale(),
     ],
-    ids=["dyn_min_max", "apex", "static", "none"],
+    ids=["dyn_min_max", "apex", "near_fmax", "static", "none"],
 )
 @settings(max_examples=10, deadline=None)
 @given(flags=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=14))
@@ -272,7 +274,8 @@ def test_scaler_matches_reference(cfg, flags):
     opt = torch.optim.SGD([w], lr=0.1)
     for grads_ok, loss_ok in flags:
         opt.zero_grad()
-        loss = (w * torch.tensor([1.0, 2.0])).sum() * (1.0 if loss_ok else float("inf"))
+        # a tiny loss keeps the scaled gradients finite even at a scale of 2**127
+        loss = (w * torch.tensor([1.0, 2.0])).sum() * (1e-30 if loss_ok else float("inf"))
         scaler.scale(loss).backward()
         if not grads_ok:
             w.grad[0] = float("nan")

@@ -884,7 +884,7 @@ class MixedPrecision(MixedPrecisionBase):
         elif mode == "autocast" and not policy.is_mixed:
             raise ValueError(
                 f"cast_mode='autocast' needs half compute with wider parameters; policy {policy} "
-                "has half parameters: use cast_mode='module' or 'auto'."
+                "is not mixed: use cast_mode='module' or 'auto'."
             )
         self._mode = mode
         if mode != "none":
