@@ -111,6 +111,26 @@ def test_device_that_cannot_run_the_dtype_raises(device):
         ut.MixedPrecision("mixed_float16", device=device)
 
 
+@pytest.mark.parametrize("recipe", ["mixed_float16", "mixed_bfloat16", "bf16-true"])
+def test_cuda_without_cuda_raises(recipe):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error path needs a machine without it")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        ut.MixedPrecision(recipe, device="cuda")
+
+
+@pytest.mark.parametrize("call", ["prepare", "train_step"])
+def test_model_on_another_device_type_raises(call):
+    mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
+    model = _mlp().to("meta")
+    with pytest.raises(ValueError, match="bound to cpu"):
+        if call == "prepare":
+            mp.prepare(model)
+        else:
+            mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
+    assert not getattr(model, "_unimp_prepared", False)
+
+
 def test_bad_device_name_raises():
     with pytest.raises(ValueError, match="not a torch device"):
         ut.MixedPrecision("mixed_float16", device="gpu0")

@@ -179,10 +179,12 @@ def _dtype_ok(device: torch.device, dtype: torch.dtype, autocast: bool) -> str |
     """None when ``device`` runs ``dtype`` (in autocast when asked), else the reason."""
     if dtype in (torch.float32, torch.float64):
         return None
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
-        including_emulation=False
-    ):
-        return "this GPU has no native bfloat16 (compute capability < 8.0); use 'mixed_float16'"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"CUDA is not available (torch {torch.__version__}, or no GPU visible)"
+        with torch.cuda.device(device):
+            if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+                return "this GPU has no native bfloat16 (compute capability < 8.0); use 'mixed_float16'"
     if autocast:
         if not torch.amp.is_autocast_available(device.type):
             return f"torch has no autocast for device type {device.type!r}; use cast_mode='module'"
@@ -196,7 +198,7 @@ def _dtype_ok(device: torch.device, dtype: torch.dtype, autocast: bool) -> str |
     try:  # a tiny probe of the dtype on the device: matmul and a reduction
         x = torch.ones(2, 2, dtype=dtype, device=device)
         (x @ x).sum()
-    except RuntimeError as e:
+    except (RuntimeError, AssertionError, TypeError) as e:
         return f"{device} cannot compute in {dtype} ({e})"
     return None
 
@@ -951,7 +953,9 @@ class MixedPrecision(MixedPrecisionBase):
 
         Raises:
             TypeError: not a Module / Optimizer.
-            ValueError: the model was already prepared; module mode without the optimizer; or
+            ValueError: the model was already prepared; its parameters are on another device type
+                than the bound device (autocast would silently leave it in float32); module mode
+                without the optimizer; or
                 loss scaling is on and a float16 parameter would receive float16 gradients
                 (names the parameters; torch's GradScaler only fails at the first unscale).
         """
@@ -964,6 +968,7 @@ class MixedPrecision(MixedPrecisionBase):
         out = model if optimizer is None else (model, optimizer)
         if self._mode == "none":
             return out
+        self._check_model_device(model)
         module_masters = self._mode == "module" and self.param_dtype != self.compute_dtype
         if module_masters and optimizer is None:
             raise ValueError(
@@ -1015,6 +1020,18 @@ class MixedPrecision(MixedPrecisionBase):
         self._wrap_forward(model)
         model._unimp_prepared = True  # type: ignore[attr-defined]
         return out
+
+    def _check_model_device(self, model: torch.nn.Module) -> None:
+        """Autocast for one device type leaves ops on another in float32: refuse a model whose
+        parameters live on another device type than the bound one, instead of a silent
+        float32 run."""
+        wrong = sorted({str(p.device) for p in model.parameters() if p.device.type != self._device.type})
+        if wrong:
+            raise ValueError(
+                f"the model has parameters on {', '.join(wrong)} but the recipe is bound to "
+                f"{self._device}: move the model (model.to({str(self._device)!r})) or bind the "
+                f"recipe to its device (unimp.mixed_precision(..., device={wrong[0]!r}))."
+            )
 
     def _to_module_mode(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
         """Casts the model to the compute dtype with float32 normalization layers; returns the
@@ -1086,7 +1103,8 @@ class TrainStep:
             one a step never syncs.
 
     Raises:
-        ValueError: bad ``grad_accum_steps`` / ``max_grad_norm``, a ``batch`` that is not a
+        ValueError: bad ``grad_accum_steps`` / ``max_grad_norm``, a model on another device
+            type than the bound one, a ``batch`` that is not a
             sequence of ``grad_accum_steps`` micro-batches, or a loss that is not a scalar.
     """
 
@@ -1114,6 +1132,8 @@ class TrainStep:
                 raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}.")
         if scheduler is not None and not hasattr(scheduler, "step"):
             raise TypeError("scheduler must be a torch LR scheduler (with .step()).")
+        if mp.mode != "none":
+            mp._check_model_device(model)
         self.mp = mp
         self.model = model
         self.optimizer = optimizer
