@@ -154,6 +154,17 @@ def test_cast_tree_touches_floating_leaves_only(half):
     assert mp.cast_to_param(out)["nested"][0].dtype == torch.float32
 
 
+def test_cast_tree_keeps_mapping_types():
+    from collections import OrderedDict, defaultdict
+    from types import MappingProxyType
+
+    od = ut.cast_tree(OrderedDict(a=torch.ones(1)), "bf16")
+    dd = ut.cast_tree(defaultdict(list, a=torch.ones(1)), "bf16")
+    frozen = ut.cast_tree(MappingProxyType({"a": torch.ones(1)}), "bf16")
+    assert type(od) is OrderedDict and type(dd) is defaultdict and dd.default_factory is list
+    assert od["a"].dtype == dd["a"].dtype == frozen["a"].dtype == torch.bfloat16
+
+
 def test_all_finite():
     assert bool(ut.all_finite({"a": torch.ones(3), "n": torch.tensor([1])}))
     assert not bool(ut.all_finite([torch.ones(2), torch.tensor([1.0, float("nan")])]))

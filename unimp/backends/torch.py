@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import warnings
@@ -119,9 +120,12 @@ def _map_tree(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(tree)
     if isinstance(tree, Mapping):
         items = [(k, _map_tree(v, fn)) for k, v in tree.items()]
-        try:
-            return type(tree)(items)
-        except TypeError:  # e.g. defaultdict: a plain dict keeps the values
+        try:  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict, HF ModelOutput)
+            out = copy.copy(tree)
+            for k, v in items:
+                out[k] = v
+            return out
+        except TypeError:  # an immutable mapping: a plain dict keeps the values
             return dict(items)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
         return type(tree)(*(_map_tree(v, fn) for v in tree))
