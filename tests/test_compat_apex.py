@@ -1,0 +1,226 @@
+from conftest import require_backend
+
+ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import unimp  # noqa: E402
+from unimp.compat import apex as apex_mod  # noqa: E402
+from unimp.compat.apex import amp  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def fresh_amp(monkeypatch):
+    monkeypatch.setattr(apex_mod, "_STATE", {"scaler": None, "mp": None, "optimizers": []})
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+
+
+def _model_opt(opt_level, **kw):
+    model = _net()
+    return amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level, **kw)
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+
+
+def _iteration(model, opt, seed=0, overflow=False, delay_unscale=False, zero=True):
+    if zero:
+        opt.zero_grad()
+    x, y = _data(seed)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt, delay_unscale=delay_unscale) as scaled:
+        scaled.backward()
+        if overflow:
+            model[3].weight.grad[0, 0] = float("inf")
+    return loss
+
+
+def test_amp_is_the_module():
+    assert amp is apex_mod and callable(amp.initialize) and callable(amp.scale_loss)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_o1_o2_dtypes(opt_level):
+    model, opt = _model_opt(opt_level)
+    assert isinstance(model, torch.nn.Module)
+    out = model(_data()[0])
+    assert out.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in amp.master_params(opt))
+    if opt_level == "O2":
+        assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
+        assert {id(p) for p in amp.master_params(opt)}.isdisjoint({id(p) for p in model[0].parameters()})
+    else:
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_initialize_returns_the_structure_given():
+    models = [_net(), _net(1)]
+    opts = [torch.optim.SGD(models[0].parameters(), lr=0.1)]
+    ms, os_ = amp.initialize(models, opts, opt_level="O1")
+    assert isinstance(ms, list) and len(ms) == 2 and isinstance(os_, list)
+    m = amp.initialize(_net(), opt_level="O1")
+    assert isinstance(m, torch.nn.Module)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_training_reduces_the_loss(opt_level):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level)
+    first = _iteration(model, opt).item()
+    opt.step()
+    for _ in range(15):
+        loss = _iteration(model, opt)
+        opt.step()
+    assert loss.item() < 0.8 * first
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_overflow_skips_the_next_step_bitwise(opt_level):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level)
+    _iteration(model, opt)
+    opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in amp.master_params(opt)]
+    bufs = {id(p): s["momentum_buffer"].clone() for p, s in opt.state.items()}
+    _iteration(model, opt, seed=1, overflow=True)
+    opt.step()
+    for a, b in zip(model.parameters(), params, strict=True):
+        assert torch.equal(a.detach(), b)
+    for a, b in zip(amp.master_params(opt), masters, strict=True):
+        assert torch.equal(a.detach(), b)
+    for p, s in opt.state.items():
+        assert torch.equal(s["momentum_buffer"], bufs[id(p)])
+    assert amp.state_dict()["state"] == {"scale": 32768.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1}
+    _iteration(model, opt, seed=2)
+    opt.step()  # the skip lasts one step only
+    assert not torch.equal(model[0].weight.detach(), params[0])
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_apex_scale_sequence_matches_reference(opt_level):
+    flags = [False, True, True, False, False, True, True, True]
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, min_loss_scale=2.0**14, max_loss_scale=2.0**17)
+    apex_mod._STATE["scaler"]._config = apex_mod._STATE["scaler"].config.replace(growth_interval=2)
+    scales = []
+    for i, ok in enumerate(flags):
+        _iteration(model, opt, seed=i, overflow=not ok)
+        opt.step()
+        scales.append(amp.state_dict()["state"]["scale"])
+    cfg = unimp.DynamicLossScale.preset("apex", min_scale=2.0**14, max_scale=2.0**17, growth_interval=2)
+    assert scales == [float(s.scale) for s in unimp.simulate(cfg, flags)]
+    assert scales == [32768.0, 32768.0, 65536.0, 32768.0, 16384.0, 16384.0, 32768.0, 32768.0]
+
+
+def test_delay_unscale_accumulates_the_sum():
+    ref = _net()
+    x0, y0 = _data(0)
+    x1, y1 = _data(1)
+    (torch.nn.functional.cross_entropy(ref(x0), y0) + torch.nn.functional.cross_entropy(ref(x1), y1)).backward()
+    expected = ref[0].weight.grad.clone()
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale=128.0)
+    opt.zero_grad()
+    _iteration(model, opt, seed=0, delay_unscale=True, zero=False)
+    assert model[0].weight.grad.abs().max() > 10 * expected.abs().max()  # still scaled
+    _iteration(model, opt, seed=1, zero=False)
+    torch.testing.assert_close(model[0].weight.grad, expected, rtol=2e-2, atol=1e-3)
+
+
+def test_state_dict_round_trip_and_apex_format():
+    model, opt = _model_opt("O1")
+    _iteration(model, opt, overflow=True)
+    opt.step()
+    sd = json.loads(json.dumps(amp.state_dict()))
+    assert sd["state"]["total_skips"] == 1
+    amp.load_state_dict(sd)
+    assert amp.state_dict() == sd
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2005}})
+    assert amp.state_dict()["state"] == {"scale": 1024.0, "counter": 5, "consecutive_skips": 0, "total_skips": 0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(opt_level="o2"), ValueError, "capital O"),
+        (dict(opt_level="O2", keep_batchnorm_fp32=False), ValueError, "keep_batchnorm_fp32"),
+        (dict(opt_level="O2", master_weights=False), ValueError, "master_weights"),
+        (dict(opt_level="O1", loss_scale="auto"), ValueError, "dynamic"),
+        (dict(opt_level="O1", cast_model_type=torch.float16), TypeError, "cast_model_type"),
+        (dict(opt_level="O1", num_losses=2), ValueError, "num_losses"),
+    ],
+)
+def test_initialize_bad_input(kwargs, exc, match):
+    model = _net()
+    with pytest.raises(exc, match=match):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert apex_mod._STATE["scaler"] is None and model[0].weight.dtype == torch.float32
+
+
+def test_o2_needs_the_optimizer():
+    with pytest.raises(ValueError, match="one model and its one optimizer"):
+        amp.initialize(_net(), opt_level="O2")
+
+
+@pytest.mark.parametrize("call", ["scale_loss", "state_dict", "load_state_dict"])
+def test_use_before_initialize_raises(call):
+    with pytest.raises(RuntimeError, match="initialize"):
+        if call == "scale_loss":
+            with amp.scale_loss(torch.ones(()), None):
+                pass
+        elif call == "state_dict":
+            amp.state_dict()
+        else:
+            amp.load_state_dict({})
+
+
+def test_bad_state_dict_changes_nothing():
+    _model_opt("O1")
+    before = amp.state_dict()
+    with pytest.raises(ValueError):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0}})
+    assert amp.state_dict() == before
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_example_script_runs(opt_level):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "apex_o2.py"), "--opt-level", opt_level, "--steps", "12"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "final loss" in out.stdout
+    with open(os.path.join(ROOT, "examples", "apex_o2.py")) as f:
+        src = f.read()
+    assert "from unimp.compat.apex import amp  # was: from apex import amp" in src
+
+
+def test_scale_loss_refuses_an_optimizer_not_initialized():
+    model, opt = _model_opt("O1")
+    stranger = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not passed to amp.initialize"):
+        with amp.scale_loss(model(_data()[0]).sum(), stranger):
+            pass
+    assert all(p.grad is None for p in model.parameters())
