@@ -95,7 +95,9 @@ def to_dtype(name: Any) -> np.dtype:
 
 
 def _is_floating_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
 
 
 def cast_tree(tree: Any, dtype: Any) -> Any:
@@ -168,7 +170,9 @@ def _check_pred(pred: Any, where: str) -> jax.Array:
     if isinstance(pred, jax.Array) or isinstance(pred, (np.ndarray, np.generic, bool)):
         p = jnp.asarray(pred)
     else:
-        raise TypeError(f"{where}: pred must be a bool scalar (Python or array), got {type(pred).__name__}.")
+        raise TypeError(
+            f"{where}: pred must be a bool scalar (Python or array), got {type(pred).__name__}."
+        )
     if p.shape != () or p.dtype != jnp.bool_:
         raise ValueError(
             f"{where}: pred must be a bool scalar, got dtype {p.dtype} shape {p.shape}; "
@@ -200,7 +204,7 @@ def select_tree(pred: Any, a: Any, b: Any) -> Any:
         raise ValueError(f"select_tree: a and b must have the same structure, got {sa} and {sb}.")
     leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(a)]
-    for path, x, y in zip(paths, leaves_a, leaves_b):
+    for path, x, y in zip(paths, leaves_a, leaves_b, strict=True):
         x, y = jnp.asarray(x), jnp.asarray(y)
         if x.shape != y.shape or x.dtype != y.dtype:
             raise ValueError(
@@ -284,16 +288,18 @@ def _register_pytree(cls: type) -> type:
     keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
 
     def flatten_with_keys(obj: Any) -> tuple[Any, Any]:
-        return [(k, getattr(obj, n)) for k, n in zip(keys, data)], tuple(getattr(obj, n) for n in meta)
+        return [(k, getattr(obj, n)) for k, n in zip(keys, data, strict=True)], tuple(
+            getattr(obj, n) for n in meta
+        )
 
     def flatten(obj: Any) -> tuple[Any, Any]:
         return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in meta)
 
     def unflatten(aux: Any, children: Any) -> Any:
         obj = object.__new__(cls)
-        for n, v in zip(data, children):
+        for n, v in zip(data, children, strict=True):
             object.__setattr__(obj, n, v)
-        for n, v in zip(meta, aux):
+        for n, v in zip(meta, aux, strict=True):
             object.__setattr__(obj, n, v)
         return obj
 
@@ -309,7 +315,9 @@ def _scalar(value: Any, dtype: Any, cls: str, name: str) -> jax.Array:
     try:
         arr = jnp.asarray(value)
     except TypeError:
-        raise TypeError(f"{cls}.{name} must be a number or a scalar array, got {type(value).__name__}.") from None
+        raise TypeError(
+            f"{cls}.{name} must be a number or a scalar array, got {type(value).__name__}."
+        ) from None
     if arr.shape != ():
         raise ValueError(f"{cls}.{name} must be a scalar, got shape {arr.shape}.")
     if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
@@ -335,6 +343,8 @@ class _LossScale:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        if self.loss_scale is not None:  # shape and type errors before any config is derived
+            _scalar(self.loss_scale, jnp.float32, name, "loss_scale")
         cfg = self.config
         if cfg is None:
             cfg = self._default_config()
@@ -348,7 +358,9 @@ class _LossScale:
         values = {
             "loss_scale": _scalar(scale, jnp.float32, name, "loss_scale"),
             "counter": _scalar(self.counter, jnp.int32, name, "counter"),
-            "consecutive_skips": _scalar(self.consecutive_skips, jnp.int32, name, "consecutive_skips"),
+            "consecutive_skips": _scalar(
+                self.consecutive_skips, jnp.int32, name, "consecutive_skips"
+            ),
             "total_skips": _scalar(self.total_skips, jnp.int32, name, "total_skips"),
         }
         self._check_scale(cfg, values["loss_scale"])
@@ -414,7 +426,11 @@ class _LossScale:
             lf,
         )
         return dataclasses.replace(
-            self, loss_scale=scale, counter=counter, consecutive_skips=consecutive, total_skips=total
+            self,
+            loss_scale=scale,
+            counter=counter,
+            consecutive_skips=consecutive,
+            total_skips=total,
         )
 
     # -- conversions ------------------------------------------------------------------------
@@ -432,7 +448,9 @@ class _LossScale:
     @property
     def state(self) -> core.LossScaleState:
         """The state as a host :class:`unimp.LossScaleState` (synchronizes)."""
-        values = jax.device_get((self.loss_scale, self.counter, self.consecutive_skips, self.total_skips))
+        values = jax.device_get(
+            (self.loss_scale, self.counter, self.consecutive_skips, self.total_skips)
+        )
         return core.LossScaleState(*values)
 
     def state_dict(self) -> dict[str, Any]:
@@ -636,7 +654,9 @@ _PYTREE_FOR: dict[type, type] = {
 LossScale = DynamicLossScale | StaticLossScale | NoOpLossScale
 
 
-def loss_scale_from_config(config: Any = "dynamic", state: core.LossScaleState | None = None) -> LossScale:
+def loss_scale_from_config(
+    config: Any = "dynamic", state: core.LossScaleState | None = None
+) -> LossScale:
     """The loss-scale pytree for any core config.
 
     Args:
@@ -676,7 +696,9 @@ class LossScaleOptState(NamedTuple):
     inner_state: Any
 
 
-def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic") -> optax.GradientTransformationExtraArgs:
+def loss_scaling(
+    inner: optax.GradientTransformation, loss_scale: Any = "dynamic"
+) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer with loss scaling; the scale lives in the optimizer state.
 
     ``update`` takes the *scaled* gradients, unscales them, and when they (and the loss, if
@@ -720,7 +742,9 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
     def init_fn(params: Any) -> LossScaleOptState:
         return LossScaleOptState(initial, inner.init(params))
 
-    def update_fn(updates: Any, state: LossScaleOptState, params: Any = None, **extra_args: Any) -> Any:
+    def update_fn(
+        updates: Any, state: LossScaleOptState, params: Any = None, **extra_args: Any
+    ) -> Any:
         ls = state.loss_scale
         grads = ls.unscale(updates)
         grads_finite = all_finite(grads)
@@ -749,7 +773,9 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     """
     found = [
         x.loss_scale
-        for x in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleOptState))
+        for x in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, LossScaleOptState)
+        )
         if isinstance(x, LossScaleOptState)
     ]
     if len(found) != 1:
@@ -852,7 +878,9 @@ class MixedPrecision(MixedPrecisionBase):
             TypeError: ``fn`` is not callable.
         """
         if not callable(fn):
-            raise TypeError(f"apply() needs a function fn(params, *inputs), got {type(fn).__name__}.")
+            raise TypeError(
+                f"apply() needs a function fn(params, *inputs), got {type(fn).__name__}."
+            )
 
         @functools.wraps(fn)
         def wrapped(params: Any, *inputs: Any) -> Any:
@@ -875,7 +903,9 @@ class MixedPrecision(MixedPrecisionBase):
         """The recipe's loss scale as a pytree in its initial state."""
         return loss_scale_from_config(self.loss_scale)
 
-    def prepare(self, params: Any, optimizer: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
+    def prepare(
+        self, params: Any, optimizer: optax.GradientTransformation | None = None
+    ) -> tuple[Any, Any]:
         """Applies the recipe to parameters and an optax optimizer.
 
         Args:
@@ -904,14 +934,22 @@ class MixedPrecision(MixedPrecisionBase):
         in the compute dtype with :meth:`apply` or flax modules built with
         :meth:`module_kwargs`.
         """
-        return TrainStep(self, loss_fn, optimizer, params, grad_accum_steps=grad_accum_steps,
-                         max_grad_norm=max_grad_norm)
+        return TrainStep(
+            self,
+            loss_fn,
+            optimizer,
+            params,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm,
+        )
 
 
 def _contains_loss_scaling(state: Any) -> bool:
     return any(
         isinstance(x, LossScaleOptState)
-        for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, LossScaleOptState))
+        for x in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, LossScaleOptState)
+        )
     )
 
 
@@ -961,18 +999,30 @@ class TrainStep:
         max_grad_norm: float | None = None,
     ) -> None:
         if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(params, batch), got {type(loss_fn).__name__}.")
+            raise TypeError(
+                f"loss_fn must be callable as loss_fn(params, batch), got {type(loss_fn).__name__}."
+            )
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
             )
-        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, (int, np.integer)) or grad_accum_steps < 1:
+        if (
+            isinstance(grad_accum_steps, bool)
+            or not isinstance(grad_accum_steps, (int, np.integer))
+            or grad_accum_steps < 1
+        ):
             raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
         if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.number)):
-                raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}.")
+            if isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, (int, float, np.number)
+            ):
+                raise ValueError(
+                    f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}."
+                )
             if not (math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0):
-                raise ValueError(f"max_grad_norm must be finite and > 0, or None; got {max_grad_norm!r}.")
+                raise ValueError(
+                    f"max_grad_norm must be finite and > 0, or None; got {max_grad_norm!r}."
+                )
             max_grad_norm = float(max_grad_norm)
         params = mp.cast_to_param(params)
         opt_state = optimizer.init(params)
@@ -1010,14 +1060,21 @@ class TrainStep:
             scaled_grads, loss = grad_fn(params, batch)
             loss_finite = jnp.isfinite(loss)
         else:
-            micro = jax.tree_util.tree_map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+            micro = jax.tree_util.tree_map(
+                lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch
+            )
             zeros = jax.tree_util.tree_map(
-                lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)), params
+                lambda p: jnp.zeros(
+                    jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)
+                ),
+                params,
             )
 
             def body(acc: Any, mb: Any) -> Any:
-                g, l = grad_fn(params, mb)
-                return jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g), l
+                g, micro_loss = grad_fn(params, mb)
+                return jax.tree_util.tree_map(
+                    lambda a, x: a + x.astype(a.dtype), acc, g
+                ), micro_loss
 
             summed, losses = lax.scan(body, zeros, micro)
             scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
@@ -1027,7 +1084,7 @@ class TrainStep:
         grads_finite = all_finite(grads)
         grad_norm = None
         if self._max_norm is not None:
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             max_norm = jnp.float32(self._max_norm)
             clip = grad_norm > max_norm
             grads = jax.tree_util.tree_map(
@@ -1073,7 +1130,9 @@ class TrainStep:
                 divisible by it (nothing is changed).
         """
         self._check_batch(batch)
-        params, opt_state, ls, raw = self._jitted(self._params, self._opt_state, self._loss_scale, batch)
+        params, opt_state, ls, raw = self._jitted(
+            self._params, self._opt_state, self._loss_scale, batch
+        )
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         return StepResult(raw, to_host=jax.device_get, config=ls.config)
 
