@@ -51,9 +51,9 @@ class NnxMLP(nnx.Module):
         return self.out(self.dropout(nnx.relu(self.hidden(x)), rngs=key))
 
 
-def batches(key: jax.Array):
+def batches(key: jax.Array, steps: int = STEPS):
     """Random images and labels, plus a dropout key per step."""
-    for i in range(STEPS):
+    for i in range(steps):
         kx, ky, kd = jax.random.split(jax.random.fold_in(key, i), 3)
         yield {
             "x": jax.random.normal(kx, (BATCH, 784)),
@@ -66,9 +66,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def train(name: str, step) -> None:
+def train(name: str, step, steps: int) -> None:
     start = time.perf_counter()
-    for batch in batches(jax.random.key(1)):
+    for batch in batches(jax.random.key(1), steps):
         result = step(batch)  # no host sync here; reading a field below syncs
     print(
         f"{name:6s} loss {result.loss:.4f}  scale {result.scale:g}  applied {result.applied}  "
@@ -79,7 +79,7 @@ def train(name: str, step) -> None:
     print(f"       params stay {dtypes}; loss-scale state {step.state_dict()['state']}")
 
 
-def main() -> None:
+def main(steps: int = STEPS) -> None:
     mp = unimp.mixed_precision("mixed_float16", backend="jax")
     print(mp)  # policy params=float32,compute=float16,output=float32; dynamic loss scale
 
@@ -96,7 +96,7 @@ def main() -> None:
         seen["logits"] = logits.dtype  # recorded while tracing: the model computes in float16
         return cross_entropy(mp.cast_to_output(logits), batch["y"])  # the loss in float32
 
-    train("linen", mp.train_step(linen_loss, optax.adam(1e-3), params, max_grad_norm=1.0))
+    train("linen", mp.train_step(linen_loss, optax.adam(1e-3), params, max_grad_norm=1.0), steps)
     print(f"       logits computed in {seen['logits']}, returned as {mp.output_dtype}")
 
     # --- flax nnx -------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def main() -> None:
         m = nnx.merge(graphdef, params, rest, copy=True)
         return cross_entropy(mp.cast_to_output(m(batch["x"], batch["rng"])), batch["y"])
 
-    train("nnx", mp.train_step(nnx_loss, optax.adam(1e-3), nnx_params, max_grad_norm=1.0))
+    train("nnx", mp.train_step(nnx_loss, optax.adam(1e-3), nnx_params, max_grad_norm=1.0), steps)
 
     # --- your own loop: the loss scale lives in the optax state -----------------------------
     params, optimizer = mp.prepare(params, optax.adam(1e-3))
@@ -125,7 +125,7 @@ def main() -> None:
         updates, opt_state = optimizer.update(scaled_grads, opt_state, params, value=loss)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    for batch in batches(jax.random.key(2)):
+    for batch in batches(jax.random.key(2), steps):
         params, opt_state, loss = own_step(params, opt_state, batch)
     ls = get_loss_scale(opt_state)
     print(

@@ -195,62 +195,70 @@ def _xent(logits, y):
 
 @pytest.mark.parametrize("half", HALF)
 def test_linen_dtype_audit(half):
+    # Dtypes only: jax.eval_shape traces without compiling or running anything.
     mp = ujax.MixedPrecision(RECIPE[half])
     model = LinenMLP(**mp.module_kwargs())
-    x, y = jnp.ones((4, 8)), jnp.arange(4)
-    variables = model.init(jax.random.key(0), x)
-    assert all(
-        p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(variables)
-    )  # params + BN stats
-    out, state = model.apply(
-        variables,
-        x,
-        train=True,
-        capture_intermediates=True,
-        rngs={"dropout": jax.random.key(1)},
-        mutable=["intermediates", "batch_stats"],
-    )
+    x, y, key = jnp.ones((4, 8)), jnp.arange(4), jax.random.key(1)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(variables))  # + BN stats
+
+    def forward(variables):
+        return model.apply(
+            variables,
+            x,
+            train=True,
+            capture_intermediates=True,
+            rngs={"dropout": key},
+            mutable=["intermediates", "batch_stats"],
+        )
+
+    out, state = jax.eval_shape(forward, variables)
     inter = state["intermediates"]
     assert inter["Dense_0"]["__call__"][0].dtype == jnp.dtype(half)
     assert inter["BatchNorm_0"]["__call__"][0].dtype == jnp.dtype(half)
     assert all(s.dtype == jnp.float32 for s in jax.tree_util.tree_leaves(state["batch_stats"]))
-    assert mp.cast_to_output(out).dtype == jnp.float32
+    assert out.dtype == jnp.dtype(half)
+    assert jax.eval_shape(mp.cast_to_output, out).dtype == jnp.float32
 
-    def loss(params):
+    def loss(params, variables):
         logits, _ = model.apply(
             {**variables, "params": params},
             x,
             train=True,
-            rngs={"dropout": jax.random.key(1)},
+            rngs={"dropout": key},
             mutable=["batch_stats"],
         )
         return _xent(mp.cast_to_output(logits), y)
 
-    grads = jax.grad(loss)(variables["params"])
+    grads = jax.eval_shape(jax.grad(loss), variables["params"], variables)
     assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
 
 
 @pytest.mark.parametrize("half", HALF)
 def test_nnx_dtype_audit(half):
     mp = ujax.MixedPrecision(RECIPE[half])
-    model = NnxMLP(nnx.Rngs(0), **mp.module_kwargs())
+    model = nnx.eval_shape(lambda: NnxMLP(nnx.Rngs(0), **mp.module_kwargs()))  # abstract
     x, y, key = jnp.ones((4, 8)), jnp.arange(4), jax.random.key(1)
     _, params, rest = nnx.split(model, nnx.Param, ...)
     assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
     assert all(
         s.dtype == jnp.float32 for s in jax.tree_util.tree_leaves(nnx.state(model, nnx.BatchStat))
     )
-    assert model.l1(x).dtype == jnp.dtype(half)
-    out = model(x, key)
-    assert out.dtype == jnp.dtype(half) and mp.cast_to_output(out).dtype == jnp.float32
-
     graphdef = nnx.graphdef(model)
 
-    def loss(p):
-        m = nnx.merge(graphdef, p, rest, copy=True)  # BatchNorm updates its stats in the trace
+    def run(p, r):
+        m = nnx.merge(graphdef, p, r, copy=True)  # BatchNorm updates its stats in the trace
+        return m.l1(x), m(x, key)
+
+    hidden, out = jax.eval_shape(run, params, rest)
+    assert hidden.dtype == jnp.dtype(half) and out.dtype == jnp.dtype(half)
+    assert jax.eval_shape(mp.cast_to_output, out).dtype == jnp.float32
+
+    def loss(p, r):
+        m = nnx.merge(graphdef, p, r, copy=True)
         return _xent(mp.cast_to_output(m(x, key)), y)
 
-    grads = jax.grad(loss)(params)
+    grads = jax.eval_shape(jax.grad(loss), params, rest)
     assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
 
 
@@ -384,16 +392,29 @@ def test_matches_reference_bit_for_bit(config, flags):
     assert total.tolist() == [int(s.total_skips) for s in ref]
 
 
+def _jmp_run(period, flags):
+    def body(ls, finite):
+        ls = ls.adjust(finite)
+        return ls, (ls.loss_scale, ls.counter)
+
+    return jax.lax.scan(body, jmp.DynamicLossScale(jnp.float32(2.0**15), period=period), flags)[1]
+
+
+_jmp_run_jit = jax.jit(_jmp_run, static_argnums=0)
+
+
 @pytest.mark.skipif(jmp is None, reason="jmp is not installed (pip install 'unimp[test]')")
 @settings(max_examples=25, deadline=None)
 @given(flags=st.lists(st.booleans(), min_size=SEQ, max_size=SEQ), period=st.integers(1, 5))
 def test_matches_jmp_dynamic_loss_scale(flags, period):
-    ours = ujax.DynamicLossScale.preset("jmp", growth_interval=period)
-    theirs = jmp.DynamicLossScale(jnp.float32(2.0**15), period=period)
-    for f in flags:
-        ours, theirs = ours.adjust(jnp.array(f)), theirs.adjust(jnp.array(f))
-        assert float(ours.loss_scale) == float(theirs.loss_scale)
-        assert int(ours.counter) == int(theirs.counter)
+    # jmp's default floor is 1.0 (the preset's), so its jit bug cannot show here.
+    f = jnp.array(flags)
+    scale, counter = _jmp_run_jit(period, f)
+    ours = _scan_adjust_jit(
+        ujax.DynamicLossScale.preset("jmp", growth_interval=period), f, jnp.ones(SEQ, bool)
+    )
+    assert bits(ours[0]) == bits(scale)
+    assert ours[1].tolist() == counter.tolist()
 
 
 def _flax_run(flax_interval, flags):
@@ -733,10 +754,25 @@ def test_train_step_grad_norm_none_without_clipping():
     assert r.grad_norm is None and r.scale == 1.0 and r.loss == 0.0
 
 
-def test_train_step_second_call_does_not_recompile():
-    step = ujax.MixedPrecision("mixed_float16").train_step(
-        _dot_loss, optax.adam(1e-3), jnp.zeros(2)
-    )
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-3),
+    "chain-clip-adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    "inject-hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+}
+
+
+def _affine_loss(params, batch):
+    return jnp.sum(params["w"] * batch) + params["b"]
+
+
+@pytest.mark.parametrize("host_params", [False, True], ids=["jax-params", "numpy-params"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_train_step_second_call_does_not_recompile(opt, host_params):
+    arr = np if host_params else jnp
+    params = {"w": arr.zeros(2, arr.float32), "b": arr.float32(0.0)}
+    step = ujax.MixedPrecision("mixed_float16").train_step(_affine_loss, OPTIMIZERS[opt](), params)
     step(jnp.ones(2))
     step(jnp.array([jnp.inf, 1.0]))  # a skipped step runs the same compiled function
     step(jnp.ones(2) * 2)
@@ -907,3 +943,62 @@ def test_train_step_linen_dtypes(half):
         for m in jax.tree_util.tree_leaves(step.opt_state)
         if jnp.issubdtype(m.dtype, jnp.floating)
     )
+
+
+# ------------------------------------------------------------------------------------------
+# transformations, upstream evidence, the example
+# ------------------------------------------------------------------------------------------
+
+
+def test_adjust_under_vmap_matches_reference_per_row():
+    flags = jnp.array([[True, False, True], [False, False, True]])
+    cfg = core.DynamicLossScale(init_scale=8.0, growth_interval=1)
+    ls = jax.vmap(lambda _: ujax.DynamicLossScale.from_config(cfg))(jnp.arange(2))
+
+    def run(ls, row):
+        for i in range(row.shape[0]):
+            ls = ls.adjust(row[i])
+        return ls
+
+    out = jax.vmap(run)(ls, flags)
+    expected = [float(core.simulate(cfg, row)[-1].scale) for row in flags.tolist()]
+    assert out.loss_scale.tolist() == expected == [16.0, 4.0]
+
+
+def test_shard_map_replicas_take_the_same_decision():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    P = jax.sharding.PartitionSpec
+    n = len(jax.devices())
+    grads = jnp.ones((n, 2)).at[0, 0].set(jnp.nan)  # one replica overflows
+
+    def per_replica(g, ls):
+        finite = ujax.all_finite(g, axis_name="d")
+        return ls.adjust(finite).loss_scale[None], finite[None]
+
+    fn = jax.shard_map(per_replica, mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P("d")))
+    scales, finite = fn(grads, ujax.DynamicLossScale(8.0))
+    assert scales.tolist() == [4.0] * n and finite.tolist() == [False] * n
+
+
+@pytest.mark.skipif(jmp is None, reason="jmp is not installed (pip install 'unimp[test]')")
+def test_jmp_reference_bugs_that_unimp_avoids():
+    # Evidence for the issue text: jmp drops min_loss_scale across jit and tree_map, and
+    # crashes on a float16 scale; unimp keeps the floor and converts to float32.
+    theirs = jmp.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(0.25))
+    assert float(jax.jit(lambda s: s)(theirs).min_loss_scale) == 1.0
+    with pytest.raises(TypeError):
+        jmp.DynamicLossScale(jnp.float16(2**15)).adjust(jnp.array(True))
+    ours = ujax.DynamicLossScale(4.0, config=core.DynamicLossScale(init_scale=4.0, min_scale=0.25))
+    assert jax.jit(lambda s: s)(ours).min_loss_scale == 0.25
+
+
+@pytest.mark.slow
+def test_example_runs(capsys):
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "jax_flax_optax.py"
+    runpy.run_path(str(path), run_name="example")["main"](steps=2)
+    out = capsys.readouterr().out
+    assert "logits computed in float16, returned as float32" in out
+    assert out.count("compilations 1") == 2

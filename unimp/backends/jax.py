@@ -944,6 +944,10 @@ class MixedPrecision(MixedPrecisionBase):
         )
 
 
+def _device_leaf(x: Any) -> Any:
+    return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
+
+
 def _contains_loss_scaling(state: Any) -> bool:
     return any(
         isinstance(x, LossScaleOptState)
@@ -1024,8 +1028,10 @@ class TrainStep:
                     f"max_grad_norm must be finite and > 0, or None; got {max_grad_norm!r}."
                 )
             max_grad_norm = float(max_grad_norm)
-        params = mp.cast_to_param(params)
-        opt_state = optimizer.init(params)
+        # Host leaves (NumPy arrays, Python floats) become device arrays of a fixed dtype now, so
+        # the first call's signature equals every later one's and nothing recompiles.
+        params = jax.tree_util.tree_map(_device_leaf, mp.cast_to_param(params))
+        opt_state = jax.tree_util.tree_map(_device_leaf, optimizer.init(params))
         if _contains_loss_scaling(opt_state):
             raise ValueError(
                 "train_step scales the loss itself: pass the plain optax optimizer, not one wrapped "
