@@ -316,6 +316,13 @@ def test_pytree_children_come_from_dataclass_fields():
     assert names == ["loss_scale", "counter", "consecutive_skips", "total_skips"]
 
 
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_loss_scale_hashes_and_compares_by_identity(kind):
+    ls = ujax.loss_scale_from_config(CONFIGS[kind])
+    assert ls == ls and ls != ujax.loss_scale_from_config(CONFIGS[kind])
+    assert {ls: 1}[ls] == 1
+
+
 def test_right_value_min_scale_survives_jit():
     ls = ujax.DynamicLossScale.from_config(core.DynamicLossScale(init_scale=4.0, min_scale=0.25))
     step = jax.jit(lambda s: s.adjust(jnp.array(False)))

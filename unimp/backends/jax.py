@@ -329,9 +329,13 @@ def _concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _LossScale:
-    """Shared fields and methods of the loss-scale pytrees (see :class:`DynamicLossScale`)."""
+    """Shared fields and methods of the loss-scale pytrees (see :class:`DynamicLossScale`).
+
+    ``eq=False``: the fields are arrays, so equality and hashing are by identity (a generated
+    ``__eq__`` would be ambiguous and a generated ``__hash__`` would fail on arrays).
+    """
 
     loss_scale: Any = None
     counter: Any = 0
@@ -425,13 +429,17 @@ class _LossScale:
             g,
             lf,
         )
-        return dataclasses.replace(
-            self,
-            loss_scale=scale,
-            counter=counter,
-            consecutive_skips=consecutive,
-            total_skips=total,
+        return self._evolve(
+            loss_scale=scale, counter=counter, consecutive_skips=consecutive, total_skips=total
         )
+
+    def _evolve(self, **changes: Any) -> Any:
+        """A copy with fields replaced, skipping ``__init__``: no validation and no host sync
+        (the values come from update_arrays, already float32 / int32 scalars)."""
+        obj = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(obj, f.name, changes.get(f.name, getattr(self, f.name)))
+        return obj
 
     # -- conversions ------------------------------------------------------------------------
 
@@ -491,7 +499,7 @@ def _is_float_leaf(x: Any) -> bool:
 
 
 @_register_pytree
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DynamicLossScale(_LossScale):
     """A dynamic loss scale as an immutable pytree, with jmp's method names.
 
@@ -582,7 +590,7 @@ class DynamicLossScale(_LossScale):
 
 
 @_register_pytree
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StaticLossScale(_LossScale):
     """A fixed loss scale as a pytree (jmp.StaticLossScale), counting skipped steps.
 
@@ -617,7 +625,7 @@ class StaticLossScale(_LossScale):
 
 
 @_register_pytree
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class NoOpLossScale(_LossScale):
     """No loss scaling (jmp.NoOpLossScale): ``scale``/``unscale`` return the tree unchanged,
     ``loss_scale`` is 1.0 (float32), and ``adjust`` still counts skipped steps.
