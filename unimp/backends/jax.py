@@ -1,0 +1,1191 @@
+"""The JAX backend: jmp-style casting and loss-scale pytrees, optax and flax integration.
+
+JAX has no autocast: a recipe is applied by casting at function and module boundaries, as jmp
+and haiku do, and by passing ``dtype`` / ``param_dtype`` to flax modules. The loss scale is an
+immutable pytree whose update is :func:`unimp.loss_scale.update_arrays` run on ``jnp`` arrays,
+so it traces under ``jit``, ``vmap``, ``lax.scan`` and ``shard_map`` and matches the NumPy
+reference bit for bit.
+
+Pieces:
+
+* :class:`MixedPrecision`: a recipe bound to JAX (casts, ``apply``, flax ``module_kwargs``,
+  ``prepare`` and a jitted ``train_step``).
+* :class:`DynamicLossScale`, :class:`StaticLossScale`, :class:`NoOpLossScale`: loss-scale
+  pytrees with jmp's method names (``loss_scale``, ``scale``, ``unscale``, ``adjust``).
+* :func:`loss_scaling`: an optax ``GradientTransformation`` carrying the loss scale in its
+  state; :func:`get_loss_scale` reads it back; :class:`MultiSteps` is ``optax.MultiSteps``
+  with the accumulator reset to exact zeros after every window.
+* :func:`all_finite`, :func:`select_tree`, :func:`cast_tree`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from unimp import loss_scale as core
+from unimp.backends._base import MixedPrecisionBase
+from unimp.dtypes import canonical_dtype
+from unimp.step import StepResult
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScaleOptState",
+    "MixedPrecision",
+    "MultiSteps",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "StepResult",
+    "TrainStep",
+    "all_finite",
+    "cast_tree",
+    "device_info",
+    "framework_version",
+    "get_loss_scale",
+    "loss_scale_from_config",
+    "loss_scale_from_state_dict",
+    "loss_scaling",
+    "select_tree",
+    "to_dtype",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes and casting
+# --------------------------------------------------------------------------------------------
+
+
+def framework_version() -> str:
+    """The installed JAX version string, e.g. ``"0.4.35"``."""
+    return jax.__version__
+
+
+def to_dtype(name: Any) -> np.dtype:
+    """The JAX dtype for a dtype name.
+
+    Args:
+        name: anything :func:`unimp.dtypes.canonical_dtype` accepts (``"bf16"``,
+            ``jnp.float16``, ``"float32"``, ...).
+
+    Returns:
+        A NumPy dtype object as JAX uses it (``jnp.dtype("bfloat16")`` for bfloat16).
+
+    Raises:
+        ValueError: not a supported floating dtype; or ``float64`` while JAX runs in 32-bit
+            mode (enable it with ``jax.config.update("jax_enable_x64", True)``).
+    """
+    canonical = canonical_dtype(name)
+    if canonical == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "float64 needs JAX's 64-bit mode: call jax.config.update('jax_enable_x64', True) "
+            "before creating arrays, or use a float32 policy."
+        )
+    return jnp.dtype(canonical)
+
+
+def _is_floating_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def cast_tree(tree: Any, dtype: Any) -> Any:
+    """Casts the floating array leaves of a pytree; every other leaf passes through.
+
+    Integer, boolean and complex arrays, Python scalars and non-array leaves are returned
+    unchanged (as jmp's ``_cast_floating_to`` and Keras's ``_should_cast``). NumPy arrays stay
+    NumPy arrays; JAX arrays (and tracers) stay JAX arrays.
+
+    Args:
+        tree: any pytree.
+        dtype: the target floating dtype, anything :func:`to_dtype` accepts.
+
+    Returns:
+        A pytree of the same structure.
+
+    Raises:
+        ValueError: ``dtype`` is not a supported floating dtype.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> out = cast_tree({"w": jnp.ones(2), "step": jnp.int32(3)}, "float16")
+        >>> out["w"].dtype, out["step"].dtype
+        (dtype('float16'), dtype('int32'))
+    """
+    target = to_dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if _is_floating_array(x) and x.dtype != target:
+            return x.astype(target)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+    """True when every floating element of a pytree is finite (no host sync).
+
+    Non-floating leaves (integers, booleans, non-arrays) are ignored; an empty tree is finite.
+
+    Args:
+        tree: a pytree of arrays.
+        axis_name: a mapped axis name (``pmap``, ``shard_map``, ``vmap(axis_name=...)``). When
+            given, the result is reduced across that axis with ``lax.pmin`` so every replica
+            takes the same skip decision.
+
+    Returns:
+        A bool scalar array.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+        False
+    """
+    leaves = [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if _is_floating_array(x) or (isinstance(x, float) and not isinstance(x, bool))
+    ]
+    if leaves:
+        finite = jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+    else:
+        finite = jnp.array(True)
+    if axis_name is not None:
+        finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+    return finite
+
+
+def _check_pred(pred: Any, where: str) -> jax.Array:
+    if isinstance(pred, jax.Array) or isinstance(pred, (np.ndarray, np.generic, bool)):
+        p = jnp.asarray(pred)
+    else:
+        raise TypeError(
+            f"{where}: pred must be a bool scalar (Python or array), got {type(pred).__name__}."
+        )
+    if p.shape != () or p.dtype != jnp.bool_:
+        raise ValueError(
+            f"{where}: pred must be a bool scalar, got dtype {p.dtype} shape {p.shape}; "
+            "reduce it first, e.g. with all_finite(tree) or jnp.all(x)."
+        )
+    return p
+
+
+def select_tree(pred: Any, a: Any, b: Any) -> Any:
+    """Picks pytree ``a`` where ``pred`` is true, else ``b``, leaf by leaf, without a branch.
+
+    The chosen values are returned bitwise (``lax.select``), so a skipped step leaves its
+    state exactly unchanged.
+
+    Args:
+        pred: a bool scalar (array or Python bool).
+        a, b: pytrees of the same structure, whose leaves have equal shapes and dtypes.
+
+    Returns:
+        A pytree like ``a``.
+
+    Raises:
+        ValueError: ``pred`` is not a bool scalar, or the trees differ in structure, shape or
+            dtype (the message names the first differing leaf).
+    """
+    p = _check_pred(pred, "select_tree")
+    sa, sb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
+    if sa != sb:
+        raise ValueError(f"select_tree: a and b must have the same structure, got {sa} and {sb}.")
+    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(a)]
+    for path, x, y in zip(paths, leaves_a, leaves_b, strict=True):
+        x, y = jnp.asarray(x), jnp.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ValueError(
+                f"select_tree: leaf {path or '<root>'} differs: {x.dtype}{list(x.shape)} vs "
+                f"{y.dtype}{list(y.shape)}; cast both to one dtype and shape first."
+            )
+    return jax.tree_util.tree_map(lambda x, y: lax.select(p, jnp.asarray(x), jnp.asarray(y)), a, b)
+
+
+def _keep_unless(pred: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``pred`` else ``old``, in ``old``'s dtypes (optimizer states may change
+    weak types between steps); ``old`` comes back bitwise when ``pred`` is false."""
+    return jax.tree_util.tree_map(
+        lambda n, o: jnp.where(pred, n, o).astype(jnp.result_type(o)), new, old
+    )
+
+
+def device_info() -> list[dict[str, Any]]:
+    """What each JAX device runs, for ``unimp info``.
+
+    Returns:
+        One dict per device in ``jax.devices()``: ``device`` (its string), ``float16`` and
+        ``bfloat16`` (bools: XLA runs the dtype there; bfloat16 on NVIDIA GPUs needs compute
+        capability 8.0 or newer for native support) and ``recommended`` (a recipe name:
+        ``mixed_bfloat16`` on TPUs and Ampere-or-newer GPUs, ``mixed_float16`` on older GPUs,
+        ``float32`` on CPUs, where half precision is emulated and rarely faster).
+    """
+    out = []
+    for d in jax.devices():
+        platform = d.platform.lower()
+        f16, bf16, rec = True, True, "float32"
+        if platform == "tpu":
+            rec = "mixed_bfloat16"
+        elif platform in ("gpu", "cuda", "rocm"):
+            cc = getattr(d, "compute_capability", None)
+            try:
+                major = int(str(cc).split(".")[0])
+            except ValueError:
+                major = None
+            bf16 = platform == "rocm" or major is None or major >= 8
+            rec = "mixed_bfloat16" if bf16 else "mixed_float16"
+        out.append({"device": str(d), "float16": f16, "bfloat16": bf16, "recommended": rec})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# loss-scale pytrees
+# --------------------------------------------------------------------------------------------
+
+
+class _JaxOps:
+    """The array namespace :func:`unimp.loss_scale.update_arrays` runs on: jnp scalars."""
+
+    where = staticmethod(jnp.where)
+    minimum = staticmethod(jnp.minimum)
+    maximum = staticmethod(jnp.maximum)
+    isfinite = staticmethod(jnp.isfinite)
+
+    @staticmethod
+    def f32(x: Any) -> jax.Array:
+        return jnp.asarray(x, jnp.float32)
+
+    @staticmethod
+    def i32(x: Any) -> jax.Array:
+        return jnp.asarray(x, jnp.int32)
+
+
+_STATIC = {"static": True}
+
+
+def _register_pytree(cls: type) -> type:
+    """Registers a frozen dataclass as a pytree, fields read from ``dataclasses.fields``.
+
+    Fields with ``metadata={"static": True}`` are auxiliary data (hashable, part of the jit
+    cache key); every other field is a child. Unflattening bypasses ``__init__`` so JAX's
+    placeholder leaves (``object()``, tracers) are never validated or converted.
+    """
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if not f.metadata.get("static"))
+    meta = tuple(f.name for f in fields if f.metadata.get("static"))
+    keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
+
+    def flatten_with_keys(obj: Any) -> tuple[Any, Any]:
+        return [(k, getattr(obj, n)) for k, n in zip(keys, data, strict=True)], tuple(
+            getattr(obj, n) for n in meta
+        )
+
+    def flatten(obj: Any) -> tuple[Any, Any]:
+        return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in meta)
+
+    def unflatten(aux: Any, children: Any) -> Any:
+        obj = object.__new__(cls)
+        for n, v in zip(data, children, strict=True):
+            object.__setattr__(obj, n, v)
+        for n, v in zip(meta, aux, strict=True):
+            object.__setattr__(obj, n, v)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+def _scalar(value: Any, dtype: Any, cls: str, name: str) -> jax.Array:
+    if isinstance(value, (bool, np.bool_)) or (
+        hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.bool_)
+    ):
+        raise TypeError(f"{cls}.{name} must be a number, got a bool.")
+    try:
+        arr = jnp.asarray(value)
+    except TypeError:
+        raise TypeError(
+            f"{cls}.{name} must be a number or a scalar array, got {type(value).__name__}."
+        ) from None
+    if arr.shape != ():
+        raise ValueError(f"{cls}.{name} must be a scalar, got shape {arr.shape}.")
+    if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
+        raise TypeError(f"{cls}.{name} must be real, got dtype {arr.dtype}.")
+    return arr.astype(dtype)
+
+
+def _concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+@dataclass(frozen=True, eq=False)
+class _LossScale:
+    """Shared fields and methods of the loss-scale pytrees (see :class:`DynamicLossScale`).
+
+    ``eq=False``: the fields are arrays, so equality and hashing are by identity (a generated
+    ``__eq__`` would be ambiguous and a generated ``__hash__`` would fail on arrays).
+    """
+
+    loss_scale: Any = None
+    counter: Any = 0
+    consecutive_skips: Any = 0
+    total_skips: Any = 0
+    config: Any = field(default=None, metadata=_STATIC)
+
+    _config_cls: ClassVar[type] = core.DynamicLossScale
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.loss_scale is not None:  # shape and type errors before any config is derived
+            _scalar(self.loss_scale, jnp.float32, name, "loss_scale")
+        cfg = self.config
+        if cfg is None:
+            cfg = self._default_config()
+        elif not isinstance(cfg, self._config_cls):
+            raise TypeError(
+                f"{name}.config must be a unimp.{self._config_cls.__name__}, got "
+                f"{type(cfg).__name__}; build a loss scale of any kind with "
+                "unimp.backends.jax.loss_scale_from_config(config)."
+            )
+        scale = cfg.initial_scale() if self.loss_scale is None else self.loss_scale
+        values = {
+            "loss_scale": _scalar(scale, jnp.float32, name, "loss_scale"),
+            "counter": _scalar(self.counter, jnp.int32, name, "counter"),
+            "consecutive_skips": _scalar(
+                self.consecutive_skips, jnp.int32, name, "consecutive_skips"
+            ),
+            "total_skips": _scalar(self.total_skips, jnp.int32, name, "total_skips"),
+        }
+        self._check_scale(cfg, values["loss_scale"])
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "config", cfg)
+
+    def _default_config(self) -> Any:
+        return self._config_cls()
+
+    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
+        pass
+
+    # -- jmp's interface ------------------------------------------------------------------
+
+    def scale(self, tree: Any) -> Any:
+        """Multiplies the floating leaves of ``tree`` (usually the loss) by the loss scale.
+
+        Leaves are multiplied by the float32 scale with JAX's type promotion, so a float16
+        loss comes back float32 (2**16 does not fit in float16), as in jmp. Non-floating
+        leaves pass through.
+        """
+        s = self.loss_scale
+        return jax.tree_util.tree_map(lambda x: x * s if _is_float_leaf(x) else x, tree)
+
+    def unscale(self, tree: Any) -> Any:
+        """Multiplies the floating leaves of ``tree`` (the gradients) by ``1 / loss_scale``.
+
+        The reciprocal is taken in float32 and multiplied in, as torch.amp.GradScaler and jmp
+        do; results are at least float32. Non-floating leaves pass through.
+        """
+        inv = jnp.float32(1.0) / self.loss_scale
+        return jax.tree_util.tree_map(lambda x: x * inv if _is_float_leaf(x) else x, tree)
+
+    def adjust(self, grads_finite: Any, loss_finite: Any = True) -> Any:
+        """The state after one step, by :func:`unimp.loss_scale.update_arrays`.
+
+        Branch-free (``jnp.where``), so it traces under ``jit``, ``vmap``, ``lax.scan`` and
+        ``shard_map``. A non-finite step is counted as skipped; a dynamic scale backs off on
+        non-finite gradients, grows after ``growth_interval`` finite steps in a row, and is
+        left alone when the loss itself is not finite (a forward overflow).
+
+        Args:
+            grads_finite: bool scalar, every unscaled gradient element is finite.
+            loss_finite: bool scalar, the unscaled loss is finite (default True).
+
+        Returns:
+            A new loss scale of the same class; ``self`` is unchanged.
+
+        Raises:
+            ValueError: a flag is not a bool scalar.
+        """
+        g = _check_pred(grads_finite, f"{type(self).__name__}.adjust(grads_finite)")
+        lf = _check_pred(loss_finite, f"{type(self).__name__}.adjust(loss_finite)")
+        scale, counter, consecutive, total = core.update_arrays(
+            _JaxOps,
+            self.config,
+            self.loss_scale,
+            self.counter,
+            self.consecutive_skips,
+            self.total_skips,
+            g,
+            lf,
+        )
+        return self._evolve(
+            loss_scale=scale, counter=counter, consecutive_skips=consecutive, total_skips=total
+        )
+
+    def _evolve(self, **changes: Any) -> Any:
+        """A copy with fields replaced, skipping ``__init__``: no validation and no host sync
+        (the values come from update_arrays, already float32 / int32 scalars)."""
+        obj = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(obj, f.name, changes.get(f.name, getattr(self, f.name)))
+        return obj
+
+    # -- conversions ------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Any, state: core.LossScaleState | None = None) -> Any:
+        """Builds the loss scale from a core config (and optionally a core state).
+
+        Raises:
+            TypeError: the config is of another kind (use :func:`loss_scale_from_config`).
+        """
+        s = config.initial_state() if state is None else state
+        return cls(s.scale, s.counter, s.consecutive_skips, s.total_skips, config=config)
+
+    @property
+    def state(self) -> core.LossScaleState:
+        """The state as a host :class:`unimp.LossScaleState` (synchronizes)."""
+        values = jax.device_get(
+            (self.loss_scale, self.counter, self.consecutive_skips, self.total_skips)
+        )
+        return core.LossScaleState(*values)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The portable state (:func:`unimp.loss_scale.state_dict`), the same in every backend.
+
+        Raises:
+            TypeError: called on traced values inside ``jit``; call it outside.
+        """
+        leaves = (self.loss_scale, self.counter, self.consecutive_skips, self.total_skips)
+        if not all(_concrete(x) for x in leaves):
+            raise TypeError("state_dict() needs concrete values; call it outside jit / scan.")
+        return core.state_dict(self.config, self.state)
+
+    @classmethod
+    def from_state_dict(cls, d: Mapping[str, Any]) -> Any:
+        """Inverse of :meth:`state_dict`; also reads a state saved by another backend.
+
+        Raises:
+            ValueError: a bad or foreign state dict (see :func:`unimp.loss_scale.from_state_dict`),
+                or one of another kind than ``cls`` (the message names the right class).
+        """
+        config, state = core.from_state_dict(d)
+        if not isinstance(config, cls._config_cls):
+            right = _PYTREE_FOR[type(config)].__name__
+            raise ValueError(
+                f"this state_dict holds a {config.kind!r} loss scale; load it with {right}.from_state_dict "
+                "or loss_scale_from_state_dict."
+            )
+        return cls.from_config(config, state)
+
+    def check(self) -> None:
+        """Raises :class:`unimp.LossScaleError` past ``max_consecutive_skips`` (synchronizes)."""
+        core.check_state(self.config, self.state)
+
+
+def _is_float_leaf(x: Any) -> bool:
+    return _is_floating_array(x) or (isinstance(x, float) and not isinstance(x, bool))
+
+
+@_register_pytree
+@dataclass(frozen=True, eq=False)
+class DynamicLossScale(_LossScale):
+    """A dynamic loss scale as an immutable pytree, with jmp's method names.
+
+    Follows unimp's reference algorithm (:func:`unimp.loss_scale.update_arrays`): matches
+    torch.amp.GradScaler and jmp.DynamicLossScale (grows on the growth_interval-th consecutive
+    finite step, backs off on overflow and restarts the count), plus a floor, a cap, skip
+    counters and the forward-overflow rule. ``DynamicLossScale.preset("flax")`` reproduces
+    flax's DynamicScale and ``preset("jmp")`` jmp's.
+
+    Unlike jmp, every field survives flatten/unflatten, ``jit``, ``lax.scan`` and
+    ``state_dict`` (the config is static pytree data), and the state is float32 / int32
+    whatever dtypes are passed in.
+
+    Attributes:
+        loss_scale: float32 scalar, the current scale.
+        counter: int32 scalar, consecutive finite steps since the last growth or overflow.
+        consecutive_skips: int32 scalar, skipped steps in a row.
+        total_skips: int32 scalar, skipped steps since the start.
+        config: the :class:`unimp.DynamicLossScale` config (static).
+
+    Args:
+        loss_scale: the current scale, any real scalar (a float16 ``2**15`` included); defaults
+            to ``config.init_scale``. Given without ``config``, it becomes the config's
+            ``init_scale``.
+        counter, consecutive_skips, total_skips: integer scalars, default 0.
+        config: a :class:`unimp.DynamicLossScale`; unimp's defaults when omitted.
+
+    Raises:
+        TypeError: a config of another kind, or a bool / non-real value.
+        ValueError: a non-scalar value, or a concrete scale outside ``[min_scale, max_scale]``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import unimp
+        >>> ls = DynamicLossScale.from_config(unimp.DynamicLossScale(init_scale=4.0, min_scale=0.25))
+        >>> step = jax.jit(lambda s: s.adjust(jnp.array(False)))
+        >>> for _ in range(4):
+        ...     ls = step(ls)
+        >>> float(ls.loss_scale), ls.config.min_scale
+        (0.25, 0.25)
+    """
+
+    config: core.DynamicLossScale = field(default=None, metadata=_STATIC)
+
+    _config_cls: ClassVar[type] = core.DynamicLossScale
+
+    def _default_config(self) -> core.DynamicLossScale:
+        if self.loss_scale is not None and _concrete(self.loss_scale):
+            return core.DynamicLossScale(init_scale=float(np.asarray(self.loss_scale, np.float64)))
+        return core.DynamicLossScale()
+
+    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
+        if not _concrete(scale):
+            return
+        value = float(scale)
+        hi = cfg.max_scale if cfg.max_scale is not None else float(np.finfo(np.float32).max)
+        if not cfg.floor <= value <= hi:
+            raise ValueError(
+                f"DynamicLossScale.loss_scale ({value}) must be in [min_scale, max_scale] = "
+                f"[{cfg.floor}, {cfg.max_scale}]; change the config or the scale."
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> DynamicLossScale:
+        """The loss scale of :meth:`unimp.DynamicLossScale.preset` (``"jmp"``, ``"flax"``,
+        ``"torch"``, ...), in its initial state.
+
+        Raises:
+            ValueError: unknown preset name or bad override.
+        """
+        return cls.from_config(core.DynamicLossScale.preset(name, **overrides))
+
+    # jmp's names for the config, read-only.
+    @property
+    def period(self) -> int:
+        """jmp's name for ``config.growth_interval``."""
+        return self.config.growth_interval
+
+    @property
+    def factor(self) -> float:
+        """jmp's name for ``config.growth_factor``."""
+        return self.config.growth_factor
+
+    @property
+    def min_loss_scale(self) -> float:
+        """jmp's name for the floor (``config.floor``)."""
+        return self.config.floor
+
+
+@_register_pytree
+@dataclass(frozen=True, eq=False)
+class StaticLossScale(_LossScale):
+    """A fixed loss scale as a pytree (jmp.StaticLossScale), counting skipped steps.
+
+    ``adjust`` never changes the scale; it counts non-finite steps (they are still skipped).
+
+    Args:
+        loss_scale: the scale; given without ``config`` it becomes ``config.scale``.
+        counter, consecutive_skips, total_skips: integer scalars, default 0.
+        config: a :class:`unimp.StaticLossScale`.
+
+    Raises:
+        TypeError: a config of another kind, or a bool / non-real value.
+        ValueError: a concrete ``loss_scale`` different from ``config.scale``.
+    """
+
+    config: core.StaticLossScale = field(default=None, metadata=_STATIC)
+
+    _config_cls: ClassVar[type] = core.StaticLossScale
+
+    def _default_config(self) -> core.StaticLossScale:
+        if self.loss_scale is None:
+            return core.StaticLossScale()
+        if not _concrete(self.loss_scale):
+            raise TypeError("StaticLossScale needs config= when built from a traced value.")
+        return core.StaticLossScale(float(np.asarray(self.loss_scale, np.float64)))
+
+    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
+        if _concrete(scale) and float(scale) != cfg.scale:
+            raise ValueError(
+                f"StaticLossScale.loss_scale ({float(scale)}) must equal config.scale ({cfg.scale})."
+            )
+
+
+@_register_pytree
+@dataclass(frozen=True, eq=False)
+class NoOpLossScale(_LossScale):
+    """No loss scaling (jmp.NoOpLossScale): ``scale``/``unscale`` return the tree unchanged,
+    ``loss_scale`` is 1.0 (float32), and ``adjust`` still counts skipped steps.
+
+    Args:
+        loss_scale: must be 1 when given.
+        counter, consecutive_skips, total_skips: integer scalars, default 0.
+        config: a :class:`unimp.NoLossScale`.
+    """
+
+    config: core.NoLossScale = field(default=None, metadata=_STATIC)
+
+    _config_cls: ClassVar[type] = core.NoLossScale
+
+    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
+        if _concrete(scale) and float(scale) != 1.0:
+            raise ValueError(f"NoOpLossScale.loss_scale must be 1.0, got {float(scale)}.")
+
+    def scale(self, tree: Any) -> Any:
+        """Returns ``tree`` unchanged."""
+        return tree
+
+    def unscale(self, tree: Any) -> Any:
+        """Returns ``tree`` unchanged."""
+        return tree
+
+
+_PYTREE_FOR: dict[type, type] = {
+    core.DynamicLossScale: DynamicLossScale,
+    core.StaticLossScale: StaticLossScale,
+    core.NoLossScale: NoOpLossScale,
+}
+
+LossScale = DynamicLossScale | StaticLossScale | NoOpLossScale
+
+
+def loss_scale_from_config(
+    config: Any = "dynamic", state: core.LossScaleState | None = None
+) -> LossScale:
+    """The loss-scale pytree for any core config.
+
+    Args:
+        config: a core config, or anything :func:`unimp.loss_scale.loss_scale_from_dict`
+            accepts (``"dynamic"``, ``"none"``, a number, a dict); a loss-scale pytree is
+            returned unchanged.
+        state: an optional :class:`unimp.LossScaleState` to start from.
+
+    Raises:
+        ValueError: an unknown loss-scale spec.
+    """
+    if isinstance(config, _LossScale):
+        return config
+    cfg = core.loss_scale_from_dict(config)
+    return _PYTREE_FOR[type(cfg)].from_config(cfg, state)
+
+
+def loss_scale_from_state_dict(d: Mapping[str, Any]) -> LossScale:
+    """The loss-scale pytree of the right kind for a portable state dict (from any backend).
+
+    Raises:
+        ValueError: a bad or foreign state dict; the message names the key.
+    """
+    config, state = core.from_state_dict(d)
+    return _PYTREE_FOR[type(config)].from_config(config, state)
+
+
+# --------------------------------------------------------------------------------------------
+# optax
+# --------------------------------------------------------------------------------------------
+
+
+class LossScaleOptState(NamedTuple):
+    """State of :func:`loss_scaling`: the loss-scale pytree and the inner optimizer's state."""
+
+    loss_scale: Any
+    inner_state: Any
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation, loss_scale: Any = "dynamic"
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax optimizer with loss scaling; the scale lives in the optimizer state.
+
+    ``update`` takes the *scaled* gradients, unscales them, and when they (and the loss, if
+    given as ``value=``) are finite, runs the inner optimizer. A non-finite step is skipped:
+    the updates are zeros (negative zeros, so ``optax.apply_updates`` leaves every parameter
+    bitwise unchanged, ``-0.0`` included), the inner state is returned bitwise unchanged, and
+    the skip is counted. The scale is adjusted by unimp's algorithm either way. Unlike
+    ``optax.apply_if_finite`` it never gives up and applies a non-finite update.
+
+    Read the scale for the next loss with :func:`get_loss_scale`. Works inside
+    :class:`MultiSteps` (a window with a non-finite micro-batch is skipped whole).
+
+    Args:
+        inner: the optax optimizer to protect.
+        loss_scale: a core config, a loss-scale pytree, or a spec such as ``"dynamic"``.
+
+    Returns:
+        A ``GradientTransformationExtraArgs``; ``update(updates, state, params=None, *,
+        value=None, **extra_args)`` where ``value`` is the unscaled loss (its non-finiteness is
+        a forward overflow: skipped without reducing the scale). Extra args go to ``inner``.
+
+    Raises:
+        TypeError: ``inner`` is not an optax GradientTransformation.
+        ValueError: a bad loss-scale spec.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> opt = loss_scaling(optax.sgd(1.0), 8.0)
+        >>> state = opt.init(jnp.zeros(2))
+        >>> updates, state = opt.update(jnp.array([jnp.nan, 0.0]), state)
+        >>> updates.tolist(), int(get_loss_scale(state).total_skips)
+        ([-0.0, -0.0], 1)
+    """
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"loss_scaling needs an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(inner).__name__}."
+        )
+    initial = loss_scale_from_config(loss_scale)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScaleOptState:
+        return LossScaleOptState(initial, inner.init(params))
+
+    def update_fn(
+        updates: Any, state: LossScaleOptState, params: Any = None, **extra_args: Any
+    ) -> Any:
+        ls = state.loss_scale
+        grads = ls.unscale(updates)
+        grads_finite = all_finite(grads)
+        value = extra_args.get("value")
+        loss_finite = jnp.array(True) if value is None else all_finite(value)
+        applied = grads_finite & loss_finite
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)), new_updates
+        )
+        inner_state = _keep_unless(applied, new_inner, state.inner_state)
+        return new_updates, LossScaleOptState(ls.adjust(grads_finite, loss_finite), inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """The loss-scale pytree inside an optimizer state built with :func:`loss_scaling`.
+
+    Searches nested states (``optax.chain``, :class:`MultiSteps`, ...). Inside ``MultiSteps``
+    this is the committed scale, constant through an accumulation window. Scale the loss with
+    ``get_loss_scale(opt_state).scale(loss)``.
+
+    Raises:
+        ValueError: none or more than one :class:`LossScaleOptState` in ``opt_state``.
+    """
+    found = [
+        x.loss_scale
+        for x in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, LossScaleOptState)
+        )
+        if isinstance(x, LossScaleOptState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one loss_scaling(...) state in the optimizer state, found {len(found)}; "
+            "wrap the optimizer once with unimp.backends.jax.loss_scaling."
+        )
+    return found[0]
+
+
+class MultiSteps(optax.MultiSteps):
+    """``optax.MultiSteps`` whose gradient accumulator is reset to exact zeros after a window.
+
+    optax resets the accumulator by multiplying it by zero, which leaves NaN (``0 * nan``)
+    after a window with a non-finite micro-batch, so every later window is non-finite and
+    skipped too. This subclass replaces the accumulator with ``zeros`` whenever a window
+    ends, so with :func:`loss_scaling` as the inner optimizer a bad window is skipped whole and
+    the next one starts clean. Arguments are optax.MultiSteps's.
+    """
+
+    def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        new_updates, new_state = super().update(updates, state, params, **extra_args)
+        window_done = new_state.mini_step == 0
+        acc = jax.tree_util.tree_map(
+            lambda a: jnp.where(window_done, jnp.zeros_like(a), a), new_state.acc_grads
+        )
+        return new_updates, new_state._replace(acc_grads=acc)
+
+
+# --------------------------------------------------------------------------------------------
+# MixedPrecision and the train step
+# --------------------------------------------------------------------------------------------
+
+
+class MixedPrecision(MixedPrecisionBase):
+    """A recipe bound to JAX.
+
+    JAX has no autocast: casts happen at function boundaries (:meth:`apply`, as jmp) and inside
+    flax modules given :meth:`module_kwargs`.
+
+    Args:
+        recipe: a :class:`unimp.Recipe` or anything :func:`unimp.get_recipe` accepts.
+
+    Raises:
+        ValueError: an unknown recipe, or a float64 policy while JAX runs in 32-bit mode.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> mp = MixedPrecision("mixed_float16")
+        >>> mp.cast_to_compute({"x": jnp.ones(2), "n": jnp.int32(1)})["x"].dtype
+        dtype('float16')
+    """
+
+    backend = "jax"
+
+    def __init__(self, recipe: Any = "mixed_float16") -> None:
+        super().__init__(recipe)
+        p = self.policy
+        self._dtypes = tuple(to_dtype(d) for d in (p.param_dtype, p.compute_dtype, p.output_dtype))
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        """The JAX dtype parameters are stored in."""
+        return self._dtypes[0]
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The JAX dtype the maths runs in."""
+        return self._dtypes[1]
+
+    @property
+    def output_dtype(self) -> np.dtype:
+        """The JAX dtype floating outputs are returned in."""
+        return self._dtypes[2]
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Floating array leaves to the compute dtype (see :func:`cast_tree`)."""
+        return cast_tree(tree, self.compute_dtype)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Floating array leaves to the param dtype (see :func:`cast_tree`)."""
+        return cast_tree(tree, self.param_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Floating array leaves to the output dtype (see :func:`cast_tree`)."""
+        return cast_tree(tree, self.output_dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """A no-op context manager: JAX has no autocast (use :meth:`apply` or
+        :meth:`module_kwargs`). Provided so framework-neutral code runs unchanged."""
+        return contextlib.nullcontext()
+
+    def apply(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wraps ``fn(params, *inputs)`` jmp-style.
+
+        Params and floating inputs are cast to the compute dtype, floating outputs to the
+        output dtype; integer and boolean leaves pass through.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(
+                f"apply() needs a function fn(params, *inputs), got {type(fn).__name__}."
+            )
+
+        @functools.wraps(fn)
+        def wrapped(params: Any, *inputs: Any) -> Any:
+            out = fn(self.cast_to_compute(params), *self.cast_to_compute(inputs))
+            return self.cast_to_output(out)
+
+        return wrapped
+
+    def module_kwargs(self) -> dict[str, Any]:
+        """``{"dtype": compute, "param_dtype": param}`` for flax linen and nnx modules.
+
+        The dtype is explicit: flax's ``dtype=None`` promotes half inputs back to float32 when
+        parameters are float32. Normalization layers given these keep float32 parameters and
+        statistics (flax computes mean and variance in at least float32) and return the
+        compute dtype.
+        """
+        return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
+
+    def init_loss_scale(self) -> LossScale:
+        """The recipe's loss scale as a pytree in its initial state."""
+        return loss_scale_from_config(self.loss_scale)
+
+    def prepare(
+        self, params: Any, optimizer: optax.GradientTransformation | None = None
+    ) -> tuple[Any, Any]:
+        """Applies the recipe to parameters and an optax optimizer.
+
+        Args:
+            params: a pytree; floating leaves are cast to the param dtype.
+            optimizer: an optax optimizer, wrapped with :func:`loss_scaling` using the recipe's
+                loss scale; ``None`` to skip.
+
+        Returns:
+            ``(params, optimizer)``; scale the loss with ``get_loss_scale(opt_state).scale``.
+        """
+        opt = None if optimizer is None else loss_scaling(optimizer, self.loss_scale)
+        return self.cast_to_param(params), opt
+
+    def train_step(
+        self,
+        loss_fn: Callable[[Any, Any], Any],
+        optimizer: optax.GradientTransformation,
+        params: Any,
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+    ) -> TrainStep:
+        """A jitted training step holding params, optimizer state and loss-scale state.
+
+        See :class:`TrainStep`. ``loss_fn(params, batch)`` returns a scalar loss; make it run
+        in the compute dtype with :meth:`apply` or flax modules built with
+        :meth:`module_kwargs`.
+        """
+        return TrainStep(
+            self,
+            loss_fn,
+            optimizer,
+            params,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm,
+        )
+
+
+def _device_leaf(x: Any) -> Any:
+    return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
+
+
+def _contains_loss_scaling(state: Any) -> bool:
+    return any(
+        isinstance(x, LossScaleOptState)
+        for x in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, LossScaleOptState)
+        )
+    )
+
+
+class TrainStep:
+    """One jitted step ``step(batch) -> StepResult`` with params, optimizer state and loss scale.
+
+    Each call runs one compiled function (the second call with the same shapes does not
+    recompile; :attr:`traces` counts tracings): the loss is scaled, gradients are taken,
+    unscaled once, checked, optionally clipped, and applied. Rules, as in every unimp backend:
+
+    * clipping acts on the unscaled gradients (``grad_norm`` is the global L2 norm before
+      clipping; clipping follows optax.clip_by_global_norm: ``g * max_norm / norm`` when the
+      norm exceeds ``max_norm``);
+    * a non-finite gradient skips the step and backs the scale off; a non-finite loss
+      (forward overflow) skips the step without changing the scale; every loss-scale kind
+      skips and counts non-finite steps;
+    * a skipped step leaves params and the whole optimizer state bitwise unchanged;
+    * with ``grad_accum_steps=k`` every batch leaf is split along axis 0 into ``k``
+      micro-batches (run with ``lax.scan``); the gradient is the mean of the micro-batch
+      gradients, accumulated from exact zeros, unscaled once, and the whole window is
+      skipped when any micro-batch is non-finite. ``loss`` is the mean micro-batch loss.
+
+    Args:
+        mp: the :class:`MixedPrecision`.
+        loss_fn: ``loss_fn(params, batch)`` returning a scalar loss.
+        optimizer: an optax optimizer (not wrapped with :func:`loss_scaling`: the step scales
+            the loss itself).
+        params: the initial params; floating leaves are cast to the param dtype.
+        grad_accum_steps: micro-batches per optimizer step, >= 1.
+        max_grad_norm: clip the global norm of the unscaled gradients to this; ``None`` for no
+            clipping (``grad_norm`` is then not computed and reported as ``None``).
+
+    Raises:
+        TypeError: ``loss_fn`` not callable or ``optimizer`` not an optax transformation.
+        ValueError: a bad ``grad_accum_steps`` / ``max_grad_norm``, or an optimizer already
+            wrapped with :func:`loss_scaling`.
+    """
+
+    def __init__(
+        self,
+        mp: MixedPrecision,
+        loss_fn: Callable[[Any, Any], Any],
+        optimizer: optax.GradientTransformation,
+        params: Any,
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be callable as loss_fn(params, batch), got {type(loss_fn).__name__}."
+            )
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(
+                f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
+            )
+        if (
+            isinstance(grad_accum_steps, bool)
+            or not isinstance(grad_accum_steps, (int, np.integer))
+            or grad_accum_steps < 1
+        ):
+            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, (int, float, np.number)
+            ):
+                raise ValueError(
+                    f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}."
+                )
+            if not (math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0):
+                raise ValueError(
+                    f"max_grad_norm must be finite and > 0, or None; got {max_grad_norm!r}."
+                )
+            max_grad_norm = float(max_grad_norm)
+        # Host leaves (NumPy arrays, Python floats) become device arrays of a fixed dtype now, so
+        # the first call's signature equals every later one's and nothing recompiles.
+        params = jax.tree_util.tree_map(_device_leaf, mp.cast_to_param(params))
+        opt_state = jax.tree_util.tree_map(_device_leaf, optimizer.init(params))
+        if _contains_loss_scaling(opt_state):
+            raise ValueError(
+                "train_step scales the loss itself: pass the plain optax optimizer, not one wrapped "
+                "with loss_scaling() or mp.prepare()."
+            )
+        self._mp = mp
+        self._loss_fn = loss_fn
+        self._optimizer = optimizer
+        self._k = int(grad_accum_steps)
+        self._max_norm = max_grad_norm
+        self._params = params
+        self._opt_state = opt_state
+        self._loss_scale = mp.init_loss_scale()
+        self._traces = 0
+        self._jitted = jax.jit(self._step)
+
+    # -- the pure, jitted step ----------------------------------------------------------------
+
+    def _step(self, params: Any, opt_state: Any, ls: LossScale, batch: Any) -> Any:
+        self._traces += 1  # runs only while tracing: counts compilations
+        k = self._k
+
+        def scaled_loss(p: Any, mb: Any) -> Any:
+            loss = jnp.asarray(self._loss_fn(p, mb))
+            if loss.shape != ():
+                raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
+            loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+            return ls.scale(loss), loss
+
+        grad_fn = jax.grad(scaled_loss, has_aux=True)
+        if k == 1:
+            scaled_grads, loss = grad_fn(params, batch)
+            loss_finite = jnp.isfinite(loss)
+        else:
+            micro = jax.tree_util.tree_map(
+                lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch
+            )
+            zeros = jax.tree_util.tree_map(
+                lambda p: jnp.zeros(
+                    jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)
+                ),
+                params,
+            )
+
+            def body(acc: Any, mb: Any) -> Any:
+                g, micro_loss = grad_fn(params, mb)
+                return jax.tree_util.tree_map(
+                    lambda a, x: a + x.astype(a.dtype), acc, g
+                ), micro_loss
+
+            summed, losses = lax.scan(body, zeros, micro)
+            scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
+            loss = jnp.mean(losses)
+            loss_finite = jnp.all(jnp.isfinite(losses))
+        grads = ls.unscale(scaled_grads)
+        grads_finite = all_finite(grads)
+        grad_norm = None
+        if self._max_norm is not None:
+            grad_norm = optax.tree.norm(grads)
+            max_norm = jnp.float32(self._max_norm)
+            clip = grad_norm > max_norm
+            grads = jax.tree_util.tree_map(
+                lambda g: jnp.where(clip, g * (max_norm / grad_norm).astype(g.dtype), g), grads
+            )
+        updates, new_opt_state = self._optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        applied = grads_finite & loss_finite
+        params = _keep_unless(applied, new_params, params)
+        opt_state = _keep_unless(applied, new_opt_state, opt_state)
+        new_ls = ls.adjust(grads_finite, loss_finite)
+        raw = {
+            "loss": loss,
+            "scale": ls.loss_scale,
+            "applied": applied,
+            "loss_finite": loss_finite,
+            "grads_finite": grads_finite,
+            "grad_norm": grad_norm,
+            "consecutive_skips": new_ls.consecutive_skips,
+            "total_skips": new_ls.total_skips,
+        }
+        return params, opt_state, new_ls, raw
+
+    # -- the stateful face ----------------------------------------------------------------------
+
+    def _check_batch(self, batch: Any) -> None:
+        if self._k == 1:
+            return
+        for path, x in jax.tree_util.tree_leaves_with_path(batch):
+            shape = np.shape(x)
+            if not shape or shape[0] % self._k:
+                raise ValueError(
+                    f"grad_accum_steps={self._k}: batch leaf {jax.tree_util.keystr(path) or '<root>'} "
+                    f"has shape {tuple(shape)}; every leaf needs a leading axis divisible by {self._k} "
+                    "(it is split into micro-batches)."
+                )
+
+    def __call__(self, batch: Any) -> StepResult:
+        """Runs one step on ``batch``; returns its :class:`unimp.StepResult` without syncing.
+
+        Raises:
+            ValueError: with ``grad_accum_steps > 1``, a batch leaf whose leading axis is not
+                divisible by it (nothing is changed).
+        """
+        self._check_batch(batch)
+        params, opt_state, ls, raw = self._jitted(
+            self._params, self._opt_state, self._loss_scale, batch
+        )
+        self._params, self._opt_state, self._loss_scale = params, opt_state, ls
+        return StepResult(raw, to_host=jax.device_get, config=ls.config)
+
+    @property
+    def params(self) -> Any:
+        """The current params."""
+        return self._params
+
+    @property
+    def opt_state(self) -> Any:
+        """The current optimizer state."""
+        return self._opt_state
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """The current loss-scale pytree."""
+        return self._loss_scale
+
+    @property
+    def traces(self) -> int:
+        """How many times the step function has been traced (each trace is a compilation)."""
+        return self._traces
+
+    @property
+    def jitted(self) -> Callable[..., Any]:
+        """The pure jitted function ``(params, opt_state, loss_scale, batch) -> (params,
+        opt_state, loss_scale, raw_results)``, for use in your own loop."""
+        return self._jitted
+
+    def state_dict(self) -> dict[str, Any]:
+        """The portable loss-scale state (:func:`unimp.loss_scale.state_dict`). Params and
+        optimizer state are pytrees: save them with your checkpointer (e.g. orbax)."""
+        return self._loss_scale.state_dict()
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Resumes the loss scale from a portable state dict saved by any backend; the saved
+        config replaces the recipe's.
+
+        Raises:
+            ValueError: a bad or foreign state dict; nothing is changed.
+        """
+        self._loss_scale = loss_scale_from_state_dict(d)
