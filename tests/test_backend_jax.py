@@ -840,7 +840,8 @@ def test_train_step_accumulation_is_mean_of_micro_batch_grads():
     mp = ujax.MixedPrecision("mixed_float16")
     full = mp.train_step(_mse, optax.sgd(0.1), jnp.ones(3))
     accum = mp.train_step(_mse, optax.sgd(0.1), jnp.ones(3), grad_accum_steps=4)
-    r_full, r_acc = full(batch), accum(batch)
+    micro = [{k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()} for i in range(4)]
+    r_full, r_acc = full(batch), accum(micro)
     np.testing.assert_allclose(accum.params, full.params, rtol=1e-6)
     expected_loss = np.mean(
         [
@@ -857,9 +858,9 @@ def test_train_step_accumulation_skips_the_whole_window():
     step = ujax.MixedPrecision("mixed_float16").train_step(
         _mse, optax.sgd(0.1), jnp.ones(3), grad_accum_steps=2
     )
-    r = step({"x": x, "y": jnp.zeros(4)})
+    r = step([{"x": x[:2], "y": jnp.zeros(2)}, {"x": x[2:], "y": jnp.zeros(2)}])
     assert not r.applied and step.params.tolist() == [1.0, 1.0, 1.0]
-    r = step({"x": jnp.ones((4, 3)), "y": jnp.zeros(4)})
+    r = step([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2)
     assert r.applied and step.traces == 1
 
 
@@ -915,10 +916,19 @@ def test_train_step_errors(kwargs, exc, match):
         ujax.MixedPrecision().train_step(**args)
 
 
-def test_train_step_indivisible_batch_changes_nothing():
+@pytest.mark.parametrize(
+    "batch,needle",
+    [
+        ({"x": jnp.ones((6, 3)), "y": jnp.zeros(6)}, "list of 3 micro-batches"),
+        ([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2, "list of 3 micro-batches, got list of length 2"),
+        ([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2 + [{"x": jnp.ones((3, 3)), "y": jnp.zeros(3)}], "micro-batch 2 differs"),
+    ],
+    ids=["not-a-list", "wrong-length", "ragged"],
+)
+def test_train_step_bad_window_changes_nothing(batch, needle):
     step = ujax.MixedPrecision().train_step(_mse, optax.sgd(0.1), jnp.ones(3), grad_accum_steps=3)
-    with pytest.raises(ValueError, match="divisible by 3"):
-        step({"x": jnp.ones((4, 3)), "y": jnp.zeros(4)})
+    with pytest.raises(ValueError, match=needle):
+        step(batch)
     assert step.params.tolist() == [1.0, 1.0, 1.0] and step.traces == 0
 
 

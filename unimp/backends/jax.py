@@ -979,8 +979,9 @@ class TrainStep:
       (forward overflow) skips the step without changing the scale; every loss-scale kind
       skips and counts non-finite steps;
     * a skipped step leaves params and the whole optimizer state bitwise unchanged;
-    * with ``grad_accum_steps=k`` every batch leaf is split along axis 0 into ``k``
-      micro-batches (run with ``lax.scan``); the gradient is the mean of the micro-batch
+    * with ``grad_accum_steps=k`` each call takes a list of ``k`` micro-batches of one
+      structure and shapes (the same call shape in every backend; run with ``lax.scan``
+      over them stacked inside the jitted step); the gradient is the mean of the micro-batch
       gradients, accumulated from exact zeros, unscaled once, and the whole window is
       skipped when any micro-batch is non-finite. ``loss`` is the mean micro-batch loss.
 
@@ -1074,9 +1075,8 @@ class TrainStep:
             scaled_grads, loss = grad_fn(params, batch)
             loss_finite = jnp.isfinite(loss)
         else:
-            micro = jax.tree_util.tree_map(
-                lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch
-            )
+            # batch is a sequence of k micro-batches of one structure: stacked inside the jit
+            micro = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batch)
             zeros = jax.tree_util.tree_map(
                 lambda p: jnp.zeros(
                     jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)
@@ -1127,21 +1127,27 @@ class TrainStep:
     def _check_batch(self, batch: Any) -> None:
         if self._k == 1:
             return
-        for path, x in jax.tree_util.tree_leaves_with_path(batch):
-            shape = np.shape(x)
-            if not shape or shape[0] % self._k:
+        k = self._k
+        if not isinstance(batch, (list, tuple)) or len(batch) != k:
+            got = f"{type(batch).__name__} of length {len(batch)}" if isinstance(batch, (list, tuple)) else type(batch).__name__
+            raise ValueError(
+                f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got {got}."
+            )
+        first = jax.tree_util.tree_structure(batch[0])
+        shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(batch[0])]
+        for i, mb in enumerate(batch[1:], 1):
+            if jax.tree_util.tree_structure(mb) != first or [np.shape(x) for x in jax.tree_util.tree_leaves(mb)] != shapes:
                 raise ValueError(
-                    f"grad_accum_steps={self._k}: batch leaf {jax.tree_util.keystr(path) or '<root>'} "
-                    f"has shape {tuple(shape)}; every leaf needs a leading axis divisible by {self._k} "
-                    "(it is split into micro-batches)."
+                    f"micro-batch {i} differs in structure or shapes from micro-batch 0; every "
+                    "micro-batch of a window must have the same structure and shapes."
                 )
 
     def __call__(self, batch: Any) -> StepResult:
         """Runs one step on ``batch``; returns its :class:`unimp.StepResult` without syncing.
 
         Raises:
-            ValueError: with ``grad_accum_steps > 1``, a batch leaf whose leading axis is not
-                divisible by it (nothing is changed).
+            ValueError: with ``grad_accum_steps=k > 1``, ``batch`` is not a list of ``k``
+                micro-batches of one structure and shapes (nothing is changed).
         """
         self._check_batch(batch)
         params, opt_state, ls, raw = self._jitted(
