@@ -70,7 +70,7 @@ def test_float64_without_x64_names_the_fix():
 def test_device_info_and_version():
     info = ujax.device_info()
     assert len(info) == len(jax.devices())
-    assert set(info[0]) == {"device", "float16", "bfloat16", "recommended"}
+    assert set(info[0]) == {"device", "kind", "float16", "bfloat16", "recommended"}
     unimp.get_recipe(info[0]["recommended"])  # a name the parser accepts
     assert ujax.framework_version() == jax.__version__
 

@@ -15,6 +15,7 @@ __all__ = [
     "DTYPE_ALIASES",
     "HALF_DTYPES",
     "canonical_dtype",
+    "device_support",
     "finfo",
     "is_half",
 ]
@@ -184,3 +185,39 @@ def finfo(dtype: Any) -> _FInfo:
         ValueError: ``dtype`` is not a supported floating dtype.
     """
     return _FINFO[canonical_dtype(dtype)]
+
+
+def device_support(kind: str, compute_capability: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Which half dtypes a device runs and the recipe unimp recommends there, one rule for
+    every backend (each backend only reports the device's kind and compute capability).
+
+    * ``cpu``: float16 and bfloat16 both run (mostly emulated, rarely faster): ``float32``.
+    * ``tpu``: bfloat16 is native, float16 is not: ``mixed_bfloat16``.
+    * ``gpu``: float16 from compute capability 5.3 (tensor cores from 7.0), bfloat16 from 8.0
+      (Ampere): ``mixed_bfloat16`` from 8.0 (no loss scaling needed), ``mixed_float16`` from
+      7.0, else ``float32``. An unknown capability (e.g. ROCm) assumes float16 only.
+
+    Args:
+        kind: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+        compute_capability: ``(major, minor)`` of an NVIDIA GPU, or ``None``.
+
+    Returns:
+        ``{"kind", "float16": bool, "bfloat16": bool, "recommended": recipe name}``.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind == "cpu":
+        f16, bf16, rec = True, True, "float32"
+    elif kind == "tpu":
+        f16, bf16, rec = False, True, "mixed_bfloat16"
+    elif kind == "gpu":
+        if compute_capability is None:
+            f16, bf16, rec = True, False, "mixed_float16"
+        else:
+            cc = tuple(int(v) for v in compute_capability)
+            f16, bf16 = cc >= (5, 3), cc >= (8, 0)
+            rec = "mixed_bfloat16" if bf16 else "mixed_float16" if cc >= (7, 0) else "float32"
+    else:
+        raise ValueError(f"device kind must be 'cpu', 'gpu' or 'tpu', got {kind!r}.")
+    return {"kind": kind, "float16": f16, "bfloat16": bf16, "recommended": rec}

@@ -36,7 +36,7 @@ from jax import lax
 
 from unimp import loss_scale as core
 from unimp.backends._base import MixedPrecisionBase
-from unimp.dtypes import canonical_dtype
+from unimp.dtypes import canonical_dtype, device_support
 from unimp.step import StepResult
 
 __all__ = [
@@ -223,30 +223,24 @@ def _keep_unless(pred: jax.Array, new: Any, old: Any) -> Any:
 
 
 def device_info() -> list[dict[str, Any]]:
-    """What each JAX device runs, for ``unimp info``.
+    """For ``unimp info``: each JAX device with its kind, the half dtypes it runs and the
+    recommended recipe, by the core rule :func:`unimp.dtypes.device_support`.
 
     Returns:
-        One dict per device in ``jax.devices()``: ``device`` (its string), ``float16`` and
-        ``bfloat16`` (bools: XLA runs the dtype there; bfloat16 on NVIDIA GPUs needs compute
-        capability 8.0 or newer for native support) and ``recommended`` (a recipe name:
-        ``mixed_bfloat16`` on TPUs and Ampere-or-newer GPUs, ``mixed_float16`` on older GPUs,
-        ``float32`` on CPUs, where half precision is emulated and rarely faster).
+        ``[{"device", "kind", "float16", "bfloat16", "recommended"}, ...]``, one per
+        ``jax.devices()`` entry.
     """
     out = []
     for d in jax.devices():
         platform = d.platform.lower()
-        f16, bf16, rec = True, True, "float32"
-        if platform == "tpu":
-            rec = "mixed_bfloat16"
-        elif platform in ("gpu", "cuda", "rocm"):
-            cc = getattr(d, "compute_capability", None)
+        kind = "tpu" if platform == "tpu" else "cpu" if platform == "cpu" else "gpu"
+        cc = None
+        if kind == "gpu":
             try:
-                major = int(str(cc).split(".")[0])
+                cc = tuple(int(v) for v in str(getattr(d, "compute_capability", "")).split(".")[:2])
             except ValueError:
-                major = None
-            bf16 = platform == "rocm" or major is None or major >= 8
-            rec = "mixed_bfloat16" if bf16 else "mixed_float16"
-        out.append({"device": str(d), "float16": f16, "bfloat16": bf16, "recommended": rec})
+                cc = None
+        out.append({"device": str(d), **device_support(kind, cc if cc and len(cc) == 2 else None)})
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 
 from unimp import loss_scale as _ls
 from unimp.backends._base import COMMON_API, MixedPrecisionBase
-from unimp.dtypes import canonical_dtype, finfo
+from unimp.dtypes import canonical_dtype, device_support, finfo
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -208,29 +208,19 @@ def _dtype_ok(device: torch.device, dtype: torch.dtype, autocast: bool) -> str |
 
 
 def device_info() -> list[dict[str, Any]]:
-    """For ``unimp info``: each device, whether it runs float16 and bfloat16, and the
-    recommended recipe name (bfloat16 where native, since it needs no loss scaling)."""
-    devices = [torch.device("cpu")]
+    """For ``unimp info``: each device with its kind, the half dtypes it runs and the
+    recommended recipe, by the core rule :func:`unimp.dtypes.device_support`.
+
+    Returns:
+        ``[{"device", "kind", "float16", "bfloat16", "recommended"}, ...]``: the CPU, then
+        each CUDA device.
+    """
+    out = [{"device": "cpu", **device_support("cpu")}]
     if torch.cuda.is_available():
-        devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    out = []
-    for dev in devices:
-        if dev.type == "cuda":
-            with torch.cuda.device(dev):
-                bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-            name = f"{dev} ({torch.cuda.get_device_name(dev)})"
-            f16 = True
-        else:
-            name, f16 = str(dev), _dtype_ok(dev, torch.float16, True) is None
-            bf16 = _dtype_ok(dev, torch.bfloat16, True) is None
-        out.append(
-            {
-                "device": name,
-                "float16": f16,
-                "bfloat16": bf16,
-                "recommended": "mixed_bfloat16" if bf16 else ("mixed_float16" if f16 else "float32"),
-            }
-        )
+        for i in range(torch.cuda.device_count()):
+            dev = torch.device("cuda", i)
+            entry = device_support("gpu", torch.cuda.get_device_capability(dev))
+            out.append({"device": f"{dev} ({torch.cuda.get_device_name(dev)})", **entry})
     return out
 
 
