@@ -635,3 +635,40 @@ def test_none_loss_scale_keeps_scale_one_and_counts_skips():
     w = keras.Variable(1.0)
     opt.apply([tf.constant(np.nan)], [w])
     assert float(opt.dynamic_scale.numpy()) == 1.0 and int(opt.total_skips.numpy()) == 1
+
+
+def test_prepare_warns_when_model_built_outside_autocast():
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.warns(UserWarning, match="autocast"):
+        mp.prepare(model)
+
+
+# ------------------------------------------------------------------------------------------
+# examples
+# ------------------------------------------------------------------------------------------
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def _example(name):
+    import runpy
+
+    return runpy.run_path(os.path.join(EXAMPLES, name), run_name="unimp_example")["main"]
+
+
+def test_example_keras_mlp_fit():
+    before = keras.config.dtype_policy()
+    out = _example("keras_mlp_fit.py")(samples=256, epochs=1, batch_size=64)
+    assert out["output_dtype"] == np.float32 and math.isfinite(out["history"]["loss"][0])
+    assert type(out["optimizer"]) is utf.LossScaleOptimizer and int(out["optimizer"].iterations.numpy()) == 4
+    assert keras.config.dtype_policy() == before
+
+
+def test_example_tf_keras2_custom_loop():
+    out = _example("tf_keras2_custom_loop.py")(samples=256, epochs=1, batch_size=64)
+    opt = out["optimizer"]
+    assert math.isfinite(out["losses"][0])
+    # every one of the 4 batches is either applied or counted as skipped, never both
+    assert int(opt.iterations.numpy()) + int(opt.total_skips.numpy()) == 4
+    assert out["model"].output.dtype == "float32"

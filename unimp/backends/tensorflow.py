@@ -344,7 +344,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         >>> w = keras.Variable(1.0)
         >>> with tf.GradientTape() as tape:
         ...     loss = opt.scale_loss(0.5 * w * w)
-        >>> opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+        >>> _ = opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
         >>> float(w.numpy())
         0.8999999761581421
     """
@@ -557,6 +557,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads_finite = all_finite([g for g in unscaled if g is not None])
         loss_finite = tf.convert_to_tensor(self._loss_finite)
         self._apply_unscaled(unscaled, variables, grads_finite, loss_finite)
+
+    def apply_gradients(self, grads_and_vars: Any) -> Any:
+        """``apply(grads, variables)`` from ``(gradient, variable)`` pairs (tf.keras 2 / Keras API).
+
+        Returns:
+            The inner optimizer's ``iterations`` (as tf.keras 2 did).
+        """
+        pairs = list(grads_and_vars)
+        if pairs:
+            grads, variables = zip(*pairs)
+            self.apply(list(grads), list(variables))
+        return self.iterations
 
     def _apply_unscaled(
         self, unscaled: list[Any], variables: list[Any] | None, grads_finite: Any, loss_finite: Any
