@@ -59,11 +59,16 @@ def main(samples: int = 2048, epochs: int = 2, batch_size: int = 128, seed: int 
 
     print(f"recipe      : {mp.recipe.describe()}")
     print(f"optimizer   : {type(optimizer).__module__}.{type(optimizer).__name__}")
-    print(f"layer dtypes: " + ", ".join(f"{l.name}={l.dtype_policy.name}" for l in model.layers))
+    print(
+        "layer dtypes: "
+        + ", ".join(f"{layer.name}={layer.dtype_policy.name}" for layer in model.layers)
+    )
     print(f"output dtype: {probs.dtype}")
     print(f"losses      : {[round(v, 4) for v in history.history['loss']]}")
-    print(f"loss scale  : {float(optimizer.dynamic_scale.numpy()):g} "
-          f"(skipped steps: {int(optimizer.total_skips.numpy())})")
+    print(
+        f"loss scale  : {float(optimizer.dynamic_scale.numpy()):g} "
+        f"(skipped steps: {int(optimizer.total_skips.numpy())})"
+    )
     print(f"fit time    : {seconds:.1f} s")
     return {"history": history.history, "output_dtype": probs.dtype, "optimizer": optimizer}
 

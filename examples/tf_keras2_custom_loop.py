@@ -49,7 +49,9 @@ def main(samples: int = 1024, epochs: int = 2, batch_size: int = 128, seed: int 
     optimizer = keras.optimizers.RMSprop()
     optimizer = LossScaleOptimizer(optimizer)
     loss_object = keras.losses.SparseCategoricalCrossentropy()
-    train_dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(10000).batch(batch_size)
+    train_dataset = (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(10000).batch(batch_size)
+    )
 
     @tf.function
     def train_step(x, y):
@@ -59,7 +61,7 @@ def main(samples: int = 1024, epochs: int = 2, batch_size: int = 128, seed: int 
             scaled_loss = optimizer.get_scaled_loss(loss)
         scaled_gradients = tape.gradient(scaled_loss, model.trainable_variables)
         gradients = optimizer.get_unscaled_gradients(scaled_gradients)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # noqa: B905
         return loss
 
     losses = []
@@ -72,8 +74,10 @@ def main(samples: int = 1024, epochs: int = 2, batch_size: int = 128, seed: int 
         print(f"Epoch {epoch}: loss={losses[-1]:.4f}")
     # ---- end of the unchanged loop ----
 
-    print(f"loss scale {float(optimizer.loss_scale):g}, optimizer steps {int(optimizer.iterations.numpy())}, "
-          f"skipped {int(optimizer.total_skips.numpy())}")
+    print(
+        f"loss scale {float(optimizer.loss_scale):g}, optimizer steps {int(optimizer.iterations.numpy())}, "
+        f"skipped {int(optimizer.total_skips.numpy())}"
+    )
     return {"losses": losses, "optimizer": optimizer, "model": model}
 
 

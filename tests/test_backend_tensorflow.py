@@ -112,14 +112,21 @@ def test_mixed_precision_subclasses_base_and_registry_returns_it():
 def test_other_keras_backend_is_a_clear_error():
     code = "import unimp.backends.tensorflow"
     env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
     assert "KERAS_BACKEND=tensorflow" in proc.stderr and "ImportError" in proc.stderr
 
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("float16", tf.float16), ("bf16", tf.bfloat16), ("float", tf.float32), (tf.float64, tf.float64)],
+    [
+        ("float16", tf.float16),
+        ("bf16", tf.bfloat16),
+        ("float", tf.float32),
+        (tf.float64, tf.float64),
+    ],
 )
 def test_to_dtype(name, expected):
     assert utf.to_dtype(name) == expected
@@ -175,7 +182,9 @@ def test_all_finite(tree, expected):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy, half", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")])
+@pytest.mark.parametrize(
+    "policy, half", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")]
+)
 def test_dtype_audit(policy, half):
     mp = unimp.mixed_precision(policy, backend="tensorflow")
     model = seed_model(mp)
@@ -228,9 +237,16 @@ def test_integer_inputs_and_labels_never_cast():
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     with mp.autocast():
         model = keras.Sequential(
-            [keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 8), keras.layers.Flatten(), keras.layers.Dense(3)]
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(50, 8),
+                keras.layers.Flatten(),
+                keras.layers.Dense(3),
+            ]
         )
-    model, _ = mp.prepare(model, "sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model, _ = mp.prepare(
+        model, "sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     ids = tf.constant(np.random.randint(0, 50, (16, 5)), tf.int32)
     labels = tf.constant(np.random.randint(0, 3, 16), tf.int32)
     assert mp.cast_to_compute((ids, labels)) == (ids, labels)
@@ -254,7 +270,7 @@ def _one_step(opt, w, mode):
         with tf.GradientTape() as tape:
             scaled = opt.scale_loss(0.5 * w * w)
         grads = tape.gradient(scaled, [w])
-    opt.apply_gradients(zip(grads, [w]))
+    opt.apply_gradients(zip(grads, [w], strict=True))
 
 
 @pytest.mark.parametrize("mode", ["keras3", "tf_keras2"])
@@ -291,7 +307,9 @@ def test_bfloat16_recipe_has_no_scaling_and_right_value():
 @pytest.mark.parametrize("compile_", ["eager", "function", "jit"])
 def test_skip_leaves_variables_and_inner_state_unchanged(compile_):
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
-    opt = lso(DynamicLossScale(init_scale=256.0, growth_interval=2), keras.optimizers.Adam(schedule))
+    opt = lso(
+        DynamicLossScale(init_scale=256.0, growth_interval=2), keras.optimizers.Adam(schedule)
+    )
     w = keras.Variable(np.array([1.0, -2.0], np.float32))
 
     def step(g):
@@ -303,7 +321,7 @@ def test_skip_leaves_variables_and_inner_state_unchanged(compile_):
     lr_before = float(opt.inner_optimizer.learning_rate.numpy())
     run(tf.constant([np.nan, 1.0], tf.float32))
     after = [np.array(v.numpy()) for v in opt.inner_optimizer.variables] + [w.numpy()]
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=True):
         assert b.tobytes() == a.tobytes()
     assert int(opt.iterations.numpy()) == 1
     assert float(opt.inner_optimizer.learning_rate.numpy()) == lr_before
@@ -355,7 +373,7 @@ def test_matches_reference_bit_for_bit(config, flags):
     opt = lso(config)
     w = keras.Variable(1.0)
     expected = simulate(config, flags)
-    for (grads_finite, loss_finite), state in zip(flags, expected):
+    for (grads_finite, loss_finite), state in zip(flags, expected, strict=True):
         opt.scale_loss(tf.constant(1.0 if loss_finite else INF))
         opt.apply([tf.constant(1.0 if grads_finite else np.nan)], [w])
         assert opt._state() == state
@@ -366,20 +384,28 @@ def test_matches_reference_bit_for_bit(config, flags):
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
 def test_matches_keras_loss_scale_optimizer(inner, clean, seed):
     rng = np.random.default_rng(seed)
-    init = [rng.standard_normal((3, 2)).astype(np.float32), rng.standard_normal(2).astype(np.float32)]
-    make = {"sgd": lambda: keras.optimizers.SGD(0.01, momentum=0.9), "adam": lambda: keras.optimizers.Adam(1e-3)}
+    init = [
+        rng.standard_normal((3, 2)).astype(np.float32),
+        rng.standard_normal(2).astype(np.float32),
+    ]
+    make = {
+        "sgd": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(1e-3),
+    }
     ref = keras.optimizers.LossScaleOptimizer(make[inner](), dynamic_growth_steps=3)
     ours = lso(DynamicLossScale.preset("keras", growth_interval=3), make[inner]())
     w_ref = [keras.Variable(a) for a in init]
     w_ours = [keras.Variable(a) for a in init]
     for ok in clean:
-        grads = [tf.constant(rng.standard_normal(a.shape).astype(np.float32) * 2.0**15) for a in init]
+        grads = [
+            tf.constant(rng.standard_normal(a.shape).astype(np.float32) * 2.0**15) for a in init
+        ]
         if not ok:
             grads[1] = tf.tensor_scatter_nd_update(grads[1], [[0]], [INF])
         ref.apply(grads, w_ref)
         ours.apply(grads, w_ours)
         assert ours.dynamic_scale.numpy() == ref.dynamic_scale.numpy()
-        for a, b in zip(w_ref, w_ours):
+        for a, b in zip(w_ref, w_ours, strict=True):
             assert a.numpy().tobytes() == b.numpy().tobytes()
     assert int(ours.iterations.numpy()) == int(ref.iterations.numpy()) == sum(clean)
 
@@ -393,7 +419,9 @@ def test_matches_keras_loss_scale_optimizer(inner, clean, seed):
 def test_seed_model_fit_under_mixed_float16(jit_compile):
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     model = seed_model(mp)
-    model, opt = mp.prepare(model, "adam", loss="sparse_categorical_crossentropy", jit_compile=jit_compile)
+    model, opt = mp.prepare(
+        model, "adam", loss="sparse_categorical_crossentropy", jit_compile=jit_compile
+    )
     assert type(model.optimizer) is utf.LossScaleOptimizer and model.optimizer is opt
     x = np.random.rand(128, 784).astype(np.float32)
     y = np.random.randint(0, 10, 128)
@@ -429,7 +457,12 @@ def _used_optimizer():
 def test_state_dict_round_trip_and_resume():
     opt, _ = _used_optimizer()
     saved = json.loads(json.dumps(opt.state_dict()))
-    assert saved["state"] == {"scale": 512.0, "counter": 1, "consecutive_skips": 0, "total_skips": 1}
+    assert saved["state"] == {
+        "scale": 512.0,
+        "counter": 1,
+        "consecutive_skips": 0,
+        "total_skips": 1,
+    }
     fresh = lso(DynamicLossScale(init_scale=1024.0, growth_interval=2))
     fresh.load_state_dict(saved)
     fresh.apply([tf.constant(1.0)], [keras.Variable(0.0)])
@@ -440,10 +473,16 @@ def test_state_dict_round_trip_and_resume():
     "bad",
     [
         {"scale": 65536.0, "_growth_tracker": 3},
-        {"format": "unimp.loss_scale/1", "config": {"kind": "dynamic", "init_scale": 1024.0,
-                                                    "growth_interval": 2}, "state": {"scale": -1.0}},
-        {"format": "unimp.loss_scale/1", "config": {"kind": "static", "scale": 8.0},
-         "state": {"scale": 8.0, "counter": 0, "consecutive_skips": 0, "total_skips": 0}},
+        {
+            "format": "unimp.loss_scale/1",
+            "config": {"kind": "dynamic", "init_scale": 1024.0, "growth_interval": 2},
+            "state": {"scale": -1.0},
+        },
+        {
+            "format": "unimp.loss_scale/1",
+            "config": {"kind": "static", "scale": 8.0},
+            "state": {"scale": 8.0, "counter": 0, "consecutive_skips": 0, "total_skips": 0},
+        },
         "not a dict",
     ],
 )
@@ -462,7 +501,9 @@ def test_keras_checkpoint_round_trip(tmp_path):
     _, opt = mp.prepare(model, keras.optimizers.Adam(0.01), loss="mse")
     x, y = np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32)
     model.fit(x, y, epochs=1, batch_size=2, verbose=0)
-    opt.apply([tf.fill(v.shape, np.nan) for v in model.trainable_variables], model.trainable_variables)
+    opt.apply(
+        [tf.fill(v.shape, np.nan) for v in model.trainable_variables], model.trainable_variables
+    )
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.saving.load_model(path)
@@ -483,7 +524,10 @@ def test_tf_train_checkpoint_round_trip(tmp_path):
 
 
 def test_get_config_round_trip():
-    opt = lso(DynamicLossScale(init_scale=64.0, growth_factor=3.0, max_scale=None), keras.optimizers.Adam(0.5))
+    opt = lso(
+        DynamicLossScale(init_scale=64.0, growth_factor=3.0, max_scale=None),
+        keras.optimizers.Adam(0.5),
+    )
     again = utf.LossScaleOptimizer.from_config(opt.get_config())
     assert again.loss_scale_config == opt.loss_scale_config
     assert float(again.learning_rate.numpy()) == 0.5
@@ -580,30 +624,79 @@ def test_train_step_state_dict_round_trip():
     "make, error, match",
     [
         (lambda: utf.LossScaleOptimizer("adam"), TypeError, "keras.optimizers.Optimizer"),
-        (lambda: utf.LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())),
-         ValueError, "inner_optimizer"),
-        (lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(loss_scale_factor=8.0)), ValueError,
-         "loss_scale_factor"),
-        (lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), loss_scale="sometimes"), ValueError, "dynamic"),
-        (lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), loss_scale=-1.0), ValueError, "scale"),
-        (lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), loss_scale="dynamic", initial_scale=8.0),
-         ValueError, "not both"),
-        (lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), clipnorm=1.0), TypeError, "inner optimizer"),
+        (
+            lambda: utf.LossScaleOptimizer(
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+            ),
+            ValueError,
+            "inner_optimizer",
+        ),
+        (
+            lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(loss_scale_factor=8.0)),
+            ValueError,
+            "loss_scale_factor",
+        ),
+        (
+            lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), loss_scale="sometimes"),
+            ValueError,
+            "dynamic",
+        ),
+        (
+            lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), loss_scale=-1.0),
+            ValueError,
+            "scale",
+        ),
+        (
+            lambda: utf.LossScaleOptimizer(
+                keras.optimizers.SGD(), loss_scale="dynamic", initial_scale=8.0
+            ),
+            ValueError,
+            "not both",
+        ),
+        (
+            lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), clipnorm=1.0),
+            TypeError,
+            "inner optimizer",
+        ),
         (lambda: utf.MixedPrecision("params=float64,compute=float16"), ValueError, "mixed_float16"),
         (lambda: utf.MixedPrecision("mixed_flaot16"), ValueError, "mixed_float16"),
-        (lambda: unimp.mixed_precision("mixed_float16", backend="tensorfow"), ValueError, "tensorflow"),
+        (
+            lambda: unimp.mixed_precision("mixed_float16", backend="tensorfow"),
+            ValueError,
+            "tensorflow",
+        ),
         (lambda: utf.MixedPrecision().prepare("model"), TypeError, "keras.Model"),
         (lambda: utf.MixedPrecision().prepare(Vec([1.0]), object()), TypeError, "optimizer"),
         (lambda: utf.MixedPrecision().prepare(Vec([1.0]), loss="mse"), ValueError, "optimizer"),
         (lambda: utf.MixedPrecision().train_step(Vec([1.0]), "sgd", "loss"), TypeError, "callable"),
-        (lambda: utf.MixedPrecision().train_step(Vec([1.0]), "sgd", linear_loss, grad_accum_steps=0),
-         ValueError, "grad_accum_steps"),
-        (lambda: utf.MixedPrecision().train_step(Vec([1.0]), "sgd", linear_loss, max_grad_norm=-1.0),
-         ValueError, "max_grad_norm"),
-        (lambda: utf.MixedPrecision().train_step(Vec([1.0]), "sgd", linear_loss, max_grad_norm=INF),
-         ValueError, "max_grad_norm"),
-        (lambda: utf.MixedPrecision().train_step(keras.Sequential([keras.layers.Dense(2)]), "sgd", linear_loss),
-         ValueError, "build"),
+        (
+            lambda: utf.MixedPrecision().train_step(
+                Vec([1.0]), "sgd", linear_loss, grad_accum_steps=0
+            ),
+            ValueError,
+            "grad_accum_steps",
+        ),
+        (
+            lambda: utf.MixedPrecision().train_step(
+                Vec([1.0]), "sgd", linear_loss, max_grad_norm=-1.0
+            ),
+            ValueError,
+            "max_grad_norm",
+        ),
+        (
+            lambda: utf.MixedPrecision().train_step(
+                Vec([1.0]), "sgd", linear_loss, max_grad_norm=INF
+            ),
+            ValueError,
+            "max_grad_norm",
+        ),
+        (
+            lambda: utf.MixedPrecision().train_step(
+                keras.Sequential([keras.layers.Dense(2)]), "sgd", linear_loss
+            ),
+            ValueError,
+            "build",
+        ),
         (lambda: utf.to_dtype("int8"), ValueError, "float16"),
     ],
 )
@@ -620,7 +713,10 @@ def test_failed_apply_changes_nothing():
     with pytest.raises(ValueError, match="gradients"):
         opt.apply([tf.constant([1.0, 1.0]), tf.constant(1.0)], [w])
     assert (w.numpy().tobytes(), opt.state_dict(), int(opt.iterations.numpy())) == (
-        before[0].tobytes(), before[1], before[2])
+        before[0].tobytes(),
+        before[1],
+        before[2],
+    )
 
 
 def test_loss_scale_optimizer_mismatch_with_recipe():
@@ -661,7 +757,10 @@ def test_example_keras_mlp_fit():
     before = keras.config.dtype_policy()
     out = _example("keras_mlp_fit.py")(samples=256, epochs=1, batch_size=64)
     assert out["output_dtype"] == np.float32 and math.isfinite(out["history"]["loss"][0])
-    assert type(out["optimizer"]) is utf.LossScaleOptimizer and int(out["optimizer"].iterations.numpy()) == 4
+    assert (
+        type(out["optimizer"]) is utf.LossScaleOptimizer
+        and int(out["optimizer"].iterations.numpy()) == 4
+    )
     assert keras.config.dtype_policy() == before
 
 

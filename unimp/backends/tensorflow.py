@@ -224,7 +224,11 @@ def device_info() -> list[dict[str, Any]]:
                 entry["float16"] = cc >= (5, 3)
                 entry["bfloat16"] = cc >= (8, 0)
                 entry["recommended"] = (
-                    "mixed_bfloat16" if cc >= (8, 0) else "mixed_float16" if cc >= (7, 0) else "float32"
+                    "mixed_bfloat16"
+                    if cc >= (8, 0)
+                    else "mixed_float16"
+                    if cc >= (7, 0)
+                    else "float32"
                 )
             if details.get("device_name"):
                 entry["name"] = details["device_name"]
@@ -404,7 +408,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name="dynamic_scale",
         )
         self.counter = self.add_variable(shape=(), dtype="int32", name="counter")
-        self.consecutive_skips = self.add_variable(shape=(), dtype="int32", name="consecutive_skips")
+        self.consecutive_skips = self.add_variable(
+            shape=(), dtype="int32", name="consecutive_skips"
+        )
         self.total_skips = self.add_variable(shape=(), dtype="int32", name="total_skips")
         self._create_untracked_state()
 
@@ -489,7 +495,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise TypeError(f"scale_loss needs a floating loss, got {loss.dtype.name}.")
         wide = tf.float64 if loss.dtype == tf.float64 else tf.float32
         loss = tf.cast(loss, wide)
-        self._loss_finite.assign(tf.logical_and(self._loss_finite, tf.reduce_all(tf.math.is_finite(loss))))
+        self._loss_finite.assign(
+            tf.logical_and(self._loss_finite, tf.reduce_all(tf.math.is_finite(loss)))
+        )
         return loss * tf.cast(self.dynamic_scale, wide)
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -545,7 +553,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if len(grads) == 0:
             return
         variables = None if trainable_variables is None else list(trainable_variables)
-        known = variables if variables is not None else (self._trainable_variables if self.built else None)
+        known = (
+            variables
+            if variables is not None
+            else (self._trainable_variables if self.built else None)
+        )
         if known is not None and len(known) != len(grads):
             raise ValueError(
                 f"got {len(grads)} gradients for {len(known)} variables; pass one gradient per variable."
@@ -553,7 +565,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._ensure_built(variables)
         known = variables if variables is not None else self._trainable_variables
         scale = tf.convert_to_tensor(self.dynamic_scale)
-        unscaled = [self._unscale_for(g, v, scale) for g, v in zip(grads, known)]
+        unscaled = [self._unscale_for(g, v, scale) for g, v in zip(grads, known, strict=True)]
         grads_finite = all_finite([g for g in unscaled if g is not None])
         loss_finite = tf.convert_to_tensor(self._loss_finite)
         self._apply_unscaled(unscaled, variables, grads_finite, loss_finite)
@@ -566,7 +578,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         pairs = list(grads_and_vars)
         if pairs:
-            grads, variables = zip(*pairs)
+            grads, variables = zip(*pairs, strict=True)
             self.apply(list(grads), list(variables))
         return self.iterations
 
@@ -604,7 +616,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._loss_finite.assign(True)
         return applied, consecutive, total
 
-    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+    def stateless_apply(
+        self, optimizer_variables: Any, grads: Any, trainable_variables: Any
+    ) -> Any:
         raise NotImplementedError(
             "unimp's LossScaleOptimizer is stateful on the TensorFlow backend; use apply() or "
             "apply_gradients()."
@@ -701,7 +715,9 @@ def _batch_to_tensors(batch: Any) -> Any:
 
 def _global_norm(grads: list[Any]) -> tf.Tensor:
     squares = [
-        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32))) for g in grads if g is not None
+        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
+        for g in grads
+        if g is not None
     ]
     if not squares:
         return tf.constant(0.0, tf.float32)
@@ -739,10 +755,14 @@ class TrainStep:
         if grad_accum_steps > 1:
             for v in variables:
                 self.accumulators.append(
-                    tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False, name="grad_accumulator")
+                    tf.Variable(
+                        tf.zeros(v.shape, tf.float32), trainable=False, name="grad_accumulator"
+                    )
                 )
             self._micro = tf.Variable(0, dtype=tf.int32, trainable=False, name="micro_step")
-            self._window_loss = tf.Variable(0.0, dtype=tf.float32, trainable=False, name="window_loss")
+            self._window_loss = tf.Variable(
+                0.0, dtype=tf.float32, trainable=False, name="window_loss"
+            )
             self._window_loss_finite = tf.Variable(True, trainable=False, name="window_loss_finite")
         self.function = tf.function(self._step, jit_compile=jit_compile)
 
@@ -764,7 +784,9 @@ class TrainStep:
 
     # -- traced code -----------------------------------------------------------------------
 
-    def _finish(self, unscaled: list[Any], loss: tf.Tensor, loss_finite: tf.Tensor, scale: tf.Tensor) -> dict:
+    def _finish(
+        self, unscaled: list[Any], loss: tf.Tensor, loss_finite: tf.Tensor, scale: tf.Tensor
+    ) -> dict:
         grads_finite = all_finite([g for g in unscaled if g is not None])
         grad_norm = None
         if self.max_grad_norm is not None:
@@ -809,7 +831,7 @@ class TrainStep:
             return self._finish(unscaled, loss32, loss_finite, scale)
 
         k = self.grad_accum_steps
-        for buf, g in zip(self.accumulators, grads):
+        for buf, g in zip(self.accumulators, grads, strict=True):
             if g is not None:
                 buf.assign_add(tf.cast(tf.convert_to_tensor(g), tf.float32))
         self._window_loss.assign_add(loss32)
@@ -819,14 +841,18 @@ class TrainStep:
         def close_window() -> dict:
             # mean of the scaled micro-batch gradients, then one unscale for the whole window
             unscaled = []
-            for buf, g, v in zip(self.accumulators, grads, variables):
+            for buf, g, v in zip(self.accumulators, grads, variables, strict=True):
                 if g is None:
                     unscaled.append(None)
                 else:
                     mean = tf.convert_to_tensor(buf) / tf.constant(float(k), tf.float32)
                     unscaled.append(tf.cast(mean / scale, v.dtype))
-            window_loss = tf.convert_to_tensor(self._window_loss) / tf.constant(float(k), tf.float32)
-            out = self._finish(unscaled, window_loss, tf.convert_to_tensor(self._window_loss_finite), scale)
+            window_loss = tf.convert_to_tensor(self._window_loss) / tf.constant(
+                float(k), tf.float32
+            )
+            out = self._finish(
+                unscaled, window_loss, tf.convert_to_tensor(self._window_loss_finite), scale
+            )
             # reset the buffers to exact zeros (never by subtracting their own value)
             for buf in self.accumulators:
                 buf.assign(tf.zeros(buf.shape, tf.float32))
@@ -1033,9 +1059,13 @@ class MixedPrecision(MixedPrecisionBase):
                 f"{type(optimizer).__name__}."
             )
         if "optimizer" in compile_kwargs:
-            raise TypeError("pass the optimizer as prepare(model, optimizer, ...), not in compile arguments.")
+            raise TypeError(
+                "pass the optimizer as prepare(model, optimizer, ...), not in compile arguments."
+            )
         if compile_kwargs and optimizer is None:
-            raise ValueError("compile arguments need an optimizer: prepare(model, 'adam', loss=...).")
+            raise ValueError(
+                "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
+            )
         out_policy = self.output_dtype_policy
         wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
         if model.dtype_policy.name != self._keras_name and not self.policy.is_float32:
@@ -1109,14 +1139,26 @@ class MixedPrecision(MixedPrecisionBase):
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
         if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}.")
-        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, (int, np.integer)) or grad_accum_steps < 1:
+            raise TypeError(
+                f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}."
+            )
+        if (
+            isinstance(grad_accum_steps, bool)
+            or not isinstance(grad_accum_steps, (int, np.integer))
+            or grad_accum_steps < 1
+        ):
             raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
         if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.number)):
-                raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}.")
+            if isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, (int, float, np.number)
+            ):
+                raise ValueError(
+                    f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}."
+                )
             if not math.isfinite(float(max_grad_norm)) or float(max_grad_norm) <= 0:
-                raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}.")
+                raise ValueError(
+                    f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}."
+                )
             max_grad_norm = float(max_grad_norm)
         if not model.built or not model.trainable_variables:
             raise ValueError(
@@ -1127,4 +1169,6 @@ class MixedPrecision(MixedPrecisionBase):
             lso = optimizer
         else:
             lso = self.loss_scale_optimizer(optimizer)
-        return TrainStep(model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile))
+        return TrainStep(
+            model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile)
+        )
