@@ -72,12 +72,16 @@ def _check_keras() -> None:
         )
     current = keras.backend.backend()
     if current != "tensorflow":
+        other = (
+            f" or use unimp's {current!r} backend for Keras on {current},"
+            if current in ("jax", "torch")
+            else ""
+        )
         raise ImportError(
             f"unimp's tensorflow backend needs Keras on the TensorFlow backend, but Keras runs on "
             f"{current!r}. Set the environment variable KERAS_BACKEND=tensorflow before Keras is "
             "first imported (e.g. `KERAS_BACKEND=tensorflow python train.py`, or "
-            '"backend": "tensorflow" in ~/.keras/keras.json), or use unimp\'s '
-            f"{'jax' if current == 'jax' else 'torch' if current == 'torch' else current!r} backend."
+            f'"backend": "tensorflow" in ~/.keras/keras.json){other} and restart Python.'
         )
 
 
