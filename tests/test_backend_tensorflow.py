@@ -11,6 +11,8 @@ utf = require_backend("tensorflow")
 
 import json  # noqa: E402
 import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -454,13 +456,10 @@ def test_seed_model_fit(policy, jit_compile):
     assert int(opt.iterations.numpy()) == 8 and float(opt.dynamic_scale.numpy()) == expected_scale
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_fit_forward_overflow_skips_without_lowering_scale(jit_compile):
+def test_fit_forward_overflow_skips_without_lowering_scale():
     # Keras's own optimizer would halve the scale here; unimp's rule leaves it (loss not finite)
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
-    model, opt = mp.prepare(
-        seed_model(mp), "sgd", loss="sparse_categorical_crossentropy", jit_compile=jit_compile
-    )
+    model, opt = mp.prepare(seed_model(mp), "sgd", loss="sparse_categorical_crossentropy")
     x = np.random.rand(64, 784).astype(np.float32)
     x[:32] = np.inf  # first batch: the forward pass overflows
     y = np.random.randint(0, 10, 64)
@@ -571,6 +570,42 @@ def test_get_config_round_trip():
     again = utf.LossScaleOptimizer.from_config(opt.get_config())
     assert again.loss_scale_config == opt.loss_scale_config
     assert float(again.learning_rate.numpy()) == 0.5
+
+
+_MIRRORED = """
+import json, os
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, numpy as np, unimp
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+with strategy.scope():
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3, activation="softmax")])
+    model, opt = mp.prepare(model, "adam", loss="sparse_categorical_crossentropy")
+x = np.random.rand(32, 8).astype("float32")
+x[12:16] = np.inf  # forward overflow on the second replica of the first global batch only
+y = np.random.randint(0, 3, 32)
+model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+v = model.trainable_variables[0].value
+print(json.dumps({"iterations": int(opt.iterations.numpy()), "scale": float(opt.dynamic_scale.numpy()),
+                  "skips": int(opt.total_skips.numpy()),
+                  "in_sync": bool((v.values[0].numpy() == v.values[1].numpy()).all())}))
+"""
+
+
+def test_fit_under_mirrored_strategy():
+    # two logical CPUs must be configured before TensorFlow starts: a fresh process
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "tensorflow"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _MIRRORED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the overflowing replica skips the step on every replica, without lowering the scale
+    assert out == {"iterations": 1, "scale": 2.0**15, "skips": 1, "in_sync": True}
 
 
 # ------------------------------------------------------------------------------------------

@@ -420,9 +420,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @tracking.no_automatic_dependency_tracking
     def _create_untracked_state(self) -> None:
-        # AND of isfinite(loss) over scale_loss calls since the last apply (not checkpointed).
+        # Non-finite losses seen by scale_loss since the last apply (not checkpointed). A
+        # float32 count summed over replicas, so under a tf.distribute strategy a forward
+        # overflow on any replica is seen by all.
         with keras.name_scope(self.name, caller=self):
-            self._loss_finite = tf.Variable(True, trainable=False, name="pending_loss_finite")
+            self._bad_losses = tf.Variable(
+                0.0,
+                trainable=False,
+                name="pending_bad_losses",
+                synchronization=tf.VariableSynchronization.ON_WRITE,
+                aggregation=tf.VariableAggregation.SUM,
+            )
         # Gradients returned by get_unscaled_gradients, by id (weak: nothing is kept alive).
         self._unscaled_grads: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -499,8 +507,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise TypeError(f"scale_loss needs a floating loss, got {loss.dtype.name}.")
         wide = tf.float64 if loss.dtype == tf.float64 else tf.float32
         loss = tf.cast(loss, wide)
-        self._loss_finite.assign(
-            tf.logical_and(self._loss_finite, tf.reduce_all(tf.math.is_finite(loss)))
+        self._bad_losses.assign_add(
+            tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(loss))), tf.float32)
         )
         return loss * tf.cast(self.dynamic_scale, wide)
 
@@ -571,8 +579,40 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = tf.convert_to_tensor(self.dynamic_scale)
         unscaled = [self._unscale_for(g, v, scale) for g, v in zip(grads, known, strict=True)]
         grads_finite = all_finite([g for g in unscaled if g is not None])
-        loss_finite = tf.convert_to_tensor(self._loss_finite)
+        loss_finite = tf.equal(tf.convert_to_tensor(self._bad_losses), 0.0)
+        replica = tf.distribute.get_replica_context()
+        if (
+            tf.distribute.has_strategy()
+            and replica is not None
+            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            # MirroredStrategy & co: the inner optimizer's apply calls merge_call, which may
+            # not run inside a tf.cond in replica context. Agree on one decision (a step is
+            # skipped on every replica when any replica overflowed), then branch in
+            # cross-replica context, as keras.optimizers.LossScaleOptimizer does.
+            bad_grads = tf.cast(tf.logical_not(grads_finite), tf.float32)
+            bad_loss = tf.cast(tf.logical_not(loss_finite), tf.float32)
+            grads_finite = tf.equal(replica.all_reduce("sum", bad_grads), 0.0)
+            loss_finite = tf.equal(replica.all_reduce("sum", bad_loss), 0.0)
+            replica.merge_call(
+                self._cross_replica_apply, args=(unscaled, variables, grads_finite, loss_finite)
+            )
+            return
         self._apply_unscaled(unscaled, variables, grads_finite, loss_finite)
+
+    def _cross_replica_apply(
+        self, distribution: Any, unscaled: Any, variables: Any, grads_finite: Any, loss_finite: Any
+    ) -> None:
+        first = distribution.experimental_local_results
+
+        def apply_inner() -> None:
+            distribution.extended.call_for_each_replica(
+                self.inner_optimizer.apply,
+                args=(unscaled,),
+                kwargs={"trainable_variables": variables},
+            )
+
+        self._update_state(first(grads_finite)[0], first(loss_finite)[0], apply_inner)
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         """``apply(grads, variables)`` from ``(gradient, variable)`` pairs (tf.keras 2 / Keras API).
@@ -594,6 +634,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             ``(applied, consecutive_skips, total_skips)`` after the step (device tensors).
         """
+
+        def apply_inner() -> None:
+            self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+
+        return self._update_state(grads_finite, loss_finite, apply_inner)
+
+    def _update_state(
+        self, grads_finite: Any, loss_finite: Any, apply_inner: Callable[[], None]
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         grads_finite = tf.convert_to_tensor(grads_finite, tf.bool)
         loss_finite = tf.convert_to_tensor(loss_finite, tf.bool)
         applied = tf.logical_and(grads_finite, loss_finite)
@@ -607,17 +656,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             grads_finite,
             loss_finite,
         )
-
-        def apply_inner() -> None:
-            self.inner_optimizer.apply(unscaled, trainable_variables=variables)
-
         # A skipped step must not touch the inner optimizer at all (its iterations included).
         tf.cond(applied, apply_inner, lambda: None)
         self.dynamic_scale.assign(scale)
         self.counter.assign(counter)
         self.consecutive_skips.assign(consecutive)
         self.total_skips.assign(total)
-        self._loss_finite.assign(True)
+        self._bad_losses.assign(0.0)
         return applied, consecutive, total
 
     def stateless_apply(
