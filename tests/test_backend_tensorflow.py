@@ -637,6 +637,33 @@ def test_clipping_acts_on_unscaled_gradients(jit_compile):
     np.testing.assert_array_equal(model.w.numpy(), -np.array([0.6, 0.8], np.float32))
 
 
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_train_step_with_sparse_embedding_gradients(grad_accum_steps):
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential(
+            [keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4), keras.layers.Dense(1)]
+        )
+    mp.prepare(model)
+
+    def loss_fn(model, batch):
+        return tf.reduce_mean(tf.square(model(batch["ids"])))
+
+    step = mp.train_step(
+        model,
+        keras.optimizers.SGD(0.1),
+        loss_fn,
+        grad_accum_steps=grad_accum_steps,
+        max_grad_norm=1.0,
+    )
+    table = model.layers[0].embeddings.numpy().copy()
+    for _ in range(grad_accum_steps):
+        r = step({"ids": np.array([[1, 2, 2]], np.int32)})
+    assert r.applied and math.isfinite(r.grad_norm)
+    changed = np.any(model.layers[0].embeddings.numpy() != table, axis=1)
+    assert changed.tolist() == [False, True, True] + [False] * 7
+
+
 def test_clipping_with_inf_gradient_skips():
     model, step = _step(init=(1.0, 2.0), max_grad_norm=1.0)
     r = step(vec_batch([3.0, 4.0], np.inf))

@@ -762,6 +762,17 @@ def _batch_to_tensors(batch: Any) -> Any:
     return tf.nest.map_structure(conv, batch)
 
 
+def _times(g: Any, factor: tf.Tensor) -> Any:
+    """g * factor in g's dtype (``None`` and ``tf.IndexedSlices`` handled)."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
+    return g * tf.cast(factor, g.dtype)
+
+
 def _global_norm(grads: list[Any]) -> tf.Tensor:
     squares = [
         tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
@@ -843,7 +854,7 @@ class TrainStep:
             grad_norm = _global_norm(unscaled)
             limit = tf.constant(self.max_grad_norm, tf.float32)
             factor = limit / tf.maximum(grad_norm, limit)
-            unscaled = [None if g is None else g * tf.cast(factor, g.dtype) for g in unscaled]
+            unscaled = [_times(g, factor) for g in unscaled]
         applied, consecutive, total = self.optimizer._apply_unscaled(
             unscaled, self._variables, grads_finite, loss_finite
         )
@@ -1131,11 +1142,11 @@ class MixedPrecision(MixedPrecisionBase):
                 "outputs are not cast. Give the output layer dtype=mp.output_dtype_policy.",
                 stacklevel=2,
             )
+        if compile_kwargs:  # first: a bad compile argument leaves the layers untouched
+            model.compile(optimizer=wrapped, **compile_kwargs)
         for layer in layers:
             if layer.dtype_policy.name != out_policy.name:
                 layer.dtype_policy = out_policy
-        if compile_kwargs:
-            model.compile(optimizer=wrapped, **compile_kwargs)
         return model, wrapped
 
     def train_step(
@@ -1166,7 +1177,9 @@ class MixedPrecision(MixedPrecisionBase):
         closing call reports the window's mean loss.
 
         The step is traced once per batch signature (NumPy arrays are converted to tensors;
-        Python numbers in the batch would retrace per value).
+        Python numbers in the batch would retrace per value). It runs on one replica: under a
+        ``tf.distribute`` strategy use ``model.fit`` after :meth:`prepare`, whose optimizer
+        handles replicas.
 
         Args:
             model: a built Keras model (``model.trainable_variables`` non-empty).
