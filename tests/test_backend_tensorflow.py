@@ -485,6 +485,15 @@ def test_prepare_replaces_keras_loss_scale_optimizer():
     assert type(opt) is utf.LossScaleOptimizer and opt.inner_optimizer is inner
 
 
+def test_prepare_warns_about_model_compiled_with_keras_optimizer():
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    model = seed_model(mp)
+    model.compile("adam", loss="sparse_categorical_crossentropy")
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer  # Keras wrapped it
+    with pytest.warns(UserWarning, match="Compile through prepare"):
+        mp.prepare(model)
+
+
 def _used_optimizer():
     opt = lso(DynamicLossScale(init_scale=1024.0, growth_interval=2), keras.optimizers.Adam(0.01))
     w = keras.Variable(np.ones(2, np.float32))

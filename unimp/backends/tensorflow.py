@@ -1096,7 +1096,8 @@ class MixedPrecision(MixedPrecisionBase):
           :meth:`autocast` (a warning says so when the model's policy differs).
         * The optimizer is wrapped in unimp's :class:`LossScaleOptimizer` (not Keras's) with
           the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
-          model is compiled with it, so ``fit`` follows unimp's rule.
+          model is compiled with it, so ``fit`` follows unimp's rule. A model already
+          compiled with another optimizer is left alone, with a warning that says so.
 
         Args:
             model: a ``keras.Model`` (or layer) built inside :meth:`autocast`.
@@ -1133,6 +1134,18 @@ class MixedPrecision(MixedPrecisionBase):
                 f"the model's dtype policy is {model.dtype_policy.name!r}, the recipe's is "
                 f"{self._keras_name!r}: its layers were built outside mp.autocast() and keep their "
                 "dtypes. Build the model inside `with mp.autocast():`.",
+                stacklevel=2,
+            )
+        current = getattr(model, "optimizer", None)
+        if (
+            optimizer is None
+            and current is not None
+            and not isinstance(current, LossScaleOptimizer)
+        ):
+            warnings.warn(
+                f"the model is compiled with {type(current).__name__}, so fit does not follow the "
+                "recipe's loss scale. Compile through prepare instead: "
+                "mp.prepare(model, optimizer, loss=..., metrics=...).",
                 stacklevel=2,
             )
         layers = _output_layers(model)
