@@ -5,8 +5,9 @@ here: :class:`LossScaleOptimizer` runs :func:`unimp.loss_scale.update_arrays` on
 (``tf.where`` and friends), so it traces under ``tf.function``, compiles under ``jit_compile`` and
 matches the NumPy reference bit for bit.
 
-Importing this module imports TensorFlow and Keras and checks that Keras runs on TensorFlow; it
-sets no environment variable and writes no file.
+Importing this module imports TensorFlow and Keras and checks that Keras runs on TensorFlow.
+unimp itself sets no environment variable and writes no file (importing TensorFlow sets a few of
+its own, e.g. ``TF2_BEHAVIOR``; Keras may create ``~/.keras/keras.json``).
 
 Example:
     >>> import unimp
