@@ -262,10 +262,12 @@ def test_integer_inputs_and_labels_never_cast():
 
 
 def _one_step(opt, w, mode):
-    if mode == "tf_keras2":
+    if mode.startswith("tf_keras2"):
         with tf.GradientTape() as tape:
             scaled = opt.get_scaled_loss(0.5 * w * w)
         grads = opt.get_unscaled_gradients(tape.gradient(scaled, [w]))
+        if mode == "tf_keras2_clipped":  # transformed after unscaling: still not divided again
+            grads, _ = tf.clip_by_global_norm(grads, 10.0)
     else:
         with tf.GradientTape() as tape:
             scaled = opt.scale_loss(0.5 * w * w)
@@ -273,7 +275,7 @@ def _one_step(opt, w, mode):
     opt.apply_gradients(zip(grads, [w], strict=True))
 
 
-@pytest.mark.parametrize("mode", ["keras3", "tf_keras2"])
+@pytest.mark.parametrize("mode", ["keras3", "tf_keras2", "tf_keras2_clipped"])
 @pytest.mark.parametrize("compile_", ["eager", "function", "jit"])
 def test_right_value_w_is_0_9_after_one_step(mode, compile_):
     # L = 0.5 w^2, w = 1, SGD lr 0.1, scale 1024 -> w == 0.9 (0.99990234 if divided twice)
@@ -285,6 +287,14 @@ def test_right_value_w_is_0_9_after_one_step(mode, compile_):
         tf.function(lambda: _one_step(opt, w, mode), jit_compile=compile_ == "jit")()
     assert w.numpy() == F32(0.9)
     assert int(opt.iterations.numpy()) == 1 and float(opt.dynamic_scale.numpy()) == 1024.0
+
+
+def test_unscaled_flag_lasts_one_step():
+    opt = lso(StaticLossScale(1024.0), keras.optimizers.SGD(0.1))
+    w = keras.Variable(1.0)
+    _one_step(opt, w, "tf_keras2")
+    _one_step(opt, w, "keras3")  # gradients of the scaled loss again: divided once
+    assert w.numpy() == F32(0.9) - F32(0.1) * F32(0.9)
 
 
 def test_scaled_loss_is_loss_times_scale_in_float32():

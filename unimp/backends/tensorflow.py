@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -318,9 +317,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     same scales and weights as Keras's own optimizer.
 
     The contract: :meth:`apply` / :meth:`apply_gradients` take gradients of the *scaled* loss
-    and divide them by the scale exactly once (float32 division, as Keras). Gradients returned
-    by :meth:`get_unscaled_gradients` (tf.keras 2's custom-loop API) are recognised by identity
-    and not divided again, so a tf.keras 2 loop runs unchanged.
+    and divide them by the scale exactly once (float32 division, as Keras). After
+    :meth:`get_unscaled_gradients` (tf.keras 2's custom-loop API) the next apply takes its
+    gradients as already unscaled, as tf.keras 2 did, so a tf.keras 2 loop runs unchanged.
 
     A skipped step (non-finite gradient or loss) leaves the variables and the whole inner
     optimizer state, ``iterations`` (hence any learning-rate schedule) included, unchanged.
@@ -432,8 +431,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 synchronization=tf.VariableSynchronization.ON_WRITE,
                 aggregation=tf.VariableAggregation.SUM,
             )
-        # Gradients returned by get_unscaled_gradients, by id (weak: nothing is kept alive).
-        self._unscaled_grads: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Set by get_unscaled_gradients (Python state, so it is read when a tf.function is
+        # traced): the next apply takes its gradients as already unscaled (tf.keras 2's contract).
+        self._gradients_unscaled = False
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -520,8 +520,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_unscaled_gradients(self, grads: Any) -> list[Any]:
         """Divides gradients of the scaled loss by the current scale (tf.keras 2's API).
 
-        The returned tensors are remembered (weakly, by identity): passed to :meth:`apply` /
-        :meth:`apply_gradients` they are not divided again.
+        As in tf.keras 2, the next :meth:`apply` / :meth:`apply_gradients` then takes its
+        gradients as unscaled and does not divide them again, also when they were transformed
+        in between (clipped, for example). Call both in the same step (inside one
+        ``tf.function`` when compiled).
 
         Args:
             grads: a list of gradients (tensors, ``tf.IndexedSlices`` or ``None``).
@@ -535,16 +537,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if g is None:
                 out.append(None)
                 continue
-            u = _unscale(g, scale)
-            self._unscaled_grads[id(u)] = u
-            out.append(u)
+            out.append(_unscale(g, scale))
+        self._gradients_unscaled = True
         return out
 
-    def _is_unscaled(self, g: Any) -> bool:
-        return self._unscaled_grads.get(id(g)) is g
-
-    def _unscale_for(self, g: Any, v: Any, scale: tf.Tensor) -> Any:
-        if g is None or self._is_unscaled(g) or self._overwrite_variable_with_gradient(v):
+    def _unscale_for(self, g: Any, v: Any, scale: tf.Tensor, already: bool) -> Any:
+        if g is None or already or self._overwrite_variable_with_gradient(v):
             return g
         return _unscale(g, scale)
 
@@ -578,7 +576,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._ensure_built(variables)
         known = variables if variables is not None else self._trainable_variables
         scale = tf.convert_to_tensor(self.dynamic_scale)
-        unscaled = [self._unscale_for(g, v, scale) for g, v in zip(grads, known, strict=True)]
+        already, self._gradients_unscaled = self._gradients_unscaled, False
+        unscaled = [
+            self._unscale_for(g, v, scale, already) for g, v in zip(grads, known, strict=True)
+        ]
         grads_finite = all_finite([g for g in unscaled if g is not None])
         loss_finite = tf.equal(tf.convert_to_tensor(self._bad_losses), 0.0)
         replica = tf.distribute.get_replica_context()
