@@ -1,0 +1,1251 @@
+"""TensorFlow / Keras 3 backend: Keras dtype policies, a LossScaleOptimizer on unimp's rule, a train step.
+
+Targets Keras 3 on the TensorFlow backend (TensorFlow >= 2.16). The loss-scale rule is not written
+here: :class:`LossScaleOptimizer` runs :func:`unimp.loss_scale.update_arrays` on TensorFlow tensors
+(``tf.where`` and friends), so it traces under ``tf.function``, compiles under ``jit_compile`` and
+matches the NumPy reference bit for bit.
+
+Importing this module imports TensorFlow and Keras and checks that Keras runs on TensorFlow.
+unimp itself sets no environment variable and writes no file (importing TensorFlow sets a few of
+its own, e.g. ``TF2_BEHAVIOR``; Keras may create ``~/.keras/keras.json``).
+
+Example:
+    >>> import unimp
+    >>> mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    >>> with mp.autocast():
+    ...     layer = keras.layers.Dense(4)
+    >>> layer.compute_dtype, layer.variable_dtype
+    ('float16', 'float32')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+try:
+    import keras
+except ImportError as e:  # pragma: no cover - keras ships with TensorFlow >= 2.16
+    raise ImportError(
+        'unimp\'s tensorflow backend needs Keras 3: pip install "unimp[tensorflow]"'
+    ) from e
+
+from unimp.backends._base import MixedPrecisionBase
+from unimp.dtypes import canonical_dtype
+from unimp.loss_scale import (
+    DynamicLossScale,
+    LossScaleConfig,
+    LossScaleState,
+    from_state_dict,
+    loss_scale_from_dict,
+    update_arrays,
+)
+from unimp.loss_scale import state_dict as _portable_state_dict
+from unimp.step import StepResult
+
+__all__ = [
+    "LossScaleOptimizer",
+    "MixedPrecision",
+    "StepResult",
+    "TrainStep",
+    "all_finite",
+    "cast_tree",
+    "device_info",
+    "framework_version",
+    "keras_policy_name",
+    "to_dtype",
+]
+
+
+def _check_keras() -> None:
+    major = int(str(keras.__version__).split(".")[0])
+    if major < 3:
+        raise ImportError(
+            f"unimp's tensorflow backend needs Keras 3, found keras {keras.__version__}. "
+            'Install it with: pip install "unimp[tensorflow]" (TensorFlow >= 2.16 ships Keras 3).'
+        )
+    current = keras.backend.backend()
+    if current != "tensorflow":
+        other = (
+            f" or use unimp's {current!r} backend for Keras on {current},"
+            if current in ("jax", "torch")
+            else ""
+        )
+        raise ImportError(
+            f"unimp's tensorflow backend needs Keras on the TensorFlow backend, but Keras runs on "
+            f"{current!r}. Set the environment variable KERAS_BACKEND=tensorflow before Keras is "
+            "first imported (e.g. `KERAS_BACKEND=tensorflow python train.py`, or "
+            f'"backend": "tensorflow" in ~/.keras/keras.json){other} and restart Python.'
+        )
+
+
+_check_keras()
+
+from keras.src.saving import serialization_lib  # noqa: E402  (after the backend check)
+from keras.src.utils import tracking  # noqa: E402
+
+_TF_DTYPES = {
+    "float64": tf.float64,
+    "float32": tf.float32,
+    "float16": tf.float16,
+    "bfloat16": tf.bfloat16,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Neutral helpers (COMMON_API)
+# --------------------------------------------------------------------------------------------
+
+
+def to_dtype(name: Any) -> tf.DType:
+    """The ``tf.DType`` for a canonical dtype name.
+
+    Args:
+        name: anything :func:`unimp.dtypes.canonical_dtype` accepts (``"float16"``, ``"bf16"``,
+            ``tf.float16``, ...).
+
+    Returns:
+        ``tf.float64``, ``tf.float32``, ``tf.float16`` or ``tf.bfloat16``.
+
+    Raises:
+        ValueError: not a supported floating dtype; the message lists the accepted names.
+
+    Example:
+        >>> to_dtype("bf16")
+        tf.bfloat16
+    """
+    return _TF_DTYPES[canonical_dtype(name)]
+
+
+def framework_version() -> str:
+    """The installed TensorFlow version string (Keras's is in :func:`device_info`)."""
+    return str(tf.__version__)
+
+
+def _is_floating_array(x: Any) -> bool:
+    if isinstance(x, (tf.Tensor, tf.Variable, keras.Variable)):
+        return bool(tf.as_dtype(x.dtype).is_floating)
+    if isinstance(x, tf.IndexedSlices):
+        return bool(x.values.dtype.is_floating)
+    if isinstance(x, (np.ndarray, np.generic)):
+        return bool(np.issubdtype(x.dtype, np.floating)) or x.dtype.name == "bfloat16"
+    return False
+
+
+def _cast_leaf(x: Any, dtype: tf.DType) -> Any:
+    if not _is_floating_array(x):
+        return x
+    if isinstance(x, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(x.values, dtype), x.indices, x.dense_shape)
+    if isinstance(x, keras.Variable):
+        x = x.value
+    return tf.cast(x, dtype)
+
+
+def cast_tree(tree: Any, dtype: Any) -> Any:
+    """Casts the floating array leaves of a nested structure to ``dtype``.
+
+    Floating ``tf.Tensor``, ``tf.Variable``, ``keras.Variable``, ``tf.IndexedSlices`` and NumPy
+    floating arrays are cast (the result is a ``tf.Tensor``); integers, booleans, Python
+    scalars, strings and other objects pass through unchanged (as Keras's ``_should_cast`` and
+    jmp's ``_cast_floating_to``).
+
+    Args:
+        tree: a nest of lists, tuples, dicts and leaves (``tf.nest`` structure rules).
+        dtype: the target floating dtype (any form :func:`to_dtype` accepts).
+
+    Returns:
+        A structure of the same shape.
+
+    Raises:
+        ValueError: ``dtype`` is not a supported floating dtype.
+
+    Example:
+        >>> out = cast_tree({"x": tf.ones(2), "ids": tf.constant([1, 2])}, "float16")
+        >>> out["x"].dtype, out["ids"].dtype
+        (tf.float16, tf.int32)
+    """
+    target = to_dtype(dtype)
+    return tf.nest.map_structure(lambda x: _cast_leaf(x, target), tree)
+
+
+def _finite_leaf(x: Any) -> tf.Tensor:
+    if isinstance(x, tf.IndexedSlices):
+        x = x.values
+    return tf.reduce_all(tf.math.is_finite(x))
+
+
+def all_finite(tree: Any) -> tf.Tensor:
+    """A device bool scalar: every element of every floating leaf is finite.
+
+    Non-floating leaves and ``None`` are ignored; an empty tree gives ``True``. Nothing is
+    copied to the host.
+
+    Args:
+        tree: a nest of tensors, variables or arrays.
+
+    Returns:
+        ``tf.bool`` scalar tensor.
+
+    Example:
+        >>> bool(all_finite([tf.constant([1.0, float("inf")]), tf.constant([3])]))
+        False
+    """
+    flags = [_finite_leaf(x) for x in tf.nest.flatten(tree) if _is_floating_array(x)]
+    if not flags:
+        return tf.constant(True)
+    if len(flags) == 1:
+        return flags[0]
+    return tf.reduce_all(tf.stack(flags))
+
+
+def device_info() -> list[dict[str, Any]]:
+    """Which half dtypes each visible TensorFlow device runs, and the recipe unimp recommends.
+
+    Returns:
+        A list of ``{"device", "float16", "bfloat16", "recommended"}`` dicts. GPUs report by
+        compute capability (float16 from 5.3, fast float16 tensor cores from 7.0, bfloat16
+        from 8.0); CPUs run both half dtypes (emulated, slower than float32), so ``float32`` is
+        recommended there. TPUs run bfloat16.
+    """
+    out = []
+    for dev in tf.config.list_physical_devices():
+        kind = dev.device_type.upper()
+        entry: dict[str, Any] = {"device": dev.name, "float16": True, "bfloat16": True}
+        if kind == "GPU":
+            details = tf.config.experimental.get_device_details(dev) or {}
+            cc = details.get("compute_capability")
+            if cc is None:
+                entry["recommended"] = "mixed_float16"
+            else:
+                cc = tuple(cc)
+                entry["float16"] = cc >= (5, 3)
+                entry["bfloat16"] = cc >= (8, 0)
+                entry["recommended"] = (
+                    "mixed_bfloat16"
+                    if cc >= (8, 0)
+                    else "mixed_float16"
+                    if cc >= (7, 0)
+                    else "float32"
+                )
+            if details.get("device_name"):
+                entry["name"] = details["device_name"]
+        elif kind == "TPU":
+            entry["float16"] = False
+            entry["recommended"] = "mixed_bfloat16"
+        else:
+            entry["recommended"] = "float32"
+        entry["keras"] = keras.__version__
+        out.append(entry)
+    return out
+
+
+def keras_policy_name(param_dtype: Any, compute_dtype: Any) -> str | None:
+    """The Keras ``DTypePolicy`` name for variables in ``param_dtype`` computing in ``compute_dtype``.
+
+    Returns:
+        ``"mixed_float16"`` / ``"mixed_bfloat16"`` (float32 variables, half compute), a dtype
+        name when both are equal, or ``None`` when Keras has no such policy.
+    """
+    p, c = canonical_dtype(param_dtype), canonical_dtype(compute_dtype)
+    if p == c:
+        return p
+    if p == "float32" and c in ("float16", "bfloat16"):
+        return f"mixed_{c}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Loss-scale state on TF tensors
+# --------------------------------------------------------------------------------------------
+
+
+class _TFOps:
+    """unimp.loss_scale.update_arrays's array namespace over TensorFlow tensors."""
+
+    where = staticmethod(tf.where)
+    minimum = staticmethod(tf.minimum)
+    maximum = staticmethod(tf.maximum)
+    isfinite = staticmethod(tf.math.is_finite)
+
+    @staticmethod
+    def f32(x: Any) -> tf.Tensor:
+        return tf.cast(x, tf.float32)
+
+    @staticmethod
+    def i32(x: Any) -> tf.Tensor:
+        return tf.cast(x, tf.int32)
+
+
+def _divide(x: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+    """x / scale computed in float32 (float64 for float64 x), returned in x's dtype."""
+    if x.dtype == tf.float32:
+        return x / scale
+    if x.dtype == tf.float64:
+        return x / tf.cast(scale, tf.float64)
+    return tf.cast(tf.cast(x, tf.float32) / scale, x.dtype)
+
+
+def _unscale(g: Any, scale: tf.Tensor) -> Any:
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(g.values, scale), g.indices, g.dense_shape)
+    return _divide(tf.convert_to_tensor(g), scale)
+
+
+def _resolve_loss_scale(value: Any) -> LossScaleConfig:
+    if value is None:
+        return DynamicLossScale()
+    return loss_scale_from_dict(value)
+
+
+@keras.saving.register_keras_serializable(package="unimp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A Keras optimizer that scales the loss and follows unimp's loss-scale rule.
+
+    It subclasses ``keras.optimizers.LossScaleOptimizer`` (so ``model.compile`` does not wrap
+    it a second time under a ``mixed_float16`` policy) but replaces its rule with unimp's
+    reference algorithm, computed by :func:`unimp.loss_scale.update_arrays` on TF tensors:
+    any growth and backoff factor, min and max scale, growth never to inf, skip counters, and
+    the forward-overflow rule (a non-finite loss passed through :meth:`scale_loss` skips the
+    step without lowering the scale). With ``DynamicLossScale.preset("keras")`` it gives the
+    same scales and weights as Keras's own optimizer.
+
+    The contract: :meth:`apply` / :meth:`apply_gradients` take gradients of the *scaled* loss
+    and divide them by the scale exactly once (float32 division, as Keras). After
+    :meth:`get_unscaled_gradients` (tf.keras 2's custom-loop API) the next apply takes its
+    gradients as already unscaled, as tf.keras 2 did, so a tf.keras 2 loop runs unchanged.
+
+    A skipped step (non-finite gradient or loss) leaves the variables and the whole inner
+    optimizer state, ``iterations`` (hence any learning-rate schedule) included, unchanged.
+    Works eagerly, in ``model.fit``, in custom ``tf.GradientTape`` loops, inside
+    ``tf.function`` and under ``jit_compile``. ``tf.distribute`` strategies that need
+    ``merge_call`` (MirroredStrategy) are not supported yet.
+
+    Args:
+        inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap; its ``loss_scale_factor``
+            must be ``None``.
+        loss_scale: a loss-scale config, ``"dynamic"``, a number (static), ``"none"``, or a
+            ``to_dict()`` dict; ``None`` is unimp's ``DynamicLossScale()``.
+        name: optimizer name.
+        initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use: they mean
+            ``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``; not
+            together with ``loss_scale``.
+
+    Attributes:
+        dynamic_scale: float32 ``keras.Variable``, the scale of the next step (as Keras).
+        counter, consecutive_skips, total_skips: int32 ``keras.Variable``s (the unimp state).
+        loss_scale_config: the loss-scale config.
+
+    Raises:
+        TypeError: ``inner_optimizer`` is not a Keras optimizer, or an unknown argument.
+        ValueError: ``inner_optimizer`` is already loss-scaled or has ``loss_scale_factor``
+            set, a bad loss-scale config, or ``loss_scale`` together with Keras's arguments.
+
+    Example:
+        >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=1024.0)
+        >>> w = keras.Variable(1.0)
+        >>> with tf.GradientTape() as tape:
+        ...     loss = opt.scale_loss(0.5 * w * w)
+        >>> _ = opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+        >>> float(w.numpy())
+        0.8999999761581421
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Any,
+        loss_scale: Any = None,
+        name: str | None = None,
+        *,
+        initial_scale: float | None = None,
+        dynamic_growth_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(
+                f"LossScaleOptimizer got unexpected argument(s) {sorted(kwargs)}; set options such as "
+                "learning_rate or clipnorm on the inner optimizer."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "LossScaleOptimizer needs a keras.optimizers.Optimizer instance, got "
+                f"{type(inner_optimizer).__name__}; e.g. LossScaleOptimizer(keras.optimizers.Adam())."
+            )
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "inner_optimizer is already a LossScaleOptimizer (the loss would be scaled twice); "
+                "pass its .inner_optimizer instead."
+            )
+        if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
+            raise ValueError(
+                f"inner_optimizer has loss_scale_factor={inner_optimizer.loss_scale_factor!r}: the "
+                "gradients would be unscaled twice. Create it with loss_scale_factor=None and give "
+                "the scale to LossScaleOptimizer(loss_scale=...)."
+            )
+        if initial_scale is not None or dynamic_growth_steps is not None:
+            if loss_scale is not None:
+                raise ValueError(
+                    "give either loss_scale= or Keras's initial_scale=/dynamic_growth_steps=, not both."
+                )
+            overrides = {}
+            if initial_scale is not None:
+                overrides["init_scale"] = initial_scale
+            if dynamic_growth_steps is not None:
+                overrides["growth_interval"] = dynamic_growth_steps
+            config = DynamicLossScale.preset("keras", **overrides)
+        else:
+            config = _resolve_loss_scale(loss_scale)
+        # Everything is validated: from here on nothing can fail on the user's input.
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self._loss_scale_config = config
+        self.dynamic_scale = self.add_variable(
+            shape=(),
+            dtype="float32",
+            initializer=keras.initializers.Constant(config.initial_scale()),
+            name="dynamic_scale",
+        )
+        self.counter = self.add_variable(shape=(), dtype="int32", name="counter")
+        self.consecutive_skips = self.add_variable(
+            shape=(), dtype="int32", name="consecutive_skips"
+        )
+        self.total_skips = self.add_variable(shape=(), dtype="int32", name="total_skips")
+        self._create_untracked_state()
+
+    @tracking.no_automatic_dependency_tracking
+    def _create_untracked_state(self) -> None:
+        # Non-finite losses seen by scale_loss since the last apply (not checkpointed). A
+        # float32 count summed over replicas, so under a tf.distribute strategy a forward
+        # overflow on any replica is seen by all.
+        with keras.name_scope(self.name, caller=self):
+            self._bad_losses = tf.Variable(
+                0.0,
+                trainable=False,
+                name="pending_bad_losses",
+                synchronization=tf.VariableSynchronization.ON_WRITE,
+                aggregation=tf.VariableAggregation.SUM,
+            )
+        # Set by get_unscaled_gradients (Python state, so it is read when a tf.function is
+        # traced): the next apply takes its gradients as already unscaled (tf.keras 2's contract).
+        self._gradients_unscaled = False
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def loss_scale_config(self) -> LossScaleConfig:
+        """The unimp loss-scale config (static)."""
+        return self._loss_scale_config
+
+    @property
+    def loss_scale(self) -> tf.Tensor:
+        """The current scale, a float32 scalar tensor (tf.keras 2's ``loss_scale``)."""
+        return tf.convert_to_tensor(self.dynamic_scale)
+
+    @property
+    def dynamic(self) -> bool:
+        """True for a dynamic loss scale (tf.keras 2's ``dynamic``)."""
+        return bool(self._loss_scale_config.dynamic)
+
+    @property
+    def initial_scale(self) -> float:
+        """The scale before the first step."""
+        return float(self._loss_scale_config.initial_scale())
+
+    @property
+    def dynamic_growth_steps(self) -> int | None:
+        """Keras's name for ``growth_interval`` (``None`` for static or disabled scales)."""
+        return getattr(self._loss_scale_config, "growth_interval", None)
+
+    # -- building --------------------------------------------------------------------------
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list: list[Any]) -> None:
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    def _ensure_built(self, trainable_variables: list[Any] | None) -> None:
+        if self.built:
+            return
+        if trainable_variables is None:
+            raise ValueError(
+                "the optimizer is not built: pass trainable_variables to apply(), use "
+                "apply_gradients(zip(grads, variables)), or call optimizer.build(variables) first."
+            )
+        with keras.name_scope(self.name, caller=self):
+            self.build(trainable_variables)
+        self.built = True
+
+    # -- scaling ---------------------------------------------------------------------------
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Multiplies the loss by the current scale, and records whether the loss is finite.
+
+        The product is computed in float32 (float64 for a float64 loss), so a float16 loss
+        does not overflow when scaled. A non-finite loss marks the next :meth:`apply` as a
+        forward overflow: that step is skipped without lowering the scale.
+
+        Args:
+            loss: a floating scalar (or tensor) loss, or a zero-argument callable returning
+                one (tf.keras 2 accepted callables; a callable is returned then).
+
+        Returns:
+            The scaled loss, float32 (float64 for a float64 loss).
+
+        Raises:
+            TypeError: ``loss`` is not floating.
+        """
+        if callable(loss) and not tf.is_tensor(loss):
+            return lambda: self.scale_loss(loss())
+        loss = tf.convert_to_tensor(loss)
+        if not loss.dtype.is_floating:
+            raise TypeError(f"scale_loss needs a floating loss, got {loss.dtype.name}.")
+        wide = tf.float64 if loss.dtype == tf.float64 else tf.float32
+        loss = tf.cast(loss, wide)
+        self._bad_losses.assign_add(
+            tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(loss))), tf.float32)
+        )
+        return loss * tf.cast(self.dynamic_scale, wide)
+
+    def get_scaled_loss(self, loss: Any) -> Any:
+        """tf.keras 2's name for :meth:`scale_loss`."""
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads: Any) -> list[Any]:
+        """Divides gradients of the scaled loss by the current scale (tf.keras 2's API).
+
+        As in tf.keras 2, the next :meth:`apply` / :meth:`apply_gradients` then takes its
+        gradients as unscaled and does not divide them again, also when they were transformed
+        in between (clipped, for example). Call both in the same step (inside one
+        ``tf.function`` when compiled).
+
+        Args:
+            grads: a list of gradients (tensors, ``tf.IndexedSlices`` or ``None``).
+
+        Returns:
+            A list of the same length; ``None`` entries stay ``None``.
+        """
+        scale = tf.convert_to_tensor(self.dynamic_scale)
+        out = []
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            out.append(_unscale(g, scale))
+        self._gradients_unscaled = True
+        return out
+
+    def _unscale_for(self, g: Any, v: Any, scale: tf.Tensor, already: bool) -> Any:
+        if g is None or already or self._overwrite_variable_with_gradient(v):
+            return g
+        return _unscale(g, scale)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        """Unscales the gradients once, applies them unless non-finite, updates the scale.
+
+        Args:
+            grads: gradients of the scaled loss (or of :meth:`get_unscaled_gradients`), one per
+                variable.
+            trainable_variables: the variables; needed on the first call unless built.
+
+        Raises:
+            ValueError: the number of gradients and variables differ, or the optimizer is not
+                built and no variables are given.
+        """
+        grads = list(grads)
+        if len(grads) == 0:
+            return
+        variables = None if trainable_variables is None else list(trainable_variables)
+        known = (
+            variables
+            if variables is not None
+            else (self._trainable_variables if self.built else None)
+        )
+        if known is not None and len(known) != len(grads):
+            raise ValueError(
+                f"got {len(grads)} gradients for {len(known)} variables; pass one gradient per variable."
+            )
+        self._ensure_built(variables)
+        known = variables if variables is not None else self._trainable_variables
+        scale = tf.convert_to_tensor(self.dynamic_scale)
+        already, self._gradients_unscaled = self._gradients_unscaled, False
+        unscaled = [
+            self._unscale_for(g, v, scale, already) for g, v in zip(grads, known, strict=True)
+        ]
+        grads_finite = all_finite([g for g in unscaled if g is not None])
+        loss_finite = tf.equal(tf.convert_to_tensor(self._bad_losses), 0.0)
+        replica = tf.distribute.get_replica_context()
+        if (
+            tf.distribute.has_strategy()
+            and replica is not None
+            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            # MirroredStrategy & co: the inner optimizer's apply calls merge_call, which may
+            # not run inside a tf.cond in replica context. Agree on one decision (a step is
+            # skipped on every replica when any replica overflowed), then branch in
+            # cross-replica context, as keras.optimizers.LossScaleOptimizer does.
+            bad_grads = tf.cast(tf.logical_not(grads_finite), tf.float32)
+            bad_loss = tf.cast(tf.logical_not(loss_finite), tf.float32)
+            grads_finite = tf.equal(replica.all_reduce("sum", bad_grads), 0.0)
+            loss_finite = tf.equal(replica.all_reduce("sum", bad_loss), 0.0)
+            replica.merge_call(
+                self._cross_replica_apply, args=(unscaled, variables, grads_finite, loss_finite)
+            )
+            return
+        self._apply_unscaled(unscaled, variables, grads_finite, loss_finite)
+
+    def _cross_replica_apply(
+        self, distribution: Any, unscaled: Any, variables: Any, grads_finite: Any, loss_finite: Any
+    ) -> None:
+        first = distribution.experimental_local_results
+
+        def apply_inner() -> None:
+            distribution.extended.call_for_each_replica(
+                self.inner_optimizer.apply,
+                args=(unscaled,),
+                kwargs={"trainable_variables": variables},
+            )
+
+        self._update_state(first(grads_finite)[0], first(loss_finite)[0], apply_inner)
+
+    def apply_gradients(self, grads_and_vars: Any) -> Any:
+        """``apply(grads, variables)`` from ``(gradient, variable)`` pairs (tf.keras 2 / Keras API).
+
+        Returns:
+            The inner optimizer's ``iterations`` (as tf.keras 2 did).
+        """
+        pairs = list(grads_and_vars)
+        if pairs:
+            grads, variables = zip(*pairs, strict=True)
+            self.apply(list(grads), list(variables))
+        return self.iterations
+
+    def _apply_unscaled(
+        self, unscaled: list[Any], variables: list[Any] | None, grads_finite: Any, loss_finite: Any
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """Runs unimp's rule on the device, applies the inner optimizer when the step is clean.
+
+        Returns:
+            ``(applied, consecutive_skips, total_skips)`` after the step (device tensors).
+        """
+
+        def apply_inner() -> None:
+            self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+
+        return self._update_state(grads_finite, loss_finite, apply_inner)
+
+    def _update_state(
+        self, grads_finite: Any, loss_finite: Any, apply_inner: Callable[[], None]
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        grads_finite = tf.convert_to_tensor(grads_finite, tf.bool)
+        loss_finite = tf.convert_to_tensor(loss_finite, tf.bool)
+        applied = tf.logical_and(grads_finite, loss_finite)
+        scale, counter, consecutive, total = update_arrays(
+            _TFOps,
+            self._loss_scale_config,
+            tf.convert_to_tensor(self.dynamic_scale),
+            tf.convert_to_tensor(self.counter),
+            tf.convert_to_tensor(self.consecutive_skips),
+            tf.convert_to_tensor(self.total_skips),
+            grads_finite,
+            loss_finite,
+        )
+        # A skipped step must not touch the inner optimizer at all (its iterations included).
+        tf.cond(applied, apply_inner, lambda: None)
+        self.dynamic_scale.assign(scale)
+        self.counter.assign(counter)
+        self.consecutive_skips.assign(consecutive)
+        self.total_skips.assign(total)
+        self._bad_losses.assign(0.0)
+        return applied, consecutive, total
+
+    def stateless_apply(
+        self, optimizer_variables: Any, grads: Any, trainable_variables: Any
+    ) -> Any:
+        raise NotImplementedError(
+            "unimp's LossScaleOptimizer is stateful on the TensorFlow backend; use apply() or "
+            "apply_gradients()."
+        )
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _state(self) -> LossScaleState:
+        return LossScaleState(
+            np.float32(self.dynamic_scale.numpy()),
+            int(self.counter.numpy()),
+            int(self.consecutive_skips.numpy()),
+            int(self.total_skips.numpy()),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state in unimp's portable format (the same in every backend).
+
+        Returns:
+            ``unimp.loss_scale.state_dict(config, state)``: JSON-able.
+        """
+        return _portable_state_dict(self._loss_scale_config, self._state())
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Loads a portable loss-scale state (validated before anything is assigned).
+
+        Raises:
+            ValueError: a malformed or foreign state_dict, or one saved with a different
+                loss-scale config (the message shows both).
+        """
+        config, state = from_state_dict(state_dict)
+        if config != self._loss_scale_config:
+            raise ValueError(
+                f"the state_dict was saved with loss scale {config.to_dict()}, this optimizer uses "
+                f"{self._loss_scale_config.to_dict()}; create the optimizer with "
+                "loss_scale=<the saved config> to resume it."
+            )
+        self.dynamic_scale.assign(np.float32(state.scale))
+        self.counter.assign(np.int32(state.counter))
+        self.consecutive_skips.assign(np.int32(state.consecutive_skips))
+        self.total_skips.assign(np.int32(state.total_skips))
+
+    # -- serialization ---------------------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+            "loss_scale": self._loss_scale_config.to_dict(),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        config = dict(config)
+        inner = serialization_lib.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimizer:
+    """unimp's LossScaleOptimizer around ``optimizer`` (unwrapping a Keras one)."""
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, LossScaleOptimizer):
+        if optimizer.loss_scale_config != config:
+            raise ValueError(
+                f"the optimizer's loss scale {optimizer.loss_scale_config.to_dict()} differs from the "
+                f"recipe's {config.to_dict()}; pass its .inner_optimizer to let the recipe wrap it."
+            )
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return LossScaleOptimizer(optimizer, config)
+
+
+# --------------------------------------------------------------------------------------------
+# The train step
+# --------------------------------------------------------------------------------------------
+
+
+def _to_host(x: Any) -> Any:
+    return x.numpy() if hasattr(x, "numpy") else x
+
+
+def _batch_to_tensors(batch: Any) -> Any:
+    def conv(x: Any) -> Any:
+        if isinstance(x, (np.ndarray, np.generic)):
+            return tf.convert_to_tensor(x)
+        return x
+
+    return tf.nest.map_structure(conv, batch)
+
+
+def _times(g: Any, factor: tf.Tensor) -> Any:
+    """g * factor in g's dtype (``None`` and ``tf.IndexedSlices`` handled)."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
+    return g * tf.cast(factor, g.dtype)
+
+
+def _global_norm(grads: list[Any]) -> tf.Tensor:
+    squares = [
+        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
+        for g in grads
+        if g is not None
+    ]
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.sqrt(tf.add_n(squares))
+
+
+class TrainStep:
+    """A compiled training step: ``step(batch) -> StepResult``. Built by
+    :meth:`MixedPrecision.train_step`; see there.
+
+    Attributes:
+        optimizer: the :class:`LossScaleOptimizer` holding the loss-scale state.
+        function: the ``tf.function`` (traced once per batch signature).
+        accumulators: the float32 gradient buffers (empty without accumulation).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: LossScaleOptimizer,
+        loss_fn: Callable[[Any, Any], Any],
+        grad_accum_steps: int,
+        max_grad_norm: float | None,
+        jit_compile: bool,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        variables = list(model.trainable_variables)
+        optimizer._ensure_built(variables)
+        self._variables = variables
+        self.accumulators: list[tf.Variable] = []
+        if grad_accum_steps > 1:
+            for v in variables:
+                self.accumulators.append(
+                    tf.Variable(
+                        tf.zeros(v.shape, tf.float32), trainable=False, name="grad_accumulator"
+                    )
+                )
+            self._micro = tf.Variable(0, dtype=tf.int32, trainable=False, name="micro_step")
+            self._window_loss = tf.Variable(
+                0.0, dtype=tf.float32, trainable=False, name="window_loss"
+            )
+            self._window_loss_finite = tf.Variable(True, trainable=False, name="window_loss_finite")
+        self.function = tf.function(self._step, jit_compile=jit_compile)
+
+    def tracing_count(self) -> int:
+        """How many times the step has been traced (1 after any number of same-signature calls)."""
+        return int(self.function.experimental_get_tracing_count())
+
+    def __call__(self, batch: Any) -> StepResult:
+        raw = self.function(_batch_to_tensors(batch))
+        return StepResult(raw, to_host=_to_host, config=self.optimizer.loss_scale_config)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state in unimp's portable format."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Loads a portable loss-scale state; see :meth:`LossScaleOptimizer.load_state_dict`."""
+        self.optimizer.load_state_dict(state_dict)
+
+    # -- traced code -----------------------------------------------------------------------
+
+    def _finish(
+        self, unscaled: list[Any], loss: tf.Tensor, loss_finite: tf.Tensor, scale: tf.Tensor
+    ) -> dict:
+        grads_finite = all_finite([g for g in unscaled if g is not None])
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            # clipping acts on the unscaled gradients; the norm is reported before clipping
+            grad_norm = _global_norm(unscaled)
+            limit = tf.constant(self.max_grad_norm, tf.float32)
+            factor = limit / tf.maximum(grad_norm, limit)
+            unscaled = [_times(g, factor) for g in unscaled]
+        applied, consecutive, total = self.optimizer._apply_unscaled(
+            unscaled, self._variables, grads_finite, loss_finite
+        )
+        return {
+            "loss": loss,
+            "scale": scale,
+            "applied": applied,
+            "loss_finite": loss_finite,
+            "grads_finite": grads_finite,
+            "grad_norm": grad_norm,
+            "consecutive_skips": consecutive,
+            "total_skips": total,
+        }
+
+    def _step(self, batch: Any) -> dict:
+        opt = self.optimizer
+        variables = self._variables
+        scale = tf.identity(tf.convert_to_tensor(opt.dynamic_scale))
+        with tf.GradientTape() as tape:
+            loss = tf.convert_to_tensor(self.loss_fn(self.model, batch))
+            if not loss.dtype.is_floating:
+                raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype.name}.")
+            if loss.shape.rank not in (None, 0):
+                raise ValueError(
+                    f"loss_fn must return a scalar loss, got shape {loss.shape}; reduce it (e.g. "
+                    "tf.reduce_mean)."
+                )
+            loss32 = tf.cast(loss, tf.float32)
+            scaled = loss32 * scale
+        grads = tape.gradient(scaled, variables)
+        loss_finite = tf.math.is_finite(loss32)
+        if self.grad_accum_steps == 1:
+            unscaled = [None if g is None else _unscale(g, scale) for g in grads]
+            return self._finish(unscaled, loss32, loss_finite, scale)
+
+        k = self.grad_accum_steps
+        for buf, g in zip(self.accumulators, grads, strict=True):
+            if g is not None:
+                buf.assign_add(tf.cast(tf.convert_to_tensor(g), tf.float32))
+        self._window_loss.assign_add(loss32)
+        self._window_loss_finite.assign(tf.logical_and(self._window_loss_finite, loss_finite))
+        micro = self._micro.assign_add(1)
+
+        def close_window() -> dict:
+            # mean of the scaled micro-batch gradients, then one unscale for the whole window
+            unscaled = []
+            for buf, g, v in zip(self.accumulators, grads, variables, strict=True):
+                if g is None:
+                    unscaled.append(None)
+                else:
+                    mean = tf.convert_to_tensor(buf) / tf.constant(float(k), tf.float32)
+                    unscaled.append(tf.cast(mean / scale, v.dtype))
+            window_loss = tf.convert_to_tensor(self._window_loss) / tf.constant(
+                float(k), tf.float32
+            )
+            out = self._finish(
+                unscaled, window_loss, tf.convert_to_tensor(self._window_loss_finite), scale
+            )
+            # reset the buffers to exact zeros (never by subtracting their own value)
+            for buf in self.accumulators:
+                buf.assign(tf.zeros(buf.shape, tf.float32))
+            self._window_loss.assign(0.0)
+            self._window_loss_finite.assign(True)
+            self._micro.assign(0)
+            return out
+
+        def inside_window() -> dict:
+            unscaled = [None if g is None else _unscale(g, scale) for g in grads]
+            return {
+                "loss": loss32,
+                "scale": scale,
+                "applied": tf.constant(False),
+                "loss_finite": loss_finite,
+                "grads_finite": all_finite([g for g in unscaled if g is not None]),
+                "grad_norm": None if self.max_grad_norm is None else _global_norm(unscaled),
+                "consecutive_skips": tf.convert_to_tensor(opt.consecutive_skips),
+                "total_skips": tf.convert_to_tensor(opt.total_skips),
+            }
+
+        return tf.cond(micro >= k, close_window, inside_window)
+
+
+# --------------------------------------------------------------------------------------------
+# MixedPrecision
+# --------------------------------------------------------------------------------------------
+
+
+def _output_layers(model: Any) -> list[Any]:
+    """The layers producing a model's outputs (nested models searched), [] when unknown."""
+    if isinstance(model, keras.Sequential):
+        layers = list(model.layers)
+        if not layers:
+            return []
+        last = layers[-1]
+        return _output_layers(last) if isinstance(last, keras.Model) else [last]
+    outputs = getattr(model, "_outputs", None) if isinstance(model, keras.Model) else None
+    if not outputs:
+        return [] if isinstance(model, keras.Model) else [model]
+    found = []
+    for t in tf.nest.flatten(outputs):
+        history = getattr(t, "_keras_history", None)
+        op = getattr(history, "operation", None) if history is not None else None
+        if isinstance(op, keras.Model) and op is not model:
+            found.extend(_output_layers(op))
+        elif isinstance(op, keras.layers.Layer) and not isinstance(op, keras.layers.InputLayer):
+            found.append(op)
+    return list({id(x): x for x in found}.values())
+
+
+class MixedPrecision(MixedPrecisionBase):
+    """A recipe bound to Keras 3 on TensorFlow.
+
+    Keras has no per-op autocast: every cast mode uses Keras's per-layer dtype policies
+    (layers cast their float inputs and variables to the compute dtype, integer inputs are
+    never cast, normalization layers compute their statistics in float32).
+
+    Args:
+        recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
+
+    Attributes:
+        compute_dtype, param_dtype, output_dtype: ``tf.DType``.
+        dtype_policy: the ``keras.DTypePolicy`` for the recipe (e.g. ``mixed_float16``).
+        output_dtype_policy: the ``keras.DTypePolicy`` :meth:`prepare` gives output layers.
+
+    Raises:
+        ValueError: the policy has no Keras ``DTypePolicy`` (Keras stores variables either in
+            the compute dtype or in float32 with half compute), naming the policies it has.
+
+    Example:
+        >>> mp = MixedPrecision("mixed_bfloat16")
+        >>> mp.dtype_policy.name, mp.compute_dtype
+        ('mixed_bfloat16', tf.bfloat16)
+    """
+
+    backend = "tensorflow"
+
+    def __init__(self, recipe: Any = "mixed_float16") -> None:
+        super().__init__(recipe)
+        p = self.policy
+        name = keras_policy_name(p.param_dtype, p.compute_dtype)
+        if name is None:
+            raise ValueError(
+                f"Keras has no dtype policy for {p}: it keeps variables in the compute dtype or in "
+                "float32 with float16/bfloat16 compute. Use e.g. 'mixed_float16', 'mixed_bfloat16', "
+                "'float32', 'bfloat16' or 'params=float32,compute=float16,output=float32'."
+            )
+        self._keras_name = name
+        self._output_name = keras_policy_name(p.param_dtype, p.output_dtype)
+
+    @property
+    def compute_dtype(self) -> tf.DType:
+        """The compute dtype as a ``tf.DType``."""
+        return to_dtype(self.policy.compute_dtype)
+
+    @property
+    def param_dtype(self) -> tf.DType:
+        """The parameter (variable) dtype as a ``tf.DType``."""
+        return to_dtype(self.policy.param_dtype)
+
+    @property
+    def output_dtype(self) -> tf.DType:
+        """The output dtype as a ``tf.DType``."""
+        return to_dtype(self.policy.output_dtype)
+
+    @property
+    def dtype_policy(self) -> Any:
+        """The ``keras.DTypePolicy`` layers built in :meth:`autocast` get."""
+        return keras.DTypePolicy(self._keras_name)
+
+    @property
+    def output_dtype_policy(self) -> Any:
+        """The ``keras.DTypePolicy`` of output layers: variables in param dtype, compute in output dtype.
+
+        Raises:
+            ValueError: Keras cannot express it (e.g. bfloat16 variables with float32 output).
+        """
+        if self._output_name is None:
+            raise ValueError(
+                f"Keras has no dtype policy with variables in {self.policy.param_dtype} computing "
+                f"in {self.policy.output_dtype}; pick an output_dtype equal to the param dtype or "
+                "the compute dtype."
+            )
+        return keras.DTypePolicy(self._output_name)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts floating leaves to the compute dtype (integers and non-arrays pass through)."""
+        return cast_tree(tree, self.policy.compute_dtype)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Casts floating leaves to the parameter dtype (integers and non-arrays pass through)."""
+        return cast_tree(tree, self.policy.param_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts floating leaves to the output dtype (integers and non-arrays pass through)."""
+        return cast_tree(tree, self.policy.output_dtype)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[Any]:
+        """Sets Keras's global dtype policy to :attr:`dtype_policy` inside the block.
+
+        Layers constructed inside use the recipe's compute and variable dtypes. The previous
+        global policy is restored on exit, also when an exception escapes.
+
+        Yields:
+            The ``keras.DTypePolicy`` in force.
+        """
+        previous = keras.config.dtype_policy()
+        policy = self.dtype_policy
+        keras.config.set_dtype_policy(policy)
+        try:
+            yield policy
+        finally:
+            keras.config.set_dtype_policy(previous)
+
+    def loss_scale_optimizer(self, optimizer: Any) -> LossScaleOptimizer:
+        """Wraps ``optimizer`` in unimp's :class:`LossScaleOptimizer` with the recipe's loss scale.
+
+        A Keras ``LossScaleOptimizer`` is unwrapped first; an unimp one with the recipe's loss
+        scale is returned as is.
+
+        Raises:
+            TypeError: not a Keras optimizer or optimizer name.
+            ValueError: an unimp optimizer with a different loss scale.
+        """
+        if not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
+            raise TypeError(
+                f"optimizer must be a keras.optimizers.Optimizer or a name like 'adam', got "
+                f"{type(optimizer).__name__}."
+            )
+        return _wrap_optimizer(optimizer, self.loss_scale)
+
+    def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> tuple[Any, Any]:
+        """Applies the recipe to a Keras model and optimizer.
+
+        * The layers producing the model's outputs get :attr:`output_dtype_policy`, so the
+          outputs come out in the output dtype and a final softmax runs in float32 under
+          ``mixed_float16`` (a float16 softmax is a known source of NaN and poor accuracy).
+          Hidden layers keep the policy they were built with: build the model inside
+          :meth:`autocast` (a warning says so when the model's policy differs).
+        * The optimizer is wrapped in unimp's :class:`LossScaleOptimizer` (not Keras's) with
+          the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
+          model is compiled with it, so ``fit`` follows unimp's rule. A model already
+          compiled with another optimizer is left alone, with a warning that says so.
+
+        Args:
+            model: a ``keras.Model`` (or layer) built inside :meth:`autocast`.
+            optimizer: a Keras optimizer or name (``"adam"``), or ``None``.
+            **compile_kwargs: passed to ``model.compile`` together with the wrapped optimizer.
+
+        Returns:
+            ``(model, optimizer)``: the same model, the wrapped optimizer (``None`` if none given).
+
+        Raises:
+            TypeError: ``model`` is not a Keras layer or model, or a bad optimizer.
+            ValueError: compile arguments without an optimizer, or an output policy Keras
+                cannot express. Nothing is changed when an error is raised.
+        """
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
+            raise TypeError(
+                f"optimizer must be a keras.optimizers.Optimizer, a name like 'adam', or None, got "
+                f"{type(optimizer).__name__}."
+            )
+        if "optimizer" in compile_kwargs:
+            raise TypeError(
+                "pass the optimizer as prepare(model, optimizer, ...), not in compile arguments."
+            )
+        if compile_kwargs and optimizer is None:
+            raise ValueError(
+                "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
+            )
+        out_policy = self.output_dtype_policy
+        wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
+        if model.dtype_policy.name != self._keras_name and not self.policy.is_float32:
+            warnings.warn(
+                f"the model's dtype policy is {model.dtype_policy.name!r}, the recipe's is "
+                f"{self._keras_name!r}: its layers were built outside mp.autocast() and keep their "
+                "dtypes. Build the model inside `with mp.autocast():`.",
+                stacklevel=2,
+            )
+        current = getattr(model, "optimizer", None)
+        if (
+            optimizer is None
+            and current is not None
+            and not isinstance(current, LossScaleOptimizer)
+        ):
+            warnings.warn(
+                f"the model is compiled with {type(current).__name__}, so fit does not follow the "
+                "recipe's loss scale. Compile through prepare instead: "
+                "mp.prepare(model, optimizer, loss=..., metrics=...).",
+                stacklevel=2,
+            )
+        layers = _output_layers(model)
+        if not layers:
+            warnings.warn(
+                "cannot find the layers producing this model's outputs (a subclassed model?): its "
+                "outputs are not cast. Give the output layer dtype=mp.output_dtype_policy.",
+                stacklevel=2,
+            )
+        if compile_kwargs:  # first: a bad compile argument leaves the layers untouched
+            model.compile(optimizer=wrapped, **compile_kwargs)
+        for layer in layers:
+            if layer.dtype_policy.name != out_policy.name:
+                layer.dtype_policy = out_policy
+        return model, wrapped
+
+    def train_step(
+        self,
+        model: Any,
+        optimizer: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        jit_compile: bool = False,
+    ) -> TrainStep:
+        """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
+
+        Each call computes ``loss_fn(model, batch)`` (a floating scalar, unscaled), the
+        gradients of the loss times the scale, unscales them once, and applies them through
+        the optimizer unless a gradient or the loss is non-finite. Rules shared by every
+        backend: clipping (``max_grad_norm``, as ``tf.clip_by_global_norm``) acts on the
+        unscaled gradients and ``grad_norm`` is reported before clipping; a non-finite loss
+        skips the step without lowering the scale; a skipped step leaves the variables and the
+        whole optimizer state (``iterations`` included) unchanged.
+
+        With ``grad_accum_steps = k > 1`` each call takes one micro-batch: its scaled gradient
+        is added to float32 buffers; every k-th call closes the window, applying the mean of
+        the k gradients unscaled once (the whole window is skipped when any micro-batch was
+        non-finite) and resetting the buffers to exact zeros. Calls inside a window report
+        ``applied=False`` with that micro-batch's loss and leave the skip counters alone; the
+        closing call reports the window's mean loss.
+
+        The step is traced once per batch signature (NumPy arrays are converted to tensors;
+        Python numbers in the batch would retrace per value). It runs on one replica: under a
+        ``tf.distribute`` strategy use ``model.fit`` after :meth:`prepare`, whose optimizer
+        handles replicas.
+
+        Args:
+            model: a built Keras model (``model.trainable_variables`` non-empty).
+            optimizer: a Keras optimizer (wrapped in :class:`LossScaleOptimizer` with the
+                recipe's loss scale) or an unimp :class:`LossScaleOptimizer` (used as is).
+            loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+            grad_accum_steps: micro-batches per optimizer step, >= 1.
+            max_grad_norm: ``None`` or a finite number > 0.
+            jit_compile: compile the step with XLA.
+
+        Returns:
+            A :class:`TrainStep`; ``step.state_dict()`` / ``load_state_dict()`` hold the
+            loss-scale state in the portable format.
+
+        Raises:
+            TypeError: ``loss_fn`` not callable, bad optimizer or model.
+            ValueError: bad ``grad_accum_steps`` or ``max_grad_norm``, or an unbuilt model.
+        """
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
+        if not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}."
+            )
+        if (
+            isinstance(grad_accum_steps, bool)
+            or not isinstance(grad_accum_steps, (int, np.integer))
+            or grad_accum_steps < 1
+        ):
+            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, (int, float, np.number)
+            ):
+                raise ValueError(
+                    f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}."
+                )
+            if not math.isfinite(float(max_grad_norm)) or float(max_grad_norm) <= 0:
+                raise ValueError(
+                    f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}."
+                )
+            max_grad_norm = float(max_grad_norm)
+        if not model.built or not model.trainable_variables:
+            raise ValueError(
+                "the model has no trainable variables yet: build it first (keras.Input in the "
+                "model, model.build(input_shape), or call it on one batch)."
+            )
+        if isinstance(optimizer, LossScaleOptimizer):
+            lso = optimizer
+        else:
+            lso = self.loss_scale_optimizer(optimizer)
+        return TrainStep(
+            model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile)
+        )
