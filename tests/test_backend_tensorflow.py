@@ -135,7 +135,8 @@ def test_to_dtype(name, expected):
 def test_framework_version_and_device_info():
     assert utf.framework_version() == tf.__version__
     info = utf.device_info()
-    assert info and {"device", "float16", "bfloat16", "recommended"} <= set(info[0])
+    assert info and {"device", "kind", "float16", "bfloat16", "recommended"} <= set(info[0])
+    assert info[0]["kind"] == "cpu" and info[0]["recommended"] == "float32"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -676,8 +677,8 @@ def test_train_step_with_sparse_embedding_gradients(grad_accum_steps):
         max_grad_norm=1.0,
     )
     table = model.layers[0].embeddings.numpy().copy()
-    for _ in range(grad_accum_steps):
-        r = step({"ids": np.array([[1, 2, 2]], np.int32)})
+    b = {"ids": np.array([[1, 2, 2]], np.int32)}
+    r = step(b if grad_accum_steps == 1 else [b] * grad_accum_steps)
     assert r.applied and math.isfinite(r.grad_norm)
     changed = np.any(model.layers[0].embeddings.numpy() != table, axis=1)
     assert changed.tolist() == [False, True, True] + [False] * 7
@@ -700,31 +701,34 @@ def test_train_step_forward_overflow_keeps_scale():
     np.testing.assert_array_equal(model.w.numpy(), np.array([1.0, 2.0], np.float32))
 
 
-def test_grad_accumulation_is_the_mean_and_resets_to_zero():
+def test_grad_accumulation_is_the_mean():
     model, step = _step(lr=0.5, grad_accum_steps=2)
-    r1 = step(vec_batch([1.0, 2.0]))
-    assert r1.applied is False and np.any(step.accumulators[0].numpy() != 0)
-    np.testing.assert_array_equal(model.w.numpy(), [0.0, 0.0])
-    r2 = step(vec_batch([3.0, 6.0]))
-    assert r2.applied is True and r2.loss == 0.0
+    r = step([vec_batch([1.0, 2.0]), vec_batch([3.0, 6.0])])
+    assert r.applied is True and r.loss == 0.0
     np.testing.assert_array_equal(model.w.numpy(), [-1.0, -2.0])  # 0.5 * mean((1,2),(3,6))
-    assert step.accumulators[0].numpy().tobytes() == np.zeros(2, np.float32).tobytes()
+    assert step.tracing_count() == 1
 
 
 @pytest.mark.parametrize("bad_micro", [0, 1])
 def test_grad_accumulation_skips_whole_window(bad_micro):
     model, step = _step(lr=0.5, grad_accum_steps=2)
-    for i in range(2):
-        r = step(vec_batch([1.0, 2.0], np.inf if i == bad_micro else 1.0))
+    r = step([vec_batch([1.0, 2.0], np.inf if i == bad_micro else 1.0) for i in range(2)])
     assert r.applied is False and r.grads_finite is False and r.total_skips == 1
     np.testing.assert_array_equal(model.w.numpy(), [0.0, 0.0])
     assert int(step.optimizer.iterations.numpy()) == 0
     assert float(step.optimizer.dynamic_scale.numpy()) == 2.0**14
-    assert step.accumulators[0].numpy().tobytes() == np.zeros(2, np.float32).tobytes()
-    step(vec_batch([2.0, 2.0]))
-    r = step(vec_batch([2.0, 4.0]))
+    r = step([vec_batch([2.0, 2.0]), vec_batch([2.0, 4.0])])
     assert r.applied is True
     np.testing.assert_array_equal(model.w.numpy(), [-1.0, -1.5])  # only the clean window
+
+
+@pytest.mark.parametrize("batch", ["one", "short"])
+def test_grad_accumulation_needs_a_list_of_k(batch):
+    model, step = _step(lr=0.5, grad_accum_steps=2)
+    b = vec_batch([1.0, 2.0]) if batch == "one" else [vec_batch([1.0, 2.0])]
+    with pytest.raises(ValueError, match="list of 2 micro-batches"):
+        step(b)
+    np.testing.assert_array_equal(model.w.numpy(), [0.0, 0.0])
 
 
 def test_train_step_state_dict_round_trip():

@@ -37,7 +37,7 @@ except ImportError as e:  # pragma: no cover - keras ships with TensorFlow >= 2.
     ) from e
 
 from unimp.backends._base import MixedPrecisionBase
-from unimp.dtypes import canonical_dtype
+from unimp.dtypes import canonical_dtype, device_support
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -206,42 +206,24 @@ def all_finite(tree: Any) -> tf.Tensor:
 
 
 def device_info() -> list[dict[str, Any]]:
-    """Which half dtypes each visible TensorFlow device runs, and the recipe unimp recommends.
+    """For ``unimp info``: each visible TensorFlow device with its kind, the half dtypes it
+    runs and the recommended recipe, by the core rule :func:`unimp.dtypes.device_support`.
 
     Returns:
-        A list of ``{"device", "float16", "bfloat16", "recommended"}`` dicts. GPUs report by
-        compute capability (float16 from 5.3, fast float16 tensor cores from 7.0, bfloat16
-        from 8.0); CPUs run both half dtypes (emulated, slower than float32), so ``float32`` is
-        recommended there. TPUs run bfloat16.
+        ``[{"device", "kind", "float16", "bfloat16", "recommended"}, ...]`` (GPUs add
+        ``name``).
     """
     out = []
     for dev in tf.config.list_physical_devices():
-        kind = dev.device_type.upper()
-        entry: dict[str, Any] = {"device": dev.name, "float16": True, "bfloat16": True}
-        if kind == "GPU":
-            details = tf.config.experimental.get_device_details(dev) or {}
-            cc = details.get("compute_capability")
-            if cc is None:
-                entry["recommended"] = "mixed_float16"
-            else:
-                cc = tuple(cc)
-                entry["float16"] = cc >= (5, 3)
-                entry["bfloat16"] = cc >= (8, 0)
-                entry["recommended"] = (
-                    "mixed_bfloat16"
-                    if cc >= (8, 0)
-                    else "mixed_float16"
-                    if cc >= (7, 0)
-                    else "float32"
-                )
-            if details.get("device_name"):
-                entry["name"] = details["device_name"]
-        elif kind == "TPU":
-            entry["float16"] = False
-            entry["recommended"] = "mixed_bfloat16"
-        else:
-            entry["recommended"] = "float32"
-        entry["keras"] = keras.__version__
+        kind = {"GPU": "gpu", "TPU": "tpu"}.get(dev.device_type.upper(), "cpu")
+        details = tf.config.experimental.get_device_details(dev) or {} if kind == "gpu" else {}
+        cc = details.get("compute_capability")
+        entry: dict[str, Any] = {
+            "device": dev.name,
+            **device_support(kind, tuple(cc) if cc else None),
+        }
+        if details.get("device_name"):
+            entry["name"] = details["device_name"]
         out.append(entry)
     return out
 
@@ -793,7 +775,6 @@ class TrainStep:
     Attributes:
         optimizer: the :class:`LossScaleOptimizer` holding the loss-scale state.
         function: the ``tf.function`` (traced once per batch signature).
-        accumulators: the float32 gradient buffers (empty without accumulation).
     """
 
     def __init__(
@@ -813,19 +794,6 @@ class TrainStep:
         variables = list(model.trainable_variables)
         optimizer._ensure_built(variables)
         self._variables = variables
-        self.accumulators: list[tf.Variable] = []
-        if grad_accum_steps > 1:
-            for v in variables:
-                self.accumulators.append(
-                    tf.Variable(
-                        tf.zeros(v.shape, tf.float32), trainable=False, name="grad_accumulator"
-                    )
-                )
-            self._micro = tf.Variable(0, dtype=tf.int32, trainable=False, name="micro_step")
-            self._window_loss = tf.Variable(
-                0.0, dtype=tf.float32, trainable=False, name="window_loss"
-            )
-            self._window_loss_finite = tf.Variable(True, trainable=False, name="window_loss_finite")
         self.function = tf.function(self._step, jit_compile=jit_compile)
 
     def tracing_count(self) -> int:
@@ -833,6 +801,18 @@ class TrainStep:
         return int(self.function.experimental_get_tracing_count())
 
     def __call__(self, batch: Any) -> StepResult:
+        if self.grad_accum_steps > 1:
+            k = self.grad_accum_steps
+            if not isinstance(batch, (list, tuple)) or len(batch) != k:
+                got = (
+                    f"{type(batch).__name__} of length {len(batch)}"
+                    if isinstance(batch, (list, tuple))
+                    else type(batch).__name__
+                )
+                raise ValueError(
+                    f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got {got}."
+                )
+            batch = list(batch)
         raw = self.function(_batch_to_tensors(batch))
         return StepResult(raw, to_host=_to_host, config=self.optimizer.loss_scale_config)
 
@@ -871,10 +851,7 @@ class TrainStep:
             "total_skips": total,
         }
 
-    def _step(self, batch: Any) -> dict:
-        opt = self.optimizer
-        variables = self._variables
-        scale = tf.identity(tf.convert_to_tensor(opt.dynamic_scale))
+    def _scaled_grads(self, batch: Any, scale: tf.Tensor) -> tuple[list[Any], tf.Tensor]:
         with tf.GradientTape() as tape:
             loss = tf.convert_to_tensor(self.loss_fn(self.model, batch))
             if not loss.dtype.is_floating:
@@ -886,57 +863,35 @@ class TrainStep:
                 )
             loss32 = tf.cast(loss, tf.float32)
             scaled = loss32 * scale
-        grads = tape.gradient(scaled, variables)
-        loss_finite = tf.math.is_finite(loss32)
+        return tape.gradient(scaled, self._variables), loss32
+
+    def _step(self, batch: Any) -> dict:
+        scale = tf.identity(tf.convert_to_tensor(self.optimizer.dynamic_scale))
         if self.grad_accum_steps == 1:
+            grads, loss32 = self._scaled_grads(batch, scale)
             unscaled = [None if g is None else _unscale(g, scale) for g in grads]
-            return self._finish(unscaled, loss32, loss_finite, scale)
-
+            return self._finish(unscaled, loss32, tf.math.is_finite(loss32), scale)
+        # a window of k micro-batches: sum the scaled gradients in float32 from exact zeros,
+        # take the mean, unscale once; the window is skipped when any micro-batch is non-finite
         k = self.grad_accum_steps
-        for buf, g in zip(self.accumulators, grads, strict=True):
-            if g is not None:
-                buf.assign_add(tf.cast(tf.convert_to_tensor(g), tf.float32))
-        self._window_loss.assign_add(loss32)
-        self._window_loss_finite.assign(tf.logical_and(self._window_loss_finite, loss_finite))
-        micro = self._micro.assign_add(1)
-
-        def close_window() -> dict:
-            # mean of the scaled micro-batch gradients, then one unscale for the whole window
-            unscaled = []
-            for buf, g, v in zip(self.accumulators, grads, variables, strict=True):
-                if g is None:
-                    unscaled.append(None)
-                else:
-                    mean = tf.convert_to_tensor(buf) / tf.constant(float(k), tf.float32)
-                    unscaled.append(tf.cast(mean / scale, v.dtype))
-            window_loss = tf.convert_to_tensor(self._window_loss) / tf.constant(
-                float(k), tf.float32
-            )
-            out = self._finish(
-                unscaled, window_loss, tf.convert_to_tensor(self._window_loss_finite), scale
-            )
-            # reset the buffers to exact zeros (never by subtracting their own value)
-            for buf in self.accumulators:
-                buf.assign(tf.zeros(buf.shape, tf.float32))
-            self._window_loss.assign(0.0)
-            self._window_loss_finite.assign(True)
-            self._micro.assign(0)
-            return out
-
-        def inside_window() -> dict:
-            unscaled = [None if g is None else _unscale(g, scale) for g in grads]
-            return {
-                "loss": loss32,
-                "scale": scale,
-                "applied": tf.constant(False),
-                "loss_finite": loss_finite,
-                "grads_finite": all_finite([g for g in unscaled if g is not None]),
-                "grad_norm": None if self.max_grad_norm is None else _global_norm(unscaled),
-                "consecutive_skips": tf.convert_to_tensor(opt.consecutive_skips),
-                "total_skips": tf.convert_to_tensor(opt.total_skips),
-            }
-
-        return tf.cond(micro >= k, close_window, inside_window)
+        total: list[Any] = [None] * len(self._variables)
+        losses = []
+        for micro in batch:
+            grads, loss32 = self._scaled_grads(micro, scale)
+            losses.append(loss32)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+                    total[i] = g if total[i] is None else total[i] + g
+        kf = tf.constant(float(k), tf.float32)
+        unscaled = [
+            None if t is None else tf.cast((t / kf) / scale, v.dtype)
+            for t, v in zip(total, self._variables, strict=True)
+        ]
+        stacked = tf.stack(losses)
+        return self._finish(
+            unscaled, tf.reduce_mean(stacked), tf.reduce_all(tf.math.is_finite(stacked)), scale
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1184,12 +1139,11 @@ class MixedPrecision(MixedPrecisionBase):
         skips the step without lowering the scale; a skipped step leaves the variables and the
         whole optimizer state (``iterations`` included) unchanged.
 
-        With ``grad_accum_steps = k > 1`` each call takes one micro-batch: its scaled gradient
-        is added to float32 buffers; every k-th call closes the window, applying the mean of
-        the k gradients unscaled once (the whole window is skipped when any micro-batch was
-        non-finite) and resetting the buffers to exact zeros. Calls inside a window report
-        ``applied=False`` with that micro-batch's loss and leave the skip counters alone; the
-        closing call reports the window's mean loss.
+        With ``grad_accum_steps = k > 1`` each call takes a list of k micro-batches (the same
+        call shape in every backend: one call is one optimizer step and one StepResult): their
+        scaled gradients are summed in float32 from exact zeros, the mean is unscaled once and
+        applied, and the whole window is skipped when any micro-batch is non-finite. ``loss``
+        is the mean micro-batch loss.
 
         The step is traced once per batch signature (NumPy arrays are converted to tensors;
         Python numbers in the batch would retrace per value). It runs on one replica: under a
