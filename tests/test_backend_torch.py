@@ -721,7 +721,7 @@ def test_train_step_state_dict_round_trip():
 def test_device_info_lists_cpu():
     info = ut.device_info()
     assert info[0]["device"] == "cpu" and info[0]["bfloat16"] is True
-    assert info[0]["recommended"] == "mixed_bfloat16"
+    assert info[0]["kind"] == "cpu" and info[0]["recommended"] == "float32"  # core rule: device_support
     assert ut.framework_version() == torch.__version__
 
 

@@ -156,11 +156,14 @@ def _compare(args: argparse.Namespace) -> int:
     with progress:
         report = run_compare(cfg, progress_factory=_Bar)
     written = write_report(report, out_dir)
+    # one column per backend, one row per figure: fits a narrow terminal
+    rows = summary_rows(report)
     table = Table(title=f"unimp compare: {args.recipe}")
-    for col in COLUMNS:
-        table.add_column(col)
-    for row in summary_rows(report):
-        table.add_row(*row)
+    table.add_column("")
+    for row in rows:
+        table.add_column(row[0], justify="right")
+    for i, col in enumerate(COLUMNS[1:], start=1):
+        table.add_row(col, *(row[i] for row in rows))
     Console().print(table)
     print("wrote " + ", ".join(written))
     return 0
@@ -193,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="digits",
         help="'digits' (ships with scikit-learn) or an .npz with x and y",
     )
-    cmp_.add_argument("--epochs", type=int, default=3)
+    cmp_.add_argument("--epochs", type=int, default=10)
     cmp_.add_argument("--batch-size", type=int, default=32)
     cmp_.add_argument("--lr", type=float, default=1e-3)
     cmp_.add_argument("--optimizer", default="adam", help="adam or sgd")

@@ -115,10 +115,12 @@ def _plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name, run in report["runs"].items():
+    styles = ["-", "--", ":", "-."]  # identical curves lie on top of each other: keep each visible
+    for i, (name, run) in enumerate(report["runs"].items()):
         steps = np.arange(1, len(run["loss"]) + 1)
-        ax_loss.plot(steps, run["loss"], label=name, linewidth=1)
-        ax_scale.step(steps, run["scale"], where="post", label=name, linewidth=1)
+        style = styles[i % len(styles)]
+        ax_loss.plot(steps, run["loss"], style, label=name, linewidth=1.2)
+        ax_scale.step(steps, run["scale"], where="post", linestyle=style, label=name, linewidth=1.2)
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(f"unimp compare: {report['recipe_name']}")
     ax_loss.legend()

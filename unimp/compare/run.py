@@ -32,7 +32,7 @@ class CompareConfig:
     backends: tuple[str, ...] | None = None
     model: str = "mlp"
     data: str = "digits"
-    epochs: int = 3
+    epochs: int = 10
     batch_size: int = 32
     lr: float = 1e-3
     optimizer: str = "adam"
@@ -121,8 +121,9 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
 
 def _device_for(backend: str, wanted: str) -> str:
     module = registry.get_backend(backend)
-    devices = [d["device"] for d in module.device_info()]
-    has_gpu = any(not d.startswith("cpu") for d in devices)
+    info = module.device_info()
+    devices = [d["device"] for d in info]
+    has_gpu = any(d.get("kind") == "gpu" for d in info)
     if wanted == "auto":
         return "cuda" if has_gpu else "cpu"
     if wanted == "cuda" and not has_gpu:

@@ -1,0 +1,170 @@
+"""Case 9: bad input gets a clear error that names the fix, and the failed call changes nothing
+(model, optimizer, loss-scale state). Every case runs on every backend under test."""
+
+from __future__ import annotations
+
+import copy
+
+import kits
+import numpy as np
+import pytest
+
+import unimp
+from unimp import DynamicLossScale, get_recipe, state_dict
+
+# (name, needle in the message)
+BAD_BACKENDS = [
+    ("pytroch", "Did you mean 'pytorch'"),
+    ("tensorflw", "Did you mean 'tensorflow'"),
+    ("mxnet", "Valid backends"),
+]
+BAD_POLICIES = [
+    ("mixed_float61", "Did you mean 'mixed_float16'"),
+    ("bf16-mixd", "Did you mean 'bf16-mixed'"),
+    ("fp8", "FP8 recipes are not supported yet"),
+    ("c=f17", "compute=float16"),
+    ("p=f32,p=f16", "given twice"),
+    ("x=f16", "Keys are p|params"),
+]
+BAD_LOSS_SCALES = [
+    ({"growth_factor": 1.0}, "growth_factor"),
+    ({"growth_factor": float("nan")}, "growth_factor"),
+    ({"backoff_factor": 1.5}, "backoff_factor"),
+    ({"backoff_factor": 0}, "backoff_factor"),
+    ({"growth_interval": 0}, "growth_interval"),
+    ({"growth_interval": 1.5}, "growth_interval"),
+    ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 6.0}, "min_scale"),
+    ({"init_scale": 0.25}, "init_scale"),
+    ({"init_scale": float("inf")}, "init_scale"),
+    ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
+]
+
+
+def _sd(**changes):
+    d = state_dict(DynamicLossScale(init_scale=1024, growth_interval=4))
+    for path, value in changes.items():
+        where = d
+        *head, last = path.split("__")
+        for h in head:
+            where = where[h]
+        if value is KeyError:
+            del where[last]
+        else:
+            where[last] = value
+    return d
+
+
+BAD_STATE_DICTS = [
+    ("not-a-dict", [1, 2], "dict"),
+    ("empty", {}, "format"),
+    (
+        "torch-gradscaler",
+        {
+            "scale": 65536.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 2000,
+            "_growth_tracker": 0,
+        },
+        None,
+    ),
+    ("keras-checkpoint", {"dynamic_scale": 1024.0, "step_counter": 3}, "format"),
+    ("future-format", _sd(format="unimp.loss_scale/2"), "format"),
+    ("missing-state", _sd(state=KeyError), "state"),
+    ("bad-kind", _sd(config__kind="adaptive"), "kind"),
+    ("bad-growth", _sd(config__growth_factor=0.9), "growth_factor"),
+    ("unknown-config-key", _sd(config__period=10), "period"),
+    ("counter-too-big", _sd(state__counter=4), "counter"),
+    ("negative-counter", _sd(state__counter=-1), "counter"),
+    ("scale-inf", _sd(state__scale=float("inf")), "scale"),
+    ("scale-string", _sd(state__scale="1024"), "scale"),
+    ("scale-above-max", _sd(state__scale=2.0**30), "scale"),
+    ("skips-inconsistent", _sd(state__consecutive_skips=3), "consecutive_skips"),
+]
+
+BAD_STEP_OPTIONS = [
+    ({"grad_accum_steps": 0}, "grad_accum_steps"),
+    ({"grad_accum_steps": -2}, "grad_accum_steps"),
+    ({"grad_accum_steps": 1.5}, "grad_accum_steps"),
+    ({"grad_accum_steps": "2"}, "grad_accum_steps"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    ({"max_grad_norm": float("nan")}, "max_grad_norm"),
+    ({"max_grad_norm": float("inf")}, "max_grad_norm"),
+    ({"max_grad_norm": "1"}, "max_grad_norm"),
+]
+
+
+def test_there_are_at_least_40_distinct_bad_inputs():
+    total = (
+        len(BAD_BACKENDS)
+        + len(BAD_POLICIES)
+        + len(BAD_LOSS_SCALES)
+        + len(BAD_STATE_DICTS)
+        + len(BAD_STEP_OPTIONS)
+    )
+    assert total >= 40
+
+
+@pytest.mark.parametrize("name,needle", BAD_BACKENDS, ids=[b[0] for b in BAD_BACKENDS])
+def test_unknown_backend(name, needle):
+    with pytest.raises(ValueError, match=needle):
+        unimp.mixed_precision("mixed_float16", backend=name)
+
+
+@pytest.mark.parametrize("name,needle", BAD_POLICIES, ids=[p[0] for p in BAD_POLICIES])
+def test_unknown_policy(backend, name, needle):
+    with pytest.raises(ValueError, match=needle):
+        unimp.mixed_precision(name, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field", BAD_LOSS_SCALES, ids=[f"{k}" for k in range(len(BAD_LOSS_SCALES))]
+)
+def test_invalid_loss_scale_config(backend, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        unimp.mixed_precision(
+            get_recipe("mixed_float16", loss_scale=DynamicLossScale(**kwargs)), backend=backend
+        )
+
+
+@pytest.fixture
+def used_run(backend):
+    run = kits.build(
+        backend,
+        get_recipe(
+            "mixed_float16", loss_scale=DynamicLossScale(init_scale=1024, growth_interval=4)
+        ),
+    )
+    run.step(kits.batch(0))
+    run.step(kits.batch(1, poison=float("inf")))
+    return run
+
+
+@pytest.mark.parametrize("case,d,needle", BAD_STATE_DICTS, ids=[c[0] for c in BAD_STATE_DICTS])
+def test_corrupt_or_foreign_state_dict_changes_nothing(used_run, case, d, needle):
+    before_state, before_params = used_run.loss_scale_state(), used_run.params()
+    if needle is None:  # a torch GradScaler dict: the torch backend converts it, the others refuse
+        if used_run.backend == "torch":
+            used_run.load_state_dict(copy.deepcopy(d))
+            assert float(used_run.loss_scale_state().scale) == 65536.0
+            return
+        needle = "GradScaler"
+    with pytest.raises(ValueError, match=needle):
+        used_run.load_state_dict(copy.deepcopy(d))
+    assert used_run.loss_scale_state() == before_state
+    for k, v in used_run.params().items():
+        np.testing.assert_array_equal(v, before_params[k])
+    assert used_run.step(kits.batch(2)).applied  # still usable
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    BAD_STEP_OPTIONS,
+    ids=[f"{next(iter(k))}={next(iter(k.values()))!r}" for k, _ in BAD_STEP_OPTIONS],
+)
+def test_bad_train_step_options(backend, kwargs, needle):
+    w = kits.weights()
+    with pytest.raises(ValueError, match=needle):
+        kits.build(backend, "mixed_float16", w=w, **kwargs)
+    np.testing.assert_array_equal(w["w1"], kits.weights()["w1"])

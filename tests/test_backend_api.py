@@ -1,0 +1,52 @@
+"""The backends expose the same neutral names with the same meaning."""
+
+import pytest
+from conftest import require_backend
+
+from unimp import StepResult, get_recipe
+from unimp.backends._base import COMMON_API, MixedPrecisionBase
+
+NEUTRAL_METHODS = (
+    "recipe",
+    "policy",
+    "loss_scale",
+    "compute_dtype",
+    "param_dtype",
+    "output_dtype",
+    "cast_to_compute",
+    "cast_to_param",
+    "cast_to_output",
+    "autocast",
+    "prepare",
+    "train_step",
+)
+
+
+def test_every_backend_exports_the_common_api(backend):
+    module = require_backend(backend)
+    missing = [n for n in COMMON_API if n not in module.__all__ or not hasattr(module, n)]
+    assert missing == []
+    assert module.StepResult is StepResult
+    assert issubclass(module.MixedPrecision, MixedPrecisionBase)
+
+
+def test_mixed_precision_has_the_neutral_names(backend):
+    mp = require_backend(backend).MixedPrecision(get_recipe("mixed_float16"))
+    assert [n for n in NEUTRAL_METHODS if not hasattr(mp, n)] == []
+    assert mp.recipe == get_recipe("mixed_float16")
+
+
+def test_device_info_shape(backend):
+    info = require_backend(backend).device_info()
+    assert info, "at least the CPU"
+    for d in info:
+        assert {"device", "kind", "float16", "bfloat16", "recommended"} <= set(d)
+        assert d["kind"] in ("cpu", "gpu", "tpu")
+        get_recipe(d["recommended"])
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32"])
+def test_to_dtype_round_trips(backend, name):
+    from unimp import canonical_dtype
+
+    assert canonical_dtype(require_backend(backend).to_dtype(name)) == name

@@ -1,0 +1,153 @@
+"""`unimp compare`: one recipe, same weights and batches, every framework; bad input exits 2
+with one line naming the fix and nothing written."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import BACKENDS
+
+from unimp.cli import main
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "rep"
+    code = main(
+        ["compare", "--epochs", "1", "--batch-size", "64", "--quiet", "--out", str(out), *extra]
+    )
+    return code, out
+
+
+def test_compare_one_backend_writes_the_report(backend, tmp_path):
+    code, out = _run(tmp_path, "--backends", backend)
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "report.png"]
+    rep = json.loads((out / "report.json").read_text())
+    run = rep["runs"][backend]
+    assert rep["steps"] == len(run["loss"]) == 22  # 1438 training digits // 64
+    assert all(math.isfinite(x) for x in run["loss"])
+    assert run["loss"][-1] < run["loss"][0]
+    assert run["scale"][0] == 32768.0 and run["test_accuracy"] > 0.5
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert backend in (out / "report.md").read_text()
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs two backends under test to compare")
+@pytest.mark.parametrize(
+    "recipe,tol", [("float32", 1e-4), ("mixed_float16", 5e-2), ("mixed_bfloat16", 5e-2)]
+)
+def test_frameworks_agree(tmp_path, recipe, tol):
+    code, out = _run(
+        tmp_path, "--backends", ",".join(BACKENDS), "--recipe", recipe, "--model", "mlp"
+    )
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    first = [r["loss"][0] for r in rep["runs"].values()]
+    assert max(first) - min(first) < 1e-2 * max(first)  # same weights, same first batch
+    diffs = rep["cross_framework_max_rel_loss_diff"]
+    print(f"\n[compare] {recipe}: max relative per-step loss difference between frameworks {diffs}")
+    assert max(diffs.values()) <= tol
+
+
+def test_cnn_and_baseline(tmp_path):
+    code, out = _run(
+        tmp_path,
+        "--backends",
+        BACKENDS[0],
+        "--model",
+        "cnn",
+        "--baseline",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+    )
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert 0 <= rep["baseline_deviation"][BACKENDS[0]] < 0.1
+    assert rep["baseline"][BACKENDS[0]]["scale"][0] == 1.0  # float32 baseline: no loss scaling
+
+
+def _npz(tmp_path, name, **arrays):
+    p = tmp_path / name
+    np.savez(p, **arrays)
+    return str(p)
+
+
+def test_npz_data(tmp_path):
+    rng = np.random.default_rng(0)
+    path = _npz(
+        tmp_path,
+        "mine.npz",
+        x=rng.random((200, 28, 28)).astype(np.float32),
+        y=rng.integers(0, 10, 200),
+    )
+    code, out = _run(tmp_path, "--backends", BACKENDS[0], "--data", path, "--batch-size", "32")
+    assert code == 0
+    assert json.loads((out / "report.json").read_text())["data"] == "mine.npz"
+
+
+BAD = [
+    (["--recipe", "mixed_flaot16"], "Did you mean 'mixed_float16'"),
+    (["--backends", "pytroch"], "Did you mean 'pytorch'"),
+    (["--model", "rnn"], "--model"),
+    (["--optimizer", "rmsprop"], "--optimizer"),
+    (["--device", "tpu"], "--device"),
+    (["--epochs", "0"], "--epochs"),
+    (["--lr", "-1"], "--lr"),
+    (["--batch-size", "100000"], "--batch-size"),
+    (["--data", "/nonexistent/mnist.npz"], "does not exist"),
+    (["--data", "digits.csv"], ".npz"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[a[0][0] + "=" + a[0][1] for a in BAD])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, args, needle):
+    code, out = _run(tmp_path, *args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert needle in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "arrays,needle",
+    [
+        ({"x": np.zeros((20, 8, 8))}, "needs arrays 'x' and 'y'"),
+        ({"x": np.zeros((20, 8, 8)), "y": np.full(20, -1)}, "labels must lie in"),
+        ({"x": np.zeros((20, 8, 8)), "y": np.linspace(0, 1, 20)}, "must be integers"),
+        ({"x": np.zeros((20, 8, 8)), "y": np.zeros(19, int)}, "'y' must have shape"),
+        ({"x": np.full((20, 8, 8), np.nan), "y": np.zeros(20, int)}, "NaN"),
+    ],
+    ids=["no-y", "negative-labels", "float-labels", "short-y", "nan-x"],
+)
+def test_malformed_data_file(tmp_path, capsys, arrays, needle):
+    path = _npz(tmp_path, "bad.npz", **arrays)
+    code, out = _run(tmp_path, "--data", path)
+    assert code == 2 and needle in capsys.readouterr().err and not out.exists()
+
+
+def test_not_an_npz(tmp_path, capsys):
+    p = tmp_path / "junk.npz"
+    p.write_bytes(b"not a zip file")
+    code, out = _run(tmp_path, "--data", str(p))
+    assert code == 2 and "not a readable .npz" in capsys.readouterr().err and not out.exists()
+
+
+def test_cuda_without_gpu(tmp_path, capsys):
+    from unimp import registry
+
+    if any(d.get("kind") == "gpu" for d in registry.get_backend(BACKENDS[0]).device_info()):
+        pytest.skip("this machine has a GPU")
+    code, out = _run(tmp_path, "--backends", BACKENDS[0], "--device", "cuda")
+    assert code == 2 and "--device cpu" in capsys.readouterr().err and not out.exists()
+
+
+def test_out_is_a_file(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    assert main(["compare", "--quiet", "--out", str(f)]) == 2
+    assert "not a folder" in capsys.readouterr().err

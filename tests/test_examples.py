@@ -1,0 +1,64 @@
+"""Every example runs as a user would run it (a subprocess, on CPU) and finishes cleanly."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from conftest import require_backend
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# (example, its backend, arguments, text its output must contain). torch_mlp.py and apex_o2.py
+# run in test_backend_torch.py / test_compat_apex.py (both loops, O1 and O2), jax_flax_optax.py
+# in test_backend_jax.py (with its compilation count).
+EXAMPLES = [
+    ("keras_mlp_fit.py", "tensorflow", [], "float32"),
+    ("tf_keras2_custom_loop.py", "tensorflow", [], "loss"),
+    ("port_any_backend.py", "torch", ["--backend", "torch", "--steps", "30"], "final loss"),
+    (
+        "port_any_backend.py",
+        "tensorflow",
+        ["--backend", "tensorflow", "--steps", "30"],
+        "final loss",
+    ),
+    ("port_any_backend.py", "jax", ["--backend", "jax", "--steps", "30"], "final loss"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script,backend,args,needle", EXAMPLES, ids=[f"{e[0]}-{e[1]}" for e in EXAMPLES]
+)
+def test_example_runs(script, backend, args, needle):
+    require_backend(backend)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert needle in out.stdout.lower()
+    assert "nan" not in out.stdout.lower().split("final loss")[-1][:20]
+
+
+def test_port_script_gives_the_same_losses_in_every_framework(backend):
+    import runpy
+
+    from conftest import BACKENDS
+
+    if len(BACKENDS) < 2:
+        pytest.skip("needs two backends under test to compare")
+    main = runpy.run_path(str(ROOT / "examples" / "port_any_backend.py"), run_name="example")[
+        "main"
+    ]
+    mine = main(["--backend", backend, "--steps", "20"])
+    other = main(["--backend", next(b for b in BACKENDS if b != backend), "--steps", "20"])
+    assert max(abs(a - b) / b for a, b in zip(mine, other, strict=True)) < 2e-2
