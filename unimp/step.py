@@ -8,7 +8,7 @@ from typing import Any
 
 from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
 
-__all__ = ["STEP_FIELDS", "StepResult"]
+__all__ = ["STEP_FIELDS", "StepResult", "check_step_options"]
 
 #: The fields of :class:`StepResult`, in order.
 STEP_FIELDS = (
@@ -130,3 +130,40 @@ class StepResult:
             return f"StepResult({', '.join(parts)})"
         except Exception as e:  # repr must not raise
             return f"StepResult(<unreadable: {e}>)"
+
+
+def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, float | None]:
+    """Validates the train-step options every backend takes, one rule for all.
+
+    Args:
+        grad_accum_steps: micro-batches per optimizer step: an int >= 1.
+        max_grad_norm: ``None``, or a finite number > 0 (the global norm the unscaled gradients
+            are clipped to).
+
+    Returns:
+        ``(grad_accum_steps, max_grad_norm)`` as ``(int, float | None)``.
+
+    Raises:
+        ValueError: naming the option and the accepted values.
+    """
+    import numpy as np
+
+    if (
+        isinstance(grad_accum_steps, bool)
+        or not isinstance(grad_accum_steps, (int, np.integer))
+        or grad_accum_steps < 1
+    ):
+        raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(
+            max_grad_norm, (int, float, np.number)
+        ):
+            raise ValueError(
+                f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}."
+            )
+        if not (math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0):
+            raise ValueError(
+                f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}."
+            )
+        max_grad_norm = float(max_grad_norm)
+    return int(grad_accum_steps), max_grad_norm

@@ -68,5 +68,23 @@ class MixedPrecisionBase:
         """The recipe's loss-scale config."""
         return self._recipe.loss_scale
 
+    # -- casting: the same rule in every backend, through that backend's ``cast_tree``
+    # (floating array leaves only; integers, booleans, Python scalars and non-arrays pass).
+
+    def _cast_tree(self, tree: Any, dtype: Any) -> Any:
+        raise NotImplementedError
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Floating array leaves of ``tree`` cast to the compute dtype; others pass through."""
+        return self._cast_tree(tree, self.policy.compute_dtype)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Floating array leaves of ``tree`` cast to the param dtype; others pass through."""
+        return self._cast_tree(tree, self.policy.param_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Floating array leaves of ``tree`` cast to the output dtype; others pass through."""
+        return self._cast_tree(tree, self.policy.output_dtype)
+
     def __repr__(self) -> str:
         return f"{type(self).__module__}.{type(self).__name__}({self._recipe.describe()})"

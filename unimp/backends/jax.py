@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -37,7 +36,7 @@ from jax import lax
 from unimp import loss_scale as core
 from unimp.backends._base import MixedPrecisionBase
 from unimp.dtypes import canonical_dtype, device_support
-from unimp.step import StepResult
+from unimp.step import StepResult, check_step_options
 
 __all__ = [
     "DynamicLossScale",
@@ -831,6 +830,8 @@ class MixedPrecision(MixedPrecisionBase):
         dtype('float16')
     """
 
+    _cast_tree = staticmethod(cast_tree)
+
     backend = "jax"
 
     def __init__(self, recipe: Any = "mixed_float16") -> None:
@@ -852,18 +853,6 @@ class MixedPrecision(MixedPrecisionBase):
     def output_dtype(self) -> np.dtype:
         """The JAX dtype floating outputs are returned in."""
         return self._dtypes[2]
-
-    def cast_to_compute(self, tree: Any) -> Any:
-        """Floating array leaves to the compute dtype (see :func:`cast_tree`)."""
-        return cast_tree(tree, self.compute_dtype)
-
-    def cast_to_param(self, tree: Any) -> Any:
-        """Floating array leaves to the param dtype (see :func:`cast_tree`)."""
-        return cast_tree(tree, self.param_dtype)
-
-    def cast_to_output(self, tree: Any) -> Any:
-        """Floating array leaves to the output dtype (see :func:`cast_tree`)."""
-        return cast_tree(tree, self.output_dtype)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """A no-op context manager: JAX has no autocast (use :meth:`apply` or
@@ -1013,24 +1002,7 @@ class TrainStep:
             raise TypeError(
                 f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
             )
-        if (
-            isinstance(grad_accum_steps, bool)
-            or not isinstance(grad_accum_steps, (int, np.integer))
-            or grad_accum_steps < 1
-        ):
-            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
-        if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(
-                max_grad_norm, (int, float, np.number)
-            ):
-                raise ValueError(
-                    f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}."
-                )
-            if not (math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0):
-                raise ValueError(
-                    f"max_grad_norm must be finite and > 0, or None; got {max_grad_norm!r}."
-                )
-            max_grad_norm = float(max_grad_norm)
+        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
         # Host leaves (NumPy arrays, Python floats) become device arrays of a fixed dtype now, so
         # the first call's signature equals every later one's and nothing recompiles.
         params = jax.tree_util.tree_map(_device_leaf, mp.cast_to_param(params))

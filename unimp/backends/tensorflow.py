@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,7 +46,7 @@ from unimp.loss_scale import (
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
-from unimp.step import StepResult
+from unimp.step import StepResult, check_step_options
 
 __all__ = [
     "LossScaleOptimizer",
@@ -946,6 +945,8 @@ class MixedPrecision(MixedPrecisionBase):
         ('mixed_bfloat16', tf.bfloat16)
     """
 
+    _cast_tree = staticmethod(cast_tree)
+
     backend = "tensorflow"
 
     def __init__(self, recipe: Any = "mixed_float16") -> None:
@@ -995,18 +996,6 @@ class MixedPrecision(MixedPrecisionBase):
                 "the compute dtype."
             )
         return keras.DTypePolicy(self._output_name)
-
-    def cast_to_compute(self, tree: Any) -> Any:
-        """Casts floating leaves to the compute dtype (integers and non-arrays pass through)."""
-        return cast_tree(tree, self.policy.compute_dtype)
-
-    def cast_to_param(self, tree: Any) -> Any:
-        """Casts floating leaves to the parameter dtype (integers and non-arrays pass through)."""
-        return cast_tree(tree, self.policy.param_dtype)
-
-    def cast_to_output(self, tree: Any) -> Any:
-        """Casts floating leaves to the output dtype (integers and non-arrays pass through)."""
-        return cast_tree(tree, self.policy.output_dtype)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[Any]:
@@ -1173,24 +1162,7 @@ class MixedPrecision(MixedPrecisionBase):
             raise TypeError(
                 f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}."
             )
-        if (
-            isinstance(grad_accum_steps, bool)
-            or not isinstance(grad_accum_steps, (int, np.integer))
-            or grad_accum_steps < 1
-        ):
-            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
-        if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(
-                max_grad_norm, (int, float, np.number)
-            ):
-                raise ValueError(
-                    f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}."
-                )
-            if not math.isfinite(float(max_grad_norm)) or float(max_grad_norm) <= 0:
-                raise ValueError(
-                    f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}."
-                )
-            max_grad_norm = float(max_grad_norm)
+        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
         if not model.built or not model.trainable_variables:
             raise ValueError(
                 "the model has no trainable variables yet: build it first (keras.Input in the "

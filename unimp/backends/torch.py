@@ -39,7 +39,7 @@ from unimp.loss_scale import (
     loss_scale_from_dict,
     update_arrays,
 )
-from unimp.step import StepResult
+from unimp.step import StepResult, check_step_options
 
 __all__ = [
     *COMMON_API,
@@ -863,6 +863,8 @@ class MixedPrecision(MixedPrecisionBase):
         ('autocast', torch.float16)
     """
 
+    _cast_tree = staticmethod(cast_tree)
+
     backend = "torch"
 
     def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
@@ -898,18 +900,6 @@ class MixedPrecision(MixedPrecisionBase):
     def mode(self) -> str:
         """``"autocast"``, ``"module"`` or ``"none"`` (a float32 recipe: nothing to cast)."""
         return self._mode
-
-    def cast_to_compute(self, tree: Any) -> Any:
-        """Floating tensors of ``tree`` cast to the compute dtype; others pass through."""
-        return cast_tree(tree, self.compute_dtype)
-
-    def cast_to_param(self, tree: Any) -> Any:
-        """Floating tensors of ``tree`` cast to the parameter dtype; others pass through."""
-        return cast_tree(tree, self.param_dtype)
-
-    def cast_to_output(self, tree: Any) -> Any:
-        """Floating tensors of ``tree`` cast to the output dtype; others pass through."""
-        return cast_tree(tree, self.output_dtype)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast(device_type, dtype=compute)`` in autocast mode, else a no-op context."""
@@ -1117,13 +1107,7 @@ class TrainStep:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch).")
-        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
-        if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not (
-                math.isfinite(max_grad_norm) and max_grad_norm > 0
-            ):
-                raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}.")
+        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
         if scheduler is not None and not hasattr(scheduler, "step"):
             raise TypeError("scheduler must be a torch LR scheduler (with .step()).")
         if mp.mode != "none":

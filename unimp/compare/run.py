@@ -18,7 +18,7 @@ from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference
 from unimp.recipe import Recipe, get_recipe
 
-__all__ = ["CompareConfig", "RunSpec", "run_compare", "validate"]
+__all__ = ["CompareConfig", "RunSpec", "run_compare", "train_loop", "validate"]
 
 OPTIMIZERS = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,6 +69,35 @@ class RunSpec:
     lr: float
     device: str
     progress: Callable[[int], None] = field(default=lambda i: None)
+
+
+def train_loop(
+    step: Callable[[Any], Any], spec: RunSpec, convert: Callable[[dict], Any]
+) -> dict[str, list]:
+    """Runs ``step`` over ``spec.batches`` and records each StepResult.
+
+    Each step's time includes reading its loss back (so the step has finished on the device).
+
+    Returns:
+        Per-step lists: ``loss``, ``scale``, ``applied``, ``loss_finite``, ``grads_finite``,
+        ``step_time`` (seconds).
+    """
+    import time
+
+    out: dict[str, list] = {
+        k: [] for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "step_time")
+    }
+    for i, b in enumerate(spec.batches):
+        batch = convert(b)
+        t0 = time.perf_counter()
+        r = step(batch)
+        loss = r.loss
+        out["step_time"].append(time.perf_counter() - t0)
+        out["loss"].append(loss)
+        for name in ("scale", "applied", "loss_finite", "grads_finite"):
+            out[name].append(getattr(r, name))
+        spec.progress(i)
+    return out
 
 
 def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:

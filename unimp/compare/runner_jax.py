@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 import optax
 
 from unimp.backends import jax as backend
-from unimp.compare.run import RunSpec
+from unimp.compare.run import RunSpec, train_loop
 
 
 def _forward(mp: Any, kind: str):
@@ -45,21 +44,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
         opt = optax.adam(spec.lr, eps=1e-8) if spec.optimizer == "adam" else optax.sgd(spec.lr)
         params = {k: jnp.asarray(v) for k, v in spec.weights.items()}
         step = mp.train_step(loss_fn, opt, params)
-        out: dict[str, list] = {
-            k: [] for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "step_time")
-        }
-        for i, b in enumerate(spec.batches):
-            jb = {k: jnp.asarray(v) for k, v in b.items()}
-            t0 = time.perf_counter()
-            r = step(jb)
-            loss = r.loss
-            out["step_time"].append(time.perf_counter() - t0)
-            out["loss"].append(loss)
-            out["scale"].append(r.scale)
-            out["applied"].append(r.applied)
-            out["loss_finite"].append(r.loss_finite)
-            out["grads_finite"].append(r.grads_finite)
-            spec.progress(i)
+        out = train_loop(step, spec, lambda b: {k: jnp.asarray(v) for k, v in b.items()})
         ones = jnp.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), jnp.float32)
         logits = jax.jit(forward)(step.params, jnp.asarray(spec.x_test), ones)
         pred = np.asarray(jnp.argmax(logits.astype(jnp.float32), axis=1))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import keras
@@ -10,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from unimp.backends import tensorflow as backend
-from unimp.compare.run import RunSpec
+from unimp.compare.run import RunSpec, train_loop
 
 
 def _model(spec: RunSpec, mp: Any) -> keras.Model:
@@ -58,20 +57,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
             )
 
         step = mp.train_step(model, opt, loss_fn)
-        out: dict[str, list] = {
-            k: [] for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "step_time")
-        }
-        for i, b in enumerate(spec.batches):
-            t0 = time.perf_counter()
-            r = step(b)
-            loss = r.loss
-            out["step_time"].append(time.perf_counter() - t0)
-            out["loss"].append(loss)
-            out["scale"].append(r.scale)
-            out["applied"].append(r.applied)
-            out["loss_finite"].append(r.loss_finite)
-            out["grads_finite"].append(r.grads_finite)
-            spec.progress(i)
+        out = train_loop(step, spec, lambda b: b)
         ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
         logits = model([tf.constant(spec.x_test), tf.constant(ones)], training=False)
         pred = np.argmax(np.asarray(tf.cast(logits, tf.float32)), axis=1)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
 from unimp.backends import torch as backend
-from unimp.compare.run import RunSpec
+from unimp.compare.run import RunSpec, train_loop
 
 
 class _Net(torch.nn.Module):
@@ -58,22 +57,10 @@ def run(spec: RunSpec) -> dict[str, Any]:
     step = mp.train_step(model, opt, loss_fn)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    out: dict[str, list] = {
-        k: [] for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "step_time")
-    }
     model.train()
-    for i, b in enumerate(spec.batches):
-        tb = {k: torch.from_numpy(v).to(device) for k, v in b.items()}
-        t0 = time.perf_counter()
-        r = step(tb)
-        loss = r.loss  # reads the loss back: the step has finished
-        out["step_time"].append(time.perf_counter() - t0)
-        out["loss"].append(loss)
-        out["scale"].append(r.scale)
-        out["applied"].append(r.applied)
-        out["loss_finite"].append(r.loss_finite)
-        out["grads_finite"].append(r.grads_finite)
-        spec.progress(i)
+    out = train_loop(
+        step, spec, lambda b: {k: torch.from_numpy(v).to(device) for k, v in b.items()}
+    )
     model.eval()
     with torch.no_grad():
         x = torch.from_numpy(spec.x_test).to(device)
