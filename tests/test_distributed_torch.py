@@ -156,7 +156,50 @@ def scenarios(rank):
     run("wire_overflow", lambda: _train(rank, _recipe(init=2.0**20), hook=unimp.distributed.torch.fp16_mean_hook))
     run("hook_values", lambda: _hook_values(rank))
     run("mismatch", lambda: _mismatch(rank))
+    run("fsdp2", lambda: _fsdp2(rank))
+    run("fsdp2_local_only", lambda: _fsdp2(rank, process_group=False))
     return results
+
+
+def _fsdp_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+
+
+def _fsdp_batch(rank):
+    return torch.full((2, 4), float(rank + 1))
+
+
+def _fsdp2(rank, process_group=None):
+    """FSDP2 fully_shard (gloo, CPU): each rank holds a SHARD of each gradient; an inf in rank
+    1's shard exists on rank 1 only, and the scaler's reduction makes both ranks skip."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _fsdp_model()
+    for m in model:
+        fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = ubt.GradScaler(DynamicLossScale(init_scale=INIT), device="cpu", process_group=process_group)
+
+    def full():
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+    out = {"params0": full(), "steps": [], "grad_type": None}
+    for i in range(2):
+        loss = model(_fsdp_batch(rank)).sum()
+        sc.scale(loss).backward()
+        w = model[0].weight.grad
+        out["grad_type"] = type(w).__name__
+        if i == 0 and rank == 1:
+            with torch.no_grad():
+                w.to_local().view(-1)[0] = float("inf")
+        applied = sc.step(opt)
+        sc.update()
+        opt.zero_grad(set_to_none=True)
+        out["steps"].append({"applied": bool(applied), "scale_after": sc.get_scale(),
+                             "state": sc.state.to_dict(), "params": full()})
+    return out
 
 
 class _Dot(torch.nn.Module):
@@ -359,3 +402,35 @@ def test_process_group_type_is_checked():
 def test_single_process_scaler_does_not_reduce():
     sc = ubt.GradScaler("dynamic", device="cpu")
     assert sc._group() is None
+
+
+def test_fsdp2_fully_shard_inf_in_one_shard_skips_on_both(ddp_results):
+    r0, r1 = _get(ddp_results, "fsdp2")
+    assert r0["grad_type"] == "DTensor"  # sharded gradients
+    for r in (r0, r1):
+        assert r["steps"][0]["applied"] is False
+        assert r["steps"][0]["scale_after"] == 32768.0
+        assert _bitwise_equal(r["steps"][0]["params"], r["params0"])
+        assert r["steps"][1]["applied"] is True
+    assert _bitwise_equal(r0["steps"][1]["params"], r1["steps"][1]["params"])
+    assert r0["steps"][1]["state"] == r1["steps"][1]["state"]
+    # the applied step is the full-batch mean update, unscaled correctly
+    model = _fsdp_model()
+    loss = (model(_fsdp_batch(0)).sum() + model(_fsdp_batch(1)).sum()) / 2
+    loss.backward()
+    with torch.no_grad():
+        expected = [p - 0.01 * p.grad for p in model.parameters()]
+    for a, b in zip(r0["steps"][1]["params"], expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_fsdp2_dtensor_already_reduces_found_inf_over_its_mesh(ddp_results):
+    """Found while writing this: with FSDP2 the gradients are DTensors, and torch's DTensor
+    dispatch reduces the found_inf of ``_amp_foreach_non_finite_check_and_unscale_`` over the
+    mesh itself (``found_inf_reduce_handler``), so even process_group=False agrees. unimp's
+    reduction still matters for the non-finite-loss flag, DDP and non-DTensor sharding."""
+    r0, r1 = _get(ddp_results, "fsdp2_local_only")
+    for r in (r0, r1):
+        assert [s["applied"] for s in r["steps"]] == [False, True]
+        assert r["steps"][0]["scale_after"] == 32768.0
+    assert _bitwise_equal(r0["steps"][1]["params"], r1["steps"][1]["params"])
