@@ -48,5 +48,5 @@ if [ -n "$VENV_DIR" ]; then
     VSITE=$("$VENV_DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "$SITE" > "$VSITE/_base_env.pth"
     "$VENV_DIR/bin/python" -m pip install --no-deps --no-index "$WHEEL_DIR"/horovod-$VERSION-*.whl
-    "$VENV_DIR/bin/python" -c 'import horovod.torch as hvd; print("horovod", hvd.__version__, "gloo built:", hvd.gloo_built())'
+    "$VENV_DIR/bin/python" -c 'import horovod, horovod.torch as hvd; print("horovod", horovod.__version__, "gloo built:", hvd.gloo_built())'
 fi

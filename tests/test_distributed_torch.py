@@ -20,8 +20,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import unimp  # noqa: E402
-from unimp.distributed import fp16_mean  # noqa: E402
 import unimp.distributed.torch  # noqa: E402,F401
+from unimp.distributed import fp16_mean  # noqa: E402
 from unimp.loss_scale import DynamicLossScale, simulate  # noqa: E402
 
 WORLD = 2
@@ -158,6 +158,7 @@ def scenarios(rank):
     run("mismatch", lambda: _mismatch(rank))
     run("fsdp2", lambda: _fsdp2(rank))
     run("fsdp2_local_only", lambda: _fsdp2(rank, process_group=False))
+    run("fsdp2_fp16_reduce", lambda: _fsdp2(rank, fp16_reduce=True, poison=False))
     return results
 
 
@@ -170,15 +171,17 @@ def _fsdp_batch(rank):
     return torch.full((2, 4), float(rank + 1))
 
 
-def _fsdp2(rank, process_group=None):
+def _fsdp2(rank, process_group=None, fp16_reduce=False, poison=True):
     """FSDP2 fully_shard (gloo, CPU): each rank holds a SHARD of each gradient; an inf in rank
     1's shard exists on rank 1 only, and the scaler's reduction makes both ranks skip."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mpp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16) if fp16_reduce else None
+    kw = {"mp_policy": mpp} if mpp is not None else {}
     model = _fsdp_model()
     for m in model:
-        fully_shard(m)
-    fully_shard(model)
+        fully_shard(m, **kw)
+    fully_shard(model, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sc = ubt.GradScaler(DynamicLossScale(init_scale=INIT), device="cpu", process_group=process_group)
 
@@ -191,7 +194,8 @@ def _fsdp2(rank, process_group=None):
         sc.scale(loss).backward()
         w = model[0].weight.grad
         out["grad_type"] = type(w).__name__
-        if i == 0 and rank == 1:
+        out["grad_dtype"] = str(w.dtype)
+        if poison and i == 0 and rank == 1:
             with torch.no_grad():
                 w.to_local().view(-1)[0] = float("inf")
         applied = sc.step(opt)
@@ -282,6 +286,7 @@ def _bitwise_equal(a, b):
     return all(x.dtype == y.dtype and torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["inject", "inject_adam"])
 def test_inf_on_one_replica_after_allreduce_skips_on_both(ddp_results, name):
     r0, r1 = _get(ddp_results, name)
@@ -300,6 +305,7 @@ def test_inf_on_one_replica_after_allreduce_skips_on_both(ddp_results, name):
     assert r0["steps"][1]["state"] == r1["steps"][1]["state"]
 
 
+@pytest.mark.slow
 def test_without_reduction_the_replicas_drift(ddp_results):
     """The control: process_group=False (no reduction) lets rank 0 apply and rank 1 skip."""
     r0, r1 = _get(ddp_results, "inject_local_only")
@@ -308,6 +314,7 @@ def test_without_reduction_the_replicas_drift(ddp_results):
     assert not _bitwise_equal(r0["steps"][0]["params"], r1["steps"][0]["params"])
 
 
+@pytest.mark.slow
 def test_ddp_train_step_matches_single_process_full_batch(ddp_results):
     r0, r1 = _get(ddp_results, "clean_ddp")
     mp = unimp.mixed_precision(_recipe(init=1024.0, growth_interval=2), backend="torch", device="cpu")
@@ -326,6 +333,7 @@ def test_ddp_train_step_matches_single_process_full_batch(ddp_results):
         assert _bitwise_equal(r0["steps"][i]["params"], r1["steps"][i]["params"])
 
 
+@pytest.mark.slow
 def test_overflow_on_the_float16_wire_skips_on_every_replica(ddp_results):
     r0, r1 = _get(ddp_results, "wire_overflow")
     for r in (r0, r1):
@@ -347,12 +355,14 @@ def test_overflow_on_the_float16_wire_skips_on_every_replica(ddp_results):
         ("70000_10000", "torch", float("inf")),  # torch's fp16_compress_hook casts first
     ],
 )
+@pytest.mark.slow
 def test_float16_comm_hooks_right_values(ddp_results, case, hook, expected):
     r0, r1 = _get(ddp_results, "hook_values")
     assert r0[(case, hook)] == expected
     assert r1[(case, hook)] == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["40000", "tiny", "70000_10000"])
 @pytest.mark.parametrize("hook, mode", [("predivide", "predivide"), ("float32", "float32")])
 def test_comm_hooks_match_the_numpy_rule(ddp_results, case, hook, mode):
@@ -362,6 +372,7 @@ def test_comm_hooks_match_the_numpy_rule(ddp_results, case, hook, mode):
     assert np.float16(got).tobytes() == ref.tobytes()
 
 
+@pytest.mark.slow
 def test_different_scales_across_ranks_raise_then_broadcast_resyncs(ddp_results):
     r0, r1 = _get(ddp_results, "mismatch")
     for r in (r0, r1):
@@ -404,6 +415,7 @@ def test_single_process_scaler_does_not_reduce():
     assert sc._group() is None
 
 
+@pytest.mark.slow
 def test_fsdp2_fully_shard_inf_in_one_shard_skips_on_both(ddp_results):
     r0, r1 = _get(ddp_results, "fsdp2")
     assert r0["grad_type"] == "DTensor"  # sharded gradients
@@ -424,6 +436,22 @@ def test_fsdp2_fully_shard_inf_in_one_shard_skips_on_both(ddp_results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_fsdp2_float16_reduce_scatter_overflow_skips_on_both(ddp_results):
+    """FSDP2 with a float16 param/reduce dtype keeps the sharded gradients float32 (so no
+    float16 gradient reaches the scaler, unlike FSDP1's keep_low_precision_grads); the scaled
+    gradients overflow in the float16 backward / reduce-scatter at 65536 and both ranks skip."""
+    r0, r1 = _get(ddp_results, "fsdp2_fp16_reduce")
+    assert r0["grad_dtype"] == "torch.float32"
+    for r in (r0, r1):
+        assert r["steps"][0]["applied"] is False
+        assert r["steps"][0]["scale_after"] == 32768.0
+        assert _bitwise_equal(r["steps"][0]["params"], r["params0"])
+    assert _bitwise_equal(r0["steps"][1]["params"], r1["steps"][1]["params"])
+    assert r0["steps"][1]["state"] == r1["steps"][1]["state"]
+
+
+@pytest.mark.slow
 def test_fsdp2_dtensor_already_reduces_found_inf_over_its_mesh(ddp_results):
     """Found while writing this: with FSDP2 the gradients are DTensors, and torch's DTensor
     dispatch reduces the found_inf of ``_amp_foreach_non_finite_check_and_unscale_`` over the
@@ -434,3 +462,19 @@ def test_fsdp2_dtensor_already_reduces_found_inf_over_its_mesh(ddp_results):
         assert [s["applied"] for s in r["steps"]] == [False, True]
         assert r["steps"][0]["scale_after"] == 32768.0
     assert _bitwise_equal(r0["steps"][1]["params"], r1["steps"][1]["params"])
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_example(tmp_path):
+    """examples/distributed/torch_ddp.py under torchrun (2 ranks, gloo): the replicas end equal."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "examples" / "distributed" / "torch_ddp.py"), "--steps", "4", "--fp16-wire"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "replicas identical (loss-scale state and parameters): True" in proc.stdout
