@@ -478,3 +478,18 @@ def test_torchrun_ddp_example(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "replicas identical (loss-scale state and parameters): True" in proc.stdout
+
+
+def test_fp16_mean_doctests_and_no_framework_import():
+    import doctest
+    import subprocess
+    import sys
+
+    import unimp.distributed as ud
+
+    result = doctest.testmod(ud)
+    assert result.failed == 0 and result.attempted > 0
+    code = "import sys, unimp.distributed; print(sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.stdout.strip() == "[]", out.stderr
