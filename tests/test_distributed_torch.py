@@ -259,7 +259,6 @@ def _mismatch(rank):
         out["raised"] = str(e)
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _params(model), strict=True))
     opt.zero_grad(set_to_none=True)
-    step.scaler._per_opt.clear()
     broadcast_state(step.scaler, src=0)
     r = step(_batch(rank))
     out["after_sync"] = {"applied": r.applied, "scale_used": r.scale, "params": _params(model)}
