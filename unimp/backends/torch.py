@@ -470,6 +470,16 @@ class GradScaler:
             string (``"cuda"``, ``"cpu"``) is taken as ``device``, as torch's first argument.
         device: the device of the scale state; default the current accelerator or the CPU.
         enabled: False makes every method a pass-through (as torch's ``enabled=False``).
+        process_group: the replicas that must agree (data parallel): a ``torch.distributed``
+            process group; ``None`` (default) is the default group whenever
+            ``torch.distributed`` is initialized with more than one rank; ``False`` never
+            reduces (one scaler per rank on purpose). With a group, :meth:`unscale_` all-reduces
+            the overflow flag and the non-finite-loss flag (MAX, on the device, no host sync)
+            before the skip and the scale update, so every replica skips together and the scale
+            stays identical on every rank (as torch's ``ShardedGradScaler``); the first
+            :meth:`unscale_` after construction or :meth:`load_state_dict` also checks once
+            that every rank holds the same loss-scale state and raises if not (see
+            :func:`unimp.distributed.torch.check_replicas_agree`).
         init_scale, growth_factor, backoff_factor, growth_interval: torch's keywords, only
             with ``loss_scale=None``.
 
@@ -488,8 +498,16 @@ class GradScaler:
         device: Any = None,
         *,
         enabled: bool = True,
+        process_group: Any = None,
         **torch_options: Any,
     ) -> None:
+        if process_group is not None and process_group is not False:
+            dist = getattr(torch, "distributed", None)
+            if dist is None or not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+                raise TypeError(
+                    f"process_group must be a torch.distributed ProcessGroup, None (the default group "
+                    f"when initialized) or False (no reduction), got {type(process_group).__name__}."
+                )
         if isinstance(loss_scale, (str, torch.device)) and (
             isinstance(loss_scale, torch.device) or loss_scale.split(":")[0] in _DEVICE_TYPES
         ):
@@ -518,6 +536,46 @@ class GradScaler:
         self._set_state(config.initial_state())
         self._loss_finite = torch.ones((), dtype=torch.bool, device=self._device)
         self._per_opt: dict[int, dict[str, Any]] = {}
+        self._process_group = process_group
+        self._replicas_checked = False
+
+    # -- replicas
+
+    def _group(self) -> Any:
+        """The process group to reduce over, or None (single process, or ``process_group=False``)."""
+        if self._process_group is False:
+            return None
+        if self._process_group is not None:
+            return self._process_group
+        dist = getattr(torch, "distributed", None)
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+    def _reduce_flags(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """``found_inf`` and the loss-finite flag, reduced (MAX of "bad") over the replicas.
+
+        The distributed logic lives in :mod:`unimp.distributed.torch` (imported only when a group
+        is active); subclasses for other engines (Horovod) override this method.
+        """
+        group = self._group()
+        if group is None:
+            return found_inf
+        from unimp.distributed import torch as _dt
+
+        found_inf, self._loss_finite = _dt.reduce_step_flags(found_inf, self._loss_finite, group)
+        return found_inf
+
+    def _check_replicas(self) -> None:
+        """Once after construction or ``load_state_dict``: every replica holds the same state."""
+        if self._replicas_checked:
+            return
+        group = self._group()
+        if group is not None:
+            from unimp.distributed import torch as _dt
+
+            _dt.check_replicas_agree(self, group)
+        self._replicas_checked = True
 
     # -- state
 
@@ -667,6 +725,7 @@ class GradScaler:
             return
         if st["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call update() first.")
+        self._check_replicas()  # before anything changes: raises on every rank on a mismatch
         master = getattr(optimizer, "_unimp_master", None)
         if master is not None:
             master.to_master()
@@ -689,7 +748,7 @@ class GradScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)
             for fi, _ in per_device.values():
                 found_inf = found_inf + _to(fi, self._device)
-        st["found_inf"] = found_inf
+        st["found_inf"] = self._reduce_flags(found_inf)
         st["stage"] = _UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -805,6 +864,7 @@ class GradScaler:
             config, state = _ls.from_state_dict(state_dict)
         self._config = config
         self._set_state(state)
+        self._replicas_checked = False  # a checkpoint loaded on some ranks only is caught next step
 
     def _from_torch(self, d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleState]:
         need = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")

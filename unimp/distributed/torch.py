@@ -1,0 +1,225 @@
+"""unimp on torch.distributed: replicas that agree, DDP comm hooks that average float16 safely.
+
+The loss scaler is :class:`unimp.backends.torch.GradScaler` itself: built with
+``process_group=...`` (or the default group, whenever ``torch.distributed`` is initialized) it
+all-reduces its overflow and non-finite-loss flags (MAX) over the group inside ``unscale_``,
+before the skip and the scale update, on the device and without a host sync. So a non-finite
+gradient on any replica (e.g. in a gradient shard, or injected after DDP's all-reduce) makes
+every replica skip, and the loss-scale state and the parameters stay identical on every rank.
+``MixedPrecision.train_step`` builds such a scaler, so it works unchanged under DDP.
+
+Replicas that start from different loss-scale states (a checkpoint loaded on one rank only) are
+detected, once, at the first ``unscale_`` after the scaler is built or loaded: the ranks compare a
+fingerprint of the state (:func:`check_replicas_agree`) and a mismatch RAISES
+:class:`ReplicaMismatchError` on every rank (one host sync, once). unimp does not re-synchronize
+silently: a rank that loaded another checkpoint may also hold other parameters, so the user
+decides; :func:`broadcast_state` copies rank 0's state to every rank when that is the intent.
+
+Example (started with ``torchrun --nproc-per-node 2``; see ``examples/distributed/torch_ddp.py``):
+
+    dist.init_process_group("gloo")          # "nccl" on GPUs
+    mp = unimp.mixed_precision("mixed_float16", backend="torch", device=device)
+    model = DDP(mp.prepare(model))
+    model.register_comm_hook(None, unimp.distributed.torch.fp16_mean_hook)   # optional
+    step = mp.train_step(model, optimizer, loss_fn)   # scaler reduces over the default group
+"""
+
+
+import json
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ReplicaMismatchError",
+    "broadcast_state",
+    "check_replicas_agree",
+    "fp16_gather_mean_hook",
+    "fp16_mean_hook",
+    "reduce_step_flags",
+    "state_fingerprint",
+]
+
+_FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", "config")
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The replicas hold different loss-scale states (or configs)."""
+
+
+def _group(group: Any) -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+            "first (torchrun sets the environment it reads)."
+        )
+    return dist.group.WORLD if group is None else group
+
+
+def reduce_step_flags(
+    found_inf: torch.Tensor, loss_finite: torch.Tensor, group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's overflow flags reduced over the replicas: any replica bad -> every replica bad.
+
+    One all-reduce (MAX) of a 2-element float32 tensor on the flags' device; no host sync.
+    Matches torch's ShardedGradScaler, which all-reduces ``found_inf`` over its process group.
+
+    Args:
+        found_inf: float32 0-d, nonzero when a local gradient is non-finite.
+        loss_finite: bool 0-d, the local (unscaled) loss is finite.
+        group: the process group; ``None`` is the default group.
+
+    Returns:
+        ``(found_inf, loss_finite)``: float32 0-d (max over the replicas) and bool 0-d (all
+        replicas finite), on the same device.
+    """
+    group = _group(group)
+    flags = torch.stack(
+        [found_inf.to(torch.float32).reshape(()), (~loss_finite.reshape(())).to(torch.float32)]
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags[0], flags[1] == 0
+
+
+def _config_code(config: Any) -> float:
+    """A deterministic 32-bit code of the loss-scale config (exact in float64)."""
+    return float(zlib.crc32(json.dumps(config.to_dict(), sort_keys=True).encode()))
+
+
+def state_fingerprint(scaler: Any) -> torch.Tensor:
+    """A float64 vector ``[scale, counter, consecutive_skips, total_skips, config code]`` on the
+    scaler's device (no host sync): equal on two ranks iff they hold the same loss-scale state
+    and config (the config code is a CRC-32 of its JSON)."""
+    parts = [scaler._scale, scaler._counter, scaler._consecutive, scaler._total]
+    code = torch.tensor(_config_code(scaler.config), dtype=torch.float64, device=scaler.device)
+    return torch.stack([t.to(torch.float64) for t in parts] + [code])
+
+
+def check_replicas_agree(scaler: Any, group: Any = None) -> None:
+    """Raises on every rank when the ranks' loss-scale states differ.
+
+    The scaler calls this once, at its first ``unscale_`` after construction or
+    ``load_state_dict``. One all-reduce (MAX over ``[v, -v]``, which gives the max and the min of
+    every field) and one host read of 10 numbers; every rank reaches the same verdict.
+
+    Args:
+        scaler: a :class:`unimp.backends.torch.GradScaler`.
+        group: the process group; ``None`` is the default group.
+
+    Raises:
+        ReplicaMismatchError: a field differs across ranks; the message names the fields with
+            their min and max and says how to fix it.
+        RuntimeError: torch.distributed is not initialized.
+    """
+    group = _group(group)
+    v = state_fingerprint(scaler)
+    both = torch.cat([v, -v])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = both[: len(v)].tolist(), (-both[len(v) :]).tolist()
+    differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(_FIELDS, lo, hi, strict=True) if a != b]
+    if differ:
+        raise ReplicaMismatchError(
+            f"the replicas hold different loss-scale states ({'; '.join(differ)}; 'config' is a "
+            "code of the loss-scale config). They would take different steps and drift apart. "
+            "Load the same checkpoint on every rank (scaler.load_state_dict on all ranks), or, if "
+            "rank 0 is right, call unimp.distributed.torch.broadcast_state(scaler, src=0) on every "
+            "rank before the first step."
+        )
+
+
+def broadcast_state(scaler: Any, src: int = 0, group: Any = None) -> None:
+    """Copies rank ``src``'s loss-scale state and config to every rank of ``group``.
+
+    A collective: every rank calls it. The config travels as the portable ``state_dict``
+    (``torch.distributed.broadcast_object_list``), so the scalers are identical afterwards.
+
+    Args:
+        scaler: a :class:`unimp.backends.torch.GradScaler` on every rank.
+        src: the global rank whose state is kept.
+        group: the process group; ``None`` is the default group.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+    group = _group(group)
+    box = [scaler.state_dict() if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    scaler.load_state_dict(box[0])
+    scaler._replicas_checked = True  # equal by construction
+
+
+# --------------------------------------------------------------------------- DDP comm hooks
+
+
+def fp16_mean_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average gradients over a float16 wire, dividing FIRST (in float32).
+
+    Unlike torch's ``fp16_compress_hook`` (which casts to float16 first, so a local scaled
+    gradient above 65504 is already inf on the wire), each bucket is divided by the world size
+    in its own precision (float32), then cast to float16 and all-reduced (summed) in float16:
+    the sum of same-sign values never exceeds their mean, so the mean does not overflow when it
+    is representable (2 workers with 40000: 40000, not inf). The price of predividing: a mean
+    below about ``world_size * 2**-25`` is flushed toward 0 (2 workers each holding 2**-24, the
+    smallest float16 subnormal, average to 0); :func:`fp16_gather_mean_hook` keeps those.
+    The rule is :func:`unimp.distributed.fp16_mean` with ``mode="predivide"``.
+
+    An overflow on the wire gives the same inf on every replica (the all-reduce result is
+    shared), so unimp's scaler skips the step on every replica and backs the scale off.
+
+    Args:
+        state: the process group (``None``: the default group), as torch's default hooks.
+        bucket: DDP's gradient bucket (any floating dtype).
+
+    Returns:
+        A future holding the averaged bucket, in the bucket's dtype.
+
+    Example:
+        >>> ddp_model.register_comm_hook(None, fp16_mean_hook)  # doctest: +SKIP
+    """
+    group = dist.group.WORLD if state is None else state
+    world = dist.get_world_size(group)
+    buf = bucket.buffer()
+    wire = (buf.to(torch.float32) / world).to(torch.float16)
+    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(done)
+
+
+def fp16_gather_mean_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: float16 on the wire, accumulated in float32.
+
+    Each worker's bucket is cast to float16 and all-gathered; the float16 copies are summed in
+    float32 and divided by the world size. Nothing is lost below the float16 range (2 workers
+    each holding 2**-24 average to exactly 2**-24; 40000 and 40000 to 40000), but each worker's
+    own value must fit float16 (a local value above 65504 is inf on the wire: that step is
+    non-finite on every replica and the scaler backs off). Costs an all-gather (each rank
+    receives ``world_size`` float16 buckets) instead of an all-reduce.
+    The rule is :func:`unimp.distributed.fp16_mean` with ``mode="float32"``.
+
+    Args:
+        state: the process group (``None``: the default group).
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        A future holding the averaged bucket, in the bucket's dtype.
+    """
+    group = dist.group.WORLD if state is None else state
+    world = dist.get_world_size(group)
+    buf = bucket.buffer()
+    wire = buf.to(torch.float16).reshape(-1)
+    out = torch.empty(world * wire.numel(), dtype=torch.float16, device=wire.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+    fut = gather(out, wire, group=group, async_op=True).get_future()
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        total = out.view(world, -1).to(torch.float32).sum(0).div_(world)
+        buf.copy_(total.view_as(buf))
+        return buf
+
+    return fut.then(done)
