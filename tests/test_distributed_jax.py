@@ -106,3 +106,16 @@ def test_mesh_without_axis_name_is_refused():
         mp.train_step(
             lambda p, b: jnp.sum(p * b), optax.sgd(1.0), jnp.zeros(2), mesh=mesh, axis_name="x"
         )
+
+
+@pytest.mark.slow
+def test_example_runs():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distributed" / "jax_shard_map.py")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("applied True on 4 devices") == 3
+    assert "compilations 1" in proc.stdout

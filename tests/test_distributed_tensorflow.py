@@ -94,3 +94,13 @@ def test_bad_input_is_refused_with_the_fix_and_changes_nothing(run):
     e = run["errors"]
     assert "divisible by 2" in e["uneven"] and e["unchanged"] is True
     assert "jit_compile=False" in e["jit"]
+
+
+def test_example_runs():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distributed" / "tf_mirrored.py")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("applied True on 2 replicas") == 3
