@@ -85,6 +85,20 @@ with strategy.scope():
 r = clip(batch(False))
 out["clip"] = {"grad_norm": float(r.grad_norm), "w": per_replica(model2.trainable_variables[0])}
 
+# 2b. gradient accumulation under the strategy: a list of 2 global micro-batches per call
+with strategy.scope():
+    model3 = keras.Sequential([keras.Input((2,)), Vec()])
+    accum = mp.train_step(model3, keras.optimizers.SGD(1.0), loss_fn, grad_accum_steps=2)
+later = {"x": np.array([[5.0, 6.0], [7.0, 8.0]], "float32"), "f": np.ones(2, "float32")}
+r_bad = accum([batch(True), later])
+bad_applied = bool(r_bad.applied)
+r = accum([batch(False), later])
+out["accum"] = {
+    "bad_applied": bad_applied,
+    "applied": bool(r.applied),
+    "w": per_replica(model3.trainable_variables[0]),
+}
+
 # 3. unimp's LossScaleOptimizer in a custom loop (strategy.run + apply), and Keras's own
 def custom_loop(make):
     with strategy.scope():

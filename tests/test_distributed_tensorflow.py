@@ -73,6 +73,12 @@ def test_clipping_uses_the_norm_of_the_all_reduced_gradient(run):
     assert r["w"][0] == r["w"][1] and r["w"][0] == pytest.approx(w, rel=1e-6)
 
 
+def test_grad_accumulation_window_under_the_strategy(run):
+    # a window with inf on replica 1 in its first micro-batch is skipped whole; then the mean
+    # of the micro-batch mean gradients [2, 3] and [6, 7] is applied on both replicas
+    assert run["accum"] == {"bad_applied": False, "applied": True, "w": [[-4.0, -5.0]] * 2}
+
+
 def test_loss_scale_optimizer_custom_loop_reduces_the_finite_flag(run):
     assert run["lso"] == {"w": [[0.0, 0.0], [0.0, 0.0]], "scale_next": [32768.0, 32768.0]}
 
