@@ -83,6 +83,25 @@ for name, f in (("bad", bad), ("clean", np.ones(N, np.float32))):
     }
 out["sharded_expected_w"] = (-x.mean(axis=0)).tolist()
 
+# 1b. clipping with sharded params: the global norm sums the local shards' squares
+clip = mp.train_step(loss_fn, optax.sgd(1.0), {"w": jnp.zeros(N)}, axis_name="d", max_grad_norm=1.0)
+cfn = jax.jit(
+    jax.shard_map(
+        clip.replica_step,
+        mesh=mesh,
+        in_specs=({"w": P("d")}, P(), P(), P("d")),
+        out_specs=({"w": P("d")}, P(), P(), P()),
+    )
+)
+cp, _, cls, craw = cfn(
+    {"w": put(jnp.zeros(N), "d")}, put(clip.opt_state), put(clip.loss_scale),
+    {"x": put(x, "d"), "f": put(np.ones(N, np.float32), "d")},
+)
+out["sharded_clip"] = {
+    "grad_norm": float(craw["grad_norm"]),
+    "w": np.asarray(cp["w"]).tolist(),
+}
+
 # 2. data parallel with a mesh: replicated params; the inf comes from replica 1's data.
 def dp_loss(params, batch):
     return jnp.mean(batch @ params["w"])
@@ -110,6 +129,9 @@ out["dp_clean"] = {
 }
 dp(x)
 out["dp_clean"]["traces_after_3"] = dp.traces
+dpc = mp.train_step(dp_loss, optax.sgd(1.0), {"w": jnp.zeros(N)}, axis_name="d", mesh=mesh, max_grad_norm=1.0)
+r = dpc(x)
+out["dp_clip"] = {"grad_norm": float(r.grad_norm), "w": per_device(dpc.params["w"])}
 
 # 3. optax loss_scaling under shard_map: per-replica gradients, inf on replica 1 only.
 opt = ujax.loss_scaling(optax.sgd(1.0), DynamicLossScale(init_scale=65536.0), axis_name="d")
@@ -133,6 +155,43 @@ out["optax_bad"] = {
 }
 op, ostate = ofn(op, ostate, put(np.full(N, 32768.0, np.float32), "d"))
 out["optax_clean"] = {"params": np.asarray(op).tolist()}
+
+# 5. modes where JAX does not track variance (pmap, vmap, shard_map(check_vma=False)): the step
+#    averages the gradients itself; inf from replica 1 only, then a clean step.
+def poisoned_loss(params, batch):
+    return jnp.mean(batch["x"] @ poison(params, batch["f"][0]))
+
+
+modes = {}
+ms = mp.train_step(poisoned_loss, optax.sgd(1.0), jnp.zeros(N), axis_name="d")
+xs = x.reshape(N, 1, N)
+fs = np.stack([bad, np.ones(N, np.float32)])[:, :, None]  # [step, replica, 1]
+mappers = {
+    "check_vma_false": lambda f: jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=(P(), P(), P(), P("d")), out_specs=P(), check_vma=False)
+    ),
+    "pmap": lambda f: jax.pmap(f, in_axes=(None, None, None, 0), axis_name="d"),
+    "vmap": lambda f: jax.vmap(f, in_axes=(None, None, None, 0), axis_name="d"),
+}
+for mode, mapper in mappers.items():
+    fn5 = mapper(ms.replica_step)
+    state = (ms.params, ms.opt_state, ms.loss_scale)
+    rows = []
+    for f in fs:
+        if mode == "check_vma_false":
+            b = {"x": put(x, "d"), "f": put(f[:, 0], "d")}
+        else:
+            b = {"x": xs, "f": f}
+        p5, o5, l5, raw = fn5(*state, b)
+        if mode != "check_vma_false":  # per-replica copies: check they agree, keep replica 0
+            rows.append({"w": np.asarray(p5).tolist(), "scale": np.asarray(l5.loss_scale).tolist()})
+            state = jax.tree_util.tree_map(lambda a: a[0], (p5, o5, l5))
+        else:
+            rows.append({"w": per_device(p5), "scale": per_device(l5.loss_scale)})
+            state = (p5, o5, l5)
+    modes[mode] = rows
+out["modes"] = modes
+out["modes_expected_w"] = (-x.mean(axis=0)).tolist()
 
 # 4. replicas that start with different scales: re-synced from replica 0, with a warning.
 good = dp.loss_scale

@@ -51,6 +51,21 @@ def test_sharded_next_clean_step_applies_on_every_replica(run):
     assert r["w"] == run["sharded_expected_w"] == [-7.0, -8.0, -9.0, -10.0]
 
 
+def test_sharded_clipping_uses_the_global_norm_over_all_shards(run):
+    r = run["sharded_clip"]
+    norm = 294**0.5  # |[7, 8, 9, 10]|, one element per shard
+    assert r["grad_norm"] == pytest.approx(norm, rel=1e-6)
+    assert r["w"] == pytest.approx([-v / norm for v in (7, 8, 9, 10)], rel=1e-6)
+
+
+def test_mesh_clipping_uses_the_norm_of_the_all_reduced_gradient(run):
+    r = run["dp_clip"]
+    norm = 294**0.5  # the mean gradient [7, 8, 9, 10]
+    assert r["grad_norm"] == pytest.approx(norm, rel=1e-6)
+    expected = pytest.approx([-v / norm for v in (7, 8, 9, 10)], rel=1e-6)
+    assert all(w == expected for w in r["w"]) and len({tuple(w) for w in r["w"]}) == 1
+
+
 def test_mesh_step_forward_overflow_on_one_replica_skips_all_keeps_scale(run):
     r = run["dp_bad"]
     assert r["applied"] is False and r["scale_used"] == SCALE
@@ -70,6 +85,15 @@ def test_optax_loss_scaling_axis_name_inf_on_one_replica(run):
     assert run["optax_bad"] == {"params": [1.0] * 4, "scale_next": [32768.0] * 4, "skips": 1}
     # the next clean step applies the same update on every replica: 1 - 32768 / 32768
     assert run["optax_clean"]["params"] == [0.0] * 4
+
+
+@pytest.mark.parametrize("mode", ["check_vma_false", "pmap", "vmap"])
+def test_untracked_modes_average_gradients_and_agree(run, mode):
+    # no variance tracking: the step pmeans the gradients itself; inf on replica 1 only
+    bad, clean = run["modes"][mode]
+    assert bad == {"w": [[0.0] * 4] * 4, "scale": [32768.0] * 4}
+    assert clean["scale"] == [32768.0] * 4
+    assert clean["w"] == [run["modes_expected_w"]] * 4 == [[-7.0, -8.0, -9.0, -10.0]] * 4
 
 
 def test_replicas_with_different_scales_are_resynced_from_replica_0_with_a_warning(run):

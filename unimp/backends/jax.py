@@ -241,12 +241,14 @@ def _warn_resync() -> None:
     )
 
 
-def _vary(x: jax.Array, axis_name: Any) -> jax.Array:
-    """``x`` typed as varying over ``axis_name`` (a no-op where JAX does not track it)."""
-    pvary = getattr(lax, "pcast", None)
-    if pvary is not None and axis_name not in getattr(jax.typeof(x), "vma", frozenset({axis_name})):
-        return lax.pcast(x, axis_name, to="varying")
-    return x
+def _varying_axes(x: Any) -> frozenset:
+    """The mesh axes ``x`` varies over under shard_map (JAX's variance typing, check_vma=True);
+    empty where JAX does not track it."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # JAX 0.6 - 0.8
 
 
 def sync_loss_scale(ls: Any, axis_name: Any) -> Any:
@@ -274,7 +276,7 @@ def sync_loss_scale(ls: Any, axis_name: Any) -> Any:
         x = jnp.asarray(x)
         # replica 0's value on every replica: a sum of it and zeros is exact
         firsts.append(lax.psum(jnp.where(index == 0, x, jnp.zeros_like(x)), axis_name))
-        everyone = lax.all_gather(_vary(x, axis_name), axis_name)
+        everyone = lax.all_gather(x, axis_name)
         differs.append(jnp.any(everyone != everyone[:1]))
     differ = lax.pmax(jnp.stack(differs).any().astype(jnp.int32), axis_name) > 0
     lax.cond(differ, lambda: jax.debug.callback(_warn_resync), lambda: None)
@@ -1015,13 +1017,19 @@ class MixedPrecision(MixedPrecisionBase):
         )
 
 
+def _tracks_variance(axis_name: Any) -> bool:
+    """True under shard_map with check_vma=True: JAX types values as varying over the axis,
+    and the gradient of an invariant (replicated) param is all-reduced by the transpose."""
+    return axis_name in _varying_axes(lax.axis_index(axis_name))
+
+
 def _sharded_norm(grads: Any, axis_name: Any) -> jax.Array:
     """Global L2 norm under shard_map: squares of gradients that vary over ``axis_name``
     (local shards) are summed over it; replicated (already all-reduced) ones are not."""
     local, shared = jnp.float32(0.0), jnp.float32(0.0)
     for g in jax.tree_util.tree_leaves(grads):
         sq = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-        if axis_name in getattr(jax.typeof(g), "vma", frozenset()):
+        if axis_name in _varying_axes(g):
             local = local + sq
         else:
             shared = shared + sq
@@ -1077,8 +1085,10 @@ class TrainStep:
             axis (a non-finite gradient on any replica skips the step on all), the global
             norm sums the squares of sharded gradients over the axis, and the loss-scale
             state comes from replica 0 (:func:`sync_loss_scale`: replicas that differ are
-            re-synchronized with a :class:`ReplicaDesyncWarning`). Needs shard_map's default
-            ``check_vma=True`` (JAX then tracks which values vary over the axis).
+            re-synchronized with a :class:`ReplicaDesyncWarning`). Under shard_map's default
+            ``check_vma=True`` JAX tracks which values vary over the axis; where it does not
+            (``pmap``, ``vmap(axis_name=...)``, ``shard_map(check_vma=False)``) every param is
+            taken as replicated and the step averages the gradients with ``lax.pmean``.
         mesh: with ``axis_name``, a ``jax.sharding.Mesh``: calling the step runs
             ``jit(shard_map(...))`` with params, optimizer and loss-scale state replicated and
             the batch split along its first dimension over ``axis_name``. Without ``mesh``,
@@ -1225,6 +1235,11 @@ class TrainStep:
             scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
+        if axis is not None and not _tracks_variance(axis):
+            # pmap, vmap, shard_map(check_vma=False): JAX does not all-reduce the gradients of
+            # replicated params in the transpose, so average them here (every param is taken
+            # as replicated: the pmap convention)
+            scaled_grads = lax.pmean(scaled_grads, axis)
         grads = ls.unscale(scaled_grads)
         grads_finite = all_finite(grads, axis)
         grad_norm = None
