@@ -212,4 +212,10 @@ out["desync"] = {
     "scale_next": per_device(dp.loss_scale.loss_scale),
     "w_equal": len({json.dumps(v) for v in per_device(dp.params["w"])}) == 1,
 }
+# 6. a portable state_dict resumes a mesh step (loaded once, replicated on every device)
+saved = dp.state_dict()
+saved["state"]["scale"] = 4096.0
+dp.load_state_dict(saved)
+r = dp(x)
+out["resume"] = {"scale_used": float(r.scale), "scale_next": per_device(dp.loss_scale.loss_scale)}
 print(json.dumps(out))

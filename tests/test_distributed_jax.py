@@ -103,6 +103,10 @@ def test_replicas_with_different_scales_are_resynced_from_replica_0_with_a_warni
     assert r["w_equal"] is True
 
 
+def test_mesh_step_resumes_from_a_portable_state_dict(run):
+    assert run["resume"] == {"scale_used": 4096.0, "scale_next": [4096.0] * 4}
+
+
 def test_axis_name_step_without_mesh_refuses_to_run_outside_shard_map():
     import jax.numpy as jnp
     import optax
