@@ -2,10 +2,11 @@
 
 Run on one host (CPU devices faked for a try-out):
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/distributed/jax_shard_map.py
-On GPUs/TPUs just run it: the mesh spans jax.devices(). Multi-host: call
-jax.distributed.initialize() first in every process (same script on every host); the mesh then
-spans all hosts' devices and each process feeds its part of the global batch with
-jax.make_array_from_process_local_data.
+On GPUs/TPUs just run it: the mesh spans jax.devices(). Multi-host: start it on every host with
+JAX_COORDINATOR_ADDRESS=host0:1234 NUM_PROCESSES=2 PROCESS_ID=<0 or 1>; after
+jax.distributed.initialize() the mesh spans all hosts' devices. Here every process draws the
+same global batch (same seed); with real data, give the step a global jax.Array built from each
+process's part with jax.make_array_from_process_local_data.
 """
 
 import os
@@ -21,8 +22,10 @@ import unimp  # noqa: E402
 
 
 def main(steps: int = 3) -> None:
-    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
-        jax.distributed.initialize()  # coordinator address etc. from the environment
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:  # multi-host: the same script on every host
+        jax.distributed.initialize(
+            num_processes=int(os.environ["NUM_PROCESSES"]), process_id=int(os.environ["PROCESS_ID"])
+        )  # on SLURM / Cloud TPU, jax.distributed.initialize() finds all three by itself
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("data",))
     mp = unimp.mixed_precision("mixed_float16", backend="jax")
