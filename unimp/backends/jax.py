@@ -44,6 +44,7 @@ __all__ = [
     "MixedPrecision",
     "MultiSteps",
     "NoOpLossScale",
+    "ReplicaDesyncWarning",
     "StaticLossScale",
     "StepResult",
     "TrainStep",
@@ -56,6 +57,7 @@ __all__ = [
     "loss_scale_from_state_dict",
     "loss_scaling",
     "select_tree",
+    "sync_loss_scale",
     "to_dtype",
 ]
 
@@ -141,7 +143,8 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
         tree: a pytree of arrays.
         axis_name: a mapped axis name (``pmap``, ``shard_map``, ``vmap(axis_name=...)``). When
             given, the result is reduced across that axis with ``lax.pmin`` so every replica
-            takes the same skip decision.
+            takes the same skip decision: a non-finite element on any replica (a local
+            gradient shard, for example) makes it False on all of them.
 
     Returns:
         A bool scalar array.
@@ -219,6 +222,64 @@ def _keep_unless(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda n, o: jnp.where(pred, n, o).astype(jnp.result_type(o)), new, old
     )
+
+
+class ReplicaDesyncWarning(UserWarning):
+    """Replicas held different loss-scale states; they were re-synchronized from replica 0."""
+
+
+def _warn_resync() -> None:
+    import warnings
+
+    warnings.warn(
+        "the replicas' loss-scale states differ (a checkpoint restored on one host only?); "
+        "re-synchronized every replica from replica 0. Restore the loss-scale state on every "
+        "process to avoid this.",
+        ReplicaDesyncWarning,
+        stacklevel=2,
+    )
+
+
+def _varying_axes(x: Any) -> frozenset:
+    """The mesh axes ``x`` varies over under shard_map (JAX's variance typing, check_vma=True);
+    empty where JAX does not track it."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # JAX 0.6 - 0.8
+
+
+def sync_loss_scale(ls: Any, axis_name: Any) -> Any:
+    """The loss-scale state of replica 0 on every replica, warning when the replicas differed.
+
+    unimp's rule for replicas that start with different loss-scale states (a checkpoint
+    restored on one host only): they are re-synchronized from replica 0 with a
+    :class:`ReplicaDesyncWarning`, never silently and never by averaging. The check is one
+    ``all_gather`` of four scalars per step; the warning is a ``jax.debug.callback`` that runs
+    only when the states differ (no host sync otherwise). :class:`TrainStep` and
+    :func:`loss_scaling` call it when given an ``axis_name``.
+
+    Args:
+        ls: a loss-scale pytree (:class:`DynamicLossScale` & co).
+        axis_name: the mapped axis (``shard_map`` / ``pmap``) whose replicas must agree.
+
+    Returns:
+        A loss-scale pytree of the same class holding replica 0's values (replicated over the
+        axis).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    index = lax.axis_index(axis_name)
+    firsts, differs = [], []
+    for x in leaves:
+        x = jnp.asarray(x)
+        # replica 0's value on every replica: a sum of it and zeros is exact
+        firsts.append(lax.psum(jnp.where(index == 0, x, jnp.zeros_like(x)), axis_name))
+        everyone = lax.all_gather(x, axis_name)
+        differs.append(jnp.any(everyone != everyone[:1]))
+    differ = lax.pmax(jnp.stack(differs).any().astype(jnp.int32), axis_name) > 0
+    lax.cond(differ, lambda: jax.debug.callback(_warn_resync), lambda: None)
+    return jax.tree_util.tree_unflatten(treedef, firsts)
 
 
 def device_info() -> list[dict[str, Any]]:
@@ -698,7 +759,7 @@ class LossScaleOptState(NamedTuple):
 
 
 def loss_scaling(
-    inner: optax.GradientTransformation, loss_scale: Any = "dynamic"
+    inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *, axis_name: Any = None
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer with loss scaling; the scale lives in the optimizer state.
 
@@ -715,6 +776,10 @@ def loss_scaling(
     Args:
         inner: the optax optimizer to protect.
         loss_scale: a core config, a loss-scale pytree, or a spec such as ``"dynamic"``.
+        axis_name: under ``shard_map`` / ``pmap``, the data-parallel axis: the finite flags
+            are reduced over it (a non-finite gradient on any replica skips the step on all)
+            and the loss-scale state is taken from replica 0 (:func:`sync_loss_scale`), so
+            the replicas' scales and parameters stay identical. ``None``: one replica.
 
     Returns:
         A ``GradientTransformationExtraArgs``; ``update(updates, state, params=None, *,
@@ -747,10 +812,12 @@ def loss_scaling(
         updates: Any, state: LossScaleOptState, params: Any = None, **extra_args: Any
     ) -> Any:
         ls = state.loss_scale
+        if axis_name is not None:
+            ls = sync_loss_scale(ls, axis_name)
         grads = ls.unscale(updates)
-        grads_finite = all_finite(grads)
+        grads_finite = all_finite(grads, axis_name)
         value = extra_args.get("value")
-        loss_finite = jnp.array(True) if value is None else all_finite(value)
+        loss_finite = jnp.array(True) if value is None else all_finite(value, axis_name)
         applied = grads_finite & loss_finite
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         new_updates = jax.tree_util.tree_map(
@@ -918,10 +985,12 @@ class MixedPrecision(MixedPrecisionBase):
         *,
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
+        axis_name: Any = None,
+        mesh: Any = None,
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
-        See :class:`TrainStep`. ``loss_fn(params, batch)`` returns a scalar loss; make it run
+        See :class:`TrainStep` (``axis_name`` / ``mesh``: data parallelism under ``shard_map``). ``loss_fn(params, batch)`` returns a scalar loss; make it run
         in the compute dtype with :meth:`apply` or flax modules built with
         :meth:`module_kwargs`.
         """
@@ -932,7 +1001,28 @@ class MixedPrecision(MixedPrecisionBase):
             params,
             grad_accum_steps=grad_accum_steps,
             max_grad_norm=max_grad_norm,
+            axis_name=axis_name,
+            mesh=mesh,
         )
+
+
+def _tracks_variance(axis_name: Any) -> bool:
+    """True under shard_map with check_vma=True: JAX types values as varying over the axis,
+    and the gradient of an invariant (replicated) param is all-reduced by the transpose."""
+    return axis_name in _varying_axes(lax.axis_index(axis_name))
+
+
+def _sharded_norm(grads: Any, axis_name: Any) -> jax.Array:
+    """Global L2 norm under shard_map: squares of gradients that vary over ``axis_name``
+    (local shards) are summed over it; replicated (already all-reduced) ones are not."""
+    local, shared = jnp.float32(0.0), jnp.float32(0.0)
+    for g in jax.tree_util.tree_leaves(grads):
+        sq = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+        if axis_name in _varying_axes(g):
+            local = local + sq
+        else:
+            shared = shared + sq
+    return jnp.sqrt(shared + lax.psum(local, axis_name))
 
 
 def _device_leaf(x: Any) -> Any:
@@ -977,11 +1067,33 @@ class TrainStep:
         grad_accum_steps: micro-batches per optimizer step, >= 1.
         max_grad_norm: clip the global norm of the unscaled gradients to this; ``None`` for no
             clipping (``grad_norm`` is then not computed and reported as ``None``).
+        axis_name: data parallelism under ``jax.shard_map``: the mesh axis the batch is split
+            over. The step then runs per replica: the loss is ``lax.pmean`` of the local
+            losses (so JAX's transpose all-reduces the gradients of replicated params, and
+            leaves sharded params' gradients local), the finite flags are reduced over the
+            axis (a non-finite gradient on any replica skips the step on all), the global
+            norm sums the squares of sharded gradients over the axis, and the loss-scale
+            state comes from replica 0 (:func:`sync_loss_scale`: replicas that differ are
+            re-synchronized with a :class:`ReplicaDesyncWarning`). Under shard_map's default
+            ``check_vma=True`` JAX tracks which values vary over the axis; where it does not
+            (``pmap``, ``vmap(axis_name=...)``, ``shard_map(check_vma=False)``) every param is
+            taken as replicated and the step averages the gradients with ``lax.pmean``.
+        mesh: with ``axis_name``, a ``jax.sharding.Mesh``: calling the step runs
+            ``jit(shard_map(...))`` with params, optimizer and loss-scale state replicated and
+            the batch split along its first dimension over ``axis_name``. Without ``mesh``,
+            call :attr:`replica_step` inside your own ``shard_map`` (sharded params, other
+            specs) and do not call the step object itself.
 
     Raises:
         TypeError: ``loss_fn`` not callable or ``optimizer`` not an optax transformation.
         ValueError: a bad ``grad_accum_steps`` / ``max_grad_norm``, or an optimizer already
-            wrapped with :func:`loss_scaling`.
+            wrapped with :func:`loss_scaling`, ``mesh`` without ``axis_name`` or an
+            ``axis_name`` not in ``mesh``.
+
+    Multi-host: call ``jax.distributed.initialize()`` in every process first, build the mesh
+    over ``jax.devices()`` (all hosts), and feed each process's part of the global batch
+    (``jax.make_array_from_process_local_data``); the step is the same program on every
+    host.
     """
 
     def __init__(
@@ -993,7 +1105,19 @@ class TrainStep:
         *,
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
+        axis_name: Any = None,
+        mesh: Any = None,
     ) -> None:
+        if mesh is not None:
+            if axis_name is None:
+                raise ValueError(
+                    "mesh= needs axis_name=: the mesh axis the batch is split over, e.g. "
+                    f"axis_name={mesh.axis_names[0]!r}."
+                )
+            if axis_name not in mesh.axis_names:
+                raise ValueError(
+                    f"axis_name={axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}."
+                )
         if not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be callable as loss_fn(params, batch), got {type(loss_fn).__name__}."
@@ -1021,19 +1145,42 @@ class TrainStep:
         self._opt_state = opt_state
         self._loss_scale = mp.init_loss_scale()
         self._traces = 0
-        self._jitted = jax.jit(self._step)
+        self._axis = axis_name
+        self._mesh = mesh
+        if mesh is None:
+            self._jitted = jax.jit(self._step)
+        else:
+            P = jax.sharding.PartitionSpec
+            replicated = jax.sharding.NamedSharding(mesh, P())
+            self._batch_sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
+            self._params, self._opt_state, self._loss_scale = jax.device_put(
+                (self._params, self._opt_state, self._loss_scale), replicated
+            )
+            self._jitted = jax.jit(
+                jax.shard_map(
+                    self._step,
+                    mesh=mesh,
+                    in_specs=(P(), P(), P(), P(axis_name)),
+                    out_specs=P(),
+                )
+            )
 
     # -- the pure, jitted step ----------------------------------------------------------------
 
     def _step(self, params: Any, opt_state: Any, ls: LossScale, batch: Any) -> Any:
         self._traces += 1  # runs only while tracing: counts compilations
         k = self._k
+        axis = self._axis
+        if axis is not None:
+            ls = sync_loss_scale(ls, axis)
 
         def scaled_loss(p: Any, mb: Any) -> Any:
             loss = jnp.asarray(self._loss_fn(p, mb))
             if loss.shape != ():
                 raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+            if axis is not None:
+                loss = lax.pmean(loss, axis)  # the global mean loss; its grad is all-reduced
             return ls.scale(loss), loss
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
@@ -1060,11 +1207,16 @@ class TrainStep:
             scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
+        if axis is not None and not _tracks_variance(axis):
+            # pmap, vmap, shard_map(check_vma=False): JAX does not all-reduce the gradients of
+            # replicated params in the transpose, so average them here (every param is taken
+            # as replicated: the pmap convention)
+            scaled_grads = lax.pmean(scaled_grads, axis)
         grads = ls.unscale(scaled_grads)
-        grads_finite = all_finite(grads)
+        grads_finite = all_finite(grads, axis)
         grad_norm = None
         if self._max_norm is not None:
-            grad_norm = optax.tree.norm(grads)
+            grad_norm = optax.tree.norm(grads) if axis is None else _sharded_norm(grads, axis)
             max_norm = jnp.float32(self._max_norm)
             clip = grad_norm > max_norm
             grads = jax.tree_util.tree_map(
@@ -1111,11 +1263,22 @@ class TrainStep:
     def __call__(self, batch: Any) -> StepResult:
         """Runs one step on ``batch``; returns its :class:`unimp.StepResult` without syncing.
 
+        With ``mesh``, ``batch`` is the global batch; it is split over the mesh axis along
+        its first dimension.
+
         Raises:
             ValueError: with ``grad_accum_steps=k > 1``, ``batch`` is not a list of ``k``
                 micro-batches of one structure and shapes (nothing is changed).
+            RuntimeError: built with ``axis_name`` but no ``mesh`` (use :attr:`replica_step`).
         """
+        if self._axis is not None and self._mesh is None:
+            raise RuntimeError(
+                f"this step was built with axis_name={self._axis!r} and no mesh: call "
+                "step.replica_step inside your own jax.shard_map, or pass mesh= to train_step."
+            )
         self._check_batch(batch)
+        if self._mesh is not None:
+            batch = jax.device_put(batch, self._batch_sharding)
         params, opt_state, ls, raw = self._jitted(
             self._params, self._opt_state, self._loss_scale, batch
         )
@@ -1141,6 +1304,15 @@ class TrainStep:
     def traces(self) -> int:
         """How many times the step function has been traced (each trace is a compilation)."""
         return self._traces
+
+    @property
+    def replica_step(self) -> Callable[..., Any]:
+        """The pure, un-jitted step ``(params, opt_state, loss_scale, batch) -> (params,
+        opt_state, loss_scale, raw_results)``; with ``axis_name``, the per-replica function to
+        run under your own ``jax.shard_map`` (any param sharding). Build the
+        :class:`unimp.StepResult` from ``raw_results`` with
+        ``StepResult(raw, jax.device_get, loss_scale.config)``."""
+        return self._step
 
     @property
     def jitted(self) -> Callable[..., Any]:

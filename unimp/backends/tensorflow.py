@@ -51,6 +51,7 @@ from unimp.step import StepResult, check_step_options
 __all__ = [
     "LossScaleOptimizer",
     "MixedPrecision",
+    "ReplicaDesyncWarning",
     "StepResult",
     "TrainStep",
     "all_finite",
@@ -279,6 +280,20 @@ def _unscale(g: Any, scale: tf.Tensor) -> Any:
     return _divide(tf.convert_to_tensor(g), scale)
 
 
+class ReplicaDesyncWarning(UserWarning):
+    """Replicas held different loss-scale states; they were re-synchronized from replica 0."""
+
+
+def _warn_resync() -> None:
+    warnings.warn(
+        "the replicas' loss-scale states differ (a checkpoint restored on one worker only?); "
+        "re-synchronized every replica from replica 0. Restore loss-scale state on every worker "
+        "(or under strategy.scope()) to avoid this.",
+        ReplicaDesyncWarning,
+        stacklevel=2,
+    )
+
+
 def _resolve_loss_scale(value: Any) -> LossScaleConfig:
     if value is None:
         return DynamicLossScale()
@@ -305,8 +320,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     A skipped step (non-finite gradient or loss) leaves the variables and the whole inner
     optimizer state, ``iterations`` (hence any learning-rate schedule) included, unchanged.
     Works eagerly, in ``model.fit``, in custom ``tf.GradientTape`` loops, inside
-    ``tf.function`` and under ``jit_compile``. ``tf.distribute`` strategies that need
-    ``merge_call`` (MirroredStrategy) are not supported yet.
+    ``tf.function`` and under ``jit_compile``. Under a ``tf.distribute`` strategy that needs
+    ``merge_call`` (MirroredStrategy, MultiWorkerMirroredStrategy) the finite flags are
+    summed over every replica before the decision, so an overflow on any replica skips the
+    step on all (Keras's own optimizer reads the flag of the first replica only), and
+    replicas whose loss-scale state differs are re-synchronized from replica 0 with a
+    :class:`ReplicaDesyncWarning`.
 
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap; its ``loss_scale_factor``
@@ -563,30 +582,82 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ]
         grads_finite = all_finite([g for g in unscaled if g is not None])
         loss_finite = tf.equal(tf.convert_to_tensor(self._bad_losses), 0.0)
+        self._apply_step(unscaled, variables, grads_finite, loss_finite)
+
+    def _apply_step(
+        self, unscaled: list[Any], variables: list[Any] | None, grads_finite: Any, loss_finite: Any
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+        """The step after unscaling, on one replica or in a ``merge_call`` strategy's replica.
+
+        Returns:
+            ``(applied, consecutive_skips, total_skips, grads_finite, loss_finite)``, the flags
+            reduced across replicas under a strategy.
+        """
         replica = tf.distribute.get_replica_context()
         if (
             tf.distribute.has_strategy()
             and replica is not None
             and not tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
-            # MirroredStrategy & co: the inner optimizer's apply calls merge_call, which may
-            # not run inside a tf.cond in replica context. Agree on one decision (a step is
-            # skipped on every replica when any replica overflowed), then branch in
-            # cross-replica context, as keras.optimizers.LossScaleOptimizer does.
-            bad_grads = tf.cast(tf.logical_not(grads_finite), tf.float32)
-            bad_loss = tf.cast(tf.logical_not(loss_finite), tf.float32)
-            grads_finite = tf.equal(replica.all_reduce("sum", bad_grads), 0.0)
-            loss_finite = tf.equal(replica.all_reduce("sum", bad_loss), 0.0)
-            replica.merge_call(
-                self._cross_replica_apply, args=(unscaled, variables, grads_finite, loss_finite)
-            )
-            return
-        self._apply_unscaled(unscaled, variables, grads_finite, loss_finite)
+            return self._replica_apply(replica, unscaled, variables, grads_finite, loss_finite)
+        applied, consecutive, total = self._apply_unscaled(
+            unscaled, variables, grads_finite, loss_finite
+        )
+        return applied, consecutive, total, grads_finite, loss_finite
+
+    def _replica_apply(
+        self,
+        replica: Any,
+        unscaled: list[Any],
+        variables: list[Any] | None,
+        grads_finite: Any,
+        loss_finite: Any,
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+        # MirroredStrategy & co: the inner optimizer's apply calls merge_call, which may not run
+        # inside a tf.cond in replica context. Agree on one decision, then branch in
+        # cross-replica context (as keras.optimizers.LossScaleOptimizer does), but reduce the
+        # finite flags over every replica first: Keras reads them from the first replica only,
+        # so an overflow on another replica would be applied there as inf / NaN.
+        bad = tf.stack(
+            [
+                tf.cast(tf.logical_not(grads_finite), tf.float32),
+                tf.cast(tf.logical_not(loss_finite), tf.float32),
+            ]
+        )
+        bad = replica.all_reduce("sum", bad)
+        grads_finite, loss_finite = tf.equal(bad[0], 0.0), tf.equal(bad[1], 0.0)
+        # Replicas whose loss-scale state differs (a checkpoint restored on one worker only)
+        # are re-synchronized from replica 0, with a warning: the update below reads the
+        # primary (replica 0) copy in cross-replica context and assigns it to every replica.
+        mine = tf.stack(
+            [tf.cast(tf.convert_to_tensor(v), tf.float64) for v in self._state_variables()]
+        )
+        everyone = replica.all_gather(mine[None], axis=0)
+        differ = tf.reduce_any(tf.not_equal(everyone, everyone[:1]))
+        applied, consecutive, total = replica.merge_call(
+            self._cross_replica_apply,
+            args=(unscaled, variables, grads_finite, loss_finite, differ),
+        )
+        return applied, consecutive, total, grads_finite, loss_finite
+
+    def _state_variables(self) -> tuple[Any, Any, Any, Any]:
+        return self.dynamic_scale, self.counter, self.consecutive_skips, self.total_skips
 
     def _cross_replica_apply(
-        self, distribution: Any, unscaled: Any, variables: Any, grads_finite: Any, loss_finite: Any
-    ) -> None:
+        self,
+        distribution: Any,
+        unscaled: Any,
+        variables: Any,
+        grads_finite: Any,
+        loss_finite: Any,
+        differ: Any,
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         first = distribution.experimental_local_results
+
+        def warn() -> None:
+            tf.py_function(_warn_resync, [], [])
+
+        tf.cond(first(differ)[0], warn, lambda: None)
 
         def apply_inner() -> None:
             distribution.extended.call_for_each_replica(
@@ -595,7 +666,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 kwargs={"trainable_variables": variables},
             )
 
-        self._update_state(first(grads_finite)[0], first(loss_finite)[0], apply_inner)
+        return self._update_state(first(grads_finite)[0], first(loss_finite)[0], apply_inner)
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         """``apply(grads, variables)`` from ``(gradient, variable)`` pairs (tf.keras 2 / Keras API).
@@ -756,6 +827,14 @@ def _times(g: Any, factor: tf.Tensor) -> Any:
     return g * tf.cast(factor, g.dtype)
 
 
+def _strategy_of(variables: list[Any]) -> Any:
+    """The tf.distribute strategy holding ``variables``, or None (plain variables)."""
+    value = getattr(variables[0], "value", variables[0])
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value.distribute_strategy
+    return None
+
+
 def _global_norm(grads: list[Any]) -> tf.Tensor:
     squares = [
         tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
@@ -793,7 +872,16 @@ class TrainStep:
         variables = list(model.trainable_variables)
         optimizer._ensure_built(variables)
         self._variables = variables
-        self.function = tf.function(self._step, jit_compile=jit_compile)
+        self.strategy = _strategy_of(variables)
+        if self.strategy is None:
+            self.function = tf.function(self._step, jit_compile=jit_compile)
+        else:
+            if jit_compile:
+                raise ValueError(
+                    "jit_compile=True is not supported under a tf.distribute strategy (its "
+                    "merge_call cannot be compiled by XLA); use jit_compile=False."
+                )
+            self.function = tf.function(self._distributed_step)
 
     def tracing_count(self) -> int:
         """How many times the step has been traced (1 after any number of same-signature calls)."""
@@ -812,7 +900,10 @@ class TrainStep:
                     f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got {got}."
                 )
             batch = list(batch)
-        raw = self.function(_batch_to_tensors(batch))
+        batch = _batch_to_tensors(batch)
+        if self.strategy is not None and not isinstance(batch, tf.distribute.DistributedValues):
+            batch = self._split(batch)
+        raw = self.function(batch)
         return StepResult(raw, to_host=_to_host, config=self.optimizer.loss_scale_config)
 
     def state_dict(self) -> dict[str, Any]:
@@ -823,20 +914,60 @@ class TrainStep:
         """Loads a portable loss-scale state; see :meth:`LossScaleOptimizer.load_state_dict`."""
         self.optimizer.load_state_dict(state_dict)
 
+    def _split(self, batch: Any) -> Any:
+        """A global batch as per-replica slices along axis 0 (equal sizes)."""
+        n = self.strategy.num_replicas_in_sync
+        for x in tf.nest.flatten(batch):
+            if tf.is_tensor(x) and (x.shape.rank == 0 or x.shape[0] % n):
+                raise ValueError(
+                    f"under {type(self.strategy).__name__} with {n} replicas, every tensor of "
+                    f"the global batch is split along axis 0 into {n} equal parts; got shape "
+                    f"{x.shape}. Use a global batch size divisible by {n}, or pass a batch from "
+                    "strategy.experimental_distribute_dataset(...)."
+                )
+
+        def piece(ctx: Any) -> Any:
+            i = ctx.replica_id_in_sync_group
+            return tf.nest.map_structure(
+                lambda x: tf.split(x, n)[i] if tf.is_tensor(x) else x, batch
+            )
+
+        return self.strategy.experimental_distribute_values_from_function(piece)
+
     # -- traced code -----------------------------------------------------------------------
+
+    def _distributed_step(self, batch: Any) -> dict:
+        per_replica = self.strategy.run(self._step, args=(batch,))
+        first = self.strategy.experimental_local_results
+        out = {k: None if v is None else first(v)[0] for k, v in per_replica.items()}
+        # every field but the loss is the same on every replica; the loss is the mean
+        out["loss"] = self.strategy.reduce("mean", per_replica["loss"], axis=None)
+        return out
 
     def _finish(
         self, unscaled: list[Any], loss: tf.Tensor, loss_finite: tf.Tensor, scale: tf.Tensor
     ) -> dict:
         grads_finite = all_finite([g for g in unscaled if g is not None])
+        replica = tf.distribute.get_replica_context() if self.strategy is not None else None
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            # Keras's optimizer sums the gradients over replicas: give it local / n, so the
+            # update is the mean gradient, as one device on the whole global batch.
+            inv = tf.constant(1.0 / replica.num_replicas_in_sync, tf.float32)
+            unscaled = [_times(g, inv) for g in unscaled]
         grad_norm = None
         if self.max_grad_norm is not None:
-            # clipping acts on the unscaled gradients; the norm is reported before clipping
-            grad_norm = _global_norm(unscaled)
+            # clipping acts on the unscaled gradients; the norm is reported before clipping.
+            # Under a strategy it is the norm of the all-reduced gradient, the same on every
+            # replica (clipping each replica by its own norm would not be clip(mean)).
+            grad_norm = _global_norm(
+                unscaled
+                if replica is None or replica.num_replicas_in_sync == 1
+                else replica.all_reduce("sum", [g for g in unscaled if g is not None])
+            )
             limit = tf.constant(self.max_grad_norm, tf.float32)
             factor = limit / tf.maximum(grad_norm, limit)
             unscaled = [_times(g, factor) for g in unscaled]
-        applied, consecutive, total = self.optimizer._apply_unscaled(
+        applied, consecutive, total, grads_finite, loss_finite = self.optimizer._apply_step(
             unscaled, self._variables, grads_finite, loss_finite
         )
         return {
@@ -1135,9 +1266,17 @@ class MixedPrecision(MixedPrecisionBase):
         is the mean micro-batch loss.
 
         The step is traced once per batch signature (NumPy arrays are converted to tensors;
-        Python numbers in the batch would retrace per value). It runs on one replica: under a
-        ``tf.distribute`` strategy use ``model.fit`` after :meth:`prepare`, whose optimizer
-        handles replicas.
+        Python numbers in the batch would retrace per value).
+
+        Under a ``tf.distribute`` strategy (a model built in ``strategy.scope()``) each call
+        runs ``strategy.run``: a global batch is split along axis 0 into equal per-replica
+        parts (or pass a batch from ``strategy.experimental_distribute_dataset``);
+        ``loss_fn`` returns the local mean loss and the update is the mean gradient, as one
+        device on the global batch. The finite flags are reduced over the replicas (a
+        non-finite gradient on any replica skips the step on all), clipping uses the norm of
+        the all-reduced gradient, ``loss`` is the mean over replicas, and replicas whose
+        loss-scale state differs are re-synchronized from replica 0 with a
+        :class:`ReplicaDesyncWarning`. ``jit_compile`` is not supported there.
 
         Args:
             model: a built Keras model (``model.trainable_variables`` non-empty).

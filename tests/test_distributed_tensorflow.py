@@ -1,0 +1,112 @@
+"""tf.distribute (issue 8): unimp's LossScaleOptimizer and train step under MirroredStrategy
+over 2 logical CPU devices; the finite flag is reduced over the replicas.
+
+Logical devices must be configured before TensorFlow initializes its devices, so the
+scenarios run once in a fresh process (tests/_dist_tf_script.py) and each test checks one of
+its results.
+"""
+
+import os
+
+from conftest import require_backend
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+utf = require_backend("tensorflow")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = pathlib.Path(__file__).parents[1]
+SCALE = 65536.0
+INF = float("inf")
+
+pytestmark = pytest.mark.slow  # a TensorFlow process with 2 logical devices: ~30 s on 2 cores
+
+
+@pytest.fixture(scope="module")
+def run():
+    env = {
+        **os.environ,
+        "UNIMP_WORKTREE": str(ROOT),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "KERAS_BACKEND": "tensorflow",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_dist_tf_script.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["replicas"] == 2
+    return out
+
+
+def test_train_step_inf_on_replica_1_only_skips_both_and_halves_the_scale(run):
+    r = run["step_bad"]
+    assert r["applied"] is False and r["grads_finite"] is False
+    assert r["scale_used"] == SCALE and r["scale_next"] == [32768.0, 32768.0]
+    assert r["w"] == [[0.0, 0.0], [0.0, 0.0]]
+    assert r["iterations"] == [0, 0]  # the skipped step did not touch the inner optimizer
+
+
+def test_train_step_next_clean_step_applies_the_mean_gradient_on_both(run):
+    r = run["step_clean"]
+    assert r["applied"] is True and r["scale_used"] == 32768.0
+    # replica gradients [1, 2] and [3, 4]: the mean [2, 3], as one device on the global batch
+    assert r["w"] == [[-2.0, -3.0], [-2.0, -3.0]]
+    assert r["iterations"] == [1, 1]
+
+
+def test_clipping_uses_the_norm_of_the_all_reduced_gradient(run):
+    r = run["clip"]
+    assert r["grad_norm"] == pytest.approx(13**0.5, rel=1e-6)  # |[2, 3]|
+    w = [-2 / 13**0.5, -3 / 13**0.5]
+    assert r["w"][0] == r["w"][1] and r["w"][0] == pytest.approx(w, rel=1e-6)
+
+
+def test_grad_accumulation_window_under_the_strategy(run):
+    # a window with inf on replica 1 in its first micro-batch is skipped whole; then the mean
+    # of the micro-batch mean gradients [2, 3] and [6, 7] is applied on both replicas
+    assert run["accum"] == {"bad_applied": False, "applied": True, "w": [[-4.0, -5.0]] * 2}
+
+
+def test_loss_scale_optimizer_custom_loop_reduces_the_finite_flag(run):
+    assert run["lso"] == {"w": [[0.0, 0.0], [0.0, 0.0]], "scale_next": [32768.0, 32768.0]}
+
+
+def test_evidence_keras_lso_reads_the_finite_flag_from_one_replica(run):
+    # keras.optimizers.LossScaleOptimizer, same inf on replica 1 only: it applies the step
+    # (weights -inf on both replicas) and keeps the scale. unimp's skips (previous test).
+    assert run["keras_lso"] == {"w": [[-INF, -INF], [-INF, -INF]], "scale_next": [SCALE, SCALE]}
+
+
+def test_replicas_with_different_scales_are_resynced_from_replica_0_with_a_warning(run):
+    r = run["desync"]
+    assert r["warned"] == ["ReplicaDesyncWarning"]
+    assert r["applied"] is True and r["scale_next"] == [32768.0, 32768.0]
+    assert r["w_equal"] is True
+
+
+def test_bad_input_is_refused_with_the_fix_and_changes_nothing(run):
+    e = run["errors"]
+    assert "divisible by 2" in e["uneven"] and e["unchanged"] is True
+    assert "jit_compile=False" in e["jit"]
+
+
+def test_example_runs():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distributed" / "tf_mirrored.py")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("applied True on 2 replicas") == 3
