@@ -38,6 +38,7 @@ __all__ = [
     "DynamicLossScale",
     "LossScaleConfig",
     "LossScaleError",
+    "ReplicaDesyncWarning",
     "LossScaleState",
     "NoLossScale",
     "StaticLossScale",
@@ -59,6 +60,13 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 class LossScaleError(RuntimeError):
     """The loss scale is stuck: more consecutive skipped steps than ``max_consecutive_skips``."""
+
+
+class ReplicaDesyncWarning(UserWarning):
+    """Data-parallel replicas held different loss-scale states (a checkpoint restored on one
+    worker only); every engine re-synchronizes them from replica 0 and warns with this class,
+    never silently and never by averaging: torch.distributed and Horovod at the first step after
+    the scaler is built or loaded, tf.distribute and JAX inside the compiled step."""
 
 
 def _number(cls: str, field: str, value: Any) -> float:

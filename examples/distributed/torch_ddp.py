@@ -10,7 +10,7 @@ What unimp adds to plain DDP:
   before the skip and the scale update, so every replica skips together and keeps the same
   scale (printed below for every rank);
 * the first step checks once that every rank holds the same loss-scale state (a checkpoint
-  loaded on one rank only raises ReplicaMismatchError);
+  loaded on one rank only is re-synchronized from rank 0 with a ReplicaDesyncWarning);
 * ``--fp16-wire``: gradients travel as float16 with unimp.distributed.torch.fp16_mean_hook,
   which divides by the world size first so the average never overflows when it fits float16.
 """

@@ -36,6 +36,7 @@ from jax import lax
 from unimp import loss_scale as core
 from unimp.backends._base import MixedPrecisionBase
 from unimp.dtypes import canonical_dtype, device_support
+from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult, check_step_options
 
 __all__ = [
@@ -222,10 +223,6 @@ def _keep_unless(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda n, o: jnp.where(pred, n, o).astype(jnp.result_type(o)), new, old
     )
-
-
-class ReplicaDesyncWarning(UserWarning):
-    """Replicas held different loss-scale states; they were re-synchronized from replica 0."""
 
 
 def _warn_resync() -> None:

@@ -41,6 +41,7 @@ from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
     LossScaleState,
+    ReplicaDesyncWarning,
     from_state_dict,
     loss_scale_from_dict,
     update_arrays,
@@ -278,10 +279,6 @@ def _unscale(g: Any, scale: tf.Tensor) -> Any:
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(_divide(g.values, scale), g.indices, g.dense_shape)
     return _divide(tf.convert_to_tensor(g), scale)
-
-
-class ReplicaDesyncWarning(UserWarning):
-    """Replicas held different loss-scale states; they were re-synchronized from replica 0."""
 
 
 def _warn_resync() -> None:

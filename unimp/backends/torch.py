@@ -676,6 +676,7 @@ class GradScaler:
         if not any(True for _ in _leaves(outputs)):
             raise TypeError(f"scale() needs a tensor or a structure of tensors, got {type(outputs).__name__}.")
         self._loss_finite = self._loss_finite & _to(all_finite(outputs), self._device)
+        self._check_replicas()  # replicas must agree on the scale before the loss is scaled
         return _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
 
     def _grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -1197,6 +1198,7 @@ class TrainStep:
         k = len(micro)
         sc = self.scaler
         opt = self.optimizer
+        sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
         scale_used = sc._scale.clone()
         factor = scale_used if k == 1 else scale_used / k
         losses = []

@@ -12,7 +12,7 @@ Horovod's AMP recipe for torch is::
 :func:`amp_step` runs exactly that with unimp's scaler; :class:`GradScaler` is unimp's torch
 scaler whose overflow flag is reduced over the Horovod ranks (``hvd.allreduce(op=hvd.Max)``),
 so every rank skips together and keeps the same scale, and whose state is compared across the
-ranks once (a mismatch raises :class:`ReplicaMismatchError`; :func:`broadcast_state` re-syncs
+ranks once (a mismatch is re-synchronized from rank 0 with a :class:`unimp.ReplicaDesyncWarning`, as in every engine; :func:`broadcast_state` re-syncs
 from a root rank on purpose).
 
 Float16 compression. ``hvd.Compression.fp16`` casts each gradient to float16 while it is still
@@ -36,12 +36,14 @@ Build: Horovod 0.28.1 (its last release) needs a C++17 patch to build against cu
 """
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
 
 from unimp.backends.torch import GradScaler as _TorchGradScaler
-from unimp.distributed.torch import ReplicaMismatchError, _config_code
+from unimp.distributed.torch import _config_code
+from unimp.loss_scale import ReplicaDesyncWarning
 
 try:
     import horovod.torch as hvd
@@ -55,7 +57,6 @@ __all__ = [
     "DistributedOptimizer",
     "GradScaler",
     "LossScaleCompression",
-    "ReplicaMismatchError",
     "amp_step",
     "broadcast_state",
 ]
@@ -70,7 +71,7 @@ class GradScaler(_TorchGradScaler):
     Horovod's). In ``unscale_``, the overflow and non-finite-loss flags are all-reduced with
     ``hvd.Max`` before the skip and the scale update, so every rank agrees. The first
     ``unscale_`` after construction or ``load_state_dict`` compares the ranks' loss-scale states
-    once and raises :class:`ReplicaMismatchError` on a mismatch.
+    once; a mismatch is re-synchronized from rank 0 with a :class:`unimp.ReplicaDesyncWarning`.
 
     Raises:
         ValueError: as the torch scaler; ``process_group`` given.
@@ -101,10 +102,13 @@ class GradScaler(_TorchGradScaler):
             hi, lo = both[: len(v)].tolist(), (-both[len(v):]).tolist()
             differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(_FIELDS, lo, hi, strict=True) if a != b]
             if differ:
-                raise ReplicaMismatchError(
-                    f"the Horovod ranks hold different loss-scale states ({'; '.join(differ)}). Load "
-                    "the same checkpoint on every rank, or call "
-                    "unimp.distributed.horovod.broadcast_state(scaler, root_rank=0) on every rank."
+                broadcast_state(self, root_rank=0)
+                warnings.warn(
+                    f"the Horovod ranks held different loss-scale states ({'; '.join(differ)}): "
+                    "re-synchronized every rank from rank 0. Load the same checkpoint on every "
+                    "rank to avoid this.",
+                    ReplicaDesyncWarning,
+                    stacklevel=3,
                 )
         self._replicas_checked = True
 

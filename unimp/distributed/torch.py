@@ -10,10 +10,10 @@ every replica skip, and the loss-scale state and the parameters stay identical o
 
 Replicas that start from different loss-scale states (a checkpoint loaded on one rank only) are
 detected, once, at the first ``unscale_`` after the scaler is built or loaded: the ranks compare a
-fingerprint of the state (:func:`check_replicas_agree`) and a mismatch RAISES
-:class:`ReplicaMismatchError` on every rank (one host sync, once). unimp does not re-synchronize
-silently: a rank that loaded another checkpoint may also hold other parameters, so the user
-decides; :func:`broadcast_state` copies rank 0's state to every rank when that is the intent.
+fingerprint of the state (:func:`check_replicas_agree`) and on a mismatch every rank takes rank
+0's state and warns with :class:`unimp.ReplicaDesyncWarning` (one host sync, once): the same
+rule as tf.distribute and JAX, never silent, never averaged. A rank that loaded another
+checkpoint may also hold other parameters: the warning says to restore on every rank.
 
 Example (started with ``torchrun --nproc-per-node 2``; see ``examples/distributed/torch_ddp.py``):
 
@@ -26,14 +26,16 @@ Example (started with ``torchrun --nproc-per-node 2``; see ``examples/distribute
 
 
 import json
+import warnings
 import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from unimp.loss_scale import ReplicaDesyncWarning
+
 __all__ = [
-    "ReplicaMismatchError",
     "broadcast_state",
     "check_replicas_agree",
     "fp16_gather_mean_hook",
@@ -43,10 +45,6 @@ __all__ = [
 ]
 
 _FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", "config")
-
-
-class ReplicaMismatchError(RuntimeError):
-    """The replicas hold different loss-scale states (or configs)."""
 
 
 def _group(group: Any) -> Any:
@@ -97,8 +95,9 @@ def state_fingerprint(scaler: Any) -> torch.Tensor:
     return torch.stack([t.to(torch.float64) for t in parts] + [code])
 
 
-def check_replicas_agree(scaler: Any, group: Any = None) -> None:
-    """Raises on every rank when the ranks' loss-scale states differ.
+def check_replicas_agree(scaler: Any, group: Any = None) -> list[str]:
+    """Makes every rank hold the same loss-scale state: a mismatch is re-synchronized from rank 0
+    with a :class:`unimp.ReplicaDesyncWarning` (the rule of every unimp engine).
 
     The scaler calls this once, at its first ``unscale_`` after construction or
     ``load_state_dict``. One all-reduce (MAX over ``[v, -v]``, which gives the max and the min of
@@ -108,9 +107,10 @@ def check_replicas_agree(scaler: Any, group: Any = None) -> None:
         scaler: a :class:`unimp.backends.torch.GradScaler`.
         group: the process group; ``None`` is the default group.
 
+    Returns:
+        The fields that differed (empty when the ranks agreed), e.g. ``["scale in [1024, 65536]"]``.
+
     Raises:
-        ReplicaMismatchError: a field differs across ranks; the message names the fields with
-            their min and max and says how to fix it.
         RuntimeError: torch.distributed is not initialized.
     """
     group = _group(group)
@@ -120,13 +120,15 @@ def check_replicas_agree(scaler: Any, group: Any = None) -> None:
     hi, lo = both[: len(v)].tolist(), (-both[len(v) :]).tolist()
     differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(_FIELDS, lo, hi, strict=True) if a != b]
     if differ:
-        raise ReplicaMismatchError(
-            f"the replicas hold different loss-scale states ({'; '.join(differ)}; 'config' is a "
-            "code of the loss-scale config). They would take different steps and drift apart. "
-            "Load the same checkpoint on every rank (scaler.load_state_dict on all ranks), or, if "
-            "rank 0 is right, call unimp.distributed.torch.broadcast_state(scaler, src=0) on every "
-            "rank before the first step."
+        broadcast_state(scaler, src=dist.get_global_rank(group, 0), group=group)
+        warnings.warn(
+            f"the replicas held different loss-scale states ({'; '.join(differ)}; 'config' is a code "
+            "of the loss-scale config): re-synchronized every rank from rank 0. Load the same "
+            "checkpoint (scaler.load_state_dict) on every rank to avoid this.",
+            ReplicaDesyncWarning,
+            stacklevel=3,
         )
+    return differ
 
 
 def broadcast_state(scaler: Any, src: int = 0, group: Any = None) -> None:
