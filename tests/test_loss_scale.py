@@ -316,3 +316,31 @@ def test_reference_invariants(cfg, flags):
         assert 0 <= int(s.counter) < cfg.growth_interval
         assert int(s.total_skips) == skips and int(s.consecutive_skips) == run
     assert simulate(cfg, flags) == states
+
+
+# ---- found by trying to break it -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: StaticLossScale(1e-40), lambda: DynamicLossScale(init_scale=1.0, min_scale=1e-45)],
+    ids=["static-subnormal", "min-subnormal"],
+)
+def test_subnormal_scales_are_refused(make):
+    # 1/scale would be inf in float32 and a "clean" step would write -inf into the weights
+    with pytest.raises(ValueError, match="2\\*\\*-126"):
+        make()
+
+
+@pytest.mark.parametrize("field", ["counter", "total_skips"])
+def test_counters_beyond_int32_are_a_value_error(field):
+    d = state_dict(DynamicLossScale(growth_interval=2**31 - 1))
+    d["state"][field] = 2**31
+    with pytest.raises(ValueError, match=field):
+        from_state_dict(d)
+
+
+def test_stuck_message_while_still_backing_off():
+    cfg = DynamicLossScale(init_scale=2**24, max_consecutive_skips=2)
+    with pytest.raises(LossScaleError, match="still backing off"):
+        check_state(cfg, simulate(cfg, [False] * 3)[-1])

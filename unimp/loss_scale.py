@@ -56,6 +56,7 @@ STATE_FORMAT = "unimp.loss_scale/1"
 
 _F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, smallest normal float32
 _F32_MAX = float(np.finfo(np.float32).max)
+_I32_MAX = int(np.iinfo(np.int32).max)
 
 
 class LossScaleError(RuntimeError):
@@ -144,8 +145,8 @@ class LossScaleState:
             raise ValueError(f"loss-scale state 'scale' must be finite and > 0, got {scale!r}.")
         for n in names[1:]:
             v = d[n]
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"loss-scale state {n!r} must be an int >= 0, got {v!r}.")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= _I32_MAX:
+                raise ValueError(f"loss-scale state {n!r} must be an int in [0, 2**31 - 1], got {v!r}.")
         return cls(**{n: d[n] for n in names})
 
 
@@ -214,9 +215,10 @@ class StaticLossScale(_Config):
 
     def __post_init__(self) -> None:
         s = _number("StaticLossScale", "scale", self.scale)
-        if not s > 0 or s > _F32_MAX:
+        if not _F32_TINY <= s <= _F32_MAX:
             raise ValueError(
-                f"StaticLossScale.scale must be in (0, float32 max], got {self.scale!r}."
+                f"StaticLossScale.scale must be in [2**-126, float32 max] (a normal float32, so "
+                f"1/scale is finite), got {self.scale!r}."
             )
         object.__setattr__(self, "scale", s)
 
@@ -274,8 +276,11 @@ class DynamicLossScale(_Config):
             raise ValueError(f"{c}.growth_factor must be > 1, got {self.growth_factor!r}.")
         if not 0 < backoff < 1:
             raise ValueError(f"{c}.backoff_factor must be in (0, 1), got {self.backoff_factor!r}.")
-        if lo is not None and not lo > 0:
-            raise ValueError(f"{c}.min_scale must be > 0 or None, got {self.min_scale!r}.")
+        if lo is not None and not lo >= _F32_TINY:
+            raise ValueError(
+                f"{c}.min_scale must be >= 2**-126 (a normal float32, so 1/scale is finite) or None, "
+                f"got {self.min_scale!r}."
+            )
         if hi is not None and (not hi > 0 or hi > _F32_MAX):
             raise ValueError(
                 f"{c}.max_scale must be in (0, float32 max] or None, got {self.max_scale!r}."
@@ -583,13 +588,22 @@ def check_state(config: LossScaleConfig, state: LossScaleState) -> None:
     limit = getattr(config, "max_consecutive_skips", None)
     if limit is None or int(state.consecutive_skips) <= limit:
         return
+    at_floor = not config.dynamic or float(state.scale) <= config.floor
+    why = (
+        "Gradients stay non-finite even at the lowest scale, so the cause is not float16 range: "
+        "look for NaN/inf in the inputs or labels, a learning rate that makes the weights diverge, "
+        "or a forward overflow (StepResult.loss_finite is False; compute that op in float32)."
+        if at_floor
+        else "The scale is still backing off from a high value: lower init_scale, or raise "
+        "max_consecutive_skips above log2(init_scale / a workable scale); if the loss is "
+        "non-finite (StepResult.loss_finite is False) the cause is a forward overflow instead."
+    )
     raise LossScaleError(
         f"the loss scale is stuck: {int(state.consecutive_skips)} skipped steps in a row "
         f"(max_consecutive_skips={limit}), scale now {float(state.scale)!r}"
         + (f", floor {config.floor!r}" if config.dynamic else "")
-        + ". Gradients stay non-finite at every scale, so the cause is not float16 range: look "
-        "for NaN/inf in the inputs or labels, a learning rate that makes the weights diverge, or "
-        "a forward overflow (StepResult.loss_finite is False; compute that op in float32)."
+        + ". "
+        + why
     )
 
 
