@@ -1,0 +1,82 @@
+"""Smoke test of benchmarks/: every script runs end to end on a tiny model, per backend, so the
+benchmarks do not rot. Timings are not asserted (targets live in the issue and the README);
+the host-sync facts are: unimp's step reads nothing on the host (torch), compiles once and has
+no host callback or implicit transfer (JAX), and is one tf.function traced once (TensorFlow).
+
+Each case runs ``python -m benchmarks.<script> --tiny --backends <backend>`` in a subprocess
+(the scripts start one more process per backend or configuration, as they do for real).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BACKENDS, require_backend
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ("overhead", "syncs", "speedup", "memory")
+# tensorflow's import alone is a few seconds per process: its cases are the slow ones
+SLOW = {"tensorflow"}
+
+
+def run_script(script: str, backend: str, out: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{script}", "--tiny", "--backends", backend, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (out / f"{script}.md").read_text().count("|") > 10
+    return json.loads((out / f"{script}.json").read_text())
+
+
+CASES = [
+    pytest.param(s, b, marks=[pytest.mark.slow] if b in SLOW else [], id=f"{s}-{b}")
+    for s in SCRIPTS
+    for b in BACKENDS
+]
+
+
+@pytest.mark.parametrize("script,backend", CASES)
+def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
+    require_backend(backend)
+    payload = run_script(script, backend, tmp_path)
+    results = payload["results"]
+    if script == "memory":
+        assert [r["backend"] for r in results] == [backend]
+        assert all("error" not in r for r in results), results
+        assert results[0]["peak_rss_mib"] >= results[0]["rss_after_build_mib"] > 0
+        return
+    res = results[backend]
+    assert "error" not in res, res.get("error")
+    if script == "overhead":
+        (row,) = res["rows"]
+        assert row["pairs"] == len(row["ratios"]) == 1
+        assert row["a_ms_per_step"] > 0 and row["b_ms_per_step"] > 0
+    elif script == "speedup":
+        assert [r["recipe"] for r in res["rows"]] == ["float32", "mixed_float16", "mixed_bfloat16"]
+        assert res["rows"][0]["speedup_median"] == 1.0  # float32 against itself
+    elif script == "syncs":
+        row = next(r for r in res["rows"] if r["impl"] == "unimp")
+        assert row["meets_target"], row
+        if backend == "torch":  # host reads of tensors inside the step, after warm-up
+            assert row["host_reads_per_step"] == 0
+            assert row["host_reads_by_name"] == {}
+        elif backend == "jax":  # one compiled function, no host callback
+            assert row["compilations_first_call"] == 1
+            assert row["compilations_later_calls"] == 0
+            assert row["traces"] == 1
+            assert row["host_primitives"] == []
+        elif backend == "tensorflow":  # one tf.function, no retracing
+            assert row["tracings_after_steps"] == 1
+            assert row["host_ops"] == []
