@@ -68,7 +68,8 @@ def matmul_spec(device: str | None, tiny: bool) -> ModelSpec:
         return MODELS["tiny"]
     if device is not None and not device.startswith("cpu"):
         return ModelSpec("matmul", 4096, (4096,) * 4, 4096, 2048)
-    return ModelSpec("matmul", 1024, (1024,) * 4, 1024, 256)
+    # a CPU has no float16 matmul units: torch emulates them (about 30x slower than float32)
+    return ModelSpec("matmul", 512, (512,) * 4, 512, 128)
 
 
 def recipe(name: str) -> Any:
@@ -106,6 +107,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    # the smoke test's mode: workers run in this process (no framework import per worker)
+    p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -145,12 +148,25 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_worker(module: str, config: dict[str, Any], threads: int, timeout: float = 900) -> dict:
+def run_worker(
+    module: str,
+    config: dict[str, Any],
+    threads: int,
+    timeout: float = 900,
+    in_process: bool = False,
+) -> dict:
     """Runs ``python -m <module> --worker <config json>`` and returns its result dict.
 
     A failed worker gives ``{"error": "..."}`` (the last lines of its output) instead of
-    raising, so one broken backend does not hide the others' numbers.
+    raising, so one broken backend does not hide the others' numbers. With ``in_process`` the
+    module's ``worker(config)`` runs here instead (the smoke test: no import per worker, no
+    thread pinning, RSS figures meaningless).
     """
+    if in_process:
+        import importlib
+
+        result = importlib.import_module(module).worker(config)
+        return json.loads(json.dumps(result, default=_jsonable))
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(config)]
     try:
         proc = subprocess.run(
@@ -280,6 +296,31 @@ def interleaved(
         "wall": wall,
         "cpu": cpu,
     }
+
+
+def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several :func:`interleaved` ones (of the same two loops): every pair's
+    ratio counts once; milliseconds per step are the medians over all trials."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, Any] = {
+        "steps_per_trial": [p["steps_per_trial"] for p in parts],
+        "pairs": sum(p["pairs"] for p in parts),
+        "warmup_steps": parts[0]["warmup_steps"],
+        "clock": parts[0]["clock"],
+    }
+    for clock in ("wall", "cpu"):
+        ratios = [r for p in parts for r in p[clock]["ratios"]]
+        out[clock] = {
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "ratios": ratios,
+            "a_ms_per_step": statistics.median(p[clock]["a_ms_per_step"] for p in parts),
+            "b_ms_per_step": statistics.median(p[clock]["b_ms_per_step"] for p in parts),
+        }
+    out.update(out[out["clock"]])
+    return out
 
 
 def peak_rss_mib() -> float:

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 import unimp
-from benchmarks._harness import ModelSpec, recipe as get_recipe
+from benchmarks._harness import ModelSpec
+from benchmarks._harness import recipe as get_recipe
 from unimp.backends.torch import to_dtype
 
 LR = 1e-3

@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "spec": {**spec.__dict__},
                     "steps": STEPS[mode],
                 }
-                res = h.run_worker("benchmarks.memory", cfg, args.threads)
+                res = h.run_worker("benchmarks.memory", cfg, args.threads, in_process=args.in_process)
                 results.append({"backend": backend, "recipe": recipe, "impl": impl, **res})
                 print(f"memory {backend} {recipe} {impl}: {'error' if 'error' in res else 'done'}", file=sys.stderr)
     payload = {

@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "model": "tiny" if args.tiny else "mlp",
             "steps": STEPS[mode],
         }
-        results[backend] = h.run_worker("benchmarks.syncs", cfg, args.threads)
+        results[backend] = h.run_worker("benchmarks.syncs", cfg, args.threads, in_process=args.in_process)
         print(f"syncs {backend}: {'error' if 'error' in results[backend] else 'done'}", file=sys.stderr)
     rows = []
     for backend, res in results.items():
