@@ -1026,6 +1026,32 @@ def _device_leaf(x: Any) -> Any:
     return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
 
 
+def _commit_like(tree: Any, reference: Any) -> Any:
+    """``tree`` with its uncommitted arrays committed where ``reference``'s committed arrays live.
+
+    A jitted step whose arguments mix committed arrays (``jax.device_put(x, device)``, or any
+    output of a jitted call on them) and uncommitted ones (``jnp.asarray``, ``init_loss_scale``)
+    is compiled for that mix, and its outputs all come back committed: the second call then
+    compiles again. Committing everything before the first call keeps it to one compilation.
+    Uncommitted trees (or a reference on several devices) are returned unchanged.
+    """
+    devices = {
+        frozenset(x.sharding.device_set)
+        for x in jax.tree_util.tree_leaves(reference)
+        if isinstance(x, jax.Array) and getattr(x, "committed", False)
+    }
+    if len(devices) != 1 or len(next(iter(devices))) != 1:
+        return tree
+    device = next(iter(next(iter(devices))))
+
+    def commit(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not getattr(x, "committed", False):
+            return jax.device_put(x, device)
+        return x
+
+    return jax.tree_util.tree_map(commit, tree)
+
+
 def _contains_loss_scaling(state: Any) -> bool:
     return any(
         isinstance(x, LossScaleOptState)
@@ -1138,9 +1164,13 @@ class TrainStep:
         self._optimizer = optimizer
         self._k = int(grad_accum_steps)
         self._max_norm = max_grad_norm
+        # one compilation: committed params (jax.device_put) commit the rest of the state too
+        params, opt_state, loss_scale = _commit_like(
+            (params, opt_state, mp.init_loss_scale()), params
+        )
         self._params = params
         self._opt_state = opt_state
-        self._loss_scale = mp.init_loss_scale()
+        self._loss_scale = loss_scale
         self._traces = 0
         self._axis = axis_name
         self._mesh = mesh
@@ -1276,6 +1306,10 @@ class TrainStep:
         self._check_batch(batch)
         if self._mesh is not None:
             batch = jax.device_put(batch, self._batch_sharding)
+        elif self._traces == 0:  # first call: a committed batch commits the state (one compilation)
+            self._params, self._opt_state, self._loss_scale = _commit_like(
+                (self._params, self._opt_state, self._loss_scale), batch
+            )
         params, opt_state, ls, raw = self._jitted(
             self._params, self._opt_state, self._loss_scale, batch
         )
@@ -1329,4 +1363,4 @@ class TrainStep:
         Raises:
             ValueError: a bad or foreign state dict; nothing is changed.
         """
-        self._loss_scale = loss_scale_from_state_dict(d)
+        self._loss_scale = _commit_like(loss_scale_from_state_dict(d), self._params)

@@ -1,0 +1,119 @@
+"""Peak memory: float32 vs mixed recipes per backend, unimp's step and the native loop.
+
+Each configuration (backend, recipe, loop) runs in its own process, so the process peak RSS
+(``ru_maxrss``) is that configuration's alone. Reported: the framework's own peak where it
+keeps one (``torch.cuda.max_memory_allocated``, JAX ``device.memory_stats()
+["peak_bytes_in_use"]``, ``tf.config.experimental.get_memory_info(dev)["peak"]``; on a CPU
+none of them does), the RSS after building the model and data, and the peak RSS after the
+training steps. The model is the speedup benchmark's matmul-heavy MLP.
+
+    python -m benchmarks.memory [--quick] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from benchmarks import _harness as h
+
+STEPS = {"full": 10, "quick": 5, "tiny": 2}
+
+
+def worker(cfg: dict) -> dict:
+    from benchmarks._kits import kit
+
+    backend = cfg["backend"]
+    h.pin_framework_threads(backend, cfg["threads"])
+    k = kit(backend)
+    spec = h.ModelSpec(**cfg["spec"])
+    rss_import = h.current_rss_mib()
+    try:
+        t = k.Trainer(cfg["impl"], spec, cfg["recipe"], cfg["device"])
+    except Exception as e:  # a recipe the device cannot run is a result, not a crash
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    k.reset_peak(t.device)
+    rss_built = h.current_rss_mib()
+    t.run(cfg["steps"])
+    return {
+        "framework": k.framework_version(),
+        "framework_peak_mib": k.framework_peak_mib(t.device),
+        "rss_after_import_mib": rss_import,
+        "rss_after_build_mib": rss_built,
+        "peak_rss_mib": h.peak_rss_mib(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = h.parser(__doc__.splitlines()[0])
+    args = h.parse(p, argv)
+    if args.worker:
+        h.emit(worker(json.loads(args.worker)))
+        return {}
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    spec = h.matmul_spec(args.device, args.tiny)
+    recipes = ("mixed_float16",) if args.tiny else h.RECIPES
+    impls = ("unimp",) if args.tiny or args.quick else ("unimp", "native")
+    results = []
+    for backend in args.backends:
+        for recipe in recipes:
+            for impl in impls:
+                cfg = {
+                    "backend": backend,
+                    "recipe": recipe,
+                    "impl": impl,
+                    "device": args.device,
+                    "threads": args.threads,
+                    "spec": {**spec.__dict__},
+                    "steps": STEPS[mode],
+                }
+                res = h.run_worker("benchmarks.memory", cfg, args.threads, in_process=args.in_process)
+                results.append({"backend": backend, "recipe": recipe, "impl": impl, **res})
+                print(f"memory {backend} {recipe} {impl}: {'error' if 'error' in res else 'done'}", file=sys.stderr)
+    payload = {
+        "title": "Peak memory per configuration (one process each)",
+        "machine": h.machine(),
+        "settings": {
+            "device": args.device or "framework default",
+            "model": spec.describe(),
+            "steps": STEPS[mode],
+        },
+        "results": results,
+    }
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["backend"], r["recipe"], r["impl"], "", "", "", "error: " + r["error"][-200:]])
+            continue
+        peak = r["framework_peak_mib"]
+        rows.append(
+            [
+                r["backend"],
+                r["recipe"],
+                r["impl"],
+                "not reported" if peak is None else f"{peak:.1f}",
+                f"{r['rss_after_build_mib']:.0f}",
+                f"{r['peak_rss_mib']:.0f}",
+                f"{r['peak_rss_mib'] - r['rss_after_build_mib']:.0f}",
+            ]
+        )
+    table = h.markdown_table(
+        [
+            "backend",
+            "recipe",
+            "loop",
+            "framework peak MiB",
+            "RSS after build MiB",
+            "peak RSS MiB",
+            "peak - build MiB",
+        ],
+        rows,
+    )
+    h.write(args.out, "memory", payload, table)
+    print(table)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Overhead: unimp's ``train_step`` against the best hand-written native loop, per backend.
+
+For each backend and model (the seeds' MLP 784->512->10 with batch 128, and 4 layers of 1024
+with batch 256), two trainers of the same model from the same init are built in one worker
+process: A = unimp's ``train_step``, B = the native loop (torch.autocast + torch.amp.GradScaler
+with fused Adam; Keras LossScaleOptimizer in a tf.function GradientTape step; a jitted JAX step
+with jmp-style casts and an inline dynamic scale). After a warm-up they run interleaved,
+A B A B ..., the same number of steps per trial; the figure is the median of the per-pair ratio
+``time(A) / time(B)`` with its min and max. The steps per trial are calibrated after the warm-up so that a trial
+lasts about 0.5 s (``--quick``: 0.25 s), whatever the model and device; pairs alternate which
+loop runs first, and each loop has two instances built in both orders (see README). On a CPU
+device the headline ratio uses process CPU time and the recipe defaults to ``float32+dynamic``
+(float32 math, the whole loss-scale machinery): emulated float16 matmuls would hide everything.
+Target: <= 1.02.
+
+    python -m benchmarks.overhead [--quick] [--device cuda] [--recipe mixed_float16]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from benchmarks import _harness as h
+
+SETTINGS = {  # (seconds per trial (None: fixed 2 steps), pairs, warm-up steps)
+    "full": (0.5, 15, 10),
+    "quick": (0.25, 7, 5),
+    "tiny": (None, 1, 1),
+}
+
+
+def worker(cfg: dict) -> dict:
+    from benchmarks._kits import kit
+
+    backend = cfg["backend"]
+    h.pin_framework_threads(backend, cfg["threads"])
+    k = kit(backend)
+    target, pairs, warmup = cfg["schedule"]
+    rows = []
+    for name in cfg["models"]:
+        spec = h.MODELS[name]
+        # two instances of each side, built in both orders (unimp first, then native first),
+        # with half the pairs each: where a tensor lands in memory can make one instance a few
+        # percent faster than another, whichever loop it runs
+        parts = []
+        for first in ("unimp", "native"):
+            built = {first: k.Trainer(first, spec, cfg["recipe"], cfg["device"])}
+            other = "native" if first == "unimp" else "unimp"
+            built[other] = k.Trainer(other, spec, cfg["recipe"], cfg["device"])
+            parts.append(
+                h.interleaved(
+                    built["unimp"].run,
+                    built["native"].run,
+                    pairs=max(1, (pairs + 1) // 2) if target is not None else pairs,
+                    warmup=warmup,
+                    steps=2 if target is None else None,
+                    target_s=target or 0.0,
+                    clock=cfg["clock"],
+                )
+            )
+            if backend == "torch":
+                fused = built["unimp"].fused and built["native"].fused
+            if target is None:
+                break
+        r = h.pool(parts)
+        r.update(model=name, model_desc=spec.describe())
+        if backend == "torch":
+            r["fused_optimizer"] = fused
+        rows.append(r)
+    return {"backend": backend, "framework": k.framework_version(), "rows": rows}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = h.parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--recipe",
+        default=None,
+        choices=[*h.RECIPES, h.SCALED_FLOAT32],
+        help=f"default: mixed_float16 on an accelerator, {h.SCALED_FLOAT32} on cpu",
+    )
+    p.add_argument("--models", default="mlp,wide", help="comma-separated: mlp, wide")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default=None,
+        help="the headline ratio's clock (default: cpu time on a cpu device, else wall time); "
+        "both are recorded",
+    )
+    args = h.parse(p, argv)
+    if args.clock is None:
+        args.clock = "cpu" if args.device is None or args.device.startswith("cpu") else "wall"
+    if args.recipe is None:
+        on_cpu = args.device is None or args.device.startswith("cpu")
+        args.recipe = h.SCALED_FLOAT32 if on_cpu else "mixed_float16"
+    if args.worker:
+        h.emit(worker(json.loads(args.worker)))
+        return {}
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    models = ["tiny"] if args.tiny else [m.strip() for m in args.models.split(",") if m.strip()]
+    results = {}
+    for backend in args.backends:
+        cfg = {
+            "backend": backend,
+            "device": args.device,
+            "threads": args.threads,
+            "recipe": args.recipe,
+            "models": models,
+            "clock": args.clock,
+            "schedule": SETTINGS[mode],
+        }
+        results[backend] = h.run_worker("benchmarks.overhead", cfg, args.threads, in_process=args.in_process)
+        print(f"overhead {backend}: {_summary(results[backend])}", file=sys.stderr)
+    target, pairs, warmup = SETTINGS[mode]
+    payload = {
+        "title": f"Overhead: unimp train_step / native loop ({args.recipe})",
+        "machine": h.machine(),
+        "settings": {
+            "device": args.device or "framework default",
+            "threads": args.threads or "framework default",
+            "recipe": args.recipe,
+            "clock": args.clock,
+            "seconds_per_trial": target or "2 steps",
+            "pairs": pairs,
+            "warmup_steps": warmup,
+        },
+        "results": results,
+    }
+    rows = []
+    for backend, res in results.items():
+        if "error" in res:
+            rows.append([backend, res.get("framework"), "", "error: " + res["error"][-200:], "", "", "", ""])
+            continue
+        for r in res["rows"]:
+            rows.append(
+                [
+                    backend,
+                    res["framework"],
+                    r["model_desc"],
+                    h.fmt_ratio(r),
+                    h.fmt_ratio(r["wall" if r["clock"] == "cpu" else "cpu"]),
+                    f"{r['pairs']} x {r['steps_per_trial']}",
+                    f"{r['a_ms_per_step']:.3f}",
+                    f"{r['b_ms_per_step']:.3f}",
+                ]
+            )
+    table = h.markdown_table(
+        [
+            "backend",
+            "framework",
+            "model",
+            f"unimp / native, {args.clock} time: median (min .. max)",
+            f"same, {'wall' if args.clock == 'cpu' else 'cpu'} time",
+            "pairs x steps",
+            "unimp ms/step",
+            "native ms/step",
+        ],
+        rows,
+    )
+    h.write(args.out, "overhead", payload, table)
+    print(table)
+    return payload
+
+
+def _summary(res: dict) -> str:
+    if "error" in res:
+        return "ERROR " + res["error"]
+    return ", ".join(f"{r['model']} {h.fmt_ratio(r)}" for r in res["rows"])
+
+
+if __name__ == "__main__":
+    main()
