@@ -210,7 +210,8 @@ def test_module_mode_masters_start_exact():
         _assert_bitwise(b, m.detach())
 
 
-@pytest.mark.parametrize("recipe", ["mixed_float16", "O3"])
+# O3 (static scale 1.0) is allowed: unscaling by exactly 1 is exact (test_apex_o3_runs_pure_float16)
+@pytest.mark.parametrize("recipe", ["mixed_float16", "float16"])
 def test_prepare_refuses_float16_params_with_loss_scaling(recipe):
     model = _mlp().half() if recipe == "mixed_float16" else _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -805,3 +806,95 @@ def test_scaler_setters_and_getters():
     s.set_backoff_factor(0.25)
     s.set_growth_interval(10)
     assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (4.0, 0.25, 10)
+
+
+# ---- found by a bad-input review ------------------------------------------------------------
+
+
+def test_failed_accumulation_window_leaves_nothing_behind():
+    mp = ut.MixedPrecision("mixed_float16", device="cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.manual_seed(0)
+    ref_model = torch.nn.Linear(4, 2)
+    ref_model, ref_opt = ut.MixedPrecision("mixed_float16", device="cpu").prepare(
+        ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    )
+    x, y = torch.ones(3, 4), torch.zeros(3, 2)
+
+    def loss_fn(m, mb):
+        if mb is None:
+            raise RuntimeError("bad micro-batch")
+        return ((m(mb[0]).float() - mb[1]) ** 2).mean()
+
+    step = mp.train_step(model, opt, loss_fn, grad_accum_steps=2)
+    with pytest.raises(RuntimeError, match="bad micro-batch"):
+        step([(x * float("nan"), y), None])
+    assert all(p.grad is None for p in model.parameters())
+    r = step([(x, y), (x, y)])
+    assert r.applied and r.loss_finite
+    ref = ut.MixedPrecision("mixed_float16", device="cpu").train_step(ref_model, ref_opt, loss_fn, grad_accum_steps=2)
+    ref([(x, y), (x, y)])
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "new_scale,needle",
+    [
+        (torch.tensor(float("inf")), "outside"),
+        (torch.tensor(0.0), "outside"),
+        (torch.tensor(float("nan")), "outside"),
+        (torch.tensor([1.0, 2.0]), "one-element"),
+        ("abc", "number"),
+    ],
+    ids=["inf", "zero", "nan", "shape", "string"],
+)
+def test_update_new_scale_is_validated_before_anything_changes(new_scale, needle):
+    s = ut.GradScaler(unimp.DynamicLossScale(init_scale=8.0, growth_interval=1), device="cpu")
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    with pytest.raises(ValueError, match=needle):
+        s.update(new_scale)
+    assert s.get_scale() == 8.0
+    s.update()
+    assert s.get_scale() == 16.0
+
+
+def test_static_scale_cannot_be_moved():
+    s = ut.GradScaler(unimp.StaticLossScale(2.0), device="cpu")
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    with pytest.raises(ValueError, match="cannot change"):
+        s.update(4.0)
+
+
+def test_apex_o3_runs_pure_float16():
+    mp = ut.MixedPrecision("O3", device="cpu")
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mp.prepare(model, opt)
+    assert next(model.parameters()).dtype == torch.float16
+    step = mp.train_step(model, opt, lambda m, b: m(b).float().pow(2).mean())
+    r = step(torch.ones(3, 4))
+    assert r.applied and r.scale == 1.0
+
+
+def test_cuda_device_without_cuda_is_a_value_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        ut.GradScaler(device="cuda")
+
+
+def test_loss_of_shape_1_is_refused_like_the_other_backends():
+    mp = ut.MixedPrecision("mixed_float16", device="cpu")
+    model = torch.nn.Linear(2, 1)
+    step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum().reshape(1))
+    with pytest.raises(ValueError, match="0-d"):
+        step(torch.ones(1, 2))

@@ -161,6 +161,12 @@ class _Config:
         """False for :class:`NoLossScale`: the loss is not multiplied."""
         return True
 
+    @property
+    def unity(self) -> bool:
+        """True when the scale is always exactly 1 (no scaling, or a static 1.0, as Apex O3):
+        unscaling is exact, so float16 gradients are safe."""
+        return not self.dynamic and self.initial_scale() == 1.0
+
     def initial_scale(self) -> float:
         raise NotImplementedError
 

@@ -102,9 +102,10 @@ def _as_device(device: Any) -> torch.device:
     if device is None:
         return default_device()
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device={device!r} is not a torch device; use e.g. 'cuda', 'cuda:1', 'cpu'.") from None
+    return dev
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -530,6 +531,11 @@ class GradScaler:
                 )
             config = loss_scale_from_dict(loss_scale)
         self._device = _as_device(device)
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}: CUDA is not available (torch {torch.__version__}, or no GPU "
+                "visible); use device='cpu' or install a CUDA build of torch."
+            )
         self._enabled = bool(enabled)
         self._config = config
         self._ops = _TorchOps(self._device)
@@ -730,7 +736,7 @@ class GradScaler:
         master = getattr(optimizer, "_unimp_master", None)
         if master is not None:
             master.to_master()
-        if self._config.enabled:  # without scaling, unscaling multiplies by 1: float16 is exact
+        if not self._config.unity:  # a scale of exactly 1 unscales exactly: float16 is fine
             self._check_fp16(optimizer)
         inv_scale = self._scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
@@ -801,27 +807,49 @@ class GradScaler:
 
         Args:
             new_scale: set the scale to this value instead of the rule's (as torch); the skip
-                counters are still updated.
+                counters are still updated. A tensor is read once on the host to validate it.
 
         Raises:
             RuntimeError: no ``unscale_``/``step`` since the last update.
-            ValueError: ``new_scale`` outside the config's ``[min_scale, max_scale]``.
+            ValueError: ``new_scale`` not a number or one-element tensor, outside the config's
+                ``[min_scale, max_scale]``, or different from a static scale; nothing changes.
         """
         if not self._enabled:
             return
+        value = None if new_scale is None else self._check_new_scale(new_scale)  # before any change
         grads_finite, loss_finite = self._combined()
-        if new_scale is not None:
-            value = new_scale.to(self._device, torch.float32) if isinstance(new_scale, torch.Tensor) else None
-            if value is None:
-                f = float(new_scale)
-                hi = getattr(self._config, "max_scale", None) or _F32.max
-                lo = getattr(self._config, "floor", _F32.tiny)
-                if not (math.isfinite(f) and lo <= f <= hi):
-                    raise ValueError(f"new_scale={new_scale!r} is outside [{lo}, {hi}].")
         self._apply_update(grads_finite, loss_finite)
-        if new_scale is not None:
-            self._scale.copy_(value if value is not None else self._ops.f32(f))
+        if value is not None:
+            self._scale.copy_(value)
         self._per_opt.clear()
+
+    def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
+        """``new_scale`` as a float32 0-d tensor on the device, validated (a tensor is read once:
+        an explicit override is rare, and a bad value would poison every later step)."""
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or not new_scale.is_floating_point():
+                raise ValueError(
+                    f"new_scale must be a float or a one-element floating tensor, got a "
+                    f"{new_scale.dtype} tensor of shape {tuple(new_scale.shape)}."
+                )
+            f = float(new_scale.detach().reshape(()).float().cpu())
+        else:
+            try:
+                f = float(new_scale)
+            except (TypeError, ValueError):
+                raise ValueError(f"new_scale must be a number, got {new_scale!r}.") from None
+        if not self._config.dynamic:
+            if f != float(self._config.initial_scale()):
+                raise ValueError(
+                    f"new_scale={f!r}: a {self._config.kind} loss scale cannot change; use a "
+                    "DynamicLossScale to let the scale move."
+                )
+        else:
+            hi = self._config.max_scale if self._config.max_scale is not None else _F32.max
+            lo = self._config.floor
+            if not (math.isfinite(f) and lo <= f <= hi):
+                raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
+        return self._ops.f32(f)
 
     def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> None:
         s, c, cs, ts = update_arrays(
@@ -1022,7 +1050,7 @@ class MixedPrecision(MixedPrecisionBase):
             )
         names = {id(p): n for n, p in model.named_parameters()}
         # validate before changing anything
-        if self.loss_scale.enabled:
+        if not self.loss_scale.unity:
             pure_f16 = self._mode == "module" and not module_masters and self.param_dtype == torch.float16
             will_be_f16 = [n for n, p in model.named_parameters() if p.requires_grad] if pure_f16 else []
             held = [] if module_masters else (
@@ -1202,21 +1230,25 @@ class TrainStep:
         scale_used = sc._scale.clone()
         factor = scale_used if k == 1 else scale_used / k
         losses = []
-        for mb in micro:
-            with self.mp.autocast():
-                loss = self.loss_fn(self.model, mb)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                opt.zero_grad(set_to_none=True)
-                self.model.zero_grad(set_to_none=True)
-                sc._loss_finite = torch.ones((), dtype=torch.bool, device=sc.device)
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor, got "
-                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}."
-                )
-            loss = loss.reshape(())
-            sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
-            (loss * _to(factor, loss.device)).backward()
-            losses.append(_to(loss.detach().float(), sc.device))
+        try:
+            for mb in micro:
+                with self.mp.autocast():
+                    loss = self.loss_fn(self.model, mb)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(
+                        f"loss_fn must return a 0-d (scalar) tensor, got "
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
+                        "reduce it, e.g. loss.mean()."
+                    )
+                sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
+                (loss * _to(factor, loss.device)).backward()
+                losses.append(_to(loss.detach().float(), sc.device))
+        except BaseException:
+            # a failed window leaves nothing behind: no partial gradients, no stale loss flag
+            opt.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            sc._loss_finite = torch.ones((), dtype=torch.bool, device=sc.device)
+            raise
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
         sc.unscale_(opt)
         found_inf = sc._opt_state(opt)["found_inf"]
