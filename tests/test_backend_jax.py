@@ -1019,3 +1019,10 @@ def test_example_runs(capsys):
     out = capsys.readouterr().out
     assert "logits computed in float16, returned as float32" in out
     assert out.count("compilations 1") == 2
+
+
+def test_integer_loss_is_refused_like_the_other_backends():
+    step = ujax.MixedPrecision().train_step(lambda p, b: jnp.sum(b).astype(jnp.int32), optax.sgd(0.1), jnp.ones(2))
+    with pytest.raises(TypeError, match="floating loss"):
+        step(jnp.ones(2))
+    assert step.params.tolist() == [1.0, 1.0]

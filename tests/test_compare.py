@@ -151,3 +151,46 @@ def test_out_is_a_file(tmp_path, capsys):
     f.write_text("x")
     assert main(["compare", "--quiet", "--out", str(f)]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--backends", ","], "names no backend"),
+        (["--dropout", "1.0"], "--dropout"),
+        (["--seed", "-1"], "--seed"),
+    ],
+    ids=["comma", "dropout", "seed"],
+)
+def test_more_bad_options(tmp_path, capsys, args, needle):
+    code, out = _run(tmp_path, *args)
+    assert code == 2 and needle in capsys.readouterr().err and not out.exists()
+
+
+def test_recipe_path_is_a_directory(tmp_path, capsys):
+    d = tmp_path / "dir.toml"
+    d.mkdir()
+    code, out = _run(tmp_path, "--recipe", str(d))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and not out.exists()
+
+
+def test_out_holding_a_folder_named_like_a_report_file(tmp_path, capsys):
+    out = tmp_path / "rep"
+    (out / "report.md").mkdir(parents=True)
+    assert main(["compare", "--quiet", "--out", str(out)]) == 2
+    assert "report.md" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"]
+
+
+def test_label_too_large(tmp_path, capsys):
+    path = _npz(tmp_path, "big.npz", x=np.zeros((20, 8, 8)), y=np.array([2**31 - 1] + [0] * 19))
+    code, out = _run(tmp_path, "--data", path)
+    assert code == 2 and "class indices" in capsys.readouterr().err
+
+
+def test_out_under_a_file(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["compare", "--quiet", "--out", str(f / "sub")]) == 2
+    assert "cannot be created" in capsys.readouterr().err

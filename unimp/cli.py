@@ -11,6 +11,7 @@ from typing import Any
 
 import unimp
 from unimp import registry
+from unimp.loss_scale import LossScaleError
 
 
 class UsageError(Exception):
@@ -102,18 +103,39 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out_dir(out_dir: str, given: str) -> None:
+    """Fails before any training when the report could not be written to ``out_dir``."""
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise UsageError(f"--out {given!r} exists and is not a folder; pick another path")
+        for name in ("report.json", "report.md", "report.png"):
+            if os.path.isdir(os.path.join(out_dir, name)):
+                raise UsageError(f"--out {given!r} holds a folder named {name}; pick another --out")
+        probe = out_dir
+    else:
+        probe = os.path.dirname(out_dir)
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise UsageError(f"--out {given!r} cannot be created: {probe!r} is not a folder")
+    if not os.access(probe, os.W_OK):
+        raise UsageError(f"--out {given!r} is not writable; pick another path")
+
+
 def _compare(args: argparse.Namespace) -> int:
     from unimp.compare.report import COLUMNS, summary_rows, write_report
     from unimp.compare.run import CompareConfig, run_compare, validate
 
     out_dir = os.path.abspath(args.out)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError(f"--out {args.out!r} exists and is not a folder; pick another path")
+    _check_out_dir(out_dir, args.out)
+    backends = None
+    if args.backends is not None and args.backends.strip():
+        backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+        if not backends:
+            raise UsageError(f"--backends {args.backends!r} names no backend; e.g. --backends torch,jax")
     cfg = CompareConfig(
         recipe=args.recipe,
-        backends=tuple(b.strip() for b in args.backends.split(",") if b.strip())
-        if args.backends
-        else None,
+        backends=backends,
         model=args.model,
         data=args.data,
         epochs=args.epochs,
@@ -244,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (UsageError, ValueError, ImportError, FileNotFoundError) as e:
+    except (UsageError, ValueError, ImportError, OSError, LossScaleError) as e:
+        # user mistakes and stuck runs: one line naming the fix, no traceback
         print(f"unimp {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1203,6 +1203,8 @@ class TrainStep:
 
         def scaled_loss(p: Any, mb: Any) -> Any:
             loss = jnp.asarray(self._loss_fn(p, mb))
+            if not jnp.issubdtype(loss.dtype, jnp.floating):
+                raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype}.")
             if loss.shape != ():
                 raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))

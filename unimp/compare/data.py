@@ -9,6 +9,8 @@ import numpy as np
 
 __all__ = ["Dataset", "batches", "load_dataset"]
 
+_MAX_CLASSES = 100_000
+
 
 @dataclass(frozen=True)
 class Dataset:
@@ -135,6 +137,11 @@ def load_dataset(
     if len(y) < 10:
         raise ValueError(f"{name}: needs at least 10 examples, got {len(y)}.")
     classes = int(y.max()) + 1 if num_classes is None else num_classes
+    if classes > _MAX_CLASSES:
+        raise ValueError(
+            f"{name}: the largest label is {int(y.max())}, which would give a model with "
+            f"{classes} outputs; labels must be class indices 0 .. C-1 (at most {_MAX_CLASSES} classes)."
+        )
     if y.min() < 0 or y.max() >= classes:
         raise ValueError(
             f"{name}: labels must lie in [0, {classes}) for a model with {classes} outputs, "

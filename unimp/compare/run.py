@@ -139,7 +139,13 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
         raise ValueError(f"--epochs must be >= 1, got {cfg.epochs}.")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}.")
+    if not 0 <= cfg.dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout}.")
+    if cfg.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {cfg.seed}.")
     backends = _resolve_backends(cfg.backends)
+    for b in backends:  # a device a backend cannot use fails here, before any backend trains
+        _device_for(b, cfg.device)
     ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
     if cfg.batch_size < 1 or cfg.batch_size > len(ds.x_train):
         raise ValueError(
