@@ -186,6 +186,32 @@ def run_worker(
     return {"error": f"worker exited {proc.returncode}: " + "\n".join(tail)}
 
 
+def run_mode(args: argparse.Namespace) -> str:
+    """``tiny``, ``quick`` or ``full``, from ``--tiny`` / ``--quick``."""
+    return "tiny" if args.tiny else "quick" if args.quick else "full"
+
+
+def run_backends(
+    script: str,
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    summary: Callable[[dict], str] | None = None,
+) -> dict[str, dict]:
+    """Runs ``benchmarks.<script>``'s worker once per backend of ``args.backends``.
+
+    Each worker gets ``config`` plus ``backend``, ``device`` and ``threads``; a progress line
+    goes to stderr. Returns ``{backend: result}`` (a failed worker's result is ``{"error": ...}``).
+    """
+    results = {}
+    for backend in args.backends:
+        cfg = {"backend": backend, "device": args.device, "threads": args.threads, **config}
+        res = run_worker(f"benchmarks.{script}", cfg, args.threads, in_process=args.in_process)
+        results[backend] = res
+        line = summary(res) if summary else ("error" if "error" in res else "done")
+        print(f"{script} {backend}: {line}", file=sys.stderr)
+    return results
+
+
 def emit(result: dict) -> None:
     """The worker's last act: its result, on one marked stdout line."""
     print(RESULT_MARK + json.dumps(result, default=_jsonable), flush=True)

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.worker:
         h.emit(worker(json.loads(args.worker)))
         return {}
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    mode = h.run_mode(args)
     spec = h.matmul_spec(args.device, args.tiny)
     recipes = ("mixed_float16",) if args.tiny else h.RECIPES
     impls = ("unimp",) if args.tiny or args.quick else ("unimp", "native")

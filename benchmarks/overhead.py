@@ -19,7 +19,6 @@ Target: <= 1.02.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 
 from benchmarks import _harness as h
@@ -97,21 +96,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.worker:
         h.emit(worker(json.loads(args.worker)))
         return {}
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    mode = h.run_mode(args)
     models = ["tiny"] if args.tiny else [m.strip() for m in args.models.split(",") if m.strip()]
-    results = {}
-    for backend in args.backends:
-        cfg = {
-            "backend": backend,
-            "device": args.device,
-            "threads": args.threads,
-            "recipe": args.recipe,
-            "models": models,
-            "clock": args.clock,
-            "schedule": SETTINGS[mode],
-        }
-        results[backend] = h.run_worker("benchmarks.overhead", cfg, args.threads, in_process=args.in_process)
-        print(f"overhead {backend}: {_summary(results[backend])}", file=sys.stderr)
+    config = {"recipe": args.recipe, "models": models, "clock": args.clock, "schedule": SETTINGS[mode]}
+    results = h.run_backends("overhead", args, config, summary=_summary)
     target, pairs, warmup = SETTINGS[mode]
     payload = {
         "title": f"Overhead: unimp train_step / native loop ({args.recipe})",

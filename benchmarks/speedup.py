@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections.abc import Sequence
 
 from benchmarks import _harness as h
@@ -76,19 +75,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.worker:
         h.emit(worker(json.loads(args.worker)))
         return {}
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    mode = h.run_mode(args)
     spec = h.matmul_spec(args.device, args.tiny)
-    results = {}
-    for backend in args.backends:
-        cfg = {
-            "backend": backend,
-            "device": args.device,
-            "threads": args.threads,
-            "spec": {**spec.__dict__},
-            "schedule": SETTINGS[mode],
-        }
-        results[backend] = h.run_worker("benchmarks.speedup", cfg, args.threads, in_process=args.in_process)
-        print(f"speedup {backend}: {'error' if 'error' in results[backend] else 'done'}", file=sys.stderr)
+    results = h.run_backends("speedup", args, {"spec": {**spec.__dict__}, "schedule": SETTINGS[mode]})
     steps, rounds, warmup = SETTINGS[mode]
     payload = {
         "title": "Speedup over float32 (unimp train_step)",

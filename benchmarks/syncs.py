@@ -18,7 +18,6 @@ Per backend, for unimp's step and (for contrast) the native loop, after two warm
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 
 from benchmarks import _harness as h
@@ -165,19 +164,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.worker:
         h.emit(worker(json.loads(args.worker)))
         return {}
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
-    results = {}
-    for backend in args.backends:
-        cfg = {
-            "backend": backend,
-            "device": args.device,
-            "threads": args.threads,
-            "recipe": args.recipe,
-            "model": "tiny" if args.tiny else "mlp",
-            "steps": STEPS[mode],
-        }
-        results[backend] = h.run_worker("benchmarks.syncs", cfg, args.threads, in_process=args.in_process)
-        print(f"syncs {backend}: {'error' if 'error' in results[backend] else 'done'}", file=sys.stderr)
+    mode = h.run_mode(args)
+    config = {"recipe": args.recipe, "model": "tiny" if args.tiny else "mlp", "steps": STEPS[mode]}
+    results = h.run_backends("syncs", args, config)
     rows = []
     for backend, res in results.items():
         if "error" in res:
