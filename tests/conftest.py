@@ -44,3 +44,21 @@ def backend(request):
     """The name of each backend under test, in the test id."""
     require_backend(request.param)
     return request.param
+
+
+def edited_state_dict(config, **changes):
+    """``unimp.state_dict(config)`` with keys replaced or (value ``KeyError``) deleted; a path
+    like ``state__counter`` reaches into nested dicts. For corrupt-state_dict tests."""
+    from unimp import state_dict
+
+    d = state_dict(config)
+    for path, value in changes.items():
+        where = d
+        *head, last = path.split("__")
+        for h in head:
+            where = where[h]
+        if value is KeyError:
+            del where[last]
+        else:
+            where[last] = value
+    return d

@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import edited_state_dict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -221,17 +222,7 @@ def test_state_dict_round_trip_mid_run():
 
 
 def _sd(**changes):
-    d = state_dict(DynamicLossScale(growth_interval=4), None)
-    for path, value in changes.items():
-        where = d
-        *head, last = path.split("__")
-        for h in head:
-            where = where[h]
-        if value is KeyError:
-            del where[last]
-        else:
-            where[last] = value
-    return d
+    return edited_state_dict(DynamicLossScale(growth_interval=4), **changes)
 
 
 @pytest.mark.parametrize(

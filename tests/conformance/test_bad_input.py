@@ -8,9 +8,10 @@ import copy
 import kits
 import numpy as np
 import pytest
+from conftest import edited_state_dict
 
 import unimp
-from unimp import DynamicLossScale, get_recipe, state_dict
+from unimp import DynamicLossScale, get_recipe
 
 # (name, needle in the message)
 BAD_BACKENDS = [
@@ -41,17 +42,7 @@ BAD_LOSS_SCALES = [
 
 
 def _sd(**changes):
-    d = state_dict(DynamicLossScale(init_scale=1024, growth_interval=4))
-    for path, value in changes.items():
-        where = d
-        *head, last = path.split("__")
-        for h in head:
-            where = where[h]
-        if value is KeyError:
-            del where[last]
-        else:
-            where[last] = value
-    return d
+    return edited_state_dict(DynamicLossScale(init_scale=1024, growth_interval=4), **changes)
 
 
 BAD_STATE_DICTS = [
