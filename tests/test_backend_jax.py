@@ -1026,3 +1026,22 @@ def test_integer_loss_is_refused_like_the_other_backends():
     with pytest.raises(TypeError, match="floating loss"):
         step(jnp.ones(2))
     assert step.params.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"counter": 5000}, "counter"),
+        ({"counter": -3}, "counter"),
+        ({"counter": 1.7}, "counter"),
+        ({"consecutive_skips": 5, "total_skips": 0}, "consecutive_skips"),
+        ({"counter": 2**40}, "counter"),
+    ],
+    ids=["counter-above-interval", "negative", "fractional", "skips", "beyond-int32"],
+)
+def test_pytree_refuses_states_its_own_loader_would_refuse(kwargs, needle):
+    # the same rules as loading a portable state_dict (the other backends' only way in)
+    with pytest.raises(ValueError, match=needle):
+        ujax.DynamicLossScale(8.0, **kwargs)
+    ok = ujax.DynamicLossScale(8.0, counter=3)
+    assert ujax.loss_scale_from_state_dict(ok.state_dict()).state == ok.state

@@ -410,21 +410,36 @@ class _LossScale:
                 "unimp.backends.jax.loss_scale_from_config(config)."
             )
         scale = cfg.initial_scale() if self.loss_scale is None else self.loss_scale
+        scale_arr = _scalar(scale, jnp.float32, name, "loss_scale")
+        self._check_scale(cfg, scale_arr)
+        self._check_host_state(cfg, (scale, self.counter, self.consecutive_skips, self.total_skips))
         values = {
-            "loss_scale": _scalar(scale, jnp.float32, name, "loss_scale"),
+            "loss_scale": scale_arr,
             "counter": _scalar(self.counter, jnp.int32, name, "counter"),
             "consecutive_skips": _scalar(
                 self.consecutive_skips, jnp.int32, name, "consecutive_skips"
             ),
             "total_skips": _scalar(self.total_skips, jnp.int32, name, "total_skips"),
         }
-        self._check_scale(cfg, values["loss_scale"])
         for k, v in values.items():
             object.__setattr__(self, k, v)
         object.__setattr__(self, "config", cfg)
 
     def _default_config(self) -> Any:
         return self._config_cls()
+
+    @staticmethod
+    def _check_host_state(cfg: Any, raw: tuple) -> None:
+        """Host values (Python or NumPy numbers) follow the core's state rules, as a loaded
+        state_dict does: counter in [0, growth_interval), consecutive <= total skips, int32
+        counters, scale within the config. Device arrays and tracers (the values ``adjust``
+        passes) are not read: that would be a host sync per step."""
+        host = (int, float, np.number, np.ndarray)
+        if not all(isinstance(v, host) and not isinstance(v, (bool, np.bool_)) for v in raw):
+            return
+        names = [f.name for f in dataclasses.fields(core.LossScaleState)]
+        state = dict(zip(names, (np.asarray(v).item() for v in raw), strict=True))
+        core.from_state_dict({"format": core.STATE_FORMAT, "config": cfg.to_dict(), "state": state})
 
     def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
         pass
