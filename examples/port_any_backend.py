@@ -72,7 +72,7 @@ def build_jax(mp, w):
 
 
 def main(argv=None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--backend", required=True, choices=["torch", "tensorflow", "jax"])
     parser.add_argument("--recipe", default="mixed_float16")
     parser.add_argument("--steps", type=int, default=100)

@@ -59,6 +59,10 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _g(x: float | None) -> str:
+    return "none" if x is None else f"{x:g}"
+
+
 def _explain(args: argparse.Namespace) -> int:
     from unimp.compare.explain import explain_recipe, scaler_sequence, scaler_table
     from unimp.recipe import get_recipe
@@ -91,11 +95,16 @@ def _explain(args: argparse.Namespace) -> int:
         print(
             f"\nNative dynamic scalers on the same {args.steps} steps ('.' clean, 'X' overflow):\n  {marks}"
         )
+        if args.growth_interval is not None:
+            print(
+                f"  (growth intervals shortened to {args.growth_interval}, flax {args.growth_interval + 1}, "
+                f"for this demo: the frameworks' own 2000 would not show in {args.steps} steps)"
+            )
         for name, row in table["scalers"].items():
             cfg = row["config"]
             print(
                 f"  {name:<9} {row['native']:<48} init {cfg['init_scale']:<8g} interval {cfg['growth_interval']:<5} "
-                f"min {cfg['min_scale']!s:<5} max {cfg['max_scale']!s:<10} final {row['scale'][-1]:g}"
+                f"min {_g(cfg['min_scale']):<8} max {_g(cfg['max_scale']):<11} final {row['scale'][-1]:g}"
             )
         print("Differences (scale index 0 is the initial scale):")
         for line in table["differences"]:
@@ -259,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # the command line only: keep TensorFlow's C++ start-up log out of the output (importing
+    # unimp as a library sets nothing)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
