@@ -167,13 +167,19 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
     return _map_tree(tree, lambda t: t.to(target) if t.is_floating_point() else t)
 
 
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool: every element of ``t`` is finite (``_TorchOps.isfinite``, then ``all`` unless 0-d)."""
+    flag = _TorchOps.isfinite(t)
+    return flag if flag.dim() == 0 else flag.all()
+
+
 def all_finite(tree: Any) -> torch.Tensor:
     """A 0-d bool tensor, on the first floating leaf's device: every floating element is finite.
 
     Does not synchronize with the device (``bool()`` of the result does). A tree without
     floating tensors gives ``True`` on the CPU.
     """
-    flags = [torch.isfinite(t).all() for t in _leaves(tree) if t.is_floating_point()]
+    flags = [_finite(t) for t in _leaves(tree) if t.is_floating_point()]
     if not flags:
         return torch.tensor(True)
     dev = flags[0].device
@@ -238,7 +244,15 @@ class _TorchOps:
     where = staticmethod(torch.where)
     minimum = staticmethod(torch.minimum)
     maximum = staticmethod(torch.maximum)
-    isfinite = staticmethod(torch.isfinite)
+
+    @staticmethod
+    def isfinite(x: torch.Tensor) -> torch.Tensor:
+        """``x - x == 0``: True exactly where ``x`` is finite (inf - inf and NaN give NaN).
+
+        Two kernels; ``torch.isfinite`` is a composite of four or five (eq, abs, ne, mul, and)
+        and was a fifth of the update's cost per step (profiled, CPU).
+        """
+        return (x - x) == 0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -257,6 +271,11 @@ class _TorchOps:
 
     def i32(self, x: Any) -> torch.Tensor:
         return self._const(int(x) if not isinstance(x, torch.Tensor) else x, torch.int32)
+
+    @property
+    def true(self) -> torch.Tensor:
+        """A cached 0-d ``True`` on the device (the loss-finite flag's start value)."""
+        return self._const(True, torch.bool)
 
 
 def _to_host(x: Any) -> Any:
@@ -305,7 +324,6 @@ def _guarded_step(
     native = getattr(optimizer, "_step_supports_amp_scaling", False) and all(
         g.get("fused", False) for g in optimizer.param_groups
     )
-    skip = bad != 0
     master = getattr(optimizer, "_unimp_master", None)
     if master is not None:
         master.in_guard = True
@@ -319,6 +337,7 @@ def _guarded_step(
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
         else:
+            skip = bad != 0
             with torch.no_grad():
                 p_old = [p.detach().clone() for p in params]
                 s_old = {}
@@ -347,7 +366,7 @@ def _guarded_step(
                     for state, k, old in changed_host:
                         state[k] = old
         created = [p for p in fresh if optimizer.state.get(p)]
-        if created and bool(skip):  # once per parameter: the step that creates its lazy state
+        if created and bool(bad != 0):  # once per parameter: the step that creates its lazy state
             for p in created:
                 optimizer.state.pop(p, None)
         if master is not None:
@@ -540,7 +559,7 @@ class GradScaler:
         self._config = config
         self._ops = _TorchOps(self._device)
         self._set_state(config.initial_state())
-        self._loss_finite = torch.ones((), dtype=torch.bool, device=self._device)
+        self._loss_finite = self._ops.true
         self._per_opt: dict[int, dict[str, Any]] = {}
         self._process_group = process_group
         self._replicas_checked = False
@@ -736,13 +755,13 @@ class GradScaler:
         master = getattr(optimizer, "_unimp_master", None)
         if master is not None:
             master.to_master()
-        if not self._config.unity:  # a scale of exactly 1 unscales exactly: float16 is fine
-            self._check_fp16(optimizer)
-        inv_scale = self._scale.double().reciprocal().float()
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for _, g in self._grads(optimizer):
             groups.setdefault((g.device, g.dtype), []).append(g)
+        # a scale of exactly 1 unscales exactly: float16 is fine then
+        if not self._config.unity and any(dt == torch.float16 for _, dt in groups):
+            self._check_fp16(optimizer)  # raises, naming the parameters
+        inv_scale = self._scale.double().reciprocal().float()
         with torch.no_grad():
             per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for (dev, _), grads in groups.items():
@@ -753,8 +772,13 @@ class GradScaler:
                     )
                 fi, inv = per_device[dev]
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)
-            for fi, _ in per_device.values():
-                found_inf = found_inf + _to(fi, self._device)
+            flags = [_to(fi, self._device) for fi, _ in per_device.values()]
+            if len(flags) == 1:
+                found_inf = flags[0]
+            elif flags:
+                found_inf = torch.stack(flags).sum()
+            else:
+                found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         st["found_inf"] = self._reduce_flags(found_inf)
         st["stage"] = _UNSCALED
 
@@ -851,17 +875,19 @@ class GradScaler:
                 raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
         return self._ops.f32(f)
 
-    def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> None:
-        s, c, cs, ts = update_arrays(
+    def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Runs the rule and copies its results into the state; returns the results (fresh
+        tensors that later updates leave alone, for a step's report)."""
+        out = update_arrays(
             self._ops, self._config, self._scale, self._counter, self._consecutive, self._total,
             grads_finite, loss_finite,
         )
         # in place, so tensors handed out earlier (and CUDA graphs) see the new values
-        self._scale.copy_(s)
-        self._counter.copy_(c)
-        self._consecutive.copy_(cs)
-        self._total.copy_(ts)
-        self._loss_finite = torch.ones((), dtype=torch.bool, device=self._device)
+        for held, new in zip((self._scale, self._counter, self._consecutive, self._total), out, strict=True):
+            if new is not held:  # a static scale returns scale and counter as they were
+                held.copy_(new)
+        self._loss_finite = self._ops.true  # never changed in place: every update rebinds it
+        return out
 
     # -- state dicts
 
@@ -1240,14 +1266,14 @@ class TrainStep:
                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
                         "reduce it, e.g. loss.mean()."
                     )
-                sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
+                sc._loss_finite = sc._loss_finite & _to(_finite(loss.detach()), sc.device)
                 (loss * _to(factor, loss.device)).backward()
                 losses.append(_to(loss.detach().float(), sc.device))
         except BaseException:
             # a failed window leaves nothing behind: no partial gradients, no stale loss flag
             opt.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
-            sc._loss_finite = torch.ones((), dtype=torch.bool, device=sc.device)
+            sc._loss_finite = sc._ops.true
             raise
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
         sc.unscale_(opt)
@@ -1264,8 +1290,9 @@ class TrainStep:
                 for dev, gs in groups.items():
                     torch._foreach_mul_(gs, _to(coef, dev))
         applied = sc.step(opt)
-        grads_finite, loss_finite = found_inf == 0, sc._loss_finite.clone()
-        sc.update()
+        grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never changed in place
+        _, _, consecutive, total = sc._apply_update(grads_finite, loss_finite)  # = sc.update()
+        sc._per_opt.clear()
         opt.zero_grad(set_to_none=True)
         raw = {
             "loss": mean_loss,
@@ -1274,8 +1301,8 @@ class TrainStep:
             "loss_finite": loss_finite,
             "grads_finite": grads_finite,
             "grad_norm": grad_norm,
-            "consecutive_skips": sc._consecutive.clone(),
-            "total_skips": sc._total.clone(),
+            "consecutive_skips": consecutive,
+            "total_skips": total,
         }
         if self.scheduler is not None and bool(applied):
             self.scheduler.step()
