@@ -17,7 +17,7 @@ from unimp import (
     state_dict,
     update,
 )
-from unimp.loss_scale import check_state, loss_scale_from_dict
+from unimp.loss_scale import LossScaleState, check_state, loss_scale_from_dict
 
 # ---- right values from the core issue ---------------------------------------------------------
 
@@ -307,6 +307,58 @@ def test_reference_invariants(cfg, flags):
         assert 0 <= int(s.counter) < cfg.growth_interval
         assert int(s.total_skips) == skips and int(s.consecutive_skips) == run
     assert simulate(cfg, flags) == states
+
+
+def _spec(cfg, scale, counter, consecutive, total, g, lf):
+    """The rule as first written: one nested select per output, in NumPy float32/int32.
+    ``update_arrays`` is written for fewer kernels; it must agree with this bit for bit."""
+    f32, i32 = np.float32, np.int32
+    applied = g and lf
+    consecutive = i32(0) if applied else i32(consecutive + 1)
+    total = i32(total) if applied else i32(total + 1)
+    if not cfg.dynamic:
+        return f32(scale), i32(counter), consecutive, total
+    with np.errstate(over="ignore"):
+        grown = f32(scale) * f32(cfg.growth_factor)
+    if cfg.max_scale is not None:
+        grown = min(grown, f32(cfg.max_scale))
+    grown = grown if np.isfinite(grown) else f32(scale)
+    backed = max(f32(scale) * f32(cfg.backoff_factor), f32(cfg.floor))
+    grow = counter + 1 >= cfg.growth_interval
+    if applied:
+        return (grown if grow else f32(scale)), i32(0 if grow else counter + 1), consecutive, total
+    if lf:
+        return backed, i32(0), consecutive, total
+    return f32(scale), i32(counter), consecutive, total
+
+
+spec_configs = st.one_of(
+    configs,
+    st.builds(DynamicLossScale, init_scale=st.just(2.0**100), growth_factor=st.sampled_from([2.0, 1e30]),
+              growth_interval=st.integers(1, 3), max_scale=st.sampled_from([None, 3.0e38])),
+    st.builds(StaticLossScale, st.sampled_from([1.0, 128.0])),
+    st.just(NoLossScale()),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(spec_configs, st.data())
+def test_update_arrays_matches_the_nested_select_spec(cfg, data):
+    # any valid state, not only those reachable from init: scale in [floor, max], counter < interval
+    if cfg.dynamic:
+        hi = cfg.max_scale if cfg.max_scale is not None else float(np.finfo(np.float32).max)
+        scale = np.float32(data.draw(st.floats(cfg.floor, hi, width=32)))
+        counter = data.draw(st.integers(0, cfg.growth_interval - 1))
+    else:
+        scale, counter = np.float32(cfg.initial_scale()), 0
+    consecutive, total = data.draw(st.integers(0, 1000)), data.draw(st.integers(0, 2000))
+    g, lf = data.draw(st.booleans()), data.draw(st.booleans())
+    state = LossScaleState(scale, np.int32(counter), np.int32(consecutive), np.int32(total))
+    new = update(cfg, state, g, lf)
+    got = (new.scale, new.counter, new.consecutive_skips, new.total_skips)
+    want = _spec(cfg, scale, counter, consecutive, total, g, lf)
+    assert [np.asarray(x).tobytes() for x in got] == [np.asarray(x).tobytes() for x in want]
+    assert [np.asarray(x).dtype for x in got] == [np.asarray(x).dtype for x in want]
 
 
 # ---- found by trying to break it -------------------------------------------------------------

@@ -479,7 +479,10 @@ def update_arrays(
     Returns:
         ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes.
     """
+    # Written for few kernels: every op here is a kernel launch (torch, TF graph) or a fused
+    # scalar op (XLA). tests/test_loss_scale.py checks it against the plain nested-select spec.
     applied = grads_finite & loss_finite
+    backoff = loss_finite != applied  # finite loss, non-finite gradients: an overflow
     zero = ops.i32(0)
     one = ops.i32(1)
     new_consecutive = ops.where(applied, zero, consecutive_skips + one)
@@ -488,19 +491,16 @@ def update_arrays(
         return scale, counter, new_consecutive, new_total
     grown = scale * ops.f32(config.growth_factor)
     if config.max_scale is not None:
-        grown = ops.minimum(grown, ops.f32(config.max_scale))
-    grown = ops.where(ops.isfinite(grown), grown, scale)  # growth never makes the scale inf
+        grown = ops.minimum(grown, ops.f32(config.max_scale))  # finite: max_scale <= float32 max
+    else:
+        grown = ops.where(ops.isfinite(grown), grown, scale)  # growth never makes the scale inf
     backed = ops.maximum(scale * ops.f32(config.backoff_factor), ops.f32(config.floor))
     next_counter = counter + one
-    grow = next_counter >= ops.i32(config.growth_interval)
-    # finite loss and grads: count, maybe grow; finite loss, bad grads: back off;
-    # non-finite loss (forward overflow): leave scale and counter alone.
-    new_scale = ops.where(
-        applied, ops.where(grow, grown, scale), ops.where(loss_finite, backed, scale)
-    )
-    new_counter = ops.where(
-        applied, ops.where(grow, zero, next_counter), ops.where(loss_finite, zero, counter)
-    )
+    grow = applied & (next_counter >= ops.i32(config.growth_interval))
+    # finite loss and grads: count, grow on the interval-th; finite loss, bad grads: back off
+    # and restart the count; non-finite loss (forward overflow): leave scale and counter alone.
+    new_scale = ops.where(grow, grown, ops.where(backoff, backed, scale))
+    new_counter = ops.where(grow | backoff, zero, ops.where(applied, next_counter, counter))
     return new_scale, new_counter, new_consecutive, new_total
 
 

@@ -167,19 +167,13 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
     return _map_tree(tree, lambda t: t.to(target) if t.is_floating_point() else t)
 
 
-def _finite(t: torch.Tensor) -> torch.Tensor:
-    """0-d bool: every element of ``t`` is finite (``_TorchOps.isfinite``, then ``all`` unless 0-d)."""
-    flag = _TorchOps.isfinite(t)
-    return flag if flag.dim() == 0 else flag.all()
-
-
 def all_finite(tree: Any) -> torch.Tensor:
     """A 0-d bool tensor, on the first floating leaf's device: every floating element is finite.
 
     Does not synchronize with the device (``bool()`` of the result does). A tree without
     floating tensors gives ``True`` on the CPU.
     """
-    flags = [_finite(t) for t in _leaves(tree) if t.is_floating_point()]
+    flags = [torch.isfinite(t).all() for t in _leaves(tree) if t.is_floating_point()]
     if not flags:
         return torch.tensor(True)
     dev = flags[0].device
@@ -244,15 +238,7 @@ class _TorchOps:
     where = staticmethod(torch.where)
     minimum = staticmethod(torch.minimum)
     maximum = staticmethod(torch.maximum)
-
-    @staticmethod
-    def isfinite(x: torch.Tensor) -> torch.Tensor:
-        """``x - x == 0``: True exactly where ``x`` is finite (inf - inf and NaN give NaN).
-
-        Two kernels; ``torch.isfinite`` is a composite of four or five (eq, abs, ne, mul, and)
-        and was a fifth of the update's cost per step (profiled, CPU).
-        """
-        return (x - x) == 0
+    isfinite = staticmethod(torch.isfinite)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -1266,7 +1252,7 @@ class TrainStep:
                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
                         "reduce it, e.g. loss.mean()."
                     )
-                sc._loss_finite = sc._loss_finite & _to(_finite(loss.detach()), sc.device)
+                sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
                 (loss * _to(factor, loss.device)).backward()
                 losses.append(_to(loss.detach().float(), sc.device))
         except BaseException:
