@@ -268,11 +268,16 @@ def calibrate(run: Callable[[int], None], target_s: float, warmup: int, min_step
 
 def _stats(ta: list[float], tb: list[float], steps: int) -> dict[str, Any]:
     ratios = [x / y for x, y in zip(ta, tb, strict=True)]
+    diffs = [1e6 * (x - y) / steps for x, y in zip(ta, tb, strict=True)]
     return {
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "ratios": ratios,
+        # per pair, (t_a - t_b) per step in microseconds: the fixed cost of A over B per step,
+        # which a ratio hides behind a large model and a tiny model exposes
+        "diff_us_median": statistics.median(diffs),
+        "diffs_us": diffs,
         "a_ms_per_step": 1e3 * statistics.median(ta) / steps,
         "b_ms_per_step": 1e3 * statistics.median(tb) / steps,
     }
@@ -337,11 +342,14 @@ def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
     for clock in ("wall", "cpu"):
         ratios = [r for p in parts for r in p[clock]["ratios"]]
+        diffs = [d for p in parts for d in p[clock]["diffs_us"]]
         out[clock] = {
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
             "ratios": ratios,
+            "diff_us_median": statistics.median(diffs),
+            "diffs_us": diffs,
             "a_ms_per_step": statistics.median(p[clock]["a_ms_per_step"] for p in parts),
             "b_ms_per_step": statistics.median(p[clock]["b_ms_per_step"] for p in parts),
         }

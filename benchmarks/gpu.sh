@@ -28,8 +28,8 @@ run() {  # run NAME LIMIT_S [ARGS...]
 }
 
 run syncs 60                 # host syncs: set_sync_debug_mode("error"), compilations, tracings
-run overhead 150 --quick     # unimp / native (mixed_float16), both models, 8 pairs of 0.25 s trials
-run speedup 90               # float32 vs mixed_float16 vs mixed_bfloat16, 4x4096 MLP, batch 2048
+run overhead 170 --quick     # unimp / native (mixed_float16), mlp, wide and tiny, 8 pairs of 0.25 s trials
+run speedup 70               # float32 vs mixed_float16 vs mixed_bfloat16, 4x4096 MLP, batch 2048
 run memory 150 --quick       # one process per backend x recipe (unimp's step)
 
 echo "done in $((SECONDS - start))s; results in $OUT:"

@@ -1,12 +1,14 @@
 """Overhead: unimp's ``train_step`` against the best hand-written native loop, per backend.
 
-For each backend and model (the seeds' MLP 784->512->10 with batch 128, and 4 layers of 1024
-with batch 256), two trainers of the same model from the same init are built in one worker
+For each backend and model (the seeds' MLP 784->512->10 with batch 128, 4 layers of 1024
+with batch 256, and a tiny 16->32->4 MLP whose step is almost all fixed cost), two trainers of the same model from the same init are built in one worker
 process: A = unimp's ``train_step``, B = the native loop (torch.autocast + torch.amp.GradScaler
 with fused Adam; Keras LossScaleOptimizer in a tf.function GradientTape step; a jitted JAX step
 with jmp-style casts and an inline dynamic scale). After a warm-up they run interleaved,
 A B A B ..., the same number of steps per trial; the figure is the median of the per-pair ratio
-``time(A) / time(B)`` with its min and max. The steps per trial are calibrated after the warm-up so that a trial
+``time(A) / time(B)`` with its min and max, and the median per-pair difference in
+microseconds per step (unimp's fixed cost per step: what the ratio becomes for a step of any
+length). The steps per trial are calibrated after the warm-up so that a trial
 lasts about 0.5 s (``--quick``: 0.25 s), whatever the model and device; pairs alternate which
 loop runs first, and each loop has two instances built in both orders (see README). On a CPU
 device the headline ratio uses process CPU time and the recipe defaults to ``float32+dynamic``
@@ -79,7 +81,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         choices=[*h.RECIPES, h.SCALED_FLOAT32],
         help=f"default: mixed_float16 on an accelerator, {h.SCALED_FLOAT32} on cpu",
     )
-    p.add_argument("--models", default="mlp,wide", help="comma-separated: mlp, wide")
+    p.add_argument(
+        "--models",
+        default="mlp,wide,tiny",
+        help="comma-separated: mlp, wide, tiny (16->32->4: the fixed cost per step)",
+    )
     p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -118,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows = []
     for backend, res in results.items():
         if "error" in res:
-            rows.append([backend, res.get("framework"), "", "error: " + res["error"][-200:], "", "", "", ""])
+            rows.append([backend, res.get("framework"), "", "error: " + res["error"][-200:], "", "", "", "", ""])
             continue
         for r in res["rows"]:
             rows.append(
@@ -128,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     r["model_desc"],
                     h.fmt_ratio(r),
                     h.fmt_ratio(r["wall" if r["clock"] == "cpu" else "cpu"]),
+                    f"{r['diff_us_median']:+.0f}",
                     f"{r['pairs']} x {r['steps_per_trial']}",
                     f"{r['a_ms_per_step']:.3f}",
                     f"{r['b_ms_per_step']:.3f}",
@@ -140,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "model",
             f"unimp / native, {args.clock} time: median (min .. max)",
             f"same, {'wall' if args.clock == 'cpu' else 'cpu'} time",
+            f"unimp - native, {args.clock} us/step: median",
             "pairs x steps",
             "unimp ms/step",
             "native ms/step",

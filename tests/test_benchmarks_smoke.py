@@ -86,6 +86,7 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
         (row,) = res["rows"]
         assert row["pairs"] == len(row["ratios"]) == 1
         assert row["a_ms_per_step"] > 0 and row["b_ms_per_step"] > 0
+        assert len(row["diffs_us"]) == 1 and row["diff_us_median"] == row["diffs_us"][0]
     elif script == "speedup":
         assert [r["recipe"] for r in res["rows"]] == ["float32", "mixed_float16", "mixed_bfloat16"]
         assert res["rows"][0]["speedup_median"] == 1.0  # float32 against itself
