@@ -3,6 +3,7 @@
 import pytest
 from conftest import require_backend
 
+import unimp
 from unimp import StepResult, get_recipe
 from unimp.backends._base import COMMON_API, MixedPrecisionBase
 
@@ -34,6 +35,16 @@ def test_mixed_precision_has_the_neutral_names(backend):
     mp = require_backend(backend).MixedPrecision(get_recipe("mixed_float16"))
     assert [n for n in NEUTRAL_METHODS if not hasattr(mp, n)] == []
     assert mp.recipe == get_recipe("mixed_float16")
+
+
+def test_mixed_precision_takes_the_recipe_overrides(backend):
+    # the overrides get_recipe takes, in one call (they used to reach the backend as a TypeError)
+    require_backend(backend)
+    mp = unimp.mixed_precision("float32", loss_scale="dynamic", cast_mode="module", backend=backend)
+    assert mp.recipe == get_recipe("float32", loss_scale="dynamic", cast_mode="module")
+    assert mp.loss_scale.kind == "dynamic"
+    with pytest.raises(ValueError, match="unknown loss scale 'sometimes'"):
+        unimp.mixed_precision("float32", loss_scale="sometimes", backend=backend)
 
 
 def test_device_info_shape(backend):

@@ -207,18 +207,24 @@ def mixed_precision(
     Args:
         recipe_or_name: a :class:`~unimp.Recipe`, or anything :func:`~unimp.get_recipe` accepts.
         backend: backend name or alias (``"torch"``, ``"tf"``, ``"jax"``, ...). Required.
-        **options: backend options, e.g. ``device="cuda"`` for torch.
+        **options: ``loss_scale=`` and ``cast_mode=`` override the recipe's (as in
+            :func:`~unimp.get_recipe`); the rest are backend options, e.g. ``device="cuda"``
+            for torch.
 
     Raises:
-        ValueError: unknown backend or recipe name.
+        ValueError: unknown backend or recipe name, or a bad override.
         ImportError: the backend's framework is not installed (names the extra).
         TypeError: ``backend`` not given.
+
+    Example:
+        >>> mp = mixed_precision("float32", loss_scale="dynamic", backend="jax")  # doctest: +SKIP
     """
     from unimp.recipe import get_recipe
 
     if backend is None:
         raise TypeError(f"mixed_precision() needs backend=, one of {list_backends()}.")
-    recipe = get_recipe(recipe_or_name)
+    overrides = {k: options.pop(k) for k in ("loss_scale", "cast_mode") if k in options}
+    recipe = get_recipe(recipe_or_name, **overrides)
     module = get_backend(backend)
     return module.MixedPrecision(recipe, **options)
 
