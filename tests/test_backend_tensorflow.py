@@ -537,11 +537,6 @@ def test_state_dict_round_trip_and_resume():
             "config": {"kind": "dynamic", "init_scale": 1024.0, "growth_interval": 2},
             "state": {"scale": -1.0},
         },
-        {
-            "format": "unimp.loss_scale/1",
-            "config": {"kind": "static", "scale": 8.0},
-            "state": {"scale": 8.0, "counter": 0, "consecutive_skips": 0, "total_skips": 0},
-        },
         "not a dict",
     ],
 )
@@ -551,6 +546,47 @@ def test_load_state_dict_rejects_bad_input_and_changes_nothing(bad):
     with pytest.raises(ValueError):
         opt.load_state_dict(bad)
     assert opt.state_dict() == before
+
+
+STATIC_8 = {
+    "format": "unimp.loss_scale/1",
+    "config": {"kind": "static", "scale": 8.0},
+    "state": {"scale": 8.0, "counter": 0, "consecutive_skips": 0, "total_skips": 2},
+}
+
+
+def test_load_state_dict_adopts_the_saved_config_before_tracing():
+    # as torch and JAX (and torch.amp's load_state_dict, which takes the saved factors)
+    opt, w = _used_optimizer()  # eager steps: nothing traced
+    opt.load_state_dict(STATIC_8)
+    assert opt.loss_scale_config == StaticLossScale(8.0)
+    assert opt.state_dict() == STATIC_8
+    opt.apply([tf.constant([1.0, 2.0])], [w])
+    assert float(opt.dynamic_scale.numpy()) == 8.0 and int(opt.total_skips.numpy()) == 2
+
+
+def test_load_state_dict_refuses_a_new_config_once_traced_and_changes_nothing():
+    opt = lso(DynamicLossScale(init_scale=1024.0, growth_interval=2), keras.optimizers.Adam(0.01))
+    w = keras.Variable(np.ones(2, np.float32))
+    tf.function(lambda g: opt.apply([g], [w]))(tf.constant([1.0, 2.0]))
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match="TrainStep.load_state_dict"):
+        opt.load_state_dict(STATIC_8)
+    assert opt.state_dict() == before
+    same_config = dict(before, state=dict(before["state"], scale=64.0))
+    opt.load_state_dict(same_config)  # the same config loads at any time
+    assert float(opt.dynamic_scale.numpy()) == 64.0
+
+
+def test_train_step_load_state_dict_retraces_for_a_new_config():
+    mp = unimp.mixed_precision("float32", loss_scale=DynamicLossScale(init_scale=4.0, growth_interval=1000), backend="tensorflow")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    step = mp.train_step(model, keras.optimizers.SGD(0.0), lambda m, b: tf.reduce_mean(m(b)))
+    x = tf.ones((4, 2))
+    assert step(x).scale == 4.0 and step(x).scale == 4.0
+    step.load_state_dict(unimp.state_dict(DynamicLossScale(init_scale=4.0, growth_interval=1)))
+    assert [step(x).scale for _ in range(3)] == [4.0, 8.0, 16.0]  # the new interval, traced anew
+    assert step.tracing_count() == 1
 
 
 def test_keras_checkpoint_round_trip(tmp_path):

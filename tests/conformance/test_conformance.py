@@ -93,6 +93,24 @@ def test_trajectory_matches_reference(backend, config_name, events):
         assert result.total_skips == int(expected.total_skips)
 
 
+
+def test_a_loaded_config_replaces_the_recipes_after_steps(backend):
+    # Every backend adopts the config saved in the state dict, also after the step has run
+    # (traced / compiled): as torch.amp.GradScaler.load_state_dict takes the saved factors.
+    run = kits.build(backend, get_recipe("mixed_float16", loss_scale=TRAJECTORY_CONFIGS["defaults-interval3"]), lr=0.0)
+    run.step(_BATCHES["clean"])
+    cfg = TRAJECTORY_CONFIGS["min-max"]  # interval 1, floor 2**8, cap 2**12
+    expected = LossScaleState(2.0**11, 0, 0, 0)
+    run.load_state_dict(state_dict(cfg, expected))
+    scales = []
+    for ev in ["clean", "clean", "clean", "inf-grad", "inf-loss", "clean"]:
+        scales.append(run.step(_BATCHES[ev]).scale)
+        expected = update(cfg, expected, *EVENTS[ev])
+        assert run.loss_scale_state() == expected, (backend, ev)
+    # 2**11 grows to the cap 2**12 and stays; an overflow halves it; a forward overflow keeps it
+    assert scales == [2.0**11, 2.0**12, 2.0**12, 2.0**12, 2.0**11, 2.0**11]
+    assert run.state_dict()["config"] == cfg.to_dict()
+
 # ------------------------------------------------------------------ 2. skip leaves state alone
 
 

@@ -431,6 +431,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Set by get_unscaled_gradients (Python state, so it is read when a tf.function is
         # traced): the next apply takes its gradients as already unscaled (tf.keras 2's contract).
         self._gradients_unscaled = False
+        # Set when a tf.function traces the update: the config is baked into that graph as
+        # constants, so load_state_dict may no longer swap it (see there).
+        self._config_traced = False
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -697,6 +700,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads_finite = tf.convert_to_tensor(grads_finite, tf.bool)
         loss_finite = tf.convert_to_tensor(loss_finite, tf.bool)
         applied = tf.logical_and(grads_finite, loss_finite)
+        if tf.inside_function():
+            self._config_traced = True
         scale, counter, consecutive, total = update_arrays(
             _TFOps,
             self._loss_scale_config,
@@ -743,19 +748,33 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return _portable_state_dict(self._loss_scale_config, self._state())
 
     def load_state_dict(self, state_dict: Any) -> None:
-        """Loads a portable loss-scale state (validated before anything is assigned).
+        """Loads a portable loss-scale state: the saved config replaces this optimizer's, as in
+        every unimp backend (and as torch.amp.GradScaler.load_state_dict takes the saved
+        factors and interval). Validated before anything is assigned.
+
+        TensorFlow bakes the config into a traced step as constants, so a different config is
+        adopted only while no ``tf.function`` has traced this optimizer's update yet (the usual
+        resume: build, load, train). :meth:`TrainStep.load_state_dict` adopts it at any time
+        and retraces its step.
 
         Raises:
             ValueError: a malformed or foreign state_dict, or one saved with a different
-                loss-scale config (the message shows both).
+                loss-scale config after a ``tf.function`` traced this optimizer (the message
+                shows both configs and the fix).
         """
         config, state = from_state_dict(state_dict)
-        if config != self._loss_scale_config:
+        if config != self._loss_scale_config and self._config_traced:
             raise ValueError(
                 f"the state_dict was saved with loss scale {config.to_dict()}, this optimizer uses "
-                f"{self._loss_scale_config.to_dict()}; create the optimizer with "
-                "loss_scale=<the saved config> to resume it."
+                f"{self._loss_scale_config.to_dict()} and a traced tf.function has that config "
+                "built in: load the state before the first step, load it through "
+                "TrainStep.load_state_dict (which retraces), or create the optimizer with "
+                "loss_scale=<the saved config>."
             )
+        self._adopt(config, state)
+
+    def _adopt(self, config: LossScaleConfig, state: LossScaleState) -> None:
+        self._loss_scale_config = config
         self.dynamic_scale.assign(np.float32(state.scale))
         self.counter.assign(np.int32(state.counter))
         self.consecutive_skips.assign(np.int32(state.consecutive_skips))
@@ -876,15 +895,18 @@ class TrainStep:
         optimizer._ensure_built(variables)
         self._variables = variables
         self.strategy = _strategy_of(variables)
+        if self.strategy is not None and jit_compile:
+            raise ValueError(
+                "jit_compile=True is not supported under a tf.distribute strategy (its "
+                "merge_call cannot be compiled by XLA); use jit_compile=False."
+            )
+        self._jit_compile = jit_compile
+        self.function = self._make_function()
+
+    def _make_function(self) -> Any:
         if self.strategy is None:
-            self.function = tf.function(self._step, jit_compile=jit_compile)
-        else:
-            if jit_compile:
-                raise ValueError(
-                    "jit_compile=True is not supported under a tf.distribute strategy (its "
-                    "merge_call cannot be compiled by XLA); use jit_compile=False."
-                )
-            self.function = tf.function(self._distributed_step)
+            return tf.function(self._step, jit_compile=self._jit_compile)
+        return tf.function(self._distributed_step)
 
     def tracing_count(self) -> int:
         """How many times the step has been traced (1 after any number of same-signature calls)."""
@@ -914,8 +936,18 @@ class TrainStep:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: Any) -> None:
-        """Loads a portable loss-scale state; see :meth:`LossScaleOptimizer.load_state_dict`."""
-        self.optimizer.load_state_dict(state_dict)
+        """Loads a portable loss-scale state; the saved config replaces the recipe's (as in
+        every unimp backend). A different config retraces the step, which has the config
+        built in; other tf.functions that traced the same optimizer keep the old one.
+
+        Raises:
+            ValueError: a bad or foreign state dict; nothing is changed.
+        """
+        config, state = from_state_dict(state_dict)
+        changed = config != self.optimizer.loss_scale_config
+        self.optimizer._adopt(config, state)
+        if changed:
+            self.function = self._make_function()
 
     def _split(self, batch: Any) -> Any:
         """A global batch as per-replica slices along axis 0 (equal sizes)."""
