@@ -138,7 +138,10 @@ class Trainer:
                 return cross_entropy(mp.cast_to_output(logits), batch["y"])
 
             with jax.default_device(dev):
-                self.step = mp.train_step(loss_fn, optimizer, params)
+                # donation as on the native side: on accelerators only (see below)
+                self.step = mp.train_step(
+                    loss_fn, optimizer, params, donate=dev.platform != "cpu"
+                )
             self.jitted = self.step.jitted
             self._one = self._unimp_one
         elif impl == "native":

@@ -787,6 +787,28 @@ def test_train_step_second_call_does_not_recompile(opt, host_params):
     assert step.jitted._cache_size() == 1
 
 
+@pytest.mark.parametrize("opt", ["adam", "chain-clip-adamw"])
+def test_train_step_donate_updates_in_place_with_the_same_results(opt):
+    params = {"w": jnp.array([0.5, -1.0]), "b": jnp.float32(0.25)}
+    mp = ujax.MixedPrecision("mixed_float16")
+    kept = mp.train_step(_affine_loss, OPTIMIZERS[opt](), params)
+    donated = mp.train_step(_affine_loss, OPTIMIZERS[opt](), params, donate=True)
+    batches = [jnp.ones(2), jnp.array([jnp.inf, 1.0]), jnp.array([3.0, -2.0]), jnp.ones(2) * 2]
+    for b in batches:  # a skipped step in the middle
+        before = donated.params
+        r_kept, r_donated = kept(b), donated(b)
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(before))  # in place
+        assert (r_kept.applied, r_kept.scale, r_kept.loss) == (r_donated.applied, r_donated.scale, r_donated.loss)
+        assert tree_bits(donated.params) == tree_bits(kept.params)
+        assert tree_bits(donated.opt_state) == tree_bits(kept.opt_state)
+    assert donated.traces == 1
+    # the caller's params were copied, never donated
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(params))
+    assert float(params["b"]) == 0.25
+    with pytest.raises(TypeError, match="donate must be True or False"):
+        mp.train_step(_affine_loss, optax.sgd(0.1), params, donate="yes")
+
+
 def test_train_step_grad_overflow_skips_and_backs_off():
     step = ujax.MixedPrecision("mixed_float16").train_step(
         _half_dot, optax.adam(0.1), jnp.array([-0.0, 1.0])
