@@ -63,13 +63,19 @@ def _g(x: float | None) -> str:
     return "none" if x is None else f"{x:g}"
 
 
+#: ``explain --scalers`` prints one mark per step and simulates every native scaler step by step
+MAX_EXPLAIN_STEPS = 10_000
+
+
 def _explain(args: argparse.Namespace) -> int:
     from unimp.compare.explain import explain_recipe, scaler_sequence, scaler_table
     from unimp.recipe import get_recipe
 
     recipe = get_recipe(args.recipe)
-    if args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if not 1 <= args.steps <= MAX_EXPLAIN_STEPS:
+        raise UsageError(
+            f"--steps must be in [1, {MAX_EXPLAIN_STEPS}] (every step is printed), got {args.steps}"
+        )
     if not 0 <= args.overflow_rate <= 1:
         raise UsageError(f"--overflow-rate must be in [0, 1], got {args.overflow_rate}")
     if args.growth_interval is not None and args.growth_interval < 1:
