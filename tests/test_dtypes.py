@@ -79,6 +79,17 @@ def test_bad_dtypes_list_accepted_names(bad):
         canonical_dtype(bad)
 
 
+def test_the_python_float_type_is_ambiguous_and_refused():
+    # NumPy: float64; torch.float, JAX's default and Keras's "float": float32
+    with pytest.raises(ValueError, match="'float32' or 'float64'"):
+        canonical_dtype(float)
+    from unimp import Policy
+
+    with pytest.raises(ValueError, match="'float32' or 'float64'"):
+        Policy(param_dtype=float)
+    assert canonical_dtype("float") == "float32" and canonical_dtype(np.float64) == "float64"
+
+
 def test_half_needs_platform():
     with pytest.raises(ValueError, match="get_policy"):
         canonical_dtype("half")

@@ -78,8 +78,9 @@ def canonical_dtype(x: Any) -> str:
         One of ``"float64"``, ``"float32"``, ``"float16"``, ``"bfloat16"``.
 
     Raises:
-        ValueError: ``x`` is not a floating dtype unimp supports; the message lists the
-            accepted names.
+        ValueError: ``x`` is not a floating dtype unimp supports (the message lists the
+            accepted names), or is the Python type ``float``, which NumPy reads as float64
+            and torch, JAX and Keras as float32.
 
     Example:
         >>> canonical_dtype("bf16")
@@ -100,6 +101,13 @@ def canonical_dtype(x: Any) -> str:
         raise ValueError(f"unknown dtype {x!r}; expected one of: {_accepted()}.")
     if isinstance(x, bool) or x is None or isinstance(x, (int, float)):
         raise ValueError(f"{x!r} is not a dtype; expected a dtype or one of: {_accepted()}.")
+    if x is float:
+        # NumPy reads the Python type as float64, torch.float / jnp's default float / Keras's
+        # "float" are float32: refuse to guess, as the string "float" (float32, jmp) suggests
+        raise ValueError(
+            "the Python type float is float64 to NumPy but float32 to torch (torch.float), JAX "
+            "and Keras; name the dtype: 'float32' or 'float64'."
+        )
     module = type(x).__module__ or ""
     # torch.dtype prints as "torch.float16"; tf.DType has .name; both recognised without import.
     if module.startswith("torch"):
