@@ -1067,3 +1067,29 @@ def test_pytree_refuses_states_its_own_loader_would_refuse(kwargs, needle):
         ujax.DynamicLossScale(8.0, **kwargs)
     ok = ujax.DynamicLossScale(8.0, counter=3)
     assert ujax.loss_scale_from_state_dict(ok.state_dict()).state == ok.state
+
+
+@pytest.mark.parametrize(
+    "make_opt,warns",
+    [
+        (lambda: optax.adam(1e-3), True),
+        (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adagrad(1e-3)), True),
+        (lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, eps=1e-4), False),
+        (lambda: optax.sgd(1e-3, momentum=0.9), False),
+    ],
+    ids=["adam", "chained-adagrad", "adam-eps-1e-4", "sgd-momentum"],
+)
+def test_pure_float16_second_moments_warn(make_opt, warns):
+    import warnings
+
+    mp = ujax.MixedPrecision(unimp.get_recipe("float16", loss_scale="none"))
+    params = {"w": jnp.ones(3)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp.train_step(lambda p, b: jnp.sum(p["w"] * b), make_opt(), params)
+    said = [w for w in caught if issubclass(w.category, unimp.HalfOptimizerStateWarning)]
+    assert len(said) == int(warns)
+    # float32 optimizer state (a mixed recipe) is never a problem
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        ujax.MixedPrecision("mixed_float16").train_step(lambda p, b: jnp.sum(p["w"] * b), make_opt(), params)

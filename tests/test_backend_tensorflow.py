@@ -932,3 +932,32 @@ def test_example_tf_keras2_custom_loop():
     # every one of the 4 batches is either applied or counted as skipped, never both
     assert int(opt.iterations.numpy()) + int(opt.total_skips.numpy()) == 4
     assert out["model"].output.dtype == "float32"
+
+
+def test_pure_float16_adam_warns_when_keras_builds_float16_slots():
+    mp = unimp.mixed_precision("float16", backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="Adam keeps its moments in float16"):
+        step = mp.train_step(model, keras.optimizers.Adam(1e-3), lambda m, b: tf.reduce_mean(m(b)))
+    assert {v.dtype for v in step.optimizer.inner_optimizer.variables if "momentum" in v.name} == {"float16"}
+
+
+@pytest.mark.parametrize(
+    "recipe,make_opt",
+    [
+        ("float16", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+        ("float16", lambda: keras.optimizers.Adam(1e-3, epsilon=1e-4)),
+        ("mixed_float16", lambda: keras.optimizers.Adam(1e-3)),
+        ("bfloat16", lambda: keras.optimizers.Adam(1e-3)),
+    ],
+)
+def test_no_half_state_warning_where_the_state_is_safe(recipe, make_opt):
+    import warnings
+
+    mp = unimp.mixed_precision(recipe, backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        mp.train_step(model, make_opt(), lambda m, b: tf.reduce_mean(m(b)))

@@ -898,3 +898,36 @@ def test_loss_of_shape_1_is_refused_like_the_other_backends():
     step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum().reshape(1))
     with pytest.raises(ValueError, match="0-d"):
         step(torch.ones(1, 2))
+
+
+# ---- pure float16 with an adaptive optimizer ---------------------------------------------
+
+
+def test_pure_float16_adam_warns_once_per_optimizer():
+    mp = ut.MixedPrecision("O3", device=DEV)  # pure float16, static scale 1
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="Adam keeps its moments in float16.*becomes 0"):
+        model, opt = mp.prepare(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.train_step(model, opt, lambda m, b: m(b).float().sum())  # said once already
+
+
+@pytest.mark.parametrize(
+    "recipe,make_opt",
+    [
+        ("O3", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),  # no second moment
+        ("O3", lambda ps: torch.optim.Adam(ps, eps=1e-4)),  # the pure-float16 mitigation
+        ("O2", lambda ps: torch.optim.Adam(ps)),  # float32 master weights
+        ("bf16-true", lambda ps: torch.optim.Adam(ps)),  # bfloat16 has float32's range
+    ],
+)
+def test_no_half_state_warning_where_the_state_is_safe(recipe, make_opt):
+    mp = ut.MixedPrecision(recipe, device=DEV)
+    model = torch.nn.Linear(3, 2)
+    opt = make_opt(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        model, opt = mp.prepare(model, opt)
+        mp.train_step(model, opt, lambda m, b: m(b).float().sum())

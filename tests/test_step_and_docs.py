@@ -68,3 +68,21 @@ def test_mixed_precision_base():
 def test_core_doctests(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_half_optimizer_state_rule():
+    import warnings
+
+    from unimp import HalfOptimizerStateWarning
+    from unimp.step import warn_half_optimizer_state
+
+    with pytest.warns(HalfOptimizerStateWarning, match="epsilon=1e-08 becomes 0 in float16"):
+        warn_half_optimizer_state("Adam", 1e-8)
+    with pytest.warns(HalfOptimizerStateWarning, match="epsilon=1e-07 becomes 1.19209e-07"):
+        warn_half_optimizer_state("Adam", 1e-7)
+    with pytest.warns(HalfOptimizerStateWarning, match="below 6.1e-5"):
+        warn_half_optimizer_state("the optax optimizer", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_half_optimizer_state("Adam", 1e-4)  # at least float16's smallest normal: bounded
+        warn_half_optimizer_state("Adam", 2.0**-14)

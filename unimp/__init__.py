@@ -31,12 +31,13 @@ from unimp.registry import (
     list_backends,
     mixed_precision,
 )
-from unimp.step import StepResult
+from unimp.step import HalfOptimizerStateWarning, StepResult
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "HalfOptimizerStateWarning",
     "LossScaleError",
     "LossScaleState",
     "NoLossScale",

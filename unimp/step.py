@@ -8,7 +8,13 @@ from typing import Any
 
 from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
 
-__all__ = ["STEP_FIELDS", "StepResult", "check_step_options"]
+__all__ = [
+    "STEP_FIELDS",
+    "HalfOptimizerStateWarning",
+    "StepResult",
+    "check_step_options",
+    "warn_half_optimizer_state",
+]
 
 #: The fields of :class:`StepResult`, in order.
 STEP_FIELDS = (
@@ -167,3 +173,54 @@ def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, 
             )
         max_grad_norm = float(max_grad_norm)
     return int(grad_accum_steps), max_grad_norm
+
+
+class HalfOptimizerStateWarning(UserWarning):
+    """An adaptive optimizer (Adam, RMSprop, Adagrad, ...) keeps its moments in float16
+    because the parameters are float16 (a pure-float16 recipe such as ``"float16"``,
+    ``"16-true"`` or Apex ``O3``): see :func:`warn_half_optimizer_state`."""
+
+
+#: float16's smallest normal number, 2**-14; below it float16 has only subnormals (down to
+#: 2**-24, about 6e-8) and then zero
+_F16_TINY = 2.0**-14
+
+
+def warn_half_optimizer_state(optimizer: str, eps: float | None, stacklevel: int = 3) -> None:
+    """Warns that an adaptive optimizer keeps float16 state, one rule for every backend.
+
+    torch, Keras and optax create optimizer state in the parameters' dtype. With float16
+    parameters an adaptive optimizer's second moment ``v`` (a running mean of ``g**2``) is
+    float16: squares of gradients below about 2.4e-4 flush to zero (float16 stops at 6e-8),
+    and an ``eps`` below float16's smallest normal (6.1e-5; the usual 1e-7 / 1e-8) is rounded
+    to a subnormal or to 0, so ``m / (sqrt(v) + eps)`` blows up to huge, inf or NaN updates.
+    Mixed recipes (``"mixed_float16"``: float32 parameters and optimizer state) and bfloat16
+    (float32's range) do not have the problem; an ``eps`` of at least 6.1e-5 (1e-4 is the
+    usual pure-float16 choice) bounds the update, and then nothing is said. Backends call this
+    when they see float16 optimizer state; nothing is changed.
+
+    Args:
+        optimizer: the optimizer's name, for the message.
+        eps: its epsilon, or None when the backend cannot read it.
+        stacklevel: passed to :func:`warnings.warn`.
+    """
+    import warnings
+
+    import numpy as np
+
+    if eps is not None and eps >= _F16_TINY:
+        return  # the pure-float16 mitigation (e.g. eps=1e-4): sqrt(v) may flush, eps holds
+    if eps is None:
+        why = "an epsilon below 6.1e-5 becomes a float16 subnormal or 0"
+    elif float(np.float16(eps)) == eps:
+        why = f"epsilon is {eps:g} in float16"
+    else:
+        why = f"epsilon={eps:g} becomes {float(np.float16(eps)):g} in float16"
+    warnings.warn(
+        f"{optimizer} keeps its moments in float16 because the parameters are float16: squared "
+        f"gradients below ~2.4e-4 flush to zero and {why}, so updates blow up (inf/NaN) or "
+        "stall. Use a mixed recipe ('mixed_float16': float32 parameters and optimizer state), "
+        "bfloat16, or an epsilon >= 1e-4.",
+        HalfOptimizerStateWarning,
+        stacklevel=stacklevel,
+    )

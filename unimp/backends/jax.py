@@ -37,7 +37,7 @@ from unimp import loss_scale as core
 from unimp.backends._base import MixedPrecisionBase
 from unimp.dtypes import canonical_dtype, device_support
 from unimp.loss_scale import ReplicaDesyncWarning
-from unimp.step import StepResult, check_step_options
+from unimp.step import StepResult, check_step_options, warn_half_optimizer_state
 
 __all__ = [
     "DynamicLossScale",
@@ -1039,6 +1039,31 @@ def _sharded_norm(grads: Any, axis_name: Any) -> jax.Array:
     return jnp.sqrt(shared + lax.psum(local, axis_name))
 
 
+#: optax state fields holding running squares of gradients (Adam/AdamW/Adamax/NAdam's ``nu``,
+#: RMSprop's ``nu``, Adagrad's ``sum_of_squares``, AdaBelief's ``nu``)
+_SECOND_MOMENTS = frozenset({"nu", "sum_of_squares"})
+
+
+def _half_second_moments(opt_state: Any) -> bool:
+    """True when an optax state keeps second moments (``nu``, ``sum_of_squares``) in float16."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        names = {getattr(k, "name", None) for k in path}
+        if names & _SECOND_MOMENTS and getattr(leaf, "dtype", None) == jnp.float16:
+            return True
+    return False
+
+
+def _injected_eps(opt_state: Any) -> float | None:
+    """``eps`` from an ``optax.inject_hyperparams`` state, else None (optax closes over it)."""
+    for state in jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: hasattr(x, "hyperparams") and isinstance(x.hyperparams, dict)
+    ):
+        eps = getattr(state, "hyperparams", {}).get("eps") if hasattr(state, "hyperparams") else None
+        if eps is not None:
+            return float(np.asarray(eps))
+    return None
+
+
 def _device_leaf(x: Any) -> Any:
     return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
 
@@ -1191,6 +1216,9 @@ class TrainStep:
                 "train_step scales the loss itself: pass the plain optax optimizer, not one wrapped "
                 "with loss_scaling() or mp.prepare()."
             )
+        if _half_second_moments(opt_state):
+            # optax keeps its state in the params' dtype; its eps is not readable from outside
+            warn_half_optimizer_state("the optax optimizer", _injected_eps(opt_state), stacklevel=4)
         self._mp = mp
         self._loss_fn = loss_fn
         self._optimizer = optimizer

@@ -47,7 +47,7 @@ from unimp.loss_scale import (
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
-from unimp.step import StepResult, check_step_options
+from unimp.step import StepResult, check_step_options, warn_half_optimizer_state
 
 __all__ = [
     "LossScaleOptimizer",
@@ -468,6 +468,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def build(self, var_list: list[Any]) -> None:
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
+            # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
+            eps = getattr(self.inner_optimizer, "epsilon", None)
+            if isinstance(eps, (int, float)) and any(
+                keras.backend.standardize_dtype(v.dtype) == "float16" for v in var_list
+            ):
+                warn_half_optimizer_state(type(self.inner_optimizer).__name__, float(eps))
         keras.optimizers.Optimizer.build(self, var_list)
 
     def _ensure_built(self, trainable_variables: list[Any] | None) -> None:

@@ -39,7 +39,7 @@ from unimp.loss_scale import (
     loss_scale_from_dict,
     update_arrays,
 )
-from unimp.step import StepResult, check_step_options
+from unimp.step import StepResult, check_step_options, warn_half_optimizer_state
 
 __all__ = [
     *COMMON_API,
@@ -927,6 +927,24 @@ class GradScaler:
         return _ls.from_state_dict(sd)
 
 
+def _check_half_state(optimizer: torch.optim.Optimizer, stacklevel: int) -> None:
+    """Once per optimizer: :func:`unimp.step.warn_half_optimizer_state` when an adaptive
+    optimizer (one with ``eps``) holds float16 parameters, so torch keeps its moments in
+    float16 too."""
+    if getattr(optimizer, "_unimp_half_checked", False):
+        return
+    optimizer._unimp_half_checked = True  # type: ignore[attr-defined]
+    if "eps" not in optimizer.defaults:
+        return  # SGD & co keep no second moment
+    groups = [g for g in optimizer.param_groups if any(p.dtype == torch.float16 for p in g["params"])]
+    if not groups:
+        return
+    eps = [g.get("eps", optimizer.defaults["eps"]) for g in groups]
+    numbers = [float(e) for e in eps if isinstance(e, (int, float)) and not isinstance(e, bool)]
+    smallest = min(numbers) if len(numbers) == len(eps) else None  # Adafactor's eps is a tuple
+    warn_half_optimizer_state(type(optimizer).__name__, smallest, stacklevel=stacklevel + 1)
+
+
 def _param_names(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:
     names = getattr(optimizer, "_unimp_names", {})
     out = []
@@ -1104,6 +1122,8 @@ class MixedPrecision(MixedPrecisionBase):
             optimizer._unimp_names = names  # type: ignore[attr-defined]
         self._wrap_forward(model)
         model._unimp_prepared = True  # type: ignore[attr-defined]
+        if optimizer is not None:
+            _check_half_state(optimizer, stacklevel=3)
         return out
 
     def _check_model_device(self, model: torch.nn.Module) -> None:
@@ -1221,6 +1241,7 @@ class TrainStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.scheduler = scheduler
         self.scaler = GradScaler(mp.loss_scale, device=mp.device)
+        _check_half_state(optimizer, stacklevel=4)  # TrainStep <- mp.train_step <- the caller
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         k = self.grad_accum_steps
