@@ -578,6 +578,34 @@ def test_load_state_dict_refuses_a_new_config_once_traced_and_changes_nothing():
     assert float(opt.dynamic_scale.numpy()) == 64.0
 
 
+def test_after_tracing_a_config_differing_only_outside_the_rule_is_adopted():
+    # init_scale only sets the first state and max_consecutive_skips is checked on the host:
+    # no traced graph has them built in (torch and JAX adopt them too)
+    cfg = DynamicLossScale(init_scale=1024.0, growth_interval=2)
+    opt = lso(cfg, keras.optimizers.SGD(0.0))
+    w = keras.Variable(np.ones(2, np.float32))
+    tf.function(lambda g: opt.apply([g], [w]))(tf.constant([1.0, 2.0]))
+    new = cfg.replace(init_scale=8.0, max_consecutive_skips=5)
+    opt.load_state_dict(unimp.state_dict(new))
+    assert opt.loss_scale_config == new and float(opt.dynamic_scale.numpy()) == 8.0
+
+
+def test_train_step_load_refuses_a_new_rule_when_model_fit_traced_the_optimizer():
+    cfg = DynamicLossScale(init_scale=4.0, growth_interval=1, max_scale=None)
+    mp = unimp.mixed_precision("float32", loss_scale=cfg, backend="tensorflow")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    opt = lso(cfg, keras.optimizers.SGD(0.0))
+    model.compile(optimizer=opt, loss="mse")
+    x, y = np.ones((8, 3), np.float32), np.zeros((8, 1), np.float32)
+    model.fit(x, y, batch_size=4, verbose=0)  # fit's train function has cfg built in
+    step = mp.train_step(model, opt, lambda m, b: tf.reduce_mean(m(b)))
+    before = opt.state_dict()
+    capped = cfg.replace(min_scale=2.0, max_scale=16.0)
+    with pytest.raises(ValueError, match="model.fit"):
+        step.load_state_dict(unimp.state_dict(capped))
+    assert opt.state_dict() == before and opt.loss_scale_config == cfg
+
+
 def test_train_step_load_state_dict_retraces_for_a_new_config():
     mp = unimp.mixed_precision("float32", loss_scale=DynamicLossScale(init_scale=4.0, growth_interval=1000), backend="tensorflow")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

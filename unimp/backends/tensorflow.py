@@ -431,9 +431,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Set by get_unscaled_gradients (Python state, so it is read when a tf.function is
         # traced): the next apply takes its gradients as already unscaled (tf.keras 2's contract).
         self._gradients_unscaled = False
-        # Set when a tf.function traces the update: the config is baked into that graph as
-        # constants, so load_state_dict may no longer swap it (see there).
-        self._config_traced = False
+        # Who traced the update (a TrainStep's id, or None for any other tf.function / fit):
+        # the config is baked into those graphs as constants, so load_state_dict may no longer
+        # swap the parts of it the update uses (see there).
+        self._traced_by: set[int | None] = set()
+        self._tracer: int | None = None
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -707,7 +709,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss_finite = tf.convert_to_tensor(loss_finite, tf.bool)
         applied = tf.logical_and(grads_finite, loss_finite)
         if tf.inside_function():
-            self._config_traced = True
+            self._traced_by.add(self._tracer)
         scale, counter, consecutive, total = update_arrays(
             _TFOps,
             self._loss_scale_config,
@@ -769,15 +771,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 shows both configs and the fix).
         """
         config, state = from_state_dict(state_dict)
-        if config != self._loss_scale_config and self._config_traced:
+        self._check_retrace(config, self._traced_by, "TrainStep.load_state_dict (which retraces)")
+        self._adopt(config, state)
+
+    def _check_retrace(self, config: LossScaleConfig, traced_by: set, fix: str) -> None:
+        """Raises when ``config`` differs from the current one in a field the traced update
+        uses and a tf.function in ``traced_by`` has the current one built in; changes nothing."""
+        if traced_by and _traced_fields(config) != _traced_fields(self._loss_scale_config):
             raise ValueError(
                 f"the state_dict was saved with loss scale {config.to_dict()}, this optimizer uses "
-                f"{self._loss_scale_config.to_dict()} and a traced tf.function has that config "
-                "built in: load the state before the first step, load it through "
-                "TrainStep.load_state_dict (which retraces), or create the optimizer with "
-                "loss_scale=<the saved config>."
+                f"{self._loss_scale_config.to_dict()} and a traced tf.function (model.fit, or "
+                f"your own) has that config built in: load the state before the first step, "
+                f"load it through {fix}, or create the optimizer with loss_scale=<the saved "
+                "config>."
             )
-        self._adopt(config, state)
 
     def _adopt(self, config: LossScaleConfig, state: LossScaleState) -> None:
         self._loss_scale_config = config
@@ -802,6 +809,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+def _traced_fields(config: LossScaleConfig) -> dict[str, Any]:
+    """The parts of a config that a traced update has built in: the kind and the dynamic
+    rule's factors, interval and bounds. Not ``init_scale`` (only the start state) nor
+    ``max_consecutive_skips`` (checked on the host), nor a static scale's value (the update
+    reads the scale variable)."""
+    d = config.to_dict()
+    for key in ("init_scale", "max_consecutive_skips", "scale"):
+        d.pop(key, None)
+    return d
 
 
 def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimizer:
@@ -949,10 +967,15 @@ class TrainStep:
         Raises:
             ValueError: a bad or foreign state dict; nothing is changed.
         """
+        opt = self.optimizer
         config, state = from_state_dict(state_dict)
-        changed = config != self.optimizer.loss_scale_config
-        self.optimizer._adopt(config, state)
-        if changed:
+        # this step retraces; a tf.function of anyone else (model.fit) would keep the old rule
+        others = opt._traced_by - {id(self)}
+        opt._check_retrace(config, others, "a new optimizer (that function keeps the old config)")
+        retrace = _traced_fields(config) != _traced_fields(opt.loss_scale_config)
+        opt._adopt(config, state)
+        if retrace:
+            opt._traced_by.discard(id(self))
             self.function = self._make_function()
 
     def _split(self, batch: Any) -> Any:
@@ -978,7 +1001,12 @@ class TrainStep:
     # -- traced code -----------------------------------------------------------------------
 
     def _distributed_step(self, batch: Any) -> dict:
-        per_replica = self.strategy.run(self._step, args=(batch,))
+        opt = self.optimizer
+        outer, opt._tracer = opt._tracer, id(self)  # the update runs in merge_call, out of _step
+        try:
+            per_replica = self.strategy.run(self._step, args=(batch,))
+        finally:
+            opt._tracer = outer
         first = self.strategy.experimental_local_results
         out = {k: None if v is None else first(v)[0] for k, v in per_replica.items()}
         # every field but the loss is the same on every replica; the loss is the mean
@@ -1037,6 +1065,14 @@ class TrainStep:
         return tape.gradient(scaled, self._variables), loss32
 
     def _step(self, batch: Any) -> dict:
+        opt = self.optimizer
+        outer, opt._tracer = opt._tracer, id(self)  # runs while tracing: marks whose graph it is
+        try:
+            return self._step_body(batch)
+        finally:
+            opt._tracer = outer
+
+    def _step_body(self, batch: Any) -> dict:
         scale = tf.identity(tf.convert_to_tensor(self.optimizer.dynamic_scale))
         if self.grad_accum_steps == 1:
             grads, loss32 = self._scaled_grads(batch, scale)
