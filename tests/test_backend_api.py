@@ -43,6 +43,8 @@ def test_mixed_precision_takes_the_recipe_overrides(backend):
     mp = unimp.mixed_precision("float32", loss_scale="dynamic", cast_mode="module", backend=backend)
     assert mp.recipe == get_recipe("float32", loss_scale="dynamic", cast_mode="module")
     assert mp.loss_scale.kind == "dynamic"
+    tpu = unimp.mixed_precision("half", platform="tpu", backend=backend)  # get_recipe's third
+    assert tpu.recipe == get_recipe("half", platform="tpu")
     with pytest.raises(ValueError, match="unknown loss scale 'sometimes'"):
         unimp.mixed_precision("float32", loss_scale="sometimes", backend=backend)
 

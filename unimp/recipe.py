@@ -198,7 +198,9 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
     Args:
         name: a policy name (see :func:`~unimp.get_policy`), a path ending in ``.toml`` /
             ``.json``, a :class:`Policy` or a :class:`Recipe`.
-        **overrides: ``loss_scale=`` and ``cast_mode=`` replace the defaults.
+        **overrides: ``loss_scale=`` and ``cast_mode=`` replace the defaults (``None`` keeps
+            the default, as ``Recipe(loss_scale=None)``: write ``loss_scale="none"`` to turn
+            loss scaling off); ``platform=`` resolves ``"half"`` (see :func:`get_policy`).
 
     Raises:
         ValueError: unknown name (naming the closest valid one) or bad override.

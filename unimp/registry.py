@@ -207,9 +207,10 @@ def mixed_precision(
     Args:
         recipe_or_name: a :class:`~unimp.Recipe`, or anything :func:`~unimp.get_recipe` accepts.
         backend: backend name or alias (``"torch"``, ``"tf"``, ``"jax"``, ...). Required.
-        **options: ``loss_scale=`` and ``cast_mode=`` override the recipe's (as in
-            :func:`~unimp.get_recipe`); the rest are backend options, e.g. ``device="cuda"``
-            for torch.
+        **options: ``loss_scale=``, ``cast_mode=`` and ``platform=`` go to
+            :func:`~unimp.get_recipe` (``loss_scale="none"`` turns scaling off; ``None`` keeps
+            the recipe's default); the rest are backend options, e.g. ``device="cuda"`` for
+            torch.
 
     Raises:
         ValueError: unknown backend or recipe name, or a bad override.
@@ -223,7 +224,7 @@ def mixed_precision(
 
     if backend is None:
         raise TypeError(f"mixed_precision() needs backend=, one of {list_backends()}.")
-    overrides = {k: options.pop(k) for k in ("loss_scale", "cast_mode") if k in options}
+    overrides = {k: options.pop(k) for k in ("loss_scale", "cast_mode", "platform") if k in options}
     recipe = get_recipe(recipe_or_name, **overrides)
     module = get_backend(backend)
     return module.MixedPrecision(recipe, **options)
