@@ -366,8 +366,13 @@ def test_update_arrays_matches_the_nested_select_spec(cfg, data):
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: StaticLossScale(1e-40), lambda: DynamicLossScale(init_scale=1.0, min_scale=1e-45)],
-    ids=["static-subnormal", "min-subnormal"],
+    [
+        lambda: StaticLossScale(1e-40),
+        lambda: DynamicLossScale(init_scale=1.0, min_scale=1e-45),
+        # TF and XLA flush a subnormal factor to 0: backed off to the floor there, not in NumPy
+        lambda: DynamicLossScale(backoff_factor=1e-38, min_scale=None),
+    ],
+    ids=["static-subnormal", "min-subnormal", "backoff-subnormal"],
 )
 def test_subnormal_scales_are_refused(make):
     # 1/scale would be inf in float32 and a "clean" step would write -inf into the weights

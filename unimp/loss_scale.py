@@ -241,7 +241,7 @@ class DynamicLossScale(_Config):
             the state is float32.
         growth_factor: > 1; the scale is multiplied by it after ``growth_interval``
             consecutive finite steps.
-        backoff_factor: in (0, 1); the scale is multiplied by it on overflow.
+        backoff_factor: in [2**-126, 1); the scale is multiplied by it on overflow.
         growth_interval: >= 1, consecutive finite steps before the scale grows.
         min_scale: floor of the scale, > 0; ``None`` floors at the smallest normal float32
             (2**-126) so ``1/scale`` stays finite.
@@ -282,6 +282,13 @@ class DynamicLossScale(_Config):
             raise ValueError(f"{c}.growth_factor must be > 1, got {self.growth_factor!r}.")
         if not 0 < backoff < 1:
             raise ValueError(f"{c}.backoff_factor must be in (0, 1), got {self.backoff_factor!r}.")
+        if backoff < _F32_TINY:
+            # TensorFlow and XLA flush float32 subnormals to zero: such a factor would back off
+            # to the floor there and to scale * factor in NumPy and torch
+            raise ValueError(
+                f"{c}.backoff_factor must be >= 2**-126 (a normal float32: TensorFlow and XLA "
+                f"flush subnormals to zero), got {self.backoff_factor!r}."
+            )
         if lo is not None and not lo >= _F32_TINY:
             raise ValueError(
                 f"{c}.min_scale must be >= 2**-126 (a normal float32, so 1/scale is finite) or None, "
