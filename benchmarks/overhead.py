@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "recipe": args.recipe,
             "clock": args.clock,
             "seconds_per_trial": target or "2 steps",
-            "pairs": pairs,
+            # half the pairs on each of the two build orders (see worker)
+            "pairs": pairs if target is None else 2 * max(1, (pairs + 1) // 2),
             "warmup_steps": warmup,
         },
         "results": results,
