@@ -10,6 +10,7 @@ from unimp.backends._base import COMMON_API, MixedPrecisionBase
 NEUTRAL_METHODS = (
     "recipe",
     "policy",
+    "device",
     "loss_scale",
     "compute_dtype",
     "param_dtype",
@@ -47,6 +48,15 @@ def test_mixed_precision_takes_the_recipe_overrides(backend):
     assert tpu.recipe == get_recipe("half", platform="tpu")
     with pytest.raises(ValueError, match="unknown loss scale 'sometimes'"):
         unimp.mixed_precision("float32", loss_scale="sometimes", backend=backend)
+
+
+def test_device_is_one_option_in_every_backend(backend):
+    # the same keyword everywhere (it used to be torch's only): placed there, or a clear error
+    require_backend(backend)
+    mp = unimp.mixed_precision("mixed_float16", backend=backend, device="cpu")
+    assert "cpu" in str(mp.device).lower()
+    with pytest.raises(ValueError, match="cuda:63"):
+        unimp.mixed_precision("mixed_float16", backend=backend, device="cuda:63")
 
 
 def test_device_info_shape(backend):

@@ -1093,3 +1093,19 @@ def test_pure_float16_second_moments_warn(make_opt, warns):
     with warnings.catch_warnings():
         warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
         ujax.MixedPrecision("mixed_float16").train_step(lambda p, b: jnp.sum(p["w"] * b), make_opt(), params)
+
+
+def test_device_commits_the_step_state_and_batches_there():
+    mp = ujax.MixedPrecision("mixed_float16", device="cpu")
+    assert mp.device == jax.devices("cpu")[0]
+    step = mp.train_step(_affine_loss, optax.sgd(0.1), {"w": np.ones(2, np.float32), "b": np.float32(0.0)})
+    step(np.ones(2, np.float32))  # a host batch is put on the device
+    step(jnp.ones(2))
+    leaves = jax.tree_util.tree_leaves((step.params, step.opt_state, step.loss_scale))
+    assert all(x.committed and x.devices() == {mp.device} for x in leaves)
+    assert step.traces == 1
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="device= and mesh="):
+        mp.train_step(_affine_loss, optax.sgd(0.1), {"w": jnp.ones(2)}, axis_name="data", mesh=mesh)
+    with pytest.raises(ValueError, match="not a JAX device"):
+        ujax.MixedPrecision("mixed_float16", device="abacus")

@@ -898,9 +898,14 @@ class MixedPrecision(MixedPrecisionBase):
 
     Args:
         recipe: a :class:`unimp.Recipe` or anything :func:`unimp.get_recipe` accepts.
+        device: where :meth:`train_step` runs: ``"cpu"``, ``"gpu"`` / ``"cuda"``, ``"tpu"``
+            with an optional ``":N"`` index, or a ``jax.Device`` (the same option as torch's);
+            ``None`` (default) follows JAX's default device. The step's state is committed
+            there and each batch is put there.
 
     Raises:
-        ValueError: an unknown recipe, or a float64 policy while JAX runs in 32-bit mode.
+        ValueError: an unknown recipe, a float64 policy while JAX runs in 32-bit mode, or a
+            device JAX does not have (the message lists the ones it has).
 
     Example:
         >>> import jax.numpy as jnp
@@ -913,10 +918,17 @@ class MixedPrecision(MixedPrecisionBase):
 
     backend = "jax"
 
-    def __init__(self, recipe: Any = "mixed_float16") -> None:
+    def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
+        resolved = None if device is None else _as_device(device)  # before anything is kept
         super().__init__(recipe)
         p = self.policy
         self._dtypes = tuple(to_dtype(d) for d in (p.param_dtype, p.compute_dtype, p.output_dtype))
+        self._device = resolved
+
+    @property
+    def device(self) -> jax.Device | None:
+        """The bound device, or None (JAX's default device)."""
+        return self._device
 
     @property
     def param_dtype(self) -> np.dtype:
@@ -1064,6 +1076,31 @@ def _injected_eps(opt_state: Any) -> float | None:
     return None
 
 
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def _as_device(device: Any) -> jax.Device:
+    """``"cpu"``, ``"cuda:1"``, ``"tpu"``, ... or a ``jax.Device``, as a ``jax.Device``."""
+    if isinstance(device, jax.Device):
+        return device
+    kind, _, index = str(device).strip().lower().partition(":")
+    platform = _PLATFORMS.get(kind)
+    if platform is None or (index and not index.isdigit()):
+        raise ValueError(
+            f"device={device!r} is not a JAX device; use 'cpu', 'gpu' (or 'cuda'), 'tpu', with "
+            "an optional ':N', or a jax.Device."
+        )
+    try:
+        found = jax.devices(platform)
+    except RuntimeError:
+        found = []
+    i = int(index or 0)
+    if i >= len(found):
+        have = ", ".join(sorted({f"{d.platform}:{d.id}" for d in jax.devices()}))
+        raise ValueError(f"device={device!r}: JAX has no such device here (it has {have}).")
+    return found[i]
+
+
 def _device_leaf(x: Any) -> Any:
     return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
 
@@ -1205,7 +1242,14 @@ class TrainStep:
         grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
         # Host leaves (NumPy arrays, Python floats) become device arrays of a fixed dtype now, so
         # the first call's signature equals every later one's and nothing recompiles.
+        if mp.device is not None and mesh is not None:
+            raise ValueError(
+                "device= and mesh= both place the step: bind the recipe without a device "
+                "(the mesh says where the replicas run)."
+            )
         params = jax.tree_util.tree_map(_device_leaf, mp.cast_to_param(params))
+        if mp.device is not None:  # committed there: the rest of the state follows it
+            params = jax.device_put(params, mp.device)
         if donate:  # the first call must not delete the caller's own arrays
             params = jax.tree_util.tree_map(jnp.copy, params)
         opt_state = jax.tree_util.tree_map(_device_leaf, optimizer.init(params))
@@ -1371,6 +1415,8 @@ class TrainStep:
         self._check_batch(batch)
         if self._mesh is not None:
             batch = jax.device_put(batch, self._batch_sharding)
+        elif self._mp.device is not None:
+            batch = jax.device_put(batch, self._mp.device)  # a no-op for arrays already there
         elif self._traces == 0:  # first call: a committed batch commits the state (one compilation)
             self._params, self._opt_state, self._loss_scale = _commit_like(
                 (self._params, self._opt_state, self._loss_scale), batch

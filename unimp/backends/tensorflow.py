@@ -811,6 +811,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return cls(inner, **config)
 
 
+def _as_device(device: Any) -> str:
+    """``"cpu"``, ``"cuda:1"``, ``"gpu"``, ``"/GPU:0"``, ... as a TensorFlow device name that
+    this process has."""
+    text = str(device).strip()
+    kind, _, index = text.lower().lstrip("/").replace("device:", "").partition(":")
+    kinds = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU"}
+    if kind not in kinds or (index and not index.isdigit()):
+        raise ValueError(
+            f"device={device!r} is not a TensorFlow device; use 'cpu', 'gpu' (or 'cuda'), with "
+            "an optional ':N', or a name like '/GPU:0'."
+        )
+    name = f"/{kinds[kind]}:{int(index or 0)}"
+    have = [d.name for d in tf.config.list_logical_devices()]
+    if "/device:" + name[1:] not in have:
+        listed = ", ".join(h.replace("/device:", "/") for h in have)
+        raise ValueError(f"device={device!r}: TensorFlow has no {name} here (it has {listed}).")
+    return name
+
+
 def _traced_fields(config: LossScaleConfig) -> dict[str, Any]:
     """The parts of a config that a traced update has built in: the kind and the dynamic
     rule's factors, interval and bounds. Not ``init_scale`` (only the start state) nor
@@ -909,8 +928,10 @@ class TrainStep:
         grad_accum_steps: int,
         max_grad_norm: float | None,
         jit_compile: bool,
+        device: str | None = None,
     ) -> None:
         self.model = model
+        self.device = device
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.grad_accum_steps = grad_accum_steps
@@ -919,6 +940,11 @@ class TrainStep:
         optimizer._ensure_built(variables)
         self._variables = variables
         self.strategy = _strategy_of(variables)
+        if self.strategy is not None and device is not None:
+            raise ValueError(
+                f"device={device!r} and a tf.distribute strategy both place the step: bind the "
+                "recipe without a device (the strategy says where the replicas run)."
+            )
         if self.strategy is not None and jit_compile:
             raise ValueError(
                 "jit_compile=True is not supported under a tf.distribute strategy (its "
@@ -952,7 +978,11 @@ class TrainStep:
         batch = _batch_to_tensors(batch)
         if self.strategy is not None and not isinstance(batch, tf.distribute.DistributedValues):
             batch = self._split(batch)
-        raw = self.function(batch)
+        if self.device is None:
+            raw = self.function(batch)
+        else:
+            with tf.device(self.device):
+                raw = self.function(batch)
         return StepResult(raw, to_host=_to_host, config=self.optimizer.loss_scale_config)
 
     def state_dict(self) -> dict[str, Any]:
@@ -1137,6 +1167,11 @@ class MixedPrecision(MixedPrecisionBase):
 
     Args:
         recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
+        device: where the model lives and the step runs: ``"cpu"``, ``"gpu"`` / ``"cuda"``
+            with an optional ``":N"``, or a TensorFlow device name (``"/GPU:0"``); the same
+            option as torch's. :meth:`autocast` also enters ``tf.device`` (layers built inside
+            put their variables there) and :meth:`train_step` runs under it. ``None``
+            (default): TensorFlow's own placement.
 
     Attributes:
         compute_dtype, param_dtype, output_dtype: ``tf.DType``.
@@ -1145,7 +1180,8 @@ class MixedPrecision(MixedPrecisionBase):
 
     Raises:
         ValueError: the policy has no Keras ``DTypePolicy`` (Keras stores variables either in
-            the compute dtype or in float32 with half compute), naming the policies it has.
+            the compute dtype or in float32 with half compute), naming the policies it has; or
+            a device TensorFlow does not have (the message lists the ones it has).
 
     Example:
         >>> mp = MixedPrecision("mixed_bfloat16")
@@ -1157,8 +1193,10 @@ class MixedPrecision(MixedPrecisionBase):
 
     backend = "tensorflow"
 
-    def __init__(self, recipe: Any = "mixed_float16") -> None:
+    def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
+        resolved = None if device is None else _as_device(device)  # before anything is kept
         super().__init__(recipe)
+        self._device = resolved
         p = self.policy
         name = keras_policy_name(p.param_dtype, p.compute_dtype)
         if name is None:
@@ -1169,6 +1207,14 @@ class MixedPrecision(MixedPrecisionBase):
             )
         self._keras_name = name
         self._output_name = keras_policy_name(p.param_dtype, p.output_dtype)
+
+    @property
+    def device(self) -> str | None:
+        """The bound TensorFlow device name (``"/CPU:0"``, ``"/GPU:1"``), or None."""
+        return self._device
+
+    def _placed(self) -> contextlib.AbstractContextManager:
+        return tf.device(self._device) if self._device is not None else contextlib.nullcontext()
 
     @property
     def compute_dtype(self) -> tf.DType:
@@ -1207,7 +1253,8 @@ class MixedPrecision(MixedPrecisionBase):
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[Any]:
-        """Sets Keras's global dtype policy to :attr:`dtype_policy` inside the block.
+        """Sets Keras's global dtype policy to :attr:`dtype_policy` inside the block (and
+        enters ``tf.device`` of the bound device, if any).
 
         Layers constructed inside use the recipe's compute and variable dtypes. The previous
         global policy is restored on exit, also when an exception escapes.
@@ -1219,7 +1266,8 @@ class MixedPrecision(MixedPrecisionBase):
         policy = self.dtype_policy
         keras.config.set_dtype_policy(policy)
         try:
-            yield policy
+            with self._placed():
+                yield policy
         finally:
             keras.config.set_dtype_policy(previous)
 
@@ -1389,5 +1437,6 @@ class MixedPrecision(MixedPrecisionBase):
         else:
             lso = self.loss_scale_optimizer(optimizer)
         return TrainStep(
-            model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile)
+            model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
+            device=self._device,
         )
