@@ -1109,3 +1109,20 @@ def test_device_commits_the_step_state_and_batches_there():
         mp.train_step(_affine_loss, optax.sgd(0.1), {"w": jnp.ones(2)}, axis_name="data", mesh=mesh)
     with pytest.raises(ValueError, match="not a JAX device"):
         ujax.MixedPrecision("mixed_float16", device="abacus")
+
+
+def test_half_state_check_reads_injected_eps_and_never_raises():
+    import warnings
+
+    mp = ujax.MixedPrecision(unimp.get_recipe("float16", loss_scale="none"))
+    params = {"w": jnp.ones(3)}
+    array_eps = optax.inject_hyperparams(optax.adam)(learning_rate=0.1, eps=jnp.full(3, 1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        mp.train_step(lambda p, b: jnp.sum(p["w"] * b), array_eps, params)  # used to raise TypeError
+    two = optax.chain(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, eps=1e-4),
+        optax.inject_hyperparams(optax.rmsprop)(learning_rate=1e-3, eps=1e-8),
+    )
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="epsilon is 0 in float16"):
+        mp.train_step(lambda p, b: jnp.sum(p["w"] * b), two, params)  # the smallest eps counts

@@ -989,3 +989,34 @@ def test_no_half_state_warning_where_the_state_is_safe(recipe, make_opt):
     with warnings.catch_warnings():
         warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
         mp.train_step(model, make_opt(), lambda m, b: tf.reduce_mean(m(b)))
+
+
+def test_half_state_warning_for_a_prebuilt_optimizer_and_numpy_eps_points_at_the_caller():
+    mp = unimp.mixed_precision("float16", backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    adam = keras.optimizers.Adam(1e-3, epsilon=np.float32(1e-8))
+    adam.build(model.trainable_variables)  # built before unimp wraps it
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="becomes 0 in float16") as caught:
+        mp.train_step(model, adam, lambda m, b: tf.reduce_mean(m(b)))
+    assert caught[0].filename == __file__
+
+
+def test_device_does_not_start_the_tensorflow_runtime():
+    # virtual devices and memory growth can only be configured before the runtime starts
+    code = (
+        "import os; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+        "import tensorflow as tf\n"
+        "from unimp.backends import tensorflow as utf\n"
+        "utf.MixedPrecision('mixed_float16', device='cpu')\n"
+        "try:\n    utf.MixedPrecision('mixed_float16', device='gpu:3')\nexcept ValueError:\n    pass\n"
+        "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+        "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
+        "mp = utf.MixedPrecision('mixed_float16', device='cpu:1')\n"
+        "with mp.autocast():\n    pass\n"
+        "try:\n    utf.MixedPrecision('mixed_float16', device='cpu:5').autocast().__enter__()\n"
+        "except ValueError as e:\n    print('lazy check:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "lazy check: device /CPU:5: TensorFlow has no such device here" in out.stdout

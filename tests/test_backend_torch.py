@@ -931,3 +931,28 @@ def test_no_half_state_warning_where_the_state_is_safe(recipe, make_opt):
         warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
         model, opt = mp.prepare(model, opt)
         mp.train_step(model, opt, lambda m, b: m(b).float().sum())
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.Adam(ps, eps=np.float32(1e-3)),
+        lambda ps: torch.optim.Adam(ps, eps=torch.tensor(1e-3)),
+    ],
+    ids=["numpy-eps", "tensor-eps"],
+)
+def test_half_state_check_reads_any_numeric_eps(make_opt):
+    model = torch.nn.Linear(3, 2)
+    opt = make_opt(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        ut.MixedPrecision("O3", device=DEV).prepare(model, opt)
+
+
+def test_frozen_float16_params_are_not_optimizer_state():
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    opt = torch.optim.Adam([model.bias])  # only a frozen parameter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        ut.MixedPrecision("O3", device=DEV).prepare(model, opt)

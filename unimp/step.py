@@ -186,7 +186,22 @@ class HalfOptimizerStateWarning(UserWarning):
 _F16_TINY = 2.0**-14
 
 
-def warn_half_optimizer_state(optimizer: str, eps: float | None, stacklevel: int = 3) -> None:
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points :func:`warnings.warn` (called from the function that
+    called this) at the first frame outside unimp and the frameworks (Keras builds optimizers
+    from deep inside ``fit`` or a traced step)."""
+    import sys
+
+    skip = ("unimp", "keras", "tensorflow", "torch", "jax", "optax", "flax", "importlib")
+    frame = sys._getframe(2)  # the caller of warn_half_optimizer_state
+    level = 2
+    while frame is not None and (frame.f_globals.get("__name__") or "").split(".")[0] in skip:
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_half_optimizer_state(optimizer: str, eps: float | None) -> None:
     """Warns that an adaptive optimizer keeps float16 state, one rule for every backend.
 
     torch, Keras and optax create optimizer state in the parameters' dtype. With float16
@@ -197,12 +212,13 @@ def warn_half_optimizer_state(optimizer: str, eps: float | None, stacklevel: int
     Mixed recipes (``"mixed_float16"``: float32 parameters and optimizer state) and bfloat16
     (float32's range) do not have the problem; an ``eps`` of at least 6.1e-5 (1e-4 is the
     usual pure-float16 choice) bounds the update, and then nothing is said. Backends call this
-    when they see float16 optimizer state; nothing is changed.
+    when they see float16 optimizer state; nothing is changed. The warning points at the first
+    caller outside unimp and the frameworks.
 
     Args:
         optimizer: the optimizer's name, for the message.
-        eps: its epsilon, or None when the backend cannot read it.
-        stacklevel: passed to :func:`warnings.warn`.
+        eps: its (smallest) epsilon, or None when the backend cannot read it (optax keeps it
+            in a closure; ``optax.inject_hyperparams`` exposes it).
     """
     import warnings
 
@@ -211,7 +227,11 @@ def warn_half_optimizer_state(optimizer: str, eps: float | None, stacklevel: int
     if eps is not None and eps >= _F16_TINY:
         return  # the pure-float16 mitigation (e.g. eps=1e-4): sqrt(v) may flush, eps holds
     if eps is None:
-        why = "an epsilon below 6.1e-5 becomes a float16 subnormal or 0"
+        why = (
+            "an epsilon below 6.1e-5 (optax's default 1e-8) becomes a float16 subnormal or 0 "
+            "(unimp cannot read this optimizer's epsilon: wrap it in optax.inject_hyperparams "
+            "to have it checked)"
+        )
     elif float(np.float16(eps)) == eps:
         why = f"epsilon is {eps:g} in float16"
     else:
@@ -222,5 +242,5 @@ def warn_half_optimizer_state(optimizer: str, eps: float | None, stacklevel: int
         "stall. Use a mixed recipe ('mixed_float16': float32 parameters and optimizer state), "
         "bfloat16, or an epsilon >= 1e-4.",
         HalfOptimizerStateWarning,
-        stacklevel=stacklevel,
+        stacklevel=_user_stacklevel(),
     )

@@ -1066,38 +1066,50 @@ def _half_second_moments(opt_state: Any) -> bool:
 
 
 def _injected_eps(opt_state: Any) -> float | None:
-    """``eps`` from an ``optax.inject_hyperparams`` state, else None (optax closes over it)."""
+    """The smallest ``eps`` of the ``optax.inject_hyperparams`` states in ``opt_state``, or
+    None when there is none (optax closes over it otherwise) or it is not numeric."""
+    found = []
     for state in jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda x: hasattr(x, "hyperparams") and isinstance(x.hyperparams, dict)
+        opt_state, is_leaf=lambda x: isinstance(getattr(x, "hyperparams", None), dict)
     ):
-        eps = getattr(state, "hyperparams", {}).get("eps") if hasattr(state, "hyperparams") else None
-        if eps is not None:
-            return float(np.asarray(eps))
-    return None
+        hyper = getattr(state, "hyperparams", None)
+        if isinstance(hyper, dict) and "eps" in hyper:
+            try:
+                found.append(float(np.min(np.asarray(hyper["eps"], dtype=np.float64))))
+            except (TypeError, ValueError):
+                return None
+    return min(found) if found else None
 
 
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
 def _as_device(device: Any) -> jax.Device:
-    """``"cpu"``, ``"cuda:1"``, ``"tpu"``, ... or a ``jax.Device``, as a ``jax.Device``."""
+    """``"cpu"``, ``"cuda:1"``, ``"tpu"``, ... or a ``jax.Device``, as one of this process's
+    devices (``jax.local_devices``: index N counts this host's devices, as torch's ``cuda:N``)."""
     if isinstance(device, jax.Device):
         return device
-    kind, _, index = str(device).strip().lower().partition(":")
+    # a string, or another framework's device object that prints as one ("cuda:1")
+    kind, colon, index = str(device).strip().lower().partition(":")
     platform = _PLATFORMS.get(kind)
-    if platform is None or (index and not index.isdigit()):
+    if platform is None or (colon and not (index.isascii() and index.isdigit())):
         raise ValueError(
             f"device={device!r} is not a JAX device; use 'cpu', 'gpu' (or 'cuda'), 'tpu', with "
             "an optional ':N', or a jax.Device."
         )
     try:
-        found = jax.devices(platform)
+        found = jax.local_devices(backend=platform)
     except RuntimeError:
         found = []
     i = int(index or 0)
     if i >= len(found):
-        have = ", ".join(sorted({f"{d.platform}:{d.id}" for d in jax.devices()}))
-        raise ValueError(f"device={device!r}: JAX has no such device here (it has {have}).")
+        have = []
+        for p in sorted(set(_PLATFORMS.values())):
+            try:
+                have += [f"{p}:{j}" for j in range(len(jax.local_devices(backend=p)))]
+            except RuntimeError:
+                pass
+        raise ValueError(f"device={device!r}: JAX has no such device here (it has {', '.join(have)}).")
     return found[i]
 
 
@@ -1189,8 +1201,10 @@ class TrainStep:
             (``jax.jit(..., donate_argnums=(0, 1, 2))``), so XLA updates them in place instead
             of holding a second copy in device memory: what flax/optax training loops do on
             GPU and TPU (there it saves one copy of params and optimizer state). Arrays read
-            from :attr:`params` / :attr:`opt_state` before a call are deleted by that call:
-            copy what you keep (``jax.tree.map(jnp.copy, step.params)``). The ``params``
+            from :attr:`params` / :attr:`opt_state` / :attr:`loss_scale` before a call are
+            deleted by that call: copy what you keep (``jax.tree.map(jnp.copy,
+            step.params)``); and do not feed them to :attr:`jitted` yourself while still
+            stepping through this object (it would hold deleted buffers). The ``params``
             given here are copied once, so the caller's arrays are never donated. Off by
             default; on a CPU it made the benchmark MLP about 9 % slower.
 
@@ -1262,7 +1276,7 @@ class TrainStep:
             )
         if _half_second_moments(opt_state):
             # optax keeps its state in the params' dtype; its eps is not readable from outside
-            warn_half_optimizer_state("the optax optimizer", _injected_eps(opt_state), stacklevel=4)
+            warn_half_optimizer_state("the optax optimizer", _injected_eps(opt_state))
         self._mp = mp
         self._loss_fn = loss_fn
         self._optimizer = optimizer

@@ -470,12 +470,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def build(self, var_list: list[Any]) -> None:
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-            # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
-            eps = getattr(self.inner_optimizer, "epsilon", None)
-            if isinstance(eps, (int, float)) and any(
-                keras.backend.standardize_dtype(v.dtype) == "float16" for v in var_list
-            ):
-                warn_half_optimizer_state(type(self.inner_optimizer).__name__, float(eps))
+        # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
+        eps = getattr(self.inner_optimizer, "epsilon", None)
+        if eps is not None and any(
+            keras.backend.standardize_dtype(v.dtype) == "float16" and v.trainable for v in var_list
+        ):
+            try:  # a float or a NumPy scalar; anything else is not Adam-like
+                eps = float(eps)
+            except (TypeError, ValueError):
+                eps = None
+            if eps is not None:
+                warn_half_optimizer_state(type(self.inner_optimizer).__name__, eps)
         keras.optimizers.Optimizer.build(self, var_list)
 
     def _ensure_built(self, trainable_variables: list[Any] | None) -> None:
@@ -812,22 +817,44 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 
 def _as_device(device: Any) -> str:
-    """``"cpu"``, ``"cuda:1"``, ``"gpu"``, ``"/GPU:0"``, ... as a TensorFlow device name that
-    this process has."""
-    text = str(device).strip()
-    kind, _, index = text.lower().lstrip("/").replace("device:", "").partition(":")
+    """``"cpu"``, ``"cuda:1"``, ``"gpu"``, ``"/GPU:0"``, a full device name, a
+    ``tf.config.LogicalDevice`` or ``tf.DeviceSpec``, as ``"/CPU:N"`` / ``"/GPU:N"``.
+
+    Checked against the physical devices only: listing logical ones would start TensorFlow's
+    runtime, after which virtual devices and memory growth can no longer be configured. The
+    logical device is checked when the step first runs (:func:`_check_placed`)."""
+    if isinstance(device, tf.DeviceSpec):
+        device = device.to_string()
+    text = str(getattr(device, "name", device)).strip()
+    if "device:" in text.lower():  # "/job:localhost/replica:0/task:0/device:CPU:0"
+        text = text[text.lower().rindex("device:") + len("device:"):]
+    kind, colon, index = text.lower().lstrip("/").partition(":")
     kinds = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU"}
-    if kind not in kinds or (index and not index.isdigit()):
+    if kind not in kinds or (colon and not (index.isascii() and index.isdigit())):
         raise ValueError(
             f"device={device!r} is not a TensorFlow device; use 'cpu', 'gpu' (or 'cuda'), with "
             "an optional ':N', or a name like '/GPU:0'."
         )
     name = f"/{kinds[kind]}:{int(index or 0)}"
+    if kinds[kind] == "GPU" and int(index or 0) >= len(tf.config.list_physical_devices("GPU")):
+        have = ", ".join(f"/{d.device_type}:{i}" for i, d in enumerate(tf.config.list_physical_devices()))
+        raise ValueError(f"device={device!r}: TensorFlow has no {name} here (it has {have}).")
+    return name
+
+
+_PLACED_OK: set[str] = set()
+
+
+def _check_placed(name: str) -> None:
+    """Once per name, when work is first placed: the logical device exists (TensorFlow would
+    otherwise fall back to another device silently, with soft placement)."""
+    if name in _PLACED_OK:
+        return
     have = [d.name for d in tf.config.list_logical_devices()]
     if "/device:" + name[1:] not in have:
         listed = ", ".join(h.replace("/device:", "/") for h in have)
-        raise ValueError(f"device={device!r}: TensorFlow has no {name} here (it has {listed}).")
-    return name
+        raise ValueError(f"device {name}: TensorFlow has no such device here (it has {listed}).")
+    _PLACED_OK.add(name)
 
 
 def _traced_fields(config: LossScaleConfig) -> dict[str, Any]:
@@ -981,6 +1008,7 @@ class TrainStep:
         if self.device is None:
             raw = self.function(batch)
         else:
+            _check_placed(self.device)
             with tf.device(self.device):
                 raw = self.function(batch)
         return StepResult(raw, to_host=_to_host, config=self.optimizer.loss_scale_config)
@@ -1214,7 +1242,10 @@ class MixedPrecision(MixedPrecisionBase):
         return self._device
 
     def _placed(self) -> contextlib.AbstractContextManager:
-        return tf.device(self._device) if self._device is not None else contextlib.nullcontext()
+        if self._device is None:
+            return contextlib.nullcontext()
+        _check_placed(self._device)
+        return tf.device(self._device)
 
     @property
     def compute_dtype(self) -> tf.DType:

@@ -99,12 +99,28 @@ def default_device() -> torch.device:
 
 
 def _as_device(device: Any) -> torch.device:
+    """``None`` (the default device), a ``torch.device``, or a name: torch's (``"cuda:1"``) or
+    the other backends' spelling (``"gpu:1"``, ``" CPU "``). A CUDA device this process
+    does not have is a ValueError listing the ones it has."""
     if device is None:
         return default_device()
+    if isinstance(device, str):
+        kind, colon, index = device.strip().lower().partition(":")
+        device = ("cuda" if kind == "gpu" else kind) + colon + index
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device={device!r} is not a torch device; use e.g. 'cuda', 'cuda:1', 'cpu'.") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            have = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
+            why = (
+                f"CUDA is not available (torch {torch.__version__}, or no GPU visible)"
+                if count == 0
+                else "torch has no such device here"
+            )
+            raise ValueError(f"cannot run on {dev}: {why}; this process has {have}.")
     return dev
 
 
@@ -927,22 +943,26 @@ class GradScaler:
         return _ls.from_state_dict(sd)
 
 
-def _check_half_state(optimizer: torch.optim.Optimizer, stacklevel: int) -> None:
+def _check_half_state(optimizer: torch.optim.Optimizer) -> None:
     """Once per optimizer: :func:`unimp.step.warn_half_optimizer_state` when an adaptive
-    optimizer (one with ``eps``) holds float16 parameters, so torch keeps its moments in
-    float16 too."""
+    optimizer (a numeric ``eps``) holds trainable float16 parameters, so torch keeps its
+    moments in float16 too. Optimizers whose ``eps`` is not a number (Adafactor's pair) are
+    left alone, as Keras's and optax's Adafactor."""
     if getattr(optimizer, "_unimp_half_checked", False):
         return
     optimizer._unimp_half_checked = True  # type: ignore[attr-defined]
     if "eps" not in optimizer.defaults:
         return  # SGD & co keep no second moment
-    groups = [g for g in optimizer.param_groups if any(p.dtype == torch.float16 for p in g["params"])]
-    if not groups:
-        return
-    eps = [g.get("eps", optimizer.defaults["eps"]) for g in groups]
-    numbers = [float(e) for e in eps if isinstance(e, (int, float)) and not isinstance(e, bool)]
-    smallest = min(numbers) if len(numbers) == len(eps) else None  # Adafactor's eps is a tuple
-    warn_half_optimizer_state(type(optimizer).__name__, smallest, stacklevel=stacklevel + 1)
+    eps = []
+    for g in optimizer.param_groups:
+        if any(p.dtype == torch.float16 and p.requires_grad for p in g["params"]):
+            value = g.get("eps", optimizer.defaults["eps"])
+            try:  # a float, a NumPy scalar or a 0-d tensor
+                eps.append(float(value))
+            except (TypeError, ValueError, RuntimeError):
+                return
+    if eps:
+        warn_half_optimizer_state(type(optimizer).__name__, min(eps))
 
 
 def _param_names(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:
@@ -1123,7 +1143,7 @@ class MixedPrecision(MixedPrecisionBase):
         self._wrap_forward(model)
         model._unimp_prepared = True  # type: ignore[attr-defined]
         if optimizer is not None:
-            _check_half_state(optimizer, stacklevel=3)
+            _check_half_state(optimizer)
         return out
 
     def _check_model_device(self, model: torch.nn.Module) -> None:
@@ -1241,7 +1261,7 @@ class TrainStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.scheduler = scheduler
         self.scaler = GradScaler(mp.loss_scale, device=mp.device)
-        _check_half_state(optimizer, stacklevel=4)  # TrainStep <- mp.train_step <- the caller
+        _check_half_state(optimizer)
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         k = self.grad_accum_steps
