@@ -90,6 +90,32 @@ def test_the_python_float_type_is_ambiguous_and_refused():
     assert canonical_dtype("float") == "float32" and canonical_dtype(np.float64) == "float64"
 
 
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("cpu", ("cpu", None)),
+        (" CUDA:1 ", ("gpu", 1)),
+        ("gpu:0", ("gpu", 0)),
+        ("rocm", ("gpu", None)),
+        ("tpu:3", ("tpu", 3)),
+        ("/GPU:2", ("gpu", 2)),
+        ("/job:localhost/replica:0/task:0/device:CPU:0", ("cpu", 0)),
+    ],
+)
+def test_parse_device_is_the_one_reading_of_device_spellings(spec, expected):
+    from unimp.dtypes import parse_device
+
+    assert parse_device(spec) == expected
+
+
+@pytest.mark.parametrize("bad", ["abacus", "cpu:", "cpu:\u00b2", "cuda:-1", "", "gpu:1:2"])
+def test_parse_device_refuses_other_spellings(bad):
+    from unimp.dtypes import parse_device
+
+    with pytest.raises(ValueError, match="not a device unimp reads"):
+        parse_device(bad.encode().decode("unicode_escape"))
+
+
 def test_half_needs_platform():
     with pytest.raises(ValueError, match="get_policy"):
         canonical_dtype("half")

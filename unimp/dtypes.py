@@ -17,6 +17,7 @@ __all__ = [
     "canonical_dtype",
     "device_support",
     "finfo",
+    "parse_device",
     "is_half",
 ]
 
@@ -229,3 +230,38 @@ def device_support(kind: str, compute_capability: tuple[int, int] | None = None)
     else:
         raise ValueError(f"device kind must be 'cpu', 'gpu' or 'tpu', got {kind!r}.")
     return {"kind": kind, "float16": f16, "bfloat16": bf16, "recommended": rec}
+
+
+#: Device spellings every backend takes for ``device=``, by the kind they name.
+DEVICE_KINDS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def parse_device(spec: Any) -> tuple[str, int | None]:
+    """The one reading of a ``device=`` spelling, for every backend: ``(kind, index)``.
+
+    Accepts ``"cpu"``, ``"gpu"`` / ``"cuda"`` / ``"rocm"``, ``"tpu"``, each with an optional
+    ``":N"``, in any case and with surrounding spaces; TensorFlow names (``"/GPU:0"``,
+    ``"/job:localhost/replica:0/task:0/device:CPU:0"``); and any object that prints as one of
+    these (a ``torch.device``). Whether the device exists is each backend's question.
+
+    Returns:
+        ``(kind, index)``: kind ``"cpu"``, ``"gpu"`` or ``"tpu"``; index ``None`` when not given.
+
+    Raises:
+        ValueError: not one of those spellings (the message lists them).
+
+    Example:
+        >>> parse_device(" CUDA:1 "), parse_device("/device:CPU:0"), parse_device("tpu")
+        (('gpu', 1), ('cpu', 0), ('tpu', None))
+    """
+    text = str(spec).strip()
+    low = text.lower()
+    if "device:" in low:  # a TensorFlow device name: the part after the last "device:"
+        low = low[low.rindex("device:") + len("device:"):]
+    kind, colon, index = low.lstrip("/").partition(":")
+    if kind not in DEVICE_KINDS or (colon and not (index.isascii() and index.isdigit())):
+        raise ValueError(
+            f"device={spec!r} is not a device unimp reads; use 'cpu', 'gpu' (or 'cuda'), 'tpu', "
+            "with an optional ':N', or the framework's own device object."
+        )
+    return DEVICE_KINDS[kind], (int(index) if colon else None)

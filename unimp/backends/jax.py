@@ -35,7 +35,7 @@ from jax import lax
 
 from unimp import loss_scale as core
 from unimp.backends._base import MixedPrecisionBase
-from unimp.dtypes import canonical_dtype, device_support
+from unimp.dtypes import canonical_dtype, device_support, parse_device
 from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult, check_step_options, warn_half_optimizer_state
 
@@ -1081,30 +1081,20 @@ def _injected_eps(opt_state: Any) -> float | None:
     return min(found) if found else None
 
 
-_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
-
-
 def _as_device(device: Any) -> jax.Device:
     """``"cpu"``, ``"cuda:1"``, ``"tpu"``, ... or a ``jax.Device``, as one of this process's
     devices (``jax.local_devices``: index N counts this host's devices, as torch's ``cuda:N``)."""
     if isinstance(device, jax.Device):
         return device
-    # a string, or another framework's device object that prints as one ("cuda:1")
-    kind, colon, index = str(device).strip().lower().partition(":")
-    platform = _PLATFORMS.get(kind)
-    if platform is None or (colon and not (index.isascii() and index.isdigit())):
-        raise ValueError(
-            f"device={device!r} is not a JAX device; use 'cpu', 'gpu' (or 'cuda'), 'tpu', with "
-            "an optional ':N', or a jax.Device."
-        )
+    platform, index = parse_device(device)  # the core's one reading of the spelling
     try:
         found = jax.local_devices(backend=platform)
     except RuntimeError:
         found = []
-    i = int(index or 0)
+    i = index or 0
     if i >= len(found):
         have = []
-        for p in sorted(set(_PLATFORMS.values())):
+        for p in ("cpu", "gpu", "tpu"):
             try:
                 have += [f"{p}:{j}" for j in range(len(jax.local_devices(backend=p)))]
             except RuntimeError:

@@ -36,7 +36,7 @@ except ImportError as e:  # pragma: no cover - keras ships with TensorFlow >= 2.
     ) from e
 
 from unimp.backends._base import MixedPrecisionBase
-from unimp.dtypes import canonical_dtype, device_support
+from unimp.dtypes import canonical_dtype, device_support, parse_device
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -825,19 +825,14 @@ def _as_device(device: Any) -> str:
     logical device is checked when the step first runs (:func:`_check_placed`)."""
     if isinstance(device, tf.DeviceSpec):
         device = device.to_string()
-    text = str(getattr(device, "name", device)).strip()
-    if "device:" in text.lower():  # "/job:localhost/replica:0/task:0/device:CPU:0"
-        text = text[text.lower().rindex("device:") + len("device:"):]
-    kind, colon, index = text.lower().lstrip("/").partition(":")
-    kinds = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU"}
-    if kind not in kinds or (colon and not (index.isascii() and index.isdigit())):
-        raise ValueError(
-            f"device={device!r} is not a TensorFlow device; use 'cpu', 'gpu' (or 'cuda'), with "
-            "an optional ':N', or a name like '/GPU:0'."
-        )
-    name = f"/{kinds[kind]}:{int(index or 0)}"
-    if kinds[kind] == "GPU" and int(index or 0) >= len(tf.config.list_physical_devices("GPU")):
-        have = ", ".join(f"/{d.device_type}:{i}" for i, d in enumerate(tf.config.list_physical_devices()))
+    kind, index = parse_device(getattr(device, "name", device))  # the core's reading
+    if kind == "tpu":
+        raise ValueError(f"device={device!r}: unimp's TensorFlow backend runs on 'cpu' or 'gpu'.")
+    kinds = {"cpu": "CPU", "gpu": "GPU"}
+    name = f"/{kinds[kind]}:{index or 0}"
+    if kind == "gpu" and (index or 0) >= len(tf.config.list_physical_devices("GPU")):
+        physical = [d.device_type for d in tf.config.list_physical_devices()]
+        have = ", ".join(f"/{t}:{i}" for t in dict.fromkeys(physical) for i in range(physical.count(t)))
         raise ValueError(f"device={device!r}: TensorFlow has no {name} here (it has {have}).")
     return name
 

@@ -30,7 +30,7 @@ import torch
 
 from unimp import loss_scale as _ls
 from unimp.backends._base import COMMON_API, MixedPrecisionBase
-from unimp.dtypes import canonical_dtype, device_support, finfo
+from unimp.dtypes import canonical_dtype, device_support, finfo, parse_device
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -105,8 +105,11 @@ def _as_device(device: Any) -> torch.device:
     if device is None:
         return default_device()
     if isinstance(device, str):
-        kind, colon, index = device.strip().lower().partition(":")
-        device = ("cuda" if kind == "gpu" else kind) + colon + index
+        try:  # the core's reading of the shared spellings; torch's own ("mps", "meta") pass
+            kind, index = parse_device(device)
+            device = ("cuda" if kind == "gpu" else kind) + ("" if index is None else f":{index}")
+        except ValueError:
+            pass
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
