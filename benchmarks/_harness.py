@@ -266,18 +266,26 @@ def calibrate(run: Callable[[int], None], target_s: float, warmup: int, min_step
     return max(min_steps, int(round(target_s / max(per_step, 1e-9))))
 
 
-def _stats(ta: list[float], tb: list[float], steps: int) -> dict[str, Any]:
-    ratios = [x / y for x, y in zip(ta, tb, strict=True)]
-    diffs = [1e6 * (x - y) / steps for x, y in zip(ta, tb, strict=True)]
+def _pair_stats(ratios: list[float], diffs: list[float]) -> dict[str, Any]:
+    """The per-pair figures: ratios ``t_a / t_b`` and differences ``(t_a - t_b)`` per step in
+    microseconds (the fixed cost of A over B per step, which a ratio hides behind a large
+    model and a tiny model exposes)."""
     return {
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "ratios": ratios,
-        # per pair, (t_a - t_b) per step in microseconds: the fixed cost of A over B per step,
-        # which a ratio hides behind a large model and a tiny model exposes
         "diff_us_median": statistics.median(diffs),
         "diffs_us": diffs,
+    }
+
+
+def _stats(ta: list[float], tb: list[float], steps: int) -> dict[str, Any]:
+    return {
+        **_pair_stats(
+            [x / y for x, y in zip(ta, tb, strict=True)],
+            [1e6 * (x - y) / steps for x, y in zip(ta, tb, strict=True)],
+        ),
         "a_ms_per_step": 1e3 * statistics.median(ta) / steps,
         "b_ms_per_step": 1e3 * statistics.median(tb) / steps,
     }
@@ -341,15 +349,11 @@ def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "clock": parts[0]["clock"],
     }
     for clock in ("wall", "cpu"):
-        ratios = [r for p in parts for r in p[clock]["ratios"]]
-        diffs = [d for p in parts for d in p[clock]["diffs_us"]]
         out[clock] = {
-            "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-            "ratios": ratios,
-            "diff_us_median": statistics.median(diffs),
-            "diffs_us": diffs,
+            **_pair_stats(
+                [r for p in parts for r in p[clock]["ratios"]],
+                [d for p in parts for d in p[clock]["diffs_us"]],
+            ),
             "a_ms_per_step": statistics.median(p[clock]["a_ms_per_step"] for p in parts),
             "b_ms_per_step": statistics.median(p[clock]["b_ms_per_step"] for p in parts),
         }
