@@ -846,11 +846,9 @@ class GradScaler:
         if not self._enabled:
             return
         value = None if new_scale is None else self._check_new_scale(new_scale)  # before any change
-        grads_finite, loss_finite = self._combined()
-        self._apply_update(grads_finite, loss_finite)
+        self._update(*self._combined())
         if value is not None:
             self._scale.copy_(value)
-        self._per_opt.clear()
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         """``new_scale`` as a float32 0-d tensor on the device, validated (a tensor is read once:
@@ -879,6 +877,13 @@ class GradScaler:
             if not (math.isfinite(f) and lo <= f <= hi):
                 raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
         return self._ops.f32(f)
+
+    def _update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The end of an iteration: the rule applied (:meth:`_apply_update`) and the
+        per-optimizer stages reset; returns the rule's results."""
+        out = self._apply_update(grads_finite, loss_finite)
+        self._per_opt.clear()
+        return out
 
     def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs the rule and copies its results into the state; returns the results (fresh
@@ -1321,8 +1326,7 @@ class TrainStep:
                     torch._foreach_mul_(gs, _to(coef, dev))
         applied = sc.step(opt)
         grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never changed in place
-        _, _, consecutive, total = sc._apply_update(grads_finite, loss_finite)  # = sc.update()
-        sc._per_opt.clear()
+        _, _, consecutive, total = sc._update(grads_finite, loss_finite)  # sc.update(), kept results
         opt.zero_grad(set_to_none=True)
         raw = {
             "loss": mean_loss,
