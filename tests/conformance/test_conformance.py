@@ -12,7 +12,7 @@ import kits
 import numpy as np
 import pytest
 from conftest import BACKENDS, require_backend
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from unimp import (
@@ -21,6 +21,7 @@ from unimp import (
     Recipe,
     StaticLossScale,
     get_recipe,
+    simulate,
     state_dict,
     update,
 )
@@ -78,6 +79,12 @@ _BATCHES = {
 @given(events=st.lists(st.sampled_from(list(EVENTS)), min_size=1, max_size=25))
 def test_trajectory_matches_reference(backend, config_name, events):
     cfg = TRAJECTORY_CONFIGS[config_name]
+    # A "clean" batch is clean only while its float16 gradients fit: at a scale of 2**17 they
+    # overflow for real, in every backend alike (measured: 7 clean steps of
+    # "defaults-interval3" skip the 7th). Sequences that would get there test the model, not
+    # the rule: leave them out (test_clean_batch_overflows_alike_past_2_pow_16 covers them).
+    flags = [EVENTS[ev] for ev in events]
+    assume(all(float(s.scale) <= CLEAN_UP_TO for s in [cfg.initial_state(), *simulate(cfg, flags)][:-1]))
     run = _trajectory_run(backend, config_name)
     run.load_state_dict(state_dict(cfg))
     expected = cfg.initial_state()
@@ -92,6 +99,23 @@ def test_trajectory_matches_reference(backend, config_name, events):
         assert result.consecutive_skips == int(expected.consecutive_skips)
         assert result.total_skips == int(expected.total_skips)
 
+
+
+#: the largest scale at which the clean batch's float16 gradients are all finite
+CLEAN_UP_TO = 2.0**16
+
+
+def test_clean_batch_overflows_alike_past_2_pow_16(backend):
+    # the premise of the trajectory test, checked: clean up to 2**16, a real overflow at 2**17
+    cfg = DynamicLossScale(init_scale=2.0**16, growth_interval=1)
+    run = _trajectory_run(backend, "defaults-interval3")
+    run.load_state_dict(state_dict(cfg))
+    results = [run.step(_BATCHES["clean"]) for _ in range(3)]
+    assert [(r.scale, r.applied, r.grads_finite) for r in results] == [
+        (2.0**16, True, True),
+        (2.0**17, False, False),  # float16 gradients overflow: the rule backs off
+        (2.0**16, True, True),
+    ]
 
 
 def test_a_loaded_config_replaces_the_recipes_after_steps(backend):
