@@ -13,8 +13,8 @@ from conftest import require_backend
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # (example, its backend, arguments, text its output must contain). torch_mlp.py and apex_o2.py
-# run in test_backend_torch.py / test_compat_apex.py (both loops, O1 and O2), jax_flax_optax.py
-# in test_backend_jax.py (with its compilation count).
+# run in tests/backends/torch/test_mixed_precision.py / test_compat_apex.py (both loops, O1 and O2), jax_flax_optax.py
+# in tests/backends/jax/test_mixed_precision.py (with its compilation count).
 EXAMPLES = [
     ("keras_mlp_fit.py", "tensorflow", [], "float32"),
     ("tf_keras2_custom_loop.py", "tensorflow", [], "loss"),

@@ -86,3 +86,32 @@ def test_half_optimizer_state_rule():
         warnings.simplefilter("error")
         warn_half_optimizer_state("Adam", 1e-4)  # at least float16's smallest normal: bounded
         warn_half_optimizer_state("Adam", 2.0**-14)
+
+
+def test_micro_batches_is_one_rule_for_every_backend():
+    from unimp.step import micro_batches
+
+    assert micro_batches({"x": 1}, 1) == [{"x": 1}]
+    assert micro_batches(("a", "b"), 2) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"takes a list of 3 micro-batches, got list of length 2"):
+        micro_batches(["a", "b"], 3)
+    with pytest.raises(ValueError, match=r"takes a list of 2 micro-batches, got dict\."):
+        micro_batches({"x": 1}, 2)
+
+
+def test_replica_desync_warning_is_one_message():
+    from unimp.loss_scale import ReplicaDesyncWarning, warn_replica_desync
+
+    def engine_check():  # an engine warns for its caller's line, as warnings.warn(stacklevel=2)
+        warn_replica_desync("Load the same checkpoint on every rank.", ["scale in [1, 2]"])
+
+    with pytest.warns(ReplicaDesyncWarning) as rec:
+        engine_check()
+    msg = str(rec[0].message)
+    assert msg == (
+        "the replicas held different loss-scale states (scale in [1, 2]); re-synchronized every "
+        "replica from replica 0. Load the same checkpoint on every rank to avoid this."
+    )
+    assert rec[0].filename == __file__
+    with pytest.warns(ReplicaDesyncWarning, match=r"states; re-synchronized"):
+        warn_replica_desync("Restore it everywhere")

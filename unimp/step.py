@@ -175,6 +175,38 @@ def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, 
     return int(grad_accum_steps), max_grad_norm
 
 
+def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:
+    """The micro-batches of one optimizer step, by the rule every backend's ``step(batch)`` uses.
+
+    With ``grad_accum_steps == 1`` the batch is the one micro-batch; with ``k > 1`` it must be a
+    list (or tuple) of ``k`` micro-batches.
+
+    Args:
+        batch: what the user passed to ``step``.
+        grad_accum_steps: the step's ``k`` (already checked by :func:`check_step_options`).
+
+    Returns:
+        A list of ``k`` micro-batches (``[batch]`` for ``k == 1``).
+
+    Raises:
+        ValueError: ``k > 1`` and ``batch`` is not a list or tuple of ``k`` items; the message
+            names what was passed.
+    """
+    k = grad_accum_steps
+    if k == 1:
+        return [batch]
+    if not isinstance(batch, (list, tuple)) or len(batch) != k:
+        got = (
+            f"{type(batch).__name__} of length {len(batch)}"
+            if isinstance(batch, (list, tuple))
+            else type(batch).__name__
+        )
+        raise ValueError(
+            f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got {got}."
+        )
+    return list(batch)
+
+
 class HalfOptimizerStateWarning(UserWarning):
     """An adaptive optimizer (Adam, RMSprop, Adagrad, ...) keeps its moments in float16
     because the parameters are float16 (a pure-float16 recipe such as ``"float16"``,

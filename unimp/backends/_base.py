@@ -11,7 +11,7 @@ from typing import Any
 
 from unimp.recipe import Recipe, get_recipe
 
-__all__ = ["COMMON_API", "MixedPrecisionBase"]
+__all__ = ["BACKEND_MODULES", "COMMON_API", "MixedPrecisionBase", "export"]
 
 #: Public names every backend module exports, meaning the same thing in each:
 #:
@@ -88,3 +88,34 @@ class MixedPrecisionBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__module__}.{type(self).__name__}({self._recipe.describe()})"
+
+
+#: The modules of every backend package, in dependency order: the same concept under the same
+#: name in ``unimp.backends.torch``, ``.tensorflow`` and ``.jax`` (a test checks it).
+BACKEND_MODULES = (
+    "devices",  # framework_version, device parsing and placement, device_info
+    "casting",  # to_dtype, cast_tree, the framework's autocast / module mode / master weights
+    "overflow",  # all_finite and its replica reduction; select / keep-unless (JAX)
+    "scaling",  # the loss-scale state on device tensors: the rule's array namespace, the scaler
+    "optimizer",  # the optimizer wrapped so a skipped step changes nothing
+    "step",  # TrainStep: scaled backward, unscale, clip, accumulate, guarded update
+    "mixed_precision",  # MixedPrecision: the recipe bound to the framework
+)
+
+
+def export(package: str, namespace: dict[str, Any]) -> None:
+    """Gives the public classes and functions of a backend package (its ``__all__``) the package
+    as their ``__module__``, as NumPy and JAX do for theirs.
+
+    Pickles, Keras configs (``"module": ...``) and reprs then name the public path
+    (``unimp.backends.torch.GradScaler``), which stays the same when a class moves between the
+    package's modules; objects saved before the backends became packages name it too.
+    """
+    for name in namespace["__all__"]:
+        obj = namespace[name]
+        mod = getattr(obj, "__module__", None)
+        if isinstance(mod, str) and mod.startswith(package + "."):
+            try:
+                obj.__module__ = package
+            except (AttributeError, TypeError):  # pragma: no cover - a builtin or a slot type
+                pass

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from unimp.backends import torch as _ut
+from unimp.backends.torch import optimizer as _ut_optimizer
 from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
 from unimp.recipe import get_recipe
 
@@ -161,7 +162,7 @@ def _patch_step(optimizer: torch.optim.Optimizer, scaler: _ut.GradScaler) -> Non
         if pending is None:
             return original(*args, **kwargs)
         optimizer._unimp_apex_bad = None  # type: ignore[attr-defined]
-        return _ut._guarded_step(optimizer, pending, args, kwargs, step_fn=original)
+        return _ut_optimizer._guarded_step(optimizer, pending, args, kwargs, step_fn=original)
 
     optimizer.step = step  # type: ignore[method-assign]
     optimizer._unimp_apex_bad = None  # type: ignore[attr-defined]

@@ -36,14 +36,13 @@ Build: Horovod 0.28.1 (its last release) needs a C++17 patch to build against cu
 """
 
 import contextlib
-import warnings
 from typing import Any
 
 import torch
 
 from unimp.backends.torch import GradScaler as _TorchGradScaler
 from unimp.distributed.torch import _config_code
-from unimp.loss_scale import ReplicaDesyncWarning
+from unimp.loss_scale import warn_replica_desync
 
 try:
     import horovod.torch as hvd
@@ -103,13 +102,7 @@ class GradScaler(_TorchGradScaler):
             differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(_FIELDS, lo, hi, strict=True) if a != b]
             if differ:
                 broadcast_state(self, root_rank=0)
-                warnings.warn(
-                    f"the Horovod ranks held different loss-scale states ({'; '.join(differ)}): "
-                    "re-synchronized every rank from rank 0. Load the same checkpoint on every "
-                    "rank to avoid this.",
-                    ReplicaDesyncWarning,
-                    stacklevel=3,
-                )
+                warn_replica_desync("Load the same checkpoint on every rank", differ, stacklevel=3)
         self._replicas_checked = True
 
 

@@ -26,14 +26,13 @@ Example (started with ``torchrun --nproc-per-node 2``; see ``examples/distribute
 
 
 import json
-import warnings
 import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from unimp.loss_scale import ReplicaDesyncWarning
+from unimp.loss_scale import warn_replica_desync
 
 __all__ = [
     "broadcast_state",
@@ -121,11 +120,10 @@ def check_replicas_agree(scaler: Any, group: Any = None) -> list[str]:
     differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(_FIELDS, lo, hi, strict=True) if a != b]
     if differ:
         broadcast_state(scaler, src=dist.get_global_rank(group, 0), group=group)
-        warnings.warn(
-            f"the replicas held different loss-scale states ({'; '.join(differ)}; 'config' is a code "
-            "of the loss-scale config): re-synchronized every rank from rank 0. Load the same "
-            "checkpoint (scaler.load_state_dict) on every rank to avoid this.",
-            ReplicaDesyncWarning,
+        warn_replica_desync(
+            "Load the same checkpoint (scaler.load_state_dict) on every rank "
+            "('config' above is a code of the loss-scale config)",
+            differ,
             stacklevel=3,
         )
     return differ

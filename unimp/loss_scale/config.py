@@ -1,27 +1,4 @@
-"""Loss-scale configs and the reference loss-scale algorithm.
-
-This module is the definition every backend matches bit for bit. The algorithm is written once,
-in :func:`update_arrays`, over a tiny array namespace (``where``, ``minimum``, ``maximum``,
-``isfinite`` and float32 / int32 constructors). The reference runs it on NumPy float32 / int32
-scalars; each backend runs the *same function* on its own device tensors, so no backend
-re-decides a rule and no step needs a host-device sync or a Python branch on a tensor.
-
-The rule (dynamic scale):
-
-* finite gradients: the counter grows by one; when it reaches ``growth_interval`` the scale is
-  multiplied by ``growth_factor`` (in float32), clamped to ``max_scale``, kept at its old value
-  if the product is not finite, and the counter restarts at 0. Matches torch.amp.GradScaler:
-  grows on the growth_interval-th consecutive finite step.
-* non-finite gradients (overflow): the step is skipped, the scale is multiplied by
-  ``backoff_factor`` and floored at ``min_scale`` (``None`` floors at the smallest normal
-  float32, 2**-126, so ``1/scale`` stays finite), the counter restarts, and a skip is counted.
-* non-finite loss (overflow in the forward pass): the step is skipped and counted, but the
-  scale and the counter are left alone: loss scaling cannot fix a forward overflow, so it must
-  not drive the scale down.
-
-Static and disabled scales never change their scale; they still skip non-finite steps (a NaN
-update would destroy the parameters) and count the skips.
-"""
+"""Loss-scale configs, the state, errors and warnings (see :mod:`unimp.loss_scale`)."""
 
 from __future__ import annotations
 
@@ -33,29 +10,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = [
-    "STATE_FORMAT",
-    "DynamicLossScale",
-    "LossScaleConfig",
-    "LossScaleError",
-    "ReplicaDesyncWarning",
-    "LossScaleState",
-    "NoLossScale",
-    "StaticLossScale",
-    "check_state",
-    "from_state_dict",
-    "loss_scale_from_dict",
-    "simulate",
-    "state_dict",
-    "update",
-    "update_arrays",
-]
-
-#: Version tag of the portable state_dict format, the same in every backend.
-STATE_FORMAT = "unimp.loss_scale/1"
-
 _F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, smallest normal float32
+
+
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
 _I32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -68,6 +28,29 @@ class ReplicaDesyncWarning(UserWarning):
     worker only); every engine re-synchronizes them from replica 0 and warns with this class,
     never silently and never by averaging: torch.distributed and Horovod at the first step after
     the scaler is built or loaded, tf.distribute and JAX inside the compiled step."""
+
+
+def warn_replica_desync(fix: str, differ: Iterable[str] = (), *, stacklevel: int = 2) -> None:
+    """Warns, with :class:`ReplicaDesyncWarning`, that the replicas' loss-scale states differed
+    and were re-synchronized from replica 0: the one message every engine gives.
+
+    Args:
+        fix: what the user does to avoid it, in the engine's words (e.g. "Load the same
+            checkpoint (scaler.load_state_dict) on every rank").
+        differ: the fields that differed, as ``"name in [lo, hi]"`` strings, where the engine
+            read them on the host (torch.distributed, Horovod); empty where the check runs inside
+            a compiled step (tf.distribute, JAX), which cannot say more without a host sync.
+        stacklevel: passed to :func:`warnings.warn` (this function's frame is counted).
+    """
+    import warnings
+
+    detail = f" ({'; '.join(differ)})" if differ else ""
+    warnings.warn(
+        f"the replicas held different loss-scale states{detail}; re-synchronized every replica "
+        f"from replica 0. {fix.rstrip('.')} to avoid this.",
+        ReplicaDesyncWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def _number(cls: str, field: str, value: Any) -> float:
@@ -178,6 +161,8 @@ class _Config:
         self, state: LossScaleState, grads_finite: bool, loss_finite: bool = True
     ) -> LossScaleState:
         """One step of the reference algorithm; see :func:`update`."""
+        from unimp.loss_scale.rule import update  # the rule imports the configs
+
         return update(self, state, grads_finite, loss_finite)
 
     def to_dict(self) -> dict[str, Any]:
@@ -393,6 +378,7 @@ class DynamicLossScale(_Config):
 
 LossScaleConfig = NoLossScale | StaticLossScale | DynamicLossScale
 
+
 _KINDS: dict[str, type] = {
     "none": NoLossScale,
     "static": StaticLossScale,
@@ -439,244 +425,3 @@ def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScale
             f"unknown key(s) {unknown} for loss scale kind {kind!r}; valid keys: {sorted(names)}."
         )
     return cls(**{k: v for k, v in d.items() if k != "kind"})
-
-
-class _NumpyOps:
-    """The array namespace of the reference: NumPy float32 / int32 0-d arrays."""
-
-    where = staticmethod(np.where)
-    minimum = staticmethod(np.minimum)
-    maximum = staticmethod(np.maximum)
-    isfinite = staticmethod(np.isfinite)
-
-    @staticmethod
-    def f32(x: Any) -> Any:
-        return np.float32(x)
-
-    @staticmethod
-    def i32(x: Any) -> Any:
-        return np.int32(x)
-
-
-def update_arrays(
-    ops: Any,
-    config: LossScaleConfig,
-    scale: Any,
-    counter: Any,
-    consecutive_skips: Any,
-    total_skips: Any,
-    grads_finite: Any,
-    loss_finite: Any,
-) -> tuple[Any, Any, Any, Any]:
-    """The loss-scale algorithm, branch-free, over any array namespace.
-
-    Backends call this with their own tensors so the rule is written once. Python branches
-    here depend only on the (static) config, never on array values, so the function traces
-    under ``jax.jit``, ``tf.function`` and ``torch.compile``.
-
-    Args:
-        ops: a namespace with ``where(c, a, b)``, ``minimum``, ``maximum``, ``isfinite``,
-            ``f32(x)`` and ``i32(x)`` (make a float32 / int32 scalar on the right device).
-        config: the loss-scale config (static).
-        scale: float32 scalar.
-        counter, consecutive_skips, total_skips: int32 scalars.
-        grads_finite: bool scalar, every gradient element is finite.
-        loss_finite: bool scalar, the (unscaled) loss is finite.
-
-    Returns:
-        ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes.
-    """
-    # Written for few kernels: every op here is a kernel launch (torch, TF graph) or a fused
-    # scalar op (XLA). tests/test_loss_scale.py checks it against the plain nested-select spec.
-    applied = grads_finite & loss_finite
-    backoff = loss_finite != applied  # finite loss, non-finite gradients: an overflow
-    zero = ops.i32(0)
-    one = ops.i32(1)
-    new_consecutive = ops.where(applied, zero, consecutive_skips + one)
-    new_total = ops.where(applied, total_skips, total_skips + one)
-    if not config.dynamic:
-        return scale, counter, new_consecutive, new_total
-    grown = scale * ops.f32(config.growth_factor)
-    if config.max_scale is not None:
-        grown = ops.minimum(grown, ops.f32(config.max_scale))  # finite: max_scale <= float32 max
-    else:
-        grown = ops.where(ops.isfinite(grown), grown, scale)  # growth never makes the scale inf
-    backed = ops.maximum(scale * ops.f32(config.backoff_factor), ops.f32(config.floor))
-    next_counter = counter + one
-    grow = applied & (next_counter >= ops.i32(config.growth_interval))
-    # finite loss and grads: count, grow on the interval-th; finite loss, bad grads: back off
-    # and restart the count; non-finite loss (forward overflow): leave scale and counter alone.
-    new_scale = ops.where(grow, grown, ops.where(backoff, backed, scale))
-    new_counter = ops.where(grow | backoff, zero, ops.where(applied, next_counter, counter))
-    return new_scale, new_counter, new_consecutive, new_total
-
-
-def update(
-    config: LossScaleConfig,
-    state: LossScaleState,
-    grads_finite: bool,
-    loss_finite: bool = True,
-) -> LossScaleState:
-    """One step of the reference algorithm (NumPy, float32 arithmetic).
-
-    Args:
-        config: the loss-scale config.
-        state: the state before the step.
-        grads_finite: every gradient element was finite (no overflow).
-        loss_finite: the loss was finite; ``False`` is a forward overflow: the step is skipped
-            and counted but the scale and counter are unchanged.
-
-    Returns:
-        The state after the step.
-    """
-    with np.errstate(over="ignore"):  # an overflowing growth is expected and handled
-        out = _reference(config, state, grads_finite, loss_finite)
-    return LossScaleState(*out)
-
-
-def _reference(
-    config: LossScaleConfig, state: LossScaleState, grads_finite: bool, loss_finite: bool
-) -> Any:
-    return update_arrays(
-        _NumpyOps,
-        config,
-        np.float32(state.scale),
-        np.int32(state.counter),
-        np.int32(state.consecutive_skips),
-        np.int32(state.total_skips),
-        np.bool_(grads_finite),
-        np.bool_(loss_finite),
-    )
-
-
-def _event(flag: Any) -> tuple[bool, bool]:
-    if isinstance(flag, (tuple, list)):
-        if len(flag) != 2:
-            raise ValueError(
-                f"a step event is grads_finite or (grads_finite, loss_finite), got {flag!r}."
-            )
-        return bool(flag[0]), bool(flag[1])
-    return bool(flag), True
-
-
-def simulate(
-    config: LossScaleConfig,
-    flags: Iterable[bool | tuple[bool, bool]],
-    state: LossScaleState | None = None,
-) -> list[LossScaleState]:
-    """Runs the reference algorithm over a sequence of steps.
-
-    Args:
-        config: the loss-scale config.
-        flags: per step, ``grads_finite`` (True for a clean step, False for an overflow), or a
-            pair ``(grads_finite, loss_finite)``.
-        state: the starting state; ``config.initial_state()`` by default.
-
-    Returns:
-        The state after each step (``len(flags)`` states; the start state is not included).
-
-    Example:
-        >>> cfg = DynamicLossScale(init_scale=8, growth_interval=2, min_scale=1)
-        >>> [float(s.scale) for s in simulate(cfg, [True, True, False, False, False, False])]
-        [8.0, 16.0, 8.0, 4.0, 2.0, 1.0]
-    """
-    s = config.initial_state() if state is None else state
-    out = []
-    for flag in flags:
-        g, lf = _event(flag)
-        s = update(config, s, g, lf)
-        out.append(s)
-    return out
-
-
-def check_state(config: LossScaleConfig, state: LossScaleState) -> None:
-    """Raises :class:`LossScaleError` when ``max_consecutive_skips`` is exceeded.
-
-    Backends call this when results are read, not every step, to avoid a host-device sync.
-
-    Raises:
-        LossScaleError: more than ``max_consecutive_skips`` skipped steps in a row; the message
-            says why the scale is stuck and what to look at.
-    """
-    limit = getattr(config, "max_consecutive_skips", None)
-    if limit is None or int(state.consecutive_skips) <= limit:
-        return
-    at_floor = not config.dynamic or float(state.scale) <= config.floor
-    why = (
-        "Gradients stay non-finite even at the lowest scale, so the cause is not float16 range: "
-        "look for NaN/inf in the inputs or labels, a learning rate that makes the weights diverge, "
-        "or a forward overflow (StepResult.loss_finite is False; compute that op in float32)."
-        if at_floor
-        else "The scale is still backing off from a high value: lower init_scale, or raise "
-        "max_consecutive_skips above log2(init_scale / a workable scale); if the loss is "
-        "non-finite (StepResult.loss_finite is False) the cause is a forward overflow instead."
-    )
-    raise LossScaleError(
-        f"the loss scale is stuck: {int(state.consecutive_skips)} skipped steps in a row "
-        f"(max_consecutive_skips={limit}), scale now {float(state.scale)!r}"
-        + (f", floor {config.floor!r}" if config.dynamic else "")
-        + ". "
-        + why
-    )
-
-
-def state_dict(config: LossScaleConfig, state: LossScaleState | None = None) -> dict[str, Any]:
-    """The portable, JSON-able state of a loss scaler, the same in every backend.
-
-    Returns:
-        ``{"format": "unimp.loss_scale/1", "config": config.to_dict(), "state":
-        state.to_dict()}``; before the first step ``state`` is the initial state.
-    """
-    s = config.initial_state() if state is None else state
-    return {"format": STATE_FORMAT, "config": config.to_dict(), "state": s.to_dict()}
-
-
-def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleState]:
-    """Inverse of :func:`state_dict`: validates everything before returning.
-
-    Raises:
-        ValueError: not a dict, a missing or foreign ``format`` (e.g. a torch GradScaler
-            state_dict, which has ``"scale"`` and ``"_growth_tracker"`` keys), or a bad config or
-            state; the message names the key.
-    """
-    if not isinstance(d, Mapping):
-        raise ValueError(f"a loss-scale state_dict must be a dict, got {type(d).__name__}.")
-    fmt = d.get("format")
-    if fmt != STATE_FORMAT:
-        if "_growth_tracker" in d or "growth_tracker" in d:
-            hint = (
-                " This looks like a torch.amp.GradScaler state_dict; load it with "
-                "unimp.backends.torch.GradScaler.load_state_dict, which converts it."
-            )
-        else:
-            hint = " Save it with unimp's state_dict() to get the portable format."
-        raise ValueError(f"state_dict 'format' must be {STATE_FORMAT!r}, got {fmt!r}.{hint}")
-    extra = sorted(set(d) - {"format", "config", "state"})
-    if extra:
-        raise ValueError(
-            f"unknown key(s) {extra} in loss-scale state_dict; expected format, config, state."
-        )
-    if "config" not in d or "state" not in d:
-        raise ValueError("loss-scale state_dict needs both 'config' and 'state' keys.")
-    config = loss_scale_from_dict(d["config"])
-    state = LossScaleState.from_dict(d["state"])
-    if config.dynamic:
-        if not state.counter < config.growth_interval:
-            raise ValueError(
-                f"loss-scale state 'counter' ({int(state.counter)}) must be < growth_interval "
-                f"({config.growth_interval})."
-            )
-        hi = config.max_scale if config.max_scale is not None else _F32_MAX
-        if not config.floor <= float(state.scale) <= hi:
-            raise ValueError(
-                f"loss-scale state 'scale' ({float(state.scale)}) is outside [min_scale, max_scale] "
-                f"= [{config.floor}, {config.max_scale}]."
-            )
-    elif float(state.scale) != config.initial_scale():
-        raise ValueError(
-            f"loss-scale state 'scale' ({float(state.scale)}) must equal the {config.kind} scale "
-            f"({config.initial_scale()})."
-        )
-    if state.consecutive_skips > state.total_skips:
-        raise ValueError("loss-scale state 'consecutive_skips' cannot exceed 'total_skips'.")
-    return config, state

@@ -1,0 +1,39 @@
+"""jax backend, ``devices``: version, device parsing and placement, device_info."""
+
+from conftest import require_backend
+
+ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.jax.helpers import _affine_loss  # noqa: E402
+
+
+def test_device_info_and_version():
+    info = ujax.device_info()
+    assert len(info) == len(jax.devices())
+    assert set(info[0]) == {"device", "kind", "float16", "bfloat16", "recommended"}
+    unimp.get_recipe(info[0]["recommended"])  # a name the parser accepts
+    assert ujax.framework_version() == jax.__version__
+
+
+def test_device_commits_the_step_state_and_batches_there():
+    mp = ujax.MixedPrecision("mixed_float16", device="cpu")
+    assert mp.device == jax.devices("cpu")[0]
+    step = mp.train_step(_affine_loss, optax.sgd(0.1), {"w": np.ones(2, np.float32), "b": np.float32(0.0)})
+    step(np.ones(2, np.float32))  # a host batch is put on the device
+    step(jnp.ones(2))
+    leaves = jax.tree_util.tree_leaves((step.params, step.opt_state, step.loss_scale))
+    assert all(x.committed and x.devices() == {mp.device} for x in leaves)
+    assert step.traces == 1
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="device= and mesh="):
+        mp.train_step(_affine_loss, optax.sgd(0.1), {"w": jnp.ones(2)}, axis_name="data", mesh=mesh)
+    with pytest.raises(ValueError, match="not a device unimp reads"):
+        ujax.MixedPrecision("mixed_float16", device="abacus")

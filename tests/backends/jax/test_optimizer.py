@@ -1,0 +1,162 @@
+"""jax backend, ``optimizer``: a skipped step leaves the parameters and the optimizer state unchanged; half optimizer state."""
+
+from conftest import require_backend
+
+ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.jax.helpers import tree_bits  # noqa: E402
+from unimp import loss_scale as core  # noqa: E402
+
+GRADS = [[np.nan, 0.0], [np.inf, 0.0], [np.nan, 0.0], [0.5, 0.5], [np.nan, 0.0]]
+
+
+PARAMS_AFTER = [[1, 2], [1, 2], [1, 2], [0.5, 1.5], [0.5, 1.5]]
+
+
+CONSECUTIVE = [1, 2, 3, 0, 1]
+
+
+TOTAL = [1, 2, 3, 3, 4]
+
+
+SCALES = [2.0**14, 2.0**13, 2.0**12, 2.0**12, 2.0**11]
+
+
+def _run_optax_sequence(n):
+    opt = ujax.loss_scaling(optax.sgd(1.0), core.DynamicLossScale(init_scale=2.0**15))
+    params = jnp.array([1.0, 2.0])
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    for g in GRADS[: n + 1]:
+        scaled = ujax.get_loss_scale(state).scale(jnp.array(g, jnp.float32))
+        updates, state = update(scaled, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, ujax.get_loss_scale(state)
+
+
+@pytest.mark.parametrize("step", range(5))
+def test_optax_right_values(step):
+    params, ls = _run_optax_sequence(step)
+    assert params.tolist() == PARAMS_AFTER[step]
+    assert int(ls.consecutive_skips) == CONSECUTIVE[step]
+    assert int(ls.total_skips) == TOTAL[step]
+    assert float(ls.loss_scale) == SCALES[step]
+
+
+def test_optax_skip_leaves_inner_state_bitwise_and_params_bitwise():
+    opt = ujax.loss_scaling(optax.adam(0.1), "dynamic")
+    params = {"w": jnp.array([-0.0, 1.0, -2.0])}
+    state = opt.init(params)
+    updates, state = opt.update({"w": jnp.array([1.0, 2.0, 3.0])}, state, params)
+    params = optax.apply_updates(params, updates)
+    params = {"w": params["w"].at[0].set(-0.0)}
+    updates, skipped = opt.update({"w": jnp.array([jnp.nan, 2.0, 3.0])}, state, params)
+    assert tree_bits(skipped.inner_state) == tree_bits(state.inner_state)
+    assert tree_bits(optax.apply_updates(params, updates)) == tree_bits(params)
+    assert float(ujax.get_loss_scale(skipped).loss_scale) == 2.0**14
+
+
+def test_optax_nonfinite_value_skips_without_backoff():
+    opt = ujax.loss_scaling(optax.sgd(1.0), "dynamic")
+    state = opt.init(jnp.ones(2))
+    updates, state = opt.update(jnp.ones(2), state, value=jnp.float32(jnp.inf))
+    ls = ujax.get_loss_scale(state)
+    assert float(ls.loss_scale) == 2.0**15 and int(ls.total_skips) == 1
+    assert jnp.all(updates == 0)
+
+
+def test_get_loss_scale_needs_exactly_one():
+    with pytest.raises(ValueError, match="found 0"):
+        ujax.get_loss_scale(optax.sgd(1.0).init(jnp.ones(1)))
+
+
+def test_loss_scaling_rejects_non_optimizer():
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        ujax.loss_scaling(lambda g: g)
+
+
+def _multisteps_run(multisteps_cls, micro_grads):
+    opt = multisteps_cls(
+        ujax.loss_scaling(optax.sgd(1.0), core.DynamicLossScale(init_scale=2.0)), every_k_schedule=2
+    )
+    params = jnp.array([1.0, 2.0])
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    history = []
+    for g in micro_grads:
+        scaled = ujax.get_loss_scale(state).scale(jnp.array(g, jnp.float32))
+        updates, state = update(scaled, state, params)
+        params = optax.apply_updates(params, updates)
+        history.append((params, state))
+    return history
+
+
+def test_multisteps_skips_a_bad_window_whole_and_resets_to_exact_zeros():
+    history = _multisteps_run(ujax.MultiSteps, [[np.nan, 0.0], [1.0, 1.0], [1.0, 3.0], [3.0, 1.0]])
+    params, state = history[1]  # end of the bad window
+    assert params.tolist() == [1.0, 2.0]
+    assert tree_bits(state.acc_grads) == tree_bits(jnp.zeros(2))  # +0.0, not NaN or -0.0
+    ls = ujax.get_loss_scale(state)
+    assert (float(ls.loss_scale), int(ls.total_skips)) == (1.0, 1)
+    params, state = history[3]  # the next window applies the mean gradient [2, 2]
+    assert params.tolist() == [-1.0, 0.0]
+    assert int(ujax.get_loss_scale(state).consecutive_skips) == 0
+
+
+def test_upstream_optax_multisteps_keeps_nan_after_a_bad_window():
+    # Why unimp ships MultiSteps: optax resets with 0 * acc, and 0 * nan is nan. If this starts
+    # failing, optax fixed it and unimp.backends.jax.MultiSteps can become an alias.
+    history = _multisteps_run(optax.MultiSteps, [[np.nan, 0.0], [1.0, 1.0], [1.0, 3.0], [3.0, 1.0]])
+    assert bool(jnp.isnan(history[1][1].acc_grads).any())
+    assert history[3][0].tolist() == [1.0, 2.0]  # the clean second window is lost too
+
+
+@pytest.mark.parametrize(
+    "make_opt,warns",
+    [
+        (lambda: optax.adam(1e-3), True),
+        (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adagrad(1e-3)), True),
+        (lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, eps=1e-4), False),
+        (lambda: optax.sgd(1e-3, momentum=0.9), False),
+    ],
+    ids=["adam", "chained-adagrad", "adam-eps-1e-4", "sgd-momentum"],
+)
+def test_pure_float16_second_moments_warn(make_opt, warns):
+    import warnings
+
+    mp = ujax.MixedPrecision(unimp.get_recipe("float16", loss_scale="none"))
+    params = {"w": jnp.ones(3)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp.train_step(lambda p, b: jnp.sum(p["w"] * b), make_opt(), params)
+    said = [w for w in caught if issubclass(w.category, unimp.HalfOptimizerStateWarning)]
+    assert len(said) == int(warns)
+    # float32 optimizer state (a mixed recipe) is never a problem
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        ujax.MixedPrecision("mixed_float16").train_step(lambda p, b: jnp.sum(p["w"] * b), make_opt(), params)
+
+
+def test_half_state_check_reads_injected_eps_and_never_raises():
+    import warnings
+
+    mp = ujax.MixedPrecision(unimp.get_recipe("float16", loss_scale="none"))
+    params = {"w": jnp.ones(3)}
+    array_eps = optax.inject_hyperparams(optax.adam)(learning_rate=0.1, eps=jnp.full(3, 1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        mp.train_step(lambda p, b: jnp.sum(p["w"] * b), array_eps, params)  # used to raise TypeError
+    two = optax.chain(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, eps=1e-4),
+        optax.inject_hyperparams(optax.rmsprop)(learning_rate=1e-3, eps=1e-8),
+    )
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="epsilon is 0 in float16"):
+        mp.train_step(lambda p, b: jnp.sum(p["w"] * b), two, params)  # the smallest eps counts

@@ -1,0 +1,59 @@
+"""jax backend, ``overflow``: all_finite, selecting and replica agreement."""
+
+from conftest import require_backend
+
+ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from backends.jax.helpers import tree_bits  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "tree,expected",
+    [
+        ({"a": jnp.ones(3), "b": jnp.zeros((2, 2), jnp.bfloat16)}, True),
+        ({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.nan], jnp.float16)}, False),
+        ([jnp.array([jnp.inf])], False),
+        ({"i": jnp.arange(3), "f": jnp.ones(1)}, True),
+        ({}, True),
+        ((1.0, float("inf")), False),
+    ],
+    ids=["finite", "nan-half", "inf", "ints-ignored", "empty", "python-inf"],
+)
+def test_all_finite(tree, expected):
+    out = ujax.all_finite(tree)
+    assert out.dtype == jnp.bool_ and out.shape == () and bool(out) is expected
+
+
+def test_all_finite_axis_name_agrees_across_replicas():
+    x = jnp.array([[1.0, 2.0], [jnp.nan, 0.0], [3.0, 4.0]])
+    local = jax.vmap(ujax.all_finite)(x)
+    shared = jax.vmap(lambda r: ujax.all_finite(r, axis_name="i"), axis_name="i")(x)
+    assert local.tolist() == [True, False, True]
+    assert shared.tolist() == [False, False, False]
+
+
+def test_select_tree_is_bitwise():
+    a = {"x": jnp.array([-0.0, jnp.nan]), "n": jnp.int32(1)}
+    b = {"x": jnp.array([1.0, 2.0]), "n": jnp.int32(2)}
+    assert tree_bits(ujax.select_tree(jnp.array(True), a, b)) == tree_bits(a)
+    assert tree_bits(jax.jit(ujax.select_tree)(jnp.array(False), a, b)) == tree_bits(b)
+
+
+@pytest.mark.parametrize(
+    "pred,a,b,match",
+    [
+        (jnp.array([True]), jnp.ones(1), jnp.ones(1), "bool scalar"),
+        (jnp.float32(1), jnp.ones(1), jnp.ones(1), "bool scalar"),
+        (True, {"a": jnp.ones(1)}, {"b": jnp.ones(1)}, "structure"),
+        (True, jnp.ones(1), jnp.ones(1, jnp.float16), "differs"),
+    ],
+    ids=["shape", "dtype", "structure", "leaf-dtype"],
+)
+def test_select_tree_errors(pred, a, b, match):
+    with pytest.raises(ValueError, match=match):
+        ujax.select_tree(pred, a, b)

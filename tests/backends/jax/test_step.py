@@ -1,0 +1,283 @@
+"""jax backend, ``step``: the train step (clipping, accumulation, skips, state, syncs, bad input)."""
+
+from conftest import require_backend
+
+ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.jax.helpers import HALF, RECIPE, LinenMLP, _affine_loss, _xent, tree_bits  # noqa: E402
+from unimp import loss_scale as core  # noqa: E402
+
+
+def _dot_loss(params, batch):
+    return jnp.dot(params, batch)
+
+
+def _half_dot(params, batch):
+    # float16 compute: a large input keeps the loss finite but overflows the scaled gradient.
+    return jnp.dot(params.astype(jnp.float16), batch.astype(jnp.float16)).astype(jnp.float32)
+
+
+def test_train_step_right_value_clipping_on_unscaled_grads():
+    mp = ujax.MixedPrecision(
+        unimp.Recipe("mixed_float16", core.DynamicLossScale(init_scale=2.0**16))
+    )
+    step = mp.train_step(_dot_loss, optax.sgd(1.0), jnp.zeros(2), max_grad_norm=1.0)
+    r = step(jnp.array([3.0, 4.0]))
+    assert r.scale == 65536.0 and r.grad_norm == 5.0 and r.applied
+    assert step.params.tolist() == [-np.float32(0.6), -np.float32(0.8)]
+
+
+def test_train_step_grad_norm_none_without_clipping():
+    r = ujax.MixedPrecision("float32").train_step(_dot_loss, optax.sgd(1.0), jnp.zeros(2))(
+        jnp.ones(2)
+    )
+    assert r.grad_norm is None and r.scale == 1.0 and r.loss == 0.0
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-3),
+    "chain-clip-adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    "inject-hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+}
+
+
+@pytest.mark.parametrize("host_params", [False, True], ids=["jax-params", "numpy-params"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_train_step_second_call_does_not_recompile(opt, host_params):
+    arr = np if host_params else jnp
+    params = {"w": arr.zeros(2, arr.float32), "b": arr.float32(0.0)}
+    step = ujax.MixedPrecision("mixed_float16").train_step(_affine_loss, OPTIMIZERS[opt](), params)
+    step(jnp.ones(2))
+    step(jnp.array([jnp.inf, 1.0]))  # a skipped step runs the same compiled function
+    step(jnp.ones(2) * 2)
+    assert step.traces == 1
+    assert step.jitted._cache_size() == 1
+
+
+@pytest.mark.parametrize("opt", ["adam", "chain-clip-adamw"])
+def test_train_step_donate_updates_in_place_with_the_same_results(opt):
+    params = {"w": jnp.array([0.5, -1.0]), "b": jnp.float32(0.25)}
+    mp = ujax.MixedPrecision("mixed_float16")
+    kept = mp.train_step(_affine_loss, OPTIMIZERS[opt](), params)
+    donated = mp.train_step(_affine_loss, OPTIMIZERS[opt](), params, donate=True)
+    batches = [jnp.ones(2), jnp.array([jnp.inf, 1.0]), jnp.array([3.0, -2.0]), jnp.ones(2) * 2]
+    for b in batches:  # a skipped step in the middle
+        before = donated.params
+        r_kept, r_donated = kept(b), donated(b)
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(before))  # in place
+        assert (r_kept.applied, r_kept.scale, r_kept.loss) == (r_donated.applied, r_donated.scale, r_donated.loss)
+        assert tree_bits(donated.params) == tree_bits(kept.params)
+        assert tree_bits(donated.opt_state) == tree_bits(kept.opt_state)
+    assert donated.traces == 1
+    # the caller's params were copied, never donated
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(params))
+    assert float(params["b"]) == 0.25
+    with pytest.raises(TypeError, match="donate must be True or False"):
+        mp.train_step(_affine_loss, optax.sgd(0.1), params, donate="yes")
+
+
+def test_train_step_grad_overflow_skips_and_backs_off():
+    step = ujax.MixedPrecision("mixed_float16").train_step(
+        _half_dot, optax.adam(0.1), jnp.array([-0.0, 1.0])
+    )
+    step(jnp.ones(2))
+    params, opt_state = step.params, step.opt_state
+    r = step(jnp.array([1000.0, 1.0]))  # loss ~1000 is finite; 2**15 * 1000 overflows float16
+    assert not r.applied and not r.grads_finite and r.loss_finite
+    assert tree_bits(step.params) == tree_bits(params)
+    assert tree_bits(step.opt_state) == tree_bits(opt_state)
+    assert step.loss_scale.loss_scale == 2.0**14 and (r.consecutive_skips, r.total_skips) == (1, 1)
+
+
+def test_train_step_forward_overflow_skips_without_backoff():
+    step = ujax.MixedPrecision("mixed_float16").train_step(
+        lambda p, b: jnp.sum(p) * b, optax.sgd(1.0), jnp.ones(2)
+    )
+    r = step(jnp.float32(jnp.inf))
+    assert (r.applied, r.loss_finite, r.scale) == (False, False, 2.0**15)
+    assert float(step.loss_scale.loss_scale) == 2.0**15 and r.total_skips == 1
+    assert step.params.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("loss_scale", ["none", 128.0, "dynamic"])
+def test_train_step_every_kind_skips_and_counts(loss_scale):
+    mp = ujax.MixedPrecision(unimp.Recipe("mixed_bfloat16", loss_scale))
+    step = mp.train_step(_dot_loss, optax.sgd(1.0), jnp.ones(2))
+    r1 = step(jnp.array([jnp.nan, 1.0]))
+    r2 = step(jnp.array([jnp.nan, 1.0]))
+    r3 = step(jnp.array([1.0, 1.0]))
+    assert [r.applied for r in (r1, r2, r3)] == [False, False, True]
+    assert (r2.consecutive_skips, r2.total_skips, r3.consecutive_skips, r3.total_skips) == (
+        2,
+        2,
+        0,
+        2,
+    )
+    assert step.params.tolist() == [0.0, 0.0]
+
+
+def _mse(params, batch):
+    return jnp.mean((batch["x"] @ params - batch["y"]) ** 2)
+
+
+def test_train_step_accumulation_is_mean_of_micro_batch_grads():
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=8), jnp.float32),
+    }
+    mp = ujax.MixedPrecision("mixed_float16")
+    full = mp.train_step(_mse, optax.sgd(0.1), jnp.ones(3))
+    accum = mp.train_step(_mse, optax.sgd(0.1), jnp.ones(3), grad_accum_steps=4)
+    micro = [{k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()} for i in range(4)]
+    r_full, r_acc = full(batch), accum(micro)
+    np.testing.assert_allclose(accum.params, full.params, rtol=1e-6)
+    expected_loss = np.mean(
+        [
+            float(_mse(jnp.ones(3), {k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()}))
+            for i in range(4)
+        ]
+    )
+    np.testing.assert_allclose(r_acc.loss, expected_loss, rtol=1e-6)
+    assert r_full.applied and r_acc.applied
+
+
+def test_train_step_accumulation_skips_the_whole_window():
+    x = jnp.ones((4, 3)).at[3, 0].set(jnp.inf)
+    step = ujax.MixedPrecision("mixed_float16").train_step(
+        _mse, optax.sgd(0.1), jnp.ones(3), grad_accum_steps=2
+    )
+    r = step([{"x": x[:2], "y": jnp.zeros(2)}, {"x": x[2:], "y": jnp.zeros(2)}])
+    assert not r.applied and step.params.tolist() == [1.0, 1.0, 1.0]
+    r = step([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2)
+    assert r.applied and step.traces == 1
+
+
+def test_train_step_state_dict_roundtrip_and_cross_backend_resume():
+    step = ujax.MixedPrecision("mixed_float16").train_step(_half_dot, optax.sgd(1.0), jnp.ones(2))
+    step(jnp.array([1000.0, 1.0]))
+    saved = step.state_dict()
+    assert saved["state"] == {
+        "scale": 2.0**14,
+        "counter": 0,
+        "consecutive_skips": 1,
+        "total_skips": 1,
+    }
+    d = core.state_dict(core.DynamicLossScale.preset("torch"), core.LossScaleState(512.0, 3, 0, 9))
+    step.load_state_dict(d)
+    assert step.state_dict() == d
+    r = step(jnp.ones(2))
+    assert r.scale == 512.0 and r.total_skips == 9
+
+
+def test_train_step_bad_state_dict_changes_nothing():
+    step = ujax.MixedPrecision("mixed_float16").train_step(_dot_loss, optax.sgd(1.0), jnp.ones(2))
+    before = step.state_dict()
+    with pytest.raises(ValueError, match="format"):
+        step.load_state_dict({"scale": 1.0})
+    assert step.state_dict() == before
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"grad_accum_steps": 0}, ValueError, "grad_accum_steps"),
+        ({"grad_accum_steps": 1.5}, ValueError, "grad_accum_steps"),
+        ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": float("nan")}, ValueError, "max_grad_norm"),
+        ({"optimizer": "adam"}, TypeError, "GradientTransformation"),
+        ({"loss_fn": None}, TypeError, "loss_fn"),
+        ({"optimizer": ujax.loss_scaling(optax.sgd(1.0))}, ValueError, "plain optax optimizer"),
+    ],
+    ids=[
+        "accum-0",
+        "accum-float",
+        "norm-negative",
+        "norm-nan",
+        "optimizer-str",
+        "loss-none",
+        "double-scaling",
+    ],
+)
+def test_train_step_errors(kwargs, exc, match):
+    args = {"loss_fn": _dot_loss, "optimizer": optax.sgd(1.0), "params": jnp.ones(2), **kwargs}
+    with pytest.raises(exc, match=match):
+        ujax.MixedPrecision().train_step(**args)
+
+
+@pytest.mark.parametrize(
+    "batch,needle",
+    [
+        ({"x": jnp.ones((6, 3)), "y": jnp.zeros(6)}, "list of 3 micro-batches"),
+        ([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2, "list of 3 micro-batches, got list of length 2"),
+        ([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2 + [{"x": jnp.ones((3, 3)), "y": jnp.zeros(3)}], "micro-batch 2 differs"),
+    ],
+    ids=["not-a-list", "wrong-length", "ragged"],
+)
+def test_train_step_bad_window_changes_nothing(batch, needle):
+    step = ujax.MixedPrecision().train_step(_mse, optax.sgd(0.1), jnp.ones(3), grad_accum_steps=3)
+    with pytest.raises(ValueError, match=needle):
+        step(batch)
+    assert step.params.tolist() == [1.0, 1.0, 1.0] and step.traces == 0
+
+
+def test_train_step_non_scalar_loss():
+    step = ujax.MixedPrecision().train_step(lambda p, b: p * b, optax.sgd(0.1), jnp.ones(2))
+    with pytest.raises(ValueError, match="scalar loss"):
+        step(jnp.ones(2))
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_train_step_linen_dtypes(half):
+    mp = ujax.MixedPrecision(RECIPE[half])
+    model = LinenMLP(**mp.module_kwargs())
+    x, y = jnp.ones((4, 8)), jnp.arange(4)
+    variables = model.init(jax.random.key(0), x)
+    seen = {}
+
+    def loss_fn(params, batch):
+        logits = model.apply({**variables, "params": params}, batch["x"])
+        seen["logits"] = logits.dtype
+        return _xent(mp.cast_to_output(logits), batch["y"])
+
+    step = mp.train_step(loss_fn, optax.adam(1e-3), variables["params"])
+    r = step({"x": x, "y": y})
+    assert r.applied and seen["logits"] == jnp.dtype(half)
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(step.params))
+    assert all(
+        m.dtype == jnp.float32
+        for m in jax.tree_util.tree_leaves(step.opt_state)
+        if jnp.issubdtype(m.dtype, jnp.floating)
+    )
+
+
+def test_shard_map_replicas_take_the_same_decision():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    P = jax.sharding.PartitionSpec
+    n = len(jax.devices())
+    grads = jnp.ones((n, 2)).at[0, 0].set(jnp.nan)  # one replica overflows
+
+    def per_replica(g, ls):
+        finite = ujax.all_finite(g, axis_name="d")
+        return ls.adjust(finite).loss_scale[None], finite[None]
+
+    fn = jax.shard_map(per_replica, mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P("d")))
+    scales, finite = fn(grads, ujax.DynamicLossScale(8.0))
+    assert scales.tolist() == [4.0] * n and finite.tolist() == [False] * n
+
+
+def test_integer_loss_is_refused_like_the_other_backends():
+    step = ujax.MixedPrecision().train_step(lambda p, b: jnp.sum(b).astype(jnp.int32), optax.sgd(0.1), jnp.ones(2))
+    with pytest.raises(TypeError, match="floating loss"):
+        step(jnp.ones(2))
+    assert step.params.tolist() == [1.0, 1.0]

@@ -1,0 +1,174 @@
+"""tensorflow backend, ``optimizer``: a skipped step leaves the parameters and the optimizer state unchanged; half optimizer state."""
+
+import os
+
+from conftest import require_backend
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.tensorflow.helpers import F32, INF, lso  # noqa: E402
+from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale  # noqa: E402
+
+
+def _one_step(opt, w, mode):
+    if mode.startswith("tf_keras2"):
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(0.5 * w * w)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, [w]))
+        if mode == "tf_keras2_clipped":  # transformed after unscaling: still not divided again
+            grads, _ = tf.clip_by_global_norm(grads, 10.0)
+    else:
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(0.5 * w * w)
+        grads = tape.gradient(scaled, [w])
+    opt.apply_gradients(zip(grads, [w], strict=True))
+
+
+@pytest.mark.parametrize("mode", ["keras3", "tf_keras2", "tf_keras2_clipped"])
+@pytest.mark.parametrize("compile_", ["eager", "function", "jit"])
+def test_right_value_w_is_0_9_after_one_step(mode, compile_):
+    # L = 0.5 w^2, w = 1, SGD lr 0.1, scale 1024 -> w == 0.9 (0.99990234 if divided twice)
+    opt = lso(StaticLossScale(1024.0), keras.optimizers.SGD(0.1))
+    w = keras.Variable(1.0)
+    if compile_ == "eager":
+        _one_step(opt, w, mode)
+    else:
+        tf.function(lambda: _one_step(opt, w, mode), jit_compile=compile_ == "jit")()
+    assert w.numpy() == F32(0.9)
+    assert int(opt.iterations.numpy()) == 1 and float(opt.dynamic_scale.numpy()) == 1024.0
+
+
+def test_unscaled_flag_lasts_one_step():
+    opt = lso(StaticLossScale(1024.0), keras.optimizers.SGD(0.1))
+    w = keras.Variable(1.0)
+    _one_step(opt, w, "tf_keras2")
+    _one_step(opt, w, "keras3")  # gradients of the scaled loss again: divided once
+    assert w.numpy() == F32(0.9) - F32(0.1) * F32(0.9)
+
+
+def test_scaled_loss_is_loss_times_scale_in_float32():
+    opt = lso(DynamicLossScale(init_scale=2.0**16))
+    scaled = opt.scale_loss(tf.constant(2.0, tf.float16))
+    assert scaled.dtype == tf.float32 and float(scaled) == 2.0**17  # float16 would overflow
+
+
+def test_bfloat16_recipe_has_no_scaling_and_right_value():
+    mp = unimp.mixed_precision("mixed_bfloat16", backend="tensorflow")
+    opt = mp.loss_scale_optimizer(keras.optimizers.SGD(0.1))
+    w = keras.Variable(1.0)
+    assert float(opt.scale_loss(tf.constant(3.0))) == 3.0
+    _one_step(opt, w, "keras3")
+    assert w.numpy() == F32(0.9)
+    opt.apply_gradients([(tf.constant(INF), w)])
+    assert w.numpy() == F32(0.9) and int(opt.total_skips.numpy()) == 1
+
+
+@pytest.mark.parametrize("compile_", ["eager", "function", "jit"])
+def test_skip_leaves_variables_and_inner_state_unchanged(compile_):
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    opt = lso(
+        DynamicLossScale(init_scale=256.0, growth_interval=2), keras.optimizers.Adam(schedule)
+    )
+    w = keras.Variable(np.array([1.0, -2.0], np.float32))
+
+    def step(g):
+        opt.apply([g], [w])
+
+    run = step if compile_ == "eager" else tf.function(step, jit_compile=compile_ == "jit")
+    run(tf.constant([256.0, 512.0]))
+    before = [np.array(v.numpy()) for v in opt.inner_optimizer.variables] + [w.numpy().copy()]
+    lr_before = float(opt.inner_optimizer.learning_rate.numpy())
+    run(tf.constant([np.nan, 1.0], tf.float32))
+    after = [np.array(v.numpy()) for v in opt.inner_optimizer.variables] + [w.numpy()]
+    for b, a in zip(before, after, strict=True):
+        assert b.tobytes() == a.tobytes()
+    assert int(opt.iterations.numpy()) == 1
+    assert float(opt.inner_optimizer.learning_rate.numpy()) == lr_before
+    assert float(opt.dynamic_scale.numpy()) == 128.0 and int(opt.total_skips.numpy()) == 1
+
+
+def test_forward_overflow_skips_without_lowering_scale():
+    opt = lso(DynamicLossScale(init_scale=1024.0, growth_interval=3))
+    w = keras.Variable(1.0)
+    with tf.GradientTape() as tape:
+        scaled = opt.scale_loss(tf.constant(INF) + 0.0 * w)
+    opt.apply_gradients([(tf.constant(1.0), w)])  # finite grads, non-finite loss
+    assert scaled.numpy() == INF
+    assert w.numpy() == F32(1.0) and int(opt.iterations.numpy()) == 0
+    assert float(opt.dynamic_scale.numpy()) == 1024.0
+    assert (int(opt.consecutive_skips.numpy()), int(opt.total_skips.numpy())) == (1, 1)
+    del tape
+    # the pending flag is consumed: the next clean step applies
+    _one_step(opt, w, "keras3")
+    assert int(opt.iterations.numpy()) == 1 and int(opt.consecutive_skips.numpy()) == 0
+
+
+def test_failed_apply_changes_nothing():
+    opt = lso(DynamicLossScale(init_scale=8.0))
+    w = keras.Variable(np.ones(2, np.float32))
+    opt.apply([tf.constant([1.0, 1.0])], [w])
+    before = (w.numpy().copy(), opt.state_dict(), int(opt.iterations.numpy()))
+    with pytest.raises(ValueError, match="gradients"):
+        opt.apply([tf.constant([1.0, 1.0]), tf.constant(1.0)], [w])
+    assert (w.numpy().tobytes(), opt.state_dict(), int(opt.iterations.numpy())) == (
+        before[0].tobytes(),
+        before[1],
+        before[2],
+    )
+
+
+def test_none_loss_scale_keeps_scale_one_and_counts_skips():
+    opt = lso(NoLossScale())
+    w = keras.Variable(1.0)
+    opt.apply([tf.constant(np.nan)], [w])
+    assert float(opt.dynamic_scale.numpy()) == 1.0 and int(opt.total_skips.numpy()) == 1
+
+
+def test_pure_float16_adam_warns_when_keras_builds_float16_slots():
+    mp = unimp.mixed_precision("float16", backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="Adam keeps its moments in float16"):
+        step = mp.train_step(model, keras.optimizers.Adam(1e-3), lambda m, b: tf.reduce_mean(m(b)))
+    assert {v.dtype for v in step.optimizer.inner_optimizer.variables if "momentum" in v.name} == {"float16"}
+
+
+@pytest.mark.parametrize(
+    "recipe,make_opt",
+    [
+        ("float16", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+        ("float16", lambda: keras.optimizers.Adam(1e-3, epsilon=1e-4)),
+        ("mixed_float16", lambda: keras.optimizers.Adam(1e-3)),
+        ("bfloat16", lambda: keras.optimizers.Adam(1e-3)),
+    ],
+)
+def test_no_half_state_warning_where_the_state_is_safe(recipe, make_opt):
+    import warnings
+
+    mp = unimp.mixed_precision(recipe, backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        mp.train_step(model, make_opt(), lambda m, b: tf.reduce_mean(m(b)))
+
+
+def test_half_state_warning_for_a_prebuilt_optimizer_and_numpy_eps_points_at_the_caller():
+    mp = unimp.mixed_precision("float16", backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    adam = keras.optimizers.Adam(1e-3, epsilon=np.float32(1e-8))
+    adam.build(model.trainable_variables)  # built before unimp wraps it
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="becomes 0 in float16") as caught:
+        mp.train_step(model, adam, lambda m, b: tf.reduce_mean(m(b)))
+    assert caught[0].filename == __file__

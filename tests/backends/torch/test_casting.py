@@ -1,0 +1,86 @@
+"""torch backend, ``casting``: dtype mapping and cast_tree (and module mode / master weights in torch)."""
+
+from conftest import require_backend
+
+ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.torch.helpers import (  # noqa: E402
+    DEV,
+    HALF,
+    MIXED,
+    _assert_bitwise,
+    _batch,
+    _loss,
+    _mlp,
+)
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_cast_tree_touches_floating_leaves_only(half):
+    mp = ut.MixedPrecision(MIXED[half], device=DEV)
+    tree = {"x": torch.ones(2), "i": torch.tensor([1, 2]), "b": torch.tensor([True]),
+            "s": 3.5, "nested": [torch.zeros(1, dtype=torch.float64), "text", (torch.ones(1),)]}
+    out = mp.cast_to_compute(tree)
+    assert out["x"].dtype == ut.to_dtype(half)
+    assert out["i"] is tree["i"] and out["b"] is tree["b"] and out["s"] == 3.5
+    assert out["nested"][0].dtype == ut.to_dtype(half) and out["nested"][1] == "text"
+    assert out["nested"][2][0].dtype == ut.to_dtype(half)
+    back = mp.cast_to_output(out)
+    assert back["x"].dtype == torch.float32 and back["i"].dtype == torch.int64
+    assert mp.cast_to_param(out)["nested"][0].dtype == torch.float32
+
+
+def test_cast_tree_keeps_mapping_types():
+    from collections import OrderedDict, defaultdict
+    from types import MappingProxyType
+
+    od = ut.cast_tree(OrderedDict(a=torch.ones(1)), "bf16")
+    dd = ut.cast_tree(defaultdict(list, a=torch.ones(1)), "bf16")
+    frozen = ut.cast_tree(MappingProxyType({"a": torch.ones(1)}), "bf16")
+    assert type(od) is OrderedDict and type(dd) is defaultdict and dd.default_factory is list
+    assert od["a"].dtype == dd["a"].dtype == frozen["a"].dtype == torch.bfloat16
+
+
+def test_module_mode_masters_start_exact():
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ut.MixedPrecision(unimp.get_recipe("O2"), device=DEV).prepare(model, opt)
+    for b, m in zip(before, ut.master_params(opt), strict=True):
+        _assert_bitwise(b, m.detach())
+
+
+def test_module_mode_moves_existing_optimizer_state_to_masters():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y, _ = _batch(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    steps = sorted(int(s["step"]) for s in opt.state.values())
+    model, opt = ut.MixedPrecision("O2", device=DEV).prepare(model, opt)
+    assert set(opt.state) == set(ut.master_params(opt))
+    assert sorted(int(s["step"]) for s in opt.state.values()) == steps
+
+
+def test_module_mode_checkpoints_carry_the_masters():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ut.MixedPrecision("O2", device=DEV).prepare(model, opt)
+    step = ut.MixedPrecision("O2", device=DEV).train_step(model, opt, _loss)
+    step(_batch(0))
+    sd = model.state_dict()
+    masters = list(ut.master_params(opt))
+    assert sd["0.weight"].dtype == torch.float32 and torch.equal(sd["0.weight"], masters[0].detach())
+    plain = _mlp(seed=1)
+    plain.load_state_dict(sd)  # loads into a float32 model without loss
+    assert torch.equal(plain[0].weight, masters[0].detach())
+    model.load_state_dict(_mlp(seed=2).state_dict())
+    assert torch.equal(masters[0].detach(), _mlp(seed=2)[0].weight.detach())
+    step(_batch(1))  # the next step starts from the loaded weights, not the old masters
+    assert not torch.equal(masters[0].detach(), plain[0].weight.detach())
+    assert torch.equal(model[0].weight, masters[0].detach().half())

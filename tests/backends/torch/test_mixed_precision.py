@@ -1,0 +1,143 @@
+"""torch backend, ``mixed_precision``: the recipe bound to the framework (exports, autocast, prepare, examples)."""
+
+from conftest import require_backend
+
+ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.torch.helpers import (  # noqa: E402
+    DEV,
+    HALF,
+    MIXED,
+    _batch,
+    _mlp,
+)
+from unimp.backends._base import COMMON_API, MixedPrecisionBase  # noqa: E402
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def test_exports_common_api():
+    assert set(COMMON_API) <= set(ut.__all__)
+    for name in ut.__all__:
+        assert hasattr(ut, name), name
+    assert ut.StepResult is unimp.StepResult
+    assert issubclass(ut.MixedPrecision, MixedPrecisionBase)
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_mixed_precision_binding(half):
+    mp = unimp.mixed_precision(MIXED[half], backend="torch", device=DEV)
+    assert isinstance(mp, ut.MixedPrecision)
+    assert mp.compute_dtype == ut.to_dtype(half)
+    assert mp.param_dtype == torch.float32 and mp.output_dtype == torch.float32
+    assert mp.policy.compute_dtype == half and mp.recipe.policy is mp.policy
+    with mp.autocast():
+        assert torch.is_autocast_enabled(DEV) and torch.get_autocast_dtype(DEV) == ut.to_dtype(half)
+
+
+@pytest.mark.parametrize("device", [DEV, "meta"])
+@pytest.mark.parametrize("name", ["float32", "O0", "32-true"])
+def test_float32_recipe_is_a_noop(name, device):
+    mp = unimp.mixed_precision(name, backend="torch", device=device)
+    model = _mlp()
+    forward = model.forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = mp.prepare(model)
+        with mp.autocast():
+            assert not torch.is_autocast_enabled(DEV)
+    assert out is model and model.forward == forward and mp.mode == "none"
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("mode", ["autocast", "module"])
+def test_dtype_audit(half, mode):
+    mp = ut.MixedPrecision(unimp.get_recipe(MIXED[half], cast_mode=mode), device=DEV)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mp.prepare(model, opt)
+    seen = {}
+    model[0].register_forward_hook(lambda m, a, o: seen.update(linear=o.dtype))  # returns None
+    model[1].register_forward_hook(lambda m, a, o: seen.update(norm_in=a[0].dtype))
+    x, y, _ = _batch(0)
+    out = model(x)
+    assert seen["linear"] == ut.to_dtype(half)
+    assert out.dtype == torch.float32
+    ints = torch.tensor([1, 2])
+    assert mp.cast_to_compute(ints) is ints
+    torch.nn.functional.cross_entropy(out, y).backward()
+    opt.step()  # master weights: grads moved to float32 and values copied back
+    for p in ut.master_params(opt):
+        assert p.dtype == torch.float32
+    if mode == "module":
+        assert seen["norm_in"] == torch.float32 and model[1].weight.dtype == torch.float32
+        assert model[0].weight.dtype == ut.to_dtype(half)
+        assert all(p.grad is None or p.grad.dtype == torch.float32 for p in ut.master_params(opt))
+        masters = [p for p in ut.master_params(opt) if p.shape == model[0].weight.shape]
+        assert torch.equal(masters[0].to(ut.to_dtype(half)), model[0].weight)
+    else:
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+# O3 (static scale 1.0) is allowed: unscaling by exactly 1 is exact (test_apex_o3_runs_pure_float16)
+@pytest.mark.parametrize("recipe", ["mixed_float16", "float16"])
+def test_prepare_refuses_float16_params_with_loss_scaling(recipe):
+    model = _mlp().half() if recipe == "mixed_float16" else _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward = model.forward
+    dtypes = [p.dtype for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"0\.weight.*loss_scale='none'"):
+        ut.MixedPrecision(recipe, device=DEV).prepare(model, opt)
+    assert model.forward == forward and [p.dtype for p in model.parameters()] == dtypes
+    assert not getattr(model, "_unimp_prepared", False)
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        (("not a module",), TypeError, "nn.Module"),
+        ((torch.nn.Linear(2, 2), "opt"), TypeError, "Optimizer"),
+        ((torch.nn.Linear(2, 2),), ValueError, "master weights"),
+    ],
+)
+def test_prepare_bad_input(args, exc, match):
+    with pytest.raises(exc, match=match):
+        ut.MixedPrecision("O2", device=DEV).prepare(*args)
+
+
+def test_prepare_twice_raises():
+    mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
+    model = mp.prepare(_mlp())
+    with pytest.raises(ValueError, match="already prepared"):
+        mp.prepare(model)
+
+
+@pytest.mark.parametrize("args", [["--recipe", "mixed_bfloat16"], ["--loop", "scaler", "--recipe", "O2"]])
+def test_mlp_example_runs(args):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "torch_mlp.py"), "--steps", "3", *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "last" in out.stdout
+
+
+def test_apex_o3_runs_pure_float16():
+    mp = ut.MixedPrecision("O3", device="cpu")
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mp.prepare(model, opt)
+    assert next(model.parameters()).dtype == torch.float16
+    step = mp.train_step(model, opt, lambda m, b: m(b).float().pow(2).mean())
+    r = step(torch.ones(3, 4))
+    assert r.applied and r.scale == 1.0

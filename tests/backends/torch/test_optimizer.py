@@ -1,0 +1,133 @@
+"""torch backend, ``optimizer``: a skipped step leaves the parameters and the optimizer state unchanged; half optimizer state."""
+
+from conftest import require_backend
+
+ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+
+import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.torch.helpers import (  # noqa: E402
+    DEV,
+    HALF,
+    MIXED,
+    SKIP_OPTS,
+    _assert_bitwise,
+    _batch,
+    _loss,
+    _mlp,
+    _state_copy,
+)
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("opt_name", list(SKIP_OPTS))
+def test_skip_leaves_params_and_optimizer_state_bitwise(half, opt_name):
+    mp = ut.MixedPrecision(unimp.get_recipe(MIXED[half], loss_scale="dynamic"), device=DEV)
+    model = _mlp()
+    opt = SKIP_OPTS[opt_name](model.parameters())
+    step = mp.train_step(model, opt, _loss)
+    first = step(_batch(0, bad=True))  # skipped first step: the lazy state must not appear
+    assert not first.applied and opt.state == {} or all(not s for s in opt.state.values())
+    assert step(_batch(1)).applied
+    params = [p.detach().clone() for p in model.parameters()]
+    state = _state_copy(opt)
+    r = step(_batch(2, bad=True))
+    assert (r.applied, r.grads_finite, r.loss_finite) == (False, False, True)
+    for a, b in zip(model.parameters(), params, strict=True):
+        _assert_bitwise(a.detach(), b)
+    assert set(opt.state) == set(state)
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            if torch.is_tensor(v):
+                _assert_bitwise(v, state[p][k])
+            else:
+                assert v == state[p][k]
+    assert any("step" in s for s in opt.state.values()) == ("adam" in opt_name or "rms" in opt_name)
+
+
+FIRST_STEP_OPTS = {
+    # dampening != 0: a zero momentum buffer left by a skipped first step would change the next
+    # update (SGD initialises the buffer from the first gradient)
+    "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5),
+    # fused SGD allocates its buffers with torch.empty_like on the first step; torch.amp's
+    # GradScaler leaves that uninitialised memory behind when the first step overflows
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(FIRST_STEP_OPTS))
+def test_skipped_first_step_then_same_as_fresh(opt_name):
+    runs = []
+    for skip_first in (False, True):
+        mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
+        model = _mlp()
+        opt = FIRST_STEP_OPTS[opt_name](model.parameters())
+        step = mp.train_step(model, opt, _loss)
+        if skip_first:
+            step(_batch(0, bad=True))
+        step(_batch(1))
+        step(_batch(2))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs, strict=True):
+        _assert_bitwise(a, b)
+
+
+def test_pure_float16_adam_warns_once_per_optimizer():
+    mp = ut.MixedPrecision("O3", device=DEV)  # pure float16, static scale 1
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="Adam keeps its moments in float16.*becomes 0"):
+        model, opt = mp.prepare(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.train_step(model, opt, lambda m, b: m(b).float().sum())  # said once already
+
+
+@pytest.mark.parametrize(
+    "recipe,make_opt",
+    [
+        ("O3", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),  # no second moment
+        ("O3", lambda ps: torch.optim.Adam(ps, eps=1e-4)),  # the pure-float16 mitigation
+        ("O2", lambda ps: torch.optim.Adam(ps)),  # float32 master weights
+        ("bf16-true", lambda ps: torch.optim.Adam(ps)),  # bfloat16 has float32's range
+    ],
+)
+def test_no_half_state_warning_where_the_state_is_safe(recipe, make_opt):
+    mp = ut.MixedPrecision(recipe, device=DEV)
+    model = torch.nn.Linear(3, 2)
+    opt = make_opt(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        model, opt = mp.prepare(model, opt)
+        mp.train_step(model, opt, lambda m, b: m(b).float().sum())
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.Adam(ps, eps=np.float32(1e-3)),
+        lambda ps: torch.optim.Adam(ps, eps=torch.tensor(1e-3)),
+    ],
+    ids=["numpy-eps", "tensor-eps"],
+)
+def test_half_state_check_reads_any_numeric_eps(make_opt):
+    model = torch.nn.Linear(3, 2)
+    opt = make_opt(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        ut.MixedPrecision("O3", device=DEV).prepare(model, opt)
+
+
+def test_frozen_float16_params_are_not_optimizer_state():
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    opt = torch.optim.Adam([model.bias])  # only a frozen parameter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        ut.MixedPrecision("O3", device=DEV).prepare(model, opt)

@@ -1,0 +1,298 @@
+"""torch backend, ``scaling``: the loss-scale state and its update against the reference and the framework's own scaler."""
+
+from conftest import require_backend
+
+ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.torch.helpers import (  # noqa: E402
+    DEV,
+    _assert_bitwise,
+    _batch,
+    _mlp,
+)
+from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale  # noqa: E402
+
+
+def _run_scaler(scaler, flags, opt_factory):
+    model = _mlp()
+    opt = opt_factory(model.parameters())
+    scales = []
+    for i, ok in enumerate(flags):
+        opt.zero_grad()
+        x, y, _ = _batch(i)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if not ok:
+            model[3].bias.grad[1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return model, opt, scales
+
+
+OPTS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTS))
+@settings(max_examples=8, deadline=None)
+@given(flags=st.lists(st.booleans(), min_size=1, max_size=10))
+def test_matches_torch_grad_scaler(opt_name, flags):
+    cfg = DynamicLossScale.preset("torch", growth_interval=2)
+    ref = torch.amp.GradScaler(DEV, init_scale=cfg.init_scale, growth_interval=2)
+    m_ref, o_ref, s_ref = _run_scaler(ref, flags, OPTS[opt_name])
+    m, o, s = _run_scaler(ut.GradScaler(cfg, device=DEV), flags, OPTS[opt_name])
+    assert s == s_ref
+    for a, b in zip(m.parameters(), m_ref.parameters(), strict=True):
+        _assert_bitwise(a.detach(), b.detach())
+    # torch's fused path leaves zero state behind a skipped first step; unimp leaves none
+    assert len(o.state) == (len(o_ref.state) if any(flags) else 0)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DynamicLossScale(init_scale=4.0, growth_interval=1, min_scale=1.0, max_scale=16.0),
+        DynamicLossScale.preset("apex", growth_interval=1),
+        DynamicLossScale(init_scale=2.0**127, growth_interval=1, min_scale=None, max_scale=None),
+        StaticLossScale(128.0),
+        NoLossScale(),
+    ],
+    ids=["dyn_min_max", "apex", "near_fmax", "static", "none"],
+)
+@settings(max_examples=10, deadline=None)
+@given(flags=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=14))
+def test_scaler_matches_reference(cfg, flags):
+    scaler = ut.GradScaler(cfg, device=DEV)
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for grads_ok, loss_ok in flags:
+        opt.zero_grad()
+        # a tiny loss keeps the scaled gradients finite even at a scale of 2**127
+        loss = (w * torch.tensor([1.0, 2.0])).sum() * (1e-30 if loss_ok else float("inf"))
+        scaler.scale(loss).backward()
+        if not grads_ok:
+            w.grad[0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+    expected = unimp.simulate(cfg, flags)[-1]
+    assert scaler.state == expected
+
+
+def test_forward_overflow_skips_without_backoff():
+    scaler = ut.GradScaler(DynamicLossScale(init_scale=1024.0), device=DEV)
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler.scale((w * float("inf")).sum()).backward()
+    applied = scaler.step(opt)
+    scaler.update()
+    assert not bool(applied) and torch.equal(w.detach(), torch.ones(2))
+    s = scaler.state
+    assert (float(s.scale), int(s.consecutive_skips), int(s.total_skips)) == (1024.0, 1, 1)
+
+
+def test_unscale_twice_is_harmless():
+    scaler = ut.GradScaler(StaticLossScale(8.0), device=DEV)
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([w], lr=1.0)
+    scaler.scale((w * torch.tensor([3.0, 4.0])).sum()).backward()
+    scaler.unscale_(opt)
+    scaler.unscale_(opt)
+    assert torch.equal(w.grad, torch.tensor([3.0, 4.0]))
+    assert bool(scaler.step(opt))
+    scaler.update()
+    assert torch.equal(w.detach(), torch.tensor([-2.0, -2.0]))
+
+
+def test_two_optimizers_share_one_scaler():
+    scaler = ut.GradScaler(DynamicLossScale(init_scale=256.0), device=DEV)
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    oa, ob = torch.optim.SGD([a], lr=0.5), torch.optim.SGD([b], lr=0.5)
+    scaler.scale(a.sum() + b.sum()).backward()
+    a.grad[0] = float("inf")
+    ra, rb = scaler.step(oa), scaler.step(ob)
+    scaler.update()
+    assert not bool(ra) and bool(rb)
+    assert torch.equal(a.detach(), torch.ones(2)) and torch.equal(b.detach(), torch.full((2,), 0.5))
+    assert scaler.get_scale() == 128.0 and int(scaler.state.total_skips) == 1  # one update
+
+
+def test_scaler_refuses_float16_grads_naming_params():
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = ut.GradScaler("dynamic", device=DEV)
+    scaler.scale(w.float().sum()).backward()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*master weights"):
+        scaler.unscale_(opt)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        (dict(loss_scale="bogus"), ValueError),
+        (dict(loss_scale=StaticLossScale(2.0), growth_interval=5), ValueError),
+        (dict(loss_scale=None, growth_intervall=5), TypeError),
+        (dict(loss_scale=None, device="nope"), ValueError),
+    ],
+)
+def test_scaler_bad_input(kwargs, exc):
+    with pytest.raises(exc):
+        ut.GradScaler(**kwargs)
+
+
+def test_scaler_accepts_torch_signature():
+    s = ut.GradScaler(DEV, init_scale=1024, growth_interval=7)
+    assert s.get_scale() == 1024.0 and s.config.growth_interval == 7 and s.device == torch.device(DEV)
+    assert ut.GradScaler(enabled=False, device=DEV).is_enabled() is False
+
+
+def _used_scaler(cfg=None):
+    s = ut.GradScaler(cfg or DynamicLossScale(init_scale=64.0, growth_interval=3), device=DEV)
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for bad in (False, True, False):
+        opt.zero_grad()
+        s.scale(w.sum()).backward()
+        if bad:
+            w.grad[0] = float("inf")
+        s.step(opt)
+        s.update()
+    return s
+
+
+@pytest.mark.parametrize("source", ["fresh", "used", "disabled"])
+@pytest.mark.parametrize("target", ["fresh", "used"])
+def test_state_dict_round_trip(source, target):
+    src = {
+        "fresh": lambda: ut.GradScaler(DynamicLossScale(init_scale=32.0), device=DEV),
+        "used": _used_scaler,
+        "disabled": lambda: ut.GradScaler(StaticLossScale(4.0), device=DEV, enabled=False),
+    }[source]()
+    sd = json.loads(json.dumps(src.state_dict()))
+    dst = ut.GradScaler(device=DEV) if target == "fresh" else _used_scaler(DynamicLossScale.preset("jmp"))
+    dst.load_state_dict(sd)
+    assert dst.state_dict() == sd and dst.config == src.config
+
+
+def test_used_state_dict_values():
+    sd = _used_scaler().state_dict()
+    assert sd["format"] == "unimp.loss_scale/1"
+    assert sd["state"] == {"scale": 32.0, "counter": 1, "consecutive_skips": 0, "total_skips": 1}
+
+
+def test_loads_torch_grad_scaler_state_dict():
+    ref = torch.amp.GradScaler(DEV, init_scale=512.0, growth_interval=10)
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(3):
+        ref.scale(w.sum()).backward()
+        ref.step(opt)
+        ref.update()
+    s = ut.GradScaler(device=DEV)
+    s.load_state_dict(ref.state_dict())
+    assert s.get_scale() == 512.0 and int(s.state.counter) == 3 and s.config.growth_interval == 10
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({}, "empty state_dict"),
+        ({"format": "unimp.loss_scale/1", "config": {"kind": "dynamic"}, "state": {"scale": 1.0}}, "missing"),
+        ({"scale": 2.0, "_growth_tracker": 0}, "missing"),
+        ({"format": "other"}, "format"),
+        ("nope", "dict"),
+    ],
+)
+def test_bad_state_dict_changes_nothing(bad, match):
+    s = _used_scaler()
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=match):
+        s.load_state_dict(bad)
+    assert s.state_dict() == before
+
+
+def test_update_with_new_scale():
+    s = _used_scaler()
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    s.update(new_scale=8.0)
+    assert s.get_scale() == 8.0 and int(s.state.counter) == 2
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    with pytest.raises(ValueError, match="outside"):
+        s.update(new_scale=0.5)  # below min_scale=1
+    assert s.get_scale() == 8.0
+
+
+def test_update_without_step_raises():
+    with pytest.raises(RuntimeError, match="no unscale_"):
+        ut.GradScaler(device=DEV).update()
+
+
+@pytest.mark.parametrize(
+    "setter, value",
+    [("set_growth_factor", 0.5), ("set_backoff_factor", 2.0), ("set_growth_interval", 0)],
+)
+def test_scaler_setters_validate(setter, value):
+    s = ut.GradScaler(device=DEV)
+    before = s.config
+    with pytest.raises(ValueError):
+        getattr(s, setter)(value)
+    assert s.config == before
+
+
+def test_scaler_setters_and_getters():
+    s = ut.GradScaler(device=DEV)
+    s.set_growth_factor(4.0)
+    s.set_backoff_factor(0.25)
+    s.set_growth_interval(10)
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (4.0, 0.25, 10)
+
+
+@pytest.mark.parametrize(
+    "new_scale,needle",
+    [
+        (torch.tensor(float("inf")), "outside"),
+        (torch.tensor(0.0), "outside"),
+        (torch.tensor(float("nan")), "outside"),
+        (torch.tensor([1.0, 2.0]), "one-element"),
+        ("abc", "number"),
+    ],
+    ids=["inf", "zero", "nan", "shape", "string"],
+)
+def test_update_new_scale_is_validated_before_anything_changes(new_scale, needle):
+    s = ut.GradScaler(unimp.DynamicLossScale(init_scale=8.0, growth_interval=1), device="cpu")
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    with pytest.raises(ValueError, match=needle):
+        s.update(new_scale)
+    assert s.get_scale() == 8.0
+    s.update()
+    assert s.get_scale() == 16.0
+
+
+def test_static_scale_cannot_be_moved():
+    s = ut.GradScaler(unimp.StaticLossScale(2.0), device="cpu")
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    with pytest.raises(ValueError, match="cannot change"):
+        s.update(4.0)

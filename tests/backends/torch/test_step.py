@@ -1,0 +1,246 @@
+"""torch backend, ``step``: the train step (clipping, accumulation, skips, state, syncs, bad input)."""
+
+from conftest import require_backend
+
+ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+
+import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.torch.helpers import (  # noqa: E402
+    DEV,
+    HALF,
+    MIXED,
+    SKIP_OPTS,
+    _assert_bitwise,
+    _batch,
+    _loss,
+    _mlp,
+    _state_copy,
+)
+from unimp.loss_scale import DynamicLossScale, LossScaleError, StaticLossScale  # noqa: E402
+
+RIGHT_VALUE_RECIPES = ["float32", "mixed_float16", "mixed_bfloat16"]
+
+
+def _right_value_step(max_grad_norm=1.0, grad=(3.0, 4.0), recipe="float32", **kw):
+    mp = ut.MixedPrecision(unimp.get_recipe(recipe, loss_scale=StaticLossScale(2.0**16)), device=DEV)
+    w = torch.nn.Parameter(torch.zeros(2))
+    model = torch.nn.Module()
+    model.w = w
+    opt = torch.optim.SGD([w], lr=1.0)
+    step = mp.train_step(model, opt, lambda m, b: (m.w * b).sum(), max_grad_norm=max_grad_norm, **kw)
+    return step, w, torch.tensor(grad)
+
+
+@pytest.mark.parametrize("recipe", RIGHT_VALUE_RECIPES)
+def test_clipping_on_unscaled_gradients(recipe):
+    step, w, g = _right_value_step(recipe=recipe)
+    r = step(g)
+    assert r.scale == 65536.0 and r.grad_norm == 5.0 and r.applied
+    torch.testing.assert_close(w.detach(), torch.tensor([-0.6, -0.8]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", RIGHT_VALUE_RECIPES)
+def test_clipping_with_inf_gradient_skips(recipe):
+    step, w, g = _right_value_step(grad=(3.0, float("inf")), recipe=recipe)
+    r = step(g)
+    assert not np.isfinite(r.grad_norm) and r.applied is False and r.grads_finite is False
+    assert torch.equal(w.detach(), torch.zeros(2))
+
+
+def test_no_clipping_reports_no_norm():
+    step, w, g = _right_value_step(max_grad_norm=None)
+    r = step(g)
+    assert r.grad_norm is None and torch.equal(w.detach(), torch.tensor([-3.0, -4.0]))
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_step_result_fields(half):
+    mp = ut.MixedPrecision(MIXED[half], device=DEV)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = mp.prepare(model, opt)
+    step = mp.train_step(model, opt, _loss, max_grad_norm=10.0)
+    r = step(_batch(0))
+    d = r.as_dict()
+    assert set(d) == set(unimp.step.STEP_FIELDS)
+    assert isinstance(d["loss"], float) and np.isfinite(d["loss"])
+    assert d["scale"] == (32768.0 if half == "float16" else 1.0)
+    assert (d["applied"], d["loss_finite"], d["grads_finite"]) == (True, True, True)
+    assert (d["consecutive_skips"], d["total_skips"]) == (0, 0)
+    r2 = step(_batch(1, bad=True))
+    assert (r2.applied, r2.consecutive_skips, r2.total_skips) == (False, 1, 1)
+    assert r2.scale == d["scale"]  # the scale used for the step, before the update
+
+
+def test_forward_overflow_in_train_step():
+    mp = ut.MixedPrecision("mixed_float16", device=DEV)
+    w = torch.nn.Parameter(torch.ones(2))
+    model = torch.nn.Module()
+    model.w = w
+    step = mp.train_step(model, torch.optim.SGD([w], lr=0.1), lambda m, b: (m.w * b).sum())
+    r = step(torch.tensor([float("inf"), 1.0]))
+    assert (r.loss_finite, r.applied, r.scale) == (False, False, 32768.0)
+    assert step.scaler.get_scale() == 32768.0 and torch.equal(w.detach(), torch.ones(2))
+
+
+def test_max_consecutive_skips_raises_on_read():
+    cfg = DynamicLossScale(init_scale=8.0, max_consecutive_skips=2)
+    mp = ut.MixedPrecision(unimp.get_recipe("mixed_bfloat16", loss_scale=cfg), device=DEV)
+    model = _mlp()
+    step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
+    results = [step(_batch(i, bad=True)) for i in range(3)]
+    assert results[1].total_skips == 2
+    with pytest.raises(LossScaleError, match="stuck"):
+        _ = results[2].applied
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_accumulation_is_the_mean_of_micro_batches(half):
+    mp = ut.MixedPrecision(unimp.get_recipe(MIXED[half], loss_scale=StaticLossScale(1024.0)), device=DEV)
+    w = torch.nn.Parameter(torch.zeros(3))
+    model = torch.nn.Module()
+    model.w = w
+    opt = torch.optim.SGD([w], lr=1.0)
+    step = mp.train_step(model, opt, lambda m, b: (m.w * b).sum(), grad_accum_steps=2)
+    r = step([torch.tensor([1.0, 2.0, 4.0]), torch.tensor([3.0, 6.0, 0.0])])
+    assert r.applied and r.loss == 0.0
+    assert torch.equal(w.detach(), torch.tensor([-2.0, -4.0, -2.0]))
+    assert w.grad is None  # buffer reset
+
+
+def test_accumulation_window_skipped_whole():
+    mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = mp.train_step(model, opt, _loss, grad_accum_steps=3)
+    step([_batch(0), _batch(1), _batch(2)])
+    params, state = [p.detach().clone() for p in model.parameters()], _state_copy(opt)
+    r = step([_batch(3), _batch(4, bad=True), _batch(5)])
+    assert not r.applied and r.total_skips == 1
+    for a, b in zip(model.parameters(), params, strict=True):
+        _assert_bitwise(a.detach(), b)
+    for p, s in opt.state.items():
+        _assert_bitwise(s["momentum_buffer"], state[p]["momentum_buffer"])
+    assert all(p.grad is None for p in model.parameters())
+    # the next window starts from exact zeros: equal to a fresh single window on its batches
+    r2 = step([_batch(6), _batch(7), _batch(8)])
+    assert r2.applied
+
+
+@pytest.mark.parametrize(
+    "kwargs, batch, exc, match",
+    [
+        (dict(grad_accum_steps=0), None, ValueError, "grad_accum_steps"),
+        (dict(grad_accum_steps=True), None, ValueError, "grad_accum_steps"),
+        (dict(max_grad_norm=-1.0), None, ValueError, "max_grad_norm"),
+        (dict(max_grad_norm=float("nan")), None, ValueError, "max_grad_norm"),
+        (dict(scheduler=object()), None, TypeError, "scheduler"),
+        (dict(grad_accum_steps=2), "one", ValueError, "list of 2 micro-batches"),
+        (dict(grad_accum_steps=2), [1, 2, 3], ValueError, "length 3"),
+    ],
+)
+def test_train_step_bad_input(kwargs, batch, exc, match):
+    mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
+    model = _mlp()
+    with pytest.raises(exc, match=match):
+        step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, **kwargs)
+        step(batch)
+
+
+def test_non_scalar_loss_raises_and_leaves_no_grads():
+    mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
+    model = _mlp()
+    step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b[0]))
+    with pytest.raises(ValueError, match="scalar"):
+        step(_batch(0))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_scheduler_advances_only_on_applied_steps():
+    mp = ut.MixedPrecision("mixed_float16", device=DEV)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = mp.train_step(model, opt, _loss, scheduler=sched)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrs = []
+        for i, bad in enumerate([True, False, True, False]):
+            r = step(_batch(i, bad=bad))
+            lrs.append(opt.param_groups[0]["lr"])
+            assert r.applied is (not bad)
+    assert lrs == [1.0, 0.5, 0.5, 0.25]
+    assert all(int(s["step"]) == 2 for s in opt.state.values())
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused", "sgd_plain"])
+def test_step_does_not_sync(opt_name, monkeypatch):
+    mp = ut.MixedPrecision("mixed_float16", device=DEV)
+    model = _mlp()
+    opt = SKIP_OPTS[opt_name](model.parameters())
+    step = mp.train_step(model, opt, _loss, max_grad_norm=1.0)
+    step(_batch(0))  # creates the optimizer state (the one step that may sync)
+
+    def no_sync(*a, **k):
+        raise AssertionError("host sync during a step")
+
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    results = [step(_batch(i, bad=(i == 2))) for i in range(1, 4)]
+    monkeypatch.undo()
+    assert [r.applied for r in results] == [True, False, True]
+
+
+def test_train_step_state_dict_round_trip():
+    mp = ut.MixedPrecision("mixed_float16", device=DEV)
+    model = _mlp()
+    step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
+    step(_batch(0, bad=True))
+    sd = step.state_dict()
+    assert sd["state"] == {"scale": 16384.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1}
+    other = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
+    other.load_state_dict(sd)
+    assert other.state_dict() == sd
+
+
+def test_failed_accumulation_window_leaves_nothing_behind():
+    mp = ut.MixedPrecision("mixed_float16", device="cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.manual_seed(0)
+    ref_model = torch.nn.Linear(4, 2)
+    ref_model, ref_opt = ut.MixedPrecision("mixed_float16", device="cpu").prepare(
+        ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    )
+    x, y = torch.ones(3, 4), torch.zeros(3, 2)
+
+    def loss_fn(m, mb):
+        if mb is None:
+            raise RuntimeError("bad micro-batch")
+        return ((m(mb[0]).float() - mb[1]) ** 2).mean()
+
+    step = mp.train_step(model, opt, loss_fn, grad_accum_steps=2)
+    with pytest.raises(RuntimeError, match="bad micro-batch"):
+        step([(x * float("nan"), y), None])
+    assert all(p.grad is None for p in model.parameters())
+    r = step([(x, y), (x, y)])
+    assert r.applied and r.loss_finite
+    ref = ut.MixedPrecision("mixed_float16", device="cpu").train_step(ref_model, ref_opt, loss_fn, grad_accum_steps=2)
+    ref([(x, y), (x, y)])
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_loss_of_shape_1_is_refused_like_the_other_backends():
+    mp = ut.MixedPrecision("mixed_float16", device="cpu")
+    model = torch.nn.Linear(2, 1)
+    step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum().reshape(1))
+    with pytest.raises(ValueError, match="0-d"):
+        step(torch.ones(1, 2))

@@ -1,0 +1,77 @@
+"""The JAX backend: jmp-style casting and loss-scale pytrees, optax and flax integration.
+
+JAX has no autocast: a recipe is applied by casting at function and module boundaries, as jmp
+and haiku do, and by passing ``dtype`` / ``param_dtype`` to flax modules. The loss scale is an
+immutable pytree whose update is :func:`unimp.loss_scale.update_arrays` run on ``jnp`` arrays,
+so it traces under ``jit``, ``vmap``, ``lax.scan`` and ``shard_map`` and matches the NumPy
+reference bit for bit.
+
+Pieces:
+
+* :class:`MixedPrecision`: a recipe bound to JAX (casts, ``apply``, flax ``module_kwargs``,
+  ``prepare`` and a jitted ``train_step``).
+* :class:`DynamicLossScale`, :class:`StaticLossScale`, :class:`NoOpLossScale`: loss-scale
+  pytrees with jmp's method names (``loss_scale``, ``scale``, ``unscale``, ``adjust``).
+* :func:`loss_scaling`: an optax ``GradientTransformation`` carrying the loss scale in its
+  state; :func:`get_loss_scale` reads it back; :class:`MultiSteps` is ``optax.MultiSteps``
+  with the accumulator reset to exact zeros after every window.
+* :func:`all_finite`, :func:`select_tree`, :func:`cast_tree`.
+
+Modules (the same names in every backend package, see :data:`unimp.backends._base.BACKEND_MODULES`):
+
+* ``devices``: :func:`framework_version`, device parsing, committing state to a device,
+  :func:`device_info`.
+* ``casting``: :func:`to_dtype`, :func:`cast_tree`.
+* ``overflow``: :func:`all_finite` (optionally reduced over a mesh axis), :func:`select_tree`,
+  :func:`sync_loss_scale`.
+* ``scaling``: the loss-scale pytrees and the rule's array namespace over ``jnp`` arrays.
+* ``optimizer``: :func:`loss_scaling` (optax), :func:`get_loss_scale`, :class:`MultiSteps`.
+* ``step``: :class:`TrainStep`.
+* ``mixed_precision``: :class:`MixedPrecision`.
+
+This ``__init__`` only re-exports; import the public names from here.
+"""
+
+from unimp.backends._base import export
+from unimp.backends.jax.casting import cast_tree, to_dtype
+from unimp.backends.jax.devices import device_info, framework_version
+from unimp.backends.jax.mixed_precision import MixedPrecision
+from unimp.backends.jax.optimizer import LossScaleOptState, MultiSteps, get_loss_scale, loss_scaling
+from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
+from unimp.backends.jax.scaling import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    loss_scale_from_config,
+    loss_scale_from_state_dict,
+)
+from unimp.backends.jax.step import TrainStep
+from unimp.loss_scale import ReplicaDesyncWarning
+from unimp.step import StepResult
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaleOptState",
+    "MixedPrecision",
+    "MultiSteps",
+    "NoOpLossScale",
+    "ReplicaDesyncWarning",
+    "StaticLossScale",
+    "StepResult",
+    "TrainStep",
+    "all_finite",
+    "cast_tree",
+    "device_info",
+    "framework_version",
+    "get_loss_scale",
+    "loss_scale_from_config",
+    "loss_scale_from_state_dict",
+    "loss_scaling",
+    "select_tree",
+    "sync_loss_scale",
+    "to_dtype",
+]
+
+export(__name__, globals())

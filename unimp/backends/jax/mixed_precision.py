@@ -1,0 +1,163 @@
+"""JAX :class:`MixedPrecision`: a recipe bound to JAX (jmp-style casting, ``apply``, flax
+``module_kwargs``, ``prepare``, ``train_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from unimp.backends._base import MixedPrecisionBase
+from unimp.backends.jax.casting import cast_tree, to_dtype
+from unimp.backends.jax.devices import _as_device
+from unimp.backends.jax.optimizer import loss_scaling
+from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
+from unimp.backends.jax.step import TrainStep
+
+
+class MixedPrecision(MixedPrecisionBase):
+    """A recipe bound to JAX.
+
+    JAX has no autocast: casts happen at function boundaries (:meth:`apply`, as jmp) and inside
+    flax modules given :meth:`module_kwargs`.
+
+    Args:
+        recipe: a :class:`unimp.Recipe` or anything :func:`unimp.get_recipe` accepts.
+        device: where :meth:`train_step` runs: ``"cpu"``, ``"gpu"`` / ``"cuda"``, ``"tpu"``
+            with an optional ``":N"`` index, or a ``jax.Device`` (the same option as torch's);
+            ``None`` (default) follows JAX's default device. The step's state is committed
+            there and each batch is put there.
+
+    Raises:
+        ValueError: an unknown recipe, a float64 policy while JAX runs in 32-bit mode, or a
+            device JAX does not have (the message lists the ones it has).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> mp = MixedPrecision("mixed_float16")
+        >>> mp.cast_to_compute({"x": jnp.ones(2), "n": jnp.int32(1)})["x"].dtype
+        dtype('float16')
+    """
+
+    _cast_tree = staticmethod(cast_tree)
+
+    backend = "jax"
+
+    def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
+        resolved = None if device is None else _as_device(device)  # before anything is kept
+        super().__init__(recipe)
+        p = self.policy
+        self._dtypes = tuple(to_dtype(d) for d in (p.param_dtype, p.compute_dtype, p.output_dtype))
+        self._device = resolved
+
+    @property
+    def device(self) -> jax.Device | None:
+        """The bound device, or None (JAX's default device)."""
+        return self._device
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        """The JAX dtype parameters are stored in."""
+        return self._dtypes[0]
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The JAX dtype the maths runs in."""
+        return self._dtypes[1]
+
+    @property
+    def output_dtype(self) -> np.dtype:
+        """The JAX dtype floating outputs are returned in."""
+        return self._dtypes[2]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """A no-op context manager: JAX has no autocast (use :meth:`apply` or
+        :meth:`module_kwargs`). Provided so framework-neutral code runs unchanged."""
+        return contextlib.nullcontext()
+
+    def apply(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wraps ``fn(params, *inputs)`` jmp-style.
+
+        Params and floating inputs are cast to the compute dtype, floating outputs to the
+        output dtype; integer and boolean leaves pass through.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(
+                f"apply() needs a function fn(params, *inputs), got {type(fn).__name__}."
+            )
+
+        @functools.wraps(fn)
+        def wrapped(params: Any, *inputs: Any) -> Any:
+            out = fn(self.cast_to_compute(params), *self.cast_to_compute(inputs))
+            return self.cast_to_output(out)
+
+        return wrapped
+
+    def module_kwargs(self) -> dict[str, Any]:
+        """``{"dtype": compute, "param_dtype": param}`` for flax linen and nnx modules.
+
+        The dtype is explicit: flax's ``dtype=None`` promotes half inputs back to float32 when
+        parameters are float32. Normalization layers given these keep float32 parameters and
+        statistics (flax computes mean and variance in at least float32) and return the
+        compute dtype.
+        """
+        return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
+
+    def init_loss_scale(self) -> LossScale:
+        """The recipe's loss scale as a pytree in its initial state."""
+        return loss_scale_from_config(self.loss_scale)
+
+    def prepare(
+        self, params: Any, optimizer: optax.GradientTransformation | None = None
+    ) -> tuple[Any, Any]:
+        """Applies the recipe to parameters and an optax optimizer.
+
+        Args:
+            params: a pytree; floating leaves are cast to the param dtype.
+            optimizer: an optax optimizer, wrapped with :func:`loss_scaling` using the recipe's
+                loss scale; ``None`` to skip.
+
+        Returns:
+            ``(params, optimizer)``; scale the loss with ``get_loss_scale(opt_state).scale``.
+        """
+        opt = None if optimizer is None else loss_scaling(optimizer, self.loss_scale)
+        return self.cast_to_param(params), opt
+
+    def train_step(
+        self,
+        loss_fn: Callable[[Any, Any], Any],
+        optimizer: optax.GradientTransformation,
+        params: Any,
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        axis_name: Any = None,
+        mesh: Any = None,
+        donate: bool = False,
+    ) -> TrainStep:
+        """A jitted training step holding params, optimizer state and loss-scale state.
+
+        See :class:`TrainStep` (``axis_name`` / ``mesh``: data parallelism under ``shard_map``). ``loss_fn(params, batch)`` returns a scalar loss; make it run
+        in the compute dtype with :meth:`apply` or flax modules built with
+        :meth:`module_kwargs`.
+        """
+        return TrainStep(
+            self,
+            loss_fn,
+            optimizer,
+            params,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm,
+            axis_name=axis_name,
+            mesh=mesh,
+            donate=donate,
+        )

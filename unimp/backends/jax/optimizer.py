@@ -1,0 +1,168 @@
+"""JAX optimizer: :func:`loss_scaling`, an optax transformation carrying the loss scale in its
+state (a skipped step leaves params and the inner state unchanged), :func:`get_loss_scale`,
+:class:`MultiSteps`, and the half-optimizer-state check for optax states.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from unimp.backends.jax.overflow import _keep_unless, all_finite, sync_loss_scale
+from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
+
+
+class LossScaleOptState(NamedTuple):
+    """State of :func:`loss_scaling`: the loss-scale pytree and the inner optimizer's state."""
+
+    loss_scale: Any
+    inner_state: Any
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *, axis_name: Any = None
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax optimizer with loss scaling; the scale lives in the optimizer state.
+
+    ``update`` takes the *scaled* gradients, unscales them, and when they (and the loss, if
+    given as ``value=``) are finite, runs the inner optimizer. A non-finite step is skipped:
+    the updates are zeros (negative zeros, so ``optax.apply_updates`` leaves every parameter
+    bitwise unchanged, ``-0.0`` included), the inner state is returned bitwise unchanged, and
+    the skip is counted. The scale is adjusted by unimp's algorithm either way. Unlike
+    ``optax.apply_if_finite`` it never gives up and applies a non-finite update.
+
+    Read the scale for the next loss with :func:`get_loss_scale`. Works inside
+    :class:`MultiSteps` (a window with a non-finite micro-batch is skipped whole).
+
+    Args:
+        inner: the optax optimizer to protect.
+        loss_scale: a core config, a loss-scale pytree, or a spec such as ``"dynamic"``.
+        axis_name: under ``shard_map`` / ``pmap``, the data-parallel axis: the finite flags
+            are reduced over it (a non-finite gradient on any replica skips the step on all)
+            and the loss-scale state is taken from replica 0 (:func:`sync_loss_scale`), so
+            the replicas' scales and parameters stay identical. ``None``: one replica.
+
+    Returns:
+        A ``GradientTransformationExtraArgs``; ``update(updates, state, params=None, *,
+        value=None, **extra_args)`` where ``value`` is the unscaled loss (its non-finiteness is
+        a forward overflow: skipped without reducing the scale). Extra args go to ``inner``.
+
+    Raises:
+        TypeError: ``inner`` is not an optax GradientTransformation.
+        ValueError: a bad loss-scale spec.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> opt = loss_scaling(optax.sgd(1.0), 8.0)
+        >>> state = opt.init(jnp.zeros(2))
+        >>> updates, state = opt.update(jnp.array([jnp.nan, 0.0]), state)
+        >>> updates.tolist(), int(get_loss_scale(state).total_skips)
+        ([-0.0, -0.0], 1)
+    """
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"loss_scaling needs an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(inner).__name__}."
+        )
+    initial = loss_scale_from_config(loss_scale)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScaleOptState:
+        return LossScaleOptState(initial, inner.init(params))
+
+    def update_fn(
+        updates: Any, state: LossScaleOptState, params: Any = None, **extra_args: Any
+    ) -> Any:
+        ls = state.loss_scale
+        if axis_name is not None:
+            ls = sync_loss_scale(ls, axis_name)
+        grads = ls.unscale(updates)
+        grads_finite = all_finite(grads, axis_name)
+        value = extra_args.get("value")
+        loss_finite = jnp.array(True) if value is None else all_finite(value, axis_name)
+        applied = grads_finite & loss_finite
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)), new_updates
+        )
+        inner_state = _keep_unless(applied, new_inner, state.inner_state)
+        return new_updates, LossScaleOptState(ls.adjust(grads_finite, loss_finite), inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """The loss-scale pytree inside an optimizer state built with :func:`loss_scaling`.
+
+    Searches nested states (``optax.chain``, :class:`MultiSteps`, ...). Inside ``MultiSteps``
+    this is the committed scale, constant through an accumulation window. Scale the loss with
+    ``get_loss_scale(opt_state).scale(loss)``.
+
+    Raises:
+        ValueError: none or more than one :class:`LossScaleOptState` in ``opt_state``.
+    """
+    found = [
+        x.loss_scale
+        for x in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, LossScaleOptState)
+        )
+        if isinstance(x, LossScaleOptState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one loss_scaling(...) state in the optimizer state, found {len(found)}; "
+            "wrap the optimizer once with unimp.backends.jax.loss_scaling."
+        )
+    return found[0]
+
+
+class MultiSteps(optax.MultiSteps):
+    """``optax.MultiSteps`` whose gradient accumulator is reset to exact zeros after a window.
+
+    optax resets the accumulator by multiplying it by zero, which leaves NaN (``0 * nan``)
+    after a window with a non-finite micro-batch, so every later window is non-finite and
+    skipped too. This subclass replaces the accumulator with ``zeros`` whenever a window
+    ends, so with :func:`loss_scaling` as the inner optimizer a bad window is skipped whole and
+    the next one starts clean. Arguments are optax.MultiSteps's.
+    """
+
+    def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        new_updates, new_state = super().update(updates, state, params, **extra_args)
+        window_done = new_state.mini_step == 0
+        acc = jax.tree_util.tree_map(
+            lambda a: jnp.where(window_done, jnp.zeros_like(a), a), new_state.acc_grads
+        )
+        return new_updates, new_state._replace(acc_grads=acc)
+
+
+#: optax state fields holding running squares of gradients (Adam/AdamW/Adamax/NAdam's ``nu``,
+#: RMSprop's ``nu``, Adagrad's ``sum_of_squares``, AdaBelief's ``nu``)
+_SECOND_MOMENTS = frozenset({"nu", "sum_of_squares"})
+
+
+def _half_second_moments(opt_state: Any) -> bool:
+    """True when an optax state keeps second moments (``nu``, ``sum_of_squares``) in float16."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        names = {getattr(k, "name", None) for k in path}
+        if names & _SECOND_MOMENTS and getattr(leaf, "dtype", None) == jnp.float16:
+            return True
+    return False
+
+
+def _injected_eps(opt_state: Any) -> float | None:
+    """The smallest ``eps`` of the ``optax.inject_hyperparams`` states in ``opt_state``, or
+    None when there is none (optax closes over it otherwise) or it is not numeric."""
+    found = []
+    for state in jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(getattr(x, "hyperparams", None), dict)
+    ):
+        hyper = getattr(state, "hyperparams", None)
+        if isinstance(hyper, dict) and "eps" in hyper:
+            try:
+                found.append(float(np.min(np.asarray(hyper["eps"], dtype=np.float64))))
+            except (TypeError, ValueError):
+                return None
+    return min(found) if found else None

@@ -1,0 +1,62 @@
+"""TensorFlow / Keras 3 backend: Keras dtype policies, a LossScaleOptimizer on unimp's rule, a train step.
+
+Targets Keras 3 on the TensorFlow backend (TensorFlow >= 2.16). The loss-scale rule is not written
+here: :class:`LossScaleOptimizer` runs :func:`unimp.loss_scale.update_arrays` on TensorFlow tensors
+(``tf.where`` and friends), so it traces under ``tf.function``, compiles under ``jit_compile`` and
+matches the NumPy reference bit for bit.
+
+Importing this module imports TensorFlow and Keras and checks that Keras runs on TensorFlow.
+unimp itself sets no environment variable and writes no file (importing TensorFlow sets a few of
+its own, e.g. ``TF2_BEHAVIOR``; Keras may create ``~/.keras/keras.json``).
+
+Modules (the same names in every backend package, see :data:`unimp.backends._base.BACKEND_MODULES`):
+
+* ``devices``: the Keras 3 / TensorFlow-backend check (run first, on import),
+  :func:`framework_version`, device parsing and placement, :func:`device_info`.
+* ``casting``: :func:`to_dtype`, :func:`cast_tree`, :func:`keras_policy_name`.
+* ``overflow``: :func:`all_finite`, the replica re-sync warning.
+* ``scaling``: the rule's array namespace over TF tensors, unscaling (dense and
+  ``IndexedSlices``), the config fields a traced graph builds in.
+* ``optimizer``: :class:`LossScaleOptimizer` (a Keras optimizer holding the loss-scale state; a
+  skipped step leaves the variables and the inner optimizer's state unchanged).
+* ``step``: :class:`TrainStep`.
+* ``mixed_precision``: :class:`MixedPrecision`.
+
+This ``__init__`` only re-exports; import the public names from here.
+
+Example:
+    >>> import unimp
+    >>> import keras
+    >>> mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    >>> with mp.autocast():
+    ...     layer = keras.layers.Dense(4)
+    >>> layer.compute_dtype, layer.variable_dtype
+    ('float16', 'float32')
+"""
+
+from unimp.backends._base import export
+from unimp.backends.tensorflow import devices  # noqa: F401  (first: checks that Keras 3 runs on TensorFlow)
+from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
+from unimp.backends.tensorflow.devices import device_info, framework_version
+from unimp.backends.tensorflow.mixed_precision import MixedPrecision
+from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
+from unimp.backends.tensorflow.overflow import all_finite
+from unimp.backends.tensorflow.step import TrainStep
+from unimp.loss_scale import ReplicaDesyncWarning
+from unimp.step import StepResult
+
+__all__ = [
+    "LossScaleOptimizer",
+    "MixedPrecision",
+    "ReplicaDesyncWarning",
+    "StepResult",
+    "TrainStep",
+    "all_finite",
+    "cast_tree",
+    "device_info",
+    "framework_version",
+    "keras_policy_name",
+    "to_dtype",
+]
+
+export(__name__, globals())

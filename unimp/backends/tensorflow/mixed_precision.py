@@ -1,0 +1,329 @@
+"""TensorFlow :class:`MixedPrecision`: a recipe bound to Keras 3 (dtype policies under
+``autocast()``, ``prepare`` for ``model.fit``, ``train_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from unimp.backends._base import MixedPrecisionBase
+from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
+from unimp.backends.tensorflow.devices import _as_device, _check_placed
+from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
+from unimp.backends.tensorflow.step import TrainStep
+from unimp.step import check_step_options
+
+
+def _output_layers(model: Any) -> list[Any]:
+    """The layers producing a model's outputs (nested models searched), [] when unknown."""
+    if isinstance(model, keras.Sequential):
+        layers = list(model.layers)
+        if not layers:
+            return []
+        last = layers[-1]
+        return _output_layers(last) if isinstance(last, keras.Model) else [last]
+    outputs = getattr(model, "_outputs", None) if isinstance(model, keras.Model) else None
+    if not outputs:
+        return [] if isinstance(model, keras.Model) else [model]
+    found = []
+    for t in tf.nest.flatten(outputs):
+        history = getattr(t, "_keras_history", None)
+        op = getattr(history, "operation", None) if history is not None else None
+        if isinstance(op, keras.Model) and op is not model:
+            found.extend(_output_layers(op))
+        elif isinstance(op, keras.layers.Layer) and not isinstance(op, keras.layers.InputLayer):
+            found.append(op)
+    return list({id(x): x for x in found}.values())
+
+
+class MixedPrecision(MixedPrecisionBase):
+    """A recipe bound to Keras 3 on TensorFlow.
+
+    Keras has no per-op autocast: every cast mode uses Keras's per-layer dtype policies
+    (layers cast their float inputs and variables to the compute dtype, integer inputs are
+    never cast, normalization layers compute their statistics in float32).
+
+    Args:
+        recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
+        device: where the model lives and the step runs: ``"cpu"``, ``"gpu"`` / ``"cuda"``
+            with an optional ``":N"``, or a TensorFlow device name (``"/GPU:0"``); the same
+            option as torch's. :meth:`autocast` also enters ``tf.device`` (layers built inside
+            put their variables there) and :meth:`train_step` runs under it. ``None``
+            (default): TensorFlow's own placement.
+
+    Attributes:
+        compute_dtype, param_dtype, output_dtype: ``tf.DType``.
+        dtype_policy: the ``keras.DTypePolicy`` for the recipe (e.g. ``mixed_float16``).
+        output_dtype_policy: the ``keras.DTypePolicy`` :meth:`prepare` gives output layers.
+
+    Raises:
+        ValueError: the policy has no Keras ``DTypePolicy`` (Keras stores variables either in
+            the compute dtype or in float32 with half compute), naming the policies it has; or
+            a device TensorFlow does not have (the message lists the ones it has).
+
+    Example:
+        >>> mp = MixedPrecision("mixed_bfloat16")
+        >>> mp.dtype_policy.name, mp.compute_dtype
+        ('mixed_bfloat16', tf.bfloat16)
+    """
+
+    _cast_tree = staticmethod(cast_tree)
+
+    backend = "tensorflow"
+
+    def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
+        resolved = None if device is None else _as_device(device)  # before anything is kept
+        super().__init__(recipe)
+        self._device = resolved
+        p = self.policy
+        name = keras_policy_name(p.param_dtype, p.compute_dtype)
+        if name is None:
+            raise ValueError(
+                f"Keras has no dtype policy for {p}: it keeps variables in the compute dtype or in "
+                "float32 with float16/bfloat16 compute. Use e.g. 'mixed_float16', 'mixed_bfloat16', "
+                "'float32', 'bfloat16' or 'params=float32,compute=float16,output=float32'."
+            )
+        self._keras_name = name
+        self._output_name = keras_policy_name(p.param_dtype, p.output_dtype)
+
+    @property
+    def device(self) -> str | None:
+        """The bound TensorFlow device name (``"/CPU:0"``, ``"/GPU:1"``), or None."""
+        return self._device
+
+    def _placed(self) -> contextlib.AbstractContextManager:
+        if self._device is None:
+            return contextlib.nullcontext()
+        _check_placed(self._device)
+        return tf.device(self._device)
+
+    @property
+    def compute_dtype(self) -> tf.DType:
+        """The compute dtype as a ``tf.DType``."""
+        return to_dtype(self.policy.compute_dtype)
+
+    @property
+    def param_dtype(self) -> tf.DType:
+        """The parameter (variable) dtype as a ``tf.DType``."""
+        return to_dtype(self.policy.param_dtype)
+
+    @property
+    def output_dtype(self) -> tf.DType:
+        """The output dtype as a ``tf.DType``."""
+        return to_dtype(self.policy.output_dtype)
+
+    @property
+    def dtype_policy(self) -> Any:
+        """The ``keras.DTypePolicy`` layers built in :meth:`autocast` get."""
+        return keras.DTypePolicy(self._keras_name)
+
+    @property
+    def output_dtype_policy(self) -> Any:
+        """The ``keras.DTypePolicy`` of output layers: variables in param dtype, compute in output dtype.
+
+        Raises:
+            ValueError: Keras cannot express it (e.g. bfloat16 variables with float32 output).
+        """
+        if self._output_name is None:
+            raise ValueError(
+                f"Keras has no dtype policy with variables in {self.policy.param_dtype} computing "
+                f"in {self.policy.output_dtype}; pick an output_dtype equal to the param dtype or "
+                "the compute dtype."
+            )
+        return keras.DTypePolicy(self._output_name)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[Any]:
+        """Sets Keras's global dtype policy to :attr:`dtype_policy` inside the block (and
+        enters ``tf.device`` of the bound device, if any).
+
+        Layers constructed inside use the recipe's compute and variable dtypes. The previous
+        global policy is restored on exit, also when an exception escapes.
+
+        Yields:
+            The ``keras.DTypePolicy`` in force.
+        """
+        previous = keras.config.dtype_policy()
+        policy = self.dtype_policy
+        keras.config.set_dtype_policy(policy)
+        try:
+            with self._placed():
+                yield policy
+        finally:
+            keras.config.set_dtype_policy(previous)
+
+    def loss_scale_optimizer(self, optimizer: Any) -> LossScaleOptimizer:
+        """Wraps ``optimizer`` in unimp's :class:`LossScaleOptimizer` with the recipe's loss scale.
+
+        A Keras ``LossScaleOptimizer`` is unwrapped first; an unimp one with the recipe's loss
+        scale is returned as is.
+
+        Raises:
+            TypeError: not a Keras optimizer or optimizer name.
+            ValueError: an unimp optimizer with a different loss scale.
+        """
+        if not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
+            raise TypeError(
+                f"optimizer must be a keras.optimizers.Optimizer or a name like 'adam', got "
+                f"{type(optimizer).__name__}."
+            )
+        return _wrap_optimizer(optimizer, self.loss_scale)
+
+    def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> tuple[Any, Any]:
+        """Applies the recipe to a Keras model and optimizer.
+
+        * The layers producing the model's outputs get :attr:`output_dtype_policy`, so the
+          outputs come out in the output dtype and a final softmax runs in float32 under
+          ``mixed_float16`` (a float16 softmax is a known source of NaN and poor accuracy).
+          Hidden layers keep the policy they were built with: build the model inside
+          :meth:`autocast` (a warning says so when the model's policy differs).
+        * The optimizer is wrapped in unimp's :class:`LossScaleOptimizer` (not Keras's) with
+          the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
+          model is compiled with it, so ``fit`` follows unimp's rule. A model already
+          compiled with another optimizer is left alone, with a warning that says so.
+
+        Args:
+            model: a ``keras.Model`` (or layer) built inside :meth:`autocast`.
+            optimizer: a Keras optimizer or name (``"adam"``), or ``None``.
+            **compile_kwargs: passed to ``model.compile`` together with the wrapped optimizer.
+
+        Returns:
+            ``(model, optimizer)``: the same model, the wrapped optimizer (``None`` if none given).
+
+        Raises:
+            TypeError: ``model`` is not a Keras layer or model, or a bad optimizer.
+            ValueError: compile arguments without an optimizer, or an output policy Keras
+                cannot express. Nothing is changed when an error is raised.
+        """
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
+            raise TypeError(
+                f"optimizer must be a keras.optimizers.Optimizer, a name like 'adam', or None, got "
+                f"{type(optimizer).__name__}."
+            )
+        if "optimizer" in compile_kwargs:
+            raise TypeError(
+                "pass the optimizer as prepare(model, optimizer, ...), not in compile arguments."
+            )
+        if compile_kwargs and optimizer is None:
+            raise ValueError(
+                "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
+            )
+        out_policy = self.output_dtype_policy
+        wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
+        if model.dtype_policy.name != self._keras_name and not self.policy.is_float32:
+            warnings.warn(
+                f"the model's dtype policy is {model.dtype_policy.name!r}, the recipe's is "
+                f"{self._keras_name!r}: its layers were built outside mp.autocast() and keep their "
+                "dtypes. Build the model inside `with mp.autocast():`.",
+                stacklevel=2,
+            )
+        current = getattr(model, "optimizer", None)
+        if (
+            optimizer is None
+            and current is not None
+            and not isinstance(current, LossScaleOptimizer)
+        ):
+            warnings.warn(
+                f"the model is compiled with {type(current).__name__}, so fit does not follow the "
+                "recipe's loss scale. Compile through prepare instead: "
+                "mp.prepare(model, optimizer, loss=..., metrics=...).",
+                stacklevel=2,
+            )
+        layers = _output_layers(model)
+        if not layers:
+            warnings.warn(
+                "cannot find the layers producing this model's outputs (a subclassed model?): its "
+                "outputs are not cast. Give the output layer dtype=mp.output_dtype_policy.",
+                stacklevel=2,
+            )
+        if compile_kwargs:  # first: a bad compile argument leaves the layers untouched
+            model.compile(optimizer=wrapped, **compile_kwargs)
+        for layer in layers:
+            if layer.dtype_policy.name != out_policy.name:
+                layer.dtype_policy = out_policy
+        return model, wrapped
+
+    def train_step(
+        self,
+        model: Any,
+        optimizer: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        jit_compile: bool = False,
+    ) -> TrainStep:
+        """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
+
+        Each call computes ``loss_fn(model, batch)`` (a floating scalar, unscaled), the
+        gradients of the loss times the scale, unscales them once, and applies them through
+        the optimizer unless a gradient or the loss is non-finite. Rules shared by every
+        backend: clipping (``max_grad_norm``, as ``tf.clip_by_global_norm``) acts on the
+        unscaled gradients and ``grad_norm`` is reported before clipping; a non-finite loss
+        skips the step without lowering the scale; a skipped step leaves the variables and the
+        whole optimizer state (``iterations`` included) unchanged.
+
+        With ``grad_accum_steps = k > 1`` each call takes a list of k micro-batches (the same
+        call shape in every backend: one call is one optimizer step and one StepResult): their
+        scaled gradients are summed in float32 from exact zeros, the mean is unscaled once and
+        applied, and the whole window is skipped when any micro-batch is non-finite. ``loss``
+        is the mean micro-batch loss.
+
+        The step is traced once per batch signature (NumPy arrays are converted to tensors;
+        Python numbers in the batch would retrace per value).
+
+        Under a ``tf.distribute`` strategy (a model built in ``strategy.scope()``) each call
+        runs ``strategy.run``: a global batch is split along axis 0 into equal per-replica
+        parts (or pass a batch from ``strategy.experimental_distribute_dataset``);
+        ``loss_fn`` returns the local mean loss and the update is the mean gradient, as one
+        device on the global batch. The finite flags are reduced over the replicas (a
+        non-finite gradient on any replica skips the step on all), clipping uses the norm of
+        the all-reduced gradient, ``loss`` is the mean over replicas, and replicas whose
+        loss-scale state differs are re-synchronized from replica 0 with a
+        :class:`ReplicaDesyncWarning`. ``jit_compile`` is not supported there.
+
+        Args:
+            model: a built Keras model (``model.trainable_variables`` non-empty).
+            optimizer: a Keras optimizer (wrapped in :class:`LossScaleOptimizer` with the
+                recipe's loss scale) or an unimp :class:`LossScaleOptimizer` (used as is).
+            loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+            grad_accum_steps: micro-batches per optimizer step, >= 1.
+            max_grad_norm: ``None`` or a finite number > 0.
+            jit_compile: compile the step with XLA.
+
+        Returns:
+            A :class:`TrainStep`; ``step.state_dict()`` / ``load_state_dict()`` hold the
+            loss-scale state in the portable format.
+
+        Raises:
+            TypeError: ``loss_fn`` not callable, bad optimizer or model.
+            ValueError: bad ``grad_accum_steps`` or ``max_grad_norm``, or an unbuilt model.
+        """
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
+        if not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}."
+            )
+        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
+        if not model.built or not model.trainable_variables:
+            raise ValueError(
+                "the model has no trainable variables yet: build it first (keras.Input in the "
+                "model, model.build(input_shape), or call it on one batch)."
+            )
+        if isinstance(optimizer, LossScaleOptimizer):
+            lso = optimizer
+        else:
+            lso = self.loss_scale_optimizer(optimizer)
+        return TrainStep(
+            model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
+            device=self._device,
+        )

@@ -1,0 +1,562 @@
+"""TensorFlow optimizer: :class:`LossScaleOptimizer`, a Keras 3 optimizer that holds the loss-scale
+state and applies a step only when it is finite (a skipped step leaves the variables and the
+inner optimizer's state unchanged), with tf.keras 2's ``get_scaled_loss`` / ``get_unscaled_gradients``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.saving import serialization_lib  # after the backend check (package __init__)
+from keras.src.utils import tracking
+
+from unimp.backends.tensorflow.overflow import _warn_resync, all_finite
+from unimp.backends.tensorflow.scaling import _resolve_loss_scale, _TFOps, _traced_fields, _unscale
+from unimp.loss_scale import (
+    DynamicLossScale,
+    LossScaleConfig,
+    LossScaleState,
+    from_state_dict,
+    update_arrays,
+)
+from unimp.loss_scale import state_dict as _portable_state_dict
+from unimp.step import warn_half_optimizer_state
+
+
+@keras.saving.register_keras_serializable(package="unimp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A Keras optimizer that scales the loss and follows unimp's loss-scale rule.
+
+    It subclasses ``keras.optimizers.LossScaleOptimizer`` (so ``model.compile`` does not wrap
+    it a second time under a ``mixed_float16`` policy) but replaces its rule with unimp's
+    reference algorithm, computed by :func:`unimp.loss_scale.update_arrays` on TF tensors:
+    any growth and backoff factor, min and max scale, growth never to inf, skip counters, and
+    the forward-overflow rule (a non-finite loss passed through :meth:`scale_loss` skips the
+    step without lowering the scale). With ``DynamicLossScale.preset("keras")`` it gives the
+    same scales and weights as Keras's own optimizer.
+
+    The contract: :meth:`apply` / :meth:`apply_gradients` take gradients of the *scaled* loss
+    and divide them by the scale exactly once (float32 division, as Keras). After
+    :meth:`get_unscaled_gradients` (tf.keras 2's custom-loop API) the next apply takes its
+    gradients as already unscaled, as tf.keras 2 did, so a tf.keras 2 loop runs unchanged.
+
+    A skipped step (non-finite gradient or loss) leaves the variables and the whole inner
+    optimizer state, ``iterations`` (hence any learning-rate schedule) included, unchanged.
+    Works eagerly, in ``model.fit``, in custom ``tf.GradientTape`` loops, inside
+    ``tf.function`` and under ``jit_compile``. Under a ``tf.distribute`` strategy that needs
+    ``merge_call`` (MirroredStrategy, MultiWorkerMirroredStrategy) the finite flags are
+    summed over every replica before the decision, so an overflow on any replica skips the
+    step on all (Keras's own optimizer reads the flag of the first replica only), and
+    replicas whose loss-scale state differs are re-synchronized from replica 0 with a
+    :class:`ReplicaDesyncWarning`.
+
+    Args:
+        inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap; its ``loss_scale_factor``
+            must be ``None``.
+        loss_scale: a loss-scale config, ``"dynamic"``, a number (static), ``"none"``, or a
+            ``to_dict()`` dict; ``None`` is unimp's ``DynamicLossScale()``.
+        name: optimizer name.
+        initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use: they mean
+            ``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``; not
+            together with ``loss_scale``.
+
+    Attributes:
+        dynamic_scale: float32 ``keras.Variable``, the scale of the next step (as Keras).
+        counter, consecutive_skips, total_skips: int32 ``keras.Variable``s (the unimp state).
+        loss_scale_config: the loss-scale config.
+
+    Raises:
+        TypeError: ``inner_optimizer`` is not a Keras optimizer, or an unknown argument.
+        ValueError: ``inner_optimizer`` is already loss-scaled or has ``loss_scale_factor``
+            set, a bad loss-scale config, or ``loss_scale`` together with Keras's arguments.
+
+    Example:
+        >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=1024.0)
+        >>> w = keras.Variable(1.0)
+        >>> with tf.GradientTape() as tape:
+        ...     loss = opt.scale_loss(0.5 * w * w)
+        >>> _ = opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+        >>> float(w.numpy())
+        0.8999999761581421
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Any,
+        loss_scale: Any = None,
+        name: str | None = None,
+        *,
+        initial_scale: float | None = None,
+        dynamic_growth_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(
+                f"LossScaleOptimizer got unexpected argument(s) {sorted(kwargs)}; set options such as "
+                "learning_rate or clipnorm on the inner optimizer."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "LossScaleOptimizer needs a keras.optimizers.Optimizer instance, got "
+                f"{type(inner_optimizer).__name__}; e.g. LossScaleOptimizer(keras.optimizers.Adam())."
+            )
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "inner_optimizer is already a LossScaleOptimizer (the loss would be scaled twice); "
+                "pass its .inner_optimizer instead."
+            )
+        if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
+            raise ValueError(
+                f"inner_optimizer has loss_scale_factor={inner_optimizer.loss_scale_factor!r}: the "
+                "gradients would be unscaled twice. Create it with loss_scale_factor=None and give "
+                "the scale to LossScaleOptimizer(loss_scale=...)."
+            )
+        if initial_scale is not None or dynamic_growth_steps is not None:
+            if loss_scale is not None:
+                raise ValueError(
+                    "give either loss_scale= or Keras's initial_scale=/dynamic_growth_steps=, not both."
+                )
+            overrides = {}
+            if initial_scale is not None:
+                overrides["init_scale"] = initial_scale
+            if dynamic_growth_steps is not None:
+                overrides["growth_interval"] = dynamic_growth_steps
+            config = DynamicLossScale.preset("keras", **overrides)
+        else:
+            config = _resolve_loss_scale(loss_scale)
+        # Everything is validated: from here on nothing can fail on the user's input.
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self._loss_scale_config = config
+        self.dynamic_scale = self.add_variable(
+            shape=(),
+            dtype="float32",
+            initializer=keras.initializers.Constant(config.initial_scale()),
+            name="dynamic_scale",
+        )
+        self.counter = self.add_variable(shape=(), dtype="int32", name="counter")
+        self.consecutive_skips = self.add_variable(
+            shape=(), dtype="int32", name="consecutive_skips"
+        )
+        self.total_skips = self.add_variable(shape=(), dtype="int32", name="total_skips")
+        self._create_untracked_state()
+
+    @tracking.no_automatic_dependency_tracking
+    def _create_untracked_state(self) -> None:
+        # Non-finite losses seen by scale_loss since the last apply (not checkpointed). A
+        # float32 count summed over replicas, so under a tf.distribute strategy a forward
+        # overflow on any replica is seen by all.
+        with keras.name_scope(self.name, caller=self):
+            self._bad_losses = tf.Variable(
+                0.0,
+                trainable=False,
+                name="pending_bad_losses",
+                synchronization=tf.VariableSynchronization.ON_WRITE,
+                aggregation=tf.VariableAggregation.SUM,
+            )
+        # Set by get_unscaled_gradients (Python state, so it is read when a tf.function is
+        # traced): the next apply takes its gradients as already unscaled (tf.keras 2's contract).
+        self._gradients_unscaled = False
+        # Who traced the update (a TrainStep's id, or None for any other tf.function / fit):
+        # the config is baked into those graphs as constants, so load_state_dict may no longer
+        # swap the parts of it the update uses (see there).
+        self._traced_by: set[int | None] = set()
+        self._tracer: int | None = None
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def loss_scale_config(self) -> LossScaleConfig:
+        """The unimp loss-scale config (static)."""
+        return self._loss_scale_config
+
+    @property
+    def loss_scale(self) -> tf.Tensor:
+        """The current scale, a float32 scalar tensor (tf.keras 2's ``loss_scale``)."""
+        return tf.convert_to_tensor(self.dynamic_scale)
+
+    @property
+    def dynamic(self) -> bool:
+        """True for a dynamic loss scale (tf.keras 2's ``dynamic``)."""
+        return bool(self._loss_scale_config.dynamic)
+
+    @property
+    def initial_scale(self) -> float:
+        """The scale before the first step."""
+        return float(self._loss_scale_config.initial_scale())
+
+    @property
+    def dynamic_growth_steps(self) -> int | None:
+        """Keras's name for ``growth_interval`` (``None`` for static or disabled scales)."""
+        return getattr(self._loss_scale_config, "growth_interval", None)
+
+    # -- building --------------------------------------------------------------------------
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list: list[Any]) -> None:
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
+        eps = getattr(self.inner_optimizer, "epsilon", None)
+        if eps is not None and any(
+            keras.backend.standardize_dtype(v.dtype) == "float16" and v.trainable for v in var_list
+        ):
+            try:  # a float or a NumPy scalar; anything else is not Adam-like
+                eps = float(eps)
+            except (TypeError, ValueError):
+                eps = None
+            if eps is not None:
+                warn_half_optimizer_state(type(self.inner_optimizer).__name__, eps)
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    def _ensure_built(self, trainable_variables: list[Any] | None) -> None:
+        if self.built:
+            return
+        if trainable_variables is None:
+            raise ValueError(
+                "the optimizer is not built: pass trainable_variables to apply(), use "
+                "apply_gradients(zip(grads, variables)), or call optimizer.build(variables) first."
+            )
+        with keras.name_scope(self.name, caller=self):
+            self.build(trainable_variables)
+        self.built = True
+
+    # -- scaling ---------------------------------------------------------------------------
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Multiplies the loss by the current scale, and records whether the loss is finite.
+
+        The product is computed in float32 (float64 for a float64 loss), so a float16 loss
+        does not overflow when scaled. A non-finite loss marks the next :meth:`apply` as a
+        forward overflow: that step is skipped without lowering the scale.
+
+        Args:
+            loss: a floating scalar (or tensor) loss, or a zero-argument callable returning
+                one (tf.keras 2 accepted callables; a callable is returned then).
+
+        Returns:
+            The scaled loss, float32 (float64 for a float64 loss).
+
+        Raises:
+            TypeError: ``loss`` is not floating.
+        """
+        if callable(loss) and not tf.is_tensor(loss):
+            return lambda: self.scale_loss(loss())
+        loss = tf.convert_to_tensor(loss)
+        if not loss.dtype.is_floating:
+            raise TypeError(f"scale_loss needs a floating loss, got {loss.dtype.name}.")
+        wide = tf.float64 if loss.dtype == tf.float64 else tf.float32
+        loss = tf.cast(loss, wide)
+        self._bad_losses.assign_add(
+            tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(loss))), tf.float32)
+        )
+        return loss * tf.cast(self.dynamic_scale, wide)
+
+    def get_scaled_loss(self, loss: Any) -> Any:
+        """tf.keras 2's name for :meth:`scale_loss`."""
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads: Any) -> list[Any]:
+        """Divides gradients of the scaled loss by the current scale (tf.keras 2's API).
+
+        As in tf.keras 2, the next :meth:`apply` / :meth:`apply_gradients` then takes its
+        gradients as unscaled and does not divide them again, also when they were transformed
+        in between (clipped, for example). Call both in the same step (inside one
+        ``tf.function`` when compiled).
+
+        Args:
+            grads: a list of gradients (tensors, ``tf.IndexedSlices`` or ``None``).
+
+        Returns:
+            A list of the same length; ``None`` entries stay ``None``.
+        """
+        scale = tf.convert_to_tensor(self.dynamic_scale)
+        out = []
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            out.append(_unscale(g, scale))
+        self._gradients_unscaled = True
+        return out
+
+    def _unscale_for(self, g: Any, v: Any, scale: tf.Tensor, already: bool) -> Any:
+        if g is None or already or self._overwrite_variable_with_gradient(v):
+            return g
+        return _unscale(g, scale)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        """Unscales the gradients once, applies them unless non-finite, updates the scale.
+
+        Args:
+            grads: gradients of the scaled loss (or of :meth:`get_unscaled_gradients`), one per
+                variable.
+            trainable_variables: the variables; needed on the first call unless built.
+
+        Raises:
+            ValueError: the number of gradients and variables differ, or the optimizer is not
+                built and no variables are given.
+        """
+        grads = list(grads)
+        if len(grads) == 0:
+            return
+        variables = None if trainable_variables is None else list(trainable_variables)
+        known = (
+            variables
+            if variables is not None
+            else (self._trainable_variables if self.built else None)
+        )
+        if known is not None and len(known) != len(grads):
+            raise ValueError(
+                f"got {len(grads)} gradients for {len(known)} variables; pass one gradient per variable."
+            )
+        self._ensure_built(variables)
+        known = variables if variables is not None else self._trainable_variables
+        scale = tf.convert_to_tensor(self.dynamic_scale)
+        already, self._gradients_unscaled = self._gradients_unscaled, False
+        unscaled = [
+            self._unscale_for(g, v, scale, already) for g, v in zip(grads, known, strict=True)
+        ]
+        grads_finite = all_finite([g for g in unscaled if g is not None])
+        loss_finite = tf.equal(tf.convert_to_tensor(self._bad_losses), 0.0)
+        self._apply_step(unscaled, variables, grads_finite, loss_finite)
+
+    def _apply_step(
+        self, unscaled: list[Any], variables: list[Any] | None, grads_finite: Any, loss_finite: Any
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+        """The step after unscaling, on one replica or in a ``merge_call`` strategy's replica.
+
+        Returns:
+            ``(applied, consecutive_skips, total_skips, grads_finite, loss_finite)``, the flags
+            reduced across replicas under a strategy.
+        """
+        replica = tf.distribute.get_replica_context()
+        if (
+            tf.distribute.has_strategy()
+            and replica is not None
+            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            return self._replica_apply(replica, unscaled, variables, grads_finite, loss_finite)
+        applied, consecutive, total = self._apply_unscaled(
+            unscaled, variables, grads_finite, loss_finite
+        )
+        return applied, consecutive, total, grads_finite, loss_finite
+
+    def _replica_apply(
+        self,
+        replica: Any,
+        unscaled: list[Any],
+        variables: list[Any] | None,
+        grads_finite: Any,
+        loss_finite: Any,
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+        # MirroredStrategy & co: the inner optimizer's apply calls merge_call, which may not run
+        # inside a tf.cond in replica context. Agree on one decision, then branch in
+        # cross-replica context (as keras.optimizers.LossScaleOptimizer does), but reduce the
+        # finite flags over every replica first: Keras reads them from the first replica only,
+        # so an overflow on another replica would be applied there as inf / NaN.
+        bad = tf.stack(
+            [
+                tf.cast(tf.logical_not(grads_finite), tf.float32),
+                tf.cast(tf.logical_not(loss_finite), tf.float32),
+            ]
+        )
+        bad = replica.all_reduce("sum", bad)
+        grads_finite, loss_finite = tf.equal(bad[0], 0.0), tf.equal(bad[1], 0.0)
+        # Replicas whose loss-scale state differs (a checkpoint restored on one worker only)
+        # are re-synchronized from replica 0, with a warning: the update below reads the
+        # primary (replica 0) copy in cross-replica context and assigns it to every replica.
+        mine = tf.stack(
+            [tf.cast(tf.convert_to_tensor(v), tf.float64) for v in self._state_variables()]
+        )
+        everyone = replica.all_gather(mine[None], axis=0)
+        differ = tf.reduce_any(tf.not_equal(everyone, everyone[:1]))
+        applied, consecutive, total = replica.merge_call(
+            self._cross_replica_apply,
+            args=(unscaled, variables, grads_finite, loss_finite, differ),
+        )
+        return applied, consecutive, total, grads_finite, loss_finite
+
+    def _state_variables(self) -> tuple[Any, Any, Any, Any]:
+        return self.dynamic_scale, self.counter, self.consecutive_skips, self.total_skips
+
+    def _cross_replica_apply(
+        self,
+        distribution: Any,
+        unscaled: Any,
+        variables: Any,
+        grads_finite: Any,
+        loss_finite: Any,
+        differ: Any,
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        first = distribution.experimental_local_results
+
+        def warn() -> None:
+            tf.py_function(_warn_resync, [], [])
+
+        tf.cond(first(differ)[0], warn, lambda: None)
+
+        def apply_inner() -> None:
+            distribution.extended.call_for_each_replica(
+                self.inner_optimizer.apply,
+                args=(unscaled,),
+                kwargs={"trainable_variables": variables},
+            )
+
+        return self._update_state(first(grads_finite)[0], first(loss_finite)[0], apply_inner)
+
+    def apply_gradients(self, grads_and_vars: Any) -> Any:
+        """``apply(grads, variables)`` from ``(gradient, variable)`` pairs (tf.keras 2 / Keras API).
+
+        Returns:
+            The inner optimizer's ``iterations`` (as tf.keras 2 did).
+        """
+        pairs = list(grads_and_vars)
+        if pairs:
+            grads, variables = zip(*pairs, strict=True)
+            self.apply(list(grads), list(variables))
+        return self.iterations
+
+    def _apply_unscaled(
+        self, unscaled: list[Any], variables: list[Any] | None, grads_finite: Any, loss_finite: Any
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """Runs unimp's rule on the device, applies the inner optimizer when the step is clean.
+
+        Returns:
+            ``(applied, consecutive_skips, total_skips)`` after the step (device tensors).
+        """
+
+        def apply_inner() -> None:
+            self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+
+        return self._update_state(grads_finite, loss_finite, apply_inner)
+
+    def _update_state(
+        self, grads_finite: Any, loss_finite: Any, apply_inner: Callable[[], None]
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        grads_finite = tf.convert_to_tensor(grads_finite, tf.bool)
+        loss_finite = tf.convert_to_tensor(loss_finite, tf.bool)
+        applied = tf.logical_and(grads_finite, loss_finite)
+        if tf.inside_function():
+            self._traced_by.add(self._tracer)
+        scale, counter, consecutive, total = update_arrays(
+            _TFOps,
+            self._loss_scale_config,
+            tf.convert_to_tensor(self.dynamic_scale),
+            tf.convert_to_tensor(self.counter),
+            tf.convert_to_tensor(self.consecutive_skips),
+            tf.convert_to_tensor(self.total_skips),
+            grads_finite,
+            loss_finite,
+        )
+        # A skipped step must not touch the inner optimizer at all (its iterations included).
+        tf.cond(applied, apply_inner, lambda: None)
+        self.dynamic_scale.assign(scale)
+        self.counter.assign(counter)
+        self.consecutive_skips.assign(consecutive)
+        self.total_skips.assign(total)
+        self._bad_losses.assign(0.0)
+        return applied, consecutive, total
+
+    def stateless_apply(
+        self, optimizer_variables: Any, grads: Any, trainable_variables: Any
+    ) -> Any:
+        raise NotImplementedError(
+            "unimp's LossScaleOptimizer is stateful on the TensorFlow backend; use apply() or "
+            "apply_gradients()."
+        )
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _state(self) -> LossScaleState:
+        return LossScaleState(
+            np.float32(self.dynamic_scale.numpy()),
+            int(self.counter.numpy()),
+            int(self.consecutive_skips.numpy()),
+            int(self.total_skips.numpy()),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state in unimp's portable format (the same in every backend).
+
+        Returns:
+            ``unimp.loss_scale.state_dict(config, state)``: JSON-able.
+        """
+        return _portable_state_dict(self._loss_scale_config, self._state())
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Loads a portable loss-scale state: the saved config replaces this optimizer's, as in
+        every unimp backend (and as torch.amp.GradScaler.load_state_dict takes the saved
+        factors and interval). Validated before anything is assigned.
+
+        TensorFlow bakes the config into a traced step as constants, so a different config is
+        adopted only while no ``tf.function`` has traced this optimizer's update yet (the usual
+        resume: build, load, train). :meth:`TrainStep.load_state_dict` adopts it at any time
+        and retraces its step.
+
+        Raises:
+            ValueError: a malformed or foreign state_dict, or one saved with a different
+                loss-scale config after a ``tf.function`` traced this optimizer (the message
+                shows both configs and the fix).
+        """
+        config, state = from_state_dict(state_dict)
+        self._check_retrace(config, self._traced_by, "TrainStep.load_state_dict (which retraces)")
+        self._adopt(config, state)
+
+    def _check_retrace(self, config: LossScaleConfig, traced_by: set, fix: str) -> None:
+        """Raises when ``config`` differs from the current one in a field the traced update
+        uses and a tf.function in ``traced_by`` has the current one built in; changes nothing."""
+        if traced_by and _traced_fields(config) != _traced_fields(self._loss_scale_config):
+            raise ValueError(
+                f"the state_dict was saved with loss scale {config.to_dict()}, this optimizer uses "
+                f"{self._loss_scale_config.to_dict()} and a traced tf.function (model.fit, or "
+                f"your own) has that config built in: load the state before the first step, "
+                f"load it through {fix}, or create the optimizer with loss_scale=<the saved "
+                "config>."
+            )
+
+    def _adopt(self, config: LossScaleConfig, state: LossScaleState) -> None:
+        self._loss_scale_config = config
+        self.dynamic_scale.assign(np.float32(state.scale))
+        self.counter.assign(np.int32(state.counter))
+        self.consecutive_skips.assign(np.int32(state.consecutive_skips))
+        self.total_skips.assign(np.int32(state.total_skips))
+
+    # -- serialization ---------------------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+            "loss_scale": self._loss_scale_config.to_dict(),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        config = dict(config)
+        inner = serialization_lib.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimizer:
+    """unimp's LossScaleOptimizer around ``optimizer`` (unwrapping a Keras one)."""
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, LossScaleOptimizer):
+        if optimizer.loss_scale_config != config:
+            raise ValueError(
+                f"the optimizer's loss scale {optimizer.loss_scale_config.to_dict()} differs from the "
+                f"recipe's {config.to_dict()}; pass its .inner_optimizer to let the recipe wrap it."
+            )
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return LossScaleOptimizer(optimizer, config)

@@ -1,0 +1,277 @@
+"""TensorFlow train step: :class:`TrainStep`, a traced ``tf.function`` (scaled loss under a
+GradientTape, unscale, clipping, gradient accumulation, the guarded apply) that also runs under
+a ``tf.distribute`` strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from unimp.backends.tensorflow.devices import _check_placed
+from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
+from unimp.backends.tensorflow.overflow import all_finite
+from unimp.backends.tensorflow.scaling import _to_host, _traced_fields, _unscale
+from unimp.loss_scale import (
+    from_state_dict,
+)
+from unimp.step import StepResult, micro_batches
+
+
+def _batch_to_tensors(batch: Any) -> Any:
+    """NumPy leaves as tensors (one trace per shape/dtype, not per value)."""
+    if tf.is_tensor(batch) or (
+        type(batch) in (tuple, list) and all(tf.is_tensor(x) for x in batch)
+    ):
+        return batch  # the usual batch: nothing to convert (tf.nest costs ~20 us per step)
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, (np.ndarray, np.generic)):
+            return tf.convert_to_tensor(x)
+        return x
+
+    return tf.nest.map_structure(conv, batch)
+
+
+def _times(g: Any, factor: tf.Tensor) -> Any:
+    """g * factor in g's dtype (``None`` and ``tf.IndexedSlices`` handled)."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
+    return g * tf.cast(factor, g.dtype)
+
+
+def _strategy_of(variables: list[Any]) -> Any:
+    """The tf.distribute strategy holding ``variables``, or None (plain variables)."""
+    value = getattr(variables[0], "value", variables[0])
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value.distribute_strategy
+    return None
+
+
+def _global_norm(grads: list[Any]) -> tf.Tensor:
+    squares = [
+        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
+        for g in grads
+        if g is not None
+    ]
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.sqrt(tf.add_n(squares))
+
+
+class TrainStep:
+    """A compiled training step: ``step(batch) -> StepResult``. Built by
+    :meth:`MixedPrecision.train_step`; see there.
+
+    Attributes:
+        optimizer: the :class:`LossScaleOptimizer` holding the loss-scale state.
+        function: the ``tf.function`` (traced once per batch signature).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: LossScaleOptimizer,
+        loss_fn: Callable[[Any, Any], Any],
+        grad_accum_steps: int,
+        max_grad_norm: float | None,
+        jit_compile: bool,
+        device: str | None = None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        variables = list(model.trainable_variables)
+        optimizer._ensure_built(variables)
+        self._variables = variables
+        self.strategy = _strategy_of(variables)
+        if self.strategy is not None and device is not None:
+            raise ValueError(
+                f"device={device!r} and a tf.distribute strategy both place the step: bind the "
+                "recipe without a device (the strategy says where the replicas run)."
+            )
+        if self.strategy is not None and jit_compile:
+            raise ValueError(
+                "jit_compile=True is not supported under a tf.distribute strategy (its "
+                "merge_call cannot be compiled by XLA); use jit_compile=False."
+            )
+        self._jit_compile = jit_compile
+        self.function = self._make_function()
+
+    def _make_function(self) -> Any:
+        if self.strategy is None:
+            return tf.function(self._step, jit_compile=self._jit_compile)
+        return tf.function(self._distributed_step)
+
+    def tracing_count(self) -> int:
+        """How many times the step has been traced (1 after any number of same-signature calls)."""
+        return int(self.function.experimental_get_tracing_count())
+
+    def __call__(self, batch: Any) -> StepResult:
+        if self.grad_accum_steps > 1:
+            batch = micro_batches(batch, self.grad_accum_steps)
+        batch = _batch_to_tensors(batch)
+        if self.strategy is not None and not isinstance(batch, tf.distribute.DistributedValues):
+            batch = self._split(batch)
+        if self.device is None:
+            raw = self.function(batch)
+        else:
+            _check_placed(self.device)
+            with tf.device(self.device):
+                raw = self.function(batch)
+        return StepResult(raw, to_host=_to_host, config=self.optimizer.loss_scale_config)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state in unimp's portable format."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Loads a portable loss-scale state; the saved config replaces the recipe's (as in
+        every unimp backend). A different config retraces the step, which has the config
+        built in; other tf.functions that traced the same optimizer keep the old one.
+
+        Raises:
+            ValueError: a bad or foreign state dict; nothing is changed.
+        """
+        opt = self.optimizer
+        config, state = from_state_dict(state_dict)
+        # this step retraces; a tf.function of anyone else (model.fit) would keep the old rule
+        others = opt._traced_by - {id(self)}
+        opt._check_retrace(config, others, "a new optimizer (that function keeps the old config)")
+        retrace = _traced_fields(config) != _traced_fields(opt.loss_scale_config)
+        opt._adopt(config, state)
+        if retrace:
+            opt._traced_by.discard(id(self))
+            self.function = self._make_function()
+
+    def _split(self, batch: Any) -> Any:
+        """A global batch as per-replica slices along axis 0 (equal sizes)."""
+        n = self.strategy.num_replicas_in_sync
+        for x in tf.nest.flatten(batch):
+            if tf.is_tensor(x) and (x.shape.rank == 0 or x.shape[0] % n):
+                raise ValueError(
+                    f"under {type(self.strategy).__name__} with {n} replicas, every tensor of "
+                    f"the global batch is split along axis 0 into {n} equal parts; got shape "
+                    f"{x.shape}. Use a global batch size divisible by {n}, or pass a batch from "
+                    "strategy.experimental_distribute_dataset(...)."
+                )
+
+        def piece(ctx: Any) -> Any:
+            i = ctx.replica_id_in_sync_group
+            return tf.nest.map_structure(
+                lambda x: tf.split(x, n)[i] if tf.is_tensor(x) else x, batch
+            )
+
+        return self.strategy.experimental_distribute_values_from_function(piece)
+
+    # -- traced code -----------------------------------------------------------------------
+
+    def _distributed_step(self, batch: Any) -> dict:
+        opt = self.optimizer
+        outer, opt._tracer = opt._tracer, id(self)  # the update runs in merge_call, out of _step
+        try:
+            per_replica = self.strategy.run(self._step, args=(batch,))
+        finally:
+            opt._tracer = outer
+        first = self.strategy.experimental_local_results
+        out = {k: None if v is None else first(v)[0] for k, v in per_replica.items()}
+        # every field but the loss is the same on every replica; the loss is the mean
+        out["loss"] = self.strategy.reduce("mean", per_replica["loss"], axis=None)
+        return out
+
+    def _finish(
+        self, unscaled: list[Any], loss: tf.Tensor, loss_finite: tf.Tensor, scale: tf.Tensor
+    ) -> dict:
+        grads_finite = all_finite([g for g in unscaled if g is not None])
+        replica = tf.distribute.get_replica_context() if self.strategy is not None else None
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            # Keras's optimizer sums the gradients over replicas: give it local / n, so the
+            # update is the mean gradient, as one device on the whole global batch.
+            inv = tf.constant(1.0 / replica.num_replicas_in_sync, tf.float32)
+            unscaled = [_times(g, inv) for g in unscaled]
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            # clipping acts on the unscaled gradients; the norm is reported before clipping.
+            # Under a strategy it is the norm of the all-reduced gradient, the same on every
+            # replica (clipping each replica by its own norm would not be clip(mean)).
+            grad_norm = _global_norm(
+                unscaled
+                if replica is None or replica.num_replicas_in_sync == 1
+                else replica.all_reduce("sum", [g for g in unscaled if g is not None])
+            )
+            limit = tf.constant(self.max_grad_norm, tf.float32)
+            factor = limit / tf.maximum(grad_norm, limit)
+            unscaled = [_times(g, factor) for g in unscaled]
+        applied, consecutive, total, grads_finite, loss_finite = self.optimizer._apply_step(
+            unscaled, self._variables, grads_finite, loss_finite
+        )
+        return {
+            "loss": loss,
+            "scale": scale,
+            "applied": applied,
+            "loss_finite": loss_finite,
+            "grads_finite": grads_finite,
+            "grad_norm": grad_norm,
+            "consecutive_skips": consecutive,
+            "total_skips": total,
+        }
+
+    def _scaled_grads(self, batch: Any, scale: tf.Tensor) -> tuple[list[Any], tf.Tensor]:
+        with tf.GradientTape() as tape:
+            loss = tf.convert_to_tensor(self.loss_fn(self.model, batch))
+            if not loss.dtype.is_floating:
+                raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype.name}.")
+            if loss.shape.rank not in (None, 0):
+                raise ValueError(
+                    f"loss_fn must return a scalar loss, got shape {loss.shape}; reduce it (e.g. "
+                    "tf.reduce_mean)."
+                )
+            loss32 = tf.cast(loss, tf.float32)
+            scaled = loss32 * scale
+        return tape.gradient(scaled, self._variables), loss32
+
+    def _step(self, batch: Any) -> dict:
+        opt = self.optimizer
+        outer, opt._tracer = opt._tracer, id(self)  # runs while tracing: marks whose graph it is
+        try:
+            return self._step_body(batch)
+        finally:
+            opt._tracer = outer
+
+    def _step_body(self, batch: Any) -> dict:
+        scale = tf.identity(tf.convert_to_tensor(self.optimizer.dynamic_scale))
+        if self.grad_accum_steps == 1:
+            grads, loss32 = self._scaled_grads(batch, scale)
+            unscaled = [None if g is None else _unscale(g, scale) for g in grads]
+            return self._finish(unscaled, loss32, tf.math.is_finite(loss32), scale)
+        # a window of k micro-batches: sum the scaled gradients in float32 from exact zeros,
+        # take the mean, unscale once; the window is skipped when any micro-batch is non-finite
+        k = self.grad_accum_steps
+        total: list[Any] = [None] * len(self._variables)
+        losses = []
+        for micro in batch:
+            grads, loss32 = self._scaled_grads(micro, scale)
+            losses.append(loss32)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+                    total[i] = g if total[i] is None else total[i] + g
+        kf = tf.constant(float(k), tf.float32)
+        unscaled = [
+            None if t is None else tf.cast((t / kf) / scale, v.dtype)
+            for t, v in zip(total, self._variables, strict=True)
+        ]
+        stacked = tf.stack(losses)
+        return self._finish(
+            unscaled, tf.reduce_mean(stacked), tf.reduce_all(tf.math.is_finite(stacked)), scale
+        )

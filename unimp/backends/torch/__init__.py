@@ -1,0 +1,70 @@
+"""The PyTorch backend: torch.amp autocast, a GradScaler that follows unimp's loss-scale rule,
+module-mode casting with float32 master weights (Apex O2), and a train step.
+
+Everything runs on the device the user picks (``device="cuda"``, ``"cpu"``, ``"xpu"``, ...)
+through the same code path. Taking a step never waits for the device: non-finite checks and
+loss-scale updates stay on the device (``torch._amp_foreach_non_finite_check_and_unscale_``
+and :func:`unimp.loss_scale.update_arrays` over device tensors), and a skipped optimizer step is
+undone on the device (see :class:`GradScaler`).
+
+Modules (the same names in every backend package, see :data:`unimp.backends._base.BACKEND_MODULES`):
+
+* ``devices``: :func:`framework_version`, :func:`default_device`, device parsing, :func:`device_info`.
+* ``casting``: :func:`to_dtype`, :func:`cast_tree`, module mode's float32 master weights and
+  their checkpoints, :func:`master_params`.
+* ``overflow``: :func:`all_finite`.
+* ``scaling``: :class:`GradScaler` (drop-in for ``torch.amp.GradScaler``) and the rule's array
+  namespace over device tensors.
+* ``optimizer``: the skip-safe ``optimizer.step`` (a skipped step leaves parameters and optimizer
+  state bitwise unchanged, no host sync).
+* ``step``: :class:`TrainStep`.
+* ``mixed_precision``: :class:`MixedPrecision`.
+
+This ``__init__`` only re-exports; import the public names from here.
+
+Example:
+    >>> import torch, unimp
+    >>> mp = unimp.mixed_precision("mixed_bfloat16", backend="torch", device="cpu")
+    >>> mp.compute_dtype
+    torch.bfloat16
+    >>> mp.cast_to_compute({"x": torch.ones(2), "n": torch.tensor([1, 2])})["x"].dtype
+    torch.bfloat16
+"""
+
+from unimp.backends._base import export
+from unimp.backends.torch.casting import cast_tree, master_params, to_dtype
+from unimp.backends.torch.devices import default_device, device_info, framework_version
+from unimp.backends.torch.mixed_precision import MixedPrecision
+from unimp.backends.torch.overflow import all_finite
+from unimp.backends.torch.scaling import GradScaler
+from unimp.backends.torch.step import TrainStep
+from unimp.step import StepResult
+
+__all__ = [  # COMMON_API (unimp.backends._base) and torch's own pieces
+    "MixedPrecision",
+    "StepResult",
+    "all_finite",
+    "cast_tree",
+    "device_info",
+    "framework_version",
+    "to_dtype",
+    "GradScaler",
+    "TrainStep",
+    "default_device",
+    "master_params",
+]
+
+export(__name__, globals())
+
+#: Private names that pickles written before the backend became a package refer to.
+_MOVED = {"_TorchOps": "unimp.backends.torch.scaling"}
+
+
+def __getattr__(name: str):
+    """Resolves :data:`_MOVED` names for unpickling old objects (a GradScaler pickled by unimp
+    0.1.0 held its constant cache, ``unimp.backends.torch._TorchOps``)."""
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,251 @@
+"""torch :class:`MixedPrecision`: a recipe bound to torch (autocast or module mode, ``prepare``,
+``train_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unimp.backends._base import MixedPrecisionBase
+from unimp.backends.torch.casting import (
+    _NORM_LAYERS,
+    _checkpoint_masters,
+    _MasterWeights,
+    cast_tree,
+    to_dtype,
+)
+from unimp.backends.torch.devices import _as_device, _dtype_ok
+from unimp.backends.torch.optimizer import _check_half_state
+from unimp.backends.torch.scaling import GradScaler
+from unimp.backends.torch.step import TrainStep
+
+
+class MixedPrecision(MixedPrecisionBase):
+    """A recipe bound to PyTorch and a device.
+
+    Args:
+        recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
+        device: where the model runs (``"cuda"``, ``"cuda:1"``, ``"cpu"``, a ``torch.device``);
+            default the current accelerator, else the CPU.
+
+    Cast modes: ``autocast`` (and ``auto``) runs the forward under ``torch.autocast(device_type,
+    dtype=compute)``; ``module`` casts the model to the compute dtype, keeps normalization layers
+    float32, casts floating inputs at the model boundary and keeps float32 master weights in the
+    optimizer (Apex O2). Recipes whose parameters are half (``"bf16-true"``, O3) run in module
+    mode. In every mode the model's floating outputs are cast to the output dtype.
+
+    Raises:
+        ValueError: the device cannot run the compute dtype (e.g. bfloat16 on a pre-Ampere
+            GPU, or a dtype torch's autocast disables on that device), never a silent
+            fallback to float32. A disabled or float32 recipe is a no-op on any device.
+
+    Example:
+        >>> mp = MixedPrecision("mixed_float16", device="cpu")
+        >>> mp.mode, mp.compute_dtype
+        ('autocast', torch.float16)
+    """
+
+    _cast_tree = staticmethod(cast_tree)
+
+    backend = "torch"
+
+    def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
+        super().__init__(recipe)
+        self._device = _as_device(device)
+        policy = self.policy
+        self.param_dtype = to_dtype(policy.param_dtype)
+        self.compute_dtype = to_dtype(policy.compute_dtype)
+        self.output_dtype = to_dtype(policy.output_dtype)
+        mode = self.recipe.cast_mode
+        if policy.is_float32:
+            mode = "none"
+        elif mode == "auto":
+            mode = "autocast" if policy.is_mixed else "module"
+        elif mode == "autocast" and not policy.is_mixed:
+            raise ValueError(
+                f"cast_mode='autocast' needs half compute with wider parameters; policy {policy} "
+                "is not mixed: use cast_mode='module' or 'auto'."
+            )
+        self._mode = mode
+        if mode != "none":
+            for dt in {self.compute_dtype, self.param_dtype}:
+                why = _dtype_ok(self._device, dt, autocast=(mode == "autocast" and dt == self.compute_dtype))
+                if why:
+                    raise ValueError(f"recipe {policy} cannot run on {self._device}: {why}.")
+
+    @property
+    def device(self) -> torch.device:
+        """The bound device."""
+        return self._device
+
+    @property
+    def mode(self) -> str:
+        """``"autocast"``, ``"module"`` or ``"none"`` (a float32 recipe: nothing to cast)."""
+        return self._mode
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast(device_type, dtype=compute)`` in autocast mode, else a no-op context."""
+        if self._mode == "autocast":
+            return torch.autocast(self._device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def grad_scaler(self) -> GradScaler:
+        """A :class:`GradScaler` for the recipe's loss scale on the bound device."""
+        return GradScaler(self.loss_scale, device=self._device)
+
+    # -- prepare
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Applies the recipe to a model (and its optimizer), in place.
+
+        * autocast mode: ``model.forward`` runs under :meth:`autocast`.
+        * module mode: the model is cast to the compute dtype except normalization layers
+          (float32, their inputs cast up and outputs back down), floating inputs are cast to the
+          compute dtype, and the optimizer's parameters are replaced by float32 master copies
+          (moved optimizer state included); gradients flow model -> master before unscaling or
+          ``optimizer.step()``, and new values master -> model after it (Apex O2). Clip
+          :func:`master_params`. ``model.state_dict()`` holds the float32 master values and
+          ``model.load_state_dict()`` sets the masters, so checkpoints lose nothing.
+        * every mode: the model's floating outputs are cast to the output dtype.
+
+        A float32 recipe returns the model (and optimizer) untouched.
+
+        Args:
+            model: a ``torch.nn.Module`` on the bound device.
+            optimizer: its optimizer; required in module mode with float32 master weights.
+
+        Returns:
+            ``model``, or ``(model, optimizer)`` when an optimizer is given.
+
+        Raises:
+            TypeError: not a Module / Optimizer.
+            ValueError: the model was already prepared; its parameters are on another device type
+                than the bound device (autocast would silently leave it in float32); module mode
+                without the optimizer; or
+                loss scaling is on and a float16 parameter would receive float16 gradients
+                (names the parameters; torch's GradScaler only fails at the first unscale).
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if getattr(model, "_unimp_prepared", False):
+            raise ValueError("this model was already prepared; prepare() applies the recipe once.")
+        out = model if optimizer is None else (model, optimizer)
+        if self._mode == "none":
+            return out
+        self._check_model_device(model)
+        module_masters = self._mode == "module" and self.param_dtype != self.compute_dtype
+        if module_masters and optimizer is None:
+            raise ValueError(
+                "cast_mode='module' keeps float32 master weights in the optimizer: call "
+                "mp.prepare(model, optimizer)."
+            )
+        names = {id(p): n for n, p in model.named_parameters()}
+        # validate before changing anything
+        if not self.loss_scale.unity:
+            pure_f16 = self._mode == "module" and not module_masters and self.param_dtype == torch.float16
+            will_be_f16 = [n for n, p in model.named_parameters() if p.requires_grad] if pure_f16 else []
+            held = [] if module_masters else (
+                [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else list(model.parameters())
+            )
+            f16 = [names.get(id(p), "?") for p in held if p.requires_grad and p.dtype == torch.float16]
+            bad = sorted(set(f16) | set(will_be_f16))
+            if bad:
+                listed = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
+                raise ValueError(
+                    f"loss scaling is on but these float16 parameters would get float16 gradients, which "
+                    f"cannot be unscaled safely: {listed}. Keep them float32 (model.float()), use a recipe "
+                    "with float32 parameters, or loss_scale='none'."
+                )
+        if module_masters:
+            f32_values = self._to_module_mode(model)
+            pairs = []
+            moved = {}
+            for group in optimizer.param_groups:
+                new = []
+                for p in group["params"]:
+                    if p.dtype == self.compute_dtype and p.is_floating_point():
+                        start = f32_values.get(id(p), p.detach())  # exact, not rounded through half
+                        master = torch.nn.Parameter(start.to(self.param_dtype).clone(), requires_grad=p.requires_grad)
+                        pairs.append((p, master))
+                        if p in optimizer.state:
+                            moved[master] = optimizer.state.pop(p)
+                        names[id(master)] = names.get(id(p), "?") + " (master)"
+                        new.append(master)
+                    else:
+                        new.append(p)
+                group["params"] = new
+            optimizer.state.update(moved)
+            optimizer._unimp_master = _MasterWeights(optimizer, pairs)  # type: ignore[attr-defined]
+            _checkpoint_masters(model, names, pairs)
+        elif self._mode == "module":
+            model.to(self.param_dtype)
+        if optimizer is not None:
+            optimizer._unimp_names = names  # type: ignore[attr-defined]
+        self._wrap_forward(model)
+        model._unimp_prepared = True  # type: ignore[attr-defined]
+        if optimizer is not None:
+            _check_half_state(optimizer)
+        return out
+
+    def _check_model_device(self, model: torch.nn.Module) -> None:
+        """Autocast for one device type leaves ops on another in float32: refuse a model whose
+        parameters live on another device type than the bound one, instead of a silent
+        float32 run."""
+        wrong = sorted({str(p.device) for p in model.parameters() if p.device.type != self._device.type})
+        if wrong:
+            raise ValueError(
+                f"the model has parameters on {', '.join(wrong)} but the recipe is bound to "
+                f"{self._device}: move the model (model.to({str(self._device)!r})) or bind the "
+                f"recipe to its device (unimp.mixed_precision(..., device={wrong[0]!r}))."
+            )
+
+    def _to_module_mode(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
+        """Casts the model to the compute dtype with float32 normalization layers; returns the
+        parameters' values from before the cast (by ``id``), from which the masters start."""
+        before = {id(p): p.detach().clone() for p in model.parameters()}
+        norms = [m for m in model.modules() if isinstance(m, _NORM_LAYERS)]
+        model.to(self.compute_dtype)
+        for m in norms:
+            m.float()
+            m.register_forward_pre_hook(lambda mod, args: cast_tree(args, torch.float32))
+            m.register_forward_hook(lambda mod, args, out: cast_tree(out, self.compute_dtype))
+        return before
+
+    def _wrap_forward(self, model: torch.nn.Module) -> None:
+        forward = model.forward
+        mode = self._mode
+
+        @functools.wraps(forward)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if mode == "module":
+                args, kwargs = self.cast_to_compute(args), self.cast_to_compute(kwargs)
+                out = forward(*args, **kwargs)
+            else:
+                with self.autocast():
+                    out = forward(*args, **kwargs)
+            return self.cast_to_output(out)
+
+        model.forward = wrapped  # type: ignore[method-assign]
+
+    # -- train step
+
+    def train_step(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        scheduler: Any = None,
+    ) -> TrainStep:
+        """A training step following unimp's rules; see :class:`TrainStep`."""
+        return TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
+                         max_grad_norm=max_grad_norm, scheduler=scheduler)

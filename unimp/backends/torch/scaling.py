@@ -1,0 +1,574 @@
+"""torch loss scaling: :class:`GradScaler`, a drop-in for ``torch.amp.GradScaler`` whose scale
+update is :func:`unimp.loss_scale.update_arrays` run on device tensors (the array namespace
+``_TorchOps``), with replica agreement over ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from unimp import loss_scale as _ls
+from unimp.backends.torch.casting import _leaves, _map_tree
+from unimp.backends.torch.devices import _as_device, _to
+from unimp.backends.torch.optimizer import _guarded_step, _param_names
+from unimp.backends.torch.overflow import all_finite
+from unimp.dtypes import finfo
+from unimp.loss_scale import (
+    DynamicLossScale,
+    LossScaleConfig,
+    LossScaleState,
+    check_state,
+    loss_scale_from_dict,
+    update_arrays,
+)
+
+_F32 = finfo("float32")
+
+
+class _TorchOps:
+    """The array namespace :func:`unimp.loss_scale.update_arrays` runs on: device tensors.
+
+    Constants are made once per value and cached, so an update issues no host-to-device copy
+    after the first one.
+    """
+
+    where = staticmethod(torch.where)
+    minimum = staticmethod(torch.minimum)
+    maximum = staticmethod(torch.maximum)
+    isfinite = staticmethod(torch.isfinite)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cache: dict[tuple[Any, torch.dtype], torch.Tensor] = {}
+
+    def _const(self, x: Any, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.to(dtype)
+        key = (x, dtype)
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(x, dtype=dtype, device=self.device)
+        return self._cache[key]
+
+    def f32(self, x: Any) -> torch.Tensor:
+        return self._const(float(x) if not isinstance(x, torch.Tensor) else x, torch.float32)
+
+    def i32(self, x: Any) -> torch.Tensor:
+        return self._const(int(x) if not isinstance(x, torch.Tensor) else x, torch.int32)
+
+    @property
+    def true(self) -> torch.Tensor:
+        """A cached 0-d ``True`` on the device (the loss-finite flag's start value)."""
+        return self._const(True, torch.bool)
+
+
+def _to_host(x: Any) -> Any:
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+_READY, _UNSCALED, _STEPPED = 0, 1, 2
+
+
+_TORCH_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "meta", "privateuseone")
+
+
+class GradScaler:
+    """A drop-in for ``torch.amp.GradScaler`` that follows unimp's loss-scale rule.
+
+    Same methods as torch's: ``scale``, ``unscale_``, ``step``, ``update``, ``get_scale``,
+    ``is_enabled``, ``state_dict``, ``load_state_dict``. The scale update is
+    :func:`unimp.loss_scale.update_arrays` run on device tensors (float32 scale, int32 counter
+    and skip counters), so it matches the NumPy reference bit for bit, including what torch
+    lacks: ``min_scale`` / ``max_scale``, skip counters, ``max_consecutive_skips`` and the
+    forward-overflow rule (a non-finite loss passed to :meth:`scale` skips the step without
+    reducing the scale). With ``DynamicLossScale.preset("torch")`` the scale sequence and the
+    parameters match ``torch.amp.GradScaler`` exactly (tested).
+
+    Nothing here waits for the device: the non-finite check and unscale are
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` (as torch), and a step with
+    non-finite gradients is skipped on the device (see :meth:`step`) instead of torch's
+    ``found_inf.item()``.
+
+    Differences from torch, on purpose: calling :meth:`unscale_` twice before :meth:`update`
+    is harmless (gradients are divided once; torch raises); :meth:`step` returns a 0-d bool
+    tensor, whether the step was applied; :meth:`state_dict` is unimp's portable format and
+    round-trips for a disabled scaler too (torch's disabled scaler saves ``{}``).
+
+    Args:
+        loss_scale: a loss-scale config, or anything :func:`unimp.loss_scale.loss_scale_from_dict`
+            accepts (``"dynamic"``, ``"none"``, a number). ``None`` is
+            ``DynamicLossScale.preset("torch")`` with torch's keyword overrides. A device-type
+            string (``"cuda"``, ``"cpu"``) is taken as ``device``, as torch's first argument.
+        device: the device of the scale state; default the current accelerator or the CPU.
+        enabled: False makes every method a pass-through (as torch's ``enabled=False``).
+        process_group: the replicas that must agree (data parallel): a ``torch.distributed``
+            process group; ``None`` (default) is the default group whenever
+            ``torch.distributed`` is initialized with more than one rank; ``False`` never
+            reduces (one scaler per rank on purpose). With a group, :meth:`unscale_` all-reduces
+            the overflow flag and the non-finite-loss flag (MAX, on the device, no host sync)
+            before the skip and the scale update, so every replica skips together and the scale
+            stays identical on every rank (as torch's ``ShardedGradScaler``); the first
+            :meth:`unscale_` after construction or :meth:`load_state_dict` also checks once
+            that every rank holds the same loss-scale state and raises if not (see
+            :func:`unimp.distributed.torch.check_replicas_agree`).
+        init_scale, growth_factor, backoff_factor, growth_interval: torch's keywords, only
+            with ``loss_scale=None``.
+
+    Raises:
+        ValueError: a bad loss scale or device, or torch keywords with a ``loss_scale``.
+
+    Example:
+        >>> scaler = GradScaler(DynamicLossScale.preset("torch"), device="cpu")
+        >>> scaler.get_scale()
+        65536.0
+    """
+
+    def __init__(
+        self,
+        loss_scale: Any = None,
+        device: Any = None,
+        *,
+        enabled: bool = True,
+        process_group: Any = None,
+        **torch_options: Any,
+    ) -> None:
+        if process_group is not None and process_group is not False:
+            dist = getattr(torch, "distributed", None)
+            if dist is None or not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+                raise TypeError(
+                    f"process_group must be a torch.distributed ProcessGroup, None (the default group "
+                    f"when initialized) or False (no reduction), got {type(process_group).__name__}."
+                )
+        if isinstance(loss_scale, (str, torch.device)) and (
+            isinstance(loss_scale, torch.device) or loss_scale.split(":")[0] in _DEVICE_TYPES
+        ):
+            if device is not None:
+                raise ValueError(f"device given twice: {loss_scale!r} and device={device!r}.")
+            loss_scale, device = None, loss_scale
+        unknown = sorted(set(torch_options) - set(_TORCH_SCALER_KEYS))
+        if unknown:
+            raise TypeError(f"unknown GradScaler option(s) {unknown}; torch's are {list(_TORCH_SCALER_KEYS)}.")
+        if loss_scale is None:
+            opts = dict(torch_options)
+            if "init_scale" in opts:
+                opts["init_scale"] = float(opts["init_scale"])
+            config: LossScaleConfig = DynamicLossScale.preset("torch", **opts)
+        else:
+            if torch_options:
+                raise ValueError(
+                    f"torch options {sorted(torch_options)} go with loss_scale=None; put them in the "
+                    "config instead, e.g. DynamicLossScale.preset('torch', growth_interval=100)."
+                )
+            config = loss_scale_from_dict(loss_scale)
+        self._device = _as_device(device)
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}: CUDA is not available (torch {torch.__version__}, or no GPU "
+                "visible); use device='cpu' or install a CUDA build of torch."
+            )
+        self._enabled = bool(enabled)
+        self._config = config
+        self._ops = _TorchOps(self._device)
+        self._set_state(config.initial_state())
+        self._loss_finite = self._ops.true
+        self._per_opt: dict[int, dict[str, Any]] = {}
+        self._process_group = process_group
+        self._replicas_checked = False
+
+    # -- replicas
+
+    def _group(self) -> Any:
+        """The process group to reduce over, or None (single process, or ``process_group=False``)."""
+        if self._process_group is False:
+            return None
+        if self._process_group is not None:
+            return self._process_group
+        dist = getattr(torch, "distributed", None)
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+    def _reduce_flags(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """``found_inf`` and the loss-finite flag, reduced (MAX of "bad") over the replicas.
+
+        The distributed logic lives in :mod:`unimp.distributed.torch` (imported only when a group
+        is active); subclasses for other engines (Horovod) override this method.
+        """
+        group = self._group()
+        if group is None:
+            return found_inf
+        from unimp.distributed import torch as _dt
+
+        found_inf, self._loss_finite = _dt.reduce_step_flags(found_inf, self._loss_finite, group)
+        return found_inf
+
+    def _check_replicas(self) -> None:
+        """Once after construction or ``load_state_dict``: every replica holds the same state."""
+        if self._replicas_checked:
+            return
+        group = self._group()
+        if group is not None:
+            from unimp.distributed import torch as _dt
+
+            _dt.check_replicas_agree(self, group)
+        self._replicas_checked = True
+
+    # -- state
+
+    def _set_state(self, s: LossScaleState) -> None:
+        dev = self._device
+        self._scale = torch.tensor(float(s.scale), dtype=torch.float32, device=dev)
+        self._counter = torch.tensor(int(s.counter), dtype=torch.int32, device=dev)
+        self._consecutive = torch.tensor(int(s.consecutive_skips), dtype=torch.int32, device=dev)
+        self._total = torch.tensor(int(s.total_skips), dtype=torch.int32, device=dev)
+
+    @property
+    def config(self) -> LossScaleConfig:
+        """The loss-scale config."""
+        return self._config
+
+    @property
+    def device(self) -> torch.device:
+        """The device holding the scale state."""
+        return self._device
+
+    @property
+    def state(self) -> LossScaleState:
+        """The loss-scale state as host values (synchronizes)."""
+        return LossScaleState(self._scale.item(), self._counter.item(), self._consecutive.item(), self._total.item())
+
+    def is_enabled(self) -> bool:
+        """False when built with ``enabled=False`` (then every method passes through)."""
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (synchronizes; 1.0 when disabled).
+
+        Raises:
+            LossScaleError: more than ``max_consecutive_skips`` skipped steps in a row.
+        """
+        if not self._enabled:
+            return 1.0
+        check_state(self._config, self.state)
+        return float(self._scale.item())
+
+    def get_growth_factor(self) -> float | None:
+        """The growth factor (None for a static or disabled scale)."""
+        return getattr(self._config, "growth_factor", None)
+
+    def get_backoff_factor(self) -> float | None:
+        """The backoff factor (None for a static or disabled scale)."""
+        return getattr(self._config, "backoff_factor", None)
+
+    def get_growth_interval(self) -> int | None:
+        """The growth interval (None for a static or disabled scale)."""
+        return getattr(self._config, "growth_interval", None)
+
+    def _set(self, field: str, value: Any) -> None:
+        if not self._config.dynamic:
+            raise ValueError(f"{field} belongs to a dynamic loss scale; this one is {self._config.kind!r}.")
+        self._config = self._config.replace(**{field: value})  # validated before it is kept
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Sets the growth factor (> 1). Raises ValueError for a bad value or a static scale."""
+        self._set("growth_factor", new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Sets the backoff factor (in (0, 1)). Raises ValueError for a bad value or a static scale."""
+        self._set("backoff_factor", new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Sets the growth interval (>= 1, above the current counter). Raises ValueError otherwise."""
+        if not self._config.dynamic:
+            raise ValueError(f"growth_interval belongs to a dynamic loss scale; this one is {self._config.kind!r}.")
+        config = self._config.replace(growth_interval=new_interval)
+        counter = int(self._counter.item())
+        if counter >= config.growth_interval:
+            raise ValueError(f"growth_interval={new_interval} must exceed the current counter {counter}.")
+        self._config = config
+
+    def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._per_opt.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
+
+    # -- scale / unscale / step / update
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiplies a loss (or a nested structure of losses) by the scale.
+
+        Also records, on the device, whether the unscaled losses are finite: a non-finite loss
+        skips this iteration's steps without reducing the scale (unimp's forward-overflow rule).
+
+        Args:
+            outputs: a tensor or nested lists/tuples/dicts of tensors (the unscaled losses).
+
+        Returns:
+            The same structure multiplied by the scale (matches torch: ``outputs * scale``).
+
+        Raises:
+            TypeError: ``outputs`` holds no tensor.
+        """
+        if not self._enabled:
+            return outputs
+        if not any(True for _ in _leaves(outputs)):
+            raise TypeError(f"scale() needs a tensor or a structure of tensors, got {type(outputs).__name__}.")
+        self._loss_finite = self._loss_finite & _to(all_finite(outputs), self._device)
+        self._check_replicas()  # replicas must agree on the scale before the loss is scaled
+        return _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
+
+    def _grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        out = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    if p.grad.dtype is torch.float16:
+                        p.grad = p.grad.coalesce()
+                    out.append((p, p.grad._values()))
+                else:
+                    out.append((p, p.grad))
+        return out
+
+    def _check_fp16(self, optimizer: torch.optim.Optimizer) -> None:
+        bad = [
+            (name, p)
+            for name, p in _param_names(optimizer)
+            if p.grad is not None and p.grad.dtype == torch.float16
+        ]
+        if bad:
+            names = ", ".join(n for n, _ in bad[:8]) + (" ..." if len(bad) > 8 else "")
+            raise ValueError(
+                f"float16 gradients cannot be unscaled safely (parameters: {names}): keep the "
+                "parameters float32 (autocast computes in float16 anyway), or use cast_mode='module' "
+                "with mp.prepare(model, optimizer), which keeps float32 master weights."
+            )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divides the optimizer's gradients by the scale, in place, and checks them for inf/NaN.
+
+        Matches torch.amp.GradScaler.unscale_: ``inv_scale`` is the float64 reciprocal of the
+        scale rounded to float32, and the check and multiply are one fused kernel per device
+        and dtype. Calling it again before :meth:`update` does nothing (torch raises).
+
+        Raises:
+            ValueError: a float16 gradient while the loss is scaled (names the parameters and
+                the fix); with ``NoLossScale`` float16 gradients are only checked.
+            RuntimeError: called after :meth:`step` and before :meth:`update`.
+        """
+        if not self._enabled:
+            return
+        st = self._opt_state(optimizer)
+        if st["stage"] == _UNSCALED:
+            return
+        if st["stage"] == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step(); call update() first.")
+        self._check_replicas()  # before anything changes: raises on every rank on a mismatch
+        master = getattr(optimizer, "_unimp_master", None)
+        if master is not None:
+            master.to_master()
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for _, g in self._grads(optimizer):
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        # a scale of exactly 1 unscales exactly: float16 is fine then
+        if not self._config.unity and any(dt == torch.float16 for _, dt in groups):
+            self._check_fp16(optimizer)  # raises, naming the parameters
+        inv_scale = self._scale.double().reciprocal().float()
+        with torch.no_grad():
+            per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+            for (dev, _), grads in groups.items():
+                if dev not in per_device:
+                    per_device[dev] = (
+                        torch.zeros((), dtype=torch.float32, device=dev),
+                        _to(inv_scale, dev),
+                    )
+                fi, inv = per_device[dev]
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)
+            flags = [_to(fi, self._device) for fi, _ in per_device.values()]
+            if len(flags) == 1:
+                found_inf = flags[0]
+            elif flags:
+                found_inf = torch.stack(flags).sum()
+            else:
+                found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
+        st["found_inf"] = self._reduce_flags(found_inf)
+        st["stage"] = _UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscales (unless :meth:`unscale_` was called) and steps, skipping on the device.
+
+        Each optimizer skips on its own non-finite gradients or on a non-finite loss given to
+        :meth:`scale` (torch.amp semantics, plus the forward-overflow rule). A skipped step leaves
+        the parameters and the whole optimizer state (moments, ``step``) bitwise unchanged and
+        needs no host sync: fused optimizers take ``found_inf`` natively, others are restored
+        with ``torch.where`` (details in the module's ``_guarded_step``). ``*args``/``**kwargs``
+        go to ``optimizer.step``.
+
+        Returns:
+            A 0-d bool tensor on the scaler's device: the step was applied (reading it syncs).
+            With ``enabled=False``, whatever ``optimizer.step`` returns.
+
+        Raises:
+            RuntimeError: a ``closure`` argument (unsupported, as in torch), or a second
+                ``step`` before :meth:`update`.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or args:
+            raise RuntimeError("closure use is not supported with GradScaler (as in torch.amp).")
+        st = self._opt_state(optimizer)
+        if st["stage"] == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if st["stage"] == _READY:
+            self.unscale_(optimizer)
+        bad = torch.where(self._loss_finite, st["found_inf"], self._ops.f32(1.0))
+        _guarded_step(optimizer, bad, args, kwargs)
+        st["stage"] = _STEPPED
+        return bad == 0
+
+    def _combined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        found = [st["found_inf"] for st in self._per_opt.values() if st["found_inf"] is not None]
+        if not found:
+            raise RuntimeError("update() found no unscale_()/step() since the last update().")
+        total = found[0] if len(found) == 1 else torch.stack(found).sum()
+        return total == 0, self._loss_finite
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Updates the scale and skip counters once per iteration, on the device.
+
+        Combines the overflow checks of every optimizer unscaled or stepped since the last
+        update and calls :func:`unimp.loss_scale.update_arrays` (matches torch.amp.GradScaler:
+        back off on overflow, grow on the growth_interval-th consecutive finite step, never to
+        inf; plus min/max scale, skip counters and the forward-overflow rule).
+
+        Args:
+            new_scale: set the scale to this value instead of the rule's (as torch); the skip
+                counters are still updated. A tensor is read once on the host to validate it.
+
+        Raises:
+            RuntimeError: no ``unscale_``/``step`` since the last update.
+            ValueError: ``new_scale`` not a number or one-element tensor, outside the config's
+                ``[min_scale, max_scale]``, or different from a static scale; nothing changes.
+        """
+        if not self._enabled:
+            return
+        value = None if new_scale is None else self._check_new_scale(new_scale)  # before any change
+        self._update(*self._combined())
+        if value is not None:
+            self._scale.copy_(value)
+
+    def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
+        """``new_scale`` as a float32 0-d tensor on the device, validated (a tensor is read once:
+        an explicit override is rare, and a bad value would poison every later step)."""
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or not new_scale.is_floating_point():
+                raise ValueError(
+                    f"new_scale must be a float or a one-element floating tensor, got a "
+                    f"{new_scale.dtype} tensor of shape {tuple(new_scale.shape)}."
+                )
+            f = float(new_scale.detach().reshape(()).float().cpu())
+        else:
+            try:
+                f = float(new_scale)
+            except (TypeError, ValueError):
+                raise ValueError(f"new_scale must be a number, got {new_scale!r}.") from None
+        if not self._config.dynamic:
+            if f != float(self._config.initial_scale()):
+                raise ValueError(
+                    f"new_scale={f!r}: a {self._config.kind} loss scale cannot change; use a "
+                    "DynamicLossScale to let the scale move."
+                )
+        else:
+            hi = self._config.max_scale if self._config.max_scale is not None else _F32.max
+            lo = self._config.floor
+            if not (math.isfinite(f) and lo <= f <= hi):
+                raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
+        return self._ops.f32(f)
+
+    def _update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The end of an iteration: the rule applied (:meth:`_apply_update`) and the
+        per-optimizer stages reset; returns the rule's results."""
+        out = self._apply_update(grads_finite, loss_finite)
+        self._per_opt.clear()
+        return out
+
+    def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Runs the rule and copies its results into the state; returns the results (fresh
+        tensors that later updates leave alone, for a step's report)."""
+        out = update_arrays(
+            self._ops, self._config, self._scale, self._counter, self._consecutive, self._total,
+            grads_finite, loss_finite,
+        )
+        # in place, so tensors handed out earlier (and CUDA graphs) see the new values
+        for held, new in zip((self._scale, self._counter, self._consecutive, self._total), out, strict=True):
+            if new is not held:  # a static scale returns scale and counter as they were
+                held.copy_(new)
+        self._loss_finite = self._ops.true  # never changed in place: every update rebinds it
+        return out
+
+    # -- state dicts
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles everything but the constant cache (rebuilt on load, on the same device), so a
+        pickle names no private class of this package."""
+        d = self.__dict__.copy()
+        d.pop("_ops", None)
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._ops = _TorchOps(self._device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """unimp's portable loss-scale state (``unimp.loss_scale.state_dict``), JSON-able; the
+        same in every backend, also for a disabled scaler and before the first step."""
+        return _ls.state_dict(self._config, self.state)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads a portable state dict, or converts a ``torch.amp.GradScaler`` one.
+
+        A torch state dict (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) keeps this scaler's min/max scale and takes
+        torch's factors, interval, scale and growth tracker; skip counters start at 0.
+        Everything is validated before anything changes.
+
+        Raises:
+            ValueError: a malformed dict (the key is named), or torch's empty ``{}`` from a
+                disabled torch scaler.
+        """
+        if isinstance(state_dict, Mapping) and "_growth_tracker" in state_dict:
+            config, state = self._from_torch(state_dict)
+        elif isinstance(state_dict, Mapping) and len(state_dict) == 0:
+            raise ValueError(
+                "empty state_dict: torch's disabled GradScaler saves {}, which holds no state; "
+                "nothing to load (unimp's scalers always save the portable format)."
+            )
+        else:
+            config, state = _ls.from_state_dict(state_dict)
+        self._config = config
+        self._set_state(state)
+        self._replicas_checked = False  # a checkpoint loaded on some ranks only is caught next step
+
+    def _from_torch(self, d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleState]:
+        need = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise ValueError(f"torch GradScaler state_dict is missing {missing}.")
+        base = self._config if self._config.dynamic else DynamicLossScale.preset("torch")
+        scale = float(d["scale"])
+        try:
+            config = base.replace(
+                growth_factor=float(d["growth_factor"]),
+                backoff_factor=float(d["backoff_factor"]),
+                growth_interval=int(d["growth_interval"]),
+                init_scale=min(max(scale, base.floor), base.max_scale or _F32.max),
+            )
+        except ValueError as e:
+            raise ValueError(f"cannot convert torch GradScaler state_dict: {e}") from None
+        sd = _ls.state_dict(config, LossScaleState(scale, int(d["_growth_tracker"]), 0, 0))
+        return _ls.from_state_dict(sd)

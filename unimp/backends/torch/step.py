@@ -1,0 +1,152 @@
+"""torch train step: :class:`TrainStep` (autocast forward, scaled backward, unscale, clipping,
+gradient accumulation, the guarded optimizer step and the loss-scale update).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unimp.backends.torch.devices import _to
+from unimp.backends.torch.optimizer import _check_half_state
+from unimp.backends.torch.scaling import GradScaler, _to_host
+from unimp.step import StepResult, check_step_options, micro_batches
+
+if TYPE_CHECKING:
+    from unimp.backends.torch.mixed_precision import MixedPrecision
+
+
+class TrainStep:
+    """``step(batch) -> StepResult``: one optimizer step (one accumulation window) per call.
+
+    Each call runs ``loss_fn(model, micro_batch)`` under the recipe's autocast, backpropagates
+    ``loss * scale / grad_accum_steps`` for each micro-batch, unscales once, computes the
+    global gradient norm and clips on the UNSCALED gradients (``g * min(1, max_norm / norm)``),
+    steps (skipped on the device when the loss or a gradient is non-finite: parameters and
+    optimizer state stay bitwise unchanged), updates the loss scale with unimp's rule, and
+    resets the gradients (to None, i.e. exact zeros, never by subtracting them).
+
+    Args:
+        mp: the bound :class:`MixedPrecision`.
+        model, optimizer: as given to (or returned by) :meth:`MixedPrecision.prepare`.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (the unscaled loss).
+        grad_accum_steps: micro-batches per optimizer step; with more than 1, ``batch`` is a
+            sequence of that many micro-batches and the gradient is their mean.
+        max_grad_norm: clip the global L2 norm of the unscaled gradients to this (> 0).
+        scheduler: a torch LR scheduler, advanced only after applied steps. Deciding that needs
+            ``applied`` on the host: with a scheduler each step reads it once (a sync); without
+            one a step never syncs.
+
+    Raises:
+        ValueError: bad ``grad_accum_steps`` / ``max_grad_norm``, a model on another device
+            type than the bound one, a ``batch`` that is not a
+            sequence of ``grad_accum_steps`` micro-batches, or a loss that is not a scalar.
+    """
+
+    def __init__(
+        self,
+        mp: MixedPrecision,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        scheduler: Any = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(model, batch).")
+        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
+        if scheduler is not None and not hasattr(scheduler, "step"):
+            raise TypeError("scheduler must be a torch LR scheduler (with .step()).")
+        if mp.mode != "none":
+            mp._check_model_device(model)
+        self.mp = mp
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.scheduler = scheduler
+        self.scaler = GradScaler(mp.loss_scale, device=mp.device)
+        _check_half_state(optimizer)
+
+    def __call__(self, batch: Any) -> StepResult:
+        micro = micro_batches(batch, self.grad_accum_steps)
+        k = len(micro)
+        sc = self.scaler
+        opt = self.optimizer
+        sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
+        scale_used = sc._scale.clone()
+        factor = scale_used if k == 1 else scale_used / k
+        losses = []
+        try:
+            for mb in micro:
+                with self.mp.autocast():
+                    loss = self.loss_fn(self.model, mb)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(
+                        f"loss_fn must return a 0-d (scalar) tensor, got "
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
+                        "reduce it, e.g. loss.mean()."
+                    )
+                sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
+                (loss * _to(factor, loss.device)).backward()
+                losses.append(_to(loss.detach().float(), sc.device))
+        except BaseException:
+            # a failed window leaves nothing behind: no partial gradients, no stale loss flag
+            opt.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            sc._loss_finite = sc._ops.true
+            raise
+        mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        sc.unscale_(opt)
+        found_inf = sc._opt_state(opt)["found_inf"]
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grads = [g for _, g in sc._grads(opt)]
+            grad_norm = _global_norm(grads, sc.device)
+            coef = torch.clamp(self.max_grad_norm / grad_norm, max=1.0)
+            if grads:
+                groups: dict[torch.device, list[torch.Tensor]] = {}
+                for g in grads:
+                    groups.setdefault(g.device, []).append(g)
+                for dev, gs in groups.items():
+                    torch._foreach_mul_(gs, _to(coef, dev))
+        applied = sc.step(opt)
+        grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never changed in place
+        _, _, consecutive, total = sc._update(grads_finite, loss_finite)  # sc.update(), kept results
+        opt.zero_grad(set_to_none=True)
+        raw = {
+            "loss": mean_loss,
+            "scale": scale_used,
+            "applied": applied,
+            "loss_finite": loss_finite,
+            "grads_finite": grads_finite,
+            "grad_norm": grad_norm,
+            "consecutive_skips": consecutive,
+            "total_skips": total,
+        }
+        if self.scheduler is not None and bool(applied):
+            self.scheduler.step()
+        return StepResult(raw, _to_host, sc.config)
+
+    def state_dict(self) -> dict[str, Any]:
+        """unimp's loss-scale state in the portable format (see :meth:`GradScaler.state_dict`)."""
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads a portable (or torch GradScaler) loss-scale state; validated first."""
+        self.scaler.load_state_dict(state_dict)
+
+
+def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Global L2 norm (float32) of the gradients, on ``device``; 0 for no gradients."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+    return torch.linalg.vector_norm(torch.stack([_to(n, device) for n in norms]))

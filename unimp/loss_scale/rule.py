@@ -1,0 +1,189 @@
+"""The loss-scale rule, written once over an array namespace, and its NumPy reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from unimp.loss_scale.config import LossScaleConfig, LossScaleError, LossScaleState
+
+
+class _NumpyOps:
+    """The array namespace of the reference: NumPy float32 / int32 0-d arrays."""
+
+    where = staticmethod(np.where)
+    minimum = staticmethod(np.minimum)
+    maximum = staticmethod(np.maximum)
+    isfinite = staticmethod(np.isfinite)
+
+    @staticmethod
+    def f32(x: Any) -> Any:
+        return np.float32(x)
+
+    @staticmethod
+    def i32(x: Any) -> Any:
+        return np.int32(x)
+
+
+def update_arrays(
+    ops: Any,
+    config: LossScaleConfig,
+    scale: Any,
+    counter: Any,
+    consecutive_skips: Any,
+    total_skips: Any,
+    grads_finite: Any,
+    loss_finite: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """The loss-scale algorithm, branch-free, over any array namespace.
+
+    Backends call this with their own tensors so the rule is written once. Python branches
+    here depend only on the (static) config, never on array values, so the function traces
+    under ``jax.jit``, ``tf.function`` and ``torch.compile``.
+
+    Args:
+        ops: a namespace with ``where(c, a, b)``, ``minimum``, ``maximum``, ``isfinite``,
+            ``f32(x)`` and ``i32(x)`` (make a float32 / int32 scalar on the right device).
+        config: the loss-scale config (static).
+        scale: float32 scalar.
+        counter, consecutive_skips, total_skips: int32 scalars.
+        grads_finite: bool scalar, every gradient element is finite.
+        loss_finite: bool scalar, the (unscaled) loss is finite.
+
+    Returns:
+        ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes.
+    """
+    # Written for few kernels: every op here is a kernel launch (torch, TF graph) or a fused
+    # scalar op (XLA). tests/test_loss_scale.py checks it against the plain nested-select spec.
+    applied = grads_finite & loss_finite
+    backoff = loss_finite != applied  # finite loss, non-finite gradients: an overflow
+    zero = ops.i32(0)
+    one = ops.i32(1)
+    new_consecutive = ops.where(applied, zero, consecutive_skips + one)
+    new_total = ops.where(applied, total_skips, total_skips + one)
+    if not config.dynamic:
+        return scale, counter, new_consecutive, new_total
+    grown = scale * ops.f32(config.growth_factor)
+    if config.max_scale is not None:
+        grown = ops.minimum(grown, ops.f32(config.max_scale))  # finite: max_scale <= float32 max
+    else:
+        grown = ops.where(ops.isfinite(grown), grown, scale)  # growth never makes the scale inf
+    backed = ops.maximum(scale * ops.f32(config.backoff_factor), ops.f32(config.floor))
+    next_counter = counter + one
+    grow = applied & (next_counter >= ops.i32(config.growth_interval))
+    # finite loss and grads: count, grow on the interval-th; finite loss, bad grads: back off
+    # and restart the count; non-finite loss (forward overflow): leave scale and counter alone.
+    new_scale = ops.where(grow, grown, ops.where(backoff, backed, scale))
+    new_counter = ops.where(grow | backoff, zero, ops.where(applied, next_counter, counter))
+    return new_scale, new_counter, new_consecutive, new_total
+
+
+def update(
+    config: LossScaleConfig,
+    state: LossScaleState,
+    grads_finite: bool,
+    loss_finite: bool = True,
+) -> LossScaleState:
+    """One step of the reference algorithm (NumPy, float32 arithmetic).
+
+    Args:
+        config: the loss-scale config.
+        state: the state before the step.
+        grads_finite: every gradient element was finite (no overflow).
+        loss_finite: the loss was finite; ``False`` is a forward overflow: the step is skipped
+            and counted but the scale and counter are unchanged.
+
+    Returns:
+        The state after the step.
+    """
+    with np.errstate(over="ignore"):  # an overflowing growth is expected and handled
+        out = _reference(config, state, grads_finite, loss_finite)
+    return LossScaleState(*out)
+
+
+def _reference(
+    config: LossScaleConfig, state: LossScaleState, grads_finite: bool, loss_finite: bool
+) -> Any:
+    return update_arrays(
+        _NumpyOps,
+        config,
+        np.float32(state.scale),
+        np.int32(state.counter),
+        np.int32(state.consecutive_skips),
+        np.int32(state.total_skips),
+        np.bool_(grads_finite),
+        np.bool_(loss_finite),
+    )
+
+
+def _event(flag: Any) -> tuple[bool, bool]:
+    if isinstance(flag, (tuple, list)):
+        if len(flag) != 2:
+            raise ValueError(
+                f"a step event is grads_finite or (grads_finite, loss_finite), got {flag!r}."
+            )
+        return bool(flag[0]), bool(flag[1])
+    return bool(flag), True
+
+
+def simulate(
+    config: LossScaleConfig,
+    flags: Iterable[bool | tuple[bool, bool]],
+    state: LossScaleState | None = None,
+) -> list[LossScaleState]:
+    """Runs the reference algorithm over a sequence of steps.
+
+    Args:
+        config: the loss-scale config.
+        flags: per step, ``grads_finite`` (True for a clean step, False for an overflow), or a
+            pair ``(grads_finite, loss_finite)``.
+        state: the starting state; ``config.initial_state()`` by default.
+
+    Returns:
+        The state after each step (``len(flags)`` states; the start state is not included).
+
+    Example:
+        >>> cfg = DynamicLossScale(init_scale=8, growth_interval=2, min_scale=1)
+        >>> [float(s.scale) for s in simulate(cfg, [True, True, False, False, False, False])]
+        [8.0, 16.0, 8.0, 4.0, 2.0, 1.0]
+    """
+    s = config.initial_state() if state is None else state
+    out = []
+    for flag in flags:
+        g, lf = _event(flag)
+        s = update(config, s, g, lf)
+        out.append(s)
+    return out
+
+
+def check_state(config: LossScaleConfig, state: LossScaleState) -> None:
+    """Raises :class:`LossScaleError` when ``max_consecutive_skips`` is exceeded.
+
+    Backends call this when results are read, not every step, to avoid a host-device sync.
+
+    Raises:
+        LossScaleError: more than ``max_consecutive_skips`` skipped steps in a row; the message
+            says why the scale is stuck and what to look at.
+    """
+    limit = getattr(config, "max_consecutive_skips", None)
+    if limit is None or int(state.consecutive_skips) <= limit:
+        return
+    at_floor = not config.dynamic or float(state.scale) <= config.floor
+    why = (
+        "Gradients stay non-finite even at the lowest scale, so the cause is not float16 range: "
+        "look for NaN/inf in the inputs or labels, a learning rate that makes the weights diverge, "
+        "or a forward overflow (StepResult.loss_finite is False; compute that op in float32)."
+        if at_floor
+        else "The scale is still backing off from a high value: lower init_scale, or raise "
+        "max_consecutive_skips above log2(init_scale / a workable scale); if the loss is "
+        "non-finite (StepResult.loss_finite is False) the cause is a forward overflow instead."
+    )
+    raise LossScaleError(
+        f"the loss scale is stuck: {int(state.consecutive_skips)} skipped steps in a row "
+        f"(max_consecutive_skips={limit}), scale now {float(state.scale)!r}"
+        + (f", floor {config.floor!r}" if config.dynamic else "")
+        + ". "
+        + why
+    )
