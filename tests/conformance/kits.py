@@ -375,6 +375,8 @@ class LinearRun:
         with torch.no_grad():
             model.weight.copy_(torch.from_numpy(w[None, :]))
         opt = torch.optim.SGD(model.parameters(), lr=lr)
+        if self.mp.policy.param_dtype != "float32":  # pure half recipes: module mode
+            model, opt = self.mp.prepare(model, opt)
 
         class Poison(torch.autograd.Function):
             @staticmethod
@@ -387,7 +389,7 @@ class LinearRun:
                 return g * ctx.saved_tensors[0].to(g.dtype), None
 
         def loss_fn(model, b):
-            v = model.weight[0]
+            v = model.weight[0].float()
             return Poison.apply((b["c"] * v).sum() + 0.5 * q * (v * v).sum(), b["poison"])
 
         def convert(b):
@@ -414,7 +416,7 @@ class LinearRun:
             return tf.identity(x), lambda g: (g * tf.cast(p, g.dtype), tf.zeros_like(p))
 
         def loss_fn(model, b):
-            v = tf.convert_to_tensor(model.layers[0].kernel)[:, 0]
+            v = tf.cast(tf.convert_to_tensor(model.layers[0].kernel)[:, 0], tf.float32)
             return poison(tf.reduce_sum(b["c"] * v) + 0.5 * q * tf.reduce_sum(v * v), b["poison"])
 
         self._convert = lambda b: b

@@ -261,6 +261,18 @@ def test_clipping_acts_on_unscaled_gradients(backend):
     np.testing.assert_allclose(run.w(), [-0.6, -0.8], rtol=0, atol=1e-7)
 
 
+def test_grad_norm_of_half_gradients_is_accumulated_in_float32(backend):
+    # fairscale PR #263 kind: pure float16 params, no loss scaling, a gradient of 300. Its
+    # square (90000) overflows float16, so a norm summed in float16 is inf and clipping zeroes
+    # the update. Right values: grad_norm 300, the clipped gradient 1.0, w = float16(0.5 - 0.1).
+    recipe = get_recipe("float16", loss_scale="none")
+    run = kits.build_linear(backend, recipe, w=[0.5], lr=0.1, max_grad_norm=1.0)
+    r = run.step(kits.linear_batch([300.0]))
+    assert r.grad_norm == 300.0 and r.applied
+    assert run.w().dtype == np.float16
+    assert run.w().tolist() == [0.39990234375]
+
+
 def test_accumulation_is_mean_with_whole_window_skip(backend):
     recipe = get_recipe("mixed_float16", loss_scale=StaticLossScale(1024.0))
     run = kits.build_linear(backend, recipe, w=[0.0, 0.0], lr=1.0, grad_accum_steps=2)

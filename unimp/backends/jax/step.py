@@ -29,17 +29,28 @@ def _tracks_variance(axis_name: Any) -> bool:
     return axis_name in _varying_axes(lax.axis_index(axis_name))
 
 
-def _sharded_norm(grads: Any, axis_name: Any) -> jax.Array:
-    """Global L2 norm under shard_map: squares of gradients that vary over ``axis_name``
-    (local shards) are summed over it; replicated (already all-reduced) ones are not."""
+def _global_norm(grads: Any, axis_name: Any = None) -> jax.Array:
+    """Global L2 norm of the gradients, accumulated in float32 whatever their dtype (a float16
+    norm overflows at 256; ``optax.tree.norm`` sums in the leaves' dtype). The rule of every
+    backend (torch and TensorFlow cast each gradient to float32 too).
+
+    Under shard_map (``axis_name``): squares of gradients that vary over the axis (local shards)
+    are summed over it; replicated (already all-reduced) ones are not."""
     local, shared = jnp.float32(0.0), jnp.float32(0.0)
     for g in jax.tree_util.tree_leaves(grads):
         sq = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-        if axis_name in _varying_axes(g):
+        if axis_name is not None and axis_name in _varying_axes(g):
             local = local + sq
         else:
             shared = shared + sq
-    return jnp.sqrt(shared + lax.psum(local, axis_name))
+    return jnp.sqrt(shared if axis_name is None else shared + lax.psum(local, axis_name))
+
+
+def _clip(g: jax.Array, clip: jax.Array, factor: jax.Array) -> jax.Array:
+    """``g * factor`` where ``clip``, multiplied in float32 (at least) and rounded once to
+    ``g``'s dtype, as torch's in-place multiply of a half tensor by a float32 scalar."""
+    wide = jnp.promote_types(g.dtype, jnp.float32)
+    return jnp.where(clip, (g.astype(wide) * factor).astype(g.dtype), g)
 
 
 def _contains_loss_scaling(state: Any) -> bool:
@@ -265,12 +276,11 @@ class TrainStep:
         grads_finite = all_finite(grads, axis)
         grad_norm = None
         if self._max_norm is not None:
-            grad_norm = optax.tree.norm(grads) if axis is None else _sharded_norm(grads, axis)
+            grad_norm = _global_norm(grads, axis)
             max_norm = jnp.float32(self._max_norm)
             clip = grad_norm > max_norm
-            grads = jax.tree_util.tree_map(
-                lambda g: jnp.where(clip, g * (max_norm / grad_norm).astype(g.dtype), g), grads
-            )
+            factor = max_norm / grad_norm
+            grads = jax.tree_util.tree_map(lambda g: _clip(g, clip, factor), grads)
         updates, new_opt_state = self._optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         applied = grads_finite & loss_finite
