@@ -199,7 +199,11 @@ devices = list(mesh.devices.flat)
 local = [jax.device_put(jnp.float32(1024.0 if i == 1 else 65536.0), d) for i, d in enumerate(devices)]
 skewed_scale = jax.make_array_from_single_device_arrays((), NamedSharding(mesh, P()), local)
 dp._loss_scale = ujax.DynamicLossScale(
-    skewed_scale, good.counter, good.consecutive_skips, good.total_skips, config=good.config
+    skewed_scale,
+    good.counter,
+    consecutive_skips=good.consecutive_skips,
+    total_skips=good.total_skips,
+    config=good.config,
 )
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

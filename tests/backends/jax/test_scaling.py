@@ -376,3 +376,23 @@ def test_pytree_refuses_states_its_own_loader_would_refuse(kwargs, needle):
         ujax.DynamicLossScale(8.0, **kwargs)
     ok = ujax.DynamicLossScale(8.0, counter=3)
     assert ujax.loss_scale_from_state_dict(ok.state_dict()).state == ok.state
+
+
+def test_jmp_positional_order_is_refused_not_misread():
+    # jmp's positional order is (loss_scale, counter, period, factor, min_loss_scale); read by
+    # unimp's field order this ran with period 2000 and factor 2 while saying 100 and 4.
+    with pytest.raises(TypeError, match=r"at most 2 positional.*consecutive_skips=.*growth_interval=period"):
+        ujax.DynamicLossScale(jnp.float32(2**15), jnp.int32(0), 100, 4)
+    with pytest.raises(TypeError, match="at most 2 positional"):
+        ujax.StaticLossScale(jnp.float32(8.0), 0, 1)
+    # the two positional arguments jmp and unimp share still work, and the fix in the message runs
+    ls = ujax.DynamicLossScale(
+        jnp.float32(2**15),
+        jnp.int32(0),
+        config=unimp.DynamicLossScale.preset("jmp", growth_interval=100, growth_factor=4.0),
+    )
+    assert (ls.period, ls.factor, float(ls.loss_scale)) == (100, 4.0, 2.0**15)
+    # pytree round trips (unflatten) and from_config never pass more than two positionally
+    back = jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(ls)))
+    assert back.period == 100
+    assert ujax.DynamicLossScale.from_config(ls.config).period == 100

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -68,7 +69,30 @@ def _register_pytree(cls: type) -> type:
         return obj
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    _refuse_jmp_positional(cls)
     return cls
+
+
+def _refuse_jmp_positional(cls: type) -> None:
+    """Only ``loss_scale`` and ``counter`` may be positional. jmp's positional order is
+    ``(loss_scale, counter, period, factor, min_loss_scale)``: read by field order, jmp code
+    ``DynamicLossScale(s, c, 100, 4)`` would silently become ``consecutive_skips=100,
+    total_skips=4`` and run with another rule than it says."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 2:
+            raise TypeError(
+                f"{cls.__name__} takes at most 2 positional arguments (loss_scale, counter), got "
+                f"{len(args)}; pass consecutive_skips=, total_skips= and config= by keyword. jmp's "
+                "positional (period, factor, min_loss_scale) are a config here: "
+                f"{cls.__name__}(loss_scale, counter, config=unimp.DynamicLossScale.preset('jmp', "
+                "growth_interval=period, growth_factor=factor, min_scale=min_loss_scale))."
+            )
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
 
 
 def _scalar(value: Any, dtype: Any, cls: str, name: str) -> jax.Array:
@@ -230,7 +254,13 @@ class _LossScale:
             TypeError: the config is of another kind (use :func:`loss_scale_from_config`).
         """
         s = config.initial_state() if state is None else state
-        return cls(s.scale, s.counter, s.consecutive_skips, s.total_skips, config=config)
+        return cls(
+            s.scale,
+            s.counter,
+            consecutive_skips=s.consecutive_skips,
+            total_skips=s.total_skips,
+            config=config,
+        )
 
     @property
     def state(self) -> core.LossScaleState:
