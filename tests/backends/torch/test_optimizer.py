@@ -131,3 +131,49 @@ def test_frozen_float16_params_are_not_optimizer_state():
     with warnings.catch_warnings():
         warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
         ut.MixedPrecision("O3", device=DEV).prepare(model, opt)
+
+
+class _AmpAwareSGD(torch.optim.SGD):
+    """A custom optimizer on torch.amp's contract: ``_step_supports_amp_scaling`` and a step that
+    reads ``self.grad_scale`` (None once unscaled) and ``self.found_inf`` (nonzero: skip)."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        seen = (self.grad_scale, self.found_inf)  # AttributeError if the scaler did not set them
+        self.seen.append(None if seen[0] is None else float(seen[0]))
+        if float(self.found_inf) != 0:
+            return None
+        with torch.no_grad():
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        grad = p.grad if self.grad_scale is None else p.grad / self.grad_scale
+                        p.add_(grad, alpha=-g["lr"])
+        return None
+
+
+@pytest.mark.parametrize("scaler_kind", ["unimp", "torch.amp"])
+def test_amp_aware_optimizer_finds_grad_scale_and_found_inf(scaler_kind):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = _AmpAwareSGD(model.parameters(), lr=0.1)
+    opt.seen = []
+    scaler = (
+        ut.GradScaler(device="cpu") if scaler_kind == "unimp" else torch.amp.GradScaler("cpu")
+    )
+    weights = []
+    for overflow in (False, True, False):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+        if overflow:  # a gradient overflow, the loss finite
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        weights.append(model.weight.detach().clone())
+    assert len(opt.seen) == 3
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=0)  # the overflow skipped
+    # one clean SGD step of d(sum)/dw = 2 per weight, lr 0.1, applied twice
+    torch.manual_seed(0)
+    fresh = torch.nn.Linear(3, 1).weight.detach()
+    torch.testing.assert_close(weights[2], fresh - 0.4, rtol=0, atol=1e-6)

@@ -4,7 +4,8 @@ whole optimizer state bitwise unchanged without a host sync, and the half-optimi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +16,21 @@ from unimp.step import warn_half_optimizer_state
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[dict, str]]:
     return [(s, k) for s in optimizer.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _amp_attributes(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> Iterator[None]:
+    """``optimizer.grad_scale`` and ``optimizer.found_inf`` set while its step runs, as
+    torch.amp.GradScaler.step does for an optimizer with ``_step_supports_amp_scaling``: the
+    gradients are already unscaled, so ``grad_scale`` is None; ``found_inf`` is the float32 0-d
+    skip flag on the scale's device (nonzero: skip)."""
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    optimizer.found_inf = bad  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def _guarded_step(
@@ -49,21 +65,17 @@ def _guarded_step(
     step_fn = optimizer.step if step_fn is None else step_fn
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     fresh = [p for p in params if not optimizer.state.get(p)]
-    native = getattr(optimizer, "_step_supports_amp_scaling", False) and all(
-        g.get("fused", False) for g in optimizer.param_groups
-    )
+    amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
+    # torch's fused kernels are known to honour found_inf; any other amp-aware optimizer gets
+    # the attributes too (its step may read them) and the copy-and-select guard as well
+    native = amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
     master = getattr(optimizer, "_unimp_master", None)
     if master is not None:
         master.in_guard = True
     try:
         if native:
-            optimizer.grad_scale = None  # type: ignore[attr-defined]
-            optimizer.found_inf = bad  # type: ignore[attr-defined]
-            try:
+            with _amp_attributes(optimizer, bad):
                 ret = step_fn(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
         else:
             skip = bad != 0
             with torch.no_grad():
@@ -76,7 +88,8 @@ def _guarded_step(
                             s_old[(id(p), k)] = v.detach().clone()
                         else:
                             host[(id(p), k)] = v
-            ret = step_fn(*args, **kwargs)
+            with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
+                ret = step_fn(*args, **kwargs)
             with torch.no_grad():
                 for p, old in zip(params, p_old, strict=True):
                     p.copy_(torch.where(_to(skip, p.device), old, p))
