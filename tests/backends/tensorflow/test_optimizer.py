@@ -172,3 +172,62 @@ def test_half_state_warning_for_a_prebuilt_optimizer_and_numpy_eps_points_at_the
     with pytest.warns(unimp.HalfOptimizerStateWarning, match="becomes 0 in float16") as caught:
         mp.train_step(model, adam, lambda m, b: tf.reduce_mean(m(b)))
     assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize(
+    "kwargs, ok",
+    [
+        ({"dynamic": True}, True),
+        ({"weight_decay": None, "use_ema": False, "ema_momentum": 0.99}, True),
+        ({"dynamic": False}, False),
+        ({"weight_decay": 0.1}, False),
+        ({"clipnorm": 1.0}, False),
+        ({"learning_rate_typo": 1}, False),
+    ],
+)
+@pytest.mark.parametrize("cls", ["keras", "unimp"])
+def test_accepts_and_refuses_what_keras_does(cls, kwargs, ok):
+    lso_cls = keras.optimizers.LossScaleOptimizer if cls == "keras" else utf.LossScaleOptimizer
+    if ok:
+        opt = lso_cls(keras.optimizers.SGD(0.1), **kwargs)
+        assert float(opt.initial_scale) == 2.0**15
+    else:
+        with pytest.raises(ValueError):
+            lso_cls(keras.optimizers.SGD(0.1), **kwargs)
+
+
+def test_refusals_name_the_fix():
+    with pytest.raises(ValueError, match=r"set weight_decay on the inner optimizer"):
+        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), weight_decay=0.1)
+    with pytest.raises(ValueError, match=r"loss_scale=1024.0"):
+        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic=False)
+    # an inner optimizer with its own static factor: refused (Keras's would scale the loss by
+    # its dynamic scale only and divide the gradients by both)
+    with pytest.raises(ValueError, match=r"loss_scale_factor=None"):
+        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1, loss_scale_factor=128.0))
+
+
+def test_config_carries_keras_keys_and_reads_configs_keras_wrote():
+    opt = utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1024.0, dynamic_growth_steps=7)
+    cfg = opt.get_config()
+    assert (cfg["initial_scale"], cfg["dynamic_growth_steps"]) == (1024.0, 7)
+    assert cfg["loss_scale"]["growth_interval"] == 7
+    back = utf.LossScaleOptimizer.from_config(cfg)
+    assert back.loss_scale_config == opt.loss_scale_config
+    # what Keras 3.0-3.11 wrote: its own keys plus the base optimizer's, at their defaults
+    keras_cfg = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=512.0, dynamic_growth_steps=3
+    ).get_config()
+    keras_cfg.update({"weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+                      "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
+                      "ema_overwrite_frequency": None, "loss_scale_factor": None,
+                      "gradient_accumulation_steps": None})
+    for cls in (keras.optimizers.LossScaleOptimizer, utf.LossScaleOptimizer):
+        loaded = cls.from_config(dict(keras_cfg))
+        assert (float(loaded.initial_scale), loaded.dynamic_growth_steps) == (512.0, 3)
+    loaded = utf.LossScaleOptimizer.from_config(dict(keras_cfg))
+    assert loaded.loss_scale_config == DynamicLossScale.preset("keras", init_scale=512.0, growth_interval=3)
+    # a static rule has no Keras spelling: dynamic_growth_steps is None, the rule round-trips
+    static = utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=8.0)
+    assert static.get_config()["dynamic_growth_steps"] is None
+    assert utf.LossScaleOptimizer.from_config(static.get_config()).loss_scale_config == static.loss_scale_config

@@ -210,7 +210,7 @@ def test_train_step_state_dict_round_trip():
         ),
         (
             lambda: utf.LossScaleOptimizer(keras.optimizers.SGD(), clipnorm=1.0),
-            TypeError,
+            ValueError,  # as keras.optimizers.LossScaleOptimizer
             "inner optimizer",
         ),
         (lambda: utf.MixedPrecision("params=float64,compute=float16"), ValueError, "mixed_float16"),

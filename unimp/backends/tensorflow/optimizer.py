@@ -63,6 +63,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use: they mean
             ``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``; not
             together with ``loss_scale``.
+        **kwargs: what Keras's LossScaleOptimizer also takes: ``dynamic=True`` (Keras 3 and
+            tf.keras; ``False`` is refused, as Keras does: use ``loss_scale=`` with a number),
+            and the base-optimizer arguments older Keras configs hold (``weight_decay``,
+            ``clipnorm``, ``use_ema``, ... ``loss_scale_factor``), at their defaults only.
+
+    ``get_config()`` holds Keras's keys (``name``, ``inner_optimizer``, ``initial_scale``,
+    ``dynamic_growth_steps``) and unimp's ``loss_scale`` (the whole rule; it wins on load), so
+    :meth:`from_config` reads what unimp and Keras 3.0-3.15 wrote. An inner optimizer with
+    ``loss_scale_factor`` set is refused: Keras's LossScaleOptimizer would scale the loss by
+    its own scale but divide the gradients by both (and tf.keras's had no such argument).
 
     Attributes:
         dynamic_scale: float32 ``keras.Variable``, the scale of the next step (as Keras).
@@ -70,9 +80,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss_scale_config: the loss-scale config.
 
     Raises:
-        TypeError: ``inner_optimizer`` is not a Keras optimizer, or an unknown argument.
+        TypeError: ``inner_optimizer`` is not a Keras optimizer.
         ValueError: ``inner_optimizer`` is already loss-scaled or has ``loss_scale_factor``
-            set, a bad loss-scale config, or ``loss_scale`` together with Keras's arguments.
+            set, a bad loss-scale config, ``loss_scale`` together with Keras's arguments, an
+            argument Keras's LossScaleOptimizer does not take either (named, with the fix), or
+            ``dynamic=False`` (as Keras).
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=1024.0)
@@ -94,11 +106,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         dynamic_growth_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs:
-            raise TypeError(
-                f"LossScaleOptimizer got unexpected argument(s) {sorted(kwargs)}; set options such as "
-                "learning_rate or clipnorm on the inner optimizer."
-            )
+        _check_keras_arguments(kwargs)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "LossScaleOptimizer needs a keras.optimizers.Optimizer instance, got "
@@ -531,19 +539,71 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- serialization ---------------------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
+        """Keras's keys (``initial_scale``, ``dynamic_growth_steps``: ``None`` for a rule Keras
+        cannot express) and unimp's ``loss_scale`` (the whole rule)."""
+        cfg = self._loss_scale_config
+        dynamic = isinstance(cfg, DynamicLossScale)
         return {
             "name": self.name,
             "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
-            "loss_scale": self._loss_scale_config.to_dict(),
+            "initial_scale": float(cfg.initial_scale()),
+            "dynamic_growth_steps": cfg.growth_interval if dynamic else None,
+            "loss_scale": cfg.to_dict(),
         }
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        """Builds the optimizer from :meth:`get_config`'s dict, or from the config Keras's own
+        LossScaleOptimizer wrote (3.0-3.11 also wrote the base optimizer's keys, at defaults).
+
+        Raises:
+            ValueError: a key neither Keras nor unimp writes, or a non-default base key.
+        """
         config = dict(config)
         inner = serialization_lib.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
+        if "loss_scale" in config:  # unimp's own: the rule is in loss_scale, Keras's keys echo it
+            config.pop("initial_scale", None)
+            config.pop("dynamic_growth_steps", None)
         return cls(inner, **config)
+
+
+#: The base-optimizer arguments Keras 3.0-3.11 wrote into a LossScaleOptimizer's config, with the
+#: defaults Keras's LossScaleOptimizer accepts them at (anything else it refuses, naming the fix).
+_KERAS_BASE_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _check_keras_arguments(kwargs: dict[str, Any]) -> None:
+    """Keras's LossScaleOptimizer's extra arguments, by its rules: ``dynamic=True`` and
+    base-optimizer arguments at their defaults pass; the rest is a ValueError naming the fix."""
+    kwargs = dict(kwargs)
+    if not kwargs.pop("dynamic", True):
+        raise ValueError(
+            "LossScaleOptimizer(dynamic=False) is not supported (nor by Keras 3): give a static "
+            "scale instead, e.g. LossScaleOptimizer(opt, loss_scale=1024.0), or loss_scale='none'."
+        )
+    for arg, default in _KERAS_BASE_DEFAULTS.items():
+        if arg in kwargs and kwargs.pop(arg) != default:
+            raise ValueError(
+                f"LossScaleOptimizer does not take {arg}; set {arg} on the inner optimizer "
+                f"(e.g. keras.optimizers.Adam(..., {arg}=...))."
+            )
+    if kwargs:
+        raise ValueError(
+            f"LossScaleOptimizer does not take {', '.join(sorted(kwargs))}; set options such as "
+            "learning_rate or clipnorm on the inner optimizer."
+        )
 
 
 def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimizer:
