@@ -461,3 +461,126 @@ def build(
 ) -> Run:
     """A :class:`Run` of the tiny model in ``backend``."""
     return KITS[backend](recipe, weights() if w is None else w, **kwargs)
+
+
+# A BatchNorm model, x (B, 3) -> Dense 4 -> BatchNorm -> Dense 1, loss mean(out**2), SGD 0.1:
+# the forward pass updates the norm's running statistics, so a skipped step must put them back.
+
+
+class NormRun:
+    """``forward_state()``: the state the forward pass changes (running / moving statistics and
+    counters), ``params()``, ``optimizer_state()``, and ``evaluate(x)`` in inference mode, all
+    as NumPy. Built with Adam (its moments and step count are optimizer state a skip must keep)."""
+
+    def __init__(self, backend: str, recipe: Any, seed: int = 0):
+        self.backend = backend
+        self.mp = mixed_precision(recipe, backend=backend)
+        rng = np.random.default_rng(seed)
+        self.w1 = rng.normal(0, 0.5, (3, 4)).astype(np.float32)
+        self.w2 = rng.normal(0, 0.5, (4, 1)).astype(np.float32)
+        getattr(self, f"_build_{backend}")()
+
+    def _build_torch(self):
+        import torch
+
+        model = torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+        )
+        with torch.no_grad():
+            model[0].weight.copy_(torch.from_numpy(self.w1.T))
+            model[2].weight.copy_(torch.from_numpy(self.w2.T))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        self._step = self.mp.train_step(model, opt, lambda m, x: m(x).float().pow(2).mean())
+        self._convert = torch.from_numpy
+        self.forward_state = lambda: {
+            k: v.detach().cpu().numpy().copy() for k, v in model.named_buffers()
+        }
+        self.params = lambda: [p.detach().cpu().numpy().copy() for p in model.parameters()]
+        self.optimizer_state = lambda: [
+            np.asarray(v.cpu() if isinstance(v, torch.Tensor) else v).copy()
+            for s in opt.state.values() for v in s.values()
+        ]
+
+        def evaluate(x):
+            model.eval()
+            try:
+                with torch.no_grad(), self.mp.autocast():
+                    return model(torch.from_numpy(x)).float().numpy()
+            finally:
+                model.train()
+
+        self.evaluate = evaluate
+
+    def _build_tensorflow(self):
+        import keras
+        import tensorflow as tf
+
+        with self.mp.autocast():
+            model = keras.Sequential(
+                [keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                 keras.layers.Dense(1)]
+            )
+        model.layers[0].kernel.assign(self.w1)
+        model.layers[2].kernel.assign(self.w2)
+        opt = keras.optimizers.Adam(0.01)
+
+        def loss_fn(m, x):
+            return tf.reduce_mean(tf.square(tf.cast(m(x, training=True), tf.float32)))
+
+        self._step = self.mp.train_step(model, opt, loss_fn)
+        self._convert = lambda x: x
+        self.forward_state = lambda: {
+            v.path: np.asarray(v.numpy()).copy() for v in model.layers[1].non_trainable_variables
+        }
+        self.params = lambda: [np.asarray(v.numpy()).copy() for v in model.trainable_variables]
+        self.optimizer_state = lambda: [
+            np.asarray(v.numpy()).copy() for v in self._step.optimizer.inner_optimizer.variables
+        ]
+        self.evaluate = lambda x: np.asarray(model(x, training=False), np.float32)
+
+    def _build_jax(self):
+        import flax.linen as nn
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        kw = self.mp.module_kwargs()
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x, train):
+                x = nn.Dense(4, **kw)(x)
+                x = nn.BatchNorm(use_running_average=not train, momentum=0.9, **kw)(x)
+                return nn.Dense(1, **kw)(x)
+
+        net = Net()
+        variables = net.init(jax.random.key(0), jnp.zeros((2, 3)), train=False)
+        params = jax.tree_util.tree_map(np.asarray, variables["params"])
+        params["Dense_0"]["kernel"] = self.w1
+        params["Dense_1"]["kernel"] = self.w2
+
+        def loss_fn(p, stats, x):
+            out, updates = net.apply(
+                {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+            )
+            return jnp.mean(jnp.square(out.astype(jnp.float32))), updates["batch_stats"]
+
+        self._step = self.mp.train_step(
+            loss_fn, optax.adam(0.01), params, model_state=variables["batch_stats"]
+        )
+        self._convert = lambda x: x
+        leaves = lambda t: [np.asarray(v).copy() for v in jax.tree_util.tree_leaves(t)]  # noqa: E731
+        self.forward_state = lambda: {
+            jax.tree_util.keystr(k): np.asarray(v).copy()
+            for k, v in jax.tree_util.tree_leaves_with_path(self._step.model_state)
+        }
+        self.params = lambda: leaves(self._step.params)
+        self.optimizer_state = lambda: leaves(self._step.opt_state)
+        self.evaluate = lambda x: np.asarray(
+            net.apply({"params": self._step.params, "batch_stats": self._step.model_state},
+                      x, train=False),
+            np.float32,
+        )
+
+    def step(self, x: np.ndarray):
+        return self._step(self._convert(x))

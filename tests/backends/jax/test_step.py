@@ -281,3 +281,73 @@ def test_integer_loss_is_refused_like_the_other_backends():
     with pytest.raises(TypeError, match="floating loss"):
         step(jnp.ones(2))
     assert step.params.tolist() == [1.0, 1.0]
+
+
+def _nnx_bn_step(**kwargs):
+    from flax import nnx
+
+    mp = unimp.mixed_precision("mixed_float16", backend="jax")
+    kw = mp.module_kwargs()
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(3, 4, rngs=rngs, **kw)
+            self.bn = nnx.BatchNorm(4, rngs=rngs, **kw)
+            self.l2 = nnx.Linear(4, 1, rngs=rngs, **kw)
+
+        def __call__(self, x):
+            return self.l2(self.bn(self.l1(x)))
+
+    graphdef, params, stats = nnx.split(Net(nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
+
+    def loss_fn(p, s, x):
+        model = nnx.merge(graphdef, p, s, copy=True)  # fresh Variables at this trace level
+        out = model(x)
+        _, _, new_s = nnx.split(model, nnx.Param, nnx.BatchStat)
+        return jnp.mean(jnp.square(out.astype(jnp.float32))), new_s
+
+    return mp.train_step(loss_fn, optax.sgd(0.1), params, model_state=stats, **kwargs)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_nnx_batch_stats_are_carried_and_kept_on_a_skipped_step(donate):
+    step = _nnx_bn_step(donate=donate)
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    first = tree_bits(step.model_state)
+    for _ in range(3):
+        step(x)
+    assert tree_bits(step.model_state) != first  # the forward pass moved the statistics
+    before = (tree_bits(step.model_state), tree_bits(step.params), tree_bits(step.opt_state))
+    r = step(x * 1e5)
+    assert r.applied is False
+    assert (tree_bits(step.model_state), tree_bits(step.params), tree_bits(step.opt_state)) == before
+    step(x)
+    assert step.traces == 1
+
+
+def test_model_state_threads_through_accumulated_micro_batches():
+    import flax.linen as nn
+
+    bn = nn.BatchNorm(use_running_average=False, momentum=0.5)
+    variables = bn.init(jax.random.key(0), jnp.zeros((2, 1)))
+
+    def loss_fn(p, s, x):
+        out, upd = bn.apply({"params": p, "batch_stats": s}, x, mutable=["batch_stats"])
+        return jnp.mean(out), upd["batch_stats"]
+
+    mp = unimp.mixed_precision("float32", backend="jax")
+    step = mp.train_step(loss_fn, optax.sgd(0.0), variables["params"],
+                         model_state=variables["batch_stats"], grad_accum_steps=2)
+    step([jnp.full((2, 1), 2.0), jnp.full((2, 1), 4.0)])
+    # momentum 0.5, in order: 0 -> 0.5 * 0 + 0.5 * 2 = 1 -> 0.5 * 1 + 0.5 * 4 = 2.5
+    assert float(step.model_state["mean"][0]) == 2.5
+    bad = step([jnp.full((2, 1), 2.0), jnp.full((2, 1), jnp.nan)])
+    assert bad.applied is False and float(step.model_state["mean"][0]) == 2.5
+
+
+def test_model_state_loss_fn_must_return_loss_and_state():
+    mp = unimp.mixed_precision("float32", backend="jax")
+    step = mp.train_step(lambda p, s, x: jnp.sum(p * x), optax.sgd(0.1), jnp.ones(2),
+                         model_state={"n": jnp.zeros(())})
+    with pytest.raises(TypeError, match=r"must return \(loss, new_model_state\)"):
+        step(jnp.ones(2))

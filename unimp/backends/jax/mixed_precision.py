@@ -143,6 +143,7 @@ class MixedPrecision(MixedPrecisionBase):
         axis_name: Any = None,
         mesh: Any = None,
         donate: bool = False,
+        model_state: Any = None,
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
@@ -160,4 +161,5 @@ class MixedPrecision(MixedPrecisionBase):
             axis_name=axis_name,
             mesh=mesh,
             donate=donate,
+            model_state=model_state,
         )

@@ -75,7 +75,9 @@ class TrainStep:
     * a non-finite gradient skips the step and backs the scale off; a non-finite loss
       (forward overflow) skips the step without changing the scale; every loss-scale kind
       skips and counts non-finite steps;
-    * a skipped step leaves params and the whole optimizer state bitwise unchanged;
+    * a skipped step leaves params, the whole optimizer state and the model state the forward
+      pass changes (``model_state=``: flax ``batch_stats``, nnx ``BatchStat``) bitwise
+      unchanged;
     * with ``grad_accum_steps=k`` each call takes a list of ``k`` micro-batches of one
       structure and shapes (the same call shape in every backend; run with ``lax.scan``
       over them stacked inside the jitted step); the gradient is the mean of the micro-batch
@@ -107,6 +109,17 @@ class TrainStep:
             the batch split along its first dimension over ``axis_name``. Without ``mesh``,
             call :attr:`replica_step` inside your own ``shard_map`` (sharded params, other
             specs) and do not call the step object itself.
+        model_state: state the forward pass reads and updates, carried through the step (flax
+            linen's ``variables["batch_stats"]``, or the ``nnx.BatchStat`` part of
+            ``nnx.split(model, nnx.Param, nnx.BatchStat)``). ``loss_fn`` is then
+            ``loss_fn(params, model_state, batch) -> (loss, new_model_state)`` (e.g. with
+            ``model.apply({"params": p, "batch_stats": s}, x, mutable=["batch_stats"])``); the
+            new state is kept only when the step is applied, and is read from
+            :attr:`model_state`. It is replicated under ``mesh`` and donated with ``donate``.
+            With nnx, rebuild the module inside ``loss_fn`` with ``nnx.merge(graphdef, p, s,
+            copy=True)`` (BatchNorm mutates its statistics inside the gradient trace) and
+            return ``nnx.split(model, nnx.Param, nnx.BatchStat)[2]``.
+            ``None`` (default): ``loss_fn(params, batch)`` returns the loss alone.
         donate: donate the params, optimizer-state and loss-scale buffers to each call
             (``jax.jit(..., donate_argnums=(0, 1, 2))``), so XLA updates them in place instead
             of holding a second copy in device memory: what flax/optax training loops do on
@@ -142,6 +155,7 @@ class TrainStep:
         axis_name: Any = None,
         mesh: Any = None,
         donate: bool = False,
+        model_state: Any = None,
     ) -> None:
         if not isinstance(donate, bool):
             raise TypeError(f"donate must be True or False, got {donate!r}.")
@@ -192,10 +206,18 @@ class TrainStep:
         self._optimizer = optimizer
         self._k = int(grad_accum_steps)
         self._max_norm = max_grad_norm
+        self._stateful = model_state is not None
+        if self._stateful:
+            model_state = jax.tree_util.tree_map(_device_leaf, model_state)
+            if mp.device is not None:
+                model_state = jax.device_put(model_state, mp.device)
+            if donate:
+                model_state = jax.tree_util.tree_map(jnp.copy, model_state)
         # one compilation: committed params (jax.device_put) commit the rest of the state too
-        params, opt_state, loss_scale = _commit_like(
-            (params, opt_state, mp.init_loss_scale()), params
+        params, opt_state, loss_scale, model_state = _commit_like(
+            (params, opt_state, mp.init_loss_scale(), model_state), params
         )
+        self._model_state = model_state
         self._params = params
         self._opt_state = opt_state
         self._loss_scale = loss_scale
@@ -203,21 +225,22 @@ class TrainStep:
         self._axis = axis_name
         self._mesh = mesh
         self._donate = donate
-        donated = (0, 1, 2) if donate else ()
+        donated = ((0, 1, 2, 4) if self._stateful else (0, 1, 2)) if donate else ()
         if mesh is None:
             self._jitted = jax.jit(self._step, donate_argnums=donated)
         else:
             P = jax.sharding.PartitionSpec
             replicated = jax.sharding.NamedSharding(mesh, P())
             self._batch_sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
-            self._params, self._opt_state, self._loss_scale = jax.device_put(
-                (self._params, self._opt_state, self._loss_scale), replicated
+            self._params, self._opt_state, self._loss_scale, self._model_state = jax.device_put(
+                (self._params, self._opt_state, self._loss_scale, self._model_state), replicated
             )
+            extra = (P(),) if self._stateful else ()
             self._jitted = jax.jit(
                 jax.shard_map(
                     self._step,
                     mesh=mesh,
-                    in_specs=(P(), P(), P(), P(axis_name)),
+                    in_specs=(P(), P(), P(), P(axis_name), *extra),
                     out_specs=P(),
                 ),
                 donate_argnums=donated,
@@ -225,15 +248,27 @@ class TrainStep:
 
     # -- the pure, jitted step ----------------------------------------------------------------
 
-    def _step(self, params: Any, opt_state: Any, ls: LossScale, batch: Any) -> Any:
+    def _step(
+        self, params: Any, opt_state: Any, ls: LossScale, batch: Any, model_state: Any = None
+    ) -> Any:
         self._traces += 1  # runs only while tracing: counts compilations
         k = self._k
         axis = self._axis
         if axis is not None:
             ls = sync_loss_scale(ls, axis)
 
-        def scaled_loss(p: Any, mb: Any) -> Any:
-            loss = jnp.asarray(self._loss_fn(p, mb))
+        def scaled_loss(p: Any, mb: Any, st: Any) -> Any:
+            if self._stateful:
+                out = self._loss_fn(p, st, mb)
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise TypeError(
+                        "with model_state=, loss_fn(params, model_state, batch) must return "
+                        f"(loss, new_model_state), got {type(out).__name__}."
+                    )
+                loss, st = out
+                loss = jnp.asarray(loss)
+            else:
+                loss = jnp.asarray(self._loss_fn(p, mb))
             if not jnp.issubdtype(loss.dtype, jnp.floating):
                 raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype}.")
             if loss.shape != ():
@@ -241,11 +276,11 @@ class TrainStep:
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
             if axis is not None:
                 loss = lax.pmean(loss, axis)  # the global mean loss; its grad is all-reduced
-            return ls.scale(loss), loss
+            return ls.scale(loss), (loss, st)
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
         if k == 1:
-            scaled_grads, loss = grad_fn(params, batch)
+            scaled_grads, (loss, new_model_state) = grad_fn(params, batch, model_state)
             loss_finite = jnp.isfinite(loss)
         else:
             # batch is a sequence of k micro-batches of one structure: stacked inside the jit
@@ -257,13 +292,15 @@ class TrainStep:
                 params,
             )
 
-            def body(acc: Any, mb: Any) -> Any:
-                g, micro_loss = grad_fn(params, mb)
-                return jax.tree_util.tree_map(
-                    lambda a, x: a + x.astype(a.dtype), acc, g
+            def body(carry: Any, mb: Any) -> Any:
+                acc, st = carry  # the model state threads through the micro-batches in order
+                g, (micro_loss, st) = grad_fn(params, mb, st)
+                return (
+                    jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g),
+                    st,
                 ), micro_loss
 
-            summed, losses = lax.scan(body, zeros, micro)
+            (summed, new_model_state), losses = lax.scan(body, (zeros, model_state), micro)
             scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
@@ -287,6 +324,8 @@ class TrainStep:
         params = _keep_unless(applied, new_params, params)
         opt_state = _keep_unless(applied, new_opt_state, opt_state)
         new_ls = ls.adjust(grads_finite, loss_finite)
+        if self._stateful:  # what the forward pass changed (batch_stats, ...) is kept only if applied
+            model_state = _keep_unless(applied, new_model_state, model_state)
         raw = {
             "loss": loss,
             "scale": ls.loss_scale,
@@ -297,6 +336,8 @@ class TrainStep:
             "consecutive_skips": new_ls.consecutive_skips,
             "total_skips": new_ls.total_skips,
         }
+        if self._stateful:
+            return params, opt_state, new_ls, raw, model_state
         return params, opt_state, new_ls, raw
 
     # -- the stateful face ----------------------------------------------------------------------
@@ -336,12 +377,14 @@ class TrainStep:
         elif self._mp.device is not None:
             batch = jax.device_put(batch, self._mp.device)  # a no-op for arrays already there
         elif self._traces == 0:  # first call: a committed batch commits the state (one compilation)
-            self._params, self._opt_state, self._loss_scale = _commit_like(
-                (self._params, self._opt_state, self._loss_scale), batch
+            self._params, self._opt_state, self._loss_scale, self._model_state = _commit_like(
+                (self._params, self._opt_state, self._loss_scale, self._model_state), batch
             )
-        params, opt_state, ls, raw = self._jitted(
-            self._params, self._opt_state, self._loss_scale, batch
-        )
+        args = (self._params, self._opt_state, self._loss_scale, batch)
+        if self._stateful:
+            params, opt_state, ls, raw, self._model_state = self._jitted(*args, self._model_state)
+        else:
+            params, opt_state, ls, raw = self._jitted(*args)
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         return StepResult(raw, to_host=jax.device_get, config=ls.config)
 
@@ -349,6 +392,12 @@ class TrainStep:
     def params(self) -> Any:
         """The current params."""
         return self._params
+
+    @property
+    def model_state(self) -> Any:
+        """The current model state given as ``model_state=`` (flax ``batch_stats``, an nnx
+        ``nnx.BatchStat`` state), or ``None``."""
+        return self._model_state
 
     @property
     def opt_state(self) -> Any:
@@ -368,7 +417,8 @@ class TrainStep:
     @property
     def replica_step(self) -> Callable[..., Any]:
         """The pure, un-jitted step ``(params, opt_state, loss_scale, batch) -> (params,
-        opt_state, loss_scale, raw_results)``; with ``axis_name``, the per-replica function to
+        opt_state, loss_scale, raw_results)`` (with ``model_state=``, it takes and returns the
+        model state last); with ``axis_name``, the per-replica function to
         run under your own ``jax.shard_map`` (any param sharding). Build the
         :class:`unimp.StepResult` from ``raw_results`` with
         ``StepResult(raw, jax.device_get, loss_scale.config)``."""
@@ -377,7 +427,8 @@ class TrainStep:
     @property
     def jitted(self) -> Callable[..., Any]:
         """The pure jitted function ``(params, opt_state, loss_scale, batch) -> (params,
-        opt_state, loss_scale, raw_results)``, for use in your own loop (with ``donate=True``
+        opt_state, loss_scale, raw_results)`` (with ``model_state=``, it takes and returns the
+        model state last), for use in your own loop (with ``donate=True``
         it deletes its first three arguments)."""
         return self._jitted
 

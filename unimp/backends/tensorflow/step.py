@@ -66,6 +66,17 @@ def _global_norm(grads: list[Any]) -> tf.Tensor:
     return tf.sqrt(tf.add_n(squares))
 
 
+def _forward_state(model: Any) -> list[Any]:
+    """The model's non-trainable variables that a forward pass may change (BatchNormalization's
+    moving mean and variance, a layer's own counters), without the random-seed states of its
+    ``SeedGenerator``s (a skipped step still draws new dropout masks, as in torch and JAX)."""
+    seeds = set()
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        for gen in getattr(layer, "_seed_generators", ()) or ():
+            seeds.add(id(gen.state))
+    return [v for v in model.non_trainable_variables if id(v) not in seeds]
+
+
 class TrainStep:
     """A compiled training step: ``step(batch) -> StepResult``. Built by
     :meth:`MixedPrecision.train_step`; see there.
@@ -244,7 +255,14 @@ class TrainStep:
         opt = self.optimizer
         outer, opt._tracer = opt._tracer, id(self)  # runs while tracing: marks whose graph it is
         try:
-            return self._step_body(batch)
+            # state the forward pass changes (BatchNormalization's moving statistics, any
+            # non-trainable variable but the dropout seeds): read before the forward, selected
+            # back after the decision when the step is skipped (in the graph, no host sync)
+            saved = [(v, tf.identity(v.value)) for v in _forward_state(self.model)]
+            out = self._step_body(batch)
+            for v, old in saved:
+                v.assign(tf.where(out["applied"], v.value, old))
+            return out
         finally:
             opt._tracer = outer
 

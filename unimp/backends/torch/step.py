@@ -18,14 +18,34 @@ if TYPE_CHECKING:
     from unimp.backends.torch.mixed_precision import MixedPrecision
 
 
+def _forward_state(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of ``model`` (running statistics, counters) with a copy of its value."""
+    with torch.no_grad():
+        return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def _restore_forward_state(
+    saved: list[tuple[torch.Tensor, torch.Tensor]], applied: torch.Tensor | None
+) -> None:
+    """Puts the saved buffer values back where the step was skipped (``applied`` False), with
+    ``torch.where`` on each buffer's device (no host sync); ``None``: always (a failed call)."""
+    with torch.no_grad():
+        for b, old in saved:
+            if applied is None:
+                b.copy_(old)
+            else:
+                b.copy_(torch.where(_to(applied, b.device), b, old))
+
+
 class TrainStep:
     """``step(batch) -> StepResult``: one optimizer step (one accumulation window) per call.
 
     Each call runs ``loss_fn(model, micro_batch)`` under the recipe's autocast, backpropagates
     ``loss * scale / grad_accum_steps`` for each micro-batch, unscales once, computes the
     global gradient norm and clips on the UNSCALED gradients (``g * min(1, max_norm / norm)``),
-    steps (skipped on the device when the loss or a gradient is non-finite: parameters and
-    optimizer state stay bitwise unchanged), updates the loss scale with unimp's rule, and
+    steps (skipped on the device when the loss or a gradient is non-finite: parameters,
+    optimizer state and the model's buffers, e.g. BatchNorm's running statistics and
+    ``num_batches_tracked``, stay bitwise unchanged), updates the loss scale with unimp's rule, and
     resets the gradients (to None, i.e. exact zeros, never by subtracting them).
 
     Args:
@@ -84,6 +104,9 @@ class TrainStep:
         scale_used = sc._scale.clone()
         factor = scale_used if k == 1 else scale_used / k
         losses = []
+        # state the forward pass changes (norm running statistics, num_batches_tracked): kept
+        # to be selected back on a skipped step, on the device (pytorch/pytorch#88474)
+        buffers = _forward_state(self.model)
         try:
             for mb in micro:
                 with self.mp.autocast():
@@ -102,6 +125,7 @@ class TrainStep:
             opt.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             sc._loss_finite = sc._ops.true
+            _restore_forward_state(buffers, None)
             raise
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
         sc.unscale_(opt)
@@ -118,6 +142,7 @@ class TrainStep:
                 for dev, gs in groups.items():
                     torch._foreach_mul_(gs, _to(coef, dev))
         applied = sc.step(opt)
+        _restore_forward_state(buffers, applied)
         grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never changed in place
         _, _, consecutive, total = sc._update(grads_finite, loss_finite)  # sc.update(), kept results
         opt.zero_grad(set_to_none=True)
