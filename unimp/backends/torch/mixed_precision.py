@@ -211,9 +211,19 @@ class MixedPrecision(MixedPrecisionBase):
         parameters' values from before the cast (by ``id``), from which the masters start."""
         before = {id(p): p.detach().clone() for p in model.parameters()}
         norms = [m for m in model.modules() if isinstance(m, _NORM_LAYERS)]
-        model.to(self.compute_dtype)
+        inside_norm = {id(sub) for m in norms for sub in m.modules()}
+        with torch.no_grad():
+            # module by module: a normalization layer's parameters and statistics are never
+            # rounded through the compute dtype (casting the whole model to float16 and the norm
+            # layers back, as before, turned a running_var of 1e5 into inf: NVIDIA/apex#144 kind)
+            for m in model.modules():
+                if id(m) in inside_norm:
+                    continue
+                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                    if t.is_floating_point() and t.dtype != self.compute_dtype:
+                        t.data = t.data.to(self.compute_dtype)
         for m in norms:
-            m.float()
+            m.float()  # a no-op for float32 layers: their values stay bitwise as they were
             m.register_forward_pre_hook(lambda mod, args: cast_tree(args, torch.float32))
             m.register_forward_hook(lambda mod, args, out: cast_tree(out, self.compute_dtype))
         return before
