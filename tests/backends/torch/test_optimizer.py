@@ -177,3 +177,23 @@ def test_amp_aware_optimizer_finds_grad_scale_and_found_inf(scaler_kind):
     torch.manual_seed(0)
     fresh = torch.nn.Linear(3, 1).weight.detach()
     torch.testing.assert_close(weights[2], fresh - 0.4, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaler_kind", ["unimp", "torch.amp"])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_sparse_coo_parameter_steps_like_torch_amp(scaler_kind, overflow):
+    # pytorch/pytorch#35810 kind: torch.where has no sparse kernel (NotImplementedError before)
+    p = torch.nn.Parameter(torch.sparse_coo_tensor([[1, 2]], [1.0, 2.0], (4,), check_invariants=True))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = ut.GradScaler(device="cpu") if scaler_kind == "unimp" else torch.amp.GradScaler("cpu")
+    scaler.scale(torch.tensor(1.0))
+    s = scaler.get_scale()
+    bad = float("inf") if overflow else 1.0
+    p.grad = torch.sparse_coo_tensor([[1, 2]], [4.0 * s, 8.0 * s * bad], (4,), check_invariants=True)
+    scaler.step(opt)
+    scaler.update()
+    got = p.detach().to_dense().tolist()
+    if overflow:
+        assert got == [0.0, 1.0, 2.0, 0.0] and scaler.get_scale() == s / 2
+    else:  # entries 1 and 2 with gradients 4 and 8, lr 0.1
+        assert got == pytest.approx([0.0, 0.6, 1.2, 0.0], abs=1e-7)

@@ -244,3 +244,22 @@ def test_loss_of_shape_1_is_refused_like_the_other_backends():
     step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum().reshape(1))
     with pytest.raises(ValueError, match="0-d"):
         step(torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("max_norm", [100.0, 1.0])
+def test_sparse_gradient_norm_counts_repeated_ids_once(max_norm):
+    # Embedding(4, 2, sparse=True), ids [1, 1, 2], loss sum(2 * emb(ids)): the gradient has rows
+    # 1 -> (4, 4) and 2 -> (2, 2), norm sqrt(40) = 6.3246; the uncoalesced entries (three rows of
+    # (2, 2)) gave sqrt(24) = 4.899
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    w0 = emb.weight.detach().clone()
+    mp = unimp.mixed_precision("float32", loss_scale=DynamicLossScale(init_scale=1024.0),
+                               backend="torch", device="cpu")
+    step = mp.train_step(emb, torch.optim.SGD(emb.parameters(), lr=1.0),
+                         lambda m, ids: (2 * m(ids)).sum(), max_grad_norm=max_norm)
+    r = step(torch.tensor([1, 1, 2]))
+    assert r.applied
+    assert r.grad_norm == pytest.approx(40**0.5, rel=1e-6)
+    applied_norm = float(torch.linalg.vector_norm(w0 - emb.weight.detach()))
+    assert applied_norm == pytest.approx(min(max_norm, 40**0.5), rel=1e-6)

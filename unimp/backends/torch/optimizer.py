@@ -50,7 +50,8 @@ def _guarded_step(
       before the step and selected back with ``torch.where(bad, old, new)`` after it (one extra
       copy of parameters and state; the values of an applied step are the optimizer's own).
 
-    Host syncs happen only where the decision cannot stay on the device: on the step that
+    Host syncs happen only where the decision cannot stay on the device: for sparse
+    parameters (``torch.where`` has no sparse kernel; the step is run or not, as torch does), on the step that
     creates an optimizer's lazy per-parameter state (to drop it when the step is skipped, so a
     skipped first step leaves ``optimizer.state`` empty, as never stepping would), and for state
     that is not a tensor on the flag's device (e.g. non-capturable Adam's CPU ``step`` with CUDA
@@ -73,7 +74,12 @@ def _guarded_step(
     if master is not None:
         master.in_guard = True
     try:
-        if native:
+        if any(p.layout != torch.strided for p in params):
+            # sparse parameters: torch.where has no sparse kernel, so the skip is decided on the
+            # host, as torch.amp.GradScaler decides every step (one sync, sparse steps only)
+            with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
+                ret = None if bool(bad != 0) else step_fn(*args, **kwargs)
+        elif native:
             with _amp_attributes(optimizer, bad):
                 ret = step_fn(*args, **kwargs)
         else:

@@ -133,7 +133,15 @@ class TrainStep:
         grad_norm = None
         if self.max_grad_norm is not None:
             grads = [g for _, g in sc._grads(opt)]
-            grad_norm = _global_norm(grads, sc.device)
+            # a sparse gradient's norm is that of its coalesced values (duplicate indices add
+            # up first: pytorch/pytorch#35810 kind); scaling the uncoalesced values is the same
+            grad_norm = _global_norm(
+                [
+                    p.grad.coalesce()._values() if p.grad.is_sparse else g
+                    for p, g in sc._grads(opt)
+                ],
+                sc.device,
+            )
             coef = torch.clamp(self.max_grad_norm / grad_norm, max=1.0)
             if grads:
                 groups: dict[torch.device, list[torch.Tensor]] = {}
