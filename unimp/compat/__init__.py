@@ -1,1 +1,2 @@
-"""Porting shims for scripts written against older mixed-precision APIs (Apex amp, tf.keras 2)."""
+"""Porting shims: scripts written against Apex amp (`unimp.compat.apex`), jmp (`unimp.compat.jmp`)
+and flax's DynamicScale (`unimp.compat.flax`) run by changing one import."""
