@@ -15,7 +15,13 @@ from keras.src.saving import serialization_lib  # after the backend check (packa
 from keras.src.utils import tracking
 
 from unimp.backends.tensorflow.overflow import _warn_resync, all_finite
-from unimp.backends.tensorflow.scaling import _resolve_loss_scale, _TFOps, _traced_fields, _unscale
+from unimp.backends.tensorflow.scaling import (
+    _check_keras_arguments,
+    _resolve_loss_scale,
+    _TFOps,
+    _traced_fields,
+    _unscale,
+)
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -123,19 +129,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "gradients would be unscaled twice. Create it with loss_scale_factor=None and give "
                 "the scale to LossScaleOptimizer(loss_scale=...)."
             )
-        if initial_scale is not None or dynamic_growth_steps is not None:
-            if loss_scale is not None:
-                raise ValueError(
-                    "give either loss_scale= or Keras's initial_scale=/dynamic_growth_steps=, not both."
-                )
-            overrides = {}
-            if initial_scale is not None:
-                overrides["init_scale"] = initial_scale
-            if dynamic_growth_steps is not None:
-                overrides["growth_interval"] = dynamic_growth_steps
-            config = DynamicLossScale.preset("keras", **overrides)
-        else:
-            config = _resolve_loss_scale(loss_scale)
+        config = _resolve_loss_scale(loss_scale, initial_scale, dynamic_growth_steps)
         # Everything is validated: from here on nothing can fail on the user's input.
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
@@ -567,43 +561,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("initial_scale", None)
             config.pop("dynamic_growth_steps", None)
         return cls(inner, **config)
-
-
-#: The base-optimizer arguments Keras 3.0-3.11 wrote into a LossScaleOptimizer's config, with the
-#: defaults Keras's LossScaleOptimizer accepts them at (anything else it refuses, naming the fix).
-_KERAS_BASE_DEFAULTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-
-def _check_keras_arguments(kwargs: dict[str, Any]) -> None:
-    """Keras's LossScaleOptimizer's extra arguments, by its rules: ``dynamic=True`` and
-    base-optimizer arguments at their defaults pass; the rest is a ValueError naming the fix."""
-    kwargs = dict(kwargs)
-    if not kwargs.pop("dynamic", True):
-        raise ValueError(
-            "LossScaleOptimizer(dynamic=False) is not supported (nor by Keras 3): give a static "
-            "scale instead, e.g. LossScaleOptimizer(opt, loss_scale=1024.0), or loss_scale='none'."
-        )
-    for arg, default in _KERAS_BASE_DEFAULTS.items():
-        if arg in kwargs and kwargs.pop(arg) != default:
-            raise ValueError(
-                f"LossScaleOptimizer does not take {arg}; set {arg} on the inner optimizer "
-                f"(e.g. keras.optimizers.Adam(..., {arg}=...))."
-            )
-    if kwargs:
-        raise ValueError(
-            f"LossScaleOptimizer does not take {', '.join(sorted(kwargs))}; set options such as "
-            "learning_rate or clipnorm on the inner optimizer."
-        )
 
 
 def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimizer:

@@ -1,6 +1,7 @@
 """TensorFlow loss scaling: :func:`unimp.loss_scale.update_arrays`'s array namespace over TF
-tensors, unscaling in float32 (dense and ``IndexedSlices``), and which config fields a traced
-graph builds in.
+tensors, unscaling in float32 (dense and ``IndexedSlices``), which config fields a traced
+graph builds in, and the loss-scale arguments LossScaleOptimizer takes (unimp's ``loss_scale``,
+Keras's ``initial_scale`` / ``dynamic_growth_steps`` / ``dynamic`` and base-optimizer keys).
 """
 
 from __future__ import annotations
@@ -48,10 +49,65 @@ def _unscale(g: Any, scale: tf.Tensor) -> Any:
     return _divide(tf.convert_to_tensor(g), scale)
 
 
-def _resolve_loss_scale(value: Any) -> LossScaleConfig:
-    if value is None:
-        return DynamicLossScale()
-    return loss_scale_from_dict(value)
+def _resolve_loss_scale(
+    value: Any, initial_scale: float | None = None, dynamic_growth_steps: int | None = None
+) -> LossScaleConfig:
+    """The config LossScaleOptimizer's arguments mean: unimp's ``loss_scale`` (``None``:
+    ``DynamicLossScale()``), or Keras's ``initial_scale`` / ``dynamic_growth_steps`` (the
+    ``keras`` preset with those values), not both.
+
+    Raises:
+        ValueError: both kinds of argument, or a bad config.
+    """
+    if initial_scale is None and dynamic_growth_steps is None:
+        return DynamicLossScale() if value is None else loss_scale_from_dict(value)
+    if value is not None:
+        raise ValueError(
+            "give either loss_scale= or Keras's initial_scale=/dynamic_growth_steps=, not both."
+        )
+    overrides: dict[str, Any] = {}
+    if initial_scale is not None:
+        overrides["init_scale"] = initial_scale
+    if dynamic_growth_steps is not None:
+        overrides["growth_interval"] = dynamic_growth_steps
+    return DynamicLossScale.preset("keras", **overrides)
+
+
+#: The base-optimizer arguments Keras 3.0-3.11 wrote into a LossScaleOptimizer's config, with the
+#: defaults Keras's LossScaleOptimizer accepts them at (anything else it refuses, naming the fix).
+_KERAS_BASE_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _check_keras_arguments(kwargs: dict[str, Any]) -> None:
+    """Keras's LossScaleOptimizer's extra arguments, by its rules: ``dynamic=True`` and
+    base-optimizer arguments at their defaults pass; the rest is a ValueError naming the fix."""
+    kwargs = dict(kwargs)
+    if not kwargs.pop("dynamic", True):
+        raise ValueError(
+            "LossScaleOptimizer(dynamic=False) is not supported (nor by Keras 3): give a static "
+            "scale instead, e.g. LossScaleOptimizer(opt, loss_scale=1024.0), or loss_scale='none'."
+        )
+    for arg, default in _KERAS_BASE_DEFAULTS.items():
+        if arg in kwargs and kwargs.pop(arg) != default:
+            raise ValueError(
+                f"LossScaleOptimizer does not take {arg}; set {arg} on the inner optimizer "
+                f"(e.g. keras.optimizers.Adam(..., {arg}=...))."
+            )
+    if kwargs:
+        raise ValueError(
+            f"LossScaleOptimizer does not take {', '.join(sorted(kwargs))}; set options such as "
+            "learning_rate or clipnorm on the inner optimizer."
+        )
 
 
 def _traced_fields(config: LossScaleConfig) -> dict[str, Any]:

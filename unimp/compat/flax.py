@@ -1,0 +1,174 @@
+"""flax's ``DynamicScale`` on unimp's rule: change
+``from flax.training.dynamic_scale import DynamicScale`` to
+``from unimp.compat.flax import DynamicScale`` and a flax training step runs unchanged.
+
+Same constructor (``growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, fin_steps=0,
+scale=65536.0, minimum_scale=<float32 tiny>``), pytree children ``(fin_steps, scale)``,
+``replace(...)``, and ``value_and_grad(fun, argnums=0, has_aux=False, axis_name=None)``
+returning a :class:`DynamicScaleResult` ``(dynamic_scale, finite, aux, grad)`` with the
+unscaled value (and aux) and float32 gradients, as flax.
+
+The rule is :func:`unimp.loss_scale.update_arrays` with ``DynamicLossScale.preset("flax")``:
+flax checks ``fin_steps == growth_interval`` before counting the current step, so the scale
+grows on the ``growth_interval + 1``-th finite step in a row (unimp's interval
+``growth_interval + 1``), backs off by ``backoff_factor`` floored at ``minimum_scale``, and
+growth is clamped at the largest float32. The scale and counter follow flax's step for step
+(tested against flax). Differences, where flax is unsafe:
+
+* a non-finite loss (a forward overflow, not fixable by loss scaling) gives ``finite=False``
+  but leaves the scale alone (flax backs off on the inf/NaN gradients it brings);
+* ``minimum_scale=None`` floors at the smallest normal float32 (2**-126): flax then has no
+  floor, and repeated overflows drive its scale to 0 (gradients ``g / 0``);
+* the scale is held in float32 and the counter in int32 whatever they are given as (a float16
+  scale overflows at 65536);
+* bad arguments (``growth_factor <= 1``, ``backoff_factor`` outside (0, 1), ``growth_interval
+  < 0``) are a ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from unimp import loss_scale as core
+from unimp.backends.jax.overflow import all_finite
+from unimp.backends.jax.scaling import _JaxOps
+
+__all__ = ["DynamicScale", "DynamicScaleResult"]
+
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+class DynamicScaleResult(NamedTuple):
+    """What ``value_and_grad``'s function returns (flax's names)."""
+
+    dynamic_scale: DynamicScale
+    finite: jax.Array
+    aux: Any
+    grad: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicScale:
+    """flax's dynamic loss scale, following unimp's rule (see the module docstring).
+
+    Args:
+        growth_factor: multiply the scale by this after ``growth_interval`` finite steps (> 1).
+        backoff_factor: multiply it by this on a non-finite gradient (in (0, 1)).
+        growth_interval: finite steps in a row before a growth (int >= 0; 0 grows on every
+            finite step, as flax).
+        fin_steps: finite steps in a row so far (int32 scalar).
+        scale: the current scale (float32 scalar).
+        minimum_scale: the floor of the back-off; ``None``: 2**-126.
+
+    Raises:
+        ValueError: a bad factor, interval or floor (named).
+    """
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    fin_steps: Any = 0
+    scale: Any = 65536.0
+    minimum_scale: float | None = _F32_TINY
+
+    def __post_init__(self) -> None:
+        self.config  # validates the rule before anything is used  # noqa: B018
+        object.__setattr__(self, "fin_steps", jnp.asarray(self.fin_steps, jnp.int32))
+        object.__setattr__(self, "scale", jnp.asarray(self.scale, jnp.float32))
+
+    @property
+    def config(self) -> core.DynamicLossScale:
+        """The unimp rule (``DynamicLossScale.preset("flax", ...)``) this scale follows."""
+        floor = None if self.minimum_scale is None else float(self.minimum_scale)
+        return core.DynamicLossScale.preset(
+            "flax",
+            init_scale=1.0 if floor is None else max(1.0, floor),  # not used: the state is ours
+            growth_factor=float(self.growth_factor),
+            backoff_factor=float(self.backoff_factor),
+            growth_interval=int(self.growth_interval) + 1,
+            min_scale=floor,
+        )
+
+    def replace(self, **changes: Any) -> DynamicScale:
+        """A copy with fields replaced (flax's ``struct.PyTreeNode.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def value_and_grad(
+        self,
+        fun: Callable[..., Any],
+        argnums: int | Sequence[int] = 0,
+        has_aux: bool = False,
+        axis_name: str | None = None,
+    ) -> Callable[..., DynamicScaleResult]:
+        """Like ``jax.value_and_grad(fun)``, on the loss times the scale.
+
+        The returned function takes ``fun``'s arguments and returns ``DynamicScaleResult(
+        new_dynamic_scale, finite, aux, grad)``: ``aux`` is the unscaled value (``(value,
+        aux)`` with ``has_aux``), ``grad`` the unscaled float32 gradients (``lax.pmean`` over
+        ``axis_name`` when given), ``finite`` whether the gradients (and the value) are
+        finite, reduced over ``axis_name`` too. Apply the update only where ``finite``, as with
+        flax (``jax.tree.map(partial(jnp.where, finite), new, old)``).
+        """
+
+        @functools.wraps(fun)
+        def scaled(*args: Any) -> Any:
+            out = fun(*args)
+            if has_aux:
+                return self.scale * out[0], out[1]
+            return self.scale * out
+
+        grad_fn = jax.value_and_grad(scaled, argnums, has_aux)
+
+        def wrapped(*args: Any) -> DynamicScaleResult:
+            out, grad = grad_fn(*args)
+            value = (out[0] if has_aux else out) / self.scale
+            aux = (value, out[1]) if has_aux else value
+            grad = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grad)
+            if axis_name is not None:
+                grad = lax.pmean(grad, axis_name)
+            grads_finite = all_finite(grad, axis_name)
+            loss_finite = all_finite(value, axis_name)
+            zero = jnp.int32(0)
+            scale, counter, _, _ = core.update_arrays(
+                _JaxOps, self.config, self.scale, self.fin_steps, zero, zero,
+                grads_finite, loss_finite,
+            )
+            new = _evolve(self, fin_steps=counter, scale=scale)
+            return DynamicScaleResult(new, grads_finite & loss_finite, aux, grad)
+
+        return wrapped
+
+
+def _evolve(ds: DynamicScale, **changes: Any) -> DynamicScale:
+    """A copy with array fields replaced, without validation (traced values)."""
+    obj = object.__new__(DynamicScale)
+    for f in dataclasses.fields(DynamicScale):
+        object.__setattr__(obj, f.name, changes.get(f.name, getattr(ds, f.name)))
+    return obj
+
+
+_STATIC = ("growth_factor", "backoff_factor", "growth_interval", "minimum_scale")
+
+
+def _flatten(ds: DynamicScale) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+    return (ds.fin_steps, ds.scale), tuple(getattr(ds, n) for n in _STATIC)
+
+
+def _unflatten(aux: tuple[Any, ...], children: tuple[Any, Any]) -> DynamicScale:
+    obj = object.__new__(DynamicScale)
+    for name, value in zip(("fin_steps", "scale"), children, strict=True):
+        object.__setattr__(obj, name, value)
+    for name, value in zip(_STATIC, aux, strict=True):
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+jax.tree_util.register_pytree_node(DynamicScale, _flatten, _unflatten)
