@@ -9,8 +9,11 @@ What unimp does here, compared with `keras.mixed_precision.set_global_policy("mi
 
 * `mp.autocast()` sets the global dtype policy only while the model is built and restores the
   previous one afterwards (also on an exception), so nothing leaks into later code.
-* `mp.prepare` gives the output layer a float32 policy: the softmax runs in float32 and the
-  model returns float32 (a float16 softmax is a known source of NaN and poor accuracy).
+* The output layer says `dtype=mp.output_dtype_policy`: the softmax runs in float32, as the
+  Keras mixed-precision guide advises (a float16 softmax is a known source of NaN and poor
+  accuracy). This is the model's choice, written in the model: `mp.prepare` itself only casts
+  the model's outputs to the output dtype, as unimp does in torch and JAX, so the same recipe
+  is the same computation in every framework.
 * The optimizer is wrapped in unimp's LossScaleOptimizer (not Keras's), so `fit` follows the
   same loss-scale rule as unimp's PyTorch and JAX backends.
 
@@ -45,7 +48,7 @@ def main(samples: int = 2048, epochs: int = 2, batch_size: int = 128, seed: int 
                 keras.Input((784,)),
                 keras.layers.Dense(512, activation="relu"),
                 keras.layers.Dropout(0.2),
-                keras.layers.Dense(10, activation="softmax"),
+                keras.layers.Dense(10, activation="softmax", dtype=mp.output_dtype_policy),
             ]
         )
     model, optimizer = mp.prepare(
@@ -74,4 +77,12 @@ def main(samples: int = 2048, epochs: int = 2, batch_size: int = 128, seed: int 
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    main(args.samples, args.epochs, args.batch_size, args.seed)

@@ -22,8 +22,13 @@ class Policy:
     Attributes:
         param_dtype: dtype the parameters (master weights) are stored and updated in.
         compute_dtype: dtype the forward and backward maths run in.
-        output_dtype: dtype the model's floating outputs are returned in (the loss is
-            computed from them).
+        output_dtype: dtype the model's floating outputs are cast to (the loss is computed
+            from them). It is a cast of the outputs, not the dtype of the output layer: every
+            layer, the last one included, computes in ``compute_dtype``, and the result is
+            cast, in every backend (torch wraps ``forward``, Keras ``call`` at ``prepare``, JAX
+            ``mp.apply``), as jmp's ``cast_to_output``. So one recipe is one computation
+            everywhere. A layer that must compute in float32 (the Keras guide's float32 softmax)
+            says so itself (Keras: ``dtype=mp.output_dtype_policy``).
 
     Each field is a canonical dtype name (``"float64"``, ``"float32"``, ``"float16"``,
     ``"bfloat16"``); any spelling :func:`unimp.dtypes.canonical_dtype` accepts is normalised

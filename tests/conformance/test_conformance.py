@@ -372,3 +372,23 @@ def test_mixed_losses_stay_near_float32(backend, recipe, optimizer, record_prope
 def test_recipe_objects_are_accepted(backend):
     mp = kits.build(backend, Recipe("mixed_bfloat16")).mp
     assert mp.recipe == Recipe("mixed_bfloat16")
+
+
+@pytest.mark.parametrize("recipe, overflows", [("mixed_float16", True), ("float32", False)])
+def test_the_output_layer_computes_in_the_compute_dtype_everywhere(backend, recipe, overflows):
+    # One recipe is one model: the output dtype is a cast of the model's outputs in every
+    # backend, so the last Dense computes in float16 under mixed_float16 (TensorFlow used to
+    # compute it in float32). Hidden activations are 4 per unit; logits 8 * 4 * 5000 = 160000
+    # pass float16's 65504 only in the output layer.
+    w = kits.weights()
+    w["w1"][:] = 1.0
+    w["b1"][:] = 0.0
+    w["w2"][:] = 5000.0
+    w["b2"][:] = 0.0
+    run = kits.build(backend, recipe, w=w)
+    b = kits.batch(0)
+    b["x"][:] = 1.0
+    r = run.step(b)
+    assert (r.applied, r.loss_finite) == (not overflows, not overflows)
+    if overflows:  # a forward overflow: skipped, counted, the scale left alone
+        assert (r.scale, r.total_skips) == (2.0**15, 1)

@@ -83,7 +83,8 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
     torch_lines.append(f"unimp.backends.torch.GradScaler: {scaler}")
     keras_lines = [
         f'keras.DTypePolicy("{_keras_policy_name(recipe)}") for layers built under mp.autocast()',
-        f"model outputs cast to {p.output_dtype} (softmax / loss in {p.output_dtype})",
+        f"every layer computes in {p.compute_dtype}, the output layer too; model outputs cast to "
+        f"{p.output_dtype} by mp.prepare (loss in {p.output_dtype})",
         f"unimp.backends.tensorflow.LossScaleOptimizer(inner_optimizer): {scaler}",
     ]
     jax_lines = [

@@ -25,14 +25,15 @@ from unimp.backends._base import COMMON_API, MixedPrecisionBase  # noqa: E402
 from unimp.loss_scale import StaticLossScale  # noqa: E402
 
 
-def seed_model(mp):
+def seed_model(mp, head_dtype=None):
+    """The seeds' MLP; ``head_dtype=mp.output_dtype_policy`` is the Keras guide's float32 head."""
     with mp.autocast():
         return keras.Sequential(
             [
                 keras.Input((784,)),
                 keras.layers.Dense(512, activation="relu"),
                 keras.layers.Dropout(0.2),
-                keras.layers.Dense(10, activation="softmax"),
+                keras.layers.Dense(10, activation="softmax", dtype=head_dtype),
             ]
         )
 
@@ -66,21 +67,29 @@ def test_dtype_audit(policy, half):
     mp.prepare(model)
     assert all(v.dtype == "float32" for v in model.weights)
     x = tf.random.uniform((4, 784))
-    # hidden Dense matmul in the compute dtype, output Dense (and its softmax) in float32
-    assert op_dtypes(model, x, "MatMul") == [half, "float32"]
-    assert op_dtypes(model, x, "Softmax") == ["float32"]
+    # every layer computes in the compute dtype, the output layer too (as torch and JAX); the
+    # model's output is cast to the output dtype
+    assert op_dtypes(model, x, "MatMul") == [half, half]
+    assert op_dtypes(model, x, "Softmax") == [half]
     assert model(x).dtype == tf.float32
     hidden = model.layers[0](x)
     assert hidden.dtype == utf.to_dtype(half)
 
 
-def test_seed_model_softmax_is_float16_without_prepare():
+def test_prepare_casts_outputs_and_a_float32_output_layer_is_the_users_choice():
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     model = seed_model(mp)
     x = tf.random.uniform((2, 784))
-    assert op_dtypes(model, x, "Softmax") == ["float16"]  # what prepare fixes
+    assert model(x).dtype == tf.float16
     mp.prepare(model)
-    assert op_dtypes(model, x, "Softmax") == ["float32"]
+    assert op_dtypes(model, x, "Softmax") == ["float16"] and model(x).dtype == tf.float32
+    # the Keras guide's float32 output layer, said in the model
+    with mp.autocast():
+        guide = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax",
+                                                     dtype=mp.output_dtype_policy)])
+    mp.prepare(guide)
+    assert op_dtypes(guide, x, "Softmax") == ["float32"] and guide(x).dtype == tf.float32
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -137,7 +146,7 @@ def test_integer_inputs_and_labels_never_cast():
 )
 def test_seed_model_fit(policy, jit_compile):
     mp = unimp.mixed_precision(policy, backend="tensorflow")
-    model = seed_model(mp)
+    model = seed_model(mp, head_dtype=mp.output_dtype_policy)  # the Keras guide's float32 head
     model, opt = mp.prepare(
         model, "adam", loss="sparse_categorical_crossentropy", jit_compile=jit_compile
     )
@@ -154,7 +163,8 @@ def test_seed_model_fit(policy, jit_compile):
 def test_fit_forward_overflow_skips_without_lowering_scale():
     # Keras's own optimizer would halve the scale here; unimp's rule leaves it (loss not finite)
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
-    model, opt = mp.prepare(seed_model(mp), "sgd", loss="sparse_categorical_crossentropy")
+    model = seed_model(mp, head_dtype=mp.output_dtype_policy)  # the clean batch stays clean
+    model, opt = mp.prepare(model, "sgd", loss="sparse_categorical_crossentropy")
     x = np.random.rand(64, 784).astype(np.float32)
     x[:32] = np.inf  # first batch: the forward pass overflows
     y = np.random.randint(0, 10, 64)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,28 +19,6 @@ from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.step import check_step_options
-
-
-def _output_layers(model: Any) -> list[Any]:
-    """The layers producing a model's outputs (nested models searched), [] when unknown."""
-    if isinstance(model, keras.Sequential):
-        layers = list(model.layers)
-        if not layers:
-            return []
-        last = layers[-1]
-        return _output_layers(last) if isinstance(last, keras.Model) else [last]
-    outputs = getattr(model, "_outputs", None) if isinstance(model, keras.Model) else None
-    if not outputs:
-        return [] if isinstance(model, keras.Model) else [model]
-    found = []
-    for t in tf.nest.flatten(outputs):
-        history = getattr(t, "_keras_history", None)
-        op = getattr(history, "operation", None) if history is not None else None
-        if isinstance(op, keras.Model) and op is not model:
-            found.extend(_output_layers(op))
-        elif isinstance(op, keras.layers.Layer) and not isinstance(op, keras.layers.InputLayer):
-            found.append(op)
-    return list({id(x): x for x in found}.values())
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -60,7 +39,9 @@ class MixedPrecision(MixedPrecisionBase):
     Attributes:
         compute_dtype, param_dtype, output_dtype: ``tf.DType``.
         dtype_policy: the ``keras.DTypePolicy`` for the recipe (e.g. ``mixed_float16``).
-        output_dtype_policy: the ``keras.DTypePolicy`` :meth:`prepare` gives output layers.
+        output_dtype_policy: a ``keras.DTypePolicy`` computing in the output dtype, for a layer
+            the user wants out of the compute dtype (the Keras guide's float32 output layer:
+            ``Dense(10, dtype=mp.output_dtype_policy)``); :meth:`prepare` gives it to none.
 
     Raises:
         ValueError: the policy has no Keras ``DTypePolicy`` (Keras stores variables either in
@@ -125,7 +106,11 @@ class MixedPrecision(MixedPrecisionBase):
 
     @property
     def output_dtype_policy(self) -> Any:
-        """The ``keras.DTypePolicy`` of output layers: variables in param dtype, compute in output dtype.
+        """A ``keras.DTypePolicy`` with variables in the param dtype computing in the output dtype.
+
+        :meth:`prepare` does not give it to any layer (the output dtype is a cast of the
+        model's outputs in every backend); give it to a layer yourself to compute that layer
+        in the output dtype, as the Keras mixed-precision guide does for a final softmax.
 
         Raises:
             ValueError: Keras cannot express it (e.g. bfloat16 variables with float32 output).
@@ -178,11 +163,14 @@ class MixedPrecision(MixedPrecisionBase):
     def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> tuple[Any, Any]:
         """Applies the recipe to a Keras model and optimizer.
 
-        * The layers producing the model's outputs get :attr:`output_dtype_policy`, so the
-          outputs come out in the output dtype and a final softmax runs in float32 under
-          ``mixed_float16`` (a float16 softmax is a known source of NaN and poor accuracy).
-          Hidden layers keep the policy they were built with: build the model inside
-          :meth:`autocast` (a warning says so when the model's policy differs).
+        * The model's floating outputs are cast to the output dtype (its ``call`` is wrapped, as
+          torch's ``forward`` and JAX's :meth:`apply`): every layer, the last one included,
+          computes in the policy it was built with, so one recipe is one computation in every
+          framework (:class:`unimp.Policy`). Build the model inside :meth:`autocast` (a
+          warning says so when the model's policy differs). For the Keras guide's float32
+          output layer (a float16 softmax can overflow), give that layer
+          ``dtype=mp.output_dtype_policy``. The wrapper is not saved with the model: a
+          loaded model returns its last layer's dtype until prepared again.
         * The optimizer is wrapped in unimp's :class:`LossScaleOptimizer` (not Keras's) with
           the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
           model is compiled with it, so ``fit`` follows unimp's rule. A model already
@@ -198,8 +186,8 @@ class MixedPrecision(MixedPrecisionBase):
 
         Raises:
             TypeError: ``model`` is not a Keras layer or model, or a bad optimizer.
-            ValueError: compile arguments without an optimizer, or an output policy Keras
-                cannot express. Nothing is changed when an error is raised.
+            ValueError: compile arguments without an optimizer. Nothing is changed when an
+                error is raised.
         """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
@@ -216,7 +204,6 @@ class MixedPrecision(MixedPrecisionBase):
             raise ValueError(
                 "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
             )
-        out_policy = self.output_dtype_policy
         wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
         if model.dtype_policy.name != self._keras_name and not self.policy.is_float32:
             warnings.warn(
@@ -237,19 +224,24 @@ class MixedPrecision(MixedPrecisionBase):
                 "mp.prepare(model, optimizer, loss=..., metrics=...).",
                 stacklevel=2,
             )
-        layers = _output_layers(model)
-        if not layers:
-            warnings.warn(
-                "cannot find the layers producing this model's outputs (a subclassed model?): its "
-                "outputs are not cast. Give the output layer dtype=mp.output_dtype_policy.",
-                stacklevel=2,
-            )
-        if compile_kwargs:  # first: a bad compile argument leaves the layers untouched
+        if compile_kwargs:  # first: a bad compile argument leaves the model untouched
             model.compile(optimizer=wrapped, **compile_kwargs)
-        for layer in layers:
-            if layer.dtype_policy.name != out_policy.name:
-                layer.dtype_policy = out_policy
+        self._cast_outputs(model)
         return model, wrapped
+
+    def _cast_outputs(self, model: Any) -> None:
+        """Wraps ``model.call`` so its floating outputs come out in the output dtype (once)."""
+        if getattr(model, "_unimp_output_cast", False):
+            return
+        call = model.call
+        out_dtype = self.policy.output_dtype
+
+        @functools.wraps(call)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return cast_tree(call(*args, **kwargs), out_dtype)
+
+        model.call = wrapped
+        model._unimp_output_cast = True
 
     def train_step(
         self,
