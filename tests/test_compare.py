@@ -194,3 +194,57 @@ def test_out_under_a_file(tmp_path, capsys):
     f.write_text("x")
     assert main(["compare", "--quiet", "--out", str(f / "sub")]) == 2
     assert "cannot be created" in capsys.readouterr().err
+
+
+def test_a_divergence_is_reported_not_hidden():
+    from unimp.compare.report import (
+        COLUMNS,
+        cross_framework_difference,
+        disagreements,
+        summary_rows,
+    )
+
+    inf = float("inf")
+    runs = {  # step 1: torch and jax overflow and skip, tensorflow applies a finite step
+        "torch": {"loss": [1.0, inf, 2.0], "applied": [True, False, True]},
+        "tensorflow": {"loss": [1.0, 3.0, 2.0], "applied": [True, True, True]},
+        "jax": {"loss": [1.0, inf, 2.0000002], "applied": [True, False, True]},
+    }
+    assert disagreements(runs) == {"torch": [1], "tensorflow": [1], "jax": [1]}
+    assert cross_framework_difference(runs) == {"torch": inf, "tensorflow": inf, "jax": inf}
+    # skipping alone (both losses finite) is a disagreement too
+    runs2 = {k: {"loss": [1.0, 1.0], "applied": [True, k != "jax"]} for k in ("torch", "jax")}
+    assert disagreements(runs2) == {"torch": [1], "jax": [1]}
+    # agreement, both non-finite at the same step, is none: the finite steps are measured
+    runs3 = {k: dict(runs["torch"]) for k in ("torch", "jax")}
+    runs3["jax"] = {"loss": [1.0, inf, 2.0000002], "applied": [True, False, True]}
+    assert disagreements(runs3) == {"torch": [], "jax": []}
+    assert cross_framework_difference(runs3)["torch"] == pytest.approx(1e-7, rel=0.1)
+    report = {
+        "recipe_name": "r",
+        "runs": {k: {**v, "framework": k, "version": "0", "device": "cpu", "test_accuracy": 0.5,
+                     "scale": [1.0] * 3, "step_time": [0.001] * 3} for k, v in runs.items()},
+        "cross_framework_max_rel_loss_diff": cross_framework_difference(runs),
+        "cross_framework_disagreements": disagreements(runs),
+    }
+    row = dict(zip(COLUMNS, summary_rows(report)[0], strict=True))
+    assert (row["max loss diff"], row["disagree at"]) == ("inf", "1")
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs two backends under test to compare")
+def test_one_recipe_is_one_model_shifted_digits(tmp_path):
+    # the digits shifted to x in [-17, -1] (issue 20): torch and JAX skipped steps 0 and 1, the
+    # float32 output layer of TensorFlow none. Right value: the same skips and scale everywhere.
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    data = tmp_path / "shifted.npz"
+    np.savez(data, x=(d.images - 17).astype(np.float32), y=d.target)
+    out = tmp_path / "rep"
+    assert main(["compare", "--epochs", "1", "--quiet", "--data", str(data), "--out", str(out),
+                 "--backends", ",".join(BACKENDS)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    for run in rep["runs"].values():
+        assert [i for i, a in enumerate(run["applied"]) if not a] == [0, 1]
+        assert run["scale"][-1] == 8192.0
+    assert all(v == [] for v in rep["cross_framework_disagreements"].values())

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["summary_rows", "write_report", "cross_framework_difference"]
+__all__ = ["summary_rows", "write_report", "cross_framework_difference", "disagreements"]
 
 COLUMNS = (
     "backend",
@@ -27,6 +27,7 @@ COLUMNS = (
     "peak memory MB",
     "dev. from f32",
     "max loss diff",
+    "disagree at",
 )
 
 
@@ -36,12 +37,34 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def disagreements(runs: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
+    """Per backend, the steps where it and another backend disagree on whether the loss is
+    finite or on whether the step was applied (a skip in one framework and not in another)."""
+    out: dict[str, list[int]] = {}
+    for name, run in runs.items():
+        steps = set()
+        for other, orun in runs.items():
+            if other == name:
+                continue
+            for i, (a, b) in enumerate(zip(run["loss"], orun["loss"], strict=False)):
+                if math.isfinite(a) != math.isfinite(b) or run["applied"][i] != orun["applied"][i]:
+                    steps.add(i)
+        out[name] = sorted(steps)
+    return out
+
+
 def cross_framework_difference(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Per backend, the largest relative per-step loss difference to any other backend
-    (steps where both losses are finite)."""
+    """Per backend, the largest relative per-step loss difference to any other backend.
+
+    Steps where both losses are finite count by their relative difference; a step where the
+    two disagree on finiteness or on skipping (:func:`disagreements`) counts as ``inf``, so a
+    divergence is never hidden by the steps that agree; steps where both losses are non-finite
+    and both skipped agree and count 0. ``nan`` with a single backend.
+    """
+    split = disagreements(runs)
     out = {}
     for name, run in runs.items():
-        worst = 0.0
+        worst = math.inf if split[name] else 0.0
         for other, orun in runs.items():
             if other == name:
                 continue
@@ -50,6 +73,15 @@ def cross_framework_difference(runs: dict[str, dict[str, Any]]) -> dict[str, flo
                     worst = max(worst, _rel(a, b))
         out[name] = worst if len(runs) > 1 else float("nan")
     return out
+
+
+def _steps(steps: list[int] | None, most: int = 6) -> str:
+    if steps is None:
+        return "n/a"
+    if not steps:
+        return "none"
+    shown = ", ".join(str(i) for i in steps[:most])
+    return shown + (f" ... ({len(steps)} steps)" if len(steps) > most else "")
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:
@@ -64,6 +96,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
     """The table, one row per backend, columns :data:`COLUMNS`."""
     rows = []
     diffs = report["cross_framework_max_rel_loss_diff"]
+    split = report.get("cross_framework_disagreements", {})
     for name, run in report["runs"].items():
         base = report.get("baseline_deviation", {}).get(name)
         mem = run.get("peak_memory_bytes")
@@ -82,6 +115,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
                 _fmt(None if mem is None else mem / 2**20, ".1f"),
                 _fmt(base, ".2e"),
                 _fmt(diffs.get(name), ".2e"),
+                _steps(split.get(name)) if len(report["runs"]) > 1 else "n/a",
             ]
         )
     return rows
@@ -100,7 +134,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         tabulate(summary_rows(report), headers=list(COLUMNS), tablefmt="github"),
         "",
-        "`max loss diff`: largest relative per-step loss difference to the other frameworks. "
+        "`max loss diff`: largest relative per-step loss difference to the other frameworks, over "
+        "the steps where both losses are finite; a step where the frameworks disagree on whether "
+        "the loss is finite or on skipping the step makes it `inf`, and is listed under "
+        "`disagree at` (step numbers from 0). "
         "`dev. from f32`: largest relative per-step loss difference to the same framework's float32 run "
         "(with `--baseline`). Step time includes reading the loss back each step.",
         "",

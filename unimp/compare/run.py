@@ -15,7 +15,7 @@ import unimp
 from unimp import registry
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
-from unimp.compare.report import cross_framework_difference
+from unimp.compare.report import cross_framework_difference, disagreements
 from unimp.recipe import Recipe, get_recipe
 
 __all__ = ["CompareConfig", "RunSpec", "run_compare", "train_loop", "validate"]
@@ -227,6 +227,7 @@ def run_compare(
         "steps": len(steps),
         "runs": runs,
         "cross_framework_max_rel_loss_diff": cross_framework_difference(runs),
+        "cross_framework_disagreements": disagreements(runs),
     }
     if cfg.baseline:
         f32 = get_recipe("float32")
