@@ -115,3 +115,16 @@ def test_replica_desync_warning_is_one_message():
     assert rec[0].filename == __file__
     with pytest.warns(ReplicaDesyncWarning, match=r"states; re-synchronized"):
         warn_replica_desync("Restore it everywhere")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_lost_decays_is_rounding_to_one(dtype):
+    import ml_dtypes
+
+    from unimp.step import lost_decays
+
+    cast = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    for r in (0.9, 0.99, 0.996, 0.998, 0.998046875, 0.999, 0.9995, 0.99975, 0.9998, 0.99999):
+        assert lost_decays(dtype, {"b": r}) == (["b"] if float(cast(r)) == 1.0 else []), r
+    assert lost_decays("bfloat16", {"beta_1": 0.9, "beta_2": 0.999, "x": "n/a"}) == ["beta_2"]
+    assert lost_decays("float32", {"beta_2": 0.999}) == []

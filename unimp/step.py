@@ -210,7 +210,9 @@ def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:
 class HalfOptimizerStateWarning(UserWarning):
     """An adaptive optimizer (Adam, RMSprop, Adagrad, ...) keeps its moments in float16
     because the parameters are float16 (a pure-float16 recipe such as ``"float16"``,
-    ``"16-true"`` or Apex ``O3``): see :func:`warn_half_optimizer_state`."""
+    ``"16-true"`` or Apex ``O3``): see :func:`warn_half_optimizer_state`; or it computes its
+    update in a half dtype where its decay rate is 1.0 (Keras's Adam on pure bfloat16
+    parameters): see :func:`warn_lost_decays`."""
 
 
 #: float16's smallest normal number, 2**-14; below it float16 has only subnormals (down to
@@ -273,6 +275,57 @@ def warn_half_optimizer_state(optimizer: str, eps: float | None) -> None:
         f"gradients below ~2.4e-4 flush to zero and {why}, so updates blow up (inf/NaN) or "
         "stall. Use a mixed recipe ('mixed_float16': float32 parameters and optimizer state), "
         "bfloat16, or an epsilon >= 1e-4.",
+        HalfOptimizerStateWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def lost_decays(dtype: str, decays: dict[str, Any]) -> list[str]:
+    """The decay rates (``beta_2=0.999``, ...) that round to exactly 1.0 in ``dtype``.
+
+    An optimizer that computes its bias correction ``1 - beta**t`` in the parameters' dtype
+    (Keras's Adam, AdamW, Adamax, Nadam: ``ops.power(ops.cast(beta_2, variable.dtype), t)``)
+    then gets 0 and never moves a parameter: bfloat16 keeps 8 significant bits, so any decay
+    above 1 - 2**-9 (0.998) is 1.0. torch computes the correction in Python floats and optax in
+    float32, so theirs train. float16's 11 bits keep 0.999.
+
+    Args:
+        dtype: a canonical dtype name.
+        decays: name -> rate; entries that are not real numbers are ignored.
+
+    Returns:
+        The names whose rate rounds to 1.0 (sorted), ``[]`` for float32 and float64.
+    """
+    mantissa = {"float16": 10, "bfloat16": 7}.get(dtype)
+    if mantissa is None:
+        return []
+    # below 1.0 the spacing is 2**-(mantissa + 1); from half of it under 1.0 on, round to
+    # nearest even gives 1.0 (bfloat16: 1 - 2**-9 = 0.998046875; float16: 0.999755859375)
+    threshold = 1.0 - 2.0 ** -(mantissa + 2)
+    lost = []
+    for name, rate in decays.items():
+        try:
+            r = float(rate)
+        except (TypeError, ValueError):
+            continue
+        if threshold <= r < 1.0:
+            lost.append(name)
+    return sorted(lost)
+
+
+def warn_lost_decays(optimizer: str, dtype: str, lost: list[str], decays: dict[str, Any]) -> None:
+    """Warns (:class:`HalfOptimizerStateWarning`) that ``optimizer`` computes its update in
+    ``dtype``, where the decays ``lost`` (from :func:`lost_decays`) are 1.0, so its bias
+    correction is 0 and the parameters never move (Keras's Adam on pure bfloat16 parameters).
+    Nothing is changed; the message names the fixes."""
+    import warnings
+
+    listed = ", ".join(f"{n}={float(decays[n]):g}" for n in lost)
+    warnings.warn(
+        f"{optimizer} computes its update in the parameters' dtype ({dtype}), where {listed} "
+        f"rounds to 1.0: its bias correction 1 - beta**t is 0 and the parameters never move "
+        f"(no learning, no error). Use a mixed recipe ('mixed_{dtype}': float32 parameters and "
+        f"optimizer state), or decays that {dtype} keeps (e.g. beta_2=0.99).",
         HalfOptimizerStateWarning,
         stacklevel=_user_stacklevel(),
     )

@@ -149,7 +149,7 @@ def test_pure_float16_adam_warns_when_keras_builds_float16_slots():
         ("float16", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
         ("float16", lambda: keras.optimizers.Adam(1e-3, epsilon=1e-4)),
         ("mixed_float16", lambda: keras.optimizers.Adam(1e-3)),
-        ("bfloat16", lambda: keras.optimizers.Adam(1e-3)),
+        ("bfloat16", lambda: keras.optimizers.Adam(1e-3, beta_2=0.99)),  # 0.999 is 1.0 in bf16: warns
     ],
 )
 def test_no_half_state_warning_where_the_state_is_safe(recipe, make_opt):
@@ -231,3 +231,29 @@ def test_config_carries_keras_keys_and_reads_configs_keras_wrote():
     static = utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=8.0)
     assert static.get_config()["dynamic_growth_steps"] is None
     assert utf.LossScaleOptimizer.from_config(static.get_config()).loss_scale_config == static.loss_scale_config
+
+
+def test_pure_bfloat16_adam_warns_that_it_cannot_learn():
+    # Keras's Adam computes beta_2**t in bfloat16, where beta_2=0.999 is 1.0: no update at all.
+    # A bfloat16 variable holding 0.05, gradient 0.5: three applies leave it where it was.
+    v = keras.Variable(np.array([0.05]), dtype="bfloat16")
+    opt = utf.LossScaleOptimizer(keras.optimizers.Adam(1e-3), loss_scale="none")
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match=r"beta_2=0.999 rounds to 1.0.*mixed_bfloat16"):
+        for _ in range(3):
+            opt.apply([tf.constant([0.5], tf.bfloat16)], [v])
+    assert float(v.numpy()[0]) == float(np.float32(0.050048828125))  # bfloat16(0.05), unmoved
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
+        w = keras.Variable(np.array([0.05]), dtype="float32")  # mixed_bfloat16 keeps float32 weights
+        utf.LossScaleOptimizer(keras.optimizers.Adam(1e-3), loss_scale="none").apply(
+            [tf.constant([0.5])], [w]
+        )
+        b = keras.Variable(np.array([0.05]), dtype="bfloat16")
+        utf.LossScaleOptimizer(keras.optimizers.Adam(1e-3, beta_2=0.99), loss_scale="none").apply(
+            [tf.constant([0.5], tf.bfloat16)], [b]
+        )
+        utf.LossScaleOptimizer(keras.optimizers.SGD(1e-3), loss_scale="none").apply(
+            [tf.constant([0.5], tf.bfloat16)], [b]
+        )

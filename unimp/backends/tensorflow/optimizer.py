@@ -30,7 +30,7 @@ from unimp.loss_scale import (
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
-from unimp.step import warn_half_optimizer_state
+from unimp.step import lost_decays, warn_half_optimizer_state, warn_lost_decays
 
 
 @keras.saving.register_keras_serializable(package="unimp")
@@ -213,6 +213,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 eps = None
             if eps is not None:
                 warn_half_optimizer_state(type(self.inner_optimizer).__name__, eps)
+        # Keras computes beta**t in the variable's dtype: in bfloat16 beta_2=0.999 is 1.0
+        decays = {
+            n: getattr(self.inner_optimizer, n) for n in ("beta_1", "beta_2")
+            if hasattr(self.inner_optimizer, n)
+        }
+        for dtype in sorted({keras.backend.standardize_dtype(v.dtype) for v in var_list if v.trainable}):
+            lost = lost_decays(dtype, decays)
+            if lost:
+                warn_lost_decays(type(self.inner_optimizer).__name__, dtype, lost, decays)
+                break
         keras.optimizers.Optimizer.build(self, var_list)
 
     def _ensure_built(self, trainable_variables: list[Any] | None) -> None:
