@@ -248,3 +248,40 @@ def test_one_recipe_is_one_model_shifted_digits(tmp_path):
         assert [i for i, a in enumerate(run["applied"]) if not a] == [0, 1]
         assert run["scale"][-1] == 8192.0
     assert all(v == [] for v in rep["cross_framework_disagreements"].values())
+
+
+def test_every_recipe_runs_or_is_refused_up_front(backend, tmp_path, capsys):
+    out = tmp_path / "rep"
+    # float16 parameters with a scaled loss: refused before any training, naming the CLI fix
+    assert main(["compare", "--recipe", "float16", "--out", str(out), "--backends", backend]) == 2
+    err = capsys.readouterr().err
+    assert "--loss-scale none" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    # the fix named there runs
+    code = main(["compare", "--recipe", "float16", "--loss-scale", "none", "--optimizer", "sgd",
+                 "--lr", "0.1", "--epochs", "1", "--batch-size", "128", "--quiet", "--out", str(out),
+                 "--backends", backend])
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["recipe"]["loss_scale"]["kind"] == "none"
+    assert rep["config"]["loss_scale"] == "none"
+
+
+@pytest.mark.parametrize(
+    "spec, kind",
+    [("none", "none"), ("dynamic", "dynamic"), ("static:1024", "static"), ("torch", "dynamic")],
+)
+def test_loss_scale_option_forms(spec, kind):
+    from unimp.compare.run import CompareConfig, validate
+
+    recipe, _, _ = validate(CompareConfig(loss_scale=spec, backends=(BACKENDS[0],)))
+    assert recipe.loss_scale.kind == kind
+    if spec == "torch":
+        assert recipe.loss_scale.init_scale == 2.0**16
+
+
+@pytest.mark.parametrize("spec", ["static:abc", "static:-1", "huge", ""])
+def test_bad_loss_scale_is_one_line(spec, tmp_path, capsys):
+    assert main(["compare", "--loss-scale", spec, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("unimp compare: error: --loss-scale") and "\n" not in err

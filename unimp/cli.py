@@ -213,6 +213,7 @@ def _compare(args: argparse.Namespace) -> int:
         device=args.device,
         baseline=args.baseline,
         dropout=args.dropout,
+        loss_scale=args.loss_scale,
     )
     validate(cfg)  # every bad option fails here, before any framework runs or anything is written
     from rich.console import Console
@@ -299,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp_.add_argument(
         "--out", default="unimp-report", help="folder for report.json, report.md, report.png"
+    )
+    cmp_.add_argument(
+        "--loss-scale",
+        default=None,
+        help="override the recipe's loss scale: none, dynamic, static:N or a framework's preset "
+        "(torch, keras, tf_keras, jmp, flax, apex)",
     )
     cmp_.add_argument("--quiet", action="store_true", help="no progress bars")
     cmp_.set_defaults(func=_compare)

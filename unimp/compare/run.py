@@ -16,6 +16,7 @@ from unimp import registry
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
+from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
 __all__ = ["CompareConfig", "RunSpec", "run_compare", "train_loop", "validate"]
@@ -40,6 +41,7 @@ class CompareConfig:
     device: str = "auto"
     baseline: bool = False
     dropout: float = 0.2
+    loss_scale: str | None = None
 
 
 @dataclass
@@ -120,13 +122,57 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
     return out
 
 
+#: The presets ``--loss-scale`` takes by name (``DynamicLossScale.preset``).
+LOSS_SCALE_PRESETS = ("torch", "keras", "tf_keras", "jmp", "flax", "apex")
+
+
+def parse_loss_scale(spec: str) -> Any:
+    """``--loss-scale``: ``none``, ``dynamic`` (unimp's defaults), ``static:N`` or a preset name.
+
+    Returns:
+        What :func:`unimp.get_recipe`'s ``loss_scale=`` takes.
+
+    Raises:
+        ValueError: anything else, listing the accepted forms.
+    """
+    s = spec.strip().lower()
+    if s in ("none", "dynamic"):
+        return s
+    if s in LOSS_SCALE_PRESETS:
+        return DynamicLossScale.preset(s)
+    if s.startswith("static:"):
+        try:
+            value = float(s.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(
+                f"--loss-scale {spec!r}: static:N needs a number, e.g. static:1024."
+            ) from None
+        try:
+            return StaticLossScale(value)
+        except ValueError as e:
+            raise ValueError(f"--loss-scale {spec!r}: {e}") from None
+    raise ValueError(
+        f"--loss-scale {spec!r}: use none, dynamic, static:N (e.g. static:1024) or a "
+        f"framework's dynamic preset ({', '.join(LOSS_SCALE_PRESETS)})."
+    )
+
+
 def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
     """Checks every option before anything runs or is written.
 
     Raises:
         ValueError, ImportError, FileNotFoundError: with a message that names the fix.
     """
-    recipe = get_recipe(cfg.recipe)
+    if cfg.loss_scale is None:
+        recipe = get_recipe(cfg.recipe)
+    else:
+        recipe = get_recipe(cfg.recipe, loss_scale=parse_loss_scale(cfg.loss_scale))
+    if recipe.policy.param_dtype == "float16" and not recipe.loss_scale.unity:
+        raise ValueError(
+            f"--recipe {cfg.recipe} keeps float16 parameters, whose float16 gradients cannot be "
+            f"unscaled safely while the loss is scaled ({recipe.loss_scale.kind} loss scale): add "
+            "--loss-scale none (or static:1), or use --recipe mixed_float16 (float32 parameters)."
+        )
     if cfg.model not in MODELS:
         raise ValueError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}.")
     if cfg.optimizer not in OPTIMIZERS:
