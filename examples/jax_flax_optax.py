@@ -134,4 +134,9 @@ def main(steps: int = STEPS) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    main(args.steps)

@@ -82,4 +82,12 @@ def main(samples: int = 1024, epochs: int = 2, batch_size: int = 128, seed: int 
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    main(args.samples, args.epochs, args.batch_size, args.seed)

@@ -62,3 +62,18 @@ def test_port_script_gives_the_same_losses_in_every_framework(backend):
     mine = main(["--backend", backend, "--steps", "20"])
     other = main(["--backend", next(b for b in BACKENDS if b != backend), "--steps", "20"])
     assert max(abs(a - b) / b for a, b in zip(mine, other, strict=True)) < 2e-2
+
+
+SCRIPTS = sorted(p.relative_to(ROOT / "examples").as_posix() for p in (ROOT / "examples").rglob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_example_takes_help(script):
+    # --help prints the usage and trains nothing (Horovod's example parses before importing it)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--help"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage:") and "step 0" not in out.stdout

@@ -57,3 +57,24 @@ def test_explain_bad_input_exit_2(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("unimp explain: error:") and "Traceback" not in err
+
+
+def test_scalers_start_with_the_recipes_own(capsys):
+    # O2's scaler is Apex's (init 2**16, floor none, cap 2**24), not unimp's defaults
+    assert main(["explain", "O2", "--scalers", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["scalers"]
+    first, cfg = next(iter(data["scalers"].items()))
+    assert first == "O2" and data["scalers"]["O2"]["native"] == "the recipe's own loss scale"
+    assert data["scalers"]["O2"]["scale"][0] == 65536.0
+    assert data["scalers"]["O2"]["scale"] == data["scalers"]["apex"]["scale"]
+    assert data["differences"][0].startswith("unimp: first differs from O2")
+    # a static recipe shows a flat line
+    assert main(["explain", "O3", "--scalers", "--json"]) == 0
+    o3 = json.loads(capsys.readouterr().out)["scalers"]["scalers"]["O3"]
+    assert set(o3["scale"]) == {1.0}
+
+
+def test_explain_o3_has_no_master_weights(capsys):
+    assert main(["explain", "O3"]) == 0
+    out = capsys.readouterr().out
+    assert "no master weights (Apex O3 style)" in out and "Apex O2 style" not in out

@@ -137,7 +137,9 @@ def _explain(args: argparse.Namespace) -> int:
         if args.burst < 0:
             raise UsageError(f"--burst must be >= 0, got {args.burst}")
         flags = scaler_sequence(args.steps, args.overflow_rate, args.seed, args.burst)
-        out["scalers"] = scaler_table(flags, growth_interval=args.growth_interval)
+        out["scalers"] = scaler_table(
+            flags, growth_interval=args.growth_interval, recipe=(args.recipe, recipe.loss_scale)
+        )
         out["scalers"]["flags"] = flags
     if args.json:
         print(json.dumps(out, indent=2))

@@ -19,21 +19,23 @@ import argparse
 import json
 import os
 
-import horovod.torch as hvd
 import torch
 
-import unimp.distributed.horovod as uhvd
 from unimp.loss_scale import DynamicLossScale
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--compression", choices=["none", "fp16", "hvd-fp16"], default="fp16")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--poison-first-step", action="store_true",
                     help="make rank 1's first local gradient inf after the all-reduce")
     ap.add_argument("--out", help="directory for a JSON result per rank (used by the tests)")
     args = ap.parse_args()
+    # imported after parsing, so --help works where Horovod is not built
+    import horovod.torch as hvd
+
+    import unimp.distributed.horovod as uhvd
 
     hvd.init()
     rank = hvd.rank()

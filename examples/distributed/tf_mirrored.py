@@ -40,4 +40,9 @@ def main(steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    main(args.steps)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from unimp.loss_scale import DynamicLossScale, simulate
+from unimp.loss_scale import DynamicLossScale, loss_scale_from_dict, simulate
 from unimp.recipe import Recipe
 
 __all__ = ["PRESETS", "explain_recipe", "scaler_table", "scaler_sequence"]
@@ -72,10 +72,15 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
             f"torch.autocast(device_type, dtype={_TORCH_DTYPE[p.compute_dtype]}) around the forward pass"
             + ("" if p.compute_dtype != "float32" else " (disabled: float32 compute)")
         )
-    else:
+    elif p.param_dtype != p.compute_dtype:
         torch_lines.append(
             f"model.to({_TORCH_DTYPE[p.compute_dtype]}) with normalization layers kept float32, "
             f"{p.param_dtype} master weights in the optimizer (Apex O2 style)"
+        )
+    else:
+        torch_lines.append(
+            f"model.to({_TORCH_DTYPE[p.param_dtype]}): every parameter and the optimizer state in "
+            f"{p.param_dtype}, no master weights (Apex O3 style)"
         )
     torch_lines.append(
         f"parameters stored in {_TORCH_DTYPE[p.param_dtype]}; outputs cast to {_TORCH_DTYPE[p.output_dtype]}"
@@ -115,7 +120,10 @@ def scaler_sequence(steps: int, overflow_rate: float, seed: int, burst: int = 0)
 
 
 def scaler_table(
-    flags: list[bool], presets: list[str] | None = None, growth_interval: int | None = None
+    flags: list[bool],
+    presets: list[str] | None = None,
+    growth_interval: int | None = None,
+    recipe: tuple[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Simulates each framework's native scaler (its unimp preset) on the same steps.
 
@@ -124,27 +132,37 @@ def scaler_table(
         presets: preset names (default: all of :data:`PRESETS`).
         growth_interval: override every preset's interval (the frameworks' 2000 rarely shows
             within a short sequence); flax keeps its one-step lag.
+        recipe: ``(label, loss-scale config)``: the recipe's own scaler, simulated first (the
+            others' differences are against it).
 
     Returns:
         ``{"steps": n, "scalers": {name: {"native": str, "config": dict, "scale": [...],
         "skips": int}}, "differences": [str, ...]}``.
     """
-    names = list(PRESETS) if presets is None else presets
+    names = list(PRESETS) if presets is None else list(presets)
     out: dict[str, Any] = {"steps": len(flags), "scalers": {}, "differences": []}
+    own: dict[str, Any] = {}
+    if recipe is not None:
+        label, config = recipe
+        if config.kind == "dynamic" and growth_interval is not None:
+            config = loss_scale_from_dict({**config.to_dict(), "growth_interval": growth_interval})
+        own[label] = config
+        names = [label, *(n for n in names if n != label)]
     for name in names:
         overrides = {}
         if growth_interval is not None:
             overrides["growth_interval"] = growth_interval + (1 if name == "flax" else 0)
-        cfg = (
-            DynamicLossScale(**overrides)
-            if name == "unimp"
-            else DynamicLossScale.preset(name, **overrides)
-        )
+        if name in own:
+            cfg = own[name]
+        elif name == "unimp":
+            cfg = DynamicLossScale(**overrides)
+        else:
+            cfg = DynamicLossScale.preset(name, **overrides)
         states = simulate(cfg, flags)
         out["scalers"][name] = {
-            "native": PRESETS.get(name, name),
+            "native": PRESETS.get(name, "the recipe's own loss scale" if name in own else name),
             "config": cfg.to_dict(),
-            "scale": [float(cfg.init_scale)] + [float(s.scale) for s in states],
+            "scale": [float(cfg.initial_scale())] + [float(s.scale) for s in states],
             "skips": int(states[-1].total_skips) if states else 0,
         }
     base = names[0]
