@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -130,11 +131,28 @@ def test_malformed_data_file(tmp_path, capsys, arrays, needle):
     assert code == 2 and needle in capsys.readouterr().err and not out.exists()
 
 
-def test_not_an_npz(tmp_path, capsys):
+@pytest.mark.parametrize("content", [b"not a zip file", b"x,y\n1,2\n"])
+def test_not_an_npz(tmp_path, capsys, content):
     p = tmp_path / "junk.npz"
-    p.write_bytes(b"not a zip file")
+    p.write_bytes(content)  # a text file named .npz: np.load would talk of allow_pickle
     code, out = _run(tmp_path, "--data", str(p))
-    assert code == 2 and "not a readable .npz" in capsys.readouterr().err and not out.exists()
+    err = capsys.readouterr().err
+    assert code == 2 and "not an .npz archive" in err and "numpy.savez" in err
+    assert "pickle" not in err and not out.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc (writable-looking to root, yet not writable)")
+def test_out_that_cannot_be_written_is_refused_up_front(tmp_path, capsys):
+    code = main(["compare", "--epochs", "1", "--quiet", "--out", "/proc/unimp-report"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--out '/proc/unimp-report' cannot be written" in err
+    assert "tmp" not in err.split("written")[1]  # names the user's path, no internal one
+
+
+def test_out_check_leaves_no_folder_behind(tmp_path, capsys):
+    out = tmp_path / "new" / "deeper"
+    assert main(["compare", "--epochs", "0", "--out", str(out)]) == 2  # a later check fails
+    assert not (tmp_path / "new").exists()
 
 
 def test_cuda_without_gpu(tmp_path, capsys):

@@ -7,6 +7,7 @@ from conftest import edited_state_dict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import unimp
 from unimp import (
     DynamicLossScale,
     LossScaleError,
@@ -392,3 +393,22 @@ def test_stuck_message_while_still_backing_off():
     cfg = DynamicLossScale(init_scale=2**24, max_consecutive_skips=2)
     with pytest.raises(LossScaleError, match="still backing off"):
         check_state(cfg, simulate(cfg, [False] * 3)[-1])
+
+
+@pytest.mark.parametrize(
+    "flags, where",
+    [([1, "x"], r"flags\[1\]"), ([True, 2], r"flags\[1\]"), ([None], r"flags\[0\]"),
+     ([(True, "no")], r"flags\[0\]\[1\]"), ([0.5], r"flags\[0\]")],
+)
+def test_simulate_refuses_flags_that_are_not_bools(flags, where):
+    # bool("x") is True: a string used to be read as a clean step
+    with pytest.raises(ValueError, match=where + " must be a bool"):
+        unimp.simulate(unimp.DynamicLossScale(), flags)
+
+
+def test_simulate_takes_bools_and_0_1():
+    import numpy as np
+
+    cfg = unimp.DynamicLossScale(init_scale=8.0, growth_interval=1)
+    scales = [float(s.scale) for s in unimp.simulate(cfg, [1, 0, np.bool_(True), (True, False)])]
+    assert scales == [16.0, 8.0, 16.0, 16.0]

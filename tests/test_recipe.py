@@ -109,3 +109,17 @@ def test_noop_and_describe():
     assert get_recipe("float32").is_noop
     assert not get_recipe("mixed_bfloat16").is_noop
     assert "dynamic(init=32768" in get_recipe("mixed_float16").describe()
+
+
+def test_the_readme_recipe_file_loads(tmp_path):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    toml = re.search(r"```toml\n(.*?)```", readme, re.S).group(1)
+    path = tmp_path / "my.toml"
+    path.write_text(toml)
+    r = get_recipe(str(path))
+    assert str(r.policy) == "params=float32,compute=float16,output=float32"
+    assert r.loss_scale.kind == "dynamic" and r.loss_scale.init_scale == 65536.0
+    assert r.loss_scale.min_scale == 1.0 and r.cast_mode == "auto"

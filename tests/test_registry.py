@@ -83,3 +83,8 @@ def test_detect_backend_without_import(monkeypatch):
     assert registry.detect_backend({"w": jax_like}) == "jax"
     with pytest.raises(TypeError, match="torch.*jax|jax.*torch"):
         registry.detect_backend([torch_like, jax_like])
+
+
+def test_unknown_mixed_precision_option_lists_the_accepted(backend):
+    with pytest.raises(TypeError, match=r"unknown mixed_precision option\(s\) \['grad_scale'\].*loss_scale=, cast_mode=, platform=, device="):
+        unimp.mixed_precision("mixed_float16", backend=backend, grad_scale=3)

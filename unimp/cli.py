@@ -189,6 +189,26 @@ def _check_out_dir(out_dir: str, given: str) -> None:
             raise UsageError(f"--out {given!r} cannot be created: {probe!r} is not a folder")
     if not os.access(probe, os.W_OK):
         raise UsageError(f"--out {given!r} is not writable; pick another path")
+    # os.access says yes for root under /proc and on read-only mounts: write a probe file for
+    # real, and remove it and any folder made for it, so nothing is left behind
+    missing = []
+    path = out_dir
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=out_dir, prefix=".unimp-write-check-")
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise UsageError(
+            f"--out {given!r} cannot be written ({e.strerror or e}); pick another path"
+        ) from None
+    finally:
+        for folder in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -247,7 +267,10 @@ def _compare(args: argparse.Namespace) -> int:
 
     with progress:
         report = run_compare(cfg, progress_factory=_Bar)
-    written = write_report(report, out_dir)
+    try:
+        written = write_report(report, out_dir)
+    except OSError as e:  # the folder changed during training: name the user's path, not ours
+        raise UsageError(f"--out {args.out!r}: could not write the report ({e.strerror or e})") from None
     # one column per backend, one row per figure: fits a narrow terminal
     rows = summary_rows(report)
     table = Table(title=f"unimp compare: {args.recipe}")

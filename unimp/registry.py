@@ -215,7 +215,8 @@ def mixed_precision(
     Raises:
         ValueError: unknown backend or recipe name, or a bad override.
         ImportError: the backend's framework is not installed (names the extra).
-        TypeError: ``backend`` not given.
+        TypeError: ``backend`` not given, or an option neither :func:`~unimp.get_recipe` nor the
+            backend takes (the message lists the accepted ones).
 
     Example:
         >>> mp = mixed_precision("float32", loss_scale="dynamic", backend="jax")  # doctest: +SKIP
@@ -224,9 +225,22 @@ def mixed_precision(
 
     if backend is None:
         raise TypeError(f"mixed_precision() needs backend=, one of {list_backends()}.")
-    overrides = {k: options.pop(k) for k in ("loss_scale", "cast_mode", "platform") if k in options}
-    recipe = get_recipe(recipe_or_name, **overrides)
+    recipe_keys = ("loss_scale", "cast_mode", "platform")
+    overrides = {k: options.pop(k) for k in recipe_keys if k in options}
     module = get_backend(backend)
+    import inspect
+
+    params = inspect.signature(module.MixedPrecision.__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    backend_keys = [n for n in params if n not in ("self", "recipe") and params[n].kind is not params[n].VAR_KEYWORD]
+    unknown = sorted(k for k in options if k not in backend_keys)
+    if unknown and not takes_any:  # checked before anything is built
+        accepted = ", ".join(f"{k}=" for k in (*recipe_keys, *backend_keys))
+        raise TypeError(
+            f"unknown mixed_precision option(s) {unknown} for backend {module.__name__.rsplit('.', 1)[-1]!r}; "
+            f"use {accepted}."
+        )
+    recipe = get_recipe(recipe_or_name, **overrides)
     return module.MixedPrecision(recipe, **options)
 
 

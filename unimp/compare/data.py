@@ -108,6 +108,13 @@ def load_dataset(
             )
         if not os.path.exists(path):
             raise FileNotFoundError(f"data file {path!r} does not exist.")
+        import zipfile
+
+        if not zipfile.is_zipfile(path):  # np.load would read it as a pickle and talk of allow_pickle
+            raise ValueError(
+                f"{path}: not an .npz archive (an .npz is a zip of .npy arrays); write one with "
+                "numpy.savez(path, x=images, y=labels)."
+            )
         try:
             with np.load(path, allow_pickle=False) as f:
                 keys = set(f.files)

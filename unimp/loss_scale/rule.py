@@ -118,14 +118,28 @@ def _reference(
     )
 
 
-def _event(flag: Any) -> tuple[bool, bool]:
+def _flag(value: Any, where: str) -> bool:
+    """A step flag: a bool (Python or NumPy) or the integer 0 / 1; anything else (a string,
+    2, 0.5, None) is refused, since ``bool("x")`` would silently read as a clean step."""
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(
+        f"{where} must be a bool (True: finite, False: overflow) or 0 / 1, got {value!r}."
+    )
+
+
+def _event(flag: Any, i: int = 0) -> tuple[bool, bool]:
     if isinstance(flag, (tuple, list)):
         if len(flag) != 2:
             raise ValueError(
-                f"a step event is grads_finite or (grads_finite, loss_finite), got {flag!r}."
+                f"flags[{i}]: a step event is grads_finite or (grads_finite, loss_finite), got {flag!r}."
             )
-        return bool(flag[0]), bool(flag[1])
-    return bool(flag), True
+        return _flag(flag[0], f"flags[{i}][0]"), _flag(flag[1], f"flags[{i}][1]")
+    return _flag(flag, f"flags[{i}]"), True
 
 
 def simulate(
@@ -138,21 +152,25 @@ def simulate(
     Args:
         config: the loss-scale config.
         flags: per step, ``grads_finite`` (True for a clean step, False for an overflow), or a
-            pair ``(grads_finite, loss_finite)``.
+            pair ``(grads_finite, loss_finite)``; each flag a bool or 0 / 1.
         state: the starting state; ``config.initial_state()`` by default.
 
     Returns:
         The state after each step (``len(flags)`` states; the start state is not included).
+
+    Raises:
+        ValueError: a flag that is not a bool or 0 / 1 (named by its position, e.g.
+            ``flags[1]``), or an event that is not a flag or a pair.
 
     Example:
         >>> cfg = DynamicLossScale(init_scale=8, growth_interval=2, min_scale=1)
         >>> [float(s.scale) for s in simulate(cfg, [True, True, False, False, False, False])]
         [8.0, 16.0, 8.0, 4.0, 2.0, 1.0]
     """
+    events = [_event(flag, i) for i, flag in enumerate(flags)]  # all checked before any step
     s = config.initial_state() if state is None else state
     out = []
-    for flag in flags:
-        g, lf = _event(flag)
+    for g, lf in events:
         s = update(config, s, g, lf)
         out.append(s)
     return out
