@@ -7,6 +7,7 @@ its results.
 """
 
 import os
+import re
 
 from conftest import require_backend
 
@@ -109,4 +110,10 @@ def test_example_runs():
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("applied True on 2 replicas") == 3
+    # three steps on both replicas; the output layer computes in float16 (one recipe, one model
+    # in every framework), so an early step may overflow and back the scale off: that is fine
+    lines = re.findall(r"step \d: loss [\d.]+ scale (\d+) applied (True|False) on 2 replicas", proc.stdout)
+    assert len(lines) == 3 and lines[0][1] == "True"
+    for (scale, applied), (next_scale, _) in zip(lines, lines[1:], strict=False):
+        allowed = {int(scale)} if applied == "True" else {int(scale), int(scale) // 2}
+        assert int(next_scale) in allowed  # a skip backs off (gradients) or keeps it (the loss)
