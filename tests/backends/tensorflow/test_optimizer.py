@@ -257,3 +257,20 @@ def test_pure_bfloat16_adam_warns_that_it_cannot_learn():
         utf.LossScaleOptimizer(keras.optimizers.SGD(1e-3), loss_scale="none").apply(
             [tf.constant([0.5], tf.bfloat16)], [b]
         )
+
+
+def test_a_positional_number_is_refused_not_read_as_another_rule():
+    # Keras: LossScaleOptimizer(opt, 1024.0) is a dynamic scale starting at 1024 (512 after an
+    # overflow); unimp's second parameter is loss_scale, where a number is static
+    with pytest.raises(ValueError, match=r"initial_scale=1024.0.*loss_scale=1024.0"):
+        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), 1024.0)
+    with pytest.raises(ValueError, match="dynamic_growth_steps="):
+        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), None, 100)
+    for cls in (keras.optimizers.LossScaleOptimizer, utf.LossScaleOptimizer):
+        opt = cls(keras.optimizers.SGD(0.1), initial_scale=1024.0)
+        w = keras.Variable(1.0)
+        opt.build([w])
+        opt.apply_gradients([(tf.constant(float("inf")), w)])
+        assert float(opt.dynamic_scale.numpy()) == 512.0 and float(w.numpy()) == 1.0
+    # a config object positionally stays unimp's loss_scale (Keras has no such argument)
+    assert utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), StaticLossScale(8.0)).loss_scale_config == StaticLossScale(8.0)

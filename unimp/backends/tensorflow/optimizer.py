@@ -33,6 +33,40 @@ from unimp.loss_scale import state_dict as _portable_state_dict
 from unimp.step import lost_decays, warn_half_optimizer_state, warn_lost_decays
 
 
+def _positional(args: tuple, loss_scale: Any, name: Any) -> tuple[Any, Any]:
+    """``LossScaleOptimizer(inner, loss_scale, name)`` read positionally, refusing what Keras's
+    positional order ``(inner_optimizer, initial_scale, dynamic_growth_steps, name)`` would read
+    otherwise: a number second (Keras: a dynamic scale starting there; unimp: a static one) or
+    a non-string third (Keras: the growth interval)."""
+    if len(args) > 2:
+        raise TypeError(
+            f"LossScaleOptimizer takes at most 3 positional arguments (inner_optimizer, "
+            f"loss_scale, name), got {1 + len(args)}; pass the others by keyword."
+        )
+    if args:
+        first = args[0]
+        if isinstance(first, (int, float, np.number)) and not isinstance(first, (bool, np.bool_)):
+            raise ValueError(
+                f"LossScaleOptimizer(opt, {first!r}) is ambiguous: Keras reads a second positional "
+                "argument as initial_scale (a dynamic scale starting there), unimp as loss_scale. "
+                f"Write initial_scale={first!r} (Keras's meaning) or loss_scale={first!r} (a static "
+                "scale)."
+            )
+        if loss_scale is not None:
+            raise TypeError("LossScaleOptimizer got loss_scale twice (positionally and by keyword).")
+        loss_scale = first
+    if len(args) == 2:
+        if not isinstance(args[1], str):
+            raise ValueError(
+                f"LossScaleOptimizer's third positional argument is name (a string), got "
+                f"{args[1]!r}; for Keras's dynamic_growth_steps write dynamic_growth_steps=..."
+            )
+        if name is not None:
+            raise TypeError("LossScaleOptimizer got name twice (positionally and by keyword).")
+        name = args[1]
+    return loss_scale, name
+
+
 @keras.saving.register_keras_serializable(package="unimp")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """A Keras optimizer that scales the loss and follows unimp's loss-scale rule.
@@ -63,7 +97,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap; its ``loss_scale_factor``
             must be ``None``.
-        loss_scale: a loss-scale config, ``"dynamic"``, a number (static), ``"none"``, or a
+        loss_scale: a loss-scale config, ``"dynamic"``, a number (static; by keyword only, since
+            Keras reads a positional number as ``initial_scale``), ``"none"``, or a
             ``to_dict()`` dict; ``None`` is unimp's ``DynamicLossScale()``.
         name: optimizer name.
         initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use: they mean
@@ -105,13 +140,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __init__(
         self,
         inner_optimizer: Any,
+        *args: Any,
         loss_scale: Any = None,
         name: str | None = None,
-        *,
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
+        loss_scale, name = _positional(args, loss_scale, name)
         _check_keras_arguments(kwargs)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
