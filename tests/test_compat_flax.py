@@ -103,3 +103,23 @@ def test_bad_input_is_a_value_error():
         shim.DynamicScale(backoff_factor=2.0)
     with pytest.raises(ValueError, match="growth_interval"):
         shim.DynamicScale(growth_interval=-1)  # 0 is valid in flax: grow on every finite step
+
+
+def test_a_train_state_holding_it_checkpoints_like_flaxs():
+    import flax
+    import optax
+    from flax.training import train_state
+
+    class TrainState(train_state.TrainState):
+        dynamic_scale: object = None
+
+    def make(ds_cls, **kw):
+        return TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+                                 dynamic_scale=ds_cls(**kw))
+
+    for ds_cls in (shim.DynamicScale, flax_ds.DynamicScale):
+        saved = make(ds_cls, scale=512.0, fin_steps=3)
+        blob = flax.serialization.to_bytes(saved)
+        restored = flax.serialization.from_bytes(make(ds_cls), blob)
+        assert (float(restored.dynamic_scale.scale), int(restored.dynamic_scale.fin_steps)) == (512.0, 3)
+        assert flax.serialization.to_state_dict(saved)["dynamic_scale"].keys() == {"fin_steps", "scale"}

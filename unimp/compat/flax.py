@@ -4,7 +4,8 @@
 
 Same constructor (``growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, fin_steps=0,
 scale=65536.0, minimum_scale=<float32 tiny>``), pytree children ``(fin_steps, scale)``,
-``replace(...)``, and ``value_and_grad(fun, argnums=0, has_aux=False, axis_name=None)``
+``replace(...)``, flax serialization (``{"fin_steps", "scale"}``, so a ``TrainState`` holding
+it saves and restores with ``flax.serialization`` as flax's does), and ``value_and_grad(fun, argnums=0, has_aux=False, axis_name=None)``
 returning a :class:`DynamicScaleResult` ``(dynamic_scale, finite, aux, grad)`` with the
 unscaled value (and aux) and float32 gradients, as flax.
 
@@ -21,6 +22,8 @@ growth is clamped at the largest float32. The scale and counter follow flax's st
   floor, and repeated overflows drive its scale to 0 (gradients ``g / 0``);
 * the scale is held in float32 and the counter in int32 whatever they are given as (a float16
   scale overflows at 65536);
+* ``fin_steps`` above ``growth_interval`` (a hand-made or restored state) grows on the next
+  finite step: flax checks ``==`` and never grows again;
 * bad arguments (``growth_factor <= 1``, ``backoff_factor`` outside (0, 1), ``growth_interval
   < 0``) are a ``ValueError`` naming the field.
 """
@@ -172,3 +175,26 @@ def _unflatten(aux: tuple[Any, ...], children: tuple[Any, Any]) -> DynamicScale:
 
 
 jax.tree_util.register_pytree_node(DynamicScale, _flatten, _unflatten)
+
+
+def _to_state_dict(ds: DynamicScale) -> dict[str, Any]:
+    from flax import serialization
+
+    return {"fin_steps": serialization.to_state_dict(ds.fin_steps),
+            "scale": serialization.to_state_dict(ds.scale)}
+
+
+def _from_state_dict(target: DynamicScale, state: dict[str, Any]) -> DynamicScale:
+    return _evolve(
+        target,
+        fin_steps=jnp.asarray(state["fin_steps"], jnp.int32),
+        scale=jnp.asarray(state["scale"], jnp.float32),
+    )
+
+
+try:  # checkpoints: flax.serialization (to_bytes / from_bytes, orbax's flax handlers) as flax's
+    from flax import serialization as _serialization
+
+    _serialization.register_serialization_state(DynamicScale, _to_state_dict, _from_state_dict)
+except ImportError:  # pragma: no cover - flax is in the jax extra
+    pass
