@@ -258,3 +258,16 @@ def test_train_step_state_dict_round_trip():
 def test_bad_input_is_a_clear_error(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_skip_guard_covers_statistics_not_frozen_weights():
+    from unimp.backends.tensorflow.step import _forward_state
+
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    with mp.autocast():
+        frozen = keras.layers.Dense(8)
+        model = keras.Sequential([keras.Input((3,)), frozen, keras.layers.BatchNormalization(),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+    frozen.trainable = False
+    paths = sorted(v.path.split("/")[-1] for v in _forward_state(model))
+    assert paths == ["moving_mean", "moving_variance"]  # not the frozen kernel, not the seed

@@ -67,14 +67,22 @@ def _global_norm(grads: list[Any]) -> tf.Tensor:
 
 
 def _forward_state(model: Any) -> list[Any]:
-    """The model's non-trainable variables that a forward pass may change (BatchNormalization's
-    moving mean and variance, a layer's own counters), without the random-seed states of its
-    ``SeedGenerator``s (a skipped step still draws new dropout masks, as in torch and JAX)."""
-    seeds = set()
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    """The variables a forward pass may change: those the layers created non-trainable
+    (BatchNormalization's moving mean and variance, a layer's own counters), without the
+    random-seed states of ``SeedGenerator``s (a skipped step still draws new dropout masks, as
+    in torch and JAX) and without frozen weights (``layer.trainable = False`` makes a kernel
+    non-trainable, but no forward pass changes it: copying it every step would cost a frozen
+    backbone's memory and time)."""
+    seeds, found = set(), {}
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    for layer in layers:
         for gen in getattr(layer, "_seed_generators", ()) or ():
             seeds.add(id(gen.state))
-    return [v for v in model.non_trainable_variables if id(v) not in seeds]
+    for layer in layers:
+        for v in getattr(layer, "_non_trainable_variables", ()) or ():
+            if id(v) not in seeds:
+                found.setdefault(id(v), v)
+    return list(found.values())
 
 
 class TrainStep:
