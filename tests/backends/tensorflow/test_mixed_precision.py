@@ -276,3 +276,24 @@ def test_example_tf_keras2_custom_loop():
     # every one of the 4 batches is either applied or counted as skipped, never both
     assert int(opt.iterations.numpy()) + int(opt.total_skips.numpy()) == 4
     assert out["model"].output.dtype == "float32"
+
+
+def test_prepare_again_same_recipe_is_a_no_op_another_is_refused():
+    import copy
+
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    model = seed_model(mp)
+    mp.prepare(model)
+    mp.prepare(model)  # the same output dtype: nothing changes
+    x = tf.random.uniform((2, 784))
+    assert model(x).dtype == tf.float32
+    other = unimp.mixed_precision("params=float32,compute=float16,output=float16", backend="tensorflow")
+    with pytest.raises(ValueError, match="prepared with output dtype float32"):
+        other.prepare(model)
+    # Keras deep-copies through the config (as it saves): the copy runs itself, unprepared
+    clone = copy.deepcopy(model)
+    clone.layers[-1].kernel.assign(tf.zeros_like(clone.layers[-1].kernel))
+    assert clone(x).dtype == tf.float16
+    assert not np.allclose(np.asarray(model(x)), np.asarray(clone(x), np.float32))
+    mp.prepare(clone)
+    assert clone(x).dtype == tf.float32

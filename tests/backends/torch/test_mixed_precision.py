@@ -141,3 +141,22 @@ def test_apex_o3_runs_pure_float16():
     step = mp.train_step(model, opt, lambda m, b: m(b).float().pow(2).mean())
     r = step(torch.ones(3, 4))
     assert r.applied and r.scale == 1.0
+
+
+@pytest.mark.parametrize("recipe", ["mixed_float16", "O2"])
+def test_a_deep_copy_of_a_prepared_model_runs_itself(recipe):
+    # the EMA pattern: ema = copy.deepcopy(model); a forward closure would run the original
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    mp = unimp.mixed_precision(recipe, backend="torch", device="cpu")
+    prepared = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = prepared[0] if isinstance(prepared, tuple) else prepared
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.zero_()
+    x = torch.ones(4, 3)
+    assert torch.equal(ema(x), torch.zeros(4, 2))
+    assert model(x).abs().sum() > 0 and model(x).dtype == torch.float32

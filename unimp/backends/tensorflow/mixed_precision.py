@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +19,11 @@ from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.step import check_step_options
+
+
+def _cast_call(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """The call of a prepared model: the original call, floating outputs in the output dtype."""
+    return cast_tree(model._unimp_call(*args, **kwargs), model._unimp_output_dtype)
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -169,8 +174,10 @@ class MixedPrecision(MixedPrecisionBase):
           framework (:class:`unimp.Policy`). Build the model inside :meth:`autocast` (a
           warning says so when the model's policy differs). For the Keras guide's float32
           output layer (a float16 softmax can overflow), give that layer
-          ``dtype=mp.output_dtype_policy``. The wrapper is not saved with the model: a
-          loaded model returns its last layer's dtype until prepared again.
+          ``dtype=mp.output_dtype_policy``. The wrapper is not saved with the model, and
+          ``copy.deepcopy`` (which Keras does through the config) drops it too: a loaded or
+          copied model returns its last layer's dtype until prepared again. Preparing again
+          with the same output dtype changes nothing; with another, it is a ``ValueError``.
         * The optimizer is wrapped in unimp's :class:`LossScaleOptimizer` (not Keras's) with
           the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
           model is compiled with it, so ``fit`` follows unimp's rule. A model already
@@ -230,18 +237,26 @@ class MixedPrecision(MixedPrecisionBase):
         return model, wrapped
 
     def _cast_outputs(self, model: Any) -> None:
-        """Wraps ``model.call`` so its floating outputs come out in the output dtype (once)."""
-        if getattr(model, "_unimp_output_cast", False):
+        """Wraps ``model.call`` so its floating outputs come out in the output dtype.
+
+        A method bound to the model, not a closure over it, so ``copy.deepcopy`` rebinds it to
+        the copy. Preparing again with the same output dtype changes nothing.
+
+        Raises:
+            ValueError: the model was prepared for another output dtype.
+        """
+        done = getattr(model, "_unimp_output_dtype", None)
+        if done is not None:
+            if done != self.policy.output_dtype:
+                raise ValueError(
+                    f"this model was prepared with output dtype {done}; prepare applies one recipe "
+                    f"per model (here output {self.policy.output_dtype}): build the model again "
+                    "under this recipe's autocast()."
+                )
             return
-        call = model.call
-        out_dtype = self.policy.output_dtype
-
-        @functools.wraps(call)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            return cast_tree(call(*args, **kwargs), out_dtype)
-
-        model.call = wrapped
-        model._unimp_output_cast = True
+        model._unimp_call = model.call
+        model._unimp_output_dtype = self.policy.output_dtype
+        model.call = types.MethodType(_cast_call, model)
 
     def train_step(
         self,

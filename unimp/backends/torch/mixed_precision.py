@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +23,20 @@ from unimp.backends.torch.devices import _as_device, _dtype_ok
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.step import TrainStep
+
+
+def _prepared_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a prepared model: inputs cast (module mode) or autocast around the
+    original forward, floating outputs cast to the output dtype."""
+    mp = model._unimp_mp
+    forward = model._unimp_forward
+    if mp._mode == "module":
+        args, kwargs = mp.cast_to_compute(args), mp.cast_to_compute(kwargs)
+        out = forward(*args, **kwargs)
+    else:
+        with mp.autocast():
+            out = forward(*args, **kwargs)
+    return mp.cast_to_output(out)
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -229,20 +243,11 @@ class MixedPrecision(MixedPrecisionBase):
         return before
 
     def _wrap_forward(self, model: torch.nn.Module) -> None:
-        forward = model.forward
-        mode = self._mode
-
-        @functools.wraps(forward)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if mode == "module":
-                args, kwargs = self.cast_to_compute(args), self.cast_to_compute(kwargs)
-                out = forward(*args, **kwargs)
-            else:
-                with self.autocast():
-                    out = forward(*args, **kwargs)
-            return self.cast_to_output(out)
-
-        model.forward = wrapped  # type: ignore[method-assign]
+        # a method bound to the model, not a closure over it: copy.deepcopy (an EMA copy of
+        # the model) rebinds both to the copy, where a closure would run the original model
+        model._unimp_forward = model.forward  # type: ignore[assignment]
+        model._unimp_mp = self  # type: ignore[assignment]
+        model.forward = types.MethodType(_prepared_forward, model)  # type: ignore[method-assign]
 
     # -- train step
 
