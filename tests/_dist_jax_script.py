@@ -222,4 +222,31 @@ saved["state"]["scale"] = 4096.0
 dp.load_state_dict(saved)
 r = dp(x)
 out["resume"] = {"scale_used": float(r.scale), "scale_next": per_device(dp.loss_scale.loss_scale)}
+# 7. model state (flax batch_stats) under a mesh: replicated when reduced over the axis; a
+# per-replica state is refused with a message naming the fix
+import flax.linen as nn  # noqa: E402
+
+
+def _bn_step(axis):
+    bn = nn.BatchNorm(use_running_average=False, momentum=0.5, axis_name=axis)
+    stats = {"mean": jnp.zeros(1), "var": jnp.ones(1)}
+    params = {"scale": jnp.ones(1), "bias": jnp.zeros(1)}
+
+    def loss_fn(p, s, xb):
+        o, upd = bn.apply({"params": p, "batch_stats": s}, xb, mutable=["batch_stats"])
+        return jnp.mean(o), upd["batch_stats"]
+
+    f32 = unimp.mixed_precision("float32", backend="jax")
+    return f32.train_step(loss_fn, optax.sgd(0.0), params, model_state=stats, axis_name="d", mesh=mesh)
+
+
+xs = jnp.arange(2.0 * N).reshape(2 * N, 1)  # replica i holds [2i, 2i + 1]
+step = _bn_step("d")
+step(xs)
+out["model_state_mesh"] = {"mean": float(step.model_state["mean"][0]), "total_mean": float(jnp.mean(xs))}
+try:
+    _bn_step(None)(xs)
+    out["model_state_mesh"]["per_replica"] = "no error"
+except ValueError as e:
+    out["model_state_mesh"]["per_replica"] = str(e)
 print(json.dumps(out))

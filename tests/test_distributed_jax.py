@@ -147,3 +147,11 @@ def test_example_runs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("applied True on 4 devices") == 3
     assert "compilations 1" in proc.stdout
+
+
+def test_mesh_model_state_is_reduced_or_refused(run):
+    # batch statistics reduced over the axis: the global mean of the batch, momentum 0.5
+    m = run["model_state_mesh"]
+    assert m["mean"] == 0.5 * m["total_mean"]
+    assert m["per_replica"].startswith("with mesh=, the new model_state must be the same on every")
+    assert "BatchNorm(axis_name='d')" in m["per_replica"]

@@ -115,7 +115,9 @@ class TrainStep:
             ``loss_fn(params, model_state, batch) -> (loss, new_model_state)`` (e.g. with
             ``model.apply({"params": p, "batch_stats": s}, x, mutable=["batch_stats"])``); the
             new state is kept only when the step is applied, and is read from
-            :attr:`model_state`. It is replicated under ``mesh`` and donated with ``donate``.
+            :attr:`model_state`. It is replicated under ``mesh`` (so ``loss_fn`` must return
+            it reduced over ``axis_name``: ``BatchNorm(axis_name=...)`` in flax; a per-replica
+            state is a ``ValueError`` naming this) and donated with ``donate``.
             With nnx, rebuild the module inside ``loss_fn`` with ``nnx.merge(graphdef, p, s,
             copy=True)`` (BatchNorm mutates its statistics inside the gradient trace) and
             return ``nnx.split(model, nnx.Param, nnx.BatchStat)[2]``.
@@ -382,7 +384,18 @@ class TrainStep:
             )
         args = (self._params, self._opt_state, self._loss_scale, batch)
         if self._stateful:
-            params, opt_state, ls, raw, self._model_state = self._jitted(*args, self._model_state)
+            try:
+                params, opt_state, ls, raw, self._model_state = self._jitted(
+                    *args, self._model_state
+                )
+            except ValueError as e:
+                if self._mesh is None or "out_specs" not in str(e):
+                    raise
+                raise ValueError(
+                    f"with mesh=, the new model_state must be the same on every replica; reduce "
+                    f"it over axis_name={self._axis!r} in loss_fn (flax: BatchNorm(axis_name="
+                    f"{self._axis!r}), or lax.pmean(new_state, {self._axis!r}))."
+                ) from e
         else:
             params, opt_state, ls, raw = self._jitted(*args)
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
