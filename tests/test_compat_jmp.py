@@ -138,3 +138,12 @@ def test_bad_input_is_a_value_error():
         shim.DynamicLossScale(jnp.float32(8.0)).adjust(jnp.float32(1.0))
     with pytest.raises(ValueError, match="scalar"):
         shim.DynamicLossScale(jnp.ones(2))
+
+
+@pytest.mark.parametrize("value", [2.0**15, jnp.float32(2.0**15)])
+def test_static_loss_scale_result_dtypes_match_jmp(value):
+    x = jnp.float16(2.0)
+    ours, theirs = shim.StaticLossScale(value), real.StaticLossScale(value)
+    assert ours.scale(x).dtype == theirs.scale(x).dtype
+    assert ours.unscale(x).dtype == theirs.unscale(x).dtype
+    assert float(ours.unscale(ours.scale(jnp.float32(3.0)))) == 3.0

@@ -18,10 +18,12 @@ Where jmp 0.0.4 is unsafe, the shim follows unimp's rule instead (each is tested
   ``DynamicLossScale.preset("jmp")`` timing: growth on the ``period``-th finite step in a row,
   back-off by ``factor`` floored at ``min_loss_scale``); a growth past float32's range keeps the
   old scale, as jmp. The back-off multiplies by ``1 / factor`` where jmp divides by ``factor``:
-  the same for a power-of-two factor (jmp's default 2), within one ulp otherwise. Invalid arguments (a non-bool flag, ``factor <= 1``, ``period < 1``) are a
+  the same for a power-of-two factor (jmp's default 2); otherwise each back-off may differ by
+  an ulp, and repeated back-offs by a few. Invalid arguments (a non-bool flag, ``factor <= 1``, ``period < 1``) are a
   ``ValueError`` rather than an ``assert`` that ``python -O`` removes.
-* ``StaticLossScale`` holds a NumPy float32 (hashable, so it can be a static argument of
-  ``jit``); jmp holds the given array.
+* ``StaticLossScale`` holds a Python number as given (weakly typed: a float16 loss scaled by
+  it stays float16, as in jmp) and an array as a NumPy float32 scalar (hashable, so it can be
+  a static argument of ``jit``; results are float32, as with jmp's float32 array).
 
 The counter and scale follow the same sequence as jmp's otherwise (tested step for step).
 """
@@ -173,20 +175,25 @@ class NoOpLossScale:
 
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
-    """A fixed loss scale (jmp's), held as a NumPy float32 scalar."""
+    """A fixed loss scale (jmp's): a Python number as given, an array as a NumPy float32."""
 
     loss_scale: Any
 
     def __post_init__(self) -> None:
-        value = np.float32(np.asarray(self.loss_scale, np.float64))
-        core.StaticLossScale(float(value))  # validates: finite and > 0
-        object.__setattr__(self, "loss_scale", value)
+        raw = self.loss_scale
+        core.StaticLossScale(float(np.float32(np.asarray(raw, np.float64))))  # finite and > 0
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            # a Python number stays weakly typed, as in jmp: a float16 loss stays float16
+            object.__setattr__(self, "loss_scale", float(raw))
+        else:
+            object.__setattr__(self, "loss_scale", np.float32(np.asarray(raw, np.float64)))
 
     def scale(self, tree: T) -> T:
         return _scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: T) -> T:
-        return _scale_tree(tree, np.float32(1.0) / self.loss_scale)
+        inv = 1.0 / self.loss_scale if isinstance(self.loss_scale, float) else np.float32(1.0) / self.loss_scale
+        return _scale_tree(tree, inv)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
         return self
