@@ -75,3 +75,20 @@ def test_native_filter_keeps_other_native_lines(capfd):
         os.write(2, b"Traceback (most recent call last): a native crash report\n")
     err = capfd.readouterr().err
     assert err == "unimp's own line\nTraceback (most recent call last): a native crash report\n"
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["compare", "--epochs", "1e3"], "argument --epochs: invalid int value: '1e3'"),
+        (["bogus"], "invalid choice: 'bogus'"),
+        (["explain", "/nonexistent/r.toml"], "does not exist; give a recipe name"),
+    ],
+)
+def test_argument_errors_are_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        code = main(argv)
+        raise SystemExit(code)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "usage:" not in err

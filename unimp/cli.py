@@ -10,7 +10,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import unimp
 from unimp import registry
@@ -273,7 +273,8 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out!r}: could not write the report ({e.strerror or e})") from None
     # one column per backend, one row per figure: fits a narrow terminal
     rows = summary_rows(report)
-    table = Table(title=f"unimp compare: {args.recipe}")
+    title = args.recipe if args.loss_scale is None else f"{args.recipe}, --loss-scale {args.loss_scale}"
+    table = Table(title=f"unimp compare: {title}")
     table.add_column("")
     for row in rows:
         table.add_column(row[0], justify="right")
@@ -284,8 +285,16 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (``unimp compare: error: argument --epochs: ...``),
+    exit code 2, as every other user mistake; ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="unimp",
         description="One mixed-precision recipe for PyTorch, TensorFlow/Keras and JAX.",
     )

@@ -143,6 +143,11 @@ class Recipe:
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".toml", ".json"):
             raise ValueError(f"recipe file {path!r} must end in .toml or .json.")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"recipe file {path!r} does not exist; give a recipe name (mixed_float16, O2, "
+                "bf16-mixed, ...) or the path of a .toml / .json recipe file."
+            )
         with open(path, "rb") as f:
             raw = f.read()
         try:
@@ -169,7 +174,9 @@ class Recipe:
         if ls.kind == "dynamic":
             ls_text = (
                 f"dynamic(init={ls.init_scale:g}, growth={ls.growth_factor:g}x every "
-                f"{ls.growth_interval}, backoff={ls.backoff_factor:g}, min={ls.min_scale}, max={ls.max_scale})"
+                f"{ls.growth_interval}, backoff={ls.backoff_factor:g}, "
+                f"min={'2**-126' if ls.min_scale is None else f'{ls.min_scale:g}'}, "
+                f"max={'none' if ls.max_scale is None else f'{ls.max_scale:g}'})"
             )
         elif ls.kind == "static":
             ls_text = f"static({ls.scale:g})"
