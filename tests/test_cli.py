@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import BACKENDS
 
 import unimp
 from unimp.cli import main
@@ -46,7 +47,7 @@ NATIVE = re.compile(r"(\.cc:\d+\]|absl::InitializeLog|oneDNN|cuda drivers|To ena
     [
         ["info"],
         ["explain", "mixed_float16", "--scalers"],
-        ["compare", "--epochs", "1", "--backends", "tensorflow"],
+        ["compare", "--epochs", "1", "--backends", BACKENDS[0]],
     ],
     ids=["info", "explain", "compare"],
 )
