@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from unimp.loss_scale import (
@@ -123,3 +124,37 @@ def _traced_fields(config: LossScaleConfig) -> dict[str, Any]:
 
 def _to_host(x: Any) -> Any:
     return x.numpy() if hasattr(x, "numpy") else x
+
+
+def _positional(args: tuple, loss_scale: Any, name: Any) -> tuple[Any, Any]:
+    """``LossScaleOptimizer(inner, loss_scale, name)`` read positionally, refusing what Keras's
+    positional order ``(inner_optimizer, initial_scale, dynamic_growth_steps, name)`` would read
+    otherwise: a number second (Keras: a dynamic scale starting there; unimp: a static one) or
+    a non-string third (Keras: the growth interval)."""
+    if len(args) > 2:
+        raise TypeError(
+            f"LossScaleOptimizer takes at most 3 positional arguments (inner_optimizer, "
+            f"loss_scale, name), got {1 + len(args)}; pass the others by keyword."
+        )
+    if args:
+        first = args[0]
+        if isinstance(first, (int, float, np.number)) and not isinstance(first, (bool, np.bool_)):
+            raise ValueError(
+                f"LossScaleOptimizer(opt, {first!r}) is ambiguous: Keras reads a second positional "
+                "argument as initial_scale (a dynamic scale starting there), unimp as loss_scale. "
+                f"Write initial_scale={first!r} (Keras's meaning) or loss_scale={first!r} (a static "
+                "scale)."
+            )
+        if loss_scale is not None:
+            raise TypeError("LossScaleOptimizer got loss_scale twice (positionally and by keyword).")
+        loss_scale = first
+    if len(args) == 2:
+        if not isinstance(args[1], str):
+            raise ValueError(
+                f"LossScaleOptimizer's third positional argument is name (a string), got "
+                f"{args[1]!r}; for Keras's dynamic_growth_steps write dynamic_growth_steps=..."
+            )
+        if name is not None:
+            raise TypeError("LossScaleOptimizer got name twice (positionally and by keyword).")
+        name = args[1]
+    return loss_scale, name
