@@ -93,3 +93,13 @@ def test_argument_errors_are_one_line(argv, needle, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "usage:" not in err
+
+
+def test_a_closed_pipe_is_a_quiet_exit():
+    # `unimp explain O2 --scalers | head -1`: the reader leaves early
+    # (`true` leaves before unimp writes anything: every write meets a closed pipe)
+    proc = subprocess.run(
+        f"{sys.executable} -m unimp.cli explain O2 --scalers | true",
+        shell=True, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.stderr == ""

@@ -111,8 +111,8 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _g(x: float | None) -> str:
-    return "none" if x is None else f"{x:g}"
+def _g(x: float | None, none: str = "none") -> str:
+    return none if x is None else f"{x:g}"
 
 
 #: ``explain --scalers`` prints one mark per step and simulates every native scaler step by step
@@ -164,7 +164,7 @@ def _explain(args: argparse.Namespace) -> int:
             cfg = row["config"]
             print(
                 f"  {name:<9} {row['native']:<48} init {cfg['init_scale']:<8g} interval {cfg['growth_interval']:<5} "
-                f"min {_g(cfg['min_scale']):<8} max {_g(cfg['max_scale']):<11} final {row['scale'][-1]:g}"
+                f"min {_g(cfg['min_scale'], '2**-126'):<8} max {_g(cfg['max_scale']):<11} final {row['scale'][-1]:g}"
             )
         print("Differences (scale index 0 is the initial scale):")
         for line in table["differences"]:
@@ -378,6 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _native_stderr_filtered():
             return args.func(args)
+    except BrokenPipeError:  # `unimp explain ... | head -1`: the reader left, a quiet exit
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (UsageError, ValueError, ImportError, OSError, LossScaleError) as e:
         # user mistakes and stuck runs: one line naming the fix, no traceback
         print(f"unimp {args.command}: error: {e}", file=sys.stderr)
