@@ -212,7 +212,13 @@ class MixedPrecision(MixedPrecisionBase):
                 "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
             )
         wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
-        if model.dtype_policy.name != self._keras_name and not self.policy.is_float32:
+        # built outside autocast: none of the layers holding weights has the recipe's policy
+        # (the model's own policy is not the test: a loaded or deep-copied model is rebuilt
+        # under the global policy while its layers keep the policies they were saved with)
+        weighted = [x for x in model._flatten_layers(include_self=False) if x.weights] or [model]
+        if not self.policy.is_float32 and all(
+            x.dtype_policy.name != self._keras_name for x in weighted
+        ):
             warnings.warn(
                 f"the model's dtype policy is {model.dtype_policy.name!r}, the recipe's is "
                 f"{self._keras_name!r}: its layers were built outside mp.autocast() and keep their "
