@@ -160,3 +160,8 @@ def test_a_deep_copy_of_a_prepared_model_runs_itself(recipe):
     x = torch.ones(4, 3)
     assert torch.equal(ema(x), torch.zeros(4, 2))
     assert model(x).abs().sum() > 0 and model(x).dtype == torch.float32
+    if recipe == "mixed_float16":  # a pickled prepared model loads and still casts
+        import pickle
+
+        back = pickle.loads(pickle.dumps(model))
+        assert back(x).dtype == torch.float32 and torch.equal(back(x), model(x))

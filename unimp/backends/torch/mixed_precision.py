@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,17 @@ def _prepared_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         with mp.autocast():
             out = forward(*args, **kwargs)
     return mp.cast_to_output(out)
+
+
+class _PreparedForward:
+    """``model.forward`` after ``prepare``: holds the model, so ``copy.deepcopy`` (an EMA copy)
+    and pickling carry it with the model instead of a closure over the original."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _prepared_forward(self.model, *args, **kwargs)
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -243,11 +253,11 @@ class MixedPrecision(MixedPrecisionBase):
         return before
 
     def _wrap_forward(self, model: torch.nn.Module) -> None:
-        # a method bound to the model, not a closure over it: copy.deepcopy (an EMA copy of
-        # the model) rebinds both to the copy, where a closure would run the original model
+        # an object holding the model, not a closure over it: copy.deepcopy (an EMA copy of
+        # the model) and pickle carry it with the copy, where a closure ran the original model
         model._unimp_forward = model.forward  # type: ignore[assignment]
         model._unimp_mp = self  # type: ignore[assignment]
-        model.forward = types.MethodType(_prepared_forward, model)  # type: ignore[method-assign]
+        model.forward = _PreparedForward(model)  # type: ignore[method-assign]
 
     # -- train step
 
