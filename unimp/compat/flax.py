@@ -42,7 +42,7 @@ from jax import lax
 
 from unimp import loss_scale as core
 from unimp.backends.jax.overflow import all_finite
-from unimp.backends.jax.scaling import _JaxOps
+from unimp.backends.jax.scaling import _STATIC, _JaxOps, _pytree_from_fields, _replace_unchecked
 
 __all__ = ["DynamicScale", "DynamicScaleResult"]
 
@@ -58,7 +58,7 @@ class DynamicScaleResult(NamedTuple):
     grad: Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DynamicScale:
     """flax's dynamic loss scale, following unimp's rule (see the module docstring).
 
@@ -75,12 +75,12 @@ class DynamicScale:
         ValueError: a bad factor, interval or floor (named).
     """
 
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    growth_factor: float = dataclasses.field(default=2.0, metadata=_STATIC)
+    backoff_factor: float = dataclasses.field(default=0.5, metadata=_STATIC)
+    growth_interval: int = dataclasses.field(default=2000, metadata=_STATIC)
     fin_steps: Any = 0
     scale: Any = 65536.0
-    minimum_scale: float | None = _F32_TINY
+    minimum_scale: float | None = dataclasses.field(default=_F32_TINY, metadata=_STATIC)
 
     def __post_init__(self) -> None:
         self.config  # validates the rule before anything is used  # noqa: B018
@@ -144,37 +144,14 @@ class DynamicScale:
                 _JaxOps, self.config, self.scale, self.fin_steps, zero, zero,
                 grads_finite, loss_finite,
             )
-            new = _evolve(self, fin_steps=counter, scale=scale)
+            new = _replace_unchecked(self, fin_steps=counter, scale=scale)
             return DynamicScaleResult(new, grads_finite & loss_finite, aux, grad)
 
         return wrapped
 
 
-def _evolve(ds: DynamicScale, **changes: Any) -> DynamicScale:
-    """A copy with array fields replaced, without validation (traced values)."""
-    obj = object.__new__(DynamicScale)
-    for f in dataclasses.fields(DynamicScale):
-        object.__setattr__(obj, f.name, changes.get(f.name, getattr(ds, f.name)))
-    return obj
-
-
-_STATIC = ("growth_factor", "backoff_factor", "growth_interval", "minimum_scale")
-
-
-def _flatten(ds: DynamicScale) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-    return (ds.fin_steps, ds.scale), tuple(getattr(ds, n) for n in _STATIC)
-
-
-def _unflatten(aux: tuple[Any, ...], children: tuple[Any, Any]) -> DynamicScale:
-    obj = object.__new__(DynamicScale)
-    for name, value in zip(("fin_steps", "scale"), children, strict=True):
-        object.__setattr__(obj, name, value)
-    for name, value in zip(_STATIC, aux, strict=True):
-        object.__setattr__(obj, name, value)
-    return obj
-
-
-jax.tree_util.register_pytree_node(DynamicScale, _flatten, _unflatten)
+# flax's children (fin_steps, scale), the rule's constants static: read from the fields
+_pytree_from_fields(DynamicScale)
 
 
 def _to_state_dict(ds: DynamicScale) -> dict[str, Any]:
@@ -185,7 +162,7 @@ def _to_state_dict(ds: DynamicScale) -> dict[str, Any]:
 
 
 def _from_state_dict(target: DynamicScale, state: dict[str, Any]) -> DynamicScale:
-    return _evolve(
+    return _replace_unchecked(
         target,
         fin_steps=jnp.asarray(state["fin_steps"], jnp.int32),
         scale=jnp.asarray(state["scale"], jnp.float32),

@@ -42,7 +42,7 @@ from unimp.backends.jax.casting import cast_tree
 from unimp.backends.jax.overflow import _check_pred
 from unimp.backends.jax.overflow import all_finite as _all_finite
 from unimp.backends.jax.overflow import select_tree as _select_tree
-from unimp.backends.jax.scaling import _JaxOps
+from unimp.backends.jax.scaling import _STATIC, _JaxOps, _pytree_from_fields, _replace_unchecked
 from unimp.dtypes import canonical_dtype
 from unimp.policy import get_policy as _get_policy
 
@@ -207,7 +207,7 @@ _empty_pytree(NoOpLossScale)
 _empty_pytree(StaticLossScale)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale:
     """jmp's ``DynamicLossScale(loss_scale, counter=0, period=2000, factor=2,
     min_loss_scale=1.0)`` on unimp's rule (see the module docstring for the differences).
@@ -225,12 +225,16 @@ class DynamicLossScale:
 
     loss_scale: Any
     counter: Any = 0
-    period: int = 2000
-    factor: Any = 2
-    min_loss_scale: Any = 1.0
+    period: int = dataclasses.field(default=2000, metadata=_STATIC)
+    factor: Any = dataclasses.field(default=2, metadata=_STATIC)
+    min_loss_scale: Any = dataclasses.field(default=1.0, metadata=_STATIC)
 
     def __post_init__(self) -> None:
         self.config  # validates period, factor and floor before anything is used  # noqa: B018
+        # static (aux) data must hash: the floor is kept as a float32-rounded Python float
+        object.__setattr__(
+            self, "min_loss_scale", float(np.float32(np.asarray(self.min_loss_scale, np.float64)))
+        )
         for name, dtype in (("loss_scale", jnp.float32), ("counter", jnp.int32)):
             v = jnp.asarray(getattr(self, name), dtype)
             if jnp.shape(v) != ():
@@ -270,23 +274,11 @@ class DynamicLossScale:
         scale, counter, _, _ = core.update_arrays(
             _JaxOps, self.config, self.loss_scale, self.counter, zero, zero, g, jnp.array(True)
         )
-        return dataclasses.replace(self, loss_scale=scale, counter=counter)
+        return _replace_unchecked(self, loss_scale=scale, counter=counter)
 
 
-def _flatten(ls: DynamicLossScale) -> tuple[tuple[Any, Any], tuple[Any, Any, Any]]:
-    # jmp's children (loss_scale, counter); the floor travels with period and factor
-    return (ls.loss_scale, ls.counter), (ls.period, ls.factor, float(np.asarray(ls.min_loss_scale)))
-
-
-def _unflatten(aux: tuple[Any, Any, Any], children: tuple[Any, Any]) -> DynamicLossScale:
-    obj = object.__new__(DynamicLossScale)  # tracers and placeholders are never validated
-    for name, value in zip(("loss_scale", "counter"), children, strict=True):
-        object.__setattr__(obj, name, value)
-    for name, value in zip(("period", "factor", "min_loss_scale"), aux, strict=True):
-        object.__setattr__(obj, name, value)
-    return obj
-
-
-jax.tree_util.register_pytree_node(DynamicLossScale, _flatten, _unflatten)
+# jmp's children (loss_scale, counter); the floor travels with period and factor as static
+# data, read from the dataclass fields (jmp's hand-written flatten dropped it)
+_pytree_from_fields(DynamicLossScale)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007 (jmp's name)

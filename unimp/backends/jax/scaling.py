@@ -41,11 +41,30 @@ _STATIC = {"static": True}
 
 
 def _register_pytree(cls: type) -> type:
-    """Registers a frozen dataclass as a pytree, fields read from ``dataclasses.fields``.
+    """The loss-scale pytrees: :func:`_pytree_from_fields`, and only ``loss_scale`` and
+    ``counter`` positional (:func:`_refuse_jmp_positional`)."""
+    _pytree_from_fields(cls)
+    _refuse_jmp_positional(cls)
+    return cls
+
+
+def _replace_unchecked(obj: Any, **changes: Any) -> Any:
+    """A copy of a frozen dataclass with fields replaced, skipping ``__init__``: no validation
+    and no host sync (for values an update computed, possibly tracers)."""
+    new = object.__new__(type(obj))
+    for f in dataclasses.fields(obj):
+        object.__setattr__(new, f.name, changes.get(f.name, getattr(obj, f.name)))
+    return new
+
+
+def _pytree_from_fields(cls: type) -> type:
+    """Registers a frozen dataclass as a pytree, fields read from ``dataclasses.fields``
+    (never a hand-written list: jmp lost ``min_loss_scale`` through ``jit`` that way).
 
     Fields with ``metadata={"static": True}`` are auxiliary data (hashable, part of the jit
     cache key); every other field is a child. Unflattening bypasses ``__init__`` so JAX's
-    placeholder leaves (``object()``, tracers) are never validated or converted.
+    placeholder leaves (``object()``, tracers) are never validated or converted. Used by the
+    loss-scale pytrees here and by the jmp and flax shims (``unimp.compat``).
     """
     fields = dataclasses.fields(cls)
     data = tuple(f.name for f in fields if not f.metadata.get("static"))
@@ -69,7 +88,6 @@ def _register_pytree(cls: type) -> type:
         return obj
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-    _refuse_jmp_positional(cls)
     return cls
 
 
@@ -237,12 +255,9 @@ class _LossScale:
         )
 
     def _evolve(self, **changes: Any) -> Any:
-        """A copy with fields replaced, skipping ``__init__``: no validation and no host sync
-        (the values come from update_arrays, already float32 / int32 scalars)."""
-        obj = object.__new__(type(self))
-        for f in dataclasses.fields(self):
-            object.__setattr__(obj, f.name, changes.get(f.name, getattr(self, f.name)))
-        return obj
+        """A copy with fields replaced, skipping ``__init__`` (the values come from
+        update_arrays, already float32 / int32 scalars)."""
+        return _replace_unchecked(self, **changes)
 
     # -- conversions ------------------------------------------------------------------------
 
