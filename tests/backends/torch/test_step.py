@@ -263,3 +263,12 @@ def test_sparse_gradient_norm_counts_repeated_ids_once(max_norm):
     assert r.grad_norm == pytest.approx(40**0.5, rel=1e-6)
     applied_norm = float(torch.linalg.vector_norm(w0 - emb.weight.detach()))
     assert applied_norm == pytest.approx(min(max_norm, 40**0.5), rel=1e-6)
+
+
+def test_skip_guard_covers_persistent_buffers_not_caches():
+    from unimp.backends.torch.step import _forward_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("rotary_cache", torch.ones(1000), persistent=False)
+    kept = {id(b) for b, _ in _forward_state(model)}
+    assert kept == {id(model[1].running_mean), id(model[1].running_var), id(model[1].num_batches_tracked)}

@@ -19,9 +19,21 @@ if TYPE_CHECKING:
 
 
 def _forward_state(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each buffer of ``model`` (running statistics, counters) with a copy of its value."""
+    """Each persistent buffer of ``model`` (running statistics, ``num_batches_tracked``,
+    spectral norm's vectors: the state a checkpoint holds) with a copy of its value.
+
+    Non-persistent buffers are caches a forward pass does not learn into (rotary tables,
+    masks): copying them every step would cost their memory and time for nothing, as the
+    TensorFlow backend leaves frozen weights alone.
+    """
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
-        return [(b, b.detach().clone()) for b in model.buffers()]
+        for module in model.modules():
+            skip = module._non_persistent_buffers_set
+            for name, b in module._buffers.items():
+                if b is not None and name not in skip and id(b) not in seen:
+                    seen[id(b)] = (b, b.detach().clone())
+    return list(seen.values())
 
 
 def _restore_forward_state(
