@@ -122,12 +122,9 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
     return out
 
 
-#: The presets ``--loss-scale`` takes by name (``DynamicLossScale.preset``).
-LOSS_SCALE_PRESETS = ("torch", "keras", "tf_keras", "jmp", "flax", "apex")
-
-
 def parse_loss_scale(spec: str) -> Any:
-    """``--loss-scale``: ``none``, ``dynamic`` (unimp's defaults), ``static:N`` or a preset name.
+    """``--loss-scale``: ``none``, ``dynamic`` (unimp's defaults), ``static:N`` or a framework's
+    preset name, read by :meth:`unimp.DynamicLossScale.preset` (its names and aliases).
 
     Returns:
         What :func:`unimp.get_recipe`'s ``loss_scale=`` takes.
@@ -138,8 +135,6 @@ def parse_loss_scale(spec: str) -> Any:
     s = spec.strip().lower()
     if s in ("none", "dynamic"):
         return s
-    if s in LOSS_SCALE_PRESETS:
-        return DynamicLossScale.preset(s)
     if s.startswith("static:"):
         try:
             value = float(s.split(":", 1)[1])
@@ -151,10 +146,13 @@ def parse_loss_scale(spec: str) -> Any:
             return StaticLossScale(value)
         except ValueError as e:
             raise ValueError(f"--loss-scale {spec!r}: {e}") from None
-    raise ValueError(
-        f"--loss-scale {spec!r}: use none, dynamic, static:N (e.g. static:1024) or a "
-        f"framework's dynamic preset ({', '.join(LOSS_SCALE_PRESETS)})."
-    )
+    try:
+        return DynamicLossScale.preset(spec)
+    except ValueError as e:
+        raise ValueError(
+            f"--loss-scale {spec!r}: use none, dynamic, static:N (e.g. static:1024) or a "
+            f"framework's dynamic preset ({e})"
+        ) from None
 
 
 def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
