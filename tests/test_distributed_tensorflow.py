@@ -113,7 +113,10 @@ def test_example_runs():
     # three steps on both replicas; the output layer computes in float16 (one recipe, one model
     # in every framework), so an early step may overflow and back the scale off: that is fine
     lines = re.findall(r"step \d: loss [\d.]+ scale (\d+) applied (True|False) on 2 replicas", proc.stdout)
-    assert len(lines) == 3 and lines[0][1] == "True"
+    # which step overflows depends on the weights (the example now seeds them; CI once drew
+    # weights that skipped step 0) and may still differ between CPUs' float16 kernels: ask for one
+    # applied step, not a given one
+    assert len(lines) == 3 and any(applied == "True" for _, applied in lines)
     for (scale, applied), (next_scale, _) in zip(lines, lines[1:], strict=False):
         allowed = {int(scale)} if applied == "True" else {int(scale), int(scale) // 2}
         assert int(next_scale) in allowed  # a skip backs off (gradients) or keeps it (the loss)

@@ -23,6 +23,7 @@ import unimp  # noqa: E402
 
 
 def main(steps: int = 3) -> None:
+    keras.utils.set_random_seed(0)  # the same weights on every run (and on every replica)
     strategy = tf.distribute.MirroredStrategy()
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     with strategy.scope():  # variables, optimizer and loss-scale state mirrored on every replica
