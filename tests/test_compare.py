@@ -3,6 +3,7 @@ with one line naming the fix and nothing written."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -72,6 +73,103 @@ def test_cnn_and_baseline(tmp_path):
     assert rep["baseline"][BACKENDS[0]]["scale"][0] == 1.0  # float32 baseline: no loss scaling
 
 
+def _vit_reference_loss(w, batch):
+    """The documented vit (unimp.compare.models) in float64 NumPy: mean cross-entropy of a batch."""
+    from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
+
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    n, h, wd, c = batch["x"].shape
+
+    def dense(z, name):
+        return z @ w[f"{name}_w"] + w[f"{name}_b"]
+
+    def ln(z, name):
+        mean, var = z.mean(-1, keepdims=True), z.var(-1, keepdims=True)
+        return (z - mean) / np.sqrt(var + LAYER_NORM_EPS) * w[f"{name}_g"] + w[f"{name}_b"]
+
+    z = dense(batch["x"].astype(np.float64).reshape(n, h, wd * c), "emb") + w["pos"]
+    d = z.shape[-1]
+    hd = d // VIT_HEADS
+    q, k, v = (
+        dense(ln(z, "ln1"), f"attn_{s}").reshape(n, h, VIT_HEADS, hd).transpose(0, 2, 1, 3)
+        for s in "qkv"
+    )
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+    att = np.exp(scores - scores.max(-1, keepdims=True))
+    att /= att.sum(-1, keepdims=True)
+    z = z + dense((att @ v).transpose(0, 2, 1, 3).reshape(n, h, d), "attn_o")
+    z = z + dense(np.maximum(dense(ln(z, "ln2"), "mlp_fc1"), 0), "mlp_fc2")
+    logits = (ln(z, "lnf").mean(1) * batch["mask"]) @ w["w2"] + w["b2"]
+    top = logits.max(1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(1, keepdims=True))
+    return float(-log_p[np.arange(n), batch["y"]].mean())
+
+
+def _vit_spec(recipe, steps, image_shape):
+    """A RunSpec for vit on the first ``steps`` batches of 64: the digits (8x8x1), or random
+    images of another shape (H != W*C, C > 1, so rows, columns and channels cannot be mixed up)."""
+    from unimp import get_recipe
+    from unimp.compare.data import Dataset, batches, load_dataset
+    from unimp.compare.models import hidden_size, init_weights
+    from unimp.compare.run import RunSpec
+
+    if image_shape == (8, 8, 1):
+        ds = load_dataset("digits", seed=0, num_classes=10)
+    else:
+        rng = np.random.default_rng(0)
+        x = rng.random((200, *image_shape)).astype(np.float32)
+        y = rng.integers(0, 3, 200).astype(np.int32)
+        ds = Dataset(x[:160], y[:160], x[160:], y[160:], 3, "random")
+    hidden = hidden_size("vit", ds.image_shape)
+    first = batches(ds, batch_size=64, epochs=1, seed=0, dropout=0.2, hidden=hidden)[:steps]
+    weights = init_weights("vit", ds.image_shape, ds.num_classes, seed=0)
+    return RunSpec(get_recipe(recipe), "vit", weights, first, ds.x_test, ds.y_test,
+                   ds.num_classes, "adam", 1e-3, "cpu")
+
+
+def test_vit_loads_the_shared_weights(backend):
+    # The first recorded loss is computed before the first update: the float32 forward of the
+    # NumPy initial weights on batch 0 (dropout mask included). Each framework matches a float64
+    # NumPy forward of the documented model to 1e-5 (measured: < 1e-7), so the three agree to
+    # 2e-5. Images of 5x6x3 (H != W*C, three channels): a framework taking columns or channels
+    # for tokens, or loading a kernel transposed, fails. A wrong detail moves the loss far more
+    # than 1e-5: LayerNorm epsilon 1e-3 (Keras's default) 5e-4, q heads interleaved 7e-3.
+    spec = _vit_spec("float32", 1, (5, 6, 3))
+    loss = importlib.import_module(f"unimp.compare.runner_{backend}").run(spec)["loss"][0]
+    assert loss == pytest.approx(_vit_reference_loss(spec.weights, spec.batches[0]), rel=1e-5)
+
+
+def test_vit_mixed_float16_runs(backend):
+    spec = _vit_spec("mixed_float16", 5, (8, 8, 1))
+    run = importlib.import_module(f"unimp.compare.runner_{backend}").run(spec)
+    assert all(math.isfinite(x) for x in run["loss"]) and all(run["applied"])
+    assert run["scale"][0] == 32768.0
+    # float16 compute at step 0 vs the float64 forward (measured on CPU: <= 1e-4 relative)
+    assert run["loss"][0] == pytest.approx(
+        _vit_reference_loss(spec.weights, spec.batches[0]), rel=2e-3
+    )
+
+
+@pytest.mark.slow  # 10-30 s on 2 CPU cores: compiling the vit step in three frameworks
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs two backends under test to compare")
+def test_vit_frameworks_agree_mixed_float16(tmp_path):
+    code, out = _run(tmp_path, "--backends", ",".join(BACKENDS), "--model", "vit")
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert all(math.isfinite(x) for r in rep["runs"].values() for x in r["loss"])
+    assert all(v == [] for v in rep["cross_framework_disagreements"].values())  # same skips
+    # Where the frameworks differ: torch autocast runs softmax and LayerNorm in float16 on CPU
+    # (float32 on CUDA) with a float32 residual stream (float16 + float32 position weight);
+    # Keras computes LayerNorm and attention softmax in float32, rounding their outputs to
+    # float16; JAX (jmp style) does everything in float16. Measured over the 22 steps, seeds 0-3,
+    # CPU: at most 3e-4 relative, under one float16 rounding of the loss (2**-11 = 4.9e-4).
+    # 5e-3 is ten of those, headroom for CUDA (not measured), where torch's softmax and
+    # LayerNorm move to float32. Wrong weights are test_vit_loads_the_shared_weights' job.
+    diffs = rep["cross_framework_max_rel_loss_diff"]
+    print(f"\n[compare] vit mixed_float16: max relative per-step loss difference {diffs}")
+    assert max(diffs.values()) <= 5e-3
+
+
 def _npz(tmp_path, name, **arrays):
     p = tmp_path / name
     np.savez(p, **arrays)
@@ -94,7 +192,7 @@ def test_npz_data(tmp_path):
 BAD = [
     (["--recipe", "mixed_flaot16"], "Did you mean 'mixed_float16'"),
     (["--backends", "pytroch"], "Did you mean 'pytorch'"),
-    (["--model", "rnn"], "--model"),
+    (["--model", "rnn"], "choose one of mlp, cnn, vit"),
     (["--optimizer", "rmsprop"], "--optimizer"),
     (["--device", "tpu"], "--device"),
     (["--epochs", "0"], "--epochs"),

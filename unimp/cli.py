@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument(
         "--backends", default=None, help="comma-separated (default: every installed framework)"
     )
-    cmp_.add_argument("--model", default="mlp", help="mlp (the seeds' model) or cnn")
+    cmp_.add_argument("--model", default="mlp", help="mlp (the seeds' model), cnn or vit")
     cmp_.add_argument(
         "--data",
         default="digits",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -10,14 +11,68 @@ import numpy as np
 import optax
 
 from unimp.backends import jax as backend
+from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
 from unimp.compare.run import RunSpec, train_loop
+
+
+def _dense(p: dict, name: str, x: jax.Array) -> jax.Array:
+    return x @ p[f"{name}_w"] + p[f"{name}_b"]
+
+
+def _layer_norm(p: dict, name: str, x: jax.Array) -> jax.Array:
+    """LayerNorm over the last axis, mean and variance in ``x``'s dtype (as jmp users write it)."""
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + LAYER_NORM_EPS) * p[f"{name}_g"] + p[f"{name}_b"]
+
+
+def _attention(p: dict, x: jax.Array, heads: int) -> jax.Array:
+    """Multi-head self-attention: ``softmax(q k^T / sqrt(head_dim)) v``, then ``o``."""
+    n, t, d = x.shape
+    hd = d // heads
+
+    def proj(name: str, y: jax.Array) -> jax.Array:
+        with jax.named_scope(name):
+            return _dense(p, f"attn_{name}", y)
+
+    def split(y: jax.Array) -> jax.Array:  # (N, T, D) -> (N, heads, T, hd)
+        return y.reshape(n, t, heads, hd).transpose(0, 2, 1, 3)
+
+    q, k, v = (split(proj(name, x)) for name in "qkv")
+    att = jax.nn.softmax(q @ k.swapaxes(-1, -2) / math.sqrt(hd), axis=-1)
+    return proj("o", (att @ v).transpose(0, 2, 1, 3).reshape(n, t, d))
+
+
+def _vit(p: dict, x: jax.Array) -> jax.Array:
+    """vit of :mod:`unimp.compare.models` up to the pooled (N, D) features, in ``x``'s dtype."""
+    n, h, w, c = x.shape
+    with jax.named_scope("emb"):
+        z = _dense(p, "emb", x.reshape(n, h, w * c))
+    with jax.named_scope("pos"):
+        z = z + p["pos"]
+    with jax.named_scope("ln1"):
+        y = _layer_norm(p, "ln1", z)
+    with jax.named_scope("attn"):
+        z = z + _attention(p, y, VIT_HEADS)
+    with jax.named_scope("ln2"):
+        y = _layer_norm(p, "ln2", z)
+    with jax.named_scope("mlp"):
+        with jax.named_scope("fc1"):
+            y = jax.nn.relu(_dense(p, "mlp_fc1", y))
+        with jax.named_scope("fc2"):
+            z = z + _dense(p, "mlp_fc2", y)
+    with jax.named_scope("lnf"):
+        z = _layer_norm(p, "lnf", z)
+    return z.mean(1)
 
 
 def _forward(mp: Any, kind: str):
     def forward(params: dict, x: jax.Array, mask: jax.Array) -> jax.Array:
         p = mp.cast_to_compute(params)
         x = mp.cast_to_compute(x)
-        if kind == "mlp":
+        if kind == "vit":
+            h = _vit(p, x)
+        elif kind == "mlp":
             h = jax.nn.relu(x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"])
         else:
             y = jax.lax.conv_general_dilated(
@@ -25,7 +80,9 @@ def _forward(mp: Any, kind: str):
             )
             h = jax.nn.relu(y + p["bk"]).reshape(x.shape[0], -1)
         h = h * mask.astype(h.dtype)
-        return mp.cast_to_output(h @ p["w2"] + p["b2"])
+        with jax.named_scope("l2"):
+            logits = h @ p["w2"] + p["b2"]
+        return mp.cast_to_output(logits)
 
     return forward
 

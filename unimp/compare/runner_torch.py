@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from unimp.backends import torch as backend
+from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
 from unimp.compare.run import RunSpec, train_loop
 
 
@@ -39,10 +41,84 @@ class _Net(torch.nn.Module):
         return self.l2(h * mask.to(h.dtype))
 
 
+def _linear(w: np.ndarray, b: np.ndarray) -> torch.nn.Linear:
+    """``nn.Linear`` holding a (in, out) kernel and its bias."""
+    layer = torch.nn.Linear(*w.shape)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(w.T.copy()))
+        layer.bias.copy_(torch.from_numpy(b))
+    return layer
+
+
+def _layer_norm(g: np.ndarray, b: np.ndarray) -> torch.nn.LayerNorm:
+    layer = torch.nn.LayerNorm(len(g), eps=LAYER_NORM_EPS)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(g))
+        layer.bias.copy_(torch.from_numpy(b))
+    return layer
+
+
+class _Attention(torch.nn.Module):
+    """Multi-head self-attention written out: ``softmax(q k^T / sqrt(head_dim)) v``, then ``o``."""
+
+    def __init__(self, w: dict[str, np.ndarray], heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = _linear(w["attn_q_w"], w["attn_q_b"])
+        self.k = _linear(w["attn_k_w"], w["attn_k_b"])
+        self.v = _linear(w["attn_v_w"], w["attn_v_b"])
+        self.o = _linear(w["attn_o_w"], w["attn_o_b"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        hd = d // self.heads
+
+        def split(y: torch.Tensor) -> torch.Tensor:  # (N, T, D) -> (N, heads, T, hd)
+            return y.view(n, t, self.heads, hd).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(hd), dim=-1)
+        return self.o((att @ v).transpose(1, 2).reshape(n, t, d))
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, w: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        self.fc1 = _linear(w["mlp_fc1_w"], w["mlp_fc1_b"])
+        self.fc2 = _linear(w["mlp_fc2_w"], w["mlp_fc2_b"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _ViT(torch.nn.Module):
+    """vit of :mod:`unimp.compare.models` (tokens: image rows), taking ``(x NHWC, dropout mask)``."""
+
+    def __init__(self, w: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        self.emb = _linear(w["emb_w"], w["emb_b"])
+        self.pos = torch.nn.Parameter(torch.from_numpy(w["pos"].copy()))
+        self.ln1 = _layer_norm(w["ln1_g"], w["ln1_b"])
+        self.attn = _Attention(w, VIT_HEADS)
+        self.ln2 = _layer_norm(w["ln2_g"], w["ln2_b"])
+        self.mlp = _MLP(w)
+        self.lnf = _layer_norm(w["lnf_g"], w["lnf_b"])
+        self.l2 = _linear(w["w2"], w["b2"])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        n, h, wd, c = x.shape
+        z = self.emb(x.reshape(n, h, wd * c)) + self.pos
+        z = z + self.attn(self.ln1(z))
+        z = z + self.mlp(self.ln2(z))
+        pooled = self.lnf(z).mean(1)
+        return self.l2(pooled * mask.to(pooled.dtype))
+
+
 def run(spec: RunSpec) -> dict[str, Any]:
     device = torch.device(spec.device)
     mp = backend.MixedPrecision(spec.recipe, device=device)
-    model = _Net(spec.model, spec.weights).to(device)
+    net = _ViT(spec.weights) if spec.model == "vit" else _Net(spec.model, spec.weights)
+    model = net.to(device)
     if spec.optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=spec.lr, eps=1e-8)
     else:
