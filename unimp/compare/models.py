@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "weight_layer",
     "LAYER_NORM_EPS",
     "MODELS",
     "VIT_DIM",
@@ -127,3 +128,19 @@ def _vit_weights(
         "w2": _glorot(rng, d, num_classes, (d, num_classes)),
         "b2": np.zeros(num_classes, np.float32),
     }
+
+
+_LAYER_PREFIXES = ("emb", "pos", "ln1", "attn", "ln2", "mlp", "lnf")
+
+
+def weight_layer(name: str) -> str:
+    """The top-level layer a weight of :func:`init_weights` belongs to, by the layer names every
+    runner uses (``w1``/``b1`` -> ``l1``, ``k``/``bk`` -> ``conv``, ``w2``/``b2`` -> ``l2``,
+    ``attn_q_w`` -> ``attn``, ``mlp_fc1_b`` -> ``mlp``)."""
+    fixed = {"w1": "l1", "b1": "l1", "k": "conv", "bk": "conv", "w2": "l2", "b2": "l2"}
+    if name in fixed:
+        return fixed[name]
+    for prefix in _LAYER_PREFIXES:
+        if name == prefix or name.startswith(prefix + "_"):
+            return prefix
+    raise ValueError(f"no layer for weight {name!r}")

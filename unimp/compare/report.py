@@ -24,7 +24,7 @@ COLUMNS = (
     "skipped",
     "final scale",
     "median step ms",
-    "peak memory MB",
+    "memory MB",
     "dev. from f32",
     "max loss diff",
     "disagree at",
@@ -92,6 +92,20 @@ def _fmt(v: Any, spec: str = ".4g") -> str:
     return str(v)
 
 
+def _finite_or_nan(x: float) -> float:
+    return x if math.isfinite(x) else math.nan
+
+
+def _memory(device_peak: int | None, rss_growth: int | None) -> str:
+    """The device's peak where the framework reports one, else the process RSS growth during
+    training (labelled: it counts host memory, allocator caches included)."""
+    if device_peak is not None:
+        return f"{device_peak / 2**20:.1f} (device peak)"
+    if rss_growth is not None:
+        return f"{rss_growth / 2**20:.1f} (RSS growth)"
+    return "n/a"
+
+
 def summary_rows(report: dict[str, Any]) -> list[list[str]]:
     """The table, one row per backend, columns :data:`COLUMNS`."""
     rows = []
@@ -112,7 +126,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
                 str(len(run["applied"]) - sum(run["applied"])),
                 _fmt(run["scale"][-1] if run["scale"] else None, "g"),
                 _fmt(float(np.median(run["step_time"])) * 1e3 if run["step_time"] else None, ".2f"),
-                _fmt(None if mem is None else mem / 2**20, ".1f"),
+                _memory(mem, run.get("rss_growth_bytes")),
                 _fmt(base, ".2e"),
                 _fmt(diffs.get(name), ".2e"),
                 _steps(split.get(name)) if len(report["runs"]) > 1 else "n/a",
@@ -151,16 +165,37 @@ def _plot(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, (ax_loss, ax_diff, ax_scale) = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
     styles = ["-", "--", ":", "-."]  # identical curves lie on top of each other: keep each visible
-    for i, (name, run) in enumerate(report["runs"].items()):
+    runs = report["runs"]
+    first = next(iter(runs))
+    for i, (name, run) in enumerate(runs.items()):
         steps = np.arange(1, len(run["loss"]) + 1)
         style = styles[i % len(styles)]
-        ax_loss.plot(steps, run["loss"], style, label=name, linewidth=1.2)
+        line = ax_loss.plot(steps, run["loss"], style, label=name, linewidth=1.2)[0]
+        skipped = [j for j, a in enumerate(run["applied"]) if not a]
+        if skipped:  # where each framework skipped a step, on its own loss curve
+            finite = [j for j in skipped if math.isfinite(run["loss"][j])]
+            ax_loss.plot(
+                steps[finite], np.asarray(run["loss"])[finite], "x", color=line.get_color(),
+                label=f"{name} skipped ({len(skipped)})",
+            )
+        if name != first:  # per-step relative difference to the first framework
+            ax_diff.plot(
+                steps[: len(runs[first]["loss"])],
+                [_finite_or_nan(_rel(a, b)) for a, b in zip(run["loss"], runs[first]["loss"], strict=False)],
+                style, color=line.get_color(), label=f"{name} vs {first}", linewidth=1.0,
+            )
         ax_scale.step(steps, run["scale"], where="post", linestyle=style, label=name, linewidth=1.2)
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(f"unimp compare: {report['recipe_name']}")
-    ax_loss.legend()
+    ax_loss.legend(fontsize="small")
+    ax_diff.set_ylabel("relative loss difference")
+    if len(runs) > 1:
+        ax_diff.set_yscale("symlog", linthresh=1e-7)
+        ax_diff.legend(fontsize="small")
+    else:
+        ax_diff.text(0.5, 0.5, "one framework: nothing to compare", ha="center", transform=ax_diff.transAxes)
     ax_scale.set_ylabel("loss scale (used)")
     ax_scale.set_xlabel("step")
     if any(min(r["scale"], default=1) > 0 for r in report["runs"].values()):

@@ -50,7 +50,7 @@ class RunSpec:
 
     Attributes:
         recipe: the recipe to train with.
-        model: ``mlp`` or ``cnn`` (see :mod:`unimp.compare.models`).
+        model: ``mlp``, ``cnn`` or ``vit`` (see :mod:`unimp.compare.models`).
         weights: initial float32 weights.
         batches: ``{"x", "y", "mask"}`` per step.
         x_test, y_test: held-out data for the accuracy.
@@ -58,6 +58,8 @@ class RunSpec:
         optimizer: ``adam`` or ``sgd``; lr: learning rate.
         device: ``cpu`` or ``cuda``.
         progress: called after each step with the step index.
+        stats_every: tensor statistics every k steps (``train_step(stats_every=k)``); the
+            runs then hold ``stats``: ``{step: StepStats.to_dict()}``.
     """
 
     recipe: Recipe
@@ -71,6 +73,11 @@ class RunSpec:
     lr: float
     device: str
     progress: Callable[[int], None] = field(default=lambda i: None)
+    stats_every: int | None = None
+
+    def step_options(self) -> dict[str, Any]:
+        """Keyword arguments of every backend's ``train_step`` for this run."""
+        return {} if self.stats_every is None else {"stats_every": self.stats_every}
 
 
 def train_loop(
@@ -79,26 +86,37 @@ def train_loop(
     """Runs ``step`` over ``spec.batches`` and records each StepResult.
 
     Each step's time includes reading its loss back (so the step has finished on the device).
+    The process's resident memory (RSS) is read before the first step and after each one: its
+    largest growth is a memory figure every framework has, on any device (on a GPU it counts
+    host memory only; the device's own peak is reported beside it where the framework has one).
 
     Returns:
         Per-step lists: ``loss``, ``scale``, ``applied``, ``loss_finite``, ``grads_finite``,
-        ``step_time`` (seconds).
+        ``step_time`` (seconds); and ``rss_growth_bytes`` (int).
     """
     import time
 
-    out: dict[str, list] = {
+    import psutil
+
+    proc = psutil.Process()
+    out: dict[str, Any] = {
         k: [] for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "step_time")
     }
+    rss0 = peak = proc.memory_info().rss
     for i, b in enumerate(spec.batches):
         batch = convert(b)
         t0 = time.perf_counter()
         r = step(batch)
         loss = r.loss
         out["step_time"].append(time.perf_counter() - t0)
+        peak = max(peak, proc.memory_info().rss)
         out["loss"].append(loss)
         for name in ("scale", "applied", "loss_finite", "grads_finite"):
             out[name].append(getattr(r, name))
+        if spec.stats_every is not None and r.stats is not None:  # read back every k steps
+            out.setdefault("stats", {})[str(i)] = r.stats.to_dict()
         spec.progress(i)
+    out["rss_growth_bytes"] = int(peak - rss0)
     return out
 
 

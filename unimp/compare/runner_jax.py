@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 import optax
 
 from unimp.backends import jax as backend
-from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
+from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS, weight_layer
 from unimp.compare.run import RunSpec, train_loop
 
 
@@ -68,17 +69,21 @@ def _vit(p: dict, x: jax.Array) -> jax.Array:
 
 def _forward(mp: Any, kind: str):
     def forward(params: dict, x: jax.Array, mask: jax.Array) -> jax.Array:
-        p = mp.cast_to_compute(params)
+        # params are {layer: {weight: array}} (gradient names "l1/w1" line up with the other
+        # frameworks' "l1.weight" and "l1/kernel"); the maths reads the flat weight names
+        p = {k: v for layer in mp.cast_to_compute(params).values() for k, v in layer.items()}
         x = mp.cast_to_compute(x)
         if kind == "vit":
             h = _vit(p, x)
         elif kind == "mlp":
-            h = jax.nn.relu(x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"])
+            with jax.named_scope("l1"):
+                h = jax.nn.relu(x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"])
         else:
-            y = jax.lax.conv_general_dilated(
-                x, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-            )
-            h = jax.nn.relu(y + p["bk"]).reshape(x.shape[0], -1)
+            with jax.named_scope("conv"):
+                y = jax.lax.conv_general_dilated(
+                    x, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+                )
+                h = jax.nn.relu(y + p["bk"]).reshape(x.shape[0], -1)
         h = h * mask.astype(h.dtype)
         with jax.named_scope("l2"):
             logits = h @ p["w2"] + p["b2"]
@@ -87,10 +92,17 @@ def _forward(mp: Any, kind: str):
     return forward
 
 
-def run(spec: RunSpec) -> dict[str, Any]:
-    platform = "gpu" if spec.device == "cuda" else "cpu"
-    device = jax.devices(platform)[0]
-    with jax.default_device(device):
+def _device(spec: RunSpec) -> Any:
+    return jax.devices("gpu" if spec.device == "cuda" else "cpu")[0]
+
+
+def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
+    """The bound recipe, the train step and the batch conversion, as :func:`run` uses them.
+
+    Returns:
+        ``(mp, step, convert)``.
+    """
+    with jax.default_device(_device(spec)):
         mp = backend.MixedPrecision(spec.recipe)
         forward = _forward(mp, spec.model)
 
@@ -99,13 +111,23 @@ def run(spec: RunSpec) -> dict[str, Any]:
             return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
         opt = optax.adam(spec.lr, eps=1e-8) if spec.optimizer == "adam" else optax.sgd(spec.lr)
-        params = {k: jnp.asarray(v) for k, v in spec.weights.items()}
-        step = mp.train_step(loss_fn, opt, params)
-        out = train_loop(step, spec, lambda b: {k: jnp.asarray(v) for k, v in b.items()})
+        params: dict[str, dict[str, jax.Array]] = {}
+        for k, v in spec.weights.items():
+            params.setdefault(weight_layer(k), {})[k] = jnp.asarray(v)
+        step = mp.train_step(loss_fn, opt, params, **spec.step_options())
+    step.forward = forward  # for the test accuracy
+    return mp, step, lambda b: {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    device = _device(spec)
+    mp, step, convert = build(spec)
+    with jax.default_device(device):
+        out = train_loop(step, spec, convert)
         ones = jnp.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), jnp.float32)
-        logits = jax.jit(forward)(step.params, jnp.asarray(spec.x_test), ones)
+        logits = jax.jit(step.forward)(step.params, jnp.asarray(spec.x_test), ones)
         pred = np.asarray(jnp.argmax(logits.astype(jnp.float32), axis=1))
-    stats = device.memory_stats() if platform == "gpu" else None
+    stats = device.memory_stats() if spec.device == "cuda" else None
     return {
         "framework": "jax",
         "version": backend.framework_version(),

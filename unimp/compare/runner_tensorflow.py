@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -102,9 +103,17 @@ def _model(spec: RunSpec, mp: Any) -> keras.Model:
     return model
 
 
-def run(spec: RunSpec) -> dict[str, Any]:
-    device = "/GPU:0" if spec.device == "cuda" else "/CPU:0"
-    with tf.device(device):
+def _device(spec: RunSpec) -> str:
+    return "/GPU:0" if spec.device == "cuda" else "/CPU:0"
+
+
+def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
+    """The bound recipe, the train step and the batch conversion, as :func:`run` uses them.
+
+    Returns:
+        ``(mp, step, convert)``.
+    """
+    with tf.device(_device(spec)):
         mp = backend.MixedPrecision(spec.recipe)
         model = _model(spec, mp)
         if spec.optimizer == "adam":
@@ -119,8 +128,16 @@ def run(spec: RunSpec) -> dict[str, Any]:
                 tf.nn.sparse_softmax_cross_entropy_with_logits(labels=b["y"], logits=logits)
             )
 
-        step = mp.train_step(model, opt, loss_fn)
-        out = train_loop(step, spec, lambda b: b)
+        step = mp.train_step(model, opt, loss_fn, **spec.step_options())
+    return mp, step, lambda b: b
+
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    device = _device(spec)
+    mp, step, convert = build(spec)
+    model = step.model
+    with tf.device(device):
+        out = train_loop(step, spec, convert)
         ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
         logits = model([tf.constant(spec.x_test), tf.constant(ones)], training=False)
         pred = np.argmax(np.asarray(tf.cast(logits, tf.float32)), axis=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -114,7 +115,12 @@ class _ViT(torch.nn.Module):
         return self.l2(pooled * mask.to(pooled.dtype))
 
 
-def run(spec: RunSpec) -> dict[str, Any]:
+def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
+    """The bound recipe, the train step and the batch conversion, as :func:`run` uses them.
+
+    Returns:
+        ``(mp, step, convert)``.
+    """
     device = torch.device(spec.device)
     mp = backend.MixedPrecision(spec.recipe, device=device)
     net = _ViT(spec.weights) if spec.model == "vit" else _Net(spec.model, spec.weights)
@@ -130,13 +136,18 @@ def run(spec: RunSpec) -> dict[str, Any]:
         logits = model(b["x"], b["mask"])
         return torch.nn.functional.cross_entropy(logits.float(), b["y"].long())
 
-    step = mp.train_step(model, opt, loss_fn)
+    step = mp.train_step(model, opt, loss_fn, **spec.step_options())
+    return mp, step, lambda b: {k: torch.from_numpy(v).to(device) for k, v in b.items()}
+
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    device = torch.device(spec.device)
+    mp, step, convert = build(spec)
+    model = step.model
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model.train()
-    out = train_loop(
-        step, spec, lambda b: {k: torch.from_numpy(v).to(device) for k, v in b.items()}
-    )
+    out = train_loop(step, spec, convert)
     model.eval()
     with torch.no_grad():
         x = torch.from_numpy(spec.x_test).to(device)
