@@ -86,6 +86,28 @@ class MixedPrecisionBase:
         """Floating array leaves of ``tree`` cast to the output dtype; others pass through."""
         return self._cast_tree(tree, self.policy.output_dtype)
 
+    def trace(self, step_or_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Which ops of one step ran in which dtype: :class:`unimp.trace.Trace`.
+
+        torch runs the call under a dispatch mode (a train step's model, optimizer and loss
+        scale are put back afterwards, so no step is taken); TensorFlow and JAX trace it to a
+        graph / jaxpr and run nothing.
+
+        Args:
+            step_or_fn: a train step of this backend (then ``args`` is ``(batch,)``), or any
+                function of the framework's tensors.
+            *args, **kwargs: what it is called with; ``model=`` (torch, TensorFlow) names the
+                layers of a plain function's ops.
+
+        Returns:
+            The :class:`unimp.trace.Trace` (records, ``summary()``, ``to_json()``).
+        """
+        import importlib
+
+        module = importlib.import_module(f"unimp.backends.{self.backend}.trace")
+        kwargs.setdefault("recipe", self._recipe.describe())
+        return module.trace(step_or_fn, *args, **kwargs)
+
     def __repr__(self) -> str:
         return f"{type(self).__module__}.{type(self).__name__}({self._recipe.describe()})"
 
@@ -100,6 +122,7 @@ BACKEND_MODULES = (
     "optimizer",  # the optimizer wrapped so a skipped step changes nothing
     "step",  # TrainStep: scaled backward, unscale, clip, accumulate, guarded update
     "mixed_precision",  # MixedPrecision: the recipe bound to the framework
+    "trace",  # the dtype trace of one step: ops with input / compute / output dtypes
 )
 
 
