@@ -1,4 +1,4 @@
-"""The ``unimp`` command: ``info`` (and, as they land, ``compare`` and ``explain``)."""
+"""The ``unimp`` command: ``info``, ``compare``, ``trace``, ``audit`` and ``explain``."""
 
 from __future__ import annotations
 
@@ -217,14 +217,9 @@ def _compare(args: argparse.Namespace) -> int:
 
     out_dir = os.path.abspath(args.out)
     _check_out_dir(out_dir, args.out)
-    backends = None
-    if args.backends is not None and args.backends.strip():
-        backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-        if not backends:
-            raise UsageError(f"--backends {args.backends!r} names no backend; e.g. --backends torch,jax")
     cfg = CompareConfig(
         recipe=args.recipe,
-        backends=backends,
+        backends=_backends_arg(args.backends),
         model=args.model,
         data=args.data,
         epochs=args.epochs,
@@ -270,10 +265,14 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         written = write_report(report, out_dir)
     except OSError as e:  # the folder changed during training: name the user's path, not ours
-        raise UsageError(f"--out {args.out!r}: could not write the report ({e.strerror or e})") from None
+        raise UsageError(
+            f"--out {args.out!r}: could not write the report ({e.strerror or e})"
+        ) from None
     # one column per backend, one row per figure: fits a narrow terminal
     rows = summary_rows(report)
-    title = args.recipe if args.loss_scale is None else f"{args.recipe}, --loss-scale {args.loss_scale}"
+    title = (
+        args.recipe if args.loss_scale is None else f"{args.recipe}, --loss-scale {args.loss_scale}"
+    )
     table = Table(title=f"unimp compare: {title}")
     table.add_column("")
     for row in rows:
@@ -282,6 +281,83 @@ def _compare(args: argparse.Namespace) -> int:
         table.add_row(col, *(row[i] for row in rows))
     Console().print(table)
     print("wrote " + ", ".join(written))
+    return 0
+
+
+def _backends_arg(value: str | None) -> tuple[str, ...] | None:
+    if value is None or not value.strip():
+        return None
+    backends = tuple(b.strip() for b in value.split(",") if b.strip())
+    if not backends:
+        raise UsageError(f"--backends {value!r} names no backend; e.g. --backends torch,jax")
+    return backends
+
+
+def _dtype_counts(counter: Any) -> str:
+    return ", ".join(f"{d} {n}" for d, n in sorted(counter.items())) or "-"
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from unimp.compare.run import CompareConfig, validate
+    from unimp.compare.trace import trace_report
+
+    cfg = CompareConfig(
+        recipe=args.recipe,
+        backends=_backends_arg(args.backends),
+        model=args.model,
+        data=args.data,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        device=args.device,
+        loss_scale=args.loss_scale,
+    )
+    validate(cfg)  # every bad option fails here, before any framework is imported
+    report = trace_report(cfg, with_float32=args.diff)
+    traces, reference = report["traces"], report["reference"]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "recipe": report["recipe"],
+                    "model": report["model"],
+                    "traces": {k: t.to_dict() for k, t in traces.items()},
+                    "reference": {k: t.to_dict() for k, t in reference.items()},
+                    "diff": [r.to_dict() for r in report["diff"]],
+                }
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"unimp trace: {report['recipe']}; model {report['model']}, one step")
+    table.add_column("forward ops by layer: compute dtype (ops)")
+    for name in traces:
+        table.add_column(name)
+    layers: list[str] = []
+    for t in traces.values():
+        layers += [k for k in t.by_layer() if k not in layers]
+    for layer in layers:
+        table.add_row(
+            layer or "(outside layers)",
+            *(_dtype_counts(t.by_layer().get(layer, {})) for t in traces.values()),
+        )
+    table.add_section()
+    for phase in ("forward", "backward", "update"):
+        table.add_row(
+            f"{phase}: all ops", *(_dtype_counts(t.by_dtype(phase)) for t in traces.values())
+        )
+    table.add_row("casts between float dtypes", *(str(len(t.casts())) for t in traces.values()))
+    Console().print(table)
+    if args.diff:
+        rows = report["diff"]
+        ref = ", ".join(reference) or "none"
+        print(f"where the frameworks differ (forward pass; reference {ref}):")
+        print(
+            "\n".join(f"  {r}" for r in rows)
+            if rows
+            else "  nowhere: every op and layer ran in the same dtypes"
+        )
     return 0
 
 
@@ -343,6 +419,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp_.add_argument("--quiet", action="store_true", help="no progress bars")
     cmp_.set_defaults(func=_compare)
+
+    tr = sub.add_parser(
+        "trace", help="which ops of one training step ran in which dtype, per framework"
+    )
+    tr.add_argument("recipe", help="any recipe name or a .toml/.json recipe file")
+    tr.add_argument("--model", default="mlp", help="mlp (the seeds' model), cnn or vit")
+    tr.add_argument(
+        "--backends", default=None, help="comma-separated (default: every installed framework)"
+    )
+    tr.add_argument("--data", default="digits", help="'digits' or an .npz with x and y")
+    tr.add_argument("--batch-size", type=int, default=32)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    tr.add_argument(
+        "--loss-scale", default=None, help="override the recipe's loss scale (as compare)"
+    )
+    tr.add_argument(
+        "--diff",
+        action="store_true",
+        help="list only where the frameworks differ, beside a float32 run of the first backend",
+    )
+    tr.add_argument("--json", action="store_true", help="every record as JSON, for tools")
+    tr.set_defaults(func=_trace)
 
     exp = sub.add_parser("explain", help="how a recipe maps onto each framework's native objects")
     exp.add_argument("recipe", help="any recipe name or a .toml/.json recipe file")

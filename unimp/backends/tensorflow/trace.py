@@ -66,6 +66,7 @@ _SUFFIX = re.compile(r"_\d+$")
 
 #: Why Keras runs an op in a dtype other than the recipe's: ``{op: (dtype, why)}``.
 NOTES = {
+    "softmax": ("float32", "keras.ops.dot_product_attention (MultiHeadAttention) takes it in float32"),
     "layer_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
     "batch_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
 }
