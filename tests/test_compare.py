@@ -52,6 +52,15 @@ def test_frameworks_agree(tmp_path, recipe, tol):
     diffs = rep["cross_framework_max_rel_loss_diff"]
     print(f"\n[compare] {recipe}: max relative per-step loss difference between frameworks {diffs}")
     assert max(diffs.values()) <= tol
+    # each run carries the summary of its first step's dtype trace, the report the diff
+    compute = {"float32": "float32", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+    for run in rep["runs"].values():
+        assert run["trace"]["by_layer"]["l1"] == {compute[recipe]: 1} or compute[recipe] in run["trace"]["by_layer"]["l1"]
+    assert len(rep["trace_diff"]) == len(rep["trace_diff_text"])
+    if recipe == "float32":  # every op in float32 everywhere: nothing differs
+        assert rep["trace_diff"] == []
+    md = (out / "report.md").read_text()
+    assert "## Where the frameworks' dtypes differ" in md
 
 
 def test_cnn_and_baseline(tmp_path):

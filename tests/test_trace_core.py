@@ -100,3 +100,16 @@ def test_vocabulary_has_the_issue_names():
     for name in ("matmul", "conv", "add", "mul", "exp", "softmax", "log_softmax", "layer_norm",
                  "batch_norm", "reduce_sum", "reduce_max", "cast"):  # fmt: skip
         assert name in OPS
+
+
+def test_an_op_missing_from_one_trace_is_no_difference_by_itself():
+    traces = {
+        "torch": _trace("torch", [("matmul", "l1", "float32")]),  # the bias folded into addmm
+        "jax": _trace("jax", [("matmul", "l1", "float32"), ("add", "l1", "float32")]),
+        "tensorflow": _trace("tensorflow", [("matmul", "l1", "float32"), ("add", "l1", "float32")]),
+    }
+    assert diff(traces) == []
+    traces["jax"] = _trace("jax", [("matmul", "l1", "float32"), ("add", "l1", "float16")])
+    (row, layer) = diff(traces)
+    assert str(row) == "add: torch -, jax float16, tensorflow float32"
+    assert layer.key == "l1"

@@ -280,6 +280,9 @@ def _compare(args: argparse.Namespace) -> int:
     for i, col in enumerate(COLUMNS[1:], start=1):
         table.add_row(col, *(row[i] for row in rows))
     Console().print(table)
+    if report.get("trace_diff_text"):
+        print("where the frameworks' dtypes differ (first step, forward pass):")
+        print("\n".join(f"  {row}" for row in report["trace_diff_text"]))
     print("wrote " + ", ".join(written))
     return 0
 

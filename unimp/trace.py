@@ -328,9 +328,10 @@ def diff(
     """Lines traces up and keeps what differs: per shared op and per top-level layer.
 
     An op (or layer) is listed when two traces or more have it and the sets of compute dtypes
-    it ran in differ between them; a framework's own op or layer (TensorFlow's
-    ``SquaredDifference``, Keras's ``Add`` layer) has no counterpart and is left out. Counted
-    ops only (no casts, no data movement).
+    it ran in differ between those that have it; a trace without it shows ``-`` (torch folds
+    the bias into ``addmm``: no ``add``), and an op or layer only one trace has (TensorFlow's
+    ``SquaredDifference``, Keras's ``Add`` layer) is left out. Counted ops only (no casts, no
+    data movement, no comparisons).
 
     Args:
         traces: ``{label: Trace}`` compared with each other, e.g. ``{"torch": ..., "tensorflow":
@@ -365,9 +366,11 @@ def diff(
             found = per[key]
             if kind == "layer" and not key:
                 continue  # "outside any layer" is not a layer: compared as ops instead
-            sets = [frozenset(found.get(label, ())) for label in traces]
-            if sum(1 for s in sets if s) < 2 or len(set(sets)) == 1:
-                continue  # one trace's own op / layer, or the same dtypes everywhere
+            # compared among the traces that have it: torch folding the bias into addmm (no
+            # "add") is a different op sequence, not a different dtype
+            sets = {frozenset(found[label]) for label in traces if label in found}
+            if sum(1 for label in traces if label in found) < 2 or len(sets) == 1:
+                continue  # one trace's own op / layer, or the same dtypes wherever it ran
             dtypes = {
                 label: tuple(sorted(found.get(label, ()), key=lambda d: _RANK.get(d, 9)))
                 for label in everything

@@ -153,9 +153,21 @@ def _markdown(report: dict[str, Any]) -> str:
         "the loss is finite or on skipping the step makes it `inf`, and is listed under "
         "`disagree at` (step numbers from 0). "
         "`dev. from f32`: largest relative per-step loss difference to the same framework's float32 run "
-        "(with `--baseline`). Step time includes reading the loss back each step.",
+        "(with `--baseline`). Step time includes reading the loss back each step. "
+        "`memory MB`: the device's peak where the framework reports one, else the growth of the "
+        "process's resident memory (RSS) during training.",
         "",
     ]
+    if len(report["runs"]) > 1:
+        lines += ["## Where the frameworks' dtypes differ (first step, forward pass)", ""]
+        diff = report.get("trace_diff_text", [])
+        lines += [f"* {row}" for row in diff] or ["Nowhere: every op and layer ran in the same dtypes."]
+        lines += [
+            "",
+            "From each framework's dtype trace (`unimp trace`): compute dtypes per shared op and "
+            "per layer; `-`: the framework has no such op or layer.",
+            "",
+        ]
     return "\n".join(lines)
 
 

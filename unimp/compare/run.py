@@ -60,6 +60,7 @@ class RunSpec:
         progress: called after each step with the step index.
         stats_every: tensor statistics every k steps (``train_step(stats_every=k)``); the
             runs then hold ``stats``: ``{step: StepStats.to_dict()}``.
+        trace: record the dtype trace of the first step (``mp.trace``) in ``trace``.
     """
 
     recipe: Recipe
@@ -74,6 +75,7 @@ class RunSpec:
     device: str
     progress: Callable[[int], None] = field(default=lambda i: None)
     stats_every: int | None = None
+    trace: bool = False
 
     def step_options(self) -> dict[str, Any]:
         """Keyword arguments of every backend's ``train_step`` for this run."""
@@ -269,6 +271,7 @@ def run_compare(
             cfg.optimizer,
             cfg.lr,
             devices[backend],
+            trace=True,
         )
         if progress_factory is None:
             return runner.run(spec)
@@ -306,4 +309,28 @@ def run_compare(
             )
             for b in backends
         }
+    _add_trace_diff(report)
     return report
+
+
+def _add_trace_diff(report: dict[str, Any]) -> None:
+    """The dtype-trace diff of the runs' first steps (beside the first float32 baseline run),
+    and each run's trace reduced to its summary (the records would make report.json large)."""
+    from unimp.compare.trace import trace_diff
+    from unimp.trace import Trace
+
+    def take(runs: dict[str, Any]) -> dict[str, Trace]:
+        out = {}
+        for name, run in runs.items():
+            if run.get("trace") is not None:
+                t = Trace.from_dict(run["trace"])
+                run["trace"] = t.summary()
+                out[name] = t
+        return out
+
+    traces = take(report["runs"])
+    base = take(report.get("baseline", {}))
+    reference = {f"float32 ({k})": v for k, v in list(base.items())[:1]}
+    rows = trace_diff(traces, reference) if len(traces) > 1 else []
+    report["trace_diff"] = [r.to_dict() for r in rows]
+    report["trace_diff_text"] = [str(r) for r in rows]

@@ -123,6 +123,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     device = _device(spec)
     mp, step, convert = build(spec)
     with jax.default_device(device):
+        trace = mp.trace(step, convert(spec.batches[0])) if spec.trace else None
         out = train_loop(step, spec, convert)
         ones = jnp.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), jnp.float32)
         logits = jax.jit(step.forward)(step.params, jnp.asarray(spec.x_test), ones)
@@ -135,4 +136,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         **out,
         "test_accuracy": float((pred == spec.y_test).mean()),
         "peak_memory_bytes": None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None,
+        "trace": None if trace is None else trace.to_dict(),
     }

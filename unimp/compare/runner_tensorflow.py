@@ -137,6 +137,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     mp, step, convert = build(spec)
     model = step.model
     with tf.device(device):
+        # the step's own trace: training reuses it (tracing here costs no second trace)
+        trace = mp.trace(step, convert(spec.batches[0])) if spec.trace else None
         out = train_loop(step, spec, convert)
         ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
         logits = model([tf.constant(spec.x_test), tf.constant(ones)], training=False)
@@ -151,4 +153,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         **out,
         "test_accuracy": float((pred == spec.y_test).mean()),
         "peak_memory_bytes": peak,
+        "trace": None if trace is None else trace.to_dict(),
     }

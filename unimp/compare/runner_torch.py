@@ -147,6 +147,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model.train()
+    trace = mp.trace(step, convert(spec.batches[0])) if spec.trace else None
     out = train_loop(step, spec, convert)
     model.eval()
     with torch.no_grad():
@@ -162,4 +163,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         **out,
         "test_accuracy": float((pred == spec.y_test).mean()),
         "peak_memory_bytes": peak,
+        "trace": None if trace is None else trace.to_dict(),
     }
