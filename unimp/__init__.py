@@ -31,6 +31,7 @@ from unimp.registry import (
     list_backends,
     mixed_precision,
 )
+from unimp.stats import StepStats, TensorStats, reference_stats
 from unimp.step import HalfOptimizerStateWarning, StepResult
 
 __version__ = "0.1.0"
@@ -46,6 +47,8 @@ __all__ = [
     "ReplicaDesyncWarning",
     "StaticLossScale",
     "StepResult",
+    "StepStats",
+    "TensorStats",
     "__version__",
     "available_backends",
     "canonical_dtype",
@@ -56,6 +59,7 @@ __all__ = [
     "get_recipe",
     "list_backends",
     "mixed_precision",
+    "reference_stats",
     "simulate",
     "state_dict",
     "update",

@@ -12,6 +12,7 @@ __all__ = [
     "STEP_FIELDS",
     "HalfOptimizerStateWarning",
     "StepResult",
+    "check_stats_every",
     "check_step_options",
     "warn_half_optimizer_state",
 ]
@@ -48,6 +49,14 @@ class StepResult:
     the first read also checks ``max_consecutive_skips`` and may raise
     :class:`~unimp.LossScaleError`.
 
+    Args:
+        raw: the step's device values, one per name in :data:`STEP_FIELDS`.
+        to_host: converts one device value to a host value (e.g. ``Tensor.item``).
+        config: the loss-scale config, for the ``max_consecutive_skips`` check.
+        stats: the step's tensor statistics: ``None`` (not taken on this step), a
+            :class:`unimp.stats.StepStats`, or a function of no arguments returning one, called
+            on the first read of :attr:`stats` (where the backend reads its device arrays).
+
     Attributes:
         loss: float, the unscaled loss of the step (the mean over micro-batches when
             accumulating).
@@ -60,15 +69,20 @@ class StepResult:
             None when not computed (no ``max_grad_norm``).
         consecutive_skips: int, skipped steps in a row, this one included.
         total_skips: int, skipped steps since the start.
+        stats: :class:`unimp.stats.StepStats` or None: the tensor statistics of a step taken
+            with ``train_step(..., stats_every=k)`` on steps 0, k, 2k, ...; None on the others
+            (and without the option). Not one of :data:`STEP_FIELDS`: :meth:`as_dict` and the
+            repr leave it out. Its first read converts the device arrays (a host sync).
     """
 
-    __slots__ = ("_raw", "_to_host", "_config", "_values", "_checked")
+    __slots__ = ("_raw", "_to_host", "_config", "_values", "_checked", "_stats")
 
     def __init__(
         self,
         raw: Mapping[str, Any],
         to_host: Callable[[Any], Any] | None = None,
         config: LossScaleConfig | None = None,
+        stats: Any = None,
     ) -> None:
         missing = [f for f in STEP_FIELDS if f not in raw]
         if missing:
@@ -78,6 +92,7 @@ class StepResult:
         self._config = config
         self._values: dict[str, Any] = {}
         self._checked = False
+        self._stats = stats
 
     def _get(self, name: str) -> Any:
         if name not in self._values:
@@ -115,6 +130,17 @@ class StepResult:
         lambda self: self._get("consecutive_skips"), doc="int, skips in a row."
     )
     total_skips = property(lambda self: self._get("total_skips"), doc="int, skips since the start.")
+
+    @property
+    def stats(self) -> Any:
+        """:class:`unimp.stats.StepStats` of a statistics step, else None (see the class).
+
+        The first read reads the statistics' device arrays back (one sync); later reads return
+        the same object.
+        """
+        if callable(self._stats):
+            self._stats = self._stats()
+        return self._stats
 
     @property
     def raw(self) -> dict[str, Any]:
@@ -173,6 +199,41 @@ def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, 
             )
         max_grad_norm = float(max_grad_norm)
     return int(grad_accum_steps), max_grad_norm
+
+
+def check_stats_every(stats_every: Any) -> int | None:
+    """Validates ``train_step``'s ``stats_every`` option, one rule for every backend.
+
+    Args:
+        stats_every: ``None`` (no statistics, the default: the step is the plain one), or an
+            int ``k >= 1``: tensor statistics (:mod:`unimp.stats`) on steps 0, k, 2k, ...
+            (0-based, counted by the train step).
+
+    Returns:
+        ``None`` or ``k`` as an ``int``.
+
+    Raises:
+        ValueError: anything else (``0``, negative numbers, floats, bools, strings), naming the
+            accepted values.
+
+    Example:
+        >>> check_stats_every(100), check_stats_every(None)
+        (100, None)
+    """
+    import numpy as np
+
+    if stats_every is None:
+        return None
+    if (
+        isinstance(stats_every, bool)
+        or not isinstance(stats_every, (int, np.integer))
+        or stats_every < 1
+    ):
+        raise ValueError(
+            f"stats_every must be None (no statistics) or an int >= 1 (statistics on steps 0, "
+            f"k, 2k, ...), got {stats_every!r}; e.g. stats_every=100."
+        )
+    return int(stats_every)
 
 
 def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:

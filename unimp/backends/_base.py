@@ -24,6 +24,8 @@ __all__ = ["BACKEND_MODULES", "COMMON_API", "MixedPrecisionBase", "export"]
 #: * ``framework_version()``: the installed framework version string.
 #: * ``device_info()``: list of dicts ``{"device", "float16", "bfloat16", "recommended"}``
 #:   for ``unimp info``: which half dtypes each device runs and the recommended recipe name.
+#: * ``tensor_stats(x, scale)``: ``(counts, magnitudes)``, int32 ``(len(COUNT_FIELDS),)`` and
+#:   float32 ``(2,)`` device arrays: :mod:`unimp.stats`'s statistics of ``x`` (no host sync).
 COMMON_API = (
     "MixedPrecision",
     "StepResult",
@@ -31,6 +33,7 @@ COMMON_API = (
     "cast_tree",
     "device_info",
     "framework_version",
+    "tensor_stats",
     "to_dtype",
 )
 
@@ -42,7 +45,9 @@ class MixedPrecisionBase:
     * ``cast_to_compute(tree)``, ``cast_to_param(tree)``, ``cast_to_output(tree)``.
     * ``autocast()``: a context manager (the framework's autocast, a policy scope, or a no-op).
     * ``prepare(...)``: applies the recipe to a model / optimizer.
-    * ``train_step(...)``: returns a compiled ``step(batch) -> StepResult``.
+    * ``train_step(...)``: returns a compiled ``step(batch) -> StepResult``; its
+      ``stats_every=k`` option puts :class:`unimp.stats.StepStats` in ``result.stats`` on
+      steps 0, k, 2k, ...
 
     Args:
         recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
@@ -120,6 +125,7 @@ BACKEND_MODULES = (
     "overflow",  # all_finite and its replica reduction; select / keep-unless (JAX)
     "scaling",  # the loss-scale state on device tensors: the rule's array namespace, the scaler
     "optimizer",  # the optimizer wrapped so a skipped step changes nothing
+    "stats",  # tensor_stats on the device; what a statistics step records (unimp.stats)
     "step",  # TrainStep: scaled backward, unscale, clip, accumulate, guarded update
     "mixed_precision",  # MixedPrecision: the recipe bound to the framework
     "trace",  # the dtype trace of one step: ops with input / compute / output dtypes

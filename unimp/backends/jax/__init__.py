@@ -16,6 +16,7 @@ Pieces:
   state; :func:`get_loss_scale` reads it back; :class:`MultiSteps` is ``optax.MultiSteps``
   with the accumulator reset to exact zeros after every window.
 * :func:`all_finite`, :func:`select_tree`, :func:`cast_tree`.
+* :func:`tensor_stats`, :func:`observe`: tensor statistics (:mod:`unimp.stats`).
 
 Modules (the same names in every backend package, see :data:`unimp.backends._base.BACKEND_MODULES`):
 
@@ -26,6 +27,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   :func:`sync_loss_scale`.
 * ``scaling``: the loss-scale pytrees and the rule's array namespace over ``jnp`` arrays.
 * ``optimizer``: :func:`loss_scaling` (optax), :func:`get_loss_scale`, :class:`MultiSteps`.
+* ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device), :func:`observe` (names
+  an activation for a statistics step, ``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
 * ``mixed_precision``: :class:`MixedPrecision`.
 
@@ -46,6 +49,7 @@ from unimp.backends.jax.scaling import (
     loss_scale_from_config,
     loss_scale_from_state_dict,
 )
+from unimp.backends.jax.stats import observe, tensor_stats
 from unimp.backends.jax.step import TrainStep
 from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
@@ -69,8 +73,10 @@ __all__ = [
     "loss_scale_from_config",
     "loss_scale_from_state_dict",
     "loss_scaling",
+    "observe",
     "select_tree",
     "sync_loss_scale",
+    "tensor_stats",
     "to_dtype",
 ]
 

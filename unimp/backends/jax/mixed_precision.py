@@ -19,6 +19,7 @@ from unimp.backends.jax.devices import _as_device
 from unimp.backends.jax.optimizer import loss_scaling
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
 from unimp.backends.jax.step import TrainStep
+from unimp.step import check_stats_every
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -144,13 +145,17 @@ class MixedPrecision(MixedPrecisionBase):
         mesh: Any = None,
         donate: bool = False,
         model_state: Any = None,
+        stats_every: int | None = None,
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
         See :class:`TrainStep` (``axis_name`` / ``mesh``: data parallelism under ``shard_map``). ``loss_fn(params, batch)`` returns a scalar loss; make it run
         in the compute dtype with :meth:`apply` or flax modules built with
-        :meth:`module_kwargs`.
+        :meth:`module_kwargs`. ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`)
+        of the gradients and observed activations (:func:`observe`, flax linen module outputs)
+        to the results of steps 0, k, 2k, ... (``result.stats``).
         """
+        stats_every = check_stats_every(stats_every)
         return TrainStep(
             self,
             loss_fn,
@@ -162,4 +167,5 @@ class MixedPrecision(MixedPrecisionBase):
             mesh=mesh,
             donate=donate,
             model_state=model_state,
+            stats_every=stats_every,
         )

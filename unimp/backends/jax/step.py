@@ -17,7 +17,14 @@ from unimp.backends.jax.devices import _commit_like, _device_leaf
 from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
 from unimp.backends.jax.overflow import _keep_unless, _varying_axes, all_finite, sync_loss_scale
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
-from unimp.step import StepResult, check_step_options, micro_batches, warn_half_optimizer_state
+from unimp.backends.jax.stats import _collecting, _gradient_stats, _merge_stacked, _pending
+from unimp.step import (
+    StepResult,
+    check_stats_every,
+    check_step_options,
+    micro_batches,
+    warn_half_optimizer_state,
+)
 
 if TYPE_CHECKING:
     from unimp.backends.jax.mixed_precision import MixedPrecision
@@ -132,12 +139,25 @@ class TrainStep:
             stepping through this object (it would hold deleted buffers). The ``params``
             given here are copied once, so the caller's arrays are never donated. Off by
             default; on a CPU it made the benchmark MLP about 9 % slower.
+        stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
+            step; a call that raises is not counted) the result's ``stats`` holds
+            :class:`unimp.stats.StepStats`: each floating gradient leaf (named by its params
+            path joined with ``/``: ``"w1"``, ``"Dense_0/kernel"``), unscaled and before
+            clipping, at the step's loss scale; and, at scale 1, the values ``loss_fn`` names
+            with :func:`observe` and the outputs of every flax linen module without
+            submodules (named by its path), every value of a name (every call, every
+            micro-batch) taken together. Those steps run a second jitted function (compiled
+            on its first call; :attr:`traces` counts it too) that returns the statistics
+            with the results; the other steps run the plain one, whose program is the same
+            as without the option. Reading ``result.stats`` is the only sync. Not supported
+            with ``axis_name`` (a ``ValueError``).
 
     Raises:
         TypeError: ``loss_fn`` not callable or ``optimizer`` not an optax transformation.
-        ValueError: a bad ``grad_accum_steps`` / ``max_grad_norm``, or an optimizer already
-            wrapped with :func:`loss_scaling`, ``mesh`` without ``axis_name`` or an
-            ``axis_name`` not in ``mesh``.
+        ValueError: a bad ``grad_accum_steps`` / ``max_grad_norm`` / ``stats_every``, or an
+            optimizer already wrapped with :func:`loss_scaling`, ``mesh`` without
+            ``axis_name``, an ``axis_name`` not in ``mesh``, or ``stats_every`` with
+            ``axis_name``.
 
     Multi-host: call ``jax.distributed.initialize()`` in every process first, build the mesh
     over ``jax.devices()`` (all hosts), and feed each process's part of the global batch
@@ -158,7 +178,16 @@ class TrainStep:
         mesh: Any = None,
         donate: bool = False,
         model_state: Any = None,
+        stats_every: int | None = None,
     ) -> None:
+        stats_every = check_stats_every(stats_every)
+        if stats_every is not None and axis_name is not None:
+            raise ValueError(
+                "stats_every is not supported with axis_name= (each replica sees its own "
+                "activations and gradient shards): drop stats_every=, or take the statistics "
+                "you need with unimp.backends.jax.tensor_stats(x, scale) inside your own "
+                "replica step (step.replica_step under jax.shard_map)."
+            )
         if not isinstance(donate, bool):
             raise TypeError(f"donate must be True or False, got {donate!r}.")
         if mesh is not None:
@@ -227,7 +256,13 @@ class TrainStep:
         self._axis = axis_name
         self._mesh = mesh
         self._donate = donate
+        self._stats_every = stats_every
+        self._calls = 0
+        self._stats_order: tuple[list[str], list[str]] = ([], [])
         donated = ((0, 1, 2, 4) if self._stateful else (0, 1, 2)) if donate else ()
+        self._stats_jitted = (
+            None if stats_every is None else jax.jit(self._stats_step, donate_argnums=donated)
+        )
         if mesh is None:
             self._jitted = jax.jit(self._step, donate_argnums=donated)
         else:
@@ -253,13 +288,40 @@ class TrainStep:
     def _step(
         self, params: Any, opt_state: Any, ls: LossScale, batch: Any, model_state: Any = None
     ) -> Any:
+        return self._traced(params, opt_state, ls, batch, model_state, False)
+
+    def _stats_step(
+        self, params: Any, opt_state: Any, ls: LossScale, batch: Any, model_state: Any = None
+    ) -> Any:
+        """:meth:`_step` that also returns the statistics, as ``raw["stats"]``."""
+        return self._traced(params, opt_state, ls, batch, model_state, True)
+
+    def _traced(
+        self,
+        params: Any,
+        opt_state: Any,
+        ls: LossScale,
+        batch: Any,
+        model_state: Any,
+        with_stats: bool,
+    ) -> Any:
         self._traces += 1  # runs only while tracing: counts compilations
         k = self._k
         axis = self._axis
         if axis is not None:
             ls = sync_loss_scale(ls, axis)
 
+        call_order: list[str] = []  # the activations in the order the forward pass saw them
+
         def scaled_loss(p: Any, mb: Any, st: Any) -> Any:
+            if with_stats:  # the observed activations' statistics come out through the aux
+                with _collecting() as collector:
+                    scaled, (loss, st) = forward(p, mb, st)
+                call_order[:] = list(collector.entries)
+                return scaled, (loss, st, collector.entries)
+            return forward(p, mb, st)
+
+        def forward(p: Any, mb: Any, st: Any) -> Any:
             if self._stateful:
                 out = self._loss_fn(p, st, mb)
                 if not (isinstance(out, tuple) and len(out) == 2):
@@ -281,9 +343,12 @@ class TrainStep:
             return ls.scale(loss), (loss, st)
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
+        activations: Any = {}
         if k == 1:
-            scaled_grads, (loss, new_model_state) = grad_fn(params, batch, model_state)
+            scaled_grads, (loss, new_model_state, *observed) = grad_fn(params, batch, model_state)
             loss_finite = jnp.isfinite(loss)
+            if with_stats:
+                activations = observed[0]
         else:
             # batch is a sequence of k micro-batches of one structure: stacked inside the jit
             micro = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batch)
@@ -296,13 +361,17 @@ class TrainStep:
 
             def body(carry: Any, mb: Any) -> Any:
                 acc, st = carry  # the model state threads through the micro-batches in order
-                g, (micro_loss, st) = grad_fn(params, mb, st)
+                g, (micro_loss, st, *observed) = grad_fn(params, mb, st)
                 return (
                     jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g),
                     st,
-                ), micro_loss
+                ), (micro_loss, *observed)
 
-            (summed, new_model_state), losses = lax.scan(body, (zeros, model_state), micro)
+            (summed, new_model_state), (losses, *observed) = lax.scan(
+                body, (zeros, model_state), micro
+            )
+            if with_stats:  # one entry per micro-batch: taken together
+                activations = {n: _merge_stacked(e) for n, e in observed[0].items()}
             scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
@@ -312,6 +381,11 @@ class TrainStep:
             # as replicated: the pmap convention)
             scaled_grads = lax.pmean(scaled_grads, axis)
         grads = ls.unscale(scaled_grads)
+        stats = None
+        if with_stats:  # unscaled, before clipping, at the step's scale
+            gradients = _gradient_stats(grads, ls.loss_scale)
+            self._stats_order = (list(gradients), call_order)
+            stats = {"gradients": gradients, "activations": activations, "scale": ls.loss_scale}
         grads_finite = all_finite(grads, axis)
         grad_norm = None
         if self._max_norm is not None:
@@ -338,6 +412,8 @@ class TrainStep:
             "consecutive_skips": new_ls.consecutive_skips,
             "total_skips": new_ls.total_skips,
         }
+        if with_stats:
+            raw["stats"] = stats
         if self._stateful:
             return params, opt_state, new_ls, raw, model_state
         return params, opt_state, new_ls, raw
@@ -383,11 +459,11 @@ class TrainStep:
                 (self._params, self._opt_state, self._loss_scale, self._model_state), batch
             )
         args = (self._params, self._opt_state, self._loss_scale, batch)
+        with_stats = self._stats_every is not None and self._calls % self._stats_every == 0
+        jitted = self._stats_jitted if with_stats else self._jitted
         if self._stateful:
             try:
-                params, opt_state, ls, raw, self._model_state = self._jitted(
-                    *args, self._model_state
-                )
+                params, opt_state, ls, raw, self._model_state = jitted(*args, self._model_state)
             except ValueError as e:
                 if self._mesh is None or "out_specs" not in str(e):
                     raise
@@ -397,9 +473,13 @@ class TrainStep:
                     f"{self._axis!r}), or lax.pmean(new_state, {self._axis!r}))."
                 ) from e
         else:
-            params, opt_state, ls, raw = self._jitted(*args)
+            params, opt_state, ls, raw = jitted(*args)
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
-        return StepResult(raw, to_host=jax.device_get, config=ls.config)
+        stats = None
+        if with_stats:
+            stats = _pending(self._calls, raw.pop("stats"), self._stats_order)
+        self._calls += 1
+        return StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats)
 
     @property
     def params(self) -> Any:
@@ -423,8 +503,19 @@ class TrainStep:
         return self._loss_scale
 
     @property
+    def calls(self) -> int:
+        """The calls that returned a result (a Python int; decides the statistics steps)."""
+        return self._calls
+
+    @property
+    def stats_every(self) -> int | None:
+        """``None`` or ``k``: statistics on calls 0, k, 2k, ..."""
+        return self._stats_every
+
+    @property
     def traces(self) -> int:
-        """How many times the step function has been traced (each trace is a compilation)."""
+        """How many times the step function has been traced (each trace is a compilation; with
+        ``stats_every``, the statistics step's tracing counts too: 2 after both ran)."""
         return self._traces
 
     @property

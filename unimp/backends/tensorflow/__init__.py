@@ -19,6 +19,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   ``IndexedSlices``), the config fields a traced graph builds in.
 * ``optimizer``: :class:`LossScaleOptimizer` (a Keras optimizer holding the loss-scale state; a
   skipped step leaves the variables and the inner optimizer's state unchanged).
+* ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the layer-call
+  recording a statistics step traces with (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
 * ``mixed_precision``: :class:`MixedPrecision`.
 
@@ -41,6 +43,7 @@ from unimp.backends.tensorflow.devices import device_info, framework_version
 from unimp.backends.tensorflow.mixed_precision import MixedPrecision
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
+from unimp.backends.tensorflow.stats import tensor_stats
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
@@ -56,6 +59,7 @@ __all__ = [
     "device_info",
     "framework_version",
     "keras_policy_name",
+    "tensor_stats",
     "to_dtype",
 ]
 

@@ -18,7 +18,7 @@ from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_d
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.step import TrainStep
-from unimp.step import check_step_options
+from unimp.step import check_stats_every, check_step_options
 
 
 def _cast_call(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -273,6 +273,7 @@ class MixedPrecision(MixedPrecisionBase):
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         jit_compile: bool = False,
+        stats_every: int | None = None,
     ) -> TrainStep:
         """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
 
@@ -311,6 +312,19 @@ class MixedPrecision(MixedPrecisionBase):
             grad_accum_steps: micro-batches per optimizer step, >= 1.
             max_grad_norm: ``None`` or a finite number > 0.
             jit_compile: compile the step with XLA.
+            stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by
+                the step; a call that raises is not counted) the result's ``stats`` holds
+                :class:`unimp.stats.StepStats`: each trainable variable's gradient (named by
+                ``variable.path``), unscaled and before clipping, at the step's loss scale; and
+                the floating outputs of every leaf layer (named by the layer names from the
+                model down, as its weights are: ``"sequential/dense"`` beside
+                ``"sequential/dense/kernel"``; ``name.0`` / ``name.key`` for tuple and dict
+                outputs) at scale 1, every call of a layer (every micro-batch) taken together. Those steps run a second ``tf.function``
+                (:attr:`TrainStep.stats_function`, traced on its first call), which while
+                tracing wraps each leaf layer's ``call`` to record its output (a layer in a
+                quantized mode is not seen); the others call the plain one, whose graph is
+                the same as without the option. Reading ``result.stats`` is the only sync.
+                Not supported under a ``tf.distribute`` strategy (a ``ValueError``).
 
         Returns:
             A :class:`TrainStep`; ``step.state_dict()`` / ``load_state_dict()`` hold the
@@ -318,8 +332,10 @@ class MixedPrecision(MixedPrecisionBase):
 
         Raises:
             TypeError: ``loss_fn`` not callable, bad optimizer or model.
-            ValueError: bad ``grad_accum_steps`` or ``max_grad_norm``, or an unbuilt model.
+            ValueError: bad ``grad_accum_steps``, ``max_grad_norm`` or ``stats_every`` (before
+                anything is built), an unbuilt model, or ``stats_every`` under a strategy.
         """
+        stats_every = check_stats_every(stats_every)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
         if not callable(loss_fn):
@@ -338,5 +354,5 @@ class MixedPrecision(MixedPrecisionBase):
             lso = self.loss_scale_optimizer(optimizer)
         return TrainStep(
             model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
-            device=self._device,
+            device=self._device, stats_every=stats_every,
         )

@@ -15,6 +15,7 @@ from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.scaling import _to_host, _traced_fields, _unscale
+from unimp.backends.tensorflow.stats import _Collector, _pending
 from unimp.loss_scale import (
     from_state_dict,
 )
@@ -92,6 +93,11 @@ class TrainStep:
     Attributes:
         optimizer: the :class:`LossScaleOptimizer` holding the loss-scale state.
         function: the ``tf.function`` (traced once per batch signature).
+        stats_function: with ``stats_every``, the ``tf.function`` of the statistics steps (the
+            same step with the statistics added, traced once per batch signature on its
+            first call); else None.
+        stats_every: ``None`` or ``k``: statistics on calls 0, k, 2k, ...
+        calls: the calls that returned a result (a Python int).
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class TrainStep:
         max_grad_norm: float | None,
         jit_compile: bool,
         device: str | None = None,
+        stats_every: int | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -111,6 +118,13 @@ class TrainStep:
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         variables = list(model.trainable_variables)
+        if stats_every is not None and _strategy_of(variables) is not None:
+            raise ValueError(
+                "stats_every is not supported under a tf.distribute strategy (each replica "
+                "sees its own gradients and activations): drop stats_every=, or take the "
+                "statistics you need with unimp.backends.tensorflow.tensor_stats(x, scale) "
+                "inside your own replica function."
+            )
         optimizer._ensure_built(variables)
         self._variables = variables
         self.strategy = _strategy_of(variables)
@@ -125,12 +139,20 @@ class TrainStep:
                 "merge_call cannot be compiled by XLA); use jit_compile=False."
             )
         self._jit_compile = jit_compile
+        self.stats_every = stats_every
+        self.calls = 0
+        self._collector: _Collector | None = None  # set only while the statistics step traces
+        self._stats_order: tuple[list[str], list[str]] = ([], [])
         self.function = self._make_function()
+        self.stats_function = None if stats_every is None else self._make_stats_function()
 
     def _make_function(self) -> Any:
         if self.strategy is None:
             return tf.function(self._step, jit_compile=self._jit_compile)
         return tf.function(self._distributed_step)
+
+    def _make_stats_function(self) -> Any:
+        return tf.function(self._stats_step, jit_compile=self._jit_compile)
 
     def tracing_count(self) -> int:
         """How many times the step has been traced (1 after any number of same-signature calls)."""
@@ -142,13 +164,21 @@ class TrainStep:
         batch = _batch_to_tensors(batch)
         if self.strategy is not None and not isinstance(batch, tf.distribute.DistributedValues):
             batch = self._split(batch)
+        stats_step = self.stats_every is not None and self.calls % self.stats_every == 0
+        function = self.stats_function if stats_step else self.function
         if self.device is None:
-            raw = self.function(batch)
+            raw = function(batch)
         else:
             _check_placed(self.device)
             with tf.device(self.device):
-                raw = self.function(batch)
-        return StepResult(raw, to_host=_to_host, config=self.optimizer.loss_scale_config)
+                raw = function(batch)
+        stats = None
+        if stats_step:
+            stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
+        self.calls += 1
+        return StepResult(
+            raw, to_host=_to_host, config=self.optimizer.loss_scale_config, stats=stats
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scale state in unimp's portable format."""
@@ -172,6 +202,8 @@ class TrainStep:
         if retrace:
             opt._traced_by.discard(id(self))
             self.function = self._make_function()
+            if self.stats_function is not None:
+                self.stats_function = self._make_stats_function()
 
     def _split(self, batch: Any) -> Any:
         """A global batch as per-replica slices along axis 0 (equal sizes)."""
@@ -208,9 +240,29 @@ class TrainStep:
         out["loss"] = self.strategy.reduce("mean", per_replica["loss"], axis=None)
         return out
 
+    def _stats_step(self, batch: Any) -> dict:
+        """The step with statistics: while it traces, every leaf layer's ``call`` records its
+        outputs and :meth:`_finish` the unscaled gradients; their statistics are returned
+        under ``"stats"``."""
+        collector = _Collector()
+        self._collector = collector
+        try:
+            with collector.recording(self.model):
+                out = dict(self._step(batch))
+        finally:
+            self._collector = None
+        self._stats_order = (list(collector.gradients), list(collector.activations))
+        out["stats"] = collector.outputs()
+        return out
+
     def _finish(
         self, unscaled: list[Any], loss: tf.Tensor, loss_finite: tf.Tensor, scale: tf.Tensor
     ) -> dict:
+        if self._collector is not None:  # tracing the statistics step: unscaled, unclipped
+            self._collector.add_gradients(
+                [(v.path, g) for v, g in zip(self._variables, unscaled, strict=True) if g is not None],
+                scale,
+            )
         grads_finite = all_finite([g for g in unscaled if g is not None])
         replica = tf.distribute.get_replica_context() if self.strategy is not None else None
         if replica is not None and replica.num_replicas_in_sync > 1:
@@ -247,7 +299,8 @@ class TrainStep:
 
     def _scaled_grads(self, batch: Any, scale: tf.Tensor) -> tuple[list[Any], tf.Tensor]:
         with tf.GradientTape() as tape:
-            loss = tf.convert_to_tensor(self.loss_fn(self.model, batch))
+            with tf.name_scope("forward"):  # a name only: unimp.trace reads the phase from it
+                loss = tf.convert_to_tensor(self.loss_fn(self.model, batch))
             if not loss.dtype.is_floating:
                 raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype.name}.")
             if loss.shape.rank not in (None, 0):

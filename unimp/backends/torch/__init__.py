@@ -17,6 +17,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   namespace over device tensors.
 * ``optimizer``: the skip-safe ``optimizer.step`` (a skipped step leaves parameters and optimizer
   state bitwise unchanged, no host sync).
+* ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the forward hooks of
+  a statistics step (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
 * ``mixed_precision``: :class:`MixedPrecision`.
 
@@ -37,6 +39,7 @@ from unimp.backends.torch.devices import default_device, device_info, framework_
 from unimp.backends.torch.mixed_precision import MixedPrecision
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.scaling import GradScaler
+from unimp.backends.torch.stats import tensor_stats
 from unimp.backends.torch.step import TrainStep
 from unimp.step import StepResult
 
@@ -47,6 +50,7 @@ __all__ = [  # COMMON_API (unimp.backends._base) and torch's own pieces
     "cast_tree",
     "device_info",
     "framework_version",
+    "tensor_stats",
     "to_dtype",
     "GradScaler",
     "TrainStep",

@@ -270,7 +270,13 @@ class MixedPrecision(MixedPrecisionBase):
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         scheduler: Any = None,
+        stats_every: int | None = None,
     ) -> TrainStep:
-        """A training step following unimp's rules; see :class:`TrainStep`."""
+        """A training step following unimp's rules; see :class:`TrainStep`.
+
+        ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`) of the gradients and
+        layer outputs to the results of steps 0, k, 2k, ... (``result.stats``).
+        """
         return TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
-                         max_grad_norm=max_grad_norm, scheduler=scheduler)
+                         max_grad_norm=max_grad_norm, scheduler=scheduler,
+                         stats_every=stats_every)

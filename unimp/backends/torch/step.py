@@ -12,7 +12,8 @@ import torch
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.scaling import GradScaler, _to_host
-from unimp.step import StepResult, check_step_options, micro_batches
+from unimp.backends.torch.stats import _gradient_stats, _param_names, _pending, _Recorder
+from unimp.step import StepResult, check_stats_every, check_step_options, micro_batches
 
 if TYPE_CHECKING:
     from unimp.backends.torch.mixed_precision import MixedPrecision
@@ -70,9 +71,22 @@ class TrainStep:
         scheduler: a torch LR scheduler, advanced only after applied steps. Deciding that needs
             ``applied`` on the host: with a scheduler each step reads it once (a sync); without
             one a step never syncs.
+        stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
+            step; a call that raises is not counted) the result's ``stats`` holds
+            :class:`unimp.stats.StepStats`: each gradient the optimizer holds (named as in
+            ``model.named_parameters()``; in module mode the float32 master gradient, under the
+            model parameter's name), unscaled and before clipping, at the step's loss scale;
+            and the floating outputs of every leaf module (``model.named_modules()`` names;
+            ``name.0`` / ``name.key`` for tuple and dict outputs), at scale 1, taken by
+            forward hooks registered for that step only: a module called more than once (every
+            micro-batch, shared weights) gets the statistics of all its outputs together. They
+            are computed on the device; reading ``result.stats`` is the only sync. The other
+            steps run exactly the code they run without the option. Under DDP the gradients
+            are the all-reduced ones (the same on every rank), the layer outputs each rank's
+            own.
 
     Raises:
-        ValueError: bad ``grad_accum_steps`` / ``max_grad_norm``, a model on another device
+        ValueError: bad ``grad_accum_steps`` / ``max_grad_norm`` / ``stats_every``, a model on another device
             type than the bound one, a ``batch`` that is not a
             sequence of ``grad_accum_steps`` micro-batches, or a loss that is not a scalar.
     """
@@ -87,7 +101,9 @@ class TrainStep:
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         scheduler: Any = None,
+        stats_every: int | None = None,
     ) -> None:
+        stats_every = check_stats_every(stats_every)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if not callable(loss_fn):
@@ -105,9 +121,23 @@ class TrainStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.scheduler = scheduler
         self.scaler = GradScaler(mp.loss_scale, device=mp.device)
+        self.stats_every = stats_every
+        self.calls = 0  # steps taken: decides the statistics steps, never read from the device
         _check_half_state(optimizer)
 
     def __call__(self, batch: Any) -> StepResult:
+        if self.stats_every is None or self.calls % self.stats_every:
+            result = self._run(batch, None)
+        else:
+            recorder = _Recorder(self.model)
+            try:
+                result = self._run(batch, recorder)
+            finally:
+                recorder.close()
+        self.calls += 1
+        return result
+
+    def _run(self, batch: Any, recorder: _Recorder | None) -> StepResult:
         micro = micro_batches(batch, self.grad_accum_steps)
         k = len(micro)
         sc = self.scaler
@@ -142,6 +172,10 @@ class TrainStep:
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
         sc.unscale_(opt)
         found_inf = sc._opt_state(opt)["found_inf"]
+        stats = None
+        if recorder is not None:  # unscaled, before clipping, at the step's scale
+            grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale_used)
+            stats = _pending(self.calls, scale_used, grad_stats, recorder.entries)
         grad_norm = None
         if self.max_grad_norm is not None:
             grads = [g for _, g in sc._grads(opt)]
@@ -178,7 +212,7 @@ class TrainStep:
         }
         if self.scheduler is not None and bool(applied):
             self.scheduler.step()
-        return StepResult(raw, _to_host, sc.config)
+        return StepResult(raw, _to_host, sc.config, stats=stats)
 
     def state_dict(self) -> dict[str, Any]:
         """unimp's loss-scale state in the portable format (see :meth:`GradScaler.state_dict`)."""

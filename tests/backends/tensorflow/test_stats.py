@@ -1,0 +1,183 @@
+"""tensorflow backend, ``stats``: ``tensor_stats`` and ``train_step(..., stats_every=k)`` (a second
+tf.function for statistics steps, the plain graph unchanged, layer calls restored, names,
+accumulation, bad input). The values against the reference are in
+tests/conformance/test_stats_conformance.py."""
+
+import os
+
+from conftest import require_backend
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+
+import doctest  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import unimp  # noqa: E402
+from backends.tensorflow.helpers import Vec  # noqa: E402
+from benchmarks._kit_tensorflow import HOST_OPS, _all_ops  # noqa: E402
+from unimp.backends.tensorflow import stats as tstats  # noqa: E402
+from unimp.loss_scale import StaticLossScale  # noqa: E402
+from unimp.stats import COUNT_FIELDS  # noqa: E402
+
+X = np.linspace(-2, 2, 24, dtype=np.float32).reshape(6, 4)
+
+
+def _mlp(mp):
+    with mp.autocast():
+        return keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="l1"),
+             keras.layers.Dense(3, name="l2")],
+            name="net",
+        )
+
+
+def _loss(m, x):
+    return tf.reduce_mean(tf.square(tf.cast(m(x), tf.float32)))
+
+
+def _step(stats_every=None, recipe="mixed_float16", **kw):
+    mp = unimp.mixed_precision(recipe, backend="tensorflow")
+    model = _mlp(mp)
+    model, opt = mp.prepare(model, keras.optimizers.SGD(0.1))
+    return mp.train_step(model, opt, _loss, stats_every=stats_every, **kw), model
+
+
+def _op_types(function, batch):
+    return sorted(op.type for op in _all_ops(function.get_concrete_function(batch).graph))
+
+
+def test_the_plain_graph_is_unchanged():
+    plain, _ = _step()
+    with_option, _ = _step(stats_every=5)
+    x = tf.constant(X)
+    assert _op_types(with_option.function, x) == _op_types(plain.function, x)
+    assert len(_op_types(with_option.stats_function, x)) > len(_op_types(plain.function, x))
+    assert plain.stats_function is None
+
+
+def test_statistics_steps_run_their_own_function_traced_once():
+    step, _ = _step(stats_every=2)
+    results = [step(X) for _ in range(5)]
+    assert [r.stats is not None for r in results] == [True, False, True, False, True]
+    assert step.tracing_count() == 1
+    assert step.stats_function.experimental_get_tracing_count() == 1
+    assert not [t for t in _op_types(step.stats_function, tf.constant(X)) if t in HOST_OPS]
+    assert [r.stats.step for r in results if r.stats is not None] == [0, 2, 4]
+
+
+def test_names_and_scales():
+    step, model = _step(stats_every=1)
+    r = step(X)
+    s = r.stats
+    assert list(s.gradients) == [v.path for v in model.trainable_variables]
+    assert list(s.gradients) == ["net/l1/kernel", "net/l1/bias", "net/l2/kernel", "net/l2/bias"]
+    assert list(s.activations) == ["net/l1", "net/l2"]
+    assert s.activations["net/l1"].size == 6 * 8 and s.activations["net/l1"].scale == 1.0
+    assert s.gradients["net/l2/bias"].scale == r.scale == 32768.0
+
+
+def test_layer_calls_are_restored_and_compose_with_prepare():
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    with mp.autocast():
+        layer = keras.layers.Dense(2, name="solo")
+    layer.build((None, 4))
+    layer, opt = mp.prepare(layer, keras.optimizers.SGD(0.1))  # a model that is one layer
+    prepared_call = layer.__dict__["call"]
+    step = mp.train_step(layer, opt, _loss, stats_every=1)
+    s = step(X).stats
+    assert layer.__dict__["call"] is prepared_call
+    assert list(s.activations) == ["solo"]
+    assert layer(X).dtype == tf.float32  # still the prepared output cast
+    model = step.model
+    inner, _ = _step(stats_every=1)
+    inner(X)
+    assert all("call" not in sub.__dict__ for sub in inner.model.layers)
+    assert model is layer
+
+
+def test_gradients_are_unscaled_and_taken_before_clipping():
+    mp = unimp.mixed_precision(
+        unimp.get_recipe("float32", loss_scale=StaticLossScale(2.0**16)), backend="tensorflow"
+    )
+    model = Vec([0.0, 0.0])
+    step = mp.train_step(
+        model, keras.optimizers.SGD(1.0), lambda m, c: tf.reduce_sum(m.w * c),
+        max_grad_norm=1.0, stats_every=1,
+    )
+    r = step(np.array([3.0, 4.0], np.float32))
+    (name, g), = r.stats.gradients.items()
+    assert (g.amax, g.min_nonzero, g.scale) == (4.0, 3.0, 65536.0)
+    assert g.counts["float16_overflow"] == 2 and r.grad_norm == 5.0
+    assert r.stats.activations == {}  # a layer calling nothing records nothing
+
+
+def test_accumulation_takes_every_micro_batch_and_xla_agrees():
+    step, model = _step(stats_every=1, grad_accum_steps=2)
+    xla, other = _step(stats_every=1, grad_accum_steps=2, jit_compile=True)
+    other.set_weights(model.get_weights())
+    a, b = step([X, X]).stats, xla([X, X]).stats
+    assert a.activations["net/l1"].size == 2 * 6 * 8
+    for name in a.activations:
+        assert dict(a.activations[name].counts) == dict(b.activations[name].counts)
+        assert a.activations[name].amax == pytest.approx(b.activations[name].amax, rel=1e-6)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_bad_stats_every_is_refused_before_anything_is_built(value):
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    with pytest.raises(ValueError, match=r"stats_every must be None \(no statistics\) or an int >= 1"):
+        mp.train_step("not a model", "not an optimizer", None, stats_every=value)
+
+
+def test_a_strategy_is_refused_with_the_fix():
+    mp = unimp.mixed_precision("float32", backend="tensorflow")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = _mlp(mp)
+    with pytest.raises(ValueError, match=r"tf\.distribute strategy.*drop stats_every="):
+        mp.train_step(model, keras.optimizers.SGD(0.1), _loss, stats_every=1)
+
+
+def test_tensor_stats_in_graphs_and_bad_input():
+    x = tf.constant([0.0, 2.0**-30, -3.0, np.inf])
+    eager = [t.numpy() for t in utf.tensor_stats(x, 2.0**10)]
+    graph = [t.numpy() for t in tf.function(lambda t: utf.tensor_stats(t, 2.0**10))(x)]
+    xla = [t.numpy() for t in tf.function(lambda t: utf.tensor_stats(t, 2.0**10), jit_compile=True)(x)]
+    for got in (graph, xla):
+        assert (got[0] == eager[0]).all() and (got[1] == eager[1]).all()
+    assert eager[0].dtype == np.int32 and eager[1].dtype == np.float32
+    assert dict(zip(COUNT_FIELDS, eager[0].tolist(), strict=True))["nonfinite"] == 1
+    sparse = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([1]), tf.constant([3, 2]))
+    assert utf.tensor_stats(sparse)[0].numpy()[0] == 4  # taken densely: four zeros
+    with pytest.raises(TypeError, match="floating tensor"):
+        utf.tensor_stats(tf.constant([1, 2]))
+    with pytest.raises(ValueError, match="finite number > 0"):
+        utf.tensor_stats(x, -1.0)
+
+
+def test_stats_module_doctests():
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(tstats.tensor_stats, globs=vars(tstats)):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
+
+
+def test_functional_and_nested_models_name_outputs_as_their_weights():
+    mp = unimp.mixed_precision("float32", backend="tensorflow")
+    inp = keras.Input((4,))
+    inner = keras.Sequential([keras.layers.Dense(5, name="i1"), keras.layers.ReLU(name="r")], name="inner")
+    shared = keras.layers.Dense(5, name="shared")
+    out = keras.layers.Dense(2, name="d2")(shared(inner(keras.layers.Dense(5, name="d1")(inp))))
+    model = keras.Model(inp, out, name="func")
+    step = mp.train_step(model, keras.optimizers.SGD(0.1), _loss, stats_every=1)
+    s = step(X).stats
+    assert list(s.activations) == ["d1", "inner/i1", "inner/r", "shared", "d2"]
+    layers = {n.rsplit("/", 1)[0] for n in s.gradients}
+    assert layers == {"d1", "inner/i1", "shared", "d2"} <= set(s.activations)

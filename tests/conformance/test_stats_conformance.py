@@ -1,0 +1,317 @@
+"""Tensor statistics are the same in every backend (``UNIMP_TEST_BACKENDS``): each backend's
+``tensor_stats`` against ``unimp.stats.reference_stats`` on synthetic tensors (counts exactly,
+magnitudes to 1e-6 relative), right values written as literals, and one model, weights and batch
+giving the same gradient and activation statistics through every backend's ``train_step``.
+
+The model's numbers are chosen so every float32 operation in it is exact (small integers times
+a power of two per hidden unit): each framework computes bitwise the same tensors as NumPy,
+whatever its summation order, so the statistics must match exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+from conftest import require_backend
+
+from unimp import StaticLossScale, get_recipe, mixed_precision
+from unimp.stats import COUNT_FIELDS, TensorStats, reference_stats
+
+POWERS = np.array([2.0**-k for k in range(41)], np.float32)
+BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127
+
+
+# -- each backend's arrays ----------------------------------------------------------------------
+
+
+def _tensor(backend, x, dtype="float32"):
+    """``x`` (float32 NumPy) as the backend's tensor of ``dtype``."""
+    mod = require_backend(backend)
+    if backend == "torch":
+        import torch
+
+        return torch.from_numpy(np.array(x, np.float32)).to(mod.to_dtype(dtype))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.cast(tf.constant(np.array(x, np.float32)), mod.to_dtype(dtype))
+    import jax.numpy as jnp
+
+    return jnp.asarray(np.array(x, np.float32)).astype(mod.to_dtype(dtype))
+
+
+def _numpy(backend, t):
+    if backend == "torch":
+        return t.detach().float().cpu().numpy()
+    return np.asarray(t).astype(np.float32) if backend == "jax" else t.numpy().astype(np.float32)
+
+
+def _device_scale(backend, s):
+    """A float32 scalar on the device, as the loss scale is in a step."""
+    return _tensor(backend, np.float32(s))
+
+
+def _stats(backend, t, scale):
+    mod = require_backend(backend)
+    counts, mags = mod.tensor_stats(t, scale)
+    return TensorStats.from_arrays(
+        int(np.size(_numpy(backend, t))),
+        float(np.float32(_numpy(backend, scale) if not isinstance(scale, float) else scale)),
+        _numpy(backend, counts) if backend != "torch" else counts.cpu().numpy(),
+        _numpy(backend, mags),
+    )
+
+
+def _daz(backend):
+    """Whether the backend reads float32 subnormals as zero here (TensorFlow and XLA on CPU)."""
+    counts, _ = require_backend(backend).tensor_stats(_tensor(backend, [2.0**-130]))
+    c = counts.cpu().numpy() if backend == "torch" else np.asarray(counts)
+    return int(c[COUNT_FIELDS.index("zeros")]) == 1
+
+
+def assert_same(got: TensorStats, want: TensorStats) -> None:
+    assert got.size == want.size and got.scale == want.scale
+    assert dict(got.counts) == dict(want.counts)
+    for name in ("amax", "min_nonzero"):
+        g, w = getattr(got, name), getattr(want, name)
+        if math.isnan(w) or math.isinf(w) or w == 0:
+            assert (math.isnan(g) and math.isnan(w)) or g == w, name
+        else:
+            assert g == pytest.approx(w, rel=1e-6), name
+
+
+# -- synthetic tensors --------------------------------------------------------------------------
+
+_rng = np.random.default_rng(0)
+CASES = {
+    "powers": POWERS,
+    "float16-overflow-edge": np.array([65519, 65520, 65504, 65505, -65520, 7], np.float32),
+    "bfloat16-overflow-edge": np.array(
+        [np.nextafter(np.float32(BF16_OVERFLOW), np.float32(0)), BF16_OVERFLOW, 3.4e38, 1.0],
+        np.float32,
+    ),
+    "zeros-inf-nan": np.array([0, -0.0, np.inf, -np.inf, np.nan, 1, -2.5], np.float32),
+    "all-zero": np.zeros((3, 4), np.float32),
+    "empty": np.zeros((0,), np.float32),
+    "wide-random": (
+        _rng.normal(size=(40, 25)) * 10.0 ** _rng.uniform(-12, 6, size=(40, 25))
+    ).astype(np.float32),
+}
+SCALES = [1.0, 2.0**15, 3.0, 2.0**-3]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("scale", SCALES)
+def test_tensor_stats_equal_reference(backend, case, scale):
+    x = CASES[case]
+    t = _tensor(backend, x)
+    assert_same(_stats(backend, t, scale), reference_stats(x, scale))
+
+
+@pytest.mark.parametrize("case", ["powers", "wide-random", "zeros-inf-nan"])
+def test_a_device_scale_gives_the_same(backend, case):
+    x = CASES[case]
+    got = _stats(backend, _tensor(backend, x), _device_scale(backend, 2.0**15))
+    assert_same(got, reference_stats(x, 2.0**15))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_input_tensors(backend, dtype):
+    # float16: its subnormals (2**-24 ..) are float32 normals; bfloat16: kept at or above
+    # 2**-126 (below, XLA and TensorFlow on CPU read float32 subnormals as zero)
+    low = 24 if dtype == "float16" else 40
+    x = np.concatenate([POWERS[: low + 1], [65504.0, -3.0, 0.0, np.inf, np.nan]]).astype(np.float32)
+    t = _tensor(backend, x, dtype)
+    as_read = _numpy(backend, t)  # the tensor's own values, rounded to the dtype
+    assert_same(_stats(backend, t, 2.0**10), reference_stats(as_read, 2.0**10))
+
+
+def test_powers_of_two_right_values(backend):
+    # the issue's known answer: one value per power of two from 2**-40 to 2**0
+    t = _tensor(backend, POWERS)
+    one, big = _stats(backend, t, 1.0), _stats(backend, t, 2.0**15)
+    assert one.counts["float16_flush"] == 16 and one.counts["float16_subnormal"] == 10
+    assert big.counts["float16_flush"] == 1 and big.counts["float16_overflow"] == 0
+    edge = _stats(backend, _tensor(backend, [65519.0, 65520.0]), 1.0)
+    assert edge.counts["float16_overflow"] == 1
+    assert one.amax == 1.0 and one.min_nonzero == 2.0**-40
+
+
+def test_float32_subnormals_follow_the_documented_rule(backend):
+    x = np.array([2.0**-127, 2.0**-133, 2.0**-134, 2.0**-140, 2.0**-126, 1.0], np.float32)
+    got = _stats(backend, _tensor(backend, x), 1.0)
+    if _daz(backend):  # read as zero: zeros, not bfloat16 subnormals or flushes
+        want = reference_stats(np.where(np.abs(x) < 2.0**-126, 0, x), 1.0)
+    else:
+        want = reference_stats(x, 1.0)
+        assert want.counts["bfloat16_subnormal"] == 2 and want.counts["bfloat16_flush"] == 2
+    assert_same(got, want)
+    assert backend != "torch" or not _daz(backend)  # torch keeps subnormals, as NumPy
+
+
+# -- one model through every train_step -----------------------------------------------------------
+# x (8, 4) -> l1 Dense 8 -> act ReLU -> l2 Dense 3 -> out;  loss = mean_b sum_k out * c.
+# Hidden unit j lives at 2**E[j]: l1's column j is small integers times 2**E[j] and l2's row j
+# small integers times 2**-E[j], so every product and partial sum in the forward and backward
+# pass is an integer times one power of two: exact in float32 in any order.
+
+E = np.array([-38, -27, -12, 0, 4, 10, 14, 16])
+SCALE = 2.0**10
+
+
+def _model_numbers():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, (8, 4)).astype(np.float32)
+    w1 = (rng.integers(-3, 4, (4, 8)) * 2.0**E).astype(np.float32)
+    b1 = (rng.integers(-2, 3, 8) * 2.0**E).astype(np.float32)
+    w2 = (rng.integers(-3, 4, (8, 3)) * 2.0 ** -E[:, None]).astype(np.float32)
+    b2 = rng.integers(-2, 3, 3).astype(np.float32)
+    c = rng.integers(-3, 4, (8, 3)).astype(np.float32)
+    return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}, x, c
+
+
+def _expected():
+    w, x, c = _model_numbers()
+    pre = x.astype(np.float64) @ w["w1"] + w["b1"]
+    act = np.maximum(pre, 0)
+    out = act @ w["w2"] + w["b2"]
+    d_out = c / 8.0
+    d_act = d_out @ w["w2"].T
+    d_pre = d_act * (pre > 0)
+    grads = {
+        "l1/kernel": x.T @ d_pre,
+        "l1/bias": d_pre.sum(0),
+        "l2/kernel": act.T @ d_out,
+        "l2/bias": d_out.sum(0),
+    }
+    acts = {"l1": pre, "act": act, "l2": out}
+    for v in (*grads.values(), *acts.values()):  # every value is exact in float32
+        assert np.array_equal(v, v.astype(np.float32))
+    return grads, acts
+
+
+def _torch_step(recipe, w, stats_every):
+    from collections import OrderedDict
+
+    import torch
+
+    mp = mixed_precision(recipe, backend="torch", device="cpu")
+    model = torch.nn.Sequential(
+        OrderedDict(l1=torch.nn.Linear(4, 8), act=torch.nn.ReLU(), l2=torch.nn.Linear(8, 3))
+    )
+    with torch.no_grad():
+        for name in ("l1", "l2"):
+            i = name[1]
+            getattr(model, name).weight.copy_(torch.from_numpy(w[f"w{i}"].T.copy()))
+            getattr(model, name).bias.copy_(torch.from_numpy(w[f"b{i}"]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def loss_fn(m, b):
+        return (m(b[0]) * b[1]).sum(1).mean()
+
+    step = mp.train_step(model, opt, loss_fn, stats_every=stats_every)
+    names = {"l1.weight": "l1/kernel", "l1.bias": "l1/bias", "l2.weight": "l2/kernel", "l2.bias": "l2/bias"}
+    return (lambda b: step(tuple(torch.from_numpy(a) for a in b))), names, {n: n for n in ("l1", "act", "l2")}
+
+
+def _tensorflow_step(recipe, w, stats_every):
+    import keras
+    import tensorflow as tf
+
+    mp = mixed_precision(recipe, backend="tensorflow")
+    with mp.autocast():
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8, name="l1"),
+                keras.layers.ReLU(name="act"),
+                keras.layers.Dense(3, name="l2"),
+            ],
+            name="mlp",
+        )
+    model.get_layer("l1").set_weights([w["w1"], w["b1"]])
+    model.get_layer("l2").set_weights([w["w2"], w["b2"]])
+
+    def loss_fn(m, b):
+        return tf.reduce_mean(tf.reduce_sum(m(b[0]) * b[1], axis=1))
+
+    step = mp.train_step(model, keras.optimizers.SGD(0.0), loss_fn, stats_every=stats_every)
+    names = {v.path: v.path.split("/", 1)[1] for v in model.trainable_variables}
+    return step, names, {f"mlp/{n}": n for n in ("l1", "act", "l2")}
+
+
+def _jax_step(recipe, w, stats_every):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from unimp.backends.jax import observe
+
+    mp = mixed_precision(recipe, backend="jax")
+
+    def loss_fn(p, b):
+        pre = observe("l1", b[0] @ p["l1"]["kernel"] + p["l1"]["bias"])
+        act = observe("act", jax.nn.relu(pre))
+        out = observe("l2", act @ p["l2"]["kernel"] + p["l2"]["bias"])
+        return jnp.mean(jnp.sum(out * b[1], axis=1))
+
+    params = {
+        "l1": {"kernel": jnp.asarray(w["w1"]), "bias": jnp.asarray(w["b1"])},
+        "l2": {"kernel": jnp.asarray(w["w2"]), "bias": jnp.asarray(w["b2"])},
+    }
+    step = mp.train_step(loss_fn, optax.sgd(0.0), params, stats_every=stats_every)
+    names = {n: n for n in ("l1/kernel", "l1/bias", "l2/kernel", "l2/bias")}
+    return step, names, {n: n for n in ("l1", "act", "l2")}
+
+
+BUILDERS = {"torch": _torch_step, "tensorflow": _tensorflow_step, "jax": _jax_step}
+
+
+@functools.cache
+def _model_stats(backend, stats_every=1):
+    """The results of three steps of the model (built once per backend for the tests below)."""
+    require_backend(backend)
+    w, x, c = _model_numbers()
+    recipe = get_recipe("float32", loss_scale=StaticLossScale(SCALE))
+    step, grad_names, act_names = BUILDERS[backend](recipe, w, stats_every)
+    results = [step((x, c)) for _ in range(3)]
+    return results, grad_names, act_names
+
+
+def test_the_same_model_gives_the_same_gradient_statistics(backend):
+    (r, *_), grad_names, _ = _model_stats(backend)
+    grads, _ = _expected()
+    got = {grad_names[k]: v for k, v in r.stats.gradients.items()}
+    assert set(got) == set(grads)
+    for name, g in grads.items():
+        assert_same(got[name], reference_stats(g, SCALE))
+    # the case is not trivial: something flushes, is subnormal and overflows in float16
+    for field in ("zeros", "float16_overflow", "float16_subnormal", "float16_flush"):
+        assert sum(v.counts[field] for v in got.values()) > 0, field
+    assert r.stats.step == 0
+
+
+def test_the_same_model_gives_the_same_activation_statistics(backend):
+    (r, *_), _, act_names = _model_stats(backend)
+    _, acts = _expected()
+    got = {act_names[k]: v for k, v in r.stats.activations.items() if k in act_names}
+    assert set(got) == set(acts)
+    for name, a in acts.items():
+        assert_same(got[name], reference_stats(a, 1.0))
+    pre = got["l1"]
+    assert pre.counts["float16_overflow"] > 0 and pre.counts["float16_flush"] > 0
+    assert got["act"].counts["zeros"] > 0  # ReLU's exact zeros
+    assert got["act"].size == 64 and got["l2"].size == 24
+
+
+def test_statistics_come_on_steps_0_k_2k(backend):
+    require_backend(backend)
+    w, x, c = _model_numbers()
+    recipe = get_recipe("float32", loss_scale=StaticLossScale(SCALE))
+    step, _, _ = BUILDERS[backend](recipe, w, 3)
+    got = [step((x, c)).stats for _ in range(7)]
+    assert [s is not None for s in got] == [True, False, False, True, False, False, True]
+    assert [s.step for s in got if s is not None] == [0, 3, 6]

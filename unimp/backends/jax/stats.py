@@ -1,0 +1,261 @@
+"""JAX tensor statistics: :func:`tensor_stats` (traceable, no host sync), :func:`observe` to name
+an activation for a statistics step, and what that step records while it traces (observed
+values and flax linen module outputs).
+
+The definitions are :mod:`unimp.stats`'s: ``v = |x|`` as float32 times the scale as float32,
+compared with the float32 constants of :data:`unimp.stats.THRESHOLDS`. XLA on the CPU reads
+float32 subnormals as zero (see :mod:`unimp.stats`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale
+
+#: One tensor's statistics: ``(counts, magnitudes, size)``, size an int32 scalar array.
+Entry = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
+    """The statistics of ``x`` at ``scale``, as arrays (traceable under ``jit``, ``grad``,
+    ``vmap``; no host sync).
+
+    Args:
+        x: a floating array of any shape and dtype (float16, bfloat16, float32, float64).
+        scale: a finite number > 0, or a float32 scalar array (the loss scale; not checked, so
+            nothing is read from the device).
+
+    Returns:
+        ``(counts, magnitudes)``: ``counts`` int32 of shape ``(len(unimp.stats.COUNT_FIELDS),)``
+        in that order, ``magnitudes`` float32 of shape ``(2,)``: ``amax`` (NaN when an element
+        is NaN, 0 for an empty array) and ``min_nonzero`` (``inf`` when no element is
+        nonzero). Equal to :func:`unimp.stats.reference_stats`.
+
+    Raises:
+        TypeError: ``x`` is not floating.
+        ValueError: a host ``scale`` that is not a finite number > 0.
+
+    Example:
+        >>> from unimp.stats import COUNT_FIELDS
+        >>> c, m = tensor_stats(jnp.array([65519.0, 65520.0, 0.0]))
+        >>> int(c[COUNT_FIELDS.index("float16_overflow")]), int(c[COUNT_FIELDS.index("zeros")])
+        (1, 1)
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"tensor_stats needs a floating array, got {x.dtype}.")
+    if not isinstance(scale, jax.Array):  # a host number (tracers are jax.Array too)
+        scale = check_scale(scale)
+    a = jnp.abs(jax.lax.stop_gradient(x)).reshape(-1).astype(jnp.float32)
+    if isinstance(scale, jax.Array):
+        v = a * scale.astype(jnp.float32)
+    else:
+        v = a if scale == 1.0 else a * np.float32(scale)
+    def count(mask: jax.Array) -> jax.Array:
+        return jnp.sum(mask, dtype=jnp.int32)
+
+    # the reference's comparisons, literally (see the torch backend's tensor_stats)
+    positive = a > 0
+    raw = [count(a == 0), a.size - count(jnp.isfinite(a))]
+    for t in TARGETS:
+        overflow_at, subnormal_below, flush_at = (np.float32(c) for c in THRESHOLDS[t])
+        raw.append(count(v >= overflow_at))
+        raw.append(count((v > flush_at) & (v < subnormal_below)))
+        raw.append(count(positive & (v <= flush_at)))
+    counts = jnp.stack(raw).astype(jnp.int32)
+    amax = jnp.max(a, initial=0.0)  # NaN propagates; 0 for an empty array
+    min_nonzero = jnp.min(jnp.where(positive, a, jnp.float32(math.inf)), initial=math.inf)
+    return counts, jnp.stack([amax, min_nonzero]).astype(jnp.float32)
+
+
+def _entry(x: Any, scale: Any = 1.0) -> Entry:
+    counts, mags = tensor_stats(x, scale)
+    return counts, mags, jnp.int32(np.size(x))
+
+
+def _merge(a: Entry, b: Entry) -> Entry:
+    """The statistics of two tensors taken together (one name observed twice): sizes and
+    counts add, the larger ``amax`` (NaN wins), the smaller ``min_nonzero``."""
+    (ca, ma, na), (cb, mb, nb) = a, b
+    mags = jnp.stack([jnp.maximum(ma[0], mb[0]), jnp.minimum(ma[1], mb[1])])
+    return ca + cb, mags, na + nb
+
+
+def _merge_stacked(entry: Entry) -> Entry:
+    """:func:`_merge` over a leading axis (one entry per micro-batch, from ``lax.scan``)."""
+    counts, mags, size = entry
+    return counts.sum(0), jnp.stack([mags[:, 0].max(), mags[:, 1].min()]), size.sum(0)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """A pytree path as a name: its keys joined with ``/`` (``{"l1": {"kernel": w}}`` gives
+    ``"l1/kernel"``; list items by index, the root leaf ``""``)."""
+    return "/".join(_key_name(k) for k in path)
+
+
+def _gradient_stats(grads: Any, scale: Any) -> dict[str, Entry]:
+    """The statistics of every floating leaf of ``grads`` at ``scale``, by path name."""
+    out: dict[str, Entry] = {}
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if jnp.issubdtype(jnp.result_type(g), jnp.floating):
+            out[path_name(path)] = _entry(g, scale)
+    return out
+
+
+# -- what a statistics step's trace records ----------------------------------------------------
+
+_ACTIVE = threading.local()
+
+
+def _current_trace() -> Any:
+    """JAX's current trace (what a value traced right now belongs to), or None where this
+    JAX does not expose it (then nothing is checked)."""
+    from jax._src import core
+
+    ctx = getattr(core, "trace_ctx", None)
+    return getattr(ctx, "trace", None)
+
+
+class _Collector:
+    """The activations recorded while the loss function of a statistics step traces, at the
+    trace level of the loss function itself (values inside a transformation the loss function
+    applies, such as ``lax.scan`` or ``jax.checkpoint``, cannot leave it)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self._trace = _current_trace()
+
+    def at_loss_level(self) -> bool:
+        return self._trace is None or _current_trace() is self._trace
+
+    def record(self, name: str, x: Any) -> None:
+        leaves = jax.tree_util.tree_flatten_with_path(x)[0]
+        for path, leaf in leaves:
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                continue
+            key = name if not path else f"{name}/{path_name(path)}"
+            entry = _entry(leaf)
+            old = self.entries.get(key)
+            self.entries[key] = entry if old is None else _merge(old, entry)
+
+
+@contextlib.contextmanager
+def _collecting() -> Iterator[_Collector]:
+    """Activates a collector for :func:`observe` (and flax linen's module outputs, when flax is
+    in use) while the loss function of a statistics step traces."""
+    collector = _Collector()
+    stack = getattr(_ACTIVE, "stack", None)
+    if stack is None:
+        stack = _ACTIVE.stack = []
+    stack.append(collector)
+    try:
+        with _flax_outputs(collector):
+            yield collector
+    finally:
+        stack.pop()
+
+
+def observe(name: str, x: Any) -> Any:
+    """Names ``x`` (an activation) for the statistics of a JAX ``train_step(...,
+    stats_every=k)``; returns ``x`` unchanged.
+
+    Like flax's ``sow``: call it in ``loss_fn`` (or in the model code it calls) on what you
+    want to see, e.g. ``h = observe("hidden", jax.nn.relu(x @ w1))``. On a statistics step
+    the values observed while the step traces come back in ``result.stats.activations[name]``
+    (at scale 1; a name observed more than once, or on every micro-batch, gets the statistics
+    of all its values together; the leaves of a pytree are named ``name/path``). Everywhere
+    else, plain steps included, it is the identity and adds nothing to the computation.
+
+    Args:
+        name: the name in :attr:`unimp.stats.StepStats.activations`.
+        x: an array or a pytree of arrays (non-floating leaves are ignored).
+
+    Returns:
+        ``x``.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: called, during a statistics step, inside a transformation the loss
+            function applies itself (``lax.scan``, ``vmap``, ``jax.checkpoint``, ``nn.scan``):
+            its values cannot leave it; observe the transformation's output instead.
+
+    Example:
+        >>> observe("h", jnp.ones(2))  # outside a statistics step: the identity
+        Array([1., 1.], dtype=float32)
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"observe(name, x) takes a string name, got {type(name).__name__}.")
+    stack = getattr(_ACTIVE, "stack", None)
+    if stack:
+        collector = stack[-1]
+        if not collector.at_loss_level():
+            raise ValueError(
+                f"observe({name!r}, x) was called inside a transformation of the loss function "
+                "(lax.scan, vmap, jax.checkpoint, nn.scan, ...) whose values cannot leave it: "
+                "observe the transformation's output in the loss function instead."
+            )
+        collector.record(name, x)
+    return x
+
+
+@contextlib.contextmanager
+def _flax_outputs(collector: _Collector) -> Iterator[None]:
+    """While inside, the outputs of every flax linen module without submodules are recorded
+    under their path (``"Dense_0"``, ``"Block_0/LayerNorm_0"``; the root module under its
+    class name), when flax is already imported. Modules called inside a lifted transformation
+    (``nn.scan``, ``nn.vmap``, ``nn.remat``) are left out. nnx modules are not seen: use
+    :func:`observe`."""
+    linen = sys.modules.get("flax.linen")
+    intercept = getattr(linen, "intercept_methods", None)
+    if intercept is None:
+        yield
+        return
+
+    def interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        out = next_fun(*args, **kwargs)
+        module = context.module
+        if context.method_name == "__call__" and collector.at_loss_level():
+            children = getattr(getattr(module, "_state", None), "children", {}) or {}
+            if not any(isinstance(c, linen.Module) for c in children.values()):
+                scope = getattr(module, "scope", None)
+                path = tuple(getattr(scope, "path", ()) or ())
+                collector.record("/".join(path) or type(module).__name__, out)
+        return out
+
+    with intercept(interceptor):
+        yield
+
+
+def _pending(step: int, arrays: dict[str, dict[str, Entry]], order: Any) -> Any:
+    """A function building the :class:`unimp.stats.StepStats` from the step's output arrays
+    when called (one ``jax.device_get`` of them all then)."""
+
+    def build() -> StepStats:
+        host = jax.device_get(arrays)
+        s = float(host["scale"])
+
+        def group(entries: dict[str, Any], at: float) -> dict[str, Any]:
+            return {n: (int(z), at, c, m) for n, (c, m, z) in entries.items()}
+
+        return StepStats.from_arrays(
+            step, group(host["gradients"], s), group(host["activations"], 1.0), order=order
+        )
+
+    return build

@@ -1,0 +1,334 @@
+"""Tensor statistics: how a tensor's values would fare in float16 and bfloat16. Framework-free.
+
+One definition, computed on the device by every backend (``unimp.backends.<name>.stats``) and
+here in NumPy as the reference the backends are tested against. For a tensor ``x`` read at a
+``scale`` (the loss scale for gradients, 1 for activations), with ``v = |x| * scale`` computed in
+float32 (the scale is a power of two in every dynamic rule, so the product is exact):
+
+* ``amax``: the largest ``|x|`` (unscaled); ``min_nonzero``: the smallest nonzero ``|x|``
+  (``inf`` when every element is zero); ``zeros``: exact zeros; ``nonfinite``: inf or NaN.
+* for each target dtype, with round-to-nearest-even as every framework's cast does:
+
+  - ``overflow``: ``v >= overflow_at`` (rounds to inf: 65520 for float16, ``(2 - 2**-8) *
+    2**127`` for bfloat16), inf included;
+  - ``flush``: ``0 < v <= flush_at`` (rounds to zero: half the smallest subnormal, 2**-25
+    for float16, 2**-134 for bfloat16);
+  - ``subnormal``: ``flush_at < v < subnormal_below`` (rounds to a nonzero subnormal:
+    below the smallest normal less half a subnormal step).
+
+* ``headroom``: ``log2(dtype_max / (amax * scale))``, in bits (powers of two) before the
+  largest element overflows; negative means it already does; ``inf`` for an all-zero tensor.
+
+Counts are exact in every backend; magnitudes agree to float32 rounding. Where a framework
+reads float32 subnormals as zero on the device (denormals-are-zero: TensorFlow and XLA on the
+CPU, measured; XLA and CUDA kernels built with flush-to-zero on GPUs), an element below
+float32's smallest normal (``|x| < 2**-126``) counts as a zero, not as a bfloat16 flush or
+subnormal, and is left out of ``min_nonzero``; a product ``|x| * scale`` that lands there
+(only with a scale below 1) counts as a bfloat16 flush. Nothing else depends on it: float16's
+whole range, subnormals included, is normal in float32. torch (CPU and CUDA) keeps float32
+subnormals, as NumPy does.
+
+Counts are int32 on the device: a tensor of 2**31 elements or more is out of range.
+
+Each backend's ``stats`` module computes one tensor's statistics with ``tensor_stats(x,
+scale)`` (two device arrays, no host sync), and ``train_step(..., stats_every=k)`` takes them
+for every gradient and layer output on steps 0, k, 2k, ...: :class:`StepStats`, read from
+``StepResult.stats``.
+
+Example:
+    >>> s = reference_stats([65519.0, 65520.0, 2.0**-25, 0.0])
+    >>> s.counts["float16_overflow"], s.counts["float16_flush"], s.counts["zeros"]
+    (1, 1, 1)
+    >>> s.headroom("float16") < 0  # 65520 is past float16's largest value, 65504
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "COUNT_FIELDS",
+    "LIMITS",
+    "TARGETS",
+    "THRESHOLDS",
+    "RangeLimits",
+    "StepStats",
+    "TensorStats",
+    "reference_stats",
+]
+
+
+@dataclass(frozen=True)
+class RangeLimits:
+    """Where float32 values land when cast to a narrower float (round to nearest even).
+
+    Attributes:
+        dtype: canonical name.
+        max: largest finite value.
+        overflow_at: ``|v| >= overflow_at`` rounds to inf.
+        subnormal_below: ``|v| < subnormal_below`` rounds below the smallest normal.
+        flush_at: ``0 < |v| <= flush_at`` rounds to zero.
+    """
+
+    dtype: str
+    max: float
+    overflow_at: float
+    subnormal_below: float
+    flush_at: float
+
+
+LIMITS: dict[str, RangeLimits] = {
+    "float16": RangeLimits("float16", 65504.0, 65520.0, 2.0**-14 - 2.0**-25, 2.0**-25),
+    "bfloat16": RangeLimits(
+        "bfloat16",
+        (2 - 2.0**-7) * 2.0**127,
+        (2 - 2.0**-8) * 2.0**127,
+        2.0**-126 - 2.0**-134,
+        2.0**-134,
+    ),
+}
+#: The dtypes every statistic is computed for, in order.
+TARGETS = tuple(LIMITS)
+#: Per target, ``(overflow_at, subnormal_below, flush_at)`` as Python floats that are exactly
+#: float32 values (each limit is a float32 number): what the backends compare ``v`` against.
+THRESHOLDS: dict[str, tuple[float, float, float]] = {
+    t: tuple(float(np.float32(x)) for x in (lim.overflow_at, lim.subnormal_below, lim.flush_at))
+    for t, lim in LIMITS.items()
+}
+#: The integer counts a backend returns, in order: per tensor, then per target.
+COUNT_FIELDS = ("zeros", "nonfinite") + tuple(
+    f"{t}_{k}" for t in TARGETS for k in ("overflow", "subnormal", "flush")
+)
+
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """The statistics of one tensor at one scale (see the module docstring for definitions).
+
+    Attributes:
+        size: elements.
+        scale: float, the scale the range counts were taken at.
+        amax: float, largest ``|x|`` (unscaled; NaN if any element is NaN).
+        min_nonzero: float, smallest nonzero ``|x|`` (``inf`` when none).
+        counts: ``{name: int}`` for every name in :data:`COUNT_FIELDS`.
+    """
+
+    size: int
+    scale: float
+    amax: float
+    min_nonzero: float
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = [k for k in COUNT_FIELDS if k not in self.counts]
+        if missing:
+            raise ValueError(f"TensorStats.counts is missing {missing}.")
+
+    @classmethod
+    def from_arrays(cls, size: int, scale: float, counts: Any, magnitudes: Any) -> TensorStats:
+        """Builds the record from a backend's two host arrays.
+
+        Args:
+            size: elements of the tensor.
+            scale: the scale the counts were taken at.
+            counts: int array, shape ``(len(COUNT_FIELDS),)``, in :data:`COUNT_FIELDS` order.
+            magnitudes: float array, shape ``(2,)``: ``amax``, ``min_nonzero``.
+        """
+        c = np.asarray(counts).reshape(-1)
+        m = np.asarray(magnitudes, dtype=np.float64).reshape(-1)
+        if c.shape != (len(COUNT_FIELDS),) or m.shape != (2,):
+            raise ValueError(
+                f"expected {len(COUNT_FIELDS)} counts and 2 magnitudes, got {c.shape} and {m.shape}."
+            )
+        return cls(
+            int(size),
+            float(scale),
+            float(m[0]),
+            float(m[1]),
+            {k: int(v) for k, v in zip(COUNT_FIELDS, c, strict=True)},
+        )
+
+    def fraction(self, name: str) -> float:
+        """``counts[name] / size`` (0 for an empty tensor), e.g. ``fraction("float16_flush")``."""
+        if name not in self.counts:
+            raise KeyError(f"unknown count {name!r}; choose one of {', '.join(COUNT_FIELDS)}.")
+        return self.counts[name] / self.size if self.size else 0.0
+
+    def headroom(self, dtype: str) -> float:
+        """Bits (powers of two) between ``amax * scale`` and the dtype's largest value.
+
+        Raises:
+            KeyError: ``dtype`` is not one of :data:`TARGETS`.
+        """
+        limit = _limits(dtype).max
+        top = self.amax * self.scale
+        if math.isnan(top):
+            return math.nan
+        if top == 0:
+            return math.inf
+        if math.isinf(top):
+            return -math.inf
+        return math.log2(limit / top)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (``inf`` as the float), with fractions and headroom added."""
+        out = asdict(self)
+        out["counts"] = dict(self.counts)
+        out["headroom"] = {t: self.headroom(t) for t in TARGETS}
+        out["fractions"] = {k: self.fraction(k) for k in COUNT_FIELDS}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TensorStats:
+        """Inverse of :meth:`to_dict` (derived keys are ignored)."""
+        return cls(int(d["size"]), float(d["scale"]), float(d["amax"]), float(d["min_nonzero"]), dict(d["counts"]))
+
+
+def _limits(dtype: str) -> RangeLimits:
+    try:
+        return LIMITS[dtype]
+    except KeyError:
+        raise KeyError(f"no range statistics for {dtype!r}; choose one of {', '.join(TARGETS)}.") from None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Statistics of one step: per parameter gradient and per layer output (activation).
+
+    Attributes:
+        step: the step index the statistics were taken at (0-based, counted by the train step).
+        gradients: ``{parameter name: TensorStats}`` of the unscaled gradients before clipping,
+            at the step's loss scale, in the parameters' order (names as the framework spells
+            them: ``l1.weight`` in torch, ``model/l1/kernel`` (``variable.path``) in Keras,
+            ``w1`` or ``l1/kernel`` as the JAX pytree path).
+        activations: ``{layer name: TensorStats}`` of layer outputs in the forward pass, at
+            scale 1, in the order the forward pass produced them; all the outputs of a layer
+            called more than once in the step (every micro-batch, shared weights) together.
+            Empty where nothing was seen (JAX without flax linen or
+            ``unimp.backends.jax.observe``).
+
+    Example:
+        >>> s = StepStats(0, {"w": reference_stats([2.0**-30, 1.0], scale=2.0**10)}, {})
+        >>> s.gradients["w"].fraction("float16_flush"), s.gradients["w"].headroom("float16")
+        (0.0, 5.999...)
+    """
+
+    step: int
+    gradients: Mapping[str, TensorStats]
+    activations: Mapping[str, TensorStats]
+
+    @classmethod
+    def from_arrays(
+        cls,
+        step: int,
+        gradients: Mapping[str, tuple[Any, Any, Any, Any]],
+        activations: Mapping[str, tuple[Any, Any, Any, Any]],
+        order: tuple[list[str], list[str]] | None = None,
+    ) -> StepStats:
+        """Builds the record from a backend's host arrays.
+
+        Args:
+            step: the step index.
+            gradients, activations: ``{name: (size, scale, counts, magnitudes)}`` as
+                :meth:`TensorStats.from_arrays` takes them.
+            order: ``(gradient names, activation names)`` in the order to keep (the model's
+                parameter order, the forward pass's call order); names not listed follow,
+                sorted. Compiled steps return dicts sorted by name, so the order is passed
+                along on the side.
+        """
+        order = order or ([], [])
+
+        def build(group: Mapping[str, Any], first: list[str]) -> dict[str, TensorStats]:
+            names = [n for n in first if n in group]
+            names += sorted(set(group) - set(names))
+            return {n: TensorStats.from_arrays(*group[n]) for n in names}
+
+        return cls(int(step), build(gradients, order[0]), build(activations, order[1]))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values."""
+        return {
+            "step": self.step,
+            "gradients": {k: v.to_dict() for k, v in self.gradients.items()},
+            "activations": {k: v.to_dict() for k, v in self.activations.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepStats:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            int(d["step"]),
+            {k: TensorStats.from_dict(v) for k, v in d["gradients"].items()},
+            {k: TensorStats.from_dict(v) for k, v in d["activations"].items()},
+        )
+
+
+def check_scale(scale: Any) -> float:
+    """A host ``scale`` for the statistics, checked: a finite number > 0 (not a bool).
+
+    Returns:
+        The scale as a float.
+
+    Raises:
+        ValueError: anything else, naming what was given.
+    """
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float, np.number))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}.")
+    return float(scale)
+
+
+def reference_stats(x: Any, scale: float = 1.0) -> TensorStats:
+    """The statistics of ``x`` computed in NumPy: the reference every backend matches.
+
+    Args:
+        x: array-like of any floating dtype and shape (read as float32).
+        scale: float > 0, the scale the range counts are taken at.
+
+    Returns:
+        :class:`TensorStats`.
+
+    Raises:
+        ValueError: ``scale`` is not a finite number > 0.
+
+    Example:
+        >>> s = reference_stats([2.0**-k for k in range(41)], scale=1.0)
+        >>> s.counts["float16_flush"], s.counts["float16_subnormal"]
+        (16, 10)
+    """
+    scale = check_scale(scale)
+    a = np.abs(np.asarray(x, dtype=np.float32)).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = a * np.float32(scale)
+    finite = np.isfinite(a)
+    counts = {"zeros": int(np.sum(a == 0)), "nonfinite": int(np.sum(~finite))}
+    for t in TARGETS:
+        lim = LIMITS[t]
+        with np.errstate(invalid="ignore"):
+            counts[f"{t}_overflow"] = int(np.sum(v >= np.float32(lim.overflow_at)))
+            counts[f"{t}_subnormal"] = int(
+                np.sum((v > np.float32(lim.flush_at)) & (v < np.float32(lim.subnormal_below)))
+            )
+            counts[f"{t}_flush"] = int(np.sum((a > 0) & (v <= np.float32(lim.flush_at))))
+    nonzero = a[a > 0]
+    amax = float(np.max(a)) if a.size else 0.0
+    if a.size and np.isnan(a).any():
+        amax = math.nan
+    return TensorStats(
+        int(a.size),
+        float(scale),
+        amax,
+        float(np.min(nonzero)) if nonzero.size else math.inf,
+        counts,
+    )
