@@ -21,7 +21,7 @@ import pytest
 from conftest import BACKENDS, require_backend
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("overhead", "syncs", "speedup", "memory")
+SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe")
 # (script, backend) cases measured above 10 s on the 2-core CI-like machine (the first case of a
 # framework also pays its import; JAX compiles each loop and recipe)
 SLOW = {
@@ -30,6 +30,7 @@ SLOW = {
     ("overhead", "jax"),
     ("syncs", "jax"),
     ("speedup", "jax"),
+    ("observe", "tensorflow"),
 }
 
 
@@ -79,6 +80,12 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
         assert [r["backend"] for r in results] == [backend]
         assert all("error" not in r for r in results), results
         assert results[0]["peak_rss_mib"] > 0 and results[0]["rss_after_build_mib"] > 0
+        return
+    if script == "observe":  # one row per model: a trace of the step and a statistics step
+        (row,) = results
+        assert "error" not in row, row.get("error")
+        assert row["backend"] == backend and row["trace_ops"] > 0
+        assert row["trace_ms"] > 0 and row["stats_step_ms"] > 0 and row["step_ms"] > 0
         return
     res = results[backend]
     assert "error" not in res, res.get("error")

@@ -10,6 +10,7 @@ flax's ``LayerNorm``), else after the primitive.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -69,25 +70,37 @@ def native_op(name: str) -> str:
     return _NATIVE.get(name, name)
 
 
+@functools.lru_cache(maxsize=4096)
+def _frame_op(file_name: str, function_name: str) -> str | None:
+    path = file_name.replace("\\", "/")
+    for suffix, pattern, op in _FUNCTIONS:
+        if path.endswith(suffix) and re.fullmatch(pattern, function_name):
+            return op
+    return None
+
+
 def _library_op(eqn: Any) -> str | None:
     tb = eqn.source_info.traceback
     if tb is None:
         return None
     for frame in tb.frames:  # innermost first: jax.nn.log_softmax inside optax's loss wins
-        path = frame.file_name.replace("\\", "/")
-        for suffix, pattern, op in _FUNCTIONS:
-            if path.endswith(suffix) and re.fullmatch(pattern, frame.function_name):
-                return op
+        op = _frame_op(frame.file_name, frame.function_name)
+        if op is not None:
+            return op
     return None
 
 
+_DTYPE_NAMES: dict[Any, str | None] = {}
+
+
 def _dtype(v: Any) -> str | None:
-    aval = getattr(v, "aval", None)
-    dtype = getattr(aval, "dtype", None)
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
     if dtype is None:
         return None
-    name = str(dtype)
-    return None if name == "float0" else name
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None and dtype not in _DTYPE_NAMES:
+        name = _DTYPE_NAMES[dtype] = None if str(dtype) == "float0" else str(dtype)
+    return name
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:

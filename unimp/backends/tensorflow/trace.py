@@ -62,6 +62,11 @@ _PLUMBING = frozenset(
     {"cast", "copy", "reshape", "transpose", "broadcast", "concat", "slice", "gather", "fill",
      "compare", "select", "is_finite", "random", "assign"}
 )  # fmt: skip
+# ops that run function bodies (conditionals, loops, calls): read through
+_CALLS = frozenset(
+    {"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
+     "StatefulPartitionedCall", "Case", "StatelessCase"}
+)  # fmt: skip
 _SUFFIX = re.compile(r"_\d+$")
 
 #: Why Keras runs an op in a dtype other than the recipe's: ``{op: (dtype, why)}``.
@@ -120,6 +125,8 @@ class _Walker:
         return "/".join(path), kind
 
     def _bodies(self, op: Any) -> list[Any]:
+        if op.type not in _CALLS:
+            return []
         out = []
         for attr in op.node_def.attr.values():
             names = [attr.func.name] if attr.func.name else [f.name for f in attr.list.func]

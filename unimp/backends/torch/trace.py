@@ -89,13 +89,17 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 def _dtypes(tree: Any) -> tuple[str, ...]:
-    leaves, _ = tree_flatten(tree)
+    """The dtypes of the tensors in an op's (nested) arguments or results, in order."""
     out: list[str] = []
-    for x in leaves:
+    stack = [tree]
+    while stack:  # aten arguments nest tuples, lists (foreach ops) and the kwargs dict
+        x = stack.pop()
         if isinstance(x, torch.Tensor):
             out.append(_dtype(x))
-        elif isinstance(x, (list, tuple)):  # foreach ops: lists of tensors
-            out.extend(_dtype(t) for t in x if isinstance(t, torch.Tensor))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
     return tuple(out)
 
 
