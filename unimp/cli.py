@@ -446,6 +446,24 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", action="store_true", help="every record as JSON, for tools")
     tr.set_defaults(func=_trace)
 
+    doc = sub.add_parser(
+        "doctor", help="what went wrong in a run, from its step logs (any framework), and fixes"
+    )
+    doc.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="step logs (JSON Lines, unimp.steplog/1); several logs of one run are compared",
+    )
+    doc.add_argument("--json", action="store_true", help="the diagnosis as JSON, for tools")
+
+    def _doctor(args: argparse.Namespace) -> int:
+        from unimp.doctor import doctor_command
+
+        return doctor_command(args)
+
+    doc.set_defaults(func=_doctor)
+
     exp = sub.add_parser("explain", help="how a recipe maps onto each framework's native objects")
     exp.add_argument("recipe", help="any recipe name or a .toml/.json recipe file")
     exp.add_argument(
