@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -364,6 +365,58 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from unimp.compare.audit import run_audit
+    from unimp.compare.run import CompareConfig
+
+    cfg = CompareConfig(
+        backends=_backends_arg(args.backends),
+        model=args.model,
+        data=args.data,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        device=args.device,
+    )
+    report = run_audit(
+        cfg,
+        to=args.to,
+        steps=args.steps,
+        plant=args.plant,
+        underflow_tolerance=args.underflow_tolerance,
+    )
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    target, scale = report["target"], report["scale"]
+    planted = report["plant"]
+    title = f"unimp audit: {report['model']} on {report['data']}, {report['steps']} float32 steps read as {target}"
+    title += f" at loss scale {scale:g}" + (
+        f"; planted: {planted['layer']} weights x {planted['factor']:g}" if planted else ""
+    )
+    print(title)
+    for b, fs in report["findings"].items():
+        if not fs:
+            print(
+                f"{b}: clean: nothing would overflow, or flush more than "
+                f"{report['underflow_tolerance']:.0%} to zero, in {target}"
+            )
+            continue
+        print(f"{b}:")
+        for f in fs:
+            then = f"; then {', '.join(f['downstream'])} (carried on)" if f["downstream"] else ""
+            room = (
+                f"{f['headroom']:+.1f} bits" if math.isfinite(f["headroom"]) else str(f["headroom"])
+            )
+            print(
+                f"  {f['layer']}: {f['kind']} in {f['tensor']} from step {f['step']}, "
+                f"{f['fraction']:.2%} of its elements, headroom {room}{then}"
+            )
+            print(f"    fix: {f['fix']}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (``unimp compare: error: argument --epochs: ...``),
     exit code 2, as every other user mistake; ``--help`` still prints the usage."""
@@ -463,6 +516,36 @@ def build_parser() -> argparse.ArgumentParser:
         return doctor_command(args)
 
     doc.set_defaults(func=_doctor)
+
+    aud = sub.add_parser(
+        "audit", help="float32 steps with statistics: which layers would overflow or underflow"
+    )
+    aud.add_argument("--to", required=True, help="the half dtype to audit for: float16 or bfloat16")
+    aud.add_argument("--model", default="mlp", help="mlp (the seeds' model), cnn or vit")
+    aud.add_argument("--data", default="digits", help="'digits' or an .npz with x and y")
+    aud.add_argument("--steps", type=int, default=5, help="float32 steps audited")
+    aud.add_argument(
+        "--backends", default=None, help="comma-separated (default: every installed framework)"
+    )
+    aud.add_argument("--batch-size", type=int, default=32)
+    aud.add_argument("--lr", type=float, default=1e-3)
+    aud.add_argument("--optimizer", default="adam", help="adam or sgd")
+    aud.add_argument("--seed", type=int, default=0)
+    aud.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    aud.add_argument(
+        "--plant",
+        default=None,
+        metavar="LAYER=FACTOR",
+        help="multiply one layer's initial weights (a planted fault), e.g. l1=1e5",
+    )
+    aud.add_argument(
+        "--underflow-tolerance",
+        type=float,
+        default=0.01,
+        help="flag a tensor when more than this share of it would flush to zero (default 0.01)",
+    )
+    aud.add_argument("--json", action="store_true", help="the findings as JSON, for tools")
+    aud.set_defaults(func=_audit)
 
     exp = sub.add_parser("explain", help="how a recipe maps onto each framework's native objects")
     exp.add_argument("recipe", help="any recipe name or a .toml/.json recipe file")

@@ -12,19 +12,22 @@ import numpy as np
 import optax
 
 from unimp.backends import jax as backend
+from unimp.backends.jax import observe
 from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS, weight_layer
 from unimp.compare.run import RunSpec, train_loop
 
 
 def _dense(p: dict, name: str, x: jax.Array) -> jax.Array:
-    return x @ p[f"{name}_w"] + p[f"{name}_b"]
+    # the layer's output is observed (tensor statistics) under the name torch and Keras give it
+    return observe(name.replace("_", "/"), x @ p[f"{name}_w"] + p[f"{name}_b"])
 
 
 def _layer_norm(p: dict, name: str, x: jax.Array) -> jax.Array:
     """LayerNorm over the last axis, mean and variance in ``x``'s dtype (as jmp users write it)."""
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + LAYER_NORM_EPS) * p[f"{name}_g"] + p[f"{name}_b"]
+    y = (x - mean) * jax.lax.rsqrt(var + LAYER_NORM_EPS) * p[f"{name}_g"] + p[f"{name}_b"]
+    return observe(name, y)
 
 
 def _attention(p: dict, x: jax.Array, heads: int) -> jax.Array:
@@ -77,16 +80,16 @@ def _forward(mp: Any, kind: str):
             h = _vit(p, x)
         elif kind == "mlp":
             with jax.named_scope("l1"):
-                h = jax.nn.relu(x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"])
+                h = jax.nn.relu(observe("l1", x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"]))
         else:
             with jax.named_scope("conv"):
                 y = jax.lax.conv_general_dilated(
                     x, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
                 )
-                h = jax.nn.relu(y + p["bk"]).reshape(x.shape[0], -1)
+                h = jax.nn.relu(observe("conv", y + p["bk"])).reshape(x.shape[0], -1)
         h = h * mask.astype(h.dtype)
         with jax.named_scope("l2"):
-            logits = h @ p["w2"] + p["b2"]
+            logits = observe("l2", h @ p["w2"] + p["b2"])
         return mp.cast_to_output(logits)
 
     return forward

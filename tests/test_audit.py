@@ -1,0 +1,74 @@
+"""``unimp audit`` in every backend: the right values of the issue, the command, bad input."""
+
+import json
+
+import pytest
+from conftest import BACKENDS, require_backend
+
+from unimp.cli import main
+from unimp.compare.audit import run_audit
+from unimp.compare.run import CompareConfig
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_seeds_mlp_on_the_digits_passes_clean(backend):
+    require_backend(backend)
+    for to in ("float16", "bfloat16"):
+        r = run_audit(CompareConfig(model="mlp", backends=(backend,)), to=to, steps=3)
+        assert r["findings"] == {backend: []} and r["clean"] == {backend: True}
+        assert r["scale"] == (32768.0 if to == "float16" else 1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_planted_large_activation_layer_is_flagged_at_exactly_that_layer(backend):
+    require_backend(backend)
+    # l1's weights x 1e5: its outputs pass 65504 (float16's largest value)
+    r = run_audit(CompareConfig(model="mlp", backends=(backend,)), to="float16", steps=2, plant="l1=1e5")
+    found = r["findings"][backend]
+    overflow = [f for f in found if f["kind"] == "activation overflow"]
+    assert [f["layer"] for f in overflow] == ["l1"]
+    assert overflow[0]["step"] == 0 and overflow[0]["headroom"] < 0
+    assert overflow[0]["downstream"][-1] == "l2"  # what only carries l1's values on is not flagged
+    assert "float32" in overflow[0]["fix"] and "bfloat16" in overflow[0]["fix"]
+    # bfloat16 has float32's range: the same plant is clean there
+    r16 = run_audit(CompareConfig(model="mlp", backends=(backend,)), to="bfloat16", steps=1, plant="l1=1e5")
+    assert r16["clean"] == {backend: True}
+
+
+def test_the_command_prints_the_findings_and_json(capsys):
+    backend = BACKENDS[0]
+    require_backend(backend)
+    argv = ["audit", "--to", "float16", "--backends", backend, "--steps", "1", "--plant", "l1=1e5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "planted: l1 weights x 100000" in out
+    assert "  l1: activation overflow" in out and "fix: keep l1 in float32" in out
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["clean"] == {backend: False} and data["plant"] == {"layer": "l1", "factor": 1e5}
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["audit"], "--to"),
+        (["audit", "--to", "float8"], "float16, bfloat16"),
+        (["audit", "--to", "float16", "--steps", "0"], "--steps"),
+        (["audit", "--to", "float16", "--plant", "l1"], "LAYER=FACTOR"),
+        (["audit", "--to", "float16", "--plant", "l9=10"], "its layers are l1, l2"),
+        (["audit", "--to", "float16", "--plant", "l1=-1"], "finite number > 0"),
+        (["audit", "--to", "float16", "--plant", "l1=inf"], "finite number > 0"),
+        (["audit", "--to", "float16", "--underflow-tolerance", "1.5"], "[0, 1)"),
+        (["audit", "--to", "float16", "--model", "rnn"], "mlp, cnn, vit"),
+        (["audit", "--to", "float16", "--backends", "mxnet"], "torch"),
+        (["audit", "--to", "float16", "--batch-size", "0"], "--batch-size"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,69 @@
+"""The audit's reading of statistics (framework-free): where an overflow starts, what underflows."""
+
+import numpy as np
+import pytest
+
+from unimp.compare.audit import audit_stats, findings_table, initial_scale, layer_of
+from unimp.stats import StepStats, reference_stats
+
+S = 2.0**15
+
+
+def _step(i, acts, grads, scale=S):
+    return StepStats(
+        i,
+        {k: reference_stats(v, scale) for k, v in grads.items()},
+        {k: reference_stats(v, 1.0) for k, v in acts.items()},
+    )
+
+
+def test_initial_scales_are_the_recipes():
+    assert initial_scale("float16") == 32768.0
+    assert initial_scale("bfloat16") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("name", "layer"), [("l1.weight", "l1"), ("l1/kernel", "l1"), ("block/attn/q/w", "block/attn/q"), ("w1", "w1")]
+)
+def test_layer_of(name, layer):
+    assert layer_of(name) == layer
+
+
+def test_a_clean_run_has_no_findings():
+    ok = np.linspace(-3, 3, 100)
+    steps = [_step(i, {"l1": ok, "l2": ok}, {"l1.weight": ok * 1e-3, "l2.weight": ok * 1e-3}) for i in range(3)]
+    assert audit_stats(steps, "float16") == []
+
+
+def test_an_overflow_is_flagged_where_it_starts_and_downstream_layers_follow_it():
+    ok, big = np.ones(10), np.full(10, 1e5)
+    steps = [_step(0, {"l0": ok, "l1": big, "l2": big, "ln": ok, "l3": ok}, {})]
+    (f,) = audit_stats(steps, "float16")
+    assert (f.layer, f.kind, f.downstream, f.fraction) == ("l1", "activation overflow", ("l2",), 1.0)
+    assert f.headroom == pytest.approx(np.log2(65504 / 1e5))
+    assert "float32" in f.fix
+    # bfloat16 holds 1e5: nothing to flag
+    assert audit_stats(steps, "bfloat16") == []
+
+
+def test_gradient_overflow_and_underflow_name_the_fix():
+    steps = [_step(0, {}, {"l1/kernel": np.full(4, 4.0), "l2/kernel": np.full(4, 2.0**-45)})]
+    over, under = audit_stats(steps, "float16")
+    assert (over.layer, over.kind) == ("l1", "gradient overflow")
+    # 4 * 2**15 = 2**17 overflows float16 by 2 bits: start at 2**13
+    assert "start the loss scale at 8192" in over.fix
+    assert (under.layer, under.kind, under.fraction) == ("l2", "gradient underflow", 1.0)
+    assert "larger loss scale" in under.fix
+    rows = findings_table({"torch": [over, under]})
+    assert rows[0][:3] == ["torch", "l1", "gradient overflow"]
+
+
+def test_the_underflow_tolerance_and_bad_arguments():
+    x = np.concatenate([np.ones(99), [2.0**-45]])  # 1 % flushes at scale 2**15
+    steps = [_step(0, {}, {"l1.weight": x})]
+    assert audit_stats(steps, "float16", underflow_tolerance=0.01) == []
+    assert [f.kind for f in audit_stats(steps, "float16", underflow_tolerance=0.005)] == ["gradient underflow"]
+    with pytest.raises(ValueError, match="float16, bfloat16"):
+        audit_stats(steps, "float8")
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        audit_stats(steps, "float16", underflow_tolerance=1.0)

@@ -1,0 +1,338 @@
+"""``unimp audit``: float32 steps with tensor statistics on, read as "what would a half dtype do".
+
+Each framework trains the model in float32 (the same weights and batches as ``unimp compare``)
+with a static loss scale equal to the target recipe's initial scale (float16: 2**15, bfloat16:
+1), so the gradient statistics are taken at the scale the half-precision run would start at.
+Then, per layer:
+
+* an activation overflow (a layer output that would round to inf in the target dtype) is
+  flagged at the layer where it starts: the first layer in forward order whose outputs
+  overflow, after a layer whose outputs did not; the layers after it that only carry its
+  values on are reported as downstream of it, not flagged;
+* a gradient overflow (a gradient that would round to inf at the initial scale);
+* an underflow: more than ``underflow_tolerance`` of a tensor's elements would flush to zero.
+
+Each finding carries the fix. Framework-free: the statistics come from each backend's
+``stats`` module through the compare runners.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from unimp.stats import LIMITS, StepStats, TensorStats
+
+__all__ = [
+    "Finding",
+    "audit_stats",
+    "findings_table",
+    "initial_scale",
+    "layer_of",
+    "parse_plant",
+    "run_audit",
+]
+
+TARGETS = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One layer that would not fit the target dtype.
+
+    Attributes:
+        layer: the layer name (a parameter's layer for gradients).
+        kind: ``activation overflow``, ``gradient overflow``, ``activation underflow`` or
+            ``gradient underflow``.
+        tensor: the tensor that showed it (the layer output, or the parameter).
+        step: the first audited step (0-based) it showed at.
+        fraction: the largest fraction of elements affected, over the audited steps.
+        headroom: bits between ``amax * scale`` and the dtype's largest value (negative:
+            overflows by that many powers of two).
+        fix: what to change.
+        downstream: layers after this one whose outputs overflow only because of it.
+    """
+
+    layer: str
+    kind: str
+    tensor: str
+    step: int
+    fraction: float
+    headroom: float
+    fix: str
+    downstream: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["downstream"] = list(self.downstream)
+        return d
+
+
+def layer_of(parameter: str) -> str:
+    """The layer a parameter belongs to: its name without the last part
+    (``l1.weight``, ``l1/kernel``, ``l1/w`` -> ``l1``; ``w1`` -> ``w1``)."""
+    for sep in ("/", "."):
+        if sep in parameter:
+            return parameter.rsplit(sep, 1)[0]
+    return parameter
+
+
+def _fix(kind: str, layer: str, target: str, scale: float, s: TensorStats) -> str:
+    room = s.headroom(target)
+    if kind == "activation overflow":
+        return (
+            f"keep {layer} in float32 (torch: run it under torch.autocast(..., enabled=False); "
+            f"Keras: dtype='float32' on the layer; JAX: compute it in float32), or train in "
+            "bfloat16 (float32's range)"
+        )
+    if kind == "gradient overflow":
+        bits = max(1, math.ceil(-room)) if math.isfinite(room) else None
+        start = f"{scale / 2**bits:g}" if bits is not None else "a smaller scale"
+        return (
+            f"start the loss scale at {start} instead of {scale:g} (a dynamic scale backs off "
+            "there by itself, skipping a step each halving), or train in bfloat16"
+        )
+    if kind == "gradient underflow":
+        if target == "float16" and math.isfinite(room) and room >= 1:
+            return (
+                f"a larger loss scale: {scale * 2 ** math.floor(room):g} still fits the largest "
+                f"gradient of {layer}; or train in bfloat16"
+            )
+        return "train in bfloat16 (float32's range), or keep this layer's gradients in float32"
+    return f"keep {layer} in float32, or train in bfloat16"
+
+
+def audit_stats(
+    steps: Sequence[StepStats],
+    target: str,
+    *,
+    underflow_tolerance: float = 0.01,
+) -> list[Finding]:
+    """The findings of one framework's audited steps.
+
+    Args:
+        steps: the statistics of each audited step (taken at the target's initial scale).
+        target: ``float16`` or ``bfloat16``.
+        underflow_tolerance: flag a tensor when more than this fraction of its elements would
+            flush to zero (0 <= tolerance < 1).
+
+    Returns:
+        :class:`Finding` s, activations first (in forward order), then gradients (sorted).
+
+    Raises:
+        ValueError: an unknown target or a tolerance outside [0, 1).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target dtype {target!r}; choose one of {', '.join(TARGETS)}.")
+    if not (0 <= underflow_tolerance < 1):
+        raise ValueError(f"underflow tolerance must be in [0, 1), got {underflow_tolerance}.")
+    worst: dict[tuple[str, str, str], tuple[float, int, TensorStats]] = {}
+    order: list[str] = []
+
+    def note(kind: str, layer: str, tensor: str, frac: float, step: int, s: TensorStats) -> None:
+        key = (kind, layer, tensor)
+        old = worst.get(key)
+        if old is None:
+            worst[key] = (frac, step, s)
+        elif frac > old[0] or s.headroom(target) < old[2].headroom(target):
+            worst[key] = (max(frac, old[0]), old[1], s)
+
+    for st in steps:
+        for name in st.activations:
+            if name not in order:
+                order.append(name)
+        for kind_of, tensors in (("activation", st.activations), ("gradient", st.gradients)):
+            for name, s in tensors.items():
+                layer = name if kind_of == "activation" else layer_of(name)
+                over = s.fraction(f"{target}_overflow")
+                if over > 0:
+                    note(f"{kind_of} overflow", layer, name, over, st.step, s)
+                flush = s.fraction(f"{target}_flush")
+                if flush > underflow_tolerance:
+                    note(f"{kind_of} underflow", layer, name, flush, st.step, s)
+    out: list[Finding] = []
+    # activation overflows: flagged where they start, in forward order
+    overflowing = [n for n in order if ("activation overflow", n, n) in worst]
+    origin = None
+    for i, name in enumerate(order):
+        if name not in overflowing:
+            origin = None
+            continue
+        frac, step, s = worst[("activation overflow", name, name)]
+        if origin is not None and order[i - 1] in overflowing:
+            out[origin] = _with_downstream(out[origin], name)
+            continue
+        out.append(
+            Finding(
+                name, "activation overflow", name, step, frac, s.headroom(target),
+                _fix("activation overflow", name, target, s.scale, s),
+            )
+        )  # fmt: skip
+        origin = len(out) - 1
+    for (kind, layer, tensor), (frac, step, s) in sorted(
+        worst.items(), key=lambda kv: (kv[0][0].startswith("gradient"), kv[0][1], kv[0][0])
+    ):
+        if kind == "activation overflow":
+            continue
+        out.append(
+            Finding(layer, kind, tensor, step, frac, s.headroom(target), _fix(kind, layer, target, s.scale, s))
+        )
+    return out
+
+
+def _with_downstream(f: Finding, layer: str) -> Finding:
+    return Finding(
+        f.layer, f.kind, f.tensor, f.step, f.fraction, f.headroom, f.fix, (*f.downstream, layer)
+    )
+
+
+def initial_scale(target: str) -> float:
+    """The loss scale a half-precision run of ``target`` starts at: the ``mixed_<target>``
+    recipe's initial scale (1 where it does not scale the loss)."""
+    from unimp.recipe import get_recipe
+
+    if target not in LIMITS:
+        raise ValueError(f"unknown target dtype {target!r}; choose one of {', '.join(TARGETS)}.")
+    return float(get_recipe(f"mixed_{target}").loss_scale.initial_scale())
+
+
+def findings_table(findings: Mapping[str, Sequence[Finding]]) -> list[list[str]]:
+    """Rows for a table: backend, layer, kind, tensor, step, fraction, headroom, fix."""
+    rows = []
+    for backend, fs in findings.items():
+        for f in fs:
+            rows.append(
+                [
+                    backend,
+                    f.layer + (f" (then {', '.join(f.downstream)})" if f.downstream else ""),
+                    f.kind,
+                    f.tensor,
+                    str(f.step),
+                    f"{f.fraction:.2%}",
+                    f"{f.headroom:+.1f}" if math.isfinite(f.headroom) else str(f.headroom),
+                    f.fix,
+                ]
+            )
+    return rows
+
+
+def parse_plant(spec: str, model: str, weight_names: Sequence[str]) -> tuple[str, float]:
+    """``--plant LAYER=FACTOR``: multiply that layer's weights by FACTOR (a planted fault).
+
+    Raises:
+        ValueError: not ``LAYER=FACTOR``, an unknown layer (the model's layers are listed), or a
+            factor that is not a finite number > 0.
+    """
+    from unimp.compare.models import weight_layer
+
+    layer, sep, factor = spec.partition("=")
+    layers = sorted({weight_layer(n) for n in weight_names})
+    if not sep or not layer.strip():
+        raise ValueError(f"--plant {spec!r}: use LAYER=FACTOR, e.g. --plant {layers[0]}=1e5.")
+    if layer.strip() not in layers:
+        raise ValueError(
+            f"--plant {spec!r}: model {model} has no layer {layer.strip()!r}; its layers are "
+            f"{', '.join(layers)}."
+        )
+    try:
+        value = float(factor)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--plant {spec!r}: FACTOR must be a finite number > 0, e.g. 1e5.")
+    return layer.strip(), value
+
+
+def run_audit(
+    cfg: Any,
+    *,
+    to: str,
+    steps: int = 5,
+    plant: str | None = None,
+    underflow_tolerance: float = 0.01,
+    progress_factory: Any = None,
+) -> dict[str, Any]:
+    """Runs ``steps`` float32 steps of the compare model in every backend with statistics on
+    every step, at ``to``'s initial loss scale, and reads them (:func:`audit_stats`).
+
+    Args:
+        cfg: a :class:`unimp.compare.run.CompareConfig` (model, data, batch size, optimizer, lr,
+            seed, device, backends; its recipe and loss scale are replaced).
+        to: ``float16`` or ``bfloat16``.
+        steps: audited steps, >= 1.
+        plant: ``LAYER=FACTOR``: multiply one layer's initial weights (a planted fault).
+        underflow_tolerance: see :func:`audit_stats`.
+        progress_factory: as :func:`unimp.compare.run.run_compare`'s.
+
+    Returns:
+        ``{"target", "scale", "model", "data", "steps", "plant", "findings": {backend: [Finding
+        dicts]}, "clean": {backend: bool}}``.
+
+    Raises:
+        ValueError, ImportError: any bad option, before anything runs.
+    """
+    import dataclasses
+    import importlib
+
+    from unimp.compare.data import batches
+    from unimp.compare.models import hidden_size, init_weights, weight_layer
+    from unimp.compare.run import RunSpec, _device_for, validate
+    from unimp.loss_scale import StaticLossScale
+    from unimp.recipe import get_recipe
+    from unimp.stats import StepStats
+
+    if to not in TARGETS:
+        raise ValueError(f"--to {to!r}: choose one of {', '.join(TARGETS)}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps must be an int >= 1, got {steps!r}.")
+    if not (0 <= underflow_tolerance < 1):
+        raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
+    scale = initial_scale(to)
+    loss_scale = "none" if scale == 1.0 else StaticLossScale(scale)
+    _, backends, ds = validate(dataclasses.replace(cfg, recipe="float32", loss_scale=None))
+    recipe = get_recipe("float32", loss_scale=loss_scale)
+    weights = init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
+    planted = None
+    if plant is not None:
+        layer, factor = parse_plant(plant, cfg.model, list(weights))
+        weights = {
+            k: (v * np.float32(factor) if weight_layer(k) == layer else v) for k, v in weights.items()
+        }
+        planted = {"layer": layer, "factor": factor}
+    per_epoch = max(1, len(ds.x_train) // cfg.batch_size)
+    data = batches(
+        ds, batch_size=cfg.batch_size, epochs=math.ceil(steps / per_epoch), seed=cfg.seed,
+        dropout=cfg.dropout, hidden=hidden_size(cfg.model, ds.image_shape),
+    )[:steps]  # fmt: skip
+    findings: dict[str, list[dict[str, Any]]] = {}
+    for b in backends:
+        runner = importlib.import_module(f"unimp.compare.runner_{b}")
+        spec = RunSpec(
+            recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
+            cfg.optimizer, cfg.lr, _device_for(b, cfg.device), stats_every=1,
+        )  # fmt: skip
+        if progress_factory is None:
+            run = runner.run(spec)
+        else:
+            with progress_factory(f"{b} (float32, stats)", len(data)) as bar:
+                spec.progress = lambda i: bar.advance()
+                run = runner.run(spec)
+        stats = [StepStats.from_dict(run["stats"][k]) for k in sorted(run["stats"], key=int)]
+        findings[b] = [
+            f.to_dict() for f in audit_stats(stats, to, underflow_tolerance=underflow_tolerance)
+        ]
+    return {
+        "target": to,
+        "scale": scale,
+        "model": cfg.model,
+        "data": ds.name,
+        "steps": len(data),
+        "plant": planted,
+        "underflow_tolerance": underflow_tolerance,
+        "findings": findings,
+        "clean": {b: not fs for b, fs in findings.items()},
+    }
