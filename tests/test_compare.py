@@ -61,6 +61,12 @@ def test_frameworks_agree(tmp_path, recipe, tol):
         assert rep["trace_diff"] == []
     md = (out / "report.md").read_text()
     assert "## Where the frameworks' dtypes differ" in md
+    # per-layer statistics at the first step: the same weights and batch give the same
+    # gradients' largest magnitude in every framework
+    first = [s["first"]["layers"]["l1"]["grad_amax"] for s in rep["layer_stats"].values()]
+    assert max(first) - min(first) <= 1e-2 * max(first)
+    assert {s["last"]["step"] for s in rep["layer_stats"].values()} == {rep["steps"] - 1}
+    assert "## Per-layer statistics, first step (0)" in md
 
 
 def test_cnn_and_baseline(tmp_path):

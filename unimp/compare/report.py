@@ -158,6 +158,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "process's resident memory (RSS) during training.",
         "",
     ]
+    lines += _layer_stats_markdown(report)
     if len(report["runs"]) > 1:
         lines += ["## Where the frameworks' dtypes differ (first step, forward pass)", ""]
         diff = report.get("trace_diff_text", [])
@@ -169,6 +170,64 @@ def _markdown(report: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _layer_stats_markdown(report: dict[str, Any]) -> list[str]:
+    """Per-layer statistics at the first and the last step, every framework side by side."""
+    from tabulate import tabulate
+
+    per = report.get("layer_stats") or {}
+    if not any(per.values()):
+        return []
+    lines = []
+    for label in ("first", "last"):
+        rows = []
+        step = None
+        for backend, s in per.items():
+            if label not in s:
+                continue
+            step = s[label]["step"]
+            for layer, d in s[label]["layers"].items():
+                rows.append(
+                    [
+                        layer,
+                        backend,
+                        _fmt(d.get("grad_amax"), ".3g"),
+                        _fmt(d.get("grad_headroom"), ".1f"),
+                        _share(d, "grad", "flush"),
+                        _share(d, "grad", "overflow"),
+                        _fmt(d.get("act_amax"), ".3g"),
+                        _fmt(d.get("act_headroom"), ".1f"),
+                    ]
+                )
+        rows.sort(key=lambda r: (r[0], r[1]))
+        lines += [
+            f"## Per-layer statistics, {label} step ({step})",
+            "",
+            tabulate(
+                rows,
+                headers=[
+                    "layer", "backend", "grad max", "grad headroom f16 (bits)", "grad flush f16",
+                    "grad overflow f16", "act max", "act headroom f16 (bits)",
+                ],
+                tablefmt="github",
+            ),
+            "",
+        ]  # fmt: skip
+    lines += [
+        "Gradients at the step's loss scale, activations (layer outputs) at 1; headroom: powers "
+        "of two between the largest value and float16's largest (negative: it overflows); "
+        "shares of the layer's elements that would flush to zero / overflow in float16.",
+        "",
+    ]
+    return lines
+
+
+def _share(d: dict[str, Any], kind: str, what: str) -> str:
+    size = d.get(f"{kind}_size")
+    if not size:
+        return "n/a"
+    return f"{d.get(f'{kind}_{what}', 0) / size:.2%}"
 
 
 def _plot(report: dict[str, Any], path: str) -> None:

@@ -271,6 +271,8 @@ def run_compare(
             cfg.optimizer,
             cfg.lr,
             devices[backend],
+            # statistics at the first and the last step, for the report's per-layer table
+            stats_every=max(1, len(steps) - 1),
             trace=True,
         )
         if progress_factory is None:
@@ -310,7 +312,46 @@ def run_compare(
             for b in backends
         }
     _add_trace_diff(report)
+    report["layer_stats"] = {b: layer_stats(run) for b, run in runs.items()}
     return report
+
+
+def _top_layer(name: str) -> str:
+    import re
+
+    return re.split(r"[./]", name, maxsplit=1)[0]
+
+
+def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per top-level layer, at the first and the last step with statistics: the gradients'
+    largest magnitude and float16 headroom and flush share (at the step's loss scale), and the
+    activations' largest magnitude and float16 headroom (the layer's tensors taken together).
+
+    Returns:
+        ``{"first" | "last": {"step": int, "layers": {layer: {...}}}}`` (empty without stats).
+    """
+    from unimp.stats import StepStats
+
+    stats = run.get("stats") or {}
+    if not stats:
+        return {}
+    keys = sorted(stats, key=int)
+    out = {}
+    for label, key in (("first", keys[0]), ("last", keys[-1])):
+        st = StepStats.from_dict(stats[key])
+        layers: dict[str, dict[str, Any]] = {}
+        for kind, tensors in (("grad", st.gradients), ("act", st.activations)):
+            for name, t in tensors.items():
+                d = layers.setdefault(_top_layer(name), {})
+                amax, size = d.get(f"{kind}_amax", 0.0), d.get(f"{kind}_size", 0)
+                d[f"{kind}_amax"] = max(amax, t.amax) if math.isfinite(t.amax) else t.amax
+                d[f"{kind}_size"] = size + t.size
+                d[f"{kind}_flush"] = d.get(f"{kind}_flush", 0) + t.counts["float16_flush"]
+                d[f"{kind}_overflow"] = d.get(f"{kind}_overflow", 0) + t.counts["float16_overflow"]
+                room = t.headroom("float16")
+                d[f"{kind}_headroom"] = min(d.get(f"{kind}_headroom", math.inf), room)
+        out[label] = {"step": int(key), "layers": layers}
+    return out
 
 
 def _add_trace_diff(report: dict[str, Any]) -> None:
