@@ -232,8 +232,15 @@ def _compare(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         dropout=args.dropout,
         loss_scale=args.loss_scale,
+        log_dir=None if args.log_dir is None else os.path.abspath(args.log_dir),
     )
     validate(cfg)  # every bad option fails here, before any framework runs or anything is written
+    if args.log_dir is not None:
+        if os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+            raise UsageError(
+                f"--log-dir {args.log_dir!r} exists and is not a folder; pick another path"
+            )
+        os.makedirs(args.log_dir, exist_ok=True)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -472,6 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="override the recipe's loss scale: none, dynamic, static:N or a framework's preset "
         "(torch, keras, tf_keras, jmp, flax, apex)",
+    )
+    cmp_.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each framework's step log (<backend>.jsonl, for unimp doctor) into this folder",
     )
     cmp_.add_argument("--quiet", action="store_true", help="no progress bars")
     cmp_.set_defaults(func=_compare)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class CompareConfig:
     baseline: bool = False
     dropout: float = 0.2
     loss_scale: str | None = None
+    log_dir: str | None = None
 
 
 @dataclass
@@ -61,6 +63,8 @@ class RunSpec:
         stats_every: tensor statistics every k steps (``train_step(stats_every=k)``); the
             runs then hold ``stats``: ``{step: StepStats.to_dict()}``.
         trace: record the dtype trace of the first step (``mp.trace``) in ``trace``.
+        log: a step-log path (``train_step(log=...)``, ``docs/steplog.md``), closed after
+            the run.
     """
 
     recipe: Recipe
@@ -76,10 +80,19 @@ class RunSpec:
     progress: Callable[[int], None] = field(default=lambda i: None)
     stats_every: int | None = None
     trace: bool = False
+    log: str | None = None
 
     def step_options(self) -> dict[str, Any]:
         """Keyword arguments of every backend's ``train_step`` for this run."""
-        return {} if self.stats_every is None else {"stats_every": self.stats_every}
+        out: dict[str, Any] = {} if self.stats_every is None else {"stats_every": self.stats_every}
+        if self.log is not None:
+            out.update(log=self.log, log_every=50)
+        return out
+
+
+def label_file(label: str) -> str:
+    """A run's label as a file name: ``torch``, ``torch-float32`` for a baseline run."""
+    return label.replace(" (", "-").replace(")", "").replace(" ", "-")
 
 
 def train_loop(
@@ -105,19 +118,23 @@ def train_loop(
         k: [] for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "step_time")
     }
     rss0 = peak = proc.memory_info().rss
-    for i, b in enumerate(spec.batches):
-        batch = convert(b)
-        t0 = time.perf_counter()
-        r = step(batch)
-        loss = r.loss
-        out["step_time"].append(time.perf_counter() - t0)
-        peak = max(peak, proc.memory_info().rss)
-        out["loss"].append(loss)
-        for name in ("scale", "applied", "loss_finite", "grads_finite"):
-            out[name].append(getattr(r, name))
-        if spec.stats_every is not None and r.stats is not None:  # read back every k steps
-            out.setdefault("stats", {})[str(i)] = r.stats.to_dict()
-        spec.progress(i)
+    try:
+        for i, b in enumerate(spec.batches):
+            batch = convert(b)
+            t0 = time.perf_counter()
+            r = step(batch)
+            loss = r.loss
+            out["step_time"].append(time.perf_counter() - t0)
+            peak = max(peak, proc.memory_info().rss)
+            out["loss"].append(loss)
+            for name in ("scale", "applied", "loss_finite", "grads_finite"):
+                out[name].append(getattr(r, name))
+            if spec.stats_every is not None and r.stats is not None:  # read back every k steps
+                out.setdefault("stats", {})[str(i)] = r.stats.to_dict()
+            spec.progress(i)
+    finally:
+        if spec.log is not None:
+            step.close()  # the step log's last records and its end line
     out["rss_growth_bytes"] = int(peak - rss0)
     return out
 
@@ -274,6 +291,7 @@ def run_compare(
             # statistics at the first and the last step, for the report's per-layer table
             stats_every=max(1, len(steps) - 1),
             trace=True,
+            log=None if cfg.log_dir is None else os.path.join(cfg.log_dir, f"{label_file(label)}.jsonl"),
         )
         if progress_factory is None:
             return runner.run(spec)

@@ -20,6 +20,7 @@ from unimp.backends.jax.optimizer import loss_scaling
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
 from unimp.backends.jax.step import TrainStep
 from unimp.step import check_stats_every
+from unimp.steprecorder import _with_log, check_log_every
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -146,6 +147,8 @@ class MixedPrecision(MixedPrecisionBase):
         donate: bool = False,
         model_state: Any = None,
         stats_every: int | None = None,
+        log: Any = None,
+        log_every: int = 100,
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
@@ -154,9 +157,16 @@ class MixedPrecision(MixedPrecisionBase):
         :meth:`module_kwargs`. ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`)
         of the gradients and observed activations (:func:`observe`, flax linen module outputs)
         to the results of steps 0, k, 2k, ... (``result.stats``).
+
+        ``log=path`` (or a :class:`unimp.steplog.StepLogWriter`) writes a JSON Lines step log
+        (``docs/steplog.md``; ``unimp doctor`` reads it): one record per step, kept on the
+        device and written every ``log_every`` steps (default 100; the only waits it adds), the
+        rest on ``step.close()``, garbage collection or exit. With ``stats_every`` the records
+        carry the statistics, and a non-finite step's first non-finite layer.
         """
         stats_every = check_stats_every(stats_every)
-        return TrainStep(
+        log_every = check_log_every(log, log_every)
+        step = TrainStep(
             self,
             loss_fn,
             optimizer,
@@ -169,3 +179,4 @@ class MixedPrecision(MixedPrecisionBase):
             model_state=model_state,
             stats_every=stats_every,
         )
+        return _with_log(step, self, log, log_every, step.loss_scale.config, jax.device_get)

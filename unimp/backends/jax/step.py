@@ -69,6 +69,16 @@ def _contains_loss_scaling(state: Any) -> bool:
     )
 
 
+def _learning_rate(opt_state: Any) -> Any:
+    """The learning rate an optax state exposes (``optax.inject_hyperparams``), else None."""
+    found = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
+    for leaf in found:
+        hp = getattr(leaf, "hyperparams", None)
+        if isinstance(hp, dict) and "learning_rate" in hp:
+            return hp["learning_rate"]
+    return None
+
+
 class TrainStep:
     """One jitted step ``step(batch) -> StepResult`` with params, optimizer state and loss scale.
 
@@ -479,7 +489,19 @@ class TrainStep:
         if with_stats:
             stats = _pending(self._calls, raw.pop("stats"), self._stats_order)
         self._calls += 1
-        return StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats)
+        result = StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats)
+        if self._recorder is not None:
+            self._recorder.add(
+                self._calls - 1, result, lr=_learning_rate(opt_state), batch_finite=all_finite(batch)
+            )
+        return result
+
+    _recorder = None  # a StepRecorder with train_step(log=...)
+
+    def close(self) -> None:
+        """Writes what the step log (``log=``) still holds, and its end line."""
+        if self._recorder is not None:
+            self._recorder.close()
 
     @property
     def params(self) -> Any:

@@ -17,8 +17,10 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
+from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.step import check_stats_every, check_step_options
+from unimp.steprecorder import _with_log, check_log_every
 
 
 def _cast_call(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -274,6 +276,8 @@ class MixedPrecision(MixedPrecisionBase):
         max_grad_norm: float | None = None,
         jit_compile: bool = False,
         stats_every: int | None = None,
+        log: Any = None,
+        log_every: int = 100,
     ) -> TrainStep:
         """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
 
@@ -325,6 +329,13 @@ class MixedPrecision(MixedPrecisionBase):
                 quantized mode is not seen); the others call the plain one, whose graph is
                 the same as without the option. Reading ``result.stats`` is the only sync.
                 Not supported under a ``tf.distribute`` strategy (a ``ValueError``).
+            log: ``None`` (default), a file path or a :class:`unimp.steplog.StepLogWriter`: a
+                JSON Lines step log (``docs/steplog.md``; ``unimp doctor`` reads it): one record
+                per step, kept on the device and written every ``log_every`` steps (the only
+                waits it adds), the rest on :meth:`TrainStep.close`, garbage collection or exit.
+                With ``stats_every`` the records carry the statistics, and a non-finite step's
+                first non-finite layer.
+            log_every: steps between writes of the log, >= 1 (default 100).
 
         Returns:
             A :class:`TrainStep`; ``step.state_dict()`` / ``load_state_dict()`` hold the
@@ -336,6 +347,7 @@ class MixedPrecision(MixedPrecisionBase):
                 anything is built), an unbuilt model, or ``stats_every`` under a strategy.
         """
         stats_every = check_stats_every(stats_every)
+        log_every = check_log_every(log, log_every)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
         if not callable(loss_fn):
@@ -352,7 +364,8 @@ class MixedPrecision(MixedPrecisionBase):
             lso = optimizer
         else:
             lso = self.loss_scale_optimizer(optimizer)
-        return TrainStep(
+        step = TrainStep(
             model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
             device=self._device, stats_every=stats_every,
         )
+        return _with_log(step, self, log, log_every, step.optimizer.loss_scale_config, _to_host)

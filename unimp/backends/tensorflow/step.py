@@ -176,9 +176,22 @@ class TrainStep:
         if stats_step:
             stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
         self.calls += 1
-        return StepResult(
+        result = StepResult(
             raw, to_host=_to_host, config=self.optimizer.loss_scale_config, stats=stats
         )
+        if self._recorder is not None:
+            lr = getattr(self.optimizer, "learning_rate", None)
+            lr = tf.identity(lr) if isinstance(lr, (tf.Variable, tf.Tensor)) or hasattr(lr, "value") else lr
+            finite = None if self.strategy is not None else all_finite(batch)
+            self._recorder.add(self.calls - 1, result, lr=lr, batch_finite=finite)
+        return result
+
+    _recorder = None  # a StepRecorder with train_step(log=...)
+
+    def close(self) -> None:
+        """Writes what the step log (``log=``) still holds, and its end line."""
+        if self._recorder is not None:
+            self._recorder.close()
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scale state in unimp's portable format."""

@@ -20,8 +20,9 @@ from unimp.backends.torch.casting import (
 )
 from unimp.backends.torch.devices import _as_device, _dtype_ok
 from unimp.backends.torch.optimizer import _check_half_state
-from unimp.backends.torch.scaling import GradScaler
+from unimp.backends.torch.scaling import GradScaler, _to_host
 from unimp.backends.torch.step import TrainStep
+from unimp.steprecorder import _with_log, check_log_every
 
 
 def _prepared_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -271,12 +272,18 @@ class MixedPrecision(MixedPrecisionBase):
         max_grad_norm: float | None = None,
         scheduler: Any = None,
         stats_every: int | None = None,
+        log: Any = None,
+        log_every: int = 100,
     ) -> TrainStep:
         """A training step following unimp's rules; see :class:`TrainStep`.
 
         ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`) of the gradients and
-        layer outputs to the results of steps 0, k, 2k, ... (``result.stats``).
+        layer outputs to the results of steps 0, k, 2k, ... (``result.stats``); ``log=path``
+        writes a step log every ``log_every`` steps (see the JAX or TensorFlow ``train_step``
+        for both, and ``docs/steplog.md``).
         """
-        return TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
+        log_every = check_log_every(log, log_every)
+        step = TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
                          max_grad_norm=max_grad_norm, scheduler=scheduler,
                          stats_every=stats_every)
+        return _with_log(step, self, log, log_every, step.scaler.config, _to_host)

@@ -11,6 +11,7 @@ import torch
 
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state
+from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.scaling import GradScaler, _to_host
 from unimp.backends.torch.stats import _gradient_stats, _param_names, _pending, _Recorder
 from unimp.step import StepResult, check_stats_every, check_step_options, micro_batches
@@ -135,7 +136,17 @@ class TrainStep:
             finally:
                 recorder.close()
         self.calls += 1
+        if self._recorder is not None:
+            lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+            self._recorder.add(self.calls - 1, result, lr=lr, batch_finite=all_finite(batch))
         return result
+
+    _recorder = None  # a StepRecorder with train_step(log=...)
+
+    def close(self) -> None:
+        """Writes what the step log (``log=``) still holds, and its end line."""
+        if self._recorder is not None:
+            self._recorder.close()
 
     def _run(self, batch: Any, recorder: _Recorder | None) -> StepResult:
         micro = micro_batches(batch, self.grad_accum_steps)

@@ -168,6 +168,7 @@ def _snapshot(step: Any) -> Callable[[], None]:
     opt_state = copy.deepcopy(opt.state_dict())
     scaler = step.scaler.state_dict()
     saved = {k: v for k, v in vars(step).items() if isinstance(v, (int, float, bool)) and not isinstance(v, torch.Tensor)}
+    recorder = vars(step).pop("_recorder", None)  # a traced step is no step of the log
 
     def restore() -> None:
         with torch.no_grad():
@@ -177,6 +178,8 @@ def _snapshot(step: Any) -> Callable[[], None]:
         opt.zero_grad(set_to_none=True)
         step.scaler.load_state_dict(scaler)
         vars(step).update(saved)
+        if recorder is not None:
+            step._recorder = recorder
 
     return restore
 

@@ -1,0 +1,110 @@
+"""Golden tests of ``train_step(log=...)`` + ``unimp doctor`` in every backend: planted faults
+give the same diagnosis (class, step, layer) from the torch, Keras and JAX logs."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from conftest import BACKENDS, require_backend
+
+from unimp.cli import main
+from unimp.compare.data import batches, load_dataset
+from unimp.compare.models import init_weights
+from unimp.compare.run import RunSpec
+from unimp.doctor import diagnose
+from unimp.recipe import get_recipe
+from unimp.steplog import read_steplog
+
+NAN_AT = 5
+
+
+def _run(backend, path, *, steps=10, plant=None, nan_at=None, stats_every=None):
+    ds = load_dataset("digits", seed=0, num_classes=10)
+    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
+    if plant is not None:
+        weights = {**weights, "w1": weights["w1"] * np.float32(plant)}
+    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:steps]
+    if nan_at is not None:
+        x = data[nan_at]["x"].copy()
+        x[0, 3, 3, 0] = np.nan  # one pixel of one image
+        data[nan_at] = {**data[nan_at], "x": x}
+    spec = RunSpec(
+        get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test,
+        ds.num_classes, "adam", 1e-3, "cpu", stats_every=stats_every, log=str(path),
+    )  # fmt: skip
+    importlib.import_module(f"unimp.compare.runner_{backend}").run(spec)
+    return read_steplog(path)
+
+
+def _classes(diagnosis):
+    (log,) = diagnosis.logs
+    return [(f.cls, f.step, f.layer) for f in log.findings]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_log_holds_every_step_and_a_clean_run_has_nothing_wrong(backend, tmp_path):
+    require_backend(backend)
+    log = _run(backend, tmp_path / "clean.jsonl", steps=12)
+    assert log.ended and [r["step"] for r in log.steps] == list(range(12))
+    assert log.run["backend"] == backend and log.loss_scale["init_scale"] == 32768.0
+    assert all(r["applied"] and r["batch_finite"] for r in log.steps)
+    d = diagnose([log])
+    assert d.ok and [c for c, _, _ in _classes(d)] == ["nothing_wrong"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_with_a_nan_is_found_at_its_step(backend, tmp_path):
+    require_backend(backend)
+    log = _run(backend, tmp_path / "nan.jsonl", nan_at=NAN_AT)
+    rec = log.steps[NAN_AT]
+    assert rec["batch_finite"] is False and rec["applied"] is False and rec["loss"] is None
+    found = _classes(diagnose([log]))
+    assert found[0][:2] == ("nonfinite_input", NAN_AT)
+    assert diagnose([log]).fixes[0]["id"] == "check_data"  # the root cause first
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layer_whose_activations_overflow_float16_is_named(backend, tmp_path):
+    require_backend(backend)
+    # l1's weights x 1e5: its float16 outputs overflow, the loss is inf on every step (a forward
+    # overflow: skipped, the scale kept); the statistics say which layer went first
+    log = _run(backend, tmp_path / "planted.jsonl", steps=4, plant=1e5, stats_every=1)
+    assert all(r["loss_finite"] is False for r in log.steps)
+    assert log.steps[0]["nonfinite"] == {"phase": "forward", "layer": "l1", "tensor": "l1"}
+    found = _classes(diagnose([log]))
+    assert ("forward_overflow", 0, "l1") in found
+
+
+def test_the_same_fault_gives_the_same_diagnosis_in_every_framework(tmp_path, capsys):
+    if len(BACKENDS) < 2:
+        pytest.skip("needs two frameworks under test")
+    paths = []
+    for b in BACKENDS:
+        require_backend(b)
+        _run(b, tmp_path / f"{b}.jsonl", nan_at=NAN_AT)
+        paths.append(str(tmp_path / f"{b}.jsonl"))
+    d = diagnose([read_steplog(p) for p in paths])
+    assert d.comparison is not None and d.comparison["agree"]
+    assert main(["doctor", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "nonfinite_input" in out and "they agree" in out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [({"log_every": 0}, "log_every"), ({"log_every": True}, "log_every"), ({"log": 3}, "log must be")],
+)
+def test_bad_log_options_are_refused_before_anything_is_written(backend, bad, needle, tmp_path):
+    require_backend(backend)
+    ds = load_dataset("digits", seed=0, num_classes=10)
+    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
+    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:1]
+    spec = RunSpec(get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam", 1e-3, "cpu")
+    path = tmp_path / "log.jsonl"
+    spec.step_options = lambda: {"log": str(path), **bad}
+    with pytest.raises(ValueError, match=needle):
+        importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    assert not path.exists()

@@ -1,0 +1,153 @@
+"""What a train step's ``log=`` option runs: each step's device values, written every k steps.
+
+Framework-free. A backend's train step hands :meth:`StepRecorder.add` the step's
+:class:`~unimp.step.StepResult` (device values, unread), the learning rate where the optimizer
+exposes it, and whether the batch was finite (a device bool); nothing is read from the device
+until :meth:`StepRecorder.flush`, every ``every`` steps, when the buffered steps are converted
+at once (one wait for the device per ``every`` steps) and written as step records
+(``docs/steplog.md``). Nothing is lost: :meth:`close`, and a flush when the recorder is
+garbage collected or the interpreter exits.
+
+The first non-finite layer of a non-finite step comes from its statistics: on a step with
+statistics (``stats_every``), the first layer output in forward order with a non-finite
+element, else the first gradient in backward order (the parameters' order reversed).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from unimp.step import STEP_FIELDS, StepResult
+from unimp.steplog import StepLogWriter
+
+__all__ = ["StepRecorder", "check_log_every"]
+
+_KIND = {
+    "loss": float, "scale": float, "applied": bool, "loss_finite": bool, "grads_finite": bool,
+    "grad_norm": float, "consecutive_skips": int, "total_skips": int,
+}  # fmt: skip
+
+
+def check_log_every(log: Any, log_every: Any) -> int:
+    """Validates the ``log`` / ``log_every`` options of every backend's ``train_step``.
+
+    Raises:
+        ValueError: ``log_every`` is not an int >= 1, or ``log`` is not ``None``, a path or a
+            :class:`~unimp.steplog.StepLogWriter`.
+    """
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every must be an int >= 1, got {log_every!r}.")
+    if log is not None and not isinstance(log, (str, StepLogWriter)) and not hasattr(log, "__fspath__"):
+        raise ValueError(
+            f"log must be None, a file path or a unimp.steplog.StepLogWriter, got {type(log).__name__}."
+        )
+    return log_every
+
+
+def _host_fields(result: StepResult) -> dict[str, Any]:
+    raw, to_host = result.raw, result._to_host
+    return {f: None if raw[f] is None else _KIND[f](to_host(raw[f])) for f in STEP_FIELDS}
+
+
+def _first_nonfinite(stats: Any) -> dict[str, str] | None:
+    from unimp.compare.audit import layer_of
+
+    for name, s in stats.activations.items():
+        if s.counts["nonfinite"]:
+            return {"phase": "forward", "layer": name, "tensor": name}
+    for name, s in reversed(list(stats.gradients.items())):
+        if s.counts["nonfinite"]:
+            return {"phase": "backward", "layer": layer_of(name), "tensor": name}
+    return None
+
+
+def _drain(pending: list, writer: StepLogWriter, to_host: Callable[[Any], Any], close: bool) -> None:
+    try:
+        for index, result, lr, batch_finite in pending:
+            rec = _host_fields(result)
+            rec["step"] = index
+            rec["lr"] = None if lr is None else float(to_host(lr))
+            rec["batch_finite"] = None if batch_finite is None else bool(to_host(batch_finite))
+            stats = result.stats
+            rec["stats"] = stats
+            rec["nonfinite"] = None
+            finite = rec["loss_finite"] and rec["grads_finite"]
+            if not finite and stats is not None:
+                rec["nonfinite"] = _first_nonfinite(stats)
+            if rec["loss"] is not None and not math.isfinite(rec["loss"]):
+                rec["loss"] = None
+            writer.write(rec)
+        pending.clear()
+        writer.flush()
+    finally:
+        if close:
+            writer.close()
+
+
+class StepRecorder:
+    """Buffers a train step's results and writes them as step-log records every ``every`` steps.
+
+    Args:
+        log: a path (the log file, replaced) or a :class:`~unimp.steplog.StepLogWriter` (not
+            closed by :meth:`close`: its owner closes it).
+        every: steps buffered between writes (the only host syncs the log adds).
+        backend, framework_version, recipe, loss_scale: the run header (see
+            :class:`~unimp.steplog.StepLogWriter`).
+        to_host: converts one device value to a host value (the backend's).
+    """
+
+    def __init__(
+        self,
+        log: Any,
+        *,
+        every: int,
+        backend: str,
+        framework_version: str,
+        recipe: Any,
+        loss_scale: Any,
+        to_host: Callable[[Any], Any],
+    ) -> None:
+        owned = not isinstance(log, StepLogWriter)
+        self.writer = (
+            StepLogWriter(
+                log, backend=backend, framework_version=framework_version, recipe=recipe,
+                loss_scale=loss_scale, flush_every=every,
+            )  # fmt: skip
+            if owned
+            else log
+        )
+        self.every = every
+        self._owned = owned
+        self._to_host = to_host
+        self._pending: list = []
+        self._finalizer = weakref.finalize(self, _drain, self._pending, self.writer, to_host, owned)
+
+    def add(self, index: int, result: StepResult, *, lr: Any = None, batch_finite: Any = None) -> None:
+        """Keeps one step (device values, unread); writes the buffer every ``every`` steps."""
+        self._pending.append((index, result, lr, batch_finite))
+        if len(self._pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reads the buffered steps from the device and writes them."""
+        _drain(self._pending, self.writer, self._to_host, close=False)
+
+    def close(self) -> None:
+        """Writes what is buffered and the end line (a writer passed in is left open)."""
+        if self._finalizer.alive:
+            self._finalizer()
+
+
+def _with_log(step: Any, mp: Any, log: Any, log_every: int, config: Any, to_host: Callable[[Any], Any]) -> Any:
+    """Attaches a :class:`StepRecorder` to a train step built by ``mp.train_step`` (after the
+    step was built, so a failed build writes no file)."""
+    if log is not None:
+        module = __import__(f"unimp.backends.{mp.backend}", fromlist=["framework_version"])
+        step._recorder = StepRecorder(
+            log, every=log_every, backend=mp.backend, framework_version=module.framework_version(),
+            recipe=mp.recipe, loss_scale=config, to_host=to_host,
+        )  # fmt: skip
+    return step
