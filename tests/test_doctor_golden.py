@@ -108,3 +108,43 @@ def test_bad_log_options_are_refused_before_anything_is_written(backend, bad, ne
     with pytest.raises(ValueError, match=needle):
         importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "jax")])
+def test_logging_reads_the_device_only_every_log_every_steps(backend, tmp_path):
+    """torch: no host read of a tensor between writes (the benchmarks' checker); JAX: no
+    device-to-host transfer (transfer guard). TensorFlow runs eagerly outside its step
+    function and has no such check."""
+    require_backend(backend)
+    ds = load_dataset("digits", seed=0, num_classes=10)
+    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
+    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:8]
+    spec = RunSpec(get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam", 1e-3, "cpu")
+    path = tmp_path / "log.jsonl"
+    spec.step_options = lambda: {"log": str(path), "log_every": 4}
+    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    batches_ = [convert(b) for b in data]
+    step(batches_[0])  # compiled / optimizer state created; record 0 buffered
+    if backend == "torch":
+        from benchmarks._kit_torch import count_host_reads
+
+        spec.step_options = lambda: {}  # the same step without a log: the reads it makes itself
+        _, plain, _ = importlib.import_module("unimp.compare.runner_torch").build(spec)
+        plain(batches_[0])
+        with count_host_reads() as unlogged:
+            for b in batches_[1:3]:
+                plain(b)
+        with count_host_reads() as reads:
+            for b in batches_[1:3]:
+                step(b)
+        # torch.optim.Adam (not fused) reads its step counters itself; the log adds nothing
+        assert reads == unlogged
+    else:
+        import jax
+
+        with jax.transfer_guard_device_to_host("disallow"):
+            for b in batches_[1:3]:
+                step(b)
+    step(batches_[3])  # the 4th record: written now
+    step.close()
+    assert [r["step"] for r in read_steplog(path).steps] == [0, 1, 2, 3]
