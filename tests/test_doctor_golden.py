@@ -148,3 +148,38 @@ def test_logging_reads_the_device_only_every_log_every_steps(backend, tmp_path):
     step(batches_[3])  # the 4th record: written now
     step.close()
     assert [r["step"] for r in read_steplog(path).steps] == [0, 1, 2, 3]
+
+
+def _raise_lr(backend, step, factor):
+    if backend == "torch":
+        step.optimizer.param_groups[0]["lr"] *= factor
+    elif backend == "tensorflow":
+        step.optimizer.learning_rate = float(step.optimizer.learning_rate) * factor
+    else:  # the runner's optax optimizer has its learning rate in the state (inject_hyperparams)
+        hp = step.opt_state.hyperparams
+        hp["learning_rate"] = hp["learning_rate"] * factor
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_learning_rate_raised_100x_is_named_before_the_overflows(backend, tmp_path):
+    require_backend(backend)
+    ds = load_dataset("digits", seed=0, num_classes=10)
+    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
+    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:24]
+    path = tmp_path / "lr.jsonl"
+    spec = RunSpec(
+        get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "sgd",
+        0.1, "cpu", log=str(path),
+    )  # fmt: skip
+    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    for i, b in enumerate(data):
+        if i == 10:
+            _raise_lr(backend, step, 100)  # SGD at 10: the gradients overflow from step 12
+        step(convert(b))
+    step.close()
+    log = read_steplog(path)
+    assert [r["lr"] for r in log.steps[9:11]] == pytest.approx([0.1, 10.0])
+    d = diagnose([log])
+    found = [(c, s) for c, s, _ in _classes(d)]
+    assert found[:2] == [("lr_change_before_overflow", 10), ("overflow_burst", 12)]
+    assert d.fixes[0]["id"] == "lower_lr"

@@ -113,7 +113,11 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
             logits = forward(params, b["x"], b["mask"]).astype(jnp.float32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-        opt = optax.adam(spec.lr, eps=1e-8) if spec.optimizer == "adam" else optax.sgd(spec.lr)
+        # the learning rate as a hyperparameter in the state: the step log reads it from there
+        if spec.optimizer == "adam":
+            opt = optax.inject_hyperparams(optax.adam)(learning_rate=spec.lr, eps=1e-8)
+        else:
+            opt = optax.inject_hyperparams(optax.sgd)(learning_rate=spec.lr)
         params: dict[str, dict[str, jax.Array]] = {}
         for k, v in spec.weights.items():
             params.setdefault(weight_layer(k), {})[k] = jnp.asarray(v)
