@@ -35,10 +35,16 @@ def test_a_planted_large_activation_layer_is_flagged_at_exactly_that_layer(backe
     assert r16["clean"] == {backend: True}
 
 
-def test_the_command_prints_the_findings_and_json(capsys):
+def test_the_command_prints_the_findings_and_json(capsys, tmp_path):
+    from unimp.steplog import read_steplog
+
     backend = BACKENDS[0]
     require_backend(backend)
     argv = ["audit", "--to", "float16", "--backends", backend, "--steps", "1", "--plant", "l1=1e5"]
+    assert main([*argv, "--log-dir", str(tmp_path / "logs"), "--json"]) == 0
+    capsys.readouterr()
+    log = read_steplog(tmp_path / "logs" / f"{backend}.jsonl")  # float32 steps, statistics on
+    assert log.ended and log.steps[0]["stats"]["activations"]["l1"]["counts"]["float16_overflow"] > 0
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "planted: l1 weights x 100000" in out

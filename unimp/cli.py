@@ -235,12 +235,7 @@ def _compare(args: argparse.Namespace) -> int:
         log_dir=None if args.log_dir is None else os.path.abspath(args.log_dir),
     )
     validate(cfg)  # every bad option fails here, before any framework runs or anything is written
-    if args.log_dir is not None:
-        if os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
-            raise UsageError(
-                f"--log-dir {args.log_dir!r} exists and is not a folder; pick another path"
-            )
-        os.makedirs(args.log_dir, exist_ok=True)
+    _log_dir(args.log_dir)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -302,6 +297,19 @@ def _backends_arg(value: str | None) -> tuple[str, ...] | None:
     if not backends:
         raise UsageError(f"--backends {value!r} names no backend; e.g. --backends torch,jax")
     return backends
+
+
+def _log_dir(value: str | None) -> str | None:
+    """``--log-dir``: the folder, made if missing (after every other option was checked)."""
+    if value is None:
+        return None
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise UsageError(f"--log-dir {value!r} exists and is not a folder; pick another path")
+    try:
+        os.makedirs(value, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--log-dir {value!r} cannot be created ({e.strerror or e})") from None
+    return os.path.abspath(value)
 
 
 def _dtype_counts(counter: Any) -> str:
@@ -392,6 +400,7 @@ def _audit(args: argparse.Namespace) -> int:
         steps=args.steps,
         plant=args.plant,
         underflow_tolerance=args.underflow_tolerance,
+        log_dir=args.log_dir,
     )
     if args.json:
         print(json.dumps(report))
@@ -555,6 +564,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.01,
         help="flag a tensor when more than this share of it would flush to zero (default 0.01)",
+    )
+    aud.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each framework's step log (<backend>.jsonl, for unimp doctor) into this folder",
     )
     aud.add_argument("--json", action="store_true", help="the findings as JSON, for tools")
     aud.set_defaults(func=_audit)

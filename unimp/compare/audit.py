@@ -19,6 +19,7 @@ Each finding carries the fix. Framework-free: the statistics come from each back
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -255,6 +256,7 @@ def run_audit(
     plant: str | None = None,
     underflow_tolerance: float = 0.01,
     progress_factory: Any = None,
+    log_dir: str | None = None,
 ) -> dict[str, Any]:
     """Runs ``steps`` float32 steps of the compare model in every backend with statistics on
     every step, at ``to``'s initial loss scale, and reads them (:func:`audit_stats`).
@@ -267,6 +269,8 @@ def run_audit(
         plant: ``LAYER=FACTOR``: multiply one layer's initial weights (a planted fault).
         underflow_tolerance: see :func:`audit_stats`.
         progress_factory: as :func:`unimp.compare.run.run_compare`'s.
+        log_dir: a folder for each backend's step log (``<backend>.jsonl``, with the
+            statistics of every step), or None.
 
     Returns:
         ``{"target", "scale", "model", "data", "steps", "plant", "findings": {backend: [Finding
@@ -303,6 +307,10 @@ def run_audit(
             k: (v * np.float32(factor) if weight_layer(k) == layer else v) for k, v in weights.items()
         }
         planted = {"layer": layer, "factor": factor}
+    if log_dir is not None:  # every option checked: the folder may be made now
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ValueError(f"--log-dir {log_dir!r} exists and is not a folder; pick another path")
+        os.makedirs(log_dir, exist_ok=True)
     per_epoch = max(1, len(ds.x_train) // cfg.batch_size)
     data = batches(
         ds, batch_size=cfg.batch_size, epochs=math.ceil(steps / per_epoch), seed=cfg.seed,
@@ -314,6 +322,7 @@ def run_audit(
         spec = RunSpec(
             recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
             cfg.optimizer, cfg.lr, _device_for(b, cfg.device), stats_every=1,
+            log=None if log_dir is None else os.path.join(log_dir, f"{b}.jsonl"),
         )  # fmt: skip
         if progress_factory is None:
             run = runner.run(spec)
