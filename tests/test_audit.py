@@ -60,6 +60,7 @@ def test_the_command_prints_the_findings_and_json(capsys, tmp_path):
         (["audit"], "--to"),
         (["audit", "--to", "float8"], "float16, bfloat16"),
         (["audit", "--to", "float16", "--steps", "0"], "--steps"),
+        (["audit", "--to", "float16", "--steps", "100000"], "[1, 1000]"),
         (["audit", "--to", "float16", "--plant", "l1"], "LAYER=FACTOR"),
         (["audit", "--to", "float16", "--plant", "l9=10"], "its layers are l1, l2"),
         (["audit", "--to", "float16", "--plant", "l1=-1"], "finite number > 0"),

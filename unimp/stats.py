@@ -22,11 +22,12 @@ float32 (the scale is a power of two in every dynamic rule, so the product is ex
 Counts are exact in every backend; magnitudes agree to float32 rounding. Where a framework
 reads float32 subnormals as zero on the device (denormals-are-zero: TensorFlow and XLA on the
 CPU, measured; XLA and CUDA kernels built with flush-to-zero on GPUs), an element below
-float32's smallest normal (``|x| < 2**-126``) counts as a zero, not as a bfloat16 flush or
-subnormal, and is left out of ``min_nonzero``; a product ``|x| * scale`` that lands there
-(only with a scale below 1) counts as a bfloat16 flush. Nothing else depends on it: float16's
-whole range, subnormals included, is normal in float32. torch (CPU and CUDA) keeps float32
-subnormals, as NumPy does.
+float32's smallest normal (``|x| < 2**-126``) counts as a zero, not as a float16 or bfloat16
+flush nor as a bfloat16 subnormal, and is left out of ``min_nonzero``; a product ``|x| * scale``
+that lands there (only with a scale below 1) counts as a bfloat16 flush. So there, bfloat16
+subnormals are never seen, and a tensor holding float32 subnormals gets other zero and flush
+counts than in torch; tensors without them get the same counts everywhere. torch (CPU and
+CUDA) keeps float32 subnormals, as NumPy does.
 
 Counts are int32 on the device: a tensor of 2**31 elements or more is out of range.
 

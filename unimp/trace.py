@@ -77,6 +77,7 @@ OPS = (
     "random",
     "assign",
     "optimizer_update",
+    "all_reduce",
 )
 #: Where in the step an op ran.
 PHASES = ("forward", "backward", "update")

@@ -148,3 +148,64 @@ def _state(backend, step):
     out = {f"l{i}": np.asarray(x).copy() for i, x in enumerate(leaves)}
     out["traces"] = np.asarray(step.traces)
     return out
+
+
+@pytest.mark.parametrize("recipe", ["mixed_float16", "O2"])
+def test_torch_training_after_a_trace_equals_an_untraced_twin(recipe):
+    """Review finding: module mode (O2), the scheduler, dropout's random state and the
+    statistics step all came out of a trace changed; now a traced step trains on exactly as an
+    untraced one, and the trace is of a plain step."""
+    require_backend("torch")
+    import torch
+
+    import unimp
+
+    def build():
+        torch.manual_seed(0)
+        mp = unimp.mixed_precision(recipe, backend="torch")
+        m = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        )
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        r = mp.prepare(m, opt)
+        m, opt = r if isinstance(r, tuple) else (r, opt)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1 / (1 + e))
+        step = mp.train_step(
+            m, opt, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).float(), b[1]),
+            scheduler=sched, grad_accum_steps=2, stats_every=1,
+        )  # fmt: skip
+        return mp, m, step
+
+    g = torch.Generator().manual_seed(1)
+    batch = [(torch.randn(3, 4, generator=g), torch.tensor([0, 1, 1]))] * 2
+    torch.manual_seed(5)
+    _, m1, s1 = build()
+    first = [s1(batch).loss for _ in range(3)]
+    torch.manual_seed(5)
+    mp2, m2, s2 = build()
+    t = mp2.trace(s2, batch)
+    second = [s2(batch).loss for _ in range(3)]
+    assert first == second
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters(), strict=True))
+    # both micro-batches' losses are forward ops; no statistics op was recorded
+    assert [r.phase for r in t if r.op == "cross_entropy"] == ["forward", "backward"] * 2
+    assert not [r for r in t if r.native in ("aten.amin", "aten.amax")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_micro_batch_forward_is_forward(backend):
+    """Review finding: with grad_accum_steps > 1 the second micro-batch's ops were labelled
+    update (torch) or backward (TensorFlow)."""
+    require_backend(backend)
+    import unimp.compare.trace as ct
+
+    cfg = CompareConfig(recipe="mixed_float16", backends=(backend,), model="mlp", batch_size=16)
+    spec, batch = ct._spec(cfg, ct.get_recipe("mixed_float16"), backend)
+    spec.step_options = lambda: {"grad_accum_steps": 2}
+    mp, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    b = convert(batch)
+    t = mp.trace(step, [b, b])
+    # JAX accumulates with lax.scan: one program whose body, listed once, runs per micro-batch
+    n = 1 if backend == "jax" else 2
+    assert len(t.select(layer="l1", op="matmul", phase="forward")) == n
+    assert len(t.select(layer="l2", op="matmul", phase="forward")) == n

@@ -39,6 +39,8 @@ __all__ = [
 ]
 
 TARGETS = ("float16", "bfloat16")
+#: The most steps ``unimp audit`` runs: statistics on every step of the first steps.
+MAX_STEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -291,8 +293,11 @@ def run_audit(
 
     if to not in TARGETS:
         raise ValueError(f"--to {to!r}: choose one of {', '.join(TARGETS)}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"--steps must be an int >= 1, got {steps!r}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(
+            f"--steps must be an int in [1, {MAX_STEPS}], got {steps!r}: the audit reads the "
+            "first steps of a run (the batches are built up front)."
+        )
     if not (0 <= underflow_tolerance < 1):
         raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
     scale = initial_scale(to)

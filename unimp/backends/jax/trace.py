@@ -35,6 +35,10 @@ _NATIVE = {
     "gather": "gather", "scatter-add": "gather", "iota": "fill", "copy": "copy",
     "copy_p": "copy", "random_bits": "random", "random_wrap": "random",
     "random_unwrap": "random", "threefry2x32": "random", "stop_gradient": "copy",
+    # collectives under shard_map: sums over replicas are maths, the rest moves or annotates
+    "psum": "all_reduce", "pmean": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
+    "psum_invariant": "all_reduce", "all_gather": "gather", "all_to_all": "transpose",
+    "ppermute": "copy", "pvary": "copy", "axis_index": "fill",
 }  # fmt: skip
 # library functions an equation ran in: (file suffix, qualified-name pattern, shared name)
 _FUNCTIONS = (
@@ -186,7 +190,11 @@ def trace(fn: Any, *args: Any, recipe: str = "", **kwargs: Any) -> Trace:
             finally:
                 fn._traces = count  # a look at the step, not a compilation
         else:  # collectives need the mesh: trace the jitted shard_map
-            closed = jax.make_jaxpr(fn._jitted)(*state)
+            count = fn._traces
+            try:
+                closed = jax.make_jaxpr(fn._jitted)(*state)
+            finally:
+                fn._traces = count
     else:
         closed = jax.make_jaxpr(fn)(*args, **kwargs)
     walker = _Walker()

@@ -68,6 +68,8 @@ _CALLS = frozenset(
      "StatefulPartitionedCall", "Case", "StatelessCase"}
 )  # fmt: skip
 _SUFFIX = re.compile(r"_\d+$")
+_FORWARD = re.compile(r"forward(_\d+)?")
+_GRADIENT = re.compile(r"gradient_tape(_\d+)?")
 
 #: Why Keras runs an op in a dtype other than the recipe's: ``{op: (dtype, why)}``.
 NOTES = {
@@ -141,9 +143,10 @@ class _Walker:
         for op in graph.get_operations():
             scopes = op.name.split("/")[:-1]
             phase = outer_phase
-            if scopes[:1] == ["gradient_tape"]:
+            # the scopes of a second micro-batch are uniquified: forward_1, gradient_tape_1
+            if scopes and _GRADIENT.fullmatch(scopes[0]):
                 phase, scopes = "backward", scopes[1:]
-            if scopes[:1] == ["forward"]:
+            if scopes and _FORWARD.fullmatch(scopes[0]):
                 phase, scopes = phase or "forward", scopes[1:]
             layer, kind = self._layer(scopes)
             if outer:

@@ -112,6 +112,7 @@ class _Recorder(TorchDispatchMode):
         self.node_layer: dict[Any, str] = {}
         self.boundaries: list[set[Any]] = []
         self.backward_seen = False
+        self.in_loss = 0  # inside a train step's loss function: the forward pass
 
     # module hooks: the layer path of forward ops, and which nodes each module created
     def pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -150,33 +151,55 @@ class _Recorder(TorchDispatchMode):
             phase, layer = "backward", self.node_layer.get(node, "")
         else:
             layer = self.stack[-1] if self.stack else ""
-            phase = "forward" if self.stack or not self.backward_seen else "update"
+            forward = self.stack or self.in_loss or not self.backward_seen
+            phase = "forward" if forward else "update"
         self.records.append(
             OpRecord("torch", native_op(name), f"aten.{name}", layer, phase, _dtypes((args, kwargs)), _dtypes(out))
         )
         return out
 
 
-def _snapshot(step: Any) -> Callable[[], None]:
-    """Saves what a train step changes (weights, buffers, optimizer state, loss scale);
-    returns the function that puts it back."""
+def _snapshot(step: Any, rec: _Recorder) -> Callable[[], None]:
+    """Saves what a train step changes (weights and buffers, the optimizer's parameters and
+    state, the loss scale, the scheduler, the step's counters) and sets the step up for a
+    trace (no statistics, no step log, the loss function marked as the forward pass);
+    returns the function that puts everything back."""
     model, opt = step.model, step.optimizer
-    tensors = {id(t): (t, t.detach().clone()) for t in model.state_dict(keep_vars=True).values()}
+    # parameters and buffers themselves, not state_dict(): in module mode (O2) its hook swaps
+    # the half parameters for their float32 masters
+    tensors = {id(t): (t, t.detach().clone()) for t in (*model.parameters(), *model.buffers())}
     for group in opt.param_groups:
         for p in group["params"]:
             tensors.setdefault(id(p), (p, p.detach().clone()))
     opt_state = copy.deepcopy(opt.state_dict())
     scaler = step.scaler.state_dict()
-    saved = {k: v for k, v in vars(step).items() if isinstance(v, (int, float, bool)) and not isinstance(v, torch.Tensor)}
+    scheduler = None if step.scheduler is None else copy.deepcopy(step.scheduler.state_dict())
+    saved = {
+        k: v for k, v in vars(step).items() if isinstance(v, (int, float, bool, type(None)))
+    }
     recorder = vars(step).pop("_recorder", None)  # a traced step is no step of the log
+    step.stats_every = None  # nor a statistics step: the trace is of what a plain step runs
+    loss_fn = step.loss_fn
+
+    def marked(*args: Any, **kwargs: Any) -> Any:  # every micro-batch's loss is forward
+        rec.in_loss += 1
+        try:
+            return loss_fn(*args, **kwargs)
+        finally:
+            rec.in_loss -= 1
+
+    step.loss_fn = marked
 
     def restore() -> None:
+        step.loss_fn = loss_fn
         with torch.no_grad():
             for t, old in tensors.values():
                 t.copy_(old)
         opt.load_state_dict(opt_state)
         opt.zero_grad(set_to_none=True)
         step.scaler.load_state_dict(scaler)
+        if scheduler is not None:
+            step.scheduler.load_state_dict(scheduler)
         vars(step).update(saved)
         if recorder is not None:
             step._recorder = recorder
@@ -188,9 +211,12 @@ def trace(fn: Any, *args: Any, model: torch.nn.Module | None = None, recipe: str
     """Records the ops of one call of ``fn(*args, **kwargs)`` with their dtypes.
 
     Args:
-        fn: a :class:`~unimp.backends.torch.TrainStep` (traced on ``args[0]``, the batch; the
-            model, optimizer and loss scale are restored afterwards, so tracing does not take
-            a step), or any callable (run once, as it is).
+        fn: a :class:`~unimp.backends.torch.TrainStep` (traced on ``args[0]``, the batch;
+            tracing takes no step: the model (parameters and buffers), the optimizer, the loss scale, the
+            scheduler, the step's counters and the random state are restored afterwards; the
+            traced call computes no statistics and writes no step log), or any callable (run
+            once, as it is). The saved state is a copy of the parameters and the optimizer
+            state: on a device, tracing needs about that much more memory.
         *args, **kwargs: what ``fn`` is called with.
         model: the module whose layer paths label the ops (a train step's model by default).
         recipe: a label for reports.
@@ -200,19 +226,22 @@ def trace(fn: Any, *args: Any, model: torch.nn.Module | None = None, recipe: str
     """
     from unimp.backends.torch.step import TrainStep
 
-    restore = None
     if isinstance(fn, TrainStep):
         model = fn.model if model is None else model
-        restore = _snapshot(fn)
     # module paths as the other frameworks write layer paths: "attn/q" for torch's "attn.q"
     names = {id(m): n.replace(".", "/") for n, m in model.named_modules()} if model is not None else {}
     rec = _Recorder(names)
+    restore = _snapshot(fn, rec) if isinstance(fn, TrainStep) else None
     hooks = [
         torch.nn.modules.module.register_module_forward_pre_hook(rec.pre),
         torch.nn.modules.module.register_module_forward_hook(rec.post, always_call=True),
     ]
+    # the random state too (dropout draws in the traced call must not shift the run's)
+    cuda = sorted(
+        {t.device.index or 0 for t in (model.parameters() if model is not None else ()) if t.is_cuda}
+    )
     try:
-        with rec:
+        with torch.random.fork_rng(devices=cuda), rec:
             fn(*args, **kwargs)
     finally:
         for h in hooks:
