@@ -67,3 +67,13 @@ def test_the_underflow_tolerance_and_bad_arguments():
         audit_stats(steps, "float8")
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         audit_stats(steps, "float16", underflow_tolerance=1.0)
+
+
+def test_a_gradient_overflow_downstream_of_an_activation_overflow_points_at_it():
+    ok, big = np.ones(10), np.full(10, 1e5)
+    steps = [_step(0, {"l0": ok, "l1": big, "l2": big}, {"l2/kernel": np.full(4, 4.0), "l0/kernel": np.full(4, 4.0)})]
+    act, *grads = audit_stats(steps, "float16")
+    assert (act.layer, act.downstream) == ("l1", ("l2",))
+    by_layer = {f.layer: f.fix for f in grads}
+    assert by_layer["l2"].startswith("it follows from the activation overflow in l1: fix that first")
+    assert by_layer["l0"].startswith("start the loss scale at 8192")  # before l1: its own

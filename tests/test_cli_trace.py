@@ -25,12 +25,15 @@ def test_the_table_and_the_diff_beside_float32(capsys):
         pytest.skip("the diff needs two frameworks under test")
     for b in BACKENDS:
         require_backend(b)
-    argv = ["trace", "mixed_float16", "--backends", ",".join(BACKENDS), "--diff", "--batch-size", "8"]
+    argv = ["trace", "mixed_float16", "--backends", ",".join(BACKENDS), "--batch-size", "8"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "l1" in out and "l2" in out and "casts" in out  # the table (rich wraps its headers)
+    assert main([*argv, "--diff"]) == 0
+    out = capsys.readouterr().out
     first = BACKENDS[0]
-    assert f"where the frameworks differ (forward pass; reference float32 ({first})):" in out
+    assert f"where the frameworks differ (forward pass; float32 reference: float32 ({first})):" in out
+    assert "casts" not in out  # --diff lists only the differences
 
 
 @pytest.mark.parametrize(
@@ -56,3 +59,11 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert code == 2
     assert needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_one_framework_is_diffed_against_float32(capsys):
+    backend = BACKENDS[0]
+    require_backend(backend)
+    assert main(["trace", "mixed_float16", "--backends", backend, "--diff", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"matmul: {backend} float16, float32 ({backend}) float32" in out

@@ -183,3 +183,21 @@ def test_a_learning_rate_raised_100x_is_named_before_the_overflows(backend, tmp_
     found = [(c, s) for c, s, _ in _classes(d)]
     assert found[:2] == [("lr_change_before_overflow", 10), ("overflow_burst", 12)]
     assert d.fixes[0]["id"] == "lower_lr"
+
+
+def test_a_step_after_close_is_not_logged_and_says_so(tmp_path):
+    backend = BACKENDS[0]
+    require_backend(backend)
+    ds = load_dataset("digits", seed=0, num_classes=10)
+    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
+    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:3]
+    path = tmp_path / "log.jsonl"
+    spec = RunSpec(get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam", 1e-3, "cpu", log=str(path))
+    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    step(convert(data[0]))
+    step.close()
+    with pytest.warns(RuntimeWarning, match="after the step log"):
+        step(convert(data[1]))
+    step(convert(data[2]))  # warned once
+    log = read_steplog(path)
+    assert log.ended and [r["step"] for r in log.steps] == [0]

@@ -337,6 +337,7 @@ def _trace(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
+                    "format": "unimp.trace/1",
                     "recipe": report["recipe"],
                     "model": report["model"],
                     "traces": {k: t.to_dict() for k, t in traces.items()},
@@ -344,6 +345,17 @@ def _trace(args: argparse.Namespace) -> int:
                     "diff": [r.to_dict() for r in report["diff"]],
                 }
             )
+        )
+        return 0
+    if args.diff:  # only where the frameworks differ (the table is the run without --diff)
+        rows = report["diff"]
+        ref = ", ".join(reference) or "none"
+        print(f"unimp trace: {report['recipe']}; model {report['model']}")
+        print(f"where the frameworks differ (forward pass; float32 reference: {ref}):")
+        print(
+            "\n".join(f"  {r}" for r in rows)
+            if rows
+            else "  nowhere: every op and layer ran in the same dtypes"
         )
         return 0
     from rich.console import Console
@@ -364,19 +376,10 @@ def _trace(args: argparse.Namespace) -> int:
     table.add_section()
     for phase in ("forward", "backward", "update"):
         table.add_row(
-            f"{phase}: all ops", *(_dtype_counts(t.by_dtype(phase)) for t in traces.values())
+            f"{phase}: maths ops", *(_dtype_counts(t.by_dtype(phase)) for t in traces.values())
         )
     table.add_row("casts between float dtypes", *(str(len(t.casts())) for t in traces.values()))
     Console().print(table)
-    if args.diff:
-        rows = report["diff"]
-        ref = ", ".join(reference) or "none"
-        print(f"where the frameworks differ (forward pass; reference {ref}):")
-        print(
-            "\n".join(f"  {r}" for r in rows)
-            if rows
-            else "  nowhere: every op and layer ran in the same dtypes"
-        )
     return 0
 
 

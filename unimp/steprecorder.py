@@ -16,6 +16,7 @@ element, else the first gradient in backward order (the parameters' order revers
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -123,10 +124,22 @@ class StepRecorder:
         self._owned = owned
         self._to_host = to_host
         self._pending: list = []
+        self._warned = False
         self._finalizer = weakref.finalize(self, _drain, self._pending, self.writer, to_host, owned)
 
     def add(self, index: int, result: StepResult, *, lr: Any = None, batch_finite: Any = None) -> None:
-        """Keeps one step (device values, unread); writes the buffer every ``every`` steps."""
+        """Keeps one step (device values, unread); writes the buffer every ``every`` steps.
+        After :meth:`close` the step is not logged, with a warning (once)."""
+        if not self._finalizer.alive:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"step {index} runs after the step log {self.writer.path!r} was closed: it "
+                    "and later steps are not logged (build a new train step with log=...).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return
         self._pending.append((index, result, lr, batch_finite))
         if len(self._pending) >= self.every:
             self.flush()

@@ -206,7 +206,7 @@ class Trace(Sequence[OpRecord]):
 
     def __repr__(self) -> str:
         by = dict(self.by_dtype())
-        return f"Trace({self.framework}, {len(self)} ops, compute dtypes {by})"
+        return f"Trace({self.framework}, {len(self)} ops; maths ops by compute dtype {by})"
 
     def select(
         self, *, op: str | None = None, layer: str | None = None, phase: str | None = None
@@ -221,7 +221,8 @@ class Trace(Sequence[OpRecord]):
         ]
 
     def by_dtype(self, phase: str | None = None) -> Counter:
-        """Counted ops (:attr:`OpRecord.counted`) per compute dtype."""
+        """Counted ops (:attr:`OpRecord.counted`: floating maths, not casts, data movement,
+        comparisons or selects) per compute dtype; ``len(trace)`` counts every op."""
         return Counter(r.compute for r in self._records if r.counted and phase in (None, r.phase))
 
     def by_layer(self, phase: str | None = "forward") -> dict[str, Counter]:
@@ -295,15 +296,18 @@ class DiffRow:
     phase: str
     dtypes: Mapping[str, tuple[str, ...]]
     notes: Mapping[str, str] = field(default_factory=dict)
+    reference: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        parts = []
+        parts, ref = [], []
         for label, ds in self.dtypes.items():
             text = "/".join(ds) if ds else "-"
             note = self.notes.get(label)
-            parts.append(f"{label} {text}" + (f" ({note})" if note else ""))
+            (ref if label in self.reference else parts).append(
+                f"{label} {text}" + (f" ({note})" if note else "")
+            )
         what = self.key if self.kind == "op" else f"layer {self.key or '(outside layers)'}"
-        return f"{what}: {', '.join(parts)}"
+        return f"{what}: {', '.join(parts)}" + (f"  [reference: {', '.join(ref)}]" if ref else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -312,6 +316,7 @@ class DiffRow:
             "phase": self.phase,
             "dtypes": {k: list(v) for k, v in self.dtypes.items()},
             "notes": dict(self.notes),
+            "reference": list(self.reference),
         }
 
 
@@ -381,5 +386,5 @@ def diff(
                 dtype, text = notes.get(label, {}).get(key, ("", ""))
                 if dtype in dtypes[label]:
                     why[label] = text
-            rows.append(DiffRow(kind, key, phase, dtypes, why))
+            rows.append(DiffRow(kind, key, phase, dtypes, why, tuple(reference or ())))
     return rows

@@ -176,14 +176,20 @@ def audit_stats(
             )
         )  # fmt: skip
         origin = len(out) - 1
+    carried = {}  # layer -> the activation overflow it comes after
+    for f in out:
+        for later in (f.layer, *f.downstream):
+            carried.setdefault(later, f.layer)
     for (kind, layer, tensor), (frac, step, s) in sorted(
         worst.items(), key=lambda kv: (kv[0][0].startswith("gradient"), kv[0][1], kv[0][0])
     ):
         if kind == "activation overflow":
             continue
-        out.append(
-            Finding(layer, kind, tensor, step, frac, s.headroom(target), _fix(kind, layer, target, s.scale, s))
-        )
+        fix = _fix(kind, layer, target, s.scale, s)
+        origin = carried.get(layer)
+        if kind == "gradient overflow" and origin is not None:
+            fix = f"it follows from the activation overflow in {origin}: fix that first; else {fix}"
+        out.append(Finding(layer, kind, tensor, step, frac, s.headroom(target), fix))
     return out
 
 
@@ -232,15 +238,20 @@ def parse_plant(spec: str, model: str, weight_names: Sequence[str]) -> tuple[str
     """
     from unimp.compare.models import weight_layer
 
-    layer, sep, factor = spec.partition("=")
+    layer, value = _plant_form(spec)
     layers = sorted({weight_layer(n) for n in weight_names})
-    if not sep or not layer.strip():
-        raise ValueError(f"--plant {spec!r}: use LAYER=FACTOR, e.g. --plant {layers[0]}=1e5.")
-    if layer.strip() not in layers:
+    if layer not in layers:
         raise ValueError(
-            f"--plant {spec!r}: model {model} has no layer {layer.strip()!r}; its layers are "
+            f"--plant {spec!r}: model {model} has no layer {layer!r}; its layers are "
             f"{', '.join(layers)}."
         )
+    return layer, value
+
+
+def _plant_form(spec: str) -> tuple[str, float]:
+    layer, sep, factor = spec.partition("=")
+    if not sep or not layer.strip():
+        raise ValueError(f"--plant {spec!r}: use LAYER=FACTOR, e.g. --plant l1=1e5.")
     try:
         value = float(factor)
     except ValueError:
@@ -300,6 +311,8 @@ def run_audit(
         )
     if not (0 <= underflow_tolerance < 1):
         raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
+    if plant is not None:  # its form first: refused at once, before the data and frameworks
+        _plant_form(plant)
     scale = initial_scale(to)
     loss_scale = "none" if scale == 1.0 else StaticLossScale(scale)
     _, backends, ds = validate(dataclasses.replace(cfg, recipe="float32", loss_scale=None))
