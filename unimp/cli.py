@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -312,128 +311,16 @@ def _log_dir(value: str | None) -> str | None:
     return os.path.abspath(value)
 
 
-def _dtype_counts(counter: Any) -> str:
-    return ", ".join(f"{d} {n}" for d, n in sorted(counter.items())) or "-"
-
-
 def _trace(args: argparse.Namespace) -> int:
-    from unimp.compare.run import CompareConfig, validate
-    from unimp.compare.trace import trace_report
+    from unimp.compare.commands import trace_command
 
-    cfg = CompareConfig(
-        recipe=args.recipe,
-        backends=_backends_arg(args.backends),
-        model=args.model,
-        data=args.data,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        device=args.device,
-        loss_scale=args.loss_scale,
-    )
-    validate(cfg)  # every bad option fails here, before any framework is imported
-    report = trace_report(cfg, with_float32=args.diff)
-    traces, reference = report["traces"], report["reference"]
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "format": "unimp.trace/1",
-                    "recipe": report["recipe"],
-                    "model": report["model"],
-                    "traces": {k: t.to_dict() for k, t in traces.items()},
-                    "reference": {k: t.to_dict() for k, t in reference.items()},
-                    "diff": [r.to_dict() for r in report["diff"]],
-                }
-            )
-        )
-        return 0
-    if args.diff:  # only where the frameworks differ (the table is the run without --diff)
-        rows = report["diff"]
-        ref = ", ".join(reference) or "none"
-        print(f"unimp trace: {report['recipe']}; model {report['model']}")
-        print(f"where the frameworks differ (forward pass; float32 reference: {ref}):")
-        print(
-            "\n".join(f"  {r}" for r in rows)
-            if rows
-            else "  nowhere: every op and layer ran in the same dtypes"
-        )
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"unimp trace: {report['recipe']}; model {report['model']}, one step")
-    table.add_column("forward ops by layer: compute dtype (ops)")
-    for name in traces:
-        table.add_column(name)
-    layers: list[str] = []
-    for t in traces.values():
-        layers += [k for k in t.by_layer() if k not in layers]
-    for layer in layers:
-        table.add_row(
-            layer or "(outside layers)",
-            *(_dtype_counts(t.by_layer().get(layer, {})) for t in traces.values()),
-        )
-    table.add_section()
-    for phase in ("forward", "backward", "update"):
-        table.add_row(
-            f"{phase}: maths ops", *(_dtype_counts(t.by_dtype(phase)) for t in traces.values())
-        )
-    table.add_row("casts between float dtypes", *(str(len(t.casts())) for t in traces.values()))
-    Console().print(table)
-    return 0
+    return trace_command(args)
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from unimp.compare.audit import run_audit
-    from unimp.compare.run import CompareConfig
+    from unimp.compare.commands import audit_command
 
-    cfg = CompareConfig(
-        backends=_backends_arg(args.backends),
-        model=args.model,
-        data=args.data,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        seed=args.seed,
-        device=args.device,
-    )
-    report = run_audit(
-        cfg,
-        to=args.to,
-        steps=args.steps,
-        plant=args.plant,
-        underflow_tolerance=args.underflow_tolerance,
-        log_dir=args.log_dir,
-    )
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    target, scale = report["target"], report["scale"]
-    planted = report["plant"]
-    title = f"unimp audit: {report['model']} on {report['data']}, {report['steps']} float32 steps read as {target}"
-    title += f" at loss scale {scale:g}" + (
-        f"; planted: {planted['layer']} weights x {planted['factor']:g}" if planted else ""
-    )
-    print(title)
-    for b, fs in report["findings"].items():
-        if not fs:
-            print(
-                f"{b}: clean: nothing would overflow, or flush more than "
-                f"{report['underflow_tolerance']:.0%} to zero, in {target}"
-            )
-            continue
-        print(f"{b}:")
-        for f in fs:
-            then = f"; then {', '.join(f['downstream'])} (carried on)" if f["downstream"] else ""
-            room = (
-                f"{f['headroom']:+.1f} bits" if math.isfinite(f["headroom"]) else str(f["headroom"])
-            )
-            print(
-                f"  {f['layer']}: {f['kind']} in {f['tensor']} from step {f['step']}, "
-                f"{f['fraction']:.2%} of its elements, headroom {room}{then}"
-            )
-            print(f"    fix: {f['fix']}")
-    return 0
+    return audit_command(args)
 
 
 class _Parser(argparse.ArgumentParser):
