@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from unimp.compare.audit import audit_stats, findings_table, initial_scale, layer_of
-from unimp.stats import StepStats, reference_stats
+from unimp.compare.audit import audit_stats, findings_table, initial_scale
+from unimp.stats import StepStats, layer_of, reference_stats
 
 S = 2.0**15
 

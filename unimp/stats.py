@@ -47,6 +47,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -61,7 +62,10 @@ __all__ = [
     "RangeLimits",
     "StepStats",
     "TensorStats",
+    "first_nonfinite",
+    "layer_of",
     "reference_stats",
+    "top_layer",
 ]
 
 
@@ -333,3 +337,32 @@ def reference_stats(x: Any, scale: float = 1.0) -> TensorStats:
         float(np.min(nonzero)) if nonzero.size else math.inf,
         counts,
     )
+
+
+def layer_of(tensor: str) -> str:
+    """A parameter's layer: its name less the last part, in any backend's spelling
+    (``l1.weight``, ``l1/kernel``, ``l1/w1`` -> ``l1``; ``w1`` -> ``w1``)."""
+    cut = max(tensor.rfind("."), tensor.rfind("/"))
+    return tensor[:cut] if cut > 0 else tensor
+
+
+def top_layer(name: str) -> str:
+    """The top-level layer of a parameter or layer name (``attn.q.weight``, ``attn/query``
+    -> ``attn``): how the frameworks' names line up in reports."""
+    return re.split(r"[./]", name, maxsplit=1)[0]
+
+
+def first_nonfinite(stats: Mapping[str, Any] | None) -> tuple[str, str, str] | None:
+    """``(phase, layer, tensor)`` of a step's first non-finite tensor from its statistics
+    (:meth:`StepStats.to_dict`, as a step log holds them): the first layer output in forward
+    order with a non-finite element, else the first gradient in backward order (the
+    parameters' order reversed); None when every counted tensor is finite or there are none.
+    """
+    st = stats or {}
+    for name, t in (st.get("activations") or {}).items():
+        if (t.get("counts") or {}).get("nonfinite"):
+            return "forward", name, name
+    for name, t in reversed(list((st.get("gradients") or {}).items())):
+        if (t.get("counts") or {}).get("nonfinite"):
+            return "backward", layer_of(name), name
+    return None

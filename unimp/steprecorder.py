@@ -21,15 +21,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from unimp.step import STEP_FIELDS, StepResult
+from unimp.stats import first_nonfinite
+from unimp.step import _KIND, STEP_FIELDS, StepResult
 from unimp.steplog import StepLogWriter
 
 __all__ = ["StepRecorder", "check_log_every"]
 
-_KIND = {
-    "loss": float, "scale": float, "applied": bool, "loss_finite": bool, "grads_finite": bool,
-    "grad_norm": float, "consecutive_skips": int, "total_skips": int,
-}  # fmt: skip
 
 
 def check_log_every(log: Any, log_every: Any) -> int:
@@ -53,18 +50,6 @@ def _host_fields(result: StepResult) -> dict[str, Any]:
     return {f: None if raw[f] is None else _KIND[f](to_host(raw[f])) for f in STEP_FIELDS}
 
 
-def _first_nonfinite(stats: Any) -> dict[str, str] | None:
-    from unimp.compare.audit import layer_of
-
-    for name, s in stats.activations.items():
-        if s.counts["nonfinite"]:
-            return {"phase": "forward", "layer": name, "tensor": name}
-    for name, s in reversed(list(stats.gradients.items())):
-        if s.counts["nonfinite"]:
-            return {"phase": "backward", "layer": layer_of(name), "tensor": name}
-    return None
-
-
 def _drain(pending: list, writer: StepLogWriter, to_host: Callable[[Any], Any], close: bool) -> None:
     try:
         for index, result, lr, batch_finite in pending:
@@ -77,7 +62,9 @@ def _drain(pending: list, writer: StepLogWriter, to_host: Callable[[Any], Any], 
             rec["nonfinite"] = None
             finite = rec["loss_finite"] and rec["grads_finite"]
             if not finite and stats is not None:
-                rec["nonfinite"] = _first_nonfinite(stats)
+                found = first_nonfinite(stats.to_dict())
+                if found is not None:
+                    rec["nonfinite"] = dict(zip(("phase", "layer", "tensor"), found, strict=True))
             if rec["loss"] is not None and not math.isfinite(rec["loss"]):
                 rec["loss"] = None
             writer.write(rec)
@@ -158,7 +145,9 @@ def _with_log(step: Any, mp: Any, log: Any, log_every: int, config: Any, to_host
     """Attaches a :class:`StepRecorder` to a train step built by ``mp.train_step`` (after the
     step was built, so a failed build writes no file)."""
     if log is not None:
-        module = __import__(f"unimp.backends.{mp.backend}", fromlist=["framework_version"])
+        from unimp import registry
+
+        module = registry.get_backend(mp.backend)
         step._recorder = StepRecorder(
             log, every=log_every, backend=mp.backend, framework_version=module.framework_version(),
             recipe=mp.recipe, loss_scale=config, to_host=to_host,

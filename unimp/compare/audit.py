@@ -26,14 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from unimp.stats import LIMITS, StepStats, TensorStats
+from unimp.stats import LIMITS, StepStats, TensorStats, layer_of
 
 __all__ = [
     "Finding",
     "audit_stats",
     "findings_table",
     "initial_scale",
-    "layer_of",
     "parse_plant",
     "run_audit",
 ]
@@ -73,15 +72,6 @@ class Finding:
         d = asdict(self)
         d["downstream"] = list(self.downstream)
         return d
-
-
-def layer_of(parameter: str) -> str:
-    """The layer a parameter belongs to: its name without the last part
-    (``l1.weight``, ``l1/kernel``, ``l1/w`` -> ``l1``; ``w1`` -> ``w1``)."""
-    for sep in ("/", "."):
-        if sep in parameter:
-            return parameter.rsplit(sep, 1)[0]
-    return parameter
 
 
 def _fix(kind: str, layer: str, target: str, scale: float, s: TensorStats) -> str:

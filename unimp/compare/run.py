@@ -334,12 +334,6 @@ def run_compare(
     return report
 
 
-def _top_layer(name: str) -> str:
-    import re
-
-    return re.split(r"[./]", name, maxsplit=1)[0]
-
-
 def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per top-level layer, at the first and the last step with statistics: the gradients'
     largest magnitude and float16 headroom and flush share (at the step's loss scale), and the
@@ -348,7 +342,7 @@ def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     Returns:
         ``{"first" | "last": {"step": int, "layers": {layer: {...}}}}`` (empty without stats).
     """
-    from unimp.stats import StepStats
+    from unimp.stats import StepStats, top_layer
 
     stats = run.get("stats") or {}
     if not stats:
@@ -360,7 +354,7 @@ def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
         layers: dict[str, dict[str, Any]] = {}
         for kind, tensors in (("grad", st.gradients), ("act", st.activations)):
             for name, t in tensors.items():
-                d = layers.setdefault(_top_layer(name), {})
+                d = layers.setdefault(top_layer(name), {})
                 amax, size = d.get(f"{kind}_amax", 0.0), d.get(f"{kind}_size", 0)
                 d[f"{kind}_amax"] = max(amax, t.amax) if math.isfinite(t.amax) else t.amax
                 d[f"{kind}_size"] = size + t.size

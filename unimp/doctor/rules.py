@@ -21,6 +21,7 @@ from unimp.doctor.findings import (
     LogDiagnosis,
     ranges,
 )
+from unimp.stats import first_nonfinite as stats_first_nonfinite
 from unimp.steplog import StepLog
 
 _F32_TINY = 2.0**-126  # the floor of a DynamicLossScale with min_scale=None
@@ -48,27 +49,14 @@ def _keep(layer: str) -> Fix:
     return Fix("keep_float32", text, layer)
 
 
-def _layer_of(tensor: str) -> str:
-    """A parameter's layer: its name less the last component (``l1.weight`` -> ``l1``)."""
-    cut = max(tensor.rfind("."), tensor.rfind("/"))
-    return tensor[:cut] if cut > 0 else tensor
-
-
 def first_nonfinite(r: Rec) -> tuple[str, str, str] | None:
     """``(phase, layer, tensor)`` of the first non-finite tensor of a step: the record's
-    ``nonfinite``, else the first activation (forward order) or gradient (backward order) with
-    a non-finite count in its ``stats``; None when the log does not say."""
+    ``nonfinite``, else what its ``stats`` say (:func:`unimp.stats.first_nonfinite`); None
+    when the log does not say."""
     nf = r.get("nonfinite")
     if nf:
         return nf["phase"], nf["layer"], nf["tensor"]
-    st = r.get("stats") or {}
-    for name, t in (st.get("activations") or {}).items():
-        if (t.get("counts") or {}).get("nonfinite"):
-            return "forward", name, name
-    for name, t in reversed(list((st.get("gradients") or {}).items())):
-        if (t.get("counts") or {}).get("nonfinite"):
-            return "backward", _layer_of(name), name
-    return None
+    return stats_first_nonfinite(r.get("stats"))
 
 
 def _where(recs: list[Rec]) -> tuple[str | None, str | None, str | None, dict[str, int]]:
