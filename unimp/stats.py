@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ __all__ = [
     "TensorStats",
     "first_nonfinite",
     "layer_of",
+    "output_leaves",
     "reference_stats",
     "top_layer",
 ]
@@ -366,3 +367,25 @@ def first_nonfinite(stats: Mapping[str, Any] | None) -> tuple[str, str, str] | N
         if (t.get("counts") or {}).get("nonfinite"):
             return "backward", layer_of(name), name
     return None
+
+
+def output_leaves(
+    out: Any, name: str, is_floating: Callable[[Any], bool]
+) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` for each floating tensor of a layer's output, named by the one rule
+    every backend uses: the layer's name for a tensor, ``name.0`` / ``name.key`` for the items
+    of a tuple, list or dict (nested: ``name.0.key``).
+
+    Args:
+        out: a layer's output (a tensor, or tuples, lists and dicts of them).
+        name: the layer's name.
+        is_floating: the backend's test for a floating tensor (False for anything else).
+    """
+    if isinstance(out, (tuple, list)):
+        for i, o in enumerate(out):
+            yield from output_leaves(o, f"{name}.{i}", is_floating)
+    elif isinstance(out, Mapping):
+        for k, o in out.items():
+            yield from output_leaves(o, f"{name}.{k}", is_floating)
+    elif is_floating(out):
+        yield name, out

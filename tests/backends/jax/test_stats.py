@@ -203,3 +203,15 @@ def test_stats_module_doctests():
         for test in doctest.DocTestFinder().find(fn, globs=vars(jstats)):
             runner.run(test)
     assert runner.failures == 0 and runner.tries > 0
+
+
+def test_observed_pytrees_are_named_as_torch_and_keras_name_layer_outputs():
+    mp = unimp.mixed_precision("float32", backend="jax")
+
+    def loss_fn(p, x):
+        h = x @ p
+        pair = jstats.observe("pair", (h, {"sq": h * h}))
+        return jnp.mean(pair[0] + pair[1]["sq"])
+
+    s = mp.train_step(loss_fn, optax.sgd(0.1), jnp.ones((4, 2)), stats_every=1)(X).stats
+    assert list(s.activations) == ["pair.0", "pair.1.sq"]  # unimp.stats.output_leaves' rule

@@ -150,7 +150,8 @@ class _Collector:
         for path, leaf in leaves:
             if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
                 continue
-            key = name if not path else f"{name}/{path_name(path)}"
+            # the output-naming rule of every backend (unimp.stats.output_leaves): name.0, name.key
+            key = ".".join([name, *(_key_name(k) for k in path)])
             entry = _entry(leaf)
             old = self.entries.get(key)
             self.entries[key] = entry if old is None else _merge(old, entry)
@@ -180,7 +181,8 @@ def observe(name: str, x: Any) -> Any:
     want to see, e.g. ``h = observe("hidden", jax.nn.relu(x @ w1))``. On a statistics step
     the values observed while the step traces come back in ``result.stats.activations[name]``
     (at scale 1; a name observed more than once, or on every micro-batch, gets the statistics
-    of all its values together; the leaves of a pytree are named ``name/path``). Everywhere
+    of all its values together; the leaves of a pytree are named ``name.0`` / ``name.key``,
+    as torch and Keras name the items of a layer's tuple or dict output). Everywhere
     else, plain steps included, it is the identity and adds nothing to the computation.
 
     Args:

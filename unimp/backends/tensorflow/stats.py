@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale
+from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale, output_leaves
 
 #: One tensor's statistics on the device: ``(counts, magnitudes, size)``, size an int32 scalar.
 Entry = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
@@ -94,18 +94,9 @@ def _merge(a: Entry, b: Entry) -> Entry:
     return ca + cb, mags, na + nb
 
 
-def _floating_leaves(out: Any, name: str) -> Iterator[tuple[str, tf.Tensor]]:
-    """``(name, tensor)`` for each floating tensor of a layer's output: the name itself for a
-    tensor, ``name.0`` / ``name.key`` for the items of a tuple, list or dict."""
-    if tf.is_tensor(out) and not isinstance(out, tf.SparseTensor):
-        if out.dtype.is_floating:
-            yield name, out
-    elif isinstance(out, (tuple, list)):
-        for i, o in enumerate(out):
-            yield from _floating_leaves(o, f"{name}.{i}")
-    elif isinstance(out, dict):
-        for k, o in out.items():
-            yield from _floating_leaves(o, f"{name}.{k}")
+def _floating_leaves(out: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """:func:`unimp.stats.output_leaves` with this framework's floating test."""
+    return output_leaves(out, name, lambda t: tf.is_tensor(t) and not isinstance(t, tf.SparseTensor) and t.dtype.is_floating)
 
 
 def _leaf_layers(model: Any) -> list[tuple[str, Any]]:

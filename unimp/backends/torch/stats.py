@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from unimp.backends.torch.devices import _to
-from unimp.stats import COUNT_FIELDS, TARGETS, THRESHOLDS, StepStats, check_scale
+from unimp.stats import COUNT_FIELDS, TARGETS, THRESHOLDS, StepStats, check_scale, output_leaves
 
 #: One tensor's statistics on the device: ``(counts, magnitudes, size)``, ``size`` a Python int.
 Entry = tuple[torch.Tensor, torch.Tensor, int]
@@ -96,18 +96,9 @@ def _merge(a: Entry, b: Entry) -> Entry:
     return ca + _to(cb, ca.device), torch.stack([amax, torch.minimum(ma[1], mb[1])]), na + nb
 
 
-def _floating_leaves(out: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for each floating tensor of a layer's output: the name itself for a
-    tensor, ``name.0`` / ``name.key`` for the items of a tuple, list or dict."""
-    if isinstance(out, torch.Tensor):
-        if out.is_floating_point():
-            yield name, out
-    elif isinstance(out, (tuple, list)):
-        for i, o in enumerate(out):
-            yield from _floating_leaves(o, f"{name}.{i}")
-    elif isinstance(out, dict):
-        for k, o in out.items():
-            yield from _floating_leaves(o, f"{name}.{k}")
+def _floating_leaves(out: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """:func:`unimp.stats.output_leaves` with this framework's floating test."""
+    return output_leaves(out, name, lambda t: isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _in_backward() -> bool:
