@@ -24,6 +24,7 @@ __all__ = [
     "HALF_DTYPES",
     "OPS",
     "PHASES",
+    "PLUMBING",
     "DiffRow",
     "OpRecord",
     "Trace",
@@ -84,11 +85,13 @@ PHASES = ("forward", "backward", "update")
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 HALF_DTYPES = ("bfloat16", "float16")
 _RANK = {d: i for i, d in enumerate(("float16", "bfloat16", "float32", "float64"))}
-#: Ops listed in a trace but left out of dtype summaries: casts, data movement, and the
-#: comparisons / selects of masks and finiteness checks (no rounding happens in them).
-_NOT_COUNTED = frozenset(
+#: Ops listed in a trace but left out of dtype summaries, and that keep their own name inside
+#: a library function or layer a backend names an op after (JAX's ``jax.nn.softmax``,
+#: Keras's ``LayerNormalization``): casts, data movement, random bits, and the comparisons /
+#: selects of masks and finiteness checks (no rounding happens in them).
+PLUMBING = frozenset(
     {"cast", "reshape", "transpose", "broadcast", "copy", "slice", "concat", "gather", "fill",
-     "assign", "compare", "select", "is_finite"}
+     "assign", "compare", "select", "is_finite", "random"}
 )  # fmt: skip
 
 
@@ -160,7 +163,7 @@ class OpRecord:
     def counted(self) -> bool:
         """Floating maths (not a cast, a data movement, a comparison or a select): what dtype
         summaries and :func:`diff` count."""
-        return self.floating and self.op not in _NOT_COUNTED
+        return self.floating and self.op not in PLUMBING
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

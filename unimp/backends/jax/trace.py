@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from unimp.trace import OpRecord, Trace
+from unimp.trace import PLUMBING, OpRecord, Trace
 
 __all__ = ["NOTES", "native_op", "trace"]
 
@@ -55,11 +55,7 @@ _FUNCTIONS = (
     ("flax/nnx/nn/normalization.py", r"RMSNorm\..*", "rms_norm"),
     ("flax/nnx/nn/normalization.py", r"BatchNorm\..*", "batch_norm"),
 )
-# what keeps its own name inside a library function: casts, data movement, masks
-_PLUMBING = frozenset(
-    {"cast", "copy", "reshape", "transpose", "broadcast", "concat", "slice", "gather", "fill",
-     "compare", "select", "is_finite", "random"}
-)
+
 _TRANSFORM = re.compile(r"[A-Za-z_]\w*\(|\)")
 
 #: Why JAX runs an op in a dtype other than the recipe's: ``{op: (dtype, why)}``.
@@ -146,7 +142,7 @@ class _Walker:
                 phase = "update" if self.backward_seen else "forward"
             name = eqn.primitive.name
             op = native_op(name)
-            if lib is not None and op not in _PLUMBING:
+            if lib is not None and op not in PLUMBING:
                 op = lib  # the maths of jax.nn.softmax is softmax; its reshapes stay reshapes
             self.records.append(
                 OpRecord(

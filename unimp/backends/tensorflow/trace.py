@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from unimp.trace import OpRecord, Trace
+from unimp.trace import PLUMBING, OpRecord, Trace
 
 __all__ = ["NOTES", "native_op", "trace"]
 
@@ -45,12 +45,6 @@ _NATIVE = {
     "AssignSubVariableOp": "assign", "StopGradient": "copy",
     "ResourceApplyAdam": "optimizer_update",
 }  # fmt: skip
-# graph plumbing that computes nothing
-_IGNORED = frozenset(
-    {"Placeholder", "Const", "NoOp", "Identity", "IdentityN", "ReadVariableOp", "VarHandleOp",
-     "Shape", "ShapeN", "Size", "Rank", "If", "StatelessIf", "While", "StatelessWhile",
-     "PartitionedCall", "StatefulPartitionedCall", "Case", "StatelessCase"}
-)  # fmt: skip
 # Keras layers whose ops take the layer's name (TensorFlow builds them from primitive ops)
 _LAYER_OPS = {
     "LayerNormalization": "layer_norm",
@@ -58,15 +52,16 @@ _LAYER_OPS = {
     "RMSNormalization": "rms_norm",
     "Softmax": "softmax",
 }
-_PLUMBING = frozenset(
-    {"cast", "copy", "reshape", "transpose", "broadcast", "concat", "slice", "gather", "fill",
-     "compare", "select", "is_finite", "random", "assign"}
-)  # fmt: skip
 # ops that run function bodies (conditionals, loops, calls): read through
 _CALLS = frozenset(
     {"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
      "StatefulPartitionedCall", "Case", "StatelessCase"}
 )  # fmt: skip
+# graph plumbing that computes nothing, and the calls whose bodies are read instead
+_IGNORED = _CALLS | {
+    "Placeholder", "Const", "NoOp", "Identity", "IdentityN", "ReadVariableOp", "VarHandleOp",
+    "Shape", "ShapeN", "Size", "Rank",
+}  # fmt: skip
 _SUFFIX = re.compile(r"_\d+$")
 _FORWARD = re.compile(r"forward(_\d+)?")
 _GRADIENT = re.compile(r"gradient_tape(_\d+)?")
@@ -156,7 +151,7 @@ class _Walker:
             if op.type in _IGNORED:
                 continue
             name = native_op(op.type)
-            if kind in _LAYER_OPS and name not in _PLUMBING:
+            if kind in _LAYER_OPS and name not in PLUMBING:
                 name = _LAYER_OPS[kind]
             self.pending.append(
                 (name, op.type, layer, phase, _dtypes(op.inputs), _dtypes(op.outputs))
