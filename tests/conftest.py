@@ -62,3 +62,21 @@ def edited_state_dict(config, **changes):
         else:
             where[last] = value
     return d
+
+
+def step_raw(**changes):
+    """The raw device values of one :class:`unimp.StepResult` (NumPy scalars), with ``changes``."""
+    import numpy as np
+
+    raw = dict(
+        loss=np.float32(0.5),
+        scale=np.float32(1024),
+        applied=np.bool_(True),
+        loss_finite=np.bool_(True),
+        grads_finite=np.bool_(True),
+        grad_norm=None,
+        consecutive_skips=np.int32(0),
+        total_skips=np.int32(2),
+    )
+    raw.update(changes)
+    return raw

@@ -11,6 +11,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from conftest import step_raw
 
 import unimp
 from unimp import StepResult
@@ -26,19 +27,6 @@ from unimp.step import check_stats_every
 
 POWERS = [2.0**-k for k in range(41)]  # one value per power of two, 2**-40 .. 2**0
 BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127
-
-
-def _raw():
-    return dict(
-        loss=np.float32(0.5),
-        scale=np.float32(1024),
-        applied=np.bool_(True),
-        loss_finite=np.bool_(True),
-        grads_finite=np.bool_(True),
-        grad_norm=None,
-        consecutive_skips=np.int32(0),
-        total_skips=np.int32(0),
-    )
 
 
 # -- the reference, right values -----------------------------------------------------------
@@ -190,11 +178,11 @@ def test_step_result_stats_is_read_once_on_demand():
         calls.append(1)
         return made
 
-    r = StepResult(_raw(), stats=build)
+    r = StepResult(step_raw(), stats=build)
     assert calls == []  # nothing read when the step returns
     assert r.stats is made and r.stats is made and calls == [1]
     assert "stats" not in r.as_dict() and "stats" not in repr(r)
-    assert StepResult(_raw()).stats is None
+    assert StepResult(step_raw()).stats is None
 
 
 def test_public_names():

@@ -3,24 +3,10 @@ import importlib
 
 import numpy as np
 import pytest
+from conftest import step_raw
 
 from unimp import DynamicLossScale, LossScaleError, StepResult
 from unimp.backends._base import COMMON_API, MixedPrecisionBase
-
-
-def _raw(**changes):
-    raw = dict(
-        loss=np.float32(0.5),
-        scale=np.float32(1024),
-        applied=np.bool_(True),
-        loss_finite=np.bool_(True),
-        grads_finite=np.bool_(True),
-        grad_norm=None,
-        consecutive_skips=np.int32(0),
-        total_skips=np.int32(2),
-    )
-    raw.update(changes)
-    return raw
 
 
 def test_step_result_converts_lazily():
@@ -30,7 +16,7 @@ def test_step_result_converts_lazily():
         calls.append(x)
         return x
 
-    r = StepResult(_raw(), to_host)
+    r = StepResult(step_raw(), to_host)
     assert calls == []  # nothing read, nothing converted
     assert r.loss == 0.5 and isinstance(r.loss, float)
     assert r.applied is True and r.total_skips == 2 and r.grad_norm is None
@@ -41,7 +27,7 @@ def test_step_result_converts_lazily():
 def test_step_result_checks_stuck_scale_on_read():
     cfg = DynamicLossScale(max_consecutive_skips=2)
     r = StepResult(
-        _raw(applied=np.bool_(False), consecutive_skips=np.int32(3), total_skips=np.int32(3)),
+        step_raw(applied=np.bool_(False), consecutive_skips=np.int32(3), total_skips=np.int32(3)),
         config=cfg,
     )
     with pytest.raises(LossScaleError, match="3 skipped steps in a row"):
@@ -49,7 +35,7 @@ def test_step_result_checks_stuck_scale_on_read():
 
 
 def test_step_result_missing_field():
-    raw = _raw()
+    raw = step_raw()
     del raw["grad_norm"]
     with pytest.raises(ValueError, match="grad_norm"):
         StepResult(raw)
