@@ -32,7 +32,7 @@ def test_the_table_and_the_diff_beside_float32(capsys):
     assert main([*argv, "--diff"]) == 0
     out = capsys.readouterr().out
     first = BACKENDS[0]
-    assert f"where the frameworks differ (forward pass; float32 reference: float32 ({first})):" in out
+    assert f"where the frameworks differ (forward pass; reference run: float32 ({first})):" in out
     assert "casts" not in out  # --diff lists only the differences
 
 

@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         "logs",
         nargs="+",
         metavar="LOG",
-        help="step logs (JSON Lines, unimp.steplog/1); several logs of one run are compared",
+        help="step logs (JSON Lines, unimp.steplog/1: write one with train_step(..., log=PATH) "
+        "or unimp compare --log-dir DIR); several logs of one run are compared",
     )
     doc.add_argument("--json", action="store_true", help="the diagnosis as JSON, for tools")
 

@@ -52,7 +52,7 @@ def trace_command(args: argparse.Namespace) -> int:
         rows = report["diff"]
         ref = ", ".join(reference) or "none"
         print(f"unimp trace: {report['recipe']}; model {report['model']}")
-        print(f"where the frameworks differ (forward pass; float32 reference: {ref}):")
+        print(f"where the frameworks differ (forward pass; reference run: {ref}):")
         print(
             "\n".join(f"  {r}" for r in rows)
             if rows
