@@ -28,7 +28,8 @@ def nonfinite(layer, phase="backward", tensor=None):
 
 
 def make_log(
-    path, n, fault=lambda step, scale: {}, cfg=CFG, header_cfg=True, backend="torch", lr=1e-3
+    path, n, fault=lambda step, scale: {}, cfg=CFG, header_cfg=True, backend="torch", lr=1e-3,
+    loss=1.0,
 ):
     """A log of ``n`` steps whose scale follows the reference rule; ``fault(step, scale)``
     returns what goes wrong at a step: ``grads_finite``/``loss_finite``/``batch_finite``
@@ -45,7 +46,7 @@ def make_log(
             w.write(
                 {
                     "step": s,
-                    "loss": 1.0 if lf else None,
+                    "loss": loss if lf else None,
                     "scale": float(state.scale),
                     "applied": gf,
                     "loss_finite": lf,
@@ -582,3 +583,19 @@ def test_doctests():
 
     result = doctest.testmod(unimp.doctor, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_logs_that_are_not_one_run_are_said_to_be(tmp_path, capsys):
+    a = make_log(tmp_path / "a.jsonl", 20, backend="torch")
+    b = make_log(tmp_path / "b.jsonl", 20, backend="jax", loss=1.02)  # within 5 %: one run
+    assert diagnose([a, b]).comparison["mismatch"] == []
+    c = make_log(tmp_path / "c.jsonl", 12, backend="tensorflow", loss=2.0)
+    d = make_log(tmp_path / "d.jsonl", 20, backend="jax", cfg=CFG.replace(growth_interval=7))
+    mismatch = diagnose([a, c, d]).comparison["mismatch"]
+    assert mismatch == [
+        "tensorflow has 12 steps, torch 20",
+        "step 0's loss is 2 in tensorflow and 1 in torch (other weights or another batch)",
+        "jax and torch have different loss-scale configs",
+    ]
+    assert main(["doctor", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")]) == 0
+    assert "warning: these logs may not be one run: tensorflow has 12 steps" in capsys.readouterr().out

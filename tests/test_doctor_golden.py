@@ -86,7 +86,7 @@ def test_the_same_fault_gives_the_same_diagnosis_in_every_framework(tmp_path, ca
         _run(b, tmp_path / f"{b}.jsonl", nan_at=NAN_AT)
         paths.append(str(tmp_path / f"{b}.jsonl"))
     d = diagnose([read_steplog(p) for p in paths])
-    assert d.comparison is not None and d.comparison["agree"]
+    assert d.comparison is not None and d.comparison["agree"] and d.comparison["mismatch"] == []
     assert main(["doctor", *paths]) == 0
     out = capsys.readouterr().out
     assert "nonfinite_input" in out and "they agree" in out
@@ -201,3 +201,134 @@ def test_a_step_after_close_is_not_logged_and_says_so(tmp_path):
     step(convert(data[2]))  # warned once
     log = read_steplog(path)
     assert log.ended and [r["step"] for r in log.steps] == [0]
+
+
+GRAD_AT = 12  # after the first 10 steps, where the doctor reads an overflow as calibration
+
+
+def _poison_l1_gradient(backend, step, monkeypatch):
+    """An inf injected into the gradient of l1's output at the step the returned setter arms,
+    each framework by its own means: a torch full backward pre-hook, a Keras layer call under
+    tf.custom_gradient with a variable factor, a jax.custom_vjp whose backward reads the factor
+    through jax.experimental.io_callback (a test-only sync). Returns ``arm(on: bool)``."""
+    if backend == "torch":
+        import torch
+
+        armed = {"on": False}
+
+        def hook(module, grad_output):
+            if armed["on"]:
+                return tuple(None if g is None else g * torch.inf for g in grad_output)
+            return None
+
+        step.model.l1.register_full_backward_pre_hook(hook)
+        return lambda on: armed.__setitem__("on", on)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        factor = tf.Variable(1.0, trainable=False)
+        layer = step.model.get_layer("l1")
+        call = layer.call
+
+        @tf.custom_gradient
+        def poison(y):
+            return tf.identity(y), lambda g: g * tf.cast(factor, g.dtype)
+
+        layer.call = lambda *a, **k: poison(call(*a, **k))
+        return lambda on: factor.assign(np.inf if on else 1.0)
+    raise AssertionError(backend)  # JAX: patched before the step is built (see the test)
+
+
+def _jax_poison(monkeypatch):
+    import jax
+    from jax.experimental import io_callback
+
+    from unimp.compare import runner_jax
+
+    armed = {"factor": np.float32(1.0)}
+
+    @jax.custom_vjp
+    def poison(y):
+        return y
+
+    def bwd(_, g):
+        f = io_callback(lambda: armed["factor"], jax.ShapeDtypeStruct((), np.float32))
+        return (g * f.astype(g.dtype),)
+
+    poison.defvjp(lambda y: (y, None), bwd)
+    observe = runner_jax.observe
+    monkeypatch.setattr(
+        runner_jax, "observe", lambda name, x: poison(observe(name, x)) if name == "l1" else observe(name, x)
+    )
+    return lambda on: armed.__setitem__("factor", np.float32(np.inf if on else 1.0))
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the torch hook's own note
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inf_injected_in_one_layers_gradient_is_named_on_a_step_without_statistics(
+    backend, tmp_path, monkeypatch
+):
+    """The same planted fault, by each framework's own means, gives the same diagnosis: an
+    isolated gradient overflow at step 12 (the scale had held since the start), first in layer
+    l1 (backward order: l2's gradients are finite), with no statistics asked for."""
+    require_backend(backend)
+    ds = load_dataset("digits", seed=0, num_classes=10)
+    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
+    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:16]
+    path = tmp_path / "grad.jsonl"
+    spec = RunSpec(
+        get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam",
+        1e-3, "cpu", log=str(path),
+    )  # fmt: skip
+    arm = _jax_poison(monkeypatch) if backend == "jax" else None
+    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    arm = arm or _poison_l1_gradient(backend, step, monkeypatch)
+    for i, b in enumerate(data):
+        arm(i == GRAD_AT)
+        step(convert(b))
+    step.close()
+    log = read_steplog(path)
+    rec = log.steps[GRAD_AT]
+    assert rec["loss_finite"] is True and rec["grads_finite"] is False and rec["applied"] is False
+    assert rec["stats"] is None and rec["nonfinite"]["phase"] == "backward"
+    assert rec["nonfinite"]["layer"] == "l1"
+    assert all(r["applied"] for r in log.steps if r["step"] != GRAD_AT)
+    found = _classes(diagnose([log]))
+    assert found[0] == ("isolated_overflow", GRAD_AT, "l1")
+    assert diagnose([log]).fixes[0]["id"] == "check_layer"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_learning_rate_raised_100x_until_the_run_diverges(backend, tmp_path):
+    """SGD at 0.5, raised 100x at step 10: gradient overflows back the scale off from 32768 to
+    2048 (steps 11-14, first non-finite in l2, from the per-gradient flags of a logged step),
+    one step applies at 2048 and the run diverges: from step 16 the loss is inf on every step.
+    unimp's forward-overflow rule keeps the scale at 2048 there, where torch.amp.GradScaler,
+    which backs off on any inf, would halve it on every step toward zero; the doctor names the
+    learning-rate change first either way."""
+    require_backend(backend)
+    ds = load_dataset("digits", seed=0, num_classes=10)
+    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
+    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:24]
+    path = tmp_path / "lr.jsonl"
+    spec = RunSpec(
+        get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "sgd",
+        0.5, "cpu", log=str(path),
+    )  # fmt: skip
+    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    for i, b in enumerate(data):
+        if i == 10:
+            _raise_lr(backend, step, 100)
+        step(convert(b))
+    step.close()
+    log = read_steplog(path)
+    assert [r["scale"] for r in log.steps[10:16]] == [32768, 32768, 16384, 8192, 4096, 2048]
+    assert all(not r["loss_finite"] and r["scale"] == 2048 for r in log.steps[16:])
+    d = diagnose([log])
+    found = _classes(d)
+    assert found[:3] == [
+        ("lr_change_before_overflow", 10, None),
+        ("forward_overflow", 16, None),
+        ("overflow_burst", 11, "l2"),
+    ]
+    assert d.fixes[0]["id"] == "lower_lr"

@@ -203,3 +203,14 @@ def test_stats_module_imports_no_framework():
     top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not top & {"torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "optax"}
+
+
+def test_the_first_non_finite_gradient_is_taken_in_backward_order():
+    from unimp.stats import first_nonfinite_gradient
+
+    names = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    assert first_nonfinite_gradient(names, [False, True, False, True]) == ("backward", "l2", "l2.weight")
+    assert first_nonfinite_gradient(names, [False, True, True, True]) == ("backward", "l1", "l1.weight")
+    assert first_nonfinite_gradient(names, [True] * 4) is None
+    with pytest.raises(ValueError, match="4 gradient names but 3 finite flags"):
+        first_nonfinite_gradient(names, [True] * 3)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ __all__ = [
     "StepStats",
     "TensorStats",
     "first_nonfinite",
+    "first_nonfinite_gradient",
     "layer_of",
     "output_leaves",
     "reference_stats",
@@ -365,6 +366,30 @@ def first_nonfinite(stats: Mapping[str, Any] | None) -> tuple[str, str, str] | N
             return "forward", name, name
     for name, t in reversed(list((st.get("gradients") or {}).items())):
         if (t.get("counts") or {}).get("nonfinite"):
+            return "backward", layer_of(name), name
+    return None
+
+
+def first_nonfinite_gradient(
+    names: Sequence[str], finite: Sequence[bool]
+) -> tuple[str, str, str] | None:
+    """``("backward", layer, tensor)`` of the first non-finite gradient in backward order (the
+    parameters' order reversed), from one finite flag per gradient; None when all are finite.
+
+    What a step log names on a logged step without statistics (the same rule as
+    :func:`first_nonfinite` without the activations, which only statistics steps record).
+
+    Args:
+        names: the gradients' names, in the parameters' order (as the statistics name them).
+        finite: one bool per name: the gradient has no inf or NaN.
+
+    Raises:
+        ValueError: ``names`` and ``finite`` differ in length.
+    """
+    if len(names) != len(finite):
+        raise ValueError(f"{len(names)} gradient names but {len(finite)} finite flags.")
+    for name, ok in zip(reversed(list(names)), reversed(list(finite)), strict=True):
+        if not ok:
             return "backward", layer_of(name), name
     return None
 

@@ -8,9 +8,12 @@ at once (one wait for the device per ``every`` steps) and written as step record
 (``docs/steplog.md``). Nothing is lost: :meth:`close`, and a flush when the recorder is
 garbage collected or the interpreter exits.
 
-The first non-finite layer of a non-finite step comes from its statistics: on a step with
-statistics (``stats_every``), the first layer output in forward order with a non-finite
-element, else the first gradient in backward order (the parameters' order reversed).
+The first non-finite layer of a non-finite step: on a step with statistics (``stats_every``),
+the first layer output in forward order with a non-finite element, else the first gradient in
+backward order (the parameters' order reversed); on the other logged steps whose loss was finite
+and gradients were not, the first gradient in backward order from one finite flag per gradient,
+which the step computes on the device only when it logs (a forward overflow on such a step
+names no layer: only statistics see the activations).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from unimp.stats import first_nonfinite
+from unimp.stats import first_nonfinite, first_nonfinite_gradient
 from unimp.step import _KIND, STEP_FIELDS, StepResult
 from unimp.steplog import StepLogWriter
 
@@ -50,9 +53,15 @@ def _host_fields(result: StepResult) -> dict[str, Any]:
     return {f: None if raw[f] is None else _KIND[f](to_host(raw[f])) for f in STEP_FIELDS}
 
 
+def _bools(flags: Any, to_host: Callable[[Any], Any]) -> list[bool]:
+    """A device bool vector as a list, in one read (torch and JAX arrays have ``tolist``)."""
+    host = flags.tolist() if hasattr(flags, "tolist") else to_host(flags)
+    return [bool(f) for f in host]
+
+
 def _drain(pending: list, writer: StepLogWriter, to_host: Callable[[Any], Any], close: bool) -> None:
     try:
-        for index, result, lr, batch_finite in pending:
+        for index, result, lr, batch_finite, grad_flags in pending:
             rec = _host_fields(result)
             rec["step"] = index
             rec["lr"] = None if lr is None else float(to_host(lr))
@@ -61,10 +70,14 @@ def _drain(pending: list, writer: StepLogWriter, to_host: Callable[[Any], Any], 
             rec["stats"] = stats
             rec["nonfinite"] = None
             finite = rec["loss_finite"] and rec["grads_finite"]
+            found = None
             if not finite and stats is not None:
                 found = first_nonfinite(stats.to_dict())
-                if found is not None:
-                    rec["nonfinite"] = dict(zip(("phase", "layer", "tensor"), found, strict=True))
+            elif rec["loss_finite"] and not rec["grads_finite"] and grad_flags is not None:
+                names, flags = grad_flags
+                found = first_nonfinite_gradient(names, _bools(flags, to_host))
+            if found is not None:
+                rec["nonfinite"] = dict(zip(("phase", "layer", "tensor"), found, strict=True))
             if rec["loss"] is not None and not math.isfinite(rec["loss"]):
                 rec["loss"] = None
             writer.write(rec)
@@ -114,9 +127,27 @@ class StepRecorder:
         self._warned = False
         self._finalizer = weakref.finalize(self, _drain, self._pending, self.writer, to_host, owned)
 
-    def add(self, index: int, result: StepResult, *, lr: Any = None, batch_finite: Any = None) -> None:
+    def add(
+        self,
+        index: int,
+        result: StepResult,
+        *,
+        lr: Any = None,
+        batch_finite: Any = None,
+        grad_flags: tuple[list[str], Any] | None = None,
+    ) -> None:
         """Keeps one step (device values, unread); writes the buffer every ``every`` steps.
-        After :meth:`close` the step is not logged, with a warning (once)."""
+        After :meth:`close` the step is not logged, with a warning (once).
+
+        Args:
+            index: the step's number (0-based calls of the train step).
+            result: the step's result, its values still on the device.
+            lr: the learning rate (a device scalar or a number) where the optimizer exposes it.
+            batch_finite: a device bool: the batch held no inf or NaN.
+            grad_flags: ``(names, flags)``: the gradients' names in the parameters' order and a
+                device bool vector, one finite flag per gradient (the step computes it when it
+                logs); names the first non-finite gradient on a step without statistics.
+        """
         if not self._finalizer.alive:
             if not self._warned:
                 self._warned = True
@@ -127,7 +158,7 @@ class StepRecorder:
                     stacklevel=3,
                 )
             return
-        self._pending.append((index, result, lr, batch_finite))
+        self._pending.append((index, result, lr, batch_finite, grad_flags))
         if len(self._pending) >= self.every:
             self.flush()
 

@@ -74,6 +74,39 @@ def compare(logs: list[LogDiagnosis]) -> dict[str, Any]:
     return {"logs": [d.name for d in logs], "agree": all(r["agree"] for r in rows), "rows": rows}
 
 
+#: Relative difference of step 0's loss above which two logs are not the same weights and batch
+#: (the frameworks agree to about 1e-3 at step 0 under float16: unimp compare's tolerance).
+FIRST_LOSS_RTOL = 0.05
+
+
+def _first_loss(log: StepLog) -> float | None:
+    first = log.steps[0] if log.steps else None
+    return first["loss"] if first is not None and first["step"] == 0 else None
+
+
+def run_mismatch(logs: list[StepLog], names: list[str]) -> list[str]:
+    """Why several logs may not be one run in several frameworks, one sentence each: another
+    recipe or loss-scale config in the header, another number of steps, or a step-0 loss that
+    differs by more than :data:`FIRST_LOSS_RTOL` (other weights or another batch). Empty when
+    nothing says they differ."""
+    ref, rname = logs[0], names[0]
+    out = []
+    for log, name in zip(logs[1:], names[1:], strict=True):
+        if log.run.get("recipe") != ref.run.get("recipe"):
+            out.append(f"{name} ran recipe {log.run.get('recipe')!r}, {rname} {ref.run.get('recipe')!r}")
+        if log.loss_scale != ref.loss_scale:
+            out.append(f"{name} and {rname} have different loss-scale configs")
+        if len(log.steps) != len(ref.steps):
+            out.append(f"{name} has {len(log.steps)} steps, {rname} {len(ref.steps)}")
+        a, b = _first_loss(ref), _first_loss(log)
+        if a is not None and b is not None and abs(a - b) > FIRST_LOSS_RTOL * max(abs(a), abs(b)):
+            out.append(
+                f"step 0's loss is {b:.4g} in {name} and {a:.4g} in {rname} (other weights or "
+                "another batch)"
+            )
+    return out
+
+
 def _names(logs: list[StepLog]) -> list[str]:
     """Each log's label, else its backend; the file name added where two would be the same."""
     names = [log.label or log.backend for log in logs]
@@ -89,7 +122,8 @@ def _names(logs: list[StepLog]) -> list[str]:
 
 def diagnose(logs: list[StepLog]) -> Diagnosis:
     """Diagnoses step logs: each on its own, then, with several (the same run in several
-    frameworks), whether they agree.
+    frameworks), whether they agree, and whether their headers and first step say they are
+    one run at all (:func:`run_mismatch`).
 
     Args:
         logs: :class:`~unimp.steplog.StepLog` s from :func:`~unimp.steplog.read_steplog`.
@@ -103,5 +137,10 @@ def diagnose(logs: list[StepLog]) -> Diagnosis:
     logs = list(logs)
     if not logs:
         raise ValueError("no step log to diagnose; pass at least one")
-    per = [diagnose_log(log, n) for log, n in zip(logs, _names(logs), strict=True)]
-    return Diagnosis(per, compare(per) if len(per) > 1 else None)
+    names = _names(logs)
+    per = [diagnose_log(log, n) for log, n in zip(logs, names, strict=True)]
+    if len(per) == 1:
+        return Diagnosis(per, None)
+    comparison = compare(per)
+    comparison["mismatch"] = run_mismatch(logs, names)
+    return Diagnosis(per, comparison)

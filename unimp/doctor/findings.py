@@ -166,8 +166,9 @@ class Diagnosis:
     Attributes:
         logs: one :class:`LogDiagnosis` per log, in the order given.
         comparison: None for one log; for several, ``{"logs": [names], "agree": bool, "rows":
-            [...]}`` with one row per finding class: ``{"class", "spike", "agree", "note",
-            "per_log": {name: {"step", "layer"} or None}}``.
+            [...], "mismatch": [str]}`` with one row per finding class: ``{"class", "spike",
+            "agree", "note", "per_log": {name: {"step", "layer"} or None}}``; ``mismatch``
+            says why the logs may not be one run (empty when nothing says so).
     """
 
     logs: list[LogDiagnosis]
@@ -230,6 +231,8 @@ class Diagnosis:
             c = self.comparison
             verdict = "they agree" if c["agree"] else "they differ"
             out.append(f"\nacross the logs ({', '.join(c['logs'])}): {verdict}")
+            if c.get("mismatch"):
+                out.append("  warning: these logs may not be one run: " + "; ".join(c["mismatch"]))
             out += [f"  {row['note']}" for row in c["rows"]]
         fixes = self.fixes
         if fixes:

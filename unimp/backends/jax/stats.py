@@ -119,6 +119,17 @@ def _gradient_stats(grads: Any, scale: Any) -> dict[str, Entry]:
     return out
 
 
+def _grad_flags(grads: Any) -> tuple[list[str], jax.Array]:
+    """One finite flag per floating leaf of ``grads`` (a bool vector, named and ordered as
+    :func:`_gradient_stats` names them): which gradient went non-finite first, on a logged step."""
+    names, flags = [], []
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if jnp.issubdtype(jnp.result_type(g), jnp.floating):
+            names.append(path_name(path))
+            flags.append(jnp.all(jnp.isfinite(g)))
+    return names, jnp.stack(flags) if flags else jnp.zeros((0,), bool)
+
+
 # -- what a statistics step's trace records ----------------------------------------------------
 
 _ACTIVE = threading.local()

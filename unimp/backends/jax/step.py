@@ -17,7 +17,13 @@ from unimp.backends.jax.devices import _commit_like, _device_leaf
 from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
 from unimp.backends.jax.overflow import _keep_unless, _varying_axes, all_finite, sync_loss_scale
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
-from unimp.backends.jax.stats import _collecting, _gradient_stats, _merge_stacked, _pending
+from unimp.backends.jax.stats import (
+    _collecting,
+    _grad_flags,
+    _gradient_stats,
+    _merge_stacked,
+    _pending,
+)
 from unimp.step import (
     StepResult,
     check_stats_every,
@@ -269,6 +275,7 @@ class TrainStep:
         self._stats_every = stats_every
         self._calls = 0
         self._stats_order: tuple[list[str], list[str]] = ([], [])
+        self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
         donated = ((0, 1, 2, 4) if self._stateful else (0, 1, 2)) if donate else ()
         self._stats_jitted = (
             None if stats_every is None else jax.jit(self._stats_step, donate_argnums=donated)
@@ -396,6 +403,10 @@ class TrainStep:
             gradients = _gradient_stats(grads, ls.loss_scale)
             self._stats_order = (list(gradients), call_order)
             stats = {"gradients": gradients, "activations": activations, "scale": ls.loss_scale}
+        flags = None
+        if not with_stats and self._recorder is not None and axis is None:
+            # logged (read while tracing): which gradient went non-finite first
+            self._flag_names, flags = _grad_flags(grads)
         grads_finite = all_finite(grads, axis)
         grad_norm = None
         if self._max_norm is not None:
@@ -424,6 +435,8 @@ class TrainStep:
         }
         if with_stats:
             raw["stats"] = stats
+        if flags is not None:
+            raw["grad_flags"] = flags
         if self._stateful:
             return params, opt_state, new_ls, raw, model_state
         return params, opt_state, new_ls, raw
@@ -488,12 +501,14 @@ class TrainStep:
         stats = None
         if with_stats:
             stats = _pending(self._calls, raw.pop("stats"), self._stats_order)
+        flags = raw.pop("grad_flags", None)
         self._calls += 1
         result = StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats)
         if self._recorder is not None:
             self._recorder.add(
-                self._calls - 1, result, lr=_learning_rate(opt_state), batch_finite=all_finite(batch)
-            )
+                self._calls - 1, result, lr=_learning_rate(opt_state), batch_finite=all_finite(batch),
+                grad_flags=None if flags is None else (self._flag_names, flags),
+            )  # fmt: skip
         return result
 
     _recorder = None  # a StepRecorder with train_step(log=...)

@@ -181,6 +181,22 @@ class _Collector:
         return {"gradients": dict(self.gradients), "activations": dict(self.activations)}
 
 
+def _grad_flags(named: list[tuple[str, Any]]) -> tuple[list[str], tf.Tensor]:
+    """One finite flag per gradient (a bool vector, in the order of ``named``, named as the
+    statistics name them): which gradient went non-finite first, on a logged step."""
+    names: list[str] = []
+    flags = []
+    for name, g in named:
+        key, i = name, 1
+        while key in names:  # two variables with one path: keep both (as add_gradients)
+            i += 1
+            key = f"{name}#{i}"
+        names.append(key)
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        flags.append(tf.reduce_all(tf.math.is_finite(values)))
+    return names, tf.stack(flags) if flags else tf.zeros([0], tf.bool)
+
+
 def _pending(step: int, scale: tf.Tensor, arrays: dict[str, dict[str, Entry]], order: Any) -> Any:
     """A function building the :class:`unimp.stats.StepStats` from the step's output tensors
     when called (the read back to the host happens then)."""

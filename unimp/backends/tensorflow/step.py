@@ -15,7 +15,7 @@ from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.scaling import _to_host, _traced_fields, _unscale
-from unimp.backends.tensorflow.stats import _Collector, _pending
+from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
 from unimp.loss_scale import (
     from_state_dict,
 )
@@ -143,6 +143,7 @@ class TrainStep:
         self.calls = 0
         self._collector: _Collector | None = None  # set only while the statistics step traces
         self._stats_order: tuple[list[str], list[str]] = ([], [])
+        self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
         self.function = self._make_function()
         self.stats_function = None if stats_every is None else self._make_stats_function()
 
@@ -175,6 +176,7 @@ class TrainStep:
         stats = None
         if stats_step:
             stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
+        flags = raw.pop("grad_flags", None)
         self.calls += 1
         result = StepResult(
             raw, to_host=_to_host, config=self.optimizer.loss_scale_config, stats=stats
@@ -183,7 +185,10 @@ class TrainStep:
             lr = getattr(self.optimizer, "learning_rate", None)
             lr = tf.identity(lr) if isinstance(lr, (tf.Variable, tf.Tensor)) or hasattr(lr, "value") else lr
             finite = None if self.strategy is not None else all_finite(batch)
-            self._recorder.add(self.calls - 1, result, lr=lr, batch_finite=finite)
+            self._recorder.add(
+                self.calls - 1, result, lr=lr, batch_finite=finite,
+                grad_flags=None if flags is None else (self._flag_names, flags),
+            )  # fmt: skip
         return result
 
     _recorder = None  # a StepRecorder with train_step(log=...)
@@ -276,6 +281,12 @@ class TrainStep:
                 [(v.path, g) for v, g in zip(self._variables, unscaled, strict=True) if g is not None],
                 scale,
             )
+        flags = None
+        if self._collector is None and self._recorder is not None and self.strategy is None:
+            # logged (read while tracing): which gradient went non-finite first
+            self._flag_names, flags = _grad_flags(
+                [(v.path, g) for v, g in zip(self._variables, unscaled, strict=True) if g is not None]
+            )
         grads_finite = all_finite([g for g in unscaled if g is not None])
         replica = tf.distribute.get_replica_context() if self.strategy is not None else None
         if replica is not None and replica.num_replicas_in_sync > 1:
@@ -308,6 +319,7 @@ class TrainStep:
             "grad_norm": grad_norm,
             "consecutive_skips": consecutive,
             "total_skips": total,
+            **({} if flags is None else {"grad_flags": flags}),
         }
 
     def _scaled_grads(self, batch: Any, scale: tf.Tensor) -> tuple[list[Any], tf.Tensor]:

@@ -170,6 +170,25 @@ def _gradient_stats(
     return out
 
 
+def _grad_flags(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], device: torch.device
+) -> tuple[list[str], torch.Tensor]:
+    """One finite flag per gradient the optimizer holds (a bool vector on ``device``, in the
+    order and with the names of :func:`_gradient_stats`): the max-norm of a gradient is finite
+    exactly when every element is, so it takes one fused reduction per device."""
+    order, grads = [], []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            order.append(names.get(id(p), f"param{len(order)}"))
+            grads.append(p.grad.coalesce()._values() if p.grad.is_sparse else p.grad)
+    if not grads:
+        return order, torch.ones(0, dtype=torch.bool, device=device)
+    norms = torch._foreach_norm(grads, float("inf"))
+    return order, torch.isfinite(torch.stack([_to(n, device) for n in norms]))
+
+
 def _pending(
     step: int, scale: torch.Tensor, gradients: dict[str, Entry], activations: dict[str, Entry]
 ) -> Any:

@@ -13,7 +13,13 @@ from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.scaling import GradScaler, _to_host
-from unimp.backends.torch.stats import _gradient_stats, _param_names, _pending, _Recorder
+from unimp.backends.torch.stats import (
+    _grad_flags,
+    _gradient_stats,
+    _param_names,
+    _pending,
+    _Recorder,
+)
 from unimp.step import StepResult, check_stats_every, check_step_options, micro_batches
 
 if TYPE_CHECKING:
@@ -128,17 +134,20 @@ class TrainStep:
 
     def __call__(self, batch: Any) -> StepResult:
         if self.stats_every is None or self.calls % self.stats_every:
-            result = self._run(batch, None)
+            result, grad_flags = self._run(batch, None)
         else:
             recorder = _Recorder(self.model)
             try:
-                result = self._run(batch, recorder)
+                result, grad_flags = self._run(batch, recorder)
             finally:
                 recorder.close()
         self.calls += 1
         if self._recorder is not None:
             lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-            self._recorder.add(self.calls - 1, result, lr=lr, batch_finite=all_finite(batch))
+            self._recorder.add(
+                self.calls - 1, result, lr=lr, batch_finite=all_finite(batch),
+                grad_flags=grad_flags,
+            )  # fmt: skip
         return result
 
     _recorder = None  # a StepRecorder with train_step(log=...)
@@ -148,7 +157,9 @@ class TrainStep:
         if self._recorder is not None:
             self._recorder.close()
 
-    def _run(self, batch: Any, recorder: _Recorder | None) -> StepResult:
+    def _run(self, batch: Any, recorder: _Recorder | None) -> tuple[StepResult, Any]:
+        """One step; returns its result and, when the step logs without statistics, the
+        gradients' finite flags (``(names, bool vector)``, else None)."""
         micro = micro_batches(batch, self.grad_accum_steps)
         k = len(micro)
         sc = self.scaler
@@ -183,10 +194,12 @@ class TrainStep:
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
         sc.unscale_(opt)
         found_inf = sc._opt_state(opt)["found_inf"]
-        stats = None
+        stats = grad_flags = None
         if recorder is not None:  # unscaled, before clipping, at the step's scale
             grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale_used)
             stats = _pending(self.calls, scale_used, grad_stats, recorder.entries)
+        elif self._recorder is not None:  # logged: which gradient went non-finite first
+            grad_flags = _grad_flags(opt, _param_names(self.model, opt), sc.device)
         grad_norm = None
         if self.max_grad_norm is not None:
             grads = [g for _, g in sc._grads(opt)]
@@ -223,7 +236,7 @@ class TrainStep:
         }
         if self.scheduler is not None and bool(applied):
             self.scheduler.step()
-        return StepResult(raw, _to_host, sc.config, stats=stats)
+        return StepResult(raw, _to_host, sc.config, stats=stats), grad_flags
 
     def state_dict(self) -> dict[str, Any]:
         """unimp's loss-scale state in the portable format (see :meth:`GradScaler.state_dict`)."""
