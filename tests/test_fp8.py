@@ -157,3 +157,10 @@ def test_from_state_dict_refuses_bad_input(edit, match):
     d = {**fp8.state_dict(cfg, {"a": fp8.FP8State.initial(cfg)}), **edit}
     with pytest.raises(ValueError, match=match):
         fp8.from_state_dict(d)
+
+
+def test_unimp_rules_cap_the_scale_so_its_inverse_stays_normal():
+    assert float(fp8.simulate(fp8.CurrentScaling(), [1e-37])[0][0]) == 2.0**126
+    assert float(fp8.simulate(fp8.DelayedScaling(amax_history_len=1), [1e-37, 1.0])[1][0]) == 2.0**126
+    te = fp8.fp8_preset("transformer_engine_current")
+    assert float(fp8.simulate(te, [1e-37])[0][0]) == float(np.finfo(np.float32).max)

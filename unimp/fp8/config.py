@@ -152,10 +152,10 @@ class CurrentScaling(_Fp8Config):
     """Current (just-in-time) per-tensor scaling: the scale comes from this step's own amax.
 
     ``scale = fp8_max / amax(x)`` in float32, computed before ``x`` is quantized (one extra
-    reduction per tensor, no history). ``rule``: ``"unimp"`` (= Transformer Engine's
-    ``Float8CurrentScaling`` on float32 inputs: amax 0, inf or NaN gives scale 1; a scale that
-    overflows float32 becomes float32 max; power-of-two scales truncate the mantissa bits),
-    ``"transformer_engine"`` (the same), ``"torchao"`` (``amax_to_scale``: amax clamped to 1e-12,
+    reduction per tensor, no history). ``rule``: ``"unimp"`` (Transformer Engine's
+    ``Float8CurrentScaling`` on float32 inputs: amax 0, inf or NaN gives scale 1; power-of-two
+    scales truncate the mantissa bits; but the scale is capped at 2**126 where TE caps at
+    float32 max), ``"transformer_engine"``, ``"torchao"`` (``amax_to_scale``: amax clamped to 1e-12,
     so amax 0 gives 4.48e14, inf gives 0, NaN gives NaN; power-of-two scales are
     ``exp2(floor(log2(scale)))``).
 

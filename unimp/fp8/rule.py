@@ -11,6 +11,10 @@ import numpy as np
 
 from unimp.fp8.config import _F32_MAX, CurrentScaling, DelayedScaling, Fp8Config, FP8State
 
+#: unimp's own rules cap the scale at 2**126 (TE: float32 max) so that ``scale_inv`` stays a
+#: normal float32: TensorFlow flushes subnormals to zero on CPU, which would break bit-identity.
+MAX_SCALE = 2.0**126
+
 #: torchao ``amax_to_scale`` clamps the amax at ``EPS = 1e-12`` (a float64) before dividing.
 _TORCHAO_EPS = 1e-12
 
@@ -108,7 +112,10 @@ def _delayed(ops: Any, cfg: DelayedScaling, scale: Any, scale_inv: Any, hist: An
         new_hist = pushed
         window = ops.amax(pushed) if cfg.amax_compute_algo == "max" else amax
     new_scale = ops.where(_valid(ops, window), scaled_max / window, scale)
-    new_scale = ops.where(ops.isinf(new_scale), f32max, new_scale)
+    if cfg.rule == "transformer_engine":
+        new_scale = ops.where(ops.isinf(new_scale), f32max, new_scale)
+    else:
+        new_scale = ops.where(new_scale > ops.f32(MAX_SCALE), ops.f32(MAX_SCALE), new_scale)
     return (scale, scale_inv), (new_scale, ops.f32(1.0) / new_scale, new_hist)
 
 
@@ -124,7 +131,10 @@ def _current(ops: Any, cfg: CurrentScaling, amax: Any, fmax: float) -> Any:
         return s
     # current_scaling.cu / recipe_common.cuh compute_scale_from_amax (epsilon 0, float32 input)
     s = ops.where(_valid(ops, amax), ops.f32(fmax) / amax, ops.f32(1.0))
-    s = ops.where(ops.isinf(s), ops.f32(_F32_MAX), s)
+    if cfg.rule == "transformer_engine":
+        s = ops.where(ops.isinf(s), ops.f32(_F32_MAX), s)
+    else:
+        s = ops.where(s > ops.f32(MAX_SCALE), ops.f32(MAX_SCALE), s)
     if cfg.power_of_2_scales:
         s = ops.pow2_floor(s)
     return s

@@ -1,0 +1,112 @@
+"""JAX FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on ``jnp`` arrays (they
+trace under ``jax.jit``), and :func:`fp8_dot_general`, an emulated float8 ``dot_general``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from unimp import fp8 as _fp8
+from unimp.fp8 import FP8State
+
+# FP8State is a pytree (every field an array leaf), derived from dataclasses.fields, so it
+# passes through jax.jit, lax.scan and optax states.
+jax.tree_util.register_dataclass(
+    FP8State, data_fields=[f.name for f in dataclasses.fields(FP8State)], meta_fields=[]
+)
+
+_FP8_DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
+
+
+class Fp8Ops:
+    """The FP8 rule's array namespace over ``jnp`` arrays."""
+
+    where = staticmethod(jnp.where)
+    isfinite = staticmethod(jnp.isfinite)
+    isnan = staticmethod(jnp.isnan)
+    isinf = staticmethod(jnp.isinf)
+    abs = staticmethod(jnp.abs)
+    floor = staticmethod(jnp.floor)
+    log2 = staticmethod(jnp.log2)
+    exp2 = staticmethod(jnp.exp2)
+
+    @staticmethod
+    def f32(x: Any) -> jax.Array:
+        return jnp.asarray(x, jnp.float32)
+
+    @staticmethod
+    def amax(x: jax.Array) -> jax.Array:
+        return jnp.max(x)  # NaN-propagating
+
+    @staticmethod
+    def push(history: jax.Array, amax: jax.Array) -> jax.Array:
+        return jnp.concatenate([jnp.reshape(amax, (1,)).astype(history.dtype), history[:-1]])
+
+    @staticmethod
+    def clip(x: jax.Array, lo: float, hi: float) -> jax.Array:
+        return jnp.clip(x, lo, hi)
+
+    @staticmethod
+    def pow2_floor(x: jax.Array) -> jax.Array:
+        bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-0x800000)
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+    @staticmethod
+    def to_fp8(x: jax.Array, dtype: str) -> jax.Array:
+        return x.astype(_FP8_DTYPES[dtype])
+
+    @staticmethod
+    def to_f32(x: jax.Array) -> jax.Array:
+        return jnp.asarray(x).astype(jnp.float32)
+
+    @staticmethod
+    def cast_like(x: jax.Array, like: jax.Array) -> jax.Array:
+        return x.astype(jnp.asarray(like).dtype)
+
+
+def fp8_initial_state(config: _fp8.Fp8Config, device: Any = None) -> FP8State:
+    """Scale 1, zero history: an :class:`unimp.fp8.FP8State` of float32 arrays."""
+    return fp8_state_from_numpy(FP8State.initial(config), device)
+
+
+def fp8_state_from_numpy(state: FP8State, device: Any = None) -> FP8State:
+    """The same state as ``jnp`` float32 arrays (placed on ``device`` when given)."""
+    vals = [jnp.asarray(np.asarray(v, np.float32)) for v in (state.scale, state.scale_inv, state.amax_history)]
+    if device is not None:
+        vals = [jax.device_put(v, device) for v in vals]
+    return FP8State(*vals)
+
+
+def fp8_state_to_numpy(state: FP8State) -> FP8State:
+    """The state as NumPy float32 (for :func:`unimp.fp8.state_dict`); one host copy."""
+    return FP8State(*(np.asarray(v, np.float32) for v in (state.scale, state.scale_inv, state.amax_history)))
+
+
+def fp8_amax(x: jax.Array) -> jax.Array:
+    """``max(abs(x))`` as a float32 0-d array (NaN-propagating)."""
+    return _fp8.amax_of(Fp8Ops, x)
+
+
+def fp8_step(
+    config: _fp8.Fp8Config, state: FP8State, amax: jax.Array, role: str = "forward"
+) -> tuple[tuple[jax.Array, jax.Array], FP8State]:
+    """One step of :func:`unimp.fp8.step_arrays` on ``jnp`` arrays (jit-able; ``config`` and
+    ``role`` static).
+
+    Returns:
+        ``((scale, scale_inv) to quantize this step with, state after the step)``.
+    """
+    used, new = _fp8.step_arrays(
+        Fp8Ops, config, role, state.scale, state.scale_inv, state.amax_history, Fp8Ops.f32(amax)
+    )
+    return used, FP8State(*new)
+
+
+def fp8_quantize_dequantize(x: jax.Array, scale: jax.Array, scale_inv: jax.Array, dtype: str) -> jax.Array:
+    """:func:`unimp.fp8.qdq_arrays` on an array: same shape and dtype as ``x``."""
+    return _fp8.qdq_arrays(Fp8Ops, x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
