@@ -311,3 +311,31 @@ class FP8State:
                 f"(amax_history_len), got shape {hist.shape}."
             )
         return cls(vals["scale"], vals["scale_inv"], hist)
+
+
+class Fp8EmulationWarning(UserWarning):
+    """float8 matmuls run emulated (quantize-dequantize in float32), given once per framework and
+    device type, never per step."""
+
+
+_EMULATION_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> None:
+    """Warns once per ``(framework, device_type)`` that float8 matmuls are emulated: unimp builds
+    no native float8 GEMM path yet (``torch._scaled_mm``, Transformer Engine), so on a device with
+    float8 units this is slower than bfloat16, and on one without (a CPU, a GPU before sm89) it
+    is the only path."""
+    key = (framework, device_type)
+    if key in _EMULATION_WARNED:
+        return
+    _EMULATION_WARNED.add(key)
+    import warnings
+
+    warnings.warn(
+        f"unimp FP8 ({framework}, {device_type}): float8 matmuls are emulated (quantize-dequantize "
+        "in float32, the same numbers as a float8 GEMM); no native float8 path is built, so this "
+        "is slower than bfloat16, never faster.",
+        Fp8EmulationWarning,
+        stacklevel=stacklevel,
+    )

@@ -183,8 +183,25 @@ def qdq_arrays(ops: Any, x: Any, scale: Any, scale_inv: Any, dtype: str, fmax: f
     Returns:
         An array of ``x``'s shape and dtype.
     """
-    y = ops.clip(ops.to_f32(x) * scale, -fmax, fmax)
-    return ops.cast_like(ops.to_f32(ops.to_fp8(y, dtype)) * scale_inv, x)
+    return ops.cast_like(quantize_arrays(ops, x, scale, dtype, fmax) * scale_inv, x)
+
+
+def quantize_arrays(ops: Any, x: Any, scale: Any, dtype: str, fmax: float) -> Any:
+    """The float8 values of ``x`` as float32: ``float32(float8(clip(float32(x) * scale)))``.
+
+    The emulated float8 matmul (every backend's FP8 layer) multiplies these exactly-representable
+    values and scales the float32 result once, as a float8 GEMM does
+    (``D = (A_q @ B_q) * (scale_inv_a * scale_inv_b)``)::
+
+        y  = (Q(x) @ Q(w)) * (x.scale_inv * w.scale_inv)          # forward, e4m3
+        dx = (Q(g) @ Q(w)^T) * (g.scale_inv * w.scale_inv)        # backward, g in e5m2
+        dw = (Q(x)^T @ Q(g)) * (x.scale_inv * g.scale_inv)
+
+    ``g`` is the output gradient as it flows in backward: with loss scaling, the SCALED
+    gradient (before unscaling), as Keras records it; its amax and its scale are taken on that
+    tensor in every backend (docs/fp8.md).
+    """
+    return ops.to_f32(ops.to_fp8(ops.clip(ops.to_f32(x) * scale, -fmax, fmax), dtype))
 
 
 def amax_of(ops: Any, x: Any) -> Any:

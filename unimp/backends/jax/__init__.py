@@ -42,6 +42,7 @@ from unimp.backends.jax.devices import device_info, framework_version
 from unimp.backends.jax.fp8 import (
     Fp8Ops,
     fp8_amax,
+    fp8_dot_general,
     fp8_initial_state,
     fp8_quantize_dequantize,
     fp8_state_from_numpy,
@@ -66,6 +67,7 @@ from unimp.step import StepResult
 
 __all__ = [
     "Fp8Ops",
+    "fp8_dot_general",
     "fp8_amax",
     "fp8_initial_state",
     "fp8_quantize_dequantize",

@@ -5,6 +5,7 @@ trace under ``jax.jit``), and :func:`fp8_dot_general`, an emulated float8 ``dot_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -110,3 +111,76 @@ def fp8_step(
 def fp8_quantize_dequantize(x: jax.Array, scale: jax.Array, scale_inv: jax.Array, dtype: str) -> jax.Array:
     """:func:`unimp.fp8.qdq_arrays` on an array: same shape and dtype as ``x``."""
     return _fp8.qdq_arrays(Fp8Ops, x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
+
+
+def fp8_dot_general(
+    config: _fp8.Fp8Config, input_state: FP8State, kernel_state: FP8State, grad_state: FP8State
+) -> Any:
+    """An emulated float8 ``dot_general`` for plain JAX and for flax modules (``dot_general=``).
+
+    ``lhs`` (the input) and ``rhs`` (the kernel) are quantized to the forward format with their
+    own states, the output gradient to the backward format in the backward pass; the
+    ``dot_general`` multiplies the float8 values and scales the float32 result once
+    (:func:`unimp.fp8.quantize_arrays`). JAX is functional, so the states after the step come
+    out as the *gradients* of the three state arguments (flax's fp8_ops does the same with its
+    ``_overwrite_with_gradient`` collection): differentiate with respect to the states too and
+    replace them with their "gradients". A forward-only call leaves the states alone.
+
+    Example::
+
+        def loss(params, states, x):
+            dg = fp8_dot_general(config, *states)
+            return nn.Dense(8, dot_general=dg).apply(params, x).sum()
+        grads, new_states = jax.grad(loss, argnums=(0, 1))(params, states, x)
+
+    Note: ``flax.linen.Dense`` casts the kernel to its ``dtype`` before calling
+    ``dot_general``; with ``dtype=bfloat16`` the kernel is then quantized from bfloat16, where
+    unimp's torch and Keras layers quantize the float32 master weight.
+
+    Returns:
+        ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``.
+    """
+    _fp8.warn_emulated("jax", jax.default_backend())
+
+    def dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+                    preferred_element_type: Any = None) -> jax.Array:
+        return _fp8_dot(config, _hashable(dimension_numbers), lhs, rhs, input_state, kernel_state, grad_state)
+
+    return dot_general
+
+
+def _hashable(dn: Any) -> Any:
+    (lc, rc), (lb, rb) = dn
+    return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+
+
+def _fwd(config, dn, lhs, rhs, si, sk, sg):
+    dtype = config.dtype("forward")
+    fmax = _fp8.FP8_MAX[dtype]
+    (sx, ix), new_i = fp8_step(config, si, fp8_amax(lhs), "forward")
+    (sw, iw), new_k = fp8_step(config, sk, fp8_amax(rhs), "forward")
+    qx = _fp8.quantize_arrays(Fp8Ops, lhs, sx, dtype, fmax)
+    qw = _fp8.quantize_arrays(Fp8Ops, rhs, sw, dtype, fmax)
+    y = (jax.lax.dot_general(qx, qw, dn) * (ix * iw)).astype(lhs.dtype)
+    marks = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
+    return y, (qx, qw, ix, iw, new_i, new_k, sg, marks)
+
+
+def _bwd(config, dn, res, g):
+    qx, qw, ix, iw, new_i, new_k, sg, (lmark, rmark) = res
+    dtype = config.dtype("backward")
+    (sgs, ig), new_g = fp8_step(config, sg, fp8_amax(g), "backward")
+    qg = _fp8.quantize_arrays(Fp8Ops, g, sgs, dtype, _fp8.FP8_MAX[dtype])
+    _, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), qx, qw)
+    dqx, dqw = vjp(qg)
+    dx = (dqx * (ig * iw)).astype(lmark.dtype)
+    dw = (dqw * (ig * ix)).astype(rmark.dtype)
+    return dx, dw, new_i, new_k, new_g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_dot(config, dn, lhs, rhs, si, sk, sg):
+    return _fwd(config, dn, lhs, rhs, si, sk, sg)[0]
+
+
+_fp8_dot.defvjp(_fwd, _bwd)

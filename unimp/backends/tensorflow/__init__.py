@@ -42,6 +42,7 @@ from unimp.backends.tensorflow import devices  # noqa: F401  (first: checks that
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import device_info, framework_version
 from unimp.backends.tensorflow.fp8 import (
+    FP8Dense,
     Fp8Ops,
     fp8_amax,
     fp8_initial_state,
@@ -60,6 +61,7 @@ from unimp.step import StepResult
 
 __all__ = [
     "Fp8Ops",
+    "FP8Dense",
     "fp8_amax",
     "fp8_initial_state",
     "fp8_quantize_dequantize",

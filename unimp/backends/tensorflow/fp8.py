@@ -109,3 +109,106 @@ def fp8_quantize_dequantize(x: tf.Tensor, scale: tf.Tensor, scale_inv: tf.Tensor
     """:func:`unimp.fp8.qdq_arrays` on a tensor: same shape and dtype as ``x``."""
     return _fp8.qdq_arrays(Fp8Ops, tf.convert_to_tensor(x), scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
 
+
+
+_TENSORS = ("input", "kernel", "grad")
+_FIELDS = ("scale", "scale_inv", "amax_history")
+
+
+def _keras_layer_base() -> type:
+    import keras
+
+    return keras.layers.Layer
+
+
+class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
+    """A Keras Dense layer whose matmul is emulated float8 by :mod:`unimp.fp8`'s rule.
+
+    unimp's own layer rather than ``Dense.quantize("float8")``: Keras's float8 path divides by a
+    stored divisor and uses its two-steps-late timing, which cannot express unimp's rule (nor be
+    matched bit for bit under JAX). The input and the float32 kernel are quantized to the
+    forward format with their own scales, the output gradient (as it flows in backward, i.e.
+    scaled when a loss scale is on) to the backward format in a ``tf.custom_gradient``; the
+    matmul multiplies the float8 values and scales the float32 result once. The scaling states
+    are non-trainable float32 variables (``<input|kernel|grad>_<scale|scale_inv|amax_history>``),
+    stepped in training calls (traces under ``tf.function``, no host sync); the first call warns
+    once that float8 is emulated (:class:`unimp.fp8.Fp8EmulationWarning`).
+
+    Args:
+        units: output features; use_bias: add a bias (in the compute dtype).
+        config: a :class:`unimp.fp8.DelayedScaling` (default) or :class:`unimp.fp8.CurrentScaling`.
+
+    Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
+    """
+
+    def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.units = int(units)
+        self.use_bias = bool(use_bias)
+        self.config = config if config is not None else _fp8.DelayedScaling()
+
+    def build(self, input_shape: Any) -> None:
+        n_in = int(input_shape[-1])
+        self.kernel = self.add_weight(name="kernel", shape=(n_in, self.units), initializer="glorot_uniform", autocast=False)
+        self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros") if self.use_bias else None
+        init = FP8State.initial(self.config)
+        for name in _TENSORS:
+            for f in _FIELDS:
+                value = np.asarray(getattr(init, f), np.float32)
+                var = self.add_weight(
+                    name=f"{name}_{f}", shape=value.shape, dtype="float32", trainable=False,
+                    initializer=lambda shape, dtype=None, v=value: tf.constant(v), autocast=False,
+                )
+                setattr(self, f"{name}_{f}", var)
+
+    def fp8_state(self, name: str) -> FP8State:
+        """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (current variable values)."""
+        return FP8State(*(tf.convert_to_tensor(getattr(self, f"{name}_{f}")) for f in _FIELDS))
+
+    def load_fp8_state(self, name: str, state: FP8State) -> None:
+        """Assigns a (NumPy or tensor) state to the variables of ``name``."""
+        for f in _FIELDS:
+            getattr(self, f"{name}_{f}").assign(np.asarray(getattr(state, f), np.float32))
+
+    def _step(self, name: str, amax: tf.Tensor, role: str, training: bool) -> Any:
+        state = self.fp8_state(name)
+        if not training and isinstance(self.config, _fp8.DelayedScaling):
+            return state.scale, state.scale_inv
+        used, new = fp8_step(self.config, state, amax, role)
+        if training:
+            for f in _FIELDS:
+                getattr(self, f"{name}_{f}").assign(getattr(new, f))
+        return used
+
+    def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
+        _fp8.warn_emulated("tensorflow", "cpu" if not tf.config.list_logical_devices("GPU") else "gpu")
+        training = bool(training)
+        x = tf.convert_to_tensor(inputs)
+        w = tf.convert_to_tensor(self.kernel)
+        dtype = self.config.dtype("forward")
+        fmax = _fp8.FP8_MAX[dtype]
+        sx, sinv_x = self._step("input", fp8_amax(x), "forward", training)
+        sw, sinv_w = self._step("kernel", fp8_amax(w), "forward", training)
+        qx = tf.reshape(_fp8.quantize_arrays(Fp8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
+        qw = _fp8.quantize_arrays(Fp8Ops, w, sw, dtype, fmax)
+        out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], 0)
+
+        @tf.custom_gradient
+        def matmul(x_, w_):
+            y = tf.cast(tf.matmul(qx, qw) * (sinv_x * sinv_w), x_.dtype)
+
+            def grad(g):
+                g2 = tf.reshape(g, [-1, self.units])
+                bdt = self.config.dtype("backward")
+                sg, sinv_g = self._step("grad", fp8_amax(g2), "backward", training)
+                qg = _fp8.quantize_arrays(Fp8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
+                dx = tf.matmul(qg, qw, transpose_b=True) * (sinv_g * sinv_w)
+                dw = tf.matmul(qx, qg, transpose_a=True) * (sinv_x * sinv_g)
+                return tf.cast(tf.reshape(dx, tf.shape(x_)), x_.dtype), tf.cast(dw, w_.dtype)
+
+            return tf.reshape(y, out_shape), grad
+
+        y = matmul(x, w)
+        if self.bias is not None:
+            y = y + tf.cast(self.bias, y.dtype)
+        return y

@@ -96,7 +96,7 @@ def fp8_state_from_numpy(state: FP8State, device: Any = "cpu") -> FP8State:
 
 def fp8_state_to_numpy(state: FP8State) -> FP8State:
     """The state as NumPy float32 (for :func:`unimp.fp8.state_dict`); one host copy."""
-    return FP8State(*(np.asarray(v.detach().cpu().numpy(), np.float32) for v in
+    return FP8State(*(np.array(v.detach().cpu().numpy(), np.float32, copy=True) for v in
                       (state.scale, state.scale_inv, state.amax_history)))
 
 
@@ -125,3 +125,99 @@ def fp8_quantize_dequantize(
 ) -> torch.Tensor:
     """:func:`unimp.fp8.qdq_arrays` on a tensor: same shape and dtype as ``x``."""
     return _fp8.qdq_arrays(_ops(x.device), x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
+
+
+_TENSORS = ("input", "kernel", "grad")
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """``y = (Q(x) @ Q(w)^T) * (sx * sw)`` with the output gradient quantized in backward
+    (:func:`unimp.fp8.quantize_arrays`); the grad state is stepped and written in place."""
+
+    @staticmethod
+    def forward(ctx, x, weight, qx, qw, sinv_x, sinv_w, layer):  # type: ignore[override]
+        ctx.save_for_backward(qx, qw, sinv_x, sinv_w)
+        ctx.layer = layer
+        ctx.out_dtype = x.dtype
+        return ((qx @ qw.t()) * (sinv_x * sinv_w)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        qx, qw, sinv_x, sinv_w = ctx.saved_tensors
+        layer = ctx.layer
+        (sg, sinv_g), new = layer._step("grad", fp8_amax(g), "backward")
+        dtype = layer.config.dtype("backward")
+        qg = _fp8.quantize_arrays(_ops(g.device), g, sg, dtype, _fp8.FP8_MAX[dtype])
+        shape = qg.shape
+        qg2 = qg.reshape(-1, shape[-1])
+        dx = ((qg2 @ qw) * (sinv_g * sinv_w)).reshape(*shape[:-1], qw.shape[1])
+        dw = (qg2.t() @ qx.reshape(-1, qx.shape[-1])) * (sinv_g * sinv_x)
+        return dx.to(ctx.out_dtype), dw, None, None, None, None, None
+
+
+class FP8Dense(torch.nn.Linear):
+    """``nn.Linear`` whose matmul is emulated float8 by :mod:`unimp.fp8`'s rule.
+
+    The input and the weight are quantized to the config's forward format with their own
+    per-tensor scales, the output gradient to its backward format (e5m2 under ``HYBRID``) in a
+    custom autograd Function; the matmul multiplies the float8 values (exact in float32) and
+    scales the result once. The scaling states (``<input|kernel|grad>_scale``, ``_scale_inv``,
+    ``_amax_history``) are buffers, stepped on the device in training mode (no host sync) and
+    saved in ``state_dict``; :meth:`fp8_state` gives them as :class:`unimp.fp8.FP8State` for
+    :func:`unimp.fp8.state_dict`. The bias is added in the output dtype. Weights, inputs and
+    gradients are emulated on every device (the native ``torch._scaled_mm`` path is not built,
+    docs/fp8.md); the first call per device type warns once
+    (:class:`unimp.fp8.Fp8EmulationWarning`).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        config: a :class:`unimp.fp8.DelayedScaling` (default) or
+            :class:`unimp.fp8.CurrentScaling`.
+
+    Shapes: input ``(..., in_features)``, output ``(..., out_features)``, input's dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Any = None, config: _fp8.Fp8Config | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config if config is not None else _fp8.DelayedScaling()
+        for name in _TENSORS:
+            init = FP8State.initial(self.config)
+            for field in ("scale", "scale_inv", "amax_history"):
+                buf = torch.tensor(np.asarray(getattr(init, field)), device=self.weight.device)
+                self.register_buffer(f"{name}_{field}", buf)
+
+    def fp8_state(self, name: str) -> FP8State:
+        """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (buffers, not copies)."""
+        return FP8State(*(getattr(self, f"{name}_{f}") for f in ("scale", "scale_inv", "amax_history")))
+
+    def load_fp8_state(self, name: str, state: FP8State) -> None:
+        """Copies a (NumPy or tensor) state into the buffers of ``name``."""
+        for f in ("scale", "scale_inv", "amax_history"):
+            getattr(self, f"{name}_{f}").copy_(torch.as_tensor(np.asarray(getattr(state, f), np.float32)))
+
+    def _step(self, name: str, amax: torch.Tensor, role: str) -> tuple[Any, FP8State]:
+        state = self.fp8_state(name)
+        if not self.training and isinstance(self.config, _fp8.DelayedScaling):
+            return (state.scale, state.scale_inv), state
+        used, new = fp8_step(self.config, state, amax, role)
+        used = (used[0].clone(), used[1].clone())  # may be the buffers, overwritten next
+        if self.training:
+            with torch.no_grad():
+                for f in ("scale", "scale_inv", "amax_history"):
+                    getattr(self, f"{name}_{f}").copy_(getattr(new, f))
+        return used, new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _fp8.warn_emulated("torch", x.device.type)
+        dtype = self.config.dtype("forward")
+        fmax = _fp8.FP8_MAX[dtype]
+        ops = _ops(x.device)
+        with torch.no_grad():
+            (sx, sinv_x), _ = self._step("input", fp8_amax(x), "forward")
+            (sw, sinv_w), _ = self._step("kernel", fp8_amax(self.weight), "forward")
+            qx = _fp8.quantize_arrays(ops, x, sx, dtype, fmax)
+            qw = _fp8.quantize_arrays(ops, self.weight, sw, dtype, fmax)
+        y = _Fp8Matmul.apply(x, self.weight, qx, qw, sinv_x, sinv_w, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
