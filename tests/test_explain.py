@@ -50,7 +50,7 @@ def test_sequence_has_burst():
         ["explain", "O2", "--scalers", "--steps", "0"],
         ["explain", "O2", "--scalers", "--steps", "1000000000"],  # used to run for hours
         ["explain", "O2", "--scalers", "--overflow-rate", "2"],
-        ["explain", "fp8"],
+        ["explain", "transformer-engine-float16"],
         ["explain"],
         ["explain", "--fp8", "--amaxes", "1,x"],
         ["explain", "--fp8", "--amaxes", "1,-2"],

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from unimp.fp8.config import _F32_MAX, CurrentScaling, DelayedScaling, Fp8Config, FP8State
@@ -66,6 +65,8 @@ class NumpyOps:
 
     @staticmethod
     def to_fp8(x: Any, dtype: str) -> Any:
+        import ml_dtypes  # NumPy's float8 dtypes (a dependency; imported when first needed)
+
         return np.asarray(x, np.float32).astype(getattr(ml_dtypes, dtype))
 
     @staticmethod
