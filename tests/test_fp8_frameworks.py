@@ -79,3 +79,26 @@ def test_flax_fp8_ops_real_run(amaxes, L):
         # flax's x / d is computed by XLA as x * (1 / d): unimp's multiply-only rule matches it.
         ours = fp8.quantize_dequantize(x, s, inv, "float8_e4m3fn")
         assert (_bits(ours) == _bits(q)).all()
+
+
+def test_keras_dense_quantized_to_float8_real_run():
+    # A real Keras Dense after model.quantize("float8"), trained with train_on_batch (the
+    # optimizer overwrites the scale and history variables with their "gradients"): its input
+    # scale after each step is the keras preset's, step for step, on maxima with a zero and an inf.
+    keras = pytest.importorskip("keras")
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    model.quantize("float8")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    layer = model.layers[0]
+    L = int(layer.inputs_amax_history.shape[0])
+    cfg = fp8.fp8_preset("keras", amax_history_len=L)
+    state = fp8.FP8State.initial(cfg)
+    for a in [3.0, 0.0, 5.0, INF, 2.0, 1.0]:
+        x = np.zeros((2, 3), np.float32)
+        x[0, 1] = a  # max(abs(x)) == a
+        model.train_on_batch(x, np.zeros((2, 4), np.float32))
+        _, state = fp8.step(cfg, state, np.float32(a))
+        assert _bits(state.scale_inv) == _bits(layer.inputs_scale.numpy())
+        assert sorted(_bits(state.amax_history).tolist()) == sorted(_bits(layer.inputs_amax_history.numpy()).tolist())
+    assert float(layer.inputs_scale.numpy()) == float(np.float32(1) / np.float32(448 / 5))  # max 5

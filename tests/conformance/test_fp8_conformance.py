@@ -85,6 +85,8 @@ def test_scaling_step_matches_reference(backend, name, role):
         assert (_bits(s), _bits(inv)) == (_bits(ref_s), _bits(ref_inv)), f"step {i}"
         for f in ("scale", "scale_inv", "amax_history"):
             assert (_bits(getattr(got, f)) == _bits(getattr(ref_state, f))).all(), f"step {i} {f}"
+    if backend == "jax":
+        assert step._cache_size() == 1  # compiled once for every step
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])

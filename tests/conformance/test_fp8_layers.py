@@ -161,3 +161,25 @@ def test_gradient_amax_is_the_scaled_gradients(backend):
     for step, (_, _, _, states) in enumerate(run):
         _, g = _data(step)  # g carries a loss scale of 2**(3 * step)
         assert float(states["grad"].amax_history[0]) == float(np.max(np.abs(g)))
+
+
+def test_torch_fp8_dense_bias_bfloat16_and_eval():
+    # torch's nn.Linear API: bias in the output dtype, bfloat16 inputs, and eval mode uses the
+    # stored delayed scale without stepping it.
+    import torch
+
+    mod = require_backend("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        layer = mod.FP8Dense(IN, OUT, config=CONFIGS["delayed"])
+        x = torch.tensor(_data(1)[0]).to(torch.bfloat16).requires_grad_()
+        y = layer(x)
+        y.float().sum().backward()
+        assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+        assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad is not None
+        before = {k: v.clone() for k, v in layer.state_dict().items() if "scale" in k or "amax" in k}
+        layer.eval()
+        layer(x)
+        after = {k: v for k, v in layer.state_dict().items() if k in before}
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert float(layer.input_amax_history[0]) == float(x.detach().float().abs().max())
