@@ -146,6 +146,7 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         self.units = int(units)
         self.use_bias = bool(use_bias)
         self.config = config if config is not None else _fp8.DelayedScaling()
+        self._warned = False
 
     def build(self, input_shape: Any) -> None:
         n_in = int(input_shape[-1])
@@ -181,7 +182,10 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         return used
 
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
-        _fp8.warn_emulated("tensorflow", "cpu" if not tf.config.list_logical_devices("GPU") else "gpu")
+        if not self._warned:  # a host-side check, once per layer (not traced per step)
+            self._warned = True
+            gpu = bool(tf.config.list_logical_devices("GPU"))
+            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
         training = bool(training)
         x = tf.convert_to_tensor(inputs)
         w = tf.convert_to_tensor(self.kernel)
