@@ -73,3 +73,10 @@ def test_to_dtype_round_trips(backend, name):
     from unimp import canonical_dtype
 
     assert canonical_dtype(require_backend(backend).to_dtype(name)) == name
+
+
+def test_every_backend_exports_the_fp8_api(backend):
+    from unimp.backends._base import FP8_API
+
+    module = require_backend(backend)
+    assert [n for n in FP8_API if n not in module.__all__ or not hasattr(module, n)] == []

@@ -50,7 +50,11 @@ def test_sequence_has_burst():
         ["explain", "O2", "--scalers", "--steps", "0"],
         ["explain", "O2", "--scalers", "--steps", "1000000000"],  # used to run for hours
         ["explain", "O2", "--scalers", "--overflow-rate", "2"],
-        ["explain", "fp8"],
+        ["explain", "transformer-engine-float16"],
+        ["explain"],
+        ["explain", "--fp8", "--amaxes", "1,x"],
+        ["explain", "--fp8", "--amaxes", "1,-2"],
+        ["explain", "--fp8", "--history-len", "0"],
     ],
 )
 def test_explain_bad_input_exit_2(argv, capsys):
@@ -78,3 +82,26 @@ def test_explain_o3_has_no_master_weights(capsys):
     assert main(["explain", "O3"]) == 0
     out = capsys.readouterr().out
     assert "no master weights (Apex O3 style)" in out and "Apex O2 style" not in out
+
+
+def test_explain_fp8_shows_where_the_four_differ(capsys):
+    assert main(["explain", "--fp8", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)
+    assert t["amaxes"][2] == 0.0 and t["amaxes"][5] == float("inf")
+    s = {name: row["scale"] for name, row in t["presets"].items()}
+    k = 448 / 5  # 89.6 in float32
+    # the zero at step 3: TE does not record it, so its window still holds the 5 at step 6
+    assert s["unimp_delayed"][5] == 112.0 and s["transformer_engine"][5] == pytest.approx(k)
+    # Keras is one step later than flax and TE; flax keeps 1/(1/s) through the inf
+    assert s["keras"][:3] == [1.0, 1.0, s["flax"][1]]
+    assert s["flax"][6] == 111.99999237060547
+    # current scaling: step t's own amax; torchao turns 0 into 448/1e-12 and inf into 0
+    assert s["transformer_engine_current"][2] == 1.0 and s["torchao"][2] == pytest.approx(4.48e14)
+    assert s["torchao"][5] == 0.0 and s["transformer_engine_current"][5] == 1.0
+    assert t["differences"][0].startswith("transformer_engine: differs at step(s) 6")
+
+
+def test_explain_fp8_table_text(capsys):
+    assert main(["explain", "--fp8", "--amaxes", "4,0,inf,nan,2", "--history-len", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "L=2" in out and "torchao" in out and "Differences:" in out

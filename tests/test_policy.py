@@ -59,9 +59,9 @@ def test_half_on_tpu_is_bfloat16():
     assert get_policy("c=half", platform="gpu") == Policy(F32, F16, F16)
 
 
-@pytest.mark.parametrize("name", ["fp8", "FP8"])
-def test_fp8_not_supported(name):
-    with pytest.raises(ValueError, match="FP8 recipes are not supported yet"):
+@pytest.mark.parametrize("name", ["fp8", "FP8", "transformer-engine"])
+def test_fp8_is_a_recipe_not_a_policy(name):
+    with pytest.raises(ValueError, match=r"is a recipe, not a dtype policy: use unimp.get_recipe"):
         get_policy(name)
 
 

@@ -123,6 +123,10 @@ def _explain(args: argparse.Namespace) -> int:
     from unimp.compare.explain import explain_recipe, scaler_sequence, scaler_table
     from unimp.recipe import get_recipe
 
+    if args.fp8:
+        return _explain_fp8(args)
+    if args.recipe is None:
+        raise UsageError("explain needs a recipe name (or --fp8)")
     recipe = get_recipe(args.recipe)
     if not 1 <= args.steps <= MAX_EXPLAIN_STEPS:
         raise UsageError(
@@ -169,6 +173,33 @@ def _explain(args: argparse.Namespace) -> int:
         print("Differences (scale index 0 is the initial scale):")
         for line in table["differences"]:
             print(f"  - {line}")
+    return 0
+
+
+def _explain_fp8(args: argparse.Namespace) -> int:
+    from unimp.compare.explain_fp8 import DEFAULT_AMAXES, fp8_table, parse_amaxes
+
+    try:
+        amaxes = list(DEFAULT_AMAXES) if args.amaxes is None else parse_amaxes(args.amaxes)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not 1 <= args.history_len <= 1024:
+        raise UsageError(f"--history-len must be in [1, 1024], got {args.history_len}")
+    table = fp8_table(amaxes, args.history_len)
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    print(f"FP8 scale used at each step ({table['format']}, delayed presets with L={args.history_len}):")
+    print("  " + f"{'step':<28}" + "".join(f"{i + 1:>10}" for i in range(len(amaxes))))
+    print("  " + f"{'amax':<28}" + "".join(f"{a:>10.4g}" for a in amaxes))
+    for name, row in table["presets"].items():
+        print("  " + f"{name:<28}" + "".join(f"{s:>10.4g}" for s in row["scale"]))
+    print("Rules:")
+    for name, row in table["presets"].items():
+        print(f"  - {name} ({row['native']}): {row['rule']}")
+    print("Differences:")
+    for line in table["differences"]:
+        print(f"  - {line}")
     return 0
 
 
@@ -465,7 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     aud.set_defaults(func=_audit)
 
     exp = sub.add_parser("explain", help="how a recipe maps onto each framework's native objects")
-    exp.add_argument("recipe", help="any recipe name or a .toml/.json recipe file")
+    exp.add_argument("recipe", nargs="?", help="any recipe name or a .toml/.json recipe file")
+    exp.add_argument(
+        "--fp8", action="store_true", help="where the float8 scaling presets differ, step by step"
+    )
+    exp.add_argument("--amaxes", help="with --fp8: comma-separated per-step maxima (0, inf, nan ok)")
+    exp.add_argument("--history-len", type=int, default=3, help="with --fp8: delayed window L")
     exp.add_argument(
         "--scalers", action="store_true", help="simulate each framework's native scaler"
     )

@@ -123,9 +123,11 @@ _NAMED: dict[str, Policy] = {
 }
 
 _UNSUPPORTED = {
-    "fp8": "FP8 recipes are not supported yet; use 'bf16' or 'fp16' (Accelerate) or 'mixed_bfloat16'.",
-    "transformer-engine": "FP8 recipes are not supported yet; use 'bf16-mixed' or '16-mixed'.",
-    "transformer-engine-float16": "FP8 recipes are not supported yet; use '16-mixed'.",
+    "fp8": "'fp8' is a recipe, not a dtype policy: use unimp.get_recipe('fp8') (its policy is mixed_bfloat16).",
+    "fp8-delayed": "'fp8-delayed' is a recipe, not a dtype policy: use unimp.get_recipe('fp8-delayed').",
+    "fp8-current": "'fp8-current' is a recipe, not a dtype policy: use unimp.get_recipe('fp8-current').",
+    "transformer-engine": "'transformer-engine' is a recipe, not a dtype policy: use unimp.get_recipe('transformer-engine').",
+    "transformer-engine-float16": "FP8 with float16 weights ('transformer-engine-float16') is not supported; use get_recipe('transformer-engine') (bfloat16) or '16-mixed'.",
 }
 
 _KEYS = {
@@ -196,7 +198,7 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
 
     Raises:
         ValueError: unknown name or dtype; the message names the closest valid name. For
-            ``fp8``, says that FP8 recipes are not supported yet.
+            ``fp8`` and the other FP8 recipe names, says to use :func:`unimp.get_recipe`.
         TypeError: ``name`` is neither a string nor a Policy.
 
     Example:

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from unimp.fp8.config import CurrentScaling, DelayedScaling
+from unimp.fp8.recipe import Fp8Recipe
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -24,7 +26,7 @@ __all__ = ["CAST_MODES", "Recipe", "get_recipe"]
 #: normalization layers kept float32; ``auto``: autocast where the framework has it, else module.
 CAST_MODES = ("auto", "autocast", "module")
 
-_RECIPE_KEYS = ("policy", "loss_scale", "cast_mode")
+_RECIPE_KEYS = ("policy", "loss_scale", "cast_mode", "fp8")
 
 
 def _default_loss_scale(policy: Policy) -> LossScaleConfig:
@@ -46,6 +48,8 @@ class Recipe:
             ``"none"``, a number (static), or a dict from ``to_dict()``. ``None`` picks the
             default for the policy: dynamic for float16 compute, none otherwise.
         cast_mode: ``"auto"``, ``"autocast"`` or ``"module"`` (see :data:`CAST_MODES`).
+        fp8: ``None`` (no float8), or a :class:`unimp.fp8.recipe.Fp8Recipe` (or its
+            ``to_dict()``): float8 matmuls for Dense/Linear/Conv layers (see ``get_recipe("fp8")``).
 
     Raises:
         ValueError: unknown policy, loss scale or cast mode; the message names the valid values.
@@ -59,6 +63,7 @@ class Recipe:
     policy: Policy = field(default_factory=Policy)
     loss_scale: LossScaleConfig | None = None
     cast_mode: str = "auto"
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
@@ -74,6 +79,12 @@ class Recipe:
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "loss_scale", ls)
         object.__setattr__(self, "cast_mode", self.cast_mode.strip().lower())
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
+            if not isinstance(self.fp8, Mapping):
+                raise ValueError(
+                    f"Recipe.fp8 must be None or an unimp.fp8.recipe.Fp8Recipe, got {type(self.fp8).__name__}."
+                )
+            object.__setattr__(self, "fp8", Fp8Recipe.from_dict(self.fp8))
 
     @property
     def is_noop(self) -> bool:
@@ -87,17 +98,22 @@ class Recipe:
             raise TypeError(
                 f"unknown Recipe field(s) {sorted(unknown)}; fields are {list(_RECIPE_KEYS)}"
             )
-        values = {"policy": self.policy, "loss_scale": self.loss_scale, "cast_mode": self.cast_mode}
+        values = {"policy": self.policy, "loss_scale": self.loss_scale, "cast_mode": self.cast_mode,
+                  "fp8": self.fp8}
         values.update(changes)
         return Recipe(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: ``{"policy": str(policy), "loss_scale": {...}, "cast_mode": ...}``."""
-        return {
+        """JSON-able: ``{"policy": str(policy), "loss_scale": {...}, "cast_mode": ...}``, plus
+        ``"fp8": {...}`` for an FP8 recipe."""
+        out = {
             "policy": str(self.policy),
             "loss_scale": self.loss_scale.to_dict(),
             "cast_mode": self.cast_mode,
         }
+        if self.fp8 is not None:
+            out["fp8"] = self.fp8.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Recipe:
@@ -122,6 +138,8 @@ class Recipe:
                     out[key] = get_policy(d[key])
                 elif key == "loss_scale":
                     out[key] = loss_scale_from_dict(d[key])
+                elif key == "fp8":
+                    out[key] = None if d[key] is None else Fp8Recipe.from_dict(d[key])
                 else:
                     out[key] = d[key]
             except (ValueError, TypeError) as e:
@@ -182,7 +200,8 @@ class Recipe:
             ls_text = f"static({ls.scale:g})"
         else:
             ls_text = "none"
-        return f"policy {self.policy}; loss scale {ls_text}; cast_mode {self.cast_mode}"
+        fp8 = f"; {self.fp8.describe()}" if self.fp8 is not None else ""
+        return f"policy {self.policy}; loss scale {ls_text}; cast_mode {self.cast_mode}{fp8}"
 
 
 # Apex opt levels fix the cast mode and the loss scale, as Apex did.
@@ -191,6 +210,18 @@ _APEX = {
     "O1": ("autocast", DynamicLossScale.preset("apex")),
     "O2": ("module", DynamicLossScale.preset("apex")),
     "O3": ("module", StaticLossScale(1.0)),
+}
+
+
+#: The FP8 recipes: float8 matmuls for Dense/Linear/Conv layers (first and last excluded),
+#: bfloat16 elsewhere, float32 master weights, no loss scale. ``fp8`` is Accelerate's
+#: ``mixed_precision="fp8"``, ``transformer-engine`` Lightning's precision flag (with Transformer
+#: Engine's DelayedScaling rule); ``fp8-delayed`` / ``fp8-current`` are unimp's own rules.
+FP8_RECIPES = {
+    "fp8": lambda: DelayedScaling(),
+    "fp8-delayed": lambda: DelayedScaling(),
+    "fp8-current": lambda: CurrentScaling(),
+    "transformer-engine": lambda: DelayedScaling.preset("transformer_engine"),
 }
 
 
@@ -218,10 +249,10 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
         >>> get_recipe("O2").cast_mode
         'module'
     """
-    unknown = set(overrides) - {"loss_scale", "cast_mode", "platform"}
+    unknown = set(overrides) - {"loss_scale", "cast_mode", "platform", "fp8"}
     if unknown:
         raise TypeError(
-            f"unknown get_recipe option(s) {sorted(unknown)}; use loss_scale=, cast_mode=."
+            f"unknown get_recipe option(s) {sorted(unknown)}; use loss_scale=, cast_mode=, fp8=."
         )
     platform = overrides.pop("platform", None)
     if isinstance(name, Recipe):
@@ -229,6 +260,14 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
     if isinstance(name, str) and os.path.splitext(name)[1].lower() in (".toml", ".json"):
         recipe = Recipe.from_file(name)
         return recipe.replace(**overrides) if overrides else recipe
+    if isinstance(name, str) and name.strip().lower() in FP8_RECIPES:
+        fp8 = overrides.pop("fp8", None)
+        fp8 = Fp8Recipe(FP8_RECIPES[name.strip().lower()]()) if fp8 is None else fp8
+        return Recipe(get_policy("mixed_bfloat16"), overrides.get("loss_scale"),
+                      overrides.get("cast_mode", "auto"), fp8)
+    fp8 = overrides.pop("fp8", None)
+    if fp8 is not None:
+        return get_recipe(name, **overrides, platform=platform).replace(fp8=fp8)
     policy = get_policy(name, platform=platform)
     key = name.strip().upper() if isinstance(name, str) else None
     if key in _APEX:

@@ -11,7 +11,7 @@ from typing import Any
 
 from unimp.recipe import Recipe, get_recipe
 
-__all__ = ["BACKEND_MODULES", "COMMON_API", "MixedPrecisionBase", "export"]
+__all__ = ["BACKEND_MODULES", "COMMON_API", "FP8_API", "MixedPrecisionBase", "export"]
 
 #: Public names every backend module exports, meaning the same thing in each:
 #:
@@ -57,6 +57,17 @@ class MixedPrecisionBase:
 
     def __init__(self, recipe: Any = "mixed_float16") -> None:
         self._recipe: Recipe = get_recipe(recipe)
+        if self._recipe.fp8 is not None:
+            import warnings
+
+            warnings.warn(
+                f"{self.backend or 'this backend'}: the recipe's FP8 part is not applied to models "
+                "automatically yet (bfloat16 and float32 master weights are); put the float8 "
+                "layers in yourself: unimp.backends.torch.FP8Dense, unimp.backends.tensorflow."
+                "FP8Dense or unimp.backends.jax.fp8_dot_general, with recipe.fp8.scaling.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @property
     def recipe(self) -> Recipe:
@@ -129,6 +140,23 @@ BACKEND_MODULES = (
     "step",  # TrainStep: scaled backward, unscale, clip, accumulate, guarded update
     "mixed_precision",  # MixedPrecision: the recipe bound to the framework
     "trace",  # the dtype trace of one step: ops with input / compute / output dtypes
+    "fp8",  # unimp.fp8's scaling and quantize-dequantize rules on device tensors, FP8 layers
+)
+
+#: FP8 names every backend's ``fp8`` module exports (and its package re-exports), the same
+#: meaning in each: ``Fp8Ops`` (the rule's array namespace), ``fp8_initial_state``,
+#: ``fp8_state_from_numpy`` / ``fp8_state_to_numpy`` (to and from :class:`unimp.fp8.FP8State`
+#: of NumPy values, for the portable state_dict), ``fp8_amax``, ``fp8_step`` and
+#: ``fp8_quantize_dequantize`` (:func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` on
+#: native tensors).
+FP8_API = (
+    "Fp8Ops",
+    "fp8_amax",
+    "fp8_initial_state",
+    "fp8_quantize_dequantize",
+    "fp8_state_from_numpy",
+    "fp8_state_to_numpy",
+    "fp8_step",
 )
 
 

@@ -98,6 +98,11 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         f"flax modules: dtype={_JNP_DTYPE[p.compute_dtype]}, param_dtype={_JNP_DTYPE[p.param_dtype]} (mp.module_kwargs())",
         f"unimp.backends.jax loss-scale pytree + optax transformation: {scaler}",
     ]
+    if recipe.fp8 is not None:
+        what = f"{recipe.fp8.describe()} (emulated float8 matmuls; put the layers in yourself)"
+        torch_lines.append(f"unimp.backends.torch.FP8Dense for nn.Linear: {what}")
+        keras_lines.append(f"unimp.backends.tensorflow.FP8Dense for Dense: {what}")
+        jax_lines.append(f"nn.Dense(dot_general=unimp.backends.jax.fp8_dot_general(...)): {what}")
     return [("torch", torch_lines), ("tensorflow", keras_lines), ("jax", jax_lines)]
 
 

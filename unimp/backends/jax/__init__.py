@@ -31,6 +31,7 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   an activation for a statistics step, ``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
 * ``mixed_precision``: :class:`MixedPrecision`.
+* ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
 
 This ``__init__`` only re-exports; import the public names from here.
 """
@@ -38,6 +39,16 @@ This ``__init__`` only re-exports; import the public names from here.
 from unimp.backends._base import export
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import device_info, framework_version
+from unimp.backends.jax.fp8 import (
+    Fp8Ops,
+    fp8_amax,
+    fp8_dot_general,
+    fp8_initial_state,
+    fp8_quantize_dequantize,
+    fp8_state_from_numpy,
+    fp8_state_to_numpy,
+    fp8_step,
+)
 from unimp.backends.jax.mixed_precision import MixedPrecision
 from unimp.backends.jax.optimizer import LossScaleOptState, MultiSteps, get_loss_scale, loss_scaling
 from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
@@ -55,6 +66,14 @@ from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
 
 __all__ = [
+    "Fp8Ops",
+    "fp8_dot_general",
+    "fp8_amax",
+    "fp8_initial_state",
+    "fp8_quantize_dequantize",
+    "fp8_state_from_numpy",
+    "fp8_state_to_numpy",
+    "fp8_step",
     "DynamicLossScale",
     "LossScale",
     "LossScaleOptState",

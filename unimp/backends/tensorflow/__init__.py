@@ -23,6 +23,7 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   recording a statistics step traces with (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
 * ``mixed_precision``: :class:`MixedPrecision`.
+* ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
 
 This ``__init__`` only re-exports; import the public names from here.
 
@@ -40,6 +41,16 @@ from unimp.backends._base import export
 from unimp.backends.tensorflow import devices  # noqa: F401  (first: checks that Keras 3 runs on TensorFlow)
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import device_info, framework_version
+from unimp.backends.tensorflow.fp8 import (
+    FP8Dense,
+    Fp8Ops,
+    fp8_amax,
+    fp8_initial_state,
+    fp8_quantize_dequantize,
+    fp8_state_from_numpy,
+    fp8_state_to_numpy,
+    fp8_step,
+)
 from unimp.backends.tensorflow.mixed_precision import MixedPrecision
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
@@ -49,6 +60,14 @@ from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
 
 __all__ = [
+    "Fp8Ops",
+    "FP8Dense",
+    "fp8_amax",
+    "fp8_initial_state",
+    "fp8_quantize_dequantize",
+    "fp8_state_from_numpy",
+    "fp8_state_to_numpy",
+    "fp8_step",
     "LossScaleOptimizer",
     "MixedPrecision",
     "ReplicaDesyncWarning",

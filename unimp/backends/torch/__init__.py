@@ -21,6 +21,7 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   a statistics step (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
 * ``mixed_precision``: :class:`MixedPrecision`.
+* ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
 
 This ``__init__`` only re-exports; import the public names from here.
 
@@ -36,6 +37,16 @@ Example:
 from unimp.backends._base import export
 from unimp.backends.torch.casting import cast_tree, master_params, to_dtype
 from unimp.backends.torch.devices import default_device, device_info, framework_version
+from unimp.backends.torch.fp8 import (
+    FP8Dense,
+    Fp8Ops,
+    fp8_amax,
+    fp8_initial_state,
+    fp8_quantize_dequantize,
+    fp8_state_from_numpy,
+    fp8_state_to_numpy,
+    fp8_step,
+)
 from unimp.backends.torch.mixed_precision import MixedPrecision
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.scaling import GradScaler
@@ -43,7 +54,15 @@ from unimp.backends.torch.stats import tensor_stats
 from unimp.backends.torch.step import TrainStep
 from unimp.step import StepResult
 
-__all__ = [  # COMMON_API (unimp.backends._base) and torch's own pieces
+__all__ = [
+    "Fp8Ops",
+    "FP8Dense",
+    "fp8_amax",
+    "fp8_initial_state",
+    "fp8_quantize_dequantize",
+    "fp8_state_from_numpy",
+    "fp8_state_to_numpy",
+    "fp8_step",  # COMMON_API (unimp.backends._base) and torch's own pieces
     "MixedPrecision",
     "StepResult",
     "all_finite",

@@ -1,0 +1,153 @@
+"""Every backend's ``fp8`` module against the NumPy reference of :mod:`unimp.fp8`, bit for bit:
+the scaling step (compiled: ``tf.function``, ``jax.jit``; torch eager) over sequences of maxima
+with 0, inf and NaN, and the quantize-dequantize of float32 and bfloat16 tensors."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import require_backend
+
+from unimp import fp8
+
+INF, NAN = math.inf, math.nan
+AMAXES = [3.5, 0.0, 1e-3, INF, 200.0, NAN, 7.0, 2.0**-20, 1e30, 1e-30, 5.0, 0.0, 0.25]
+CONFIGS = {
+    "unimp_delayed": fp8.DelayedScaling(amax_history_len=3, margin=1),
+    "unimp_most_recent": fp8.DelayedScaling(amax_history_len=2, amax_compute_algo="most_recent"),
+    "unimp_current_pow2": fp8.CurrentScaling(power_of_2_scales=True),
+    "keras": fp8.fp8_preset("keras", amax_history_len=3),
+    "flax": fp8.fp8_preset("flax", amax_history_len=3),
+    "transformer_engine": fp8.fp8_preset("transformer_engine", amax_history_len=3),
+    "transformer_engine_current": fp8.fp8_preset("transformer_engine_current"),
+    # torchao's power-of-two scales use each framework's log2 (not bit-identical by contract)
+    "torchao": fp8.fp8_preset("torchao"),
+}
+
+
+def _bits(x):
+    """The float32 bit patterns, every NaN as one pattern (NaN payloads differ by framework)."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.isnan(x), np.uint32(0x7FC00000), x.view(np.uint32))
+
+
+def _compiled_step(backend, mod, config, role):
+    if backend == "jax":
+        import jax
+
+        return jax.jit(lambda st, a: mod.fp8_step(config, st, a, role))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        # tf.function traces tuples, not dataclasses: the state goes in and out as its fields
+        fn = tf.function(lambda s, i, h, a: _flat(mod.fp8_step(config, fp8.FP8State(s, i, h), a, role)))
+        return lambda st, a: _unflat(fn(st.scale, st.scale_inv, st.amax_history, a))
+    return lambda st, a: mod.fp8_step(config, st, a, role)
+
+
+def _flat(out):
+    (s, i), st = out
+    return s, i, st.scale, st.scale_inv, st.amax_history
+
+
+def _unflat(out):
+    s, i, *st = out
+    return (s, i), fp8.FP8State(*st)
+
+
+def _native(backend, x):
+    if backend == "torch":
+        import torch
+
+        return torch.tensor(np.asarray(x, np.float32))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.constant(np.asarray(x, np.float32))
+    import jax.numpy as jnp
+
+    return jnp.asarray(np.asarray(x, np.float32))
+
+
+@pytest.mark.parametrize("role", ["forward", "backward"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_scaling_step_matches_reference(backend, name, role):
+    mod = require_backend(backend)
+    config = CONFIGS[name]
+    step = _compiled_step(backend, mod, config, role)
+    state = mod.fp8_initial_state(config)
+    for i, (ref_s, ref_inv, ref_state) in enumerate(fp8.simulate(config, AMAXES, role)):
+        (s, inv), state = step(state, _native(backend, AMAXES[i]))
+        got = mod.fp8_state_to_numpy(state)
+        assert (_bits(s), _bits(inv)) == (_bits(ref_s), _bits(ref_inv)), f"step {i}"
+        for f in ("scale", "scale_inv", "amax_history"):
+            assert (_bits(getattr(got, f)) == _bits(getattr(ref_state, f))).all(), f"step {i} {f}"
+    if backend == "jax":
+        assert step._cache_size() == 1  # compiled once for every step
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_quantize_dequantize_matches_reference(backend, dtype, x_dtype):
+    mod = require_backend(backend)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(512) * np.exp2(rng.integers(-12, 12, 512))).astype(np.float32)
+    x[:6] = [0.0, -0.0, NAN, INF, -1e9, 272.0]
+    scale, inv = np.float32(3.0), np.float32(1.0) / np.float32(3.0)
+    if x_dtype == "bfloat16":
+        x = x.astype(ml_dtypes.bfloat16)
+    ref = fp8.quantize_dequantize(x, scale, inv, dtype)
+    nx = _native(backend, x.astype(np.float32))
+    if x_dtype == "bfloat16":
+        nx = _to_bf16(backend, nx)
+    got = mod.fp8_quantize_dequantize(nx, _native(backend, scale), _native(backend, inv), dtype)
+    got = np.asarray(_to_numpy(backend, got)).astype(np.float32)
+    np.testing.assert_array_equal(_bits(got), _bits(ref.astype(np.float32)))
+
+
+def _to_bf16(backend, x):
+    if backend == "torch":
+        import torch
+
+        return x.to(torch.bfloat16)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.cast(x, tf.bfloat16)
+    return x.astype("bfloat16")
+
+
+def _to_numpy(backend, x):
+    if backend == "torch":
+        import torch
+
+        return x.to(torch.float32).numpy()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.cast(x, tf.float32).numpy()
+    return np.asarray(x.astype("float32"))
+
+
+@pytest.mark.parametrize("source", ["torch", "tensorflow", "jax"])
+def test_state_saved_in_one_backend_resumes_in_another(backend, source):
+    import json
+
+    config = CONFIGS["transformer_engine"]
+    src, dst = require_backend(source), require_backend(backend)
+    state = src.fp8_initial_state(config)
+    for a in AMAXES[:6]:
+        _, state = src.fp8_step(config, state, _native(source, a))
+    saved = json.dumps(fp8.state_dict(config, {"dense/input": src.fp8_state_to_numpy(state)}))
+    loaded_config, tensors = fp8.from_state_dict(json.loads(saved))
+    assert loaded_config == config
+    state = dst.fp8_state_from_numpy(tensors["dense/input"])
+    reference = fp8.simulate(config, AMAXES)
+    for i, a in enumerate(AMAXES[6:], start=6):
+        (s, inv), state = dst.fp8_step(config, state, _native(backend, a))
+        assert (_bits(s), _bits(inv)) == (_bits(reference[i][0]), _bits(reference[i][1]))
+    got = dst.fp8_state_to_numpy(state)
+    assert (_bits(got.amax_history) == _bits(reference[-1][2].amax_history)).all()

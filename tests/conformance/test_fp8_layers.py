@@ -1,0 +1,185 @@
+"""Each backend's emulated FP8 Dense (torch ``FP8Dense``, Keras ``FP8Dense``, JAX
+``fp8_dot_general`` through ``flax.linen.Dense``) against one NumPy reference of the rule in
+:func:`unimp.fp8.quantize_arrays`: same weights and batches give bit-identical outputs, input
+and kernel gradients, and scaling states, step after step (CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from conftest import require_backend
+
+from unimp import fp8
+from unimp.fp8 import NumpyOps as N
+
+IN, OUT, STEPS = 6, 5, 4
+CONFIGS = {
+    "delayed": fp8.DelayedScaling(amax_history_len=2),
+    "current": fp8.CurrentScaling(),
+}
+
+
+def _data(step):
+    rng = np.random.default_rng(step)
+    x = (rng.standard_normal((3, IN)) * 2.0 ** (step - 2)).astype(np.float32)
+    g = (rng.standard_normal((3, OUT)) * 2.0 ** (3 * step)).astype(np.float32)  # a loss scale
+    return x, g
+
+
+def _weights():
+    return np.random.default_rng(7).standard_normal((IN, OUT)).astype(np.float32)  # (in, out)
+
+
+def _reference(config):
+    """Per step: y, dx, dw of the quantized matmul, with the NumPy reference states."""
+    w = _weights()
+    states = {n: fp8.FP8State.initial(config) for n in ("input", "kernel", "grad")}
+    out = []
+    fwd, bwd = config.dtype("forward"), config.dtype("backward")
+    with np.errstate(all="ignore"):
+        for step in range(STEPS):
+            x, g = _data(step)
+            (sx, ix), states["input"] = fp8.step(config, states["input"], fp8.amax_of(N, x))
+            (sw, iw), states["kernel"] = fp8.step(config, states["kernel"], fp8.amax_of(N, w))
+            (sg, ig), states["grad"] = fp8.step(config, states["grad"], fp8.amax_of(N, g), "backward")
+            qx = fp8.quantize_arrays(N, x, sx, fwd, fp8.FP8_MAX[fwd])
+            qw = fp8.quantize_arrays(N, w, sw, fwd, fp8.FP8_MAX[fwd])
+            qg = fp8.quantize_arrays(N, g, sg, bwd, fp8.FP8_MAX[bwd])
+            y = (qx @ qw) * (ix * iw)
+            dx = (qg @ qw.T) * (ig * iw)
+            dw = (qx.T @ qg) * (ix * ig)
+            out.append((y, dx, dw, {k: v for k, v in states.items()}))
+    return out
+
+
+def _run(backend, config):
+    """Per step: y, dx, dw and states from the backend's FP8 layer (weights not updated)."""
+    mod = require_backend(backend)
+    w = _weights()
+    out = []
+    if backend == "torch":
+        import torch
+
+        layer = mod.FP8Dense(IN, OUT, bias=False, config=config)
+        with torch.no_grad():
+            layer.weight.copy_(torch.tensor(w.T))
+        for step in range(STEPS):
+            x, g = _data(step)
+            xt = torch.tensor(x, requires_grad=True)
+            y = layer(xt)
+            y.backward(torch.tensor(g))
+            states = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in ("input", "kernel", "grad")}
+            out.append((y.detach().numpy(), xt.grad.numpy(), layer.weight.grad.numpy().T, states))
+            layer.weight.grad = None
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        layer = mod.FP8Dense(OUT, use_bias=False, config=config)
+        layer.build((None, IN))
+        layer.kernel.assign(w)
+
+        @tf.function
+        def fwd_bwd(x, g):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+            dx, dw = tape.gradient(y, [x, layer.kernel.value], output_gradients=g)
+            return y, dx, dw
+
+        for step in range(STEPS):
+            x, g = _data(step)
+            y, dx, dw = fwd_bwd(tf.constant(x), tf.constant(g))
+            states = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in ("input", "kernel", "grad")}
+            out.append((y.numpy(), dx.numpy(), dw.numpy(), states))
+    else:
+        import flax.linen as nn
+        import jax
+        import jax.numpy as jnp
+
+        states = {n: mod.fp8_initial_state(config) for n in ("input", "kernel", "grad")}
+
+        def forward(x_, w_, s_):
+            dg = mod.fp8_dot_general(config, s_["input"], s_["kernel"], s_["grad"])
+            return nn.Dense(OUT, use_bias=False, dot_general=dg).apply({"params": {"kernel": w_}}, x_)
+
+        def apply(wk, st, x, g):
+            # the states after the step come out as the "gradients" of the states
+            y, vjp = jax.vjp(forward, x, wk, st)
+            dx, dw, new_states = vjp(g)
+            return y, dx, dw, new_states
+
+        apply = jax.jit(apply)
+        for step in range(STEPS):
+            x, g = _data(step)
+            y, dx, dw, states = apply(jnp.asarray(w), states, jnp.asarray(x), jnp.asarray(g))
+            np_states = {n: mod.fp8_state_to_numpy(s) for n, s in states.items()}
+            out.append((np.asarray(y), np.asarray(dx), np.asarray(dw), np_states))
+    return out
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_fp8_dense_matches_reference(backend, kind):
+    config = CONFIGS[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        got = _run(backend, config)
+    for step, (ref, run) in enumerate(zip(_reference(config), got, strict=True)):
+        for name, r, o in zip(("y", "dx", "dw"), ref[:3], run[:3], strict=True):
+            assert r.shape == o.shape, (step, name)
+            np.testing.assert_array_equal(_bits(o), _bits(r), err_msg=f"step {step} {name}")
+        for n in ("input", "kernel", "grad"):
+            for f in ("scale", "scale_inv", "amax_history"):
+                assert (_bits(getattr(run[3][n], f)) == _bits(getattr(ref[3][n], f))).all(), (step, n, f)
+
+
+def test_emulation_warns_once_not_per_step(backend):
+    from unimp.fp8 import config as fp8_config
+
+    config = CONFIGS["current"]
+    fp8_config._EMULATION_WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(backend, config)  # STEPS forward and backward passes
+    emulated = [w for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    assert len(emulated) == 1
+    assert "emulated" in str(emulated[0].message) and backend in str(emulated[0].message)
+
+
+def test_gradient_amax_is_the_scaled_gradients(backend):
+    # With loss scaling the output gradient flows in multiplied by the loss scale; its amax (and
+    # so its float8 scale) is taken on that scaled tensor, before unscaling, in every backend.
+    config = CONFIGS["delayed"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        run = _run(backend, config)
+    for step, (_, _, _, states) in enumerate(run):
+        _, g = _data(step)  # g carries a loss scale of 2**(3 * step)
+        assert float(states["grad"].amax_history[0]) == float(np.max(np.abs(g)))
+
+
+def test_torch_fp8_dense_bias_bfloat16_and_eval():
+    # torch's nn.Linear API: bias in the output dtype, bfloat16 inputs, and eval mode uses the
+    # stored delayed scale without stepping it.
+    import torch
+
+    mod = require_backend("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        layer = mod.FP8Dense(IN, OUT, config=CONFIGS["delayed"])
+        x = torch.tensor(_data(1)[0]).to(torch.bfloat16).requires_grad_()
+        y = layer(x)
+        y.float().sum().backward()
+        assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+        assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad is not None
+        before = {k: v.clone() for k, v in layer.state_dict().items() if "scale" in k or "amax" in k}
+        layer.eval()
+        layer(x)
+        after = {k: v for k, v in layer.state_dict().items() if k in before}
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert float(layer.input_amax_history[0]) == float(x.detach().float().abs().max())

@@ -1,0 +1,77 @@
+"""The FP8 recipes: get_recipe("fp8" | "fp8-delayed" | "fp8-current" | "transformer-engine")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import require_backend
+
+import unimp
+from unimp import fp8
+from unimp.fp8.recipe import Fp8Recipe, matches
+
+
+@pytest.mark.parametrize(
+    ("name", "scaling"),
+    [("fp8", fp8.DelayedScaling()), ("fp8-delayed", fp8.DelayedScaling()),
+     ("fp8-current", fp8.CurrentScaling()), ("FP8", fp8.DelayedScaling()),
+     ("transformer-engine", fp8.DelayedScaling.preset("transformer_engine"))],
+)
+def test_fp8_recipes(name, scaling):
+    r = unimp.get_recipe(name)
+    assert r.fp8.scaling == scaling
+    assert r.policy == unimp.get_policy("mixed_bfloat16")  # bfloat16 elsewhere, float32 masters
+    assert r.loss_scale.kind == "none"
+    assert r.fp8.layers == ("Dense", "Linear", "Conv") and r.fp8.exclude_first_last
+    assert unimp.Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    assert "fp8 HYBRID" in r.describe()
+
+
+def test_plain_recipes_keep_their_dict():
+    assert "fp8" not in unimp.get_recipe("mixed_float16").to_dict()
+
+
+def test_fp8_override_and_exclude():
+    r = unimp.get_recipe("fp8", fp8=Fp8Recipe(fp8.CurrentScaling(), exclude=("encoder.*", "head")))
+    assert r.fp8.scaling.kind == "current" and r.fp8.exclude == ("encoder.*", "head")
+    r2 = unimp.get_recipe("mixed_bfloat16", fp8={"scaling": {"kind": "delayed", "amax_history_len": 16}})
+    assert r2.fp8.scaling.amax_history_len == 16
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "hit"),
+    [("encoder.*", "encoder.layer1.fc", True), ("head", "head.dense", True), ("head", "heads.dense", False),
+     ("*.fc", "encoder.layer1.fc", True), ("layer1", "encoder.layer1.fc", False), ("encoder.layer?", "encoder.layer1.fc", True)],
+)
+def test_exclude_glob_matches_whole_path_or_dotted_prefix(pattern, path, hit):
+    assert matches(pattern, path) is hit
+
+
+def test_applies_to():
+    f = Fp8Recipe(exclude=("head",))
+    assert f.applies_to("body.fc", "Linear", index=1, count=4)
+    assert not f.applies_to("embed", "Linear", index=0, count=4)  # first
+    assert not f.applies_to("out", "Dense", index=3, count=4)  # last
+    assert not f.applies_to("head.proj", "Linear", index=2, count=4)  # excluded by pattern
+    assert not f.applies_to("norm", "LayerNorm")
+    assert Fp8Recipe(exclude_first_last=False).applies_to("embed", "Conv2D", index=0, count=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"scaling": "delayed"}, "Fp8Recipe.scaling"), ({"exclude": "head"}, "Fp8Recipe.exclude"),
+     ({"layers": ("Dense", "")}, "Fp8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last")],
+)
+def test_fp8_recipe_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Fp8Recipe(**kwargs)
+    with pytest.raises(ValueError, match="unknown FP8 recipe key"):
+        unimp.Recipe.from_dict({"policy": "mixed_bfloat16", "fp8": {"exclud": []}})
+
+
+def test_binding_an_fp8_recipe_warns_that_layers_are_not_swapped(backend):
+    require_backend(backend)
+    with pytest.warns(UserWarning, match="FP8 part is not applied to models automatically"):
+        mp = unimp.mixed_precision("fp8", backend=backend)
+    assert mp.recipe.fp8 is not None

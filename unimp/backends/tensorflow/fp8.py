@@ -1,0 +1,218 @@
+"""TensorFlow FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on TensorFlow
+tensors (they trace under ``tf.function``), and :class:`FP8Dense`, an emulated float8 Keras
+Dense layer.
+
+TensorFlow flushes float32 subnormals to zero on CPU: an amax below 2**-126 is recorded as 0
+here (see docs/fp8.md); unimp's own rules keep every scale and ``scale_inv`` normal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from unimp import fp8 as _fp8
+from unimp.fp8 import FP8State
+
+_FP8_DTYPES = {
+    "float8_e4m3fn": tf.dtypes.experimental.float8_e4m3fn,
+    "float8_e5m2": tf.dtypes.experimental.float8_e5m2,
+}
+
+
+class Fp8Ops:
+    """The FP8 rule's array namespace over TensorFlow tensors."""
+
+    where = staticmethod(tf.where)
+    isfinite = staticmethod(tf.math.is_finite)
+    isnan = staticmethod(tf.math.is_nan)
+    isinf = staticmethod(tf.math.is_inf)
+    abs = staticmethod(tf.abs)
+    floor = staticmethod(tf.floor)
+    exp2 = staticmethod(tf.experimental.numpy.exp2)
+    log2 = staticmethod(tf.experimental.numpy.log2)
+
+    @staticmethod
+    def f32(x: Any) -> tf.Tensor:
+        return tf.cast(x, tf.float32)
+
+    @staticmethod
+    def amax(x: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_max(x)  # NaN-propagating (observed on CPU, tf 2.21)
+
+    @staticmethod
+    def push(history: tf.Tensor, amax: tf.Tensor) -> tf.Tensor:
+        return tf.concat([tf.reshape(tf.cast(amax, history.dtype), [1]), history[:-1]], 0)
+
+    @staticmethod
+    def clip(x: tf.Tensor, lo: float, hi: float) -> tf.Tensor:
+        return tf.clip_by_value(x, lo, hi)  # NaN stays NaN
+
+    @staticmethod
+    def pow2_floor(x: tf.Tensor) -> tf.Tensor:
+        bits = tf.bitwise.bitwise_and(tf.bitcast(x, tf.int32), tf.constant(-0x800000, tf.int32))
+        return tf.bitcast(bits, tf.float32)
+
+    @staticmethod
+    def to_fp8(x: tf.Tensor, dtype: str) -> tf.Tensor:
+        return tf.cast(x, _FP8_DTYPES[dtype])
+
+    @staticmethod
+    def to_f32(x: Any) -> tf.Tensor:
+        return tf.cast(x, tf.float32)
+
+    @staticmethod
+    def cast_like(x: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+        return tf.cast(x, like.dtype)
+
+
+def fp8_initial_state(config: _fp8.Fp8Config, device: Any = None) -> FP8State:
+    """Scale 1, zero history: an :class:`unimp.fp8.FP8State` of float32 tensors."""
+    return fp8_state_from_numpy(FP8State.initial(config), device)
+
+
+def fp8_state_from_numpy(state: FP8State, device: Any = None) -> FP8State:
+    """The same state as float32 tensors (on ``device`` when given)."""
+    with tf.device(device) if device is not None else contextlib.nullcontext():
+        return FP8State(*(tf.constant(np.asarray(v, np.float32)) for v in
+                          (state.scale, state.scale_inv, state.amax_history)))
+
+
+def fp8_state_to_numpy(state: FP8State) -> FP8State:
+    """The state as NumPy float32 (for :func:`unimp.fp8.state_dict`); one host copy."""
+    return FP8State(*(np.asarray(tf.convert_to_tensor(v).numpy(), np.float32) for v in
+                      (state.scale, state.scale_inv, state.amax_history)))
+
+
+def fp8_amax(x: tf.Tensor) -> tf.Tensor:
+    """``max(abs(x))`` as a float32 0-d tensor (NaN-propagating)."""
+    return _fp8.amax_of(Fp8Ops, tf.convert_to_tensor(x))
+
+
+def fp8_step(
+    config: _fp8.Fp8Config, state: FP8State, amax: tf.Tensor, role: str = "forward"
+) -> tuple[tuple[tf.Tensor, tf.Tensor], FP8State]:
+    """One step of :func:`unimp.fp8.step_arrays` on tensors (traces under ``tf.function``).
+
+    Returns:
+        ``((scale, scale_inv) to quantize this step with, state after the step)``.
+    """
+    vals = [tf.convert_to_tensor(v) for v in (state.scale, state.scale_inv, state.amax_history)]
+    used, new = _fp8.step_arrays(Fp8Ops, config, role, *vals, Fp8Ops.f32(amax))
+    return used, FP8State(*new)
+
+
+def fp8_quantize_dequantize(x: tf.Tensor, scale: tf.Tensor, scale_inv: tf.Tensor, dtype: str) -> tf.Tensor:
+    """:func:`unimp.fp8.qdq_arrays` on a tensor: same shape and dtype as ``x``."""
+    return _fp8.qdq_arrays(Fp8Ops, tf.convert_to_tensor(x), scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
+
+
+
+_TENSORS = ("input", "kernel", "grad")
+_FIELDS = ("scale", "scale_inv", "amax_history")
+
+
+def _keras_layer_base() -> type:
+    import keras
+
+    return keras.layers.Layer
+
+
+class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
+    """A Keras Dense layer whose matmul is emulated float8 by :mod:`unimp.fp8`'s rule.
+
+    unimp's own layer rather than ``Dense.quantize("float8")``: Keras's float8 path divides by a
+    stored divisor and uses its two-steps-late timing, which cannot express unimp's rule (nor be
+    matched bit for bit under JAX). The input and the float32 kernel are quantized to the
+    forward format with their own scales, the output gradient (as it flows in backward, i.e.
+    scaled when a loss scale is on) to the backward format in a ``tf.custom_gradient``; the
+    matmul multiplies the float8 values and scales the float32 result once. The scaling states
+    are non-trainable float32 variables (``<input|kernel|grad>_<scale|scale_inv|amax_history>``),
+    stepped in training calls (traces under ``tf.function``, no host sync); the first call warns
+    once that float8 is emulated (:class:`unimp.fp8.Fp8EmulationWarning`).
+
+    Args:
+        units: output features; use_bias: add a bias (in the compute dtype).
+        config: a :class:`unimp.fp8.DelayedScaling` (default) or :class:`unimp.fp8.CurrentScaling`.
+
+    Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
+    """
+
+    def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.units = int(units)
+        self.use_bias = bool(use_bias)
+        self.config = config if config is not None else _fp8.DelayedScaling()
+        self._warned = False
+
+    def build(self, input_shape: Any) -> None:
+        n_in = int(input_shape[-1])
+        self.kernel = self.add_weight(name="kernel", shape=(n_in, self.units), initializer="glorot_uniform", autocast=False)
+        self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros") if self.use_bias else None
+        init = FP8State.initial(self.config)
+        for name in _TENSORS:
+            for f in _FIELDS:
+                value = np.asarray(getattr(init, f), np.float32)
+                var = self.add_weight(
+                    name=f"{name}_{f}", shape=value.shape, dtype="float32", trainable=False,
+                    initializer=lambda shape, dtype=None, v=value: tf.constant(v), autocast=False,
+                )
+                setattr(self, f"{name}_{f}", var)
+
+    def fp8_state(self, name: str) -> FP8State:
+        """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (current variable values)."""
+        return FP8State(*(tf.convert_to_tensor(getattr(self, f"{name}_{f}")) for f in _FIELDS))
+
+    def load_fp8_state(self, name: str, state: FP8State) -> None:
+        """Assigns a (NumPy or tensor) state to the variables of ``name``."""
+        for f in _FIELDS:
+            getattr(self, f"{name}_{f}").assign(np.asarray(getattr(state, f), np.float32))
+
+    def _step(self, name: str, amax: tf.Tensor, role: str, training: bool) -> Any:
+        state = self.fp8_state(name)
+        if not training and isinstance(self.config, _fp8.DelayedScaling):
+            return state.scale, state.scale_inv
+        used, new = fp8_step(self.config, state, amax, role)
+        if training:
+            for f in _FIELDS:
+                getattr(self, f"{name}_{f}").assign(getattr(new, f))
+        return used
+
+    def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
+        if not self._warned:  # a host-side check, once per layer (not traced per step)
+            self._warned = True
+            gpu = bool(tf.config.list_logical_devices("GPU"))
+            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
+        training = bool(training)
+        x = tf.convert_to_tensor(inputs)
+        w = tf.convert_to_tensor(self.kernel)
+        dtype = self.config.dtype("forward")
+        fmax = _fp8.FP8_MAX[dtype]
+        sx, sinv_x = self._step("input", fp8_amax(x), "forward", training)
+        sw, sinv_w = self._step("kernel", fp8_amax(w), "forward", training)
+        qx = tf.reshape(_fp8.quantize_arrays(Fp8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
+        qw = _fp8.quantize_arrays(Fp8Ops, w, sw, dtype, fmax)
+        out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], 0)
+
+        @tf.custom_gradient
+        def matmul(x_, w_):
+            y = tf.cast(tf.matmul(qx, qw) * (sinv_x * sinv_w), x_.dtype)
+
+            def grad(g):
+                g2 = tf.reshape(g, [-1, self.units])
+                bdt = self.config.dtype("backward")
+                sg, sinv_g = self._step("grad", fp8_amax(g2), "backward", training)
+                qg = _fp8.quantize_arrays(Fp8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
+                dx = tf.matmul(qg, qw, transpose_b=True) * (sinv_g * sinv_w)
+                dw = tf.matmul(qx, qg, transpose_a=True) * (sinv_x * sinv_g)
+                return tf.cast(tf.reshape(dx, tf.shape(x_)), x_.dtype), tf.cast(dw, w_.dtype)
+
+            return tf.reshape(y, out_shape), grad
+
+        y = matmul(x, w)
+        if self.bias is not None:
+            y = y + tf.cast(self.bias, y.dtype)
+        return y

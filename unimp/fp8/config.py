@@ -1,0 +1,341 @@
+"""FP8 formats, the per-tensor scaling configs (:class:`DelayedScaling`, :class:`CurrentScaling`),
+their presets, and the per-tensor state (:class:`FP8State`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+#: Largest finite value of each float8 dtype (ml_dtypes / torch.finfo / TE ``fp8_dtype_max``).
+FP8_MAX: dict[str, float] = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+#: Transformer Engine's format names: the float8 dtype of the forward tensors (inputs, weights)
+#: and of the backward ones (output gradients). ``HYBRID`` is TE's default and what Keras and
+#: flax always use. TE refuses pure E5M2 training, and so does unimp.
+FORMATS: dict[str, tuple[str, str]] = {
+    "HYBRID": ("float8_e4m3fn", "float8_e5m2"),
+    "E4M3": ("float8_e4m3fn", "float8_e4m3fn"),
+}
+
+#: The two roles a quantized tensor plays: forward (inputs, weights) or backward (gradients).
+ROLES = ("forward", "backward")
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _choice(cls: str, field: str, value: Any, valid: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value in valid:
+        return value
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"{cls}.{field} must be one of {list(valid)}, got {value!r}.{hint}")
+
+
+def _int(cls: str, field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{cls}.{field} must be an integer >= {minimum}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{cls}.{field} must be >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+class _Fp8Config:
+    """What the two configs share: the format, the dtypes per role, ``to_dict``/``from_dict``."""
+
+    kind: ClassVar[str]
+    RULES: ClassVar[tuple[str, ...]]
+    fp8_format: str
+    rule: str
+
+    def dtype(self, role: str) -> str:
+        """The float8 dtype (``"float8_e4m3fn"`` or ``"float8_e5m2"``) of a tensor role.
+
+        Raises:
+            ValueError: ``role`` is not ``"forward"`` or ``"backward"``.
+        """
+        fwd, bwd = FORMATS[self.fp8_format]
+        return fwd if _choice(type(self).__name__, "role", role, ROLES) == "forward" else bwd
+
+    def fp8_max(self, role: str) -> float:
+        """The largest finite value of :meth:`dtype` (448.0 or 57344.0)."""
+        return FP8_MAX[self.dtype(role)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"kind": ..., <every dataclass field>}``, JSON-able; :func:`fp8_from_dict` inverts it."""
+        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+@dataclass(frozen=True)
+class DelayedScaling(_Fp8Config):
+    """Delayed per-tensor scaling: the scale comes from a window of past absolute maxima.
+
+    Each quantized tensor keeps the last ``amax_history_len`` absolute maxima (its amax
+    history); the scale used at step t is ``fp8_max / amax / 2**margin`` where ``amax`` is the
+    window's max (``amax_compute_algo="max"``) or the newest entry (``"most_recent"``). The
+    scale multiplies (``q = float8(clip(x * scale))``, ``x ~= q * scale_inv``).
+
+    ``rule`` chooses whose timing and edge cases are followed (see :mod:`unimp.fp8`):
+    ``"unimp"`` (default): the scale used at step t comes from steps t-L .. t-1; a window amax
+    of 0, inf or NaN keeps the previous scale; a scale that overflows float32 becomes float32
+    max. ``"transformer_engine"``, ``"keras"``, ``"flax"``: that implementation exactly
+    (use :meth:`preset`).
+
+    Args:
+        margin: int >= 0, the scale is divided by ``2**margin`` (headroom).
+        amax_history_len: int >= 1, window length L (TE, Keras and flax default 1024).
+        amax_compute_algo: ``"max"`` or ``"most_recent"`` (TE's names).
+        fp8_format: ``"HYBRID"`` (e4m3 forward, e5m2 gradients; default) or ``"E4M3"``.
+        rule: ``"unimp"``, ``"transformer_engine"``, ``"keras"`` or ``"flax"``.
+
+    Raises:
+        ValueError: an unknown format, algorithm or rule, a history length < 1 or a negative
+            margin (the message names the field and its valid values); Keras and flax only
+            implement ``amax_compute_algo="max"`` and ``margin=0`` (flax) / any margin (Keras
+            takes one in ``compute_float8_scale``).
+
+    Example:
+        >>> DelayedScaling(amax_history_len=16).dtype("backward")
+        'float8_e5m2'
+    """
+
+    kind: ClassVar[str] = "delayed"
+    RULES: ClassVar[tuple[str, ...]] = ("unimp", "transformer_engine", "keras", "flax")
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    fp8_format: str = "HYBRID"
+    rule: str = "unimp"
+
+    def __post_init__(self) -> None:
+        c = "DelayedScaling"
+        object.__setattr__(self, "margin", _int(c, "margin", self.margin, 0))
+        object.__setattr__(
+            self, "amax_history_len", _int(c, "amax_history_len", self.amax_history_len, 1)
+        )
+        _choice(c, "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
+        _choice(c, "fp8_format", self.fp8_format, tuple(FORMATS))
+        _choice(c, "rule", self.rule, self.RULES)
+        if self.rule in ("keras", "flax") and self.amax_compute_algo != "max":
+            raise ValueError(
+                f"DelayedScaling.amax_compute_algo must be 'max' with rule={self.rule!r} "
+                f"({self.rule} always takes the window's max), got {self.amax_compute_algo!r}."
+            )
+        if self.rule == "flax" and self.margin != 0:
+            raise ValueError(
+                "DelayedScaling.margin must be 0 with rule='flax' (flax's update_fp8_meta calls "
+                f"compute_scale without a margin), got {self.margin!r}."
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> DelayedScaling:
+        """The rule of an implementation, with its defaults (overridable by keyword).
+
+        ``"transformer_engine"`` (TE ``recipe.DelayedScaling`` defaults: margin 0, L 1024,
+        ``"max"``, HYBRID), ``"keras"`` (``QuantizedFloat8DTypePolicy``: L 1024), ``"flax"``
+        (``Fp8DotGeneralBase``: L 1024), ``"unimp"``.
+
+        Raises:
+            ValueError: an unknown name (the valid names are listed).
+        """
+        _choice("DelayedScaling.preset", "name", name, cls.RULES)
+        return cls(**{"rule": name, **overrides})
+
+
+@dataclass(frozen=True)
+class CurrentScaling(_Fp8Config):
+    """Current (just-in-time) per-tensor scaling: the scale comes from this step's own amax.
+
+    ``scale = fp8_max / amax(x)`` in float32, computed before ``x`` is quantized (one extra
+    reduction per tensor, no history). ``rule``: ``"unimp"`` (Transformer Engine's
+    ``Float8CurrentScaling`` on float32 inputs: amax 0, inf or NaN gives scale 1; power-of-two
+    scales truncate the mantissa bits; but the scale is capped at 2**126 where TE caps at
+    float32 max), ``"transformer_engine"``, ``"torchao"`` (``amax_to_scale``: amax clamped to 1e-12,
+    so amax 0 gives 4.48e14, inf gives 0, NaN gives NaN; power-of-two scales are
+    ``exp2(floor(log2(scale)))``).
+
+    Args:
+        fp8_format: ``"HYBRID"`` (default) or ``"E4M3"``.
+        power_of_2_scales: round each scale down to a power of two (TE's ``power_2_scale``,
+            torchao's ``round_scales_to_power_of_2``).
+        rule: ``"unimp"``, ``"transformer_engine"`` or ``"torchao"``.
+
+    Raises:
+        ValueError: an unknown format or rule, a non-bool ``power_of_2_scales``.
+    """
+
+    kind: ClassVar[str] = "current"
+    RULES: ClassVar[tuple[str, ...]] = ("unimp", "transformer_engine", "torchao")
+    fp8_format: str = "HYBRID"
+    power_of_2_scales: bool = False
+    rule: str = "unimp"
+    amax_history_len: ClassVar[int] = 1  # the state keeps the last amax, for reports
+
+    def __post_init__(self) -> None:
+        c = "CurrentScaling"
+        _choice(c, "fp8_format", self.fp8_format, tuple(FORMATS))
+        _choice(c, "rule", self.rule, self.RULES)
+        if not isinstance(self.power_of_2_scales, (bool, np.bool_)):
+            raise ValueError(
+                f"CurrentScaling.power_of_2_scales must be True or False, got "
+                f"{self.power_of_2_scales!r}."
+            )
+        object.__setattr__(self, "power_of_2_scales", bool(self.power_of_2_scales))
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> CurrentScaling:
+        """``"transformer_engine"`` (``Float8CurrentScaling``: HYBRID, no power-of-two scales
+        unless ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1``), ``"torchao"``
+        (``Float8LinearConfig`` tensorwise: e4m3 forward, e5m2 gradients, no power-of-two
+        scales), ``"unimp"``.
+
+        Raises:
+            ValueError: an unknown name (the valid names are listed).
+        """
+        _choice("CurrentScaling.preset", "name", name, cls.RULES)
+        return cls(**{"rule": name, **overrides})
+
+
+Fp8Config = DelayedScaling | CurrentScaling
+
+#: Every preset, by the name :func:`fp8_preset` takes.
+PRESETS: dict[str, tuple[type, str]] = {
+    "keras": (DelayedScaling, "keras"),
+    "flax": (DelayedScaling, "flax"),
+    "transformer_engine": (DelayedScaling, "transformer_engine"),
+    "transformer_engine_current": (CurrentScaling, "transformer_engine"),
+    "torchao": (CurrentScaling, "torchao"),
+    "unimp_delayed": (DelayedScaling, "unimp"),
+    "unimp_current": (CurrentScaling, "unimp"),
+}
+
+
+def fp8_preset(name: str, **overrides: Any) -> Fp8Config:
+    """The config reproducing one implementation: a name of :data:`PRESETS`.
+
+    Raises:
+        ValueError: an unknown name (the valid names and the closest match are listed).
+
+    Example:
+        >>> fp8_preset("keras").amax_history_len
+        1024
+    """
+    cls, rule = PRESETS[_choice("fp8_preset", "name", name, tuple(PRESETS))]
+    return cls.preset(rule, **overrides)
+
+
+def fp8_from_dict(d: Mapping[str, Any]) -> Fp8Config:
+    """Inverse of ``config.to_dict()``.
+
+    Raises:
+        ValueError: not a dict, an unknown ``kind`` or field (named), or a bad value.
+    """
+    if not isinstance(d, Mapping):
+        raise ValueError(f"an FP8 config must be a dict, got {type(d).__name__}.")
+    kinds = {"delayed": DelayedScaling, "current": CurrentScaling}
+    cls = kinds[_choice("FP8 config", "kind", d.get("kind"), tuple(kinds))]
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(d) - names - {"kind"})
+    if extra:
+        raise ValueError(f"unknown key(s) {extra} in an FP8 {cls.__name__} config; expected {sorted(names)}.")
+    return cls(**{k: v for k, v in d.items() if k != "kind"})
+
+
+@dataclass(frozen=True)
+class FP8State:
+    """The scaling state of one quantized tensor (NumPy float32; backends hold their own tensors).
+
+    Attributes:
+        scale: float32 0-d, the multiplier the next step quantizes with (TE's ``scale``).
+        scale_inv: float32 0-d, the dequantization factor: ``float32(1 / scale)`` rounded once,
+            except under the Keras and flax rules, whose stored divisor it is exactly (their
+            scale is then ``float32(1 / scale_inv)``).
+        amax_history: float32 ``(L,)``, the absolute maxima of the last L steps, newest first
+            (index 0); zeros before a step has run. :class:`CurrentScaling` keeps ``L = 1``.
+    """
+
+    scale: Any
+    scale_inv: Any
+    amax_history: Any
+
+    @classmethod
+    def initial(cls, config: Fp8Config) -> FP8State:
+        """Scale 1, history of zeros (every implementation starts there)."""
+        one = np.float32(1.0)
+        return cls(one, one, np.zeros(config.amax_history_len, np.float32))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values, one key per dataclass field: floats and a list of floats
+        (``inf`` / ``nan`` as Python floats, which :mod:`json` writes as ``Infinity``/``NaN``)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = np.asarray(getattr(self, f.name), np.float32)
+            out[f.name] = [float(x) for x in v.reshape(-1)] if v.ndim else float(v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], config: Fp8Config | None = None) -> FP8State:
+        """Inverse of :meth:`to_dict`; checks the history length against ``config``.
+
+        Raises:
+            ValueError: a missing or unknown key, a value that is not a number, a scale that is
+                not a positive finite float32, or a history of the wrong length (named).
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"an FP8 tensor state must be a dict, got {type(d).__name__}.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in d]
+        extra = sorted(set(d) - set(names))
+        if missing or extra:
+            raise ValueError(f"FP8 tensor state keys must be {names}; missing {missing}, unknown {extra}.")
+        vals = {}
+        for n in names:
+            try:
+                vals[n] = np.asarray(d[n], np.float32)
+            except (TypeError, ValueError):
+                raise ValueError(f"FP8 tensor state {n!r} must be numbers, got {d[n]!r}.") from None
+        for n in ("scale", "scale_inv"):
+            v = vals[n]
+            if v.ndim != 0 or not (math.isfinite(float(v)) or config is not None and config.rule == "torchao"):
+                raise ValueError(f"FP8 tensor state {n!r} must be a finite number, got {d[n]!r}.")
+        hist = vals["amax_history"]
+        if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
+            want = config.amax_history_len if config is not None else "L"
+            raise ValueError(
+                f"FP8 tensor state 'amax_history' must be a list of {want} numbers "
+                f"(amax_history_len), got shape {hist.shape}."
+            )
+        return cls(vals["scale"], vals["scale_inv"], hist)
+
+
+class Fp8EmulationWarning(UserWarning):
+    """float8 matmuls run emulated (quantize-dequantize in float32), given once per framework and
+    device type, never per step."""
+
+
+_EMULATION_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> None:
+    """Warns once per ``(framework, device_type)`` that float8 matmuls are emulated: unimp builds
+    no native float8 GEMM path yet (``torch._scaled_mm``, Transformer Engine), so on a device with
+    float8 units this is slower than bfloat16, and on one without (a CPU, a GPU before sm89) it
+    is the only path."""
+    key = (framework, device_type)
+    if key in _EMULATION_WARNED:
+        return
+    _EMULATION_WARNED.add(key)
+    import warnings
+
+    warnings.warn(
+        f"unimp FP8 ({framework}, {device_type}): float8 matmuls are emulated (quantize-dequantize "
+        "in float32, the same numbers as a float8 GEMM); no native float8 path is built, so this "
+        "is slower than bfloat16, never faster.",
+        Fp8EmulationWarning,
+        stacklevel=stacklevel,
+    )

@@ -1,0 +1,121 @@
+"""What an FP8 recipe adds to a :class:`unimp.Recipe`: the scaling rule and which layers run
+float8 matmuls."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from unimp.fp8.config import CurrentScaling, DelayedScaling, Fp8Config, fp8_from_dict
+
+#: Layer kinds whose matmuls run in float8 by default (Keras / flax ``Dense``, torch ``Linear``,
+#: convolutions).
+FP8_LAYERS = ("Dense", "Linear", "Conv")
+
+
+def matches(pattern: str, path: str) -> bool:
+    """A glob over a dotted layer path: ``pattern`` matches the whole path or a dotted prefix of
+    it (``"encoder.*"`` matches ``"encoder.layer1.fc"``; ``"head"`` matches ``"head.dense"``),
+    with :func:`fnmatch.fnmatchcase` (the rule of the policy issue's ``Policy.overrides``)."""
+    parts = path.split(".")
+    return any(fnmatchcase(".".join(parts[:i]), pattern) for i in range(len(parts), 0, -1))
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """The FP8 part of a recipe: float8 matmuls for Dense/Linear/Conv layers.
+
+    Everything else follows the recipe's policy (bfloat16 compute, float32 master weights in
+    the ``fp8*`` recipes).
+
+    Args:
+        scaling: a :class:`unimp.fp8.DelayedScaling` or :class:`unimp.fp8.CurrentScaling`
+            (or its ``to_dict()``).
+        layers: the layer kinds that run float8 matmuls (class-name prefixes).
+        exclude: glob patterns over dotted layer paths kept out of float8 (see :func:`matches`).
+        exclude_first_last: keep the first and the last float8-capable layer in higher
+            precision (default True, the usual FP8 guidance).
+
+    Raises:
+        ValueError: a bad scaling config, or ``layers`` / ``exclude`` that are not tuples of
+            non-empty strings (named).
+    """
+
+    scaling: Fp8Config = field(default_factory=DelayedScaling)
+    layers: tuple[str, ...] = FP8_LAYERS
+    exclude: tuple[str, ...] = ()
+    exclude_first_last: bool = True
+
+    def __post_init__(self) -> None:
+        scaling = self.scaling
+        if isinstance(scaling, Mapping):
+            scaling = fp8_from_dict(scaling)
+        if not isinstance(scaling, (DelayedScaling, CurrentScaling)):
+            raise ValueError(
+                f"Fp8Recipe.scaling must be a DelayedScaling or CurrentScaling, got {type(scaling).__name__}."
+            )
+        object.__setattr__(self, "scaling", scaling)
+        for name in ("layers", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"Fp8Recipe.{name} must be a tuple of non-empty strings, got {value!r}.")
+            object.__setattr__(self, name, tuple(value))
+        if not isinstance(self.exclude_first_last, bool):
+            raise ValueError(f"Fp8Recipe.exclude_first_last must be True or False, got {self.exclude_first_last!r}.")
+
+    def applies_to(self, path: str, kind: str, index: int | None = None, count: int | None = None) -> bool:
+        """Whether the layer at dotted ``path`` of class ``kind`` runs float8 matmuls.
+
+        Args:
+            path: the layer's dotted path (``"encoder.layer1.fc"``).
+            kind: its class name (``"Linear"``, ``"Dense"``, ``"Conv2D"``).
+            index, count: its position among the model's float8-capable layers, and their
+                number (for ``exclude_first_last``).
+        """
+        if not any(kind.startswith(k) for k in self.layers):
+            return False
+        if any(matches(p, path) for p in self.exclude):
+            return False
+        if self.exclude_first_last and index is not None and count is not None:
+            return 0 < index < count - 1
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, one key per dataclass field (``scaling`` as its ``to_dict()``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["scaling"] = self.scaling.to_dict()
+        out["layers"], out["exclude"] = list(self.layers), list(self.exclude)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Fp8Recipe:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: not a dict, an unknown key (named), or a bad value.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"an FP8 recipe must be a dict, got {type(d).__name__}.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        extra = sorted(set(d) - set(names))
+        if extra:
+            raise ValueError(f"unknown FP8 recipe key(s) {extra}; keys are {names}.")
+        return cls(**{k: tuple(v) if k in ("layers", "exclude") and isinstance(v, list) else v
+                      for k, v in d.items()})
+
+    def describe(self) -> str:
+        s = self.scaling
+        rule = (
+            f"delayed(L={s.amax_history_len}, {s.amax_compute_algo}, margin={s.margin}, rule={s.rule})"
+            if isinstance(s, DelayedScaling)
+            else f"current(power_of_2={s.power_of_2_scales}, rule={s.rule})"
+        )
+        out = f"fp8 {s.fp8_format} {rule} on {'/'.join(self.layers)}"
+        if self.exclude_first_last:
+            out += ", first and last layers excluded"
+        if self.exclude:
+            out += f", excluding {list(self.exclude)}"
+        return out

@@ -1,0 +1,256 @@
+"""The FP8 scaling rule and the quantize-dequantize rule, written once over an array namespace,
+and their NumPy reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from unimp.fp8.config import _F32_MAX, CurrentScaling, DelayedScaling, Fp8Config, FP8State
+
+#: unimp's own rules cap the scale at 2**126 (TE: float32 max) so that ``scale_inv`` stays a
+#: normal float32: TensorFlow flushes subnormals to zero on CPU, which would break bit-identity.
+MAX_SCALE = 2.0**126
+
+#: torchao ``amax_to_scale`` clamps the amax at ``EPS = 1e-12`` (a float64) before dividing.
+_TORCHAO_EPS = 1e-12
+
+
+def _f32_at_least(x: float) -> float:
+    """The smallest float32 >= the float64 ``x``: ``a < x`` iff ``a < this`` for float32 ``a``."""
+    f = np.float32(x)
+    return float(f if float(f) >= x else np.nextafter(f, np.float32(np.inf)))
+
+
+class NumpyOps:
+    """The array namespace of the reference: NumPy float32 arrays, ml_dtypes float8.
+
+    A backend provides the same names on its own tensors (see ``unimp/backends/*/fp8.py``).
+    """
+
+    where = staticmethod(np.where)
+    isfinite = staticmethod(np.isfinite)
+    isnan = staticmethod(np.isnan)
+    isinf = staticmethod(np.isinf)
+    abs = staticmethod(np.abs)
+    floor = staticmethod(np.floor)
+    log2 = staticmethod(np.log2)
+    exp2 = staticmethod(np.exp2)
+
+    @staticmethod
+    def f32(x: Any) -> Any:
+        return np.asarray(x, np.float32) if isinstance(x, np.ndarray) else np.float32(x)
+
+    @staticmethod
+    def amax(x: Any) -> Any:
+        """Max over every element, NaN-propagating (as np.max, torch.max, tf.reduce_max)."""
+        return np.float32(np.max(x)) if np.size(x) else np.float32(0)
+
+    @staticmethod
+    def push(history: Any, amax: Any) -> Any:
+        """``[amax, history[0], ..., history[L-2]]``: newest first, the oldest dropped."""
+        return np.concatenate([np.reshape(np.float32(amax), (1,)), history[:-1]])
+
+    @staticmethod
+    def clip(x: Any, lo: float, hi: float) -> Any:
+        return np.clip(x, np.float32(lo), np.float32(hi))  # NaN stays NaN
+
+    @staticmethod
+    def pow2_floor(x: Any) -> Any:
+        """Clears the 23 mantissa bits of a float32 (TE: ``scale_bits &= 0xFF800000``)."""
+        bits = np.asarray(x, np.float32).view(np.int32) & np.int32(-0x800000)
+        return bits.view(np.float32)[()] if np.ndim(x) == 0 else bits.view(np.float32)
+
+    @staticmethod
+    def to_fp8(x: Any, dtype: str) -> Any:
+        import ml_dtypes  # NumPy's float8 dtypes (a dependency; imported when first needed)
+
+        return np.asarray(x, np.float32).astype(getattr(ml_dtypes, dtype))
+
+    @staticmethod
+    def to_f32(x: Any) -> Any:
+        return np.asarray(x).astype(np.float32)
+
+    @staticmethod
+    def cast_like(x: Any, like: Any) -> Any:
+        return np.asarray(x).astype(np.asarray(like).dtype)
+
+
+def _valid(ops: Any, amax: Any) -> Any:
+    return ops.isfinite(amax) & (amax > ops.f32(0.0))
+
+
+def _delayed(ops: Any, cfg: DelayedScaling, scale: Any, scale_inv: Any, hist: Any, amax: Any, fmax: float):
+    f32max = ops.f32(_F32_MAX)
+    if cfg.rule in ("keras", "flax"):
+        # compute_float8_scale / compute_scale: sf = (max / amax) / 2**margin, kept at
+        # 1 / stored_divisor (== our scale) unless 0 < amax < inf; the divisor is 1 / sf.
+        window = ops.amax(hist)
+        sf = ops.f32(fmax) / window / ops.f32(2.0**cfg.margin)
+        sf = ops.where(window > ops.f32(0.0), sf, scale)
+        sf = ops.where(ops.isfinite(window), sf, scale)
+        new_inv = ops.f32(1.0) / sf
+        new_scale = ops.f32(1.0) / new_inv
+        new_hist = ops.push(hist, amax)
+        if cfg.rule == "flax":  # updated before use: quantizes with the new scale
+            return (new_scale, new_inv), (new_scale, new_inv, new_hist)
+        return (scale, scale_inv), (new_scale, new_inv, new_hist)  # keras: stored for next step
+    scaled_max = ops.f32(float(np.float32(fmax) * np.float32(2.0 ** -cfg.margin)))
+    pushed = ops.push(hist, amax)
+    if cfg.rule == "transformer_engine":
+        # delayed_scaling.cu kernel_bulk: a step whose amax is 0 is not recorded (no roll) and
+        # keeps the scale; the window max is fmaxf from 0, which skips NaN.
+        skip = amax == ops.f32(0.0)
+        new_hist = ops.where(skip, hist, pushed)
+        if cfg.amax_compute_algo == "max":
+            window = ops.amax(ops.where(ops.isnan(pushed), ops.f32(0.0), pushed))
+        else:
+            window = amax
+        window = ops.where(skip, ops.f32(0.0), window)
+    else:
+        new_hist = pushed
+        window = ops.amax(pushed) if cfg.amax_compute_algo == "max" else amax
+    new_scale = ops.where(_valid(ops, window), scaled_max / window, scale)
+    if cfg.rule == "transformer_engine":
+        new_scale = ops.where(ops.isinf(new_scale), f32max, new_scale)
+    else:
+        new_scale = ops.where(new_scale > ops.f32(MAX_SCALE), ops.f32(MAX_SCALE), new_scale)
+    return (scale, scale_inv), (new_scale, ops.f32(1.0) / new_scale, new_hist)
+
+
+def _current(ops: Any, cfg: CurrentScaling, amax: Any, fmax: float) -> Any:
+    if cfg.rule == "torchao":
+        # amax_to_scale: float64(max) / clamp(float64(amax), 1e-12), rounded to float32. The
+        # float32 quotient is the same number (double rounding of a quotient is innocuous for
+        # 53 >= 2 * 24 + 2 bits), so float32 arithmetic reproduces it on every backend.
+        tiny = ops.f32(float(np.float32(fmax / _TORCHAO_EPS)))
+        s = ops.where(amax < ops.f32(_f32_at_least(_TORCHAO_EPS)), tiny, ops.f32(fmax) / amax)
+        if cfg.power_of_2_scales:
+            s = ops.exp2(ops.floor(ops.log2(s)))  # _round_scale_down_to_power_of_2
+        return s
+    # current_scaling.cu / recipe_common.cuh compute_scale_from_amax (epsilon 0, float32 input)
+    s = ops.where(_valid(ops, amax), ops.f32(fmax) / amax, ops.f32(1.0))
+    if cfg.rule == "transformer_engine":
+        s = ops.where(ops.isinf(s), ops.f32(_F32_MAX), s)
+    else:
+        s = ops.where(s > ops.f32(MAX_SCALE), ops.f32(MAX_SCALE), s)
+    if cfg.power_of_2_scales:
+        s = ops.pow2_floor(s)
+    return s
+
+
+def step_arrays(
+    ops: Any, config: Fp8Config, role: str, scale: Any, scale_inv: Any, amax_history: Any, amax: Any
+) -> tuple[tuple[Any, Any], tuple[Any, Any, Any]]:
+    """One step of one tensor's scaling, branch-free, over any array namespace.
+
+    Python branches depend only on the (static) config, so this traces under ``jax.jit`` and
+    ``tf.function``; backends call it with their own tensors.
+
+    Args:
+        ops: the array namespace (see :class:`NumpyOps` for the names it needs).
+        config: a :class:`DelayedScaling` or :class:`CurrentScaling`.
+        role: ``"forward"`` (inputs, weights) or ``"backward"`` (gradients): picks the format.
+        scale, scale_inv: float32 0-d, the state before the step.
+        amax_history: float32 ``(L,)``, newest first.
+        amax: float32 0-d, this step's ``max(abs(x))`` of the tensor (may be 0, inf, NaN).
+
+    Returns:
+        ``((scale, scale_inv) to quantize this step with, (scale, scale_inv, amax_history)
+        after the step)``.
+    """
+    fmax = config.fp8_max(role)
+    if isinstance(config, CurrentScaling):
+        s = _current(ops, config, amax, fmax)
+        inv = ops.f32(1.0) / s
+        return (s, inv), (s, inv, ops.push(amax_history, amax))
+    return _delayed(ops, config, scale, scale_inv, amax_history, amax, fmax)
+
+
+def qdq_arrays(ops: Any, x: Any, scale: Any, scale_inv: Any, dtype: str, fmax: float) -> Any:
+    """Quantize-dequantize: ``float8(clip(float32(x) * scale, -max, max)) * scale_inv``.
+
+    The product is rounded once in float32, clipped (saturation; NaN stays NaN), rounded to
+    nearest even into ``dtype``, widened back and multiplied by ``scale_inv``, then cast to
+    ``x``'s dtype. Only multiplications: XLA rewrites ``x / s`` as ``x * (1 / s)``, so a rule
+    that divides cannot be matched bit for bit under JAX; this one is, in every framework.
+
+    Args:
+        x: any floating array; scale, scale_inv: float32 0-d.
+        dtype: ``"float8_e4m3fn"`` or ``"float8_e5m2"``; fmax: its largest finite value.
+
+    Returns:
+        An array of ``x``'s shape and dtype.
+    """
+    return ops.cast_like(quantize_arrays(ops, x, scale, dtype, fmax) * scale_inv, x)
+
+
+def quantize_arrays(ops: Any, x: Any, scale: Any, dtype: str, fmax: float) -> Any:
+    """The float8 values of ``x`` as float32: ``float32(float8(clip(float32(x) * scale)))``.
+
+    The emulated float8 matmul (every backend's FP8 layer) multiplies these exactly-representable
+    values and scales the float32 result once, as a float8 GEMM does
+    (``D = (A_q @ B_q) * (scale_inv_a * scale_inv_b)``)::
+
+        y  = (Q(x) @ Q(w)) * (x.scale_inv * w.scale_inv)          # forward, e4m3
+        dx = (Q(g) @ Q(w)^T) * (g.scale_inv * w.scale_inv)        # backward, g in e5m2
+        dw = (Q(x)^T @ Q(g)) * (x.scale_inv * g.scale_inv)
+
+    ``g`` is the output gradient as it flows in backward: with loss scaling, the SCALED
+    gradient (before unscaling), as Keras records it; its amax and its scale are taken on that
+    tensor in every backend (docs/fp8.md).
+    """
+    return ops.to_f32(ops.to_fp8(ops.clip(ops.to_f32(x) * scale, -fmax, fmax), dtype))
+
+
+def amax_of(ops: Any, x: Any) -> Any:
+    """``max(abs(x))`` in float32 (NaN-propagating), the amax every implementation records."""
+    return ops.amax(ops.abs(ops.to_f32(x)))
+
+
+def step(config: Fp8Config, state: FP8State, amax: float, role: str = "forward") -> tuple[Any, FP8State]:
+    """One step of the NumPy reference.
+
+    Returns:
+        ``((scale, scale_inv) used this step, state after the step)``.
+    """
+    with np.errstate(all="ignore"):
+        used, new = step_arrays(
+            NumpyOps, config, role, np.float32(state.scale), np.float32(state.scale_inv),
+            np.asarray(state.amax_history, np.float32), np.float32(amax),
+        )
+    sc, inv, hist = new
+    return (np.float32(used[0]), np.float32(used[1])), FP8State(
+        np.float32(sc), np.float32(inv), np.asarray(hist, np.float32)
+    )
+
+
+def simulate(
+    config: Fp8Config, amaxes: Iterable[float], role: str = "forward", state: FP8State | None = None
+) -> list[tuple[Any, Any, FP8State]]:
+    """Runs the reference over a sequence of per-step maxima.
+
+    Returns:
+        Per step, ``(scale used, scale_inv used, state after the step)``.
+
+    Example:
+        >>> out = simulate(DelayedScaling(amax_history_len=2), [4.0, 0.0, 8.0])
+        >>> [float(s) for s, _, _ in out]
+        [1.0, 112.0, 112.0]
+    """
+    s = FP8State.initial(config) if state is None else state
+    out = []
+    for a in amaxes:
+        (sc, inv), s = step(config, s, a, role)
+        out.append((sc, inv, s))
+    return out
+
+
+def quantize_dequantize(x: Any, scale: float, scale_inv: float, dtype: str) -> np.ndarray:
+    """The NumPy reference of :func:`qdq_arrays` (``dtype``: a float8 dtype name)."""
+    from unimp.fp8.config import FP8_MAX
+
+    with np.errstate(all="ignore"):
+        return qdq_arrays(NumpyOps, np.asarray(x), np.float32(scale), np.float32(scale_inv), dtype, FP8_MAX[dtype])
