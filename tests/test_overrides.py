@@ -124,7 +124,7 @@ def test_conflict_names_both_patterns():
 
 def test_unmatched_pattern_warns_with_nearest_paths():
     p = get_policy("mixed_float16;haed:float32")
-    with pytest.warns(OverrideWarning, match=r"'haed' matches no layer.*'head'"):
+    with pytest.warns(OverrideWarning, match=r"'haed' matches no layer.*did you mean 'head'"):
         assert resolve_overrides(p.overrides, ["body", "head", "head.weight"]) == {}
 
 

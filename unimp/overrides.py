@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -235,18 +237,35 @@ def resolve_overrides(
         if hit is not None:
             out[path] = hit[1]
             used.update(p for p, _ in overrides if pattern_matches(p, path))
+    # the paths and their dotted prefixes: "l3" is nearest to the layer "l2", not "l2.w"
+    names = list(dict.fromkeys(
+        ".".join(path.split(".")[:i]) for path in paths for i in range(1, path.count(".") + 2)
+    ))
     for pattern, _ in overrides:
         if pattern in used:
             continue
-        near = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.3) or paths[:3]
+        near = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
+        hint = (
+            f"did you mean {', '.join(repr(p) for p in near)}?" if near
+            else f"the model's paths begin {', '.join(repr(p) for p in names[:8]) or '(none)'}."
+        )
         warnings.warn(
-            f"Policy.overrides: pattern {pattern!r} matches no {what} path of the model; the "
-            f"nearest are {', '.join(repr(p) for p in near) or 'none (no paths)'}. Patterns are "
-            "fnmatch globs over dotted paths ('head', '*norm*', 'blocks.*.attn').",
+            f"Policy.overrides: pattern {pattern!r} matches no {what} path of the model; {hint} "
+            "Patterns are fnmatch globs over dotted paths ('head', '*norm*', 'blocks.*.attn').",
             OverrideWarning,
-            stacklevel=3,
+            stacklevel=_caller_level(),
         )
     return out
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside unimp, so a warning names the user's line."""
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        level += 1
+        frame = frame.f_back
+    return level
 
 
 def top_paths(resolved: Mapping[str, Policy]) -> dict[str, Policy]:

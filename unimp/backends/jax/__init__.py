@@ -30,6 +30,9 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device), :func:`observe` (names
   an activation for a statistics step, ``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
+* ``overrides``: :func:`layer_paths` (pytree key paths), :func:`apply_overrides` (a tree cast by
+  path, unmatched patterns warned), per-path casting behind ``mp.cast_to_compute`` /
+  ``mp.cast_to_param`` and ``mp.module_kwargs(path)``.
 * ``mixed_precision``: :class:`MixedPrecision`.
 
 This ``__init__`` only re-exports; import the public names from here.
@@ -41,6 +44,7 @@ from unimp.backends.jax.devices import device_info, framework_version
 from unimp.backends.jax.mixed_precision import MixedPrecision
 from unimp.backends.jax.optimizer import LossScaleOptState, MultiSteps, get_loss_scale, loss_scaling
 from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
+from unimp.backends.jax.overrides import apply_overrides, layer_paths
 from unimp.backends.jax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -66,10 +70,12 @@ __all__ = [
     "StepResult",
     "TrainStep",
     "all_finite",
+    "apply_overrides",
     "cast_tree",
     "device_info",
     "framework_version",
     "get_loss_scale",
+    "layer_paths",
     "loss_scale_from_config",
     "loss_scale_from_state_dict",
     "loss_scaling",
