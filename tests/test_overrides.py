@@ -57,6 +57,12 @@ def test_policy_values_and_named_policies():
     }
 
 
+def test_a_slash_reads_as_a_dot():
+    p = get_policy("mixed_float16;head/0:float32")
+    assert p.overrides == (("head.0", F32),)
+    assert p.policy_for("head.0.weight") == F32
+
+
 def test_overrides_are_canonical_and_hashable():
     a = Policy("float32", "float16", "float32", overrides={"x": "f32", "y": "float32"})
     b = Policy("float32", "float16", "float32", overrides=[("y", F32), ("x", "float32")])

@@ -10,7 +10,8 @@ modules, parameter-tree paths) another policy than the model's. This module hold
   included), ``?`` (one character), ``[seq]`` / ``[!seq]``. A pattern matches a path when it
   matches the whole path or a prefix of it that ends at a dot: ``"head"`` covers ``"head"``,
   ``"head.weight"`` and ``"head.bias"`` but not ``"header"``; ``"blocks.*.attn"`` covers
-  ``"blocks.3.attn.q.weight"``; ``"*norm*"`` covers every path with ``norm`` in it.
+  ``"blocks.3.attn.q.weight"``; ``"*norm*"`` covers every path with ``norm`` in it. A ``/`` in
+  a pattern is read as ``.``, so the layer names ``unimp trace`` prints (``"head/0"``) work too.
 * **No precedence**: a path takes the value of every pattern that matches it, so patterns that
   match the same path must agree. Two that give it different policies are a conflict, a
   ``ValueError`` naming both patterns and the path, raised when the overrides are applied to a
@@ -68,7 +69,8 @@ class OverrideWarning(UserWarning):
 
 
 def check_pattern(pattern: Any) -> str:
-    """Validates one override pattern and returns it.
+    """Validates one override pattern and returns it, ``/`` read as ``.`` (so the layer names
+    ``unimp trace`` prints, ``"head/0"``, and Keras's ``layer.path`` work as patterns).
 
     Raises:
         TypeError: not a string.
@@ -87,7 +89,7 @@ def check_pattern(pattern: Any) -> str:
             f"without whitespace or ';', ':', ',', '=' (found {bad or 'nothing'}); e.g. 'head', "
             "'*norm*', 'blocks.*.attn'."
         )
-    return pattern
+    return pattern.replace("/", ".")
 
 
 def _value_policy(pattern: str, value: Any, parent_param_dtype: str) -> Policy:
@@ -157,7 +159,7 @@ def normalize_overrides(overrides: Any, parent_param_dtype: str) -> tuple[tuple[
         )
     out: dict[str, Policy] = {}
     for pattern, value in items:
-        check_pattern(pattern)
+        pattern = check_pattern(pattern)
         if pattern in out:
             raise ValueError(f"Policy.overrides: pattern {pattern!r} is given twice.")
         out[pattern] = _value_policy(pattern, value, parent_param_dtype)

@@ -89,6 +89,7 @@ def _forward(mp: Any, kind: str):
                 h = jax.nn.relu(observe("conv", y + p["bk"])).reshape(x.shape[0], -1)
         h = h * mask.astype(h.dtype)
         with jax.named_scope("l2"):
+            h = mp.cast_to_compute(h, path="l2")  # the output layer's own dtype under overrides
             logits = observe("l2", h @ p["w2"] + p["b2"])
         return mp.cast_to_output(logits)
 

@@ -79,23 +79,29 @@ class MixedPrecision(MixedPrecisionBase):
         """The JAX dtype floating outputs are returned in."""
         return self._dtypes[2]
 
-    def cast_to_compute(self, tree: Any) -> Any:
+    def cast_to_compute(self, tree: Any, path: str = "") -> Any:
         """Floating leaves of ``tree`` cast to the compute dtype of the policy at their key path
         (:mod:`unimp.backends.jax.overrides`: an override's where one covers the path); others
         pass through.
 
-        Raises:
-            ValueError: an override conflict at some path.
-        """
-        return cast_by_path(tree, self.policy, "compute_dtype")
-
-    def cast_to_param(self, tree: Any) -> Any:
-        """Floating leaves of ``tree`` cast to the param dtype of the policy at their key path.
+        Args:
+            tree: any pytree.
+            path: the dotted path the tree sits at: ``cast_to_compute(h, path="l2")`` casts an
+                activation entering layer ``l2`` to ``l2``'s compute dtype.
 
         Raises:
             ValueError: an override conflict at some path.
         """
-        return cast_by_path(tree, self.policy, "param_dtype")
+        return cast_by_path(tree, self.policy, "compute_dtype", path)
+
+    def cast_to_param(self, tree: Any, path: str = "") -> Any:
+        """Floating leaves of ``tree`` cast to the param dtype of the policy at their key path
+        (``path`` as in :meth:`cast_to_compute`).
+
+        Raises:
+            ValueError: an override conflict at some path.
+        """
+        return cast_by_path(tree, self.policy, "param_dtype", path)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """A no-op context manager: JAX has no autocast (use :meth:`apply` or

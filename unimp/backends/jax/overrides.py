@@ -9,9 +9,12 @@ function boundaries; flax modules take ``dtype`` / ``param_dtype``):
   ``"Dense_0"``), list items by index. A bare array has the empty path and no override.
 * ``mp.cast_to_compute`` / ``mp.cast_to_param`` (so :meth:`MixedPrecision.apply` and
   ``train_step``) cast each floating leaf to the compute / param dtype of
-  ``policy.policy_for(path)``: a float32 override keeps ``l2``'s weights float32, and
-  ``h @ w`` with ``h`` in float16 then runs in float32 by JAX's type promotion, as torch's
-  autocast-off region with inputs cast to float32 does. ``cast_to_output`` stays one dtype.
+  ``policy.policy_for(path)``: a float32 override keeps ``l2``'s weights float32.
+  ``mp.cast_to_compute(h, path="l2")`` casts an activation entering ``l2`` to ``l2``'s compute
+  dtype, as torch's overridden modules and Keras layers cast their inputs (without it, ``h @ w``
+  with ``h`` float16 and ``w`` float32 still runs in float32 by JAX's type promotion, but a
+  bfloat16 override would promote float16 x bfloat16 to float32). ``cast_to_output`` stays one
+  dtype.
 * flax linen and nnx: ``mp.module_kwargs("l2")`` gives that module the override's ``dtype``
   and ``param_dtype`` (flax's per-module mechanism: flax.linen.Dense ``dtype`` is the
   computation dtype, ``param_dtype`` the parameters').
@@ -52,9 +55,12 @@ def layer_paths(tree: Any) -> list[str]:
     return [key_path(p) for p, _ in leaves]
 
 
-def cast_by_path(tree: Any, policy: Policy, field: str) -> Any:
+def cast_by_path(tree: Any, policy: Policy, field: str, prefix: str = "") -> Any:
     """Casts each floating leaf to ``policy.policy_for(path).<field>`` (``"compute_dtype"``,
     ``"param_dtype"``); other leaves pass through. Traces under ``jit`` (paths are static).
+
+    ``prefix`` places the tree at a layer's path: ``prefix="l2"`` casts a bare array (an
+    activation entering layer ``l2``) by ``l2``'s policy, and a leaf at ``"w"`` by ``"l2.w"``'s.
 
     Raises:
         ValueError: an override conflict at some path.
@@ -64,7 +70,7 @@ def cast_by_path(tree: Any, policy: Policy, field: str) -> Any:
     base = getattr(policy, field)
 
     def cast(path: tuple[Any, ...], leaf: Any) -> Any:
-        name = key_path(path)
+        name = ".".join(p for p in (prefix, key_path(path)) if p)
         hit = match_overrides(policy.overrides, name) if name else None
         return cast_tree(leaf, getattr(hit[1], field) if hit else base)
 

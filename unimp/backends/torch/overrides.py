@@ -11,7 +11,8 @@ on the outermost matched modules, by replacing their ``forward`` with :class:`_O
   which is the guidance of ``torch.autocast``'s docstring (torch/amp/autocast_mode.py:
   "autocast(enabled=False) subregions can be nested in autocast-enabled regions ... In the
   subregion, inputs from the surrounding region should be cast to dtype before use"). Outputs leave in
-  the override's output dtype; the model's autocast takes them from there.
+  the override's output dtype and the model's autocast takes them from there (in a float32 model
+  with a half override, which has no autocast outside, they are handed on in float32).
 * module mode: the module's parameters and buffers are held in the override's compute dtype
   (float32 ones need no master copy), its floating inputs are cast to that dtype and its
   floating outputs back to the model's compute dtype (what the next module's weights are in),
@@ -76,6 +77,8 @@ class _OverrideForward:
         else:
             with torch.autocast(device_type, enabled=False):
                 out = self.forward(*cast_tree(args, compute), **cast_tree(kwargs, compute))
+        if mp.compute_dtype == torch.float32:  # a float32 model: no autocast to take them on
+            return cast_tree(out, torch.float32)
         return cast_tree(out, p.output_dtype)
 
 
