@@ -161,3 +161,12 @@ def test_bad_overrides_are_errors(overrides, error, match):
 def test_bad_override_text():
     with pytest.raises(ValueError, match="not pattern:value"):
         get_policy("mixed_float16;l2")
+
+
+def test_explain_lists_each_override_per_framework():
+    from unimp.compare.explain import explain_recipe
+
+    lines = dict(explain_recipe(get_recipe("mixed_float16;l2:float32")))
+    assert any("'l2'" in x and "enabled=False" in x for x in lines["torch"])
+    assert any("'l2'" in x and '"float32"' in x for x in lines["tensorflow"])
+    assert any("'l2'" in x and "module_kwargs('l2')" in x for x in lines["jax"])

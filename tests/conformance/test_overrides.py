@@ -65,7 +65,7 @@ def test_a_conflict_is_an_error_before_training(backend):
 # The right value: keeping the output layer in float32 under mixed_float16 brings the
 # per-step loss closer to the float32 run's by the same amount in every framework. Measured
 # (CPU, mlp on digits, seed 0, SGD with lr 0 so every step's loss is the forward of the same
-# weights on a new batch; training steps add trajectory noise of their own, see docs/policy.md):
+# weights on a new batch; training steps add trajectory noise of their own, see docs/overrides.md):
 # mean |loss - loss_float32| over the first 8 steps, overridden / plain mixed_float16 =
 # 0.7132 (torch), 0.7150 (tensorflow), 0.7129 (jax); at step 0: 2.81e-5 -> 2.12e-5 (torch),
 # 2.15e-5 (tensorflow, jax).
