@@ -73,3 +73,10 @@ def test_bad_overrides_change_nothing(recipe, match):
         mp.prepare(model, "sgd", loss="mse")
     assert set(_policies(model).values()) == {"mixed_float16"}
     assert getattr(model, "optimizer", None) is None and not hasattr(model, "_unimp_output_dtype")
+
+
+def test_train_step_applies_the_overrides_to_a_model_not_prepared():
+    mp = utf.MixedPrecision("mixed_bfloat16;head:float32")
+    model = _model(mp)
+    mp.train_step(model, "sgd", lambda m, b: tf.reduce_mean(tf.cast(m(b), tf.float32)))
+    assert _policies(model)["head"] == "float32" and _policies(model)["l1"] == "mixed_bfloat16"

@@ -91,3 +91,14 @@ def test_a_conflict_changes_nothing():
 def test_autocast_mode_refuses_an_override_with_other_parameters():
     with pytest.raises(ValueError, match=r"overrides\['head'\] keeps parameters in bfloat16.*module"):
         ut.MixedPrecision("mixed_float16;head:params=bfloat16", device="cpu")
+
+
+def test_train_step_applies_the_overrides_to_a_model_not_prepared():
+    mp = ut.MixedPrecision("mixed_bfloat16;head:float32", device="cpu")
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = mp.train_step(net, opt, lambda m, b: m(b).float().pow(2).mean())
+    assert isinstance(net.head.forward, ut.overrides._OverrideForward)
+    step(torch.randn(3, 4))
+    mp.train_step(net, opt, lambda m, b: m(b).float().pow(2).mean())  # applied once
+    assert isinstance(net.head.forward.forward, type(net.l1.forward))

@@ -315,7 +315,8 @@ class MixedPrecision(MixedPrecisionBase):
         :class:`ReplicaDesyncWarning`. ``jit_compile`` is not supported there.
 
         Args:
-            model: a built Keras model (``model.trainable_variables`` non-empty).
+            model: a built Keras model (``model.trainable_variables`` non-empty); the policy's
+                ``overrides`` are applied to it here if :meth:`prepare` did not.
             optimizer: a Keras optimizer (wrapped in :class:`LossScaleOptimizer` with the
                 recipe's loss scale) or an unimp :class:`LossScaleOptimizer` (used as is).
             loss_fn: ``loss_fn(model, batch) -> scalar loss``.
@@ -366,6 +367,8 @@ class MixedPrecision(MixedPrecisionBase):
                 "the model has no trainable variables yet: build it first (keras.Input in the "
                 "model, model.build(input_shape), or call it on one batch)."
             )
+        if self.policy.overrides and not getattr(model, "_unimp_overrides", False):
+            apply_overrides(self, model)  # a model not prepared still runs its overrides
         if isinstance(optimizer, LossScaleOptimizer):
             lso = optimizer
         else:

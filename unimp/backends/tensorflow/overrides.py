@@ -121,4 +121,5 @@ def apply_overrides(mp: Any, model: Any, resolved: dict | None = None) -> dict[s
             layer._unimp_override_call = layer.call
             layer._unimp_override_output = o.output_dtype
             layer.call = types.MethodType(_override_call, layer)
+    model._unimp_overrides = True  # train_step applies them once
     return {path: o for path, (_, o, _) in resolved.items()}

@@ -308,9 +308,12 @@ class MixedPrecision(MixedPrecisionBase):
         ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`) of the gradients and
         layer outputs to the results of steps 0, k, 2k, ... (``result.stats``); ``log=path``
         writes a step log every ``log_every`` steps (see the JAX or TensorFlow ``train_step``
-        for both, and ``docs/steplog.md``).
+        for both, and ``docs/steplog.md``). The policy's ``overrides`` are applied to a model
+        that :meth:`prepare` did not see.
         """
         log_every = check_log_every(log, log_every)
+        if self.policy.overrides and self._mode != "none" and not getattr(model, "_unimp_overrides", False):
+            apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
                          max_grad_norm=max_grad_norm, scheduler=scheduler,
                          stats_every=stats_every)

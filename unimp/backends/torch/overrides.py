@@ -104,6 +104,7 @@ def apply_overrides(mp: Any, model: torch.nn.Module, resolved: dict[str, Policy]
     for name, policy in resolved.items():
         module = modules[name]
         module.forward = _OverrideForward(module, policy, mp)  # type: ignore[method-assign]
+    model._unimp_overrides = True  # type: ignore[assignment]  # train_step applies them once
     return resolved
 
 
