@@ -170,3 +170,12 @@ def test_explain_lists_each_override_per_framework():
     assert any("'l2'" in x and "enabled=False" in x for x in lines["torch"])
     assert any("'l2'" in x and '"float32"' in x for x in lines["tensorflow"])
     assert any("'l2'" in x and "module_kwargs('l2')" in x for x in lines["jax"])
+
+
+def test_compare_accepts_a_recipe_file_with_overrides(tmp_path):
+    from unimp.compare.run import CompareConfig, validate
+
+    path = tmp_path / "r.toml"
+    path.write_text('[policy]\nname = "mixed_float16"\n[policy.overrides]\nl2 = "float32"\n')
+    recipe, _, _ = validate(CompareConfig(recipe=str(path), backends=("jax",)))
+    assert recipe == get_recipe("mixed_float16;l2:float32")
