@@ -6,11 +6,13 @@ parsed into one :class:`Policy`.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Any
 
 from unimp.dtypes import DTYPE_ALIASES, HALF_DTYPES, canonical_dtype
+from unimp.overrides import match_overrides, normalize_overrides
 
 __all__ = ["Policy", "get_policy", "policy_names"]
 
@@ -28,7 +30,13 @@ class Policy:
             cast, in every backend (torch wraps ``forward``, Keras ``call`` at ``prepare``, JAX
             ``mp.apply``), as jmp's ``cast_to_output``. So one recipe is one computation
             everywhere. A layer that must compute in float32 (the Keras guide's float32 softmax)
-            says so itself (Keras: ``dtype=mp.output_dtype_policy``).
+            says so itself (Keras: ``dtype=mp.output_dtype_policy``), or through ``overrides``.
+        overrides: per-layer policies, ``((pattern, Policy), ...)`` sorted by pattern; accepts a
+            dict ``{pattern: policy_or_dtype}`` (e.g. ``{"head": "float32", "*norm*":
+            "float32"}``). Patterns are fnmatch globs over dotted layer / parameter paths that
+            cover a path or its dotted prefix; a dtype ``d`` means ``Policy(param_dtype, d,
+            d)``; patterns matching one path must agree. The rule is :mod:`unimp.overrides`;
+            :meth:`policy_for` applies it to one path.
 
     Each field is a canonical dtype name (``"float64"``, ``"float32"``, ``"float16"``,
     ``"bfloat16"``); any spelling :func:`unimp.dtypes.canonical_dtype` accepts is normalised
@@ -48,6 +56,7 @@ class Policy:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     output_dtype: str = "float32"
+    overrides: tuple[tuple[str, Policy], ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -57,9 +66,38 @@ class Policy:
             except ValueError as e:
                 raise ValueError(f"Policy.{field}: {e}") from None
             object.__setattr__(self, field, canonical)
+        object.__setattr__(self, "overrides", normalize_overrides(self.overrides, self.param_dtype))
 
     def __str__(self) -> str:
-        return f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
+        base = f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
+        return base + "".join(f";{p}:{_override_text(self, v)}" for p, v in self.overrides)
+
+    def __repr__(self) -> str:
+        # the dataclass repr, leaving out fields at their defaults after the three dtypes (so a
+        # policy without overrides reads as it always has)
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for i, f in enumerate(dataclasses.fields(self))
+            if f.repr and (i < 3 or getattr(self, f.name) != f.default)
+        ]
+        return f"Policy({', '.join(shown)})"
+
+    def policy_for(self, path: str) -> Policy:
+        """The policy a layer or parameter at dotted ``path`` runs under.
+
+        The override covering ``path`` (see :mod:`unimp.overrides`), else this policy without
+        its overrides.
+
+        Raises:
+            ValueError: two patterns cover ``path`` with different policies.
+
+        Example:
+            >>> p = Policy("float32", "float16", "float32", overrides={"head": "float32"})
+            >>> p.policy_for("head.weight").compute_dtype, p.policy_for("body").compute_dtype
+            ('float32', 'float16')
+        """
+        hit = match_overrides(self.overrides, path)
+        return hit[1] if hit is not None else dataclasses.replace(self, overrides=())
 
     @property
     def is_mixed(self) -> bool:
@@ -69,15 +107,15 @@ class Policy:
     @property
     def is_float32(self) -> bool:
         """True when every dtype is float32: the recipe changes nothing."""
-        return self.param_dtype == self.compute_dtype == self.output_dtype == "float32"
+        return self.param_dtype == self.compute_dtype == self.output_dtype == "float32" and all(
+            v.is_float32 for _, v in self.overrides
+        )
 
     def with_(self, **changes: Any) -> Policy:
-        """A copy with some fields replaced (``param_dtype=``, ``compute_dtype=``, ``output_dtype=``)."""
-        fields = {
-            "param_dtype": self.param_dtype,
-            "compute_dtype": self.compute_dtype,
-            "output_dtype": self.output_dtype,
-        }
+        """A copy with some fields replaced (``param_dtype=``, ``compute_dtype=``, ``output_dtype=``,
+        ``overrides=``); dtype values of the overrides are resolved again only when ``overrides``
+        is given."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(
@@ -184,6 +222,9 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     * PyTorch Lightning precision: ``16-mixed``, ``bf16-mixed``, ``32-true``, ``16-true``,
       ``bf16-true``, ``64-true`` and the legacy ``16``, ``bf16``, ``32``, ``64``.
     * Hugging Face Accelerate: ``no``, ``fp16``, ``bf16``.
+    * Per-layer overrides, as ``str(policy)`` writes them: any of the above followed by
+      ``;pattern:value`` clauses, ``"mixed_float16;head:float32;*norm*:float32"``, where a value
+      is a dtype or a policy in jmp's grammar (see :mod:`unimp.overrides`).
 
     Note that ``"bf16"`` and ``"fp16"`` follow Lightning and Accelerate (mixed, float32
     params) rather than meaning one dtype for all three; write ``"bfloat16"`` / ``"float16"``
@@ -214,6 +255,8 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     text = name.strip()
     if not text:
         raise ValueError(f"empty policy name.{_suggestions('')}")
+    if ";" in text:
+        return _parse_overrides(text, platform)
     lower = text.lower()
     if lower in _UNSUPPORTED:
         raise ValueError(_UNSUPPORTED[lower])
@@ -256,3 +299,27 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     compute = values.get("compute_dtype", param)
     output = values.get("output_dtype", compute)
     return Policy(param, compute, output)
+
+
+def _override_text(parent: Policy, value: Policy) -> str:
+    """An override's value in ``str(policy)``: its dtype when it is what that dtype means
+    (:mod:`unimp.overrides`), else the full policy in jmp's grammar."""
+    if value.param_dtype == parent.param_dtype and value.compute_dtype == value.output_dtype:
+        return value.compute_dtype
+    return str(value)
+
+
+def _parse_overrides(text: str, platform: str | None) -> Policy:
+    """``base;pattern:value;...`` -> a Policy with overrides."""
+    base, *clauses = text.split(";")
+    parent = get_policy(base, platform=platform)
+    pairs = []
+    for clause in clauses:
+        pattern, sep, value = clause.strip().partition(":")
+        if not sep or not pattern.strip() or not value.strip():
+            raise ValueError(
+                f"policy {text!r}: override {clause.strip()!r} is not pattern:value; write e.g. "
+                "'mixed_float16;head:float32'."
+            )
+        pairs.append((pattern.strip(), value.strip()))
+    return parent.with_(overrides=pairs)

@@ -119,6 +119,10 @@ class Recipe:
     def from_dict(cls, d: Mapping[str, Any]) -> Recipe:
         """Inverse of :meth:`to_dict`. ``loss_scale`` may be omitted (the policy's default).
 
+        ``policy`` is a name or ``str(policy)`` (per-layer overrides as ``;pattern:value``
+        clauses), or a table ``{"name": "mixed_float16", "overrides": {"head": "float32"}}``
+        (TOML: ``[policy]`` with ``name = ...`` and a ``[policy.overrides]`` table).
+
         Raises:
             ValueError: an unknown key or a bad value, naming the key.
         """
@@ -135,7 +139,7 @@ class Recipe:
                 continue
             try:
                 if key == "policy":
-                    out[key] = get_policy(d[key])
+                    out[key] = _policy_from_value(d[key])
                 elif key == "loss_scale":
                     out[key] = loss_scale_from_dict(d[key])
                 elif key == "fp8":
@@ -202,6 +206,22 @@ class Recipe:
             ls_text = "none"
         fp8 = f"; {self.fp8.describe()}" if self.fp8 is not None else ""
         return f"policy {self.policy}; loss scale {ls_text}; cast_mode {self.cast_mode}{fp8}"
+
+
+def _policy_from_value(value: Any) -> Policy:
+    """A recipe file's ``policy``: a name, or ``{"name": ..., "overrides": {pattern: value}}``."""
+    if not isinstance(value, Mapping):
+        return get_policy(value)
+    unknown = sorted(set(value) - {"name", "overrides"})
+    if unknown or "name" not in value:
+        raise ValueError(
+            f"a policy table takes 'name' (required) and 'overrides', got {sorted(value)}; e.g. "
+            '{"name": "mixed_float16", "overrides": {"head": "float32"}}.'
+        )
+    policy = get_policy(value["name"])
+    if "overrides" not in value:
+        return policy
+    return policy.with_(overrides=dict(policy.overrides) | dict(value["overrides"]))
 
 
 # Apex opt levels fix the cast mode and the loss scale, as Apex did.

@@ -26,13 +26,18 @@ __all__ = ["BACKEND_MODULES", "COMMON_API", "FP8_API", "MixedPrecisionBase", "ex
 #:   for ``unimp info``: which half dtypes each device runs and the recommended recipe name.
 #: * ``tensor_stats(x, scale)``: ``(counts, magnitudes)``, int32 ``(len(COUNT_FIELDS),)`` and
 #:   float32 ``(2,)`` device arrays: :mod:`unimp.stats`'s statistics of ``x`` (no host sync).
+#: * ``layer_paths(model)``: the dotted paths a policy's ``overrides`` match in this framework.
+#: * ``apply_overrides(mp, model)``: the overrides applied to a model (torch modules, Keras
+#:   layers) or a parameter tree (JAX, returning the cast tree); ``prepare`` calls it.
 COMMON_API = (
     "MixedPrecision",
     "StepResult",
     "all_finite",
+    "apply_overrides",
     "cast_tree",
     "device_info",
     "framework_version",
+    "layer_paths",
     "tensor_stats",
     "to_dtype",
 )
@@ -133,6 +138,7 @@ class MixedPrecisionBase:
 BACKEND_MODULES = (
     "devices",  # framework_version, device parsing and placement, device_info
     "casting",  # to_dtype, cast_tree, the framework's autocast / module mode / master weights
+    "overrides",  # per-layer overrides (unimp.overrides) mapped to the framework's mechanism
     "overflow",  # all_finite and its replica reduction; select / keep-unless (JAX)
     "scaling",  # the loss-scale state on device tensors: the rule's array namespace, the scaler
     "optimizer",  # the optimizer wrapped so a skipped step changes nothing

@@ -98,6 +98,18 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         f"flax modules: dtype={_JNP_DTYPE[p.compute_dtype]}, param_dtype={_JNP_DTYPE[p.param_dtype]} (mp.module_kwargs())",
         f"unimp.backends.jax loss-scale pytree + optax transformation: {scaler}",
     ]
+    for pattern, v in p.overrides:
+        torch_lines.append(
+            f"modules matching {pattern!r}: " + (
+                f"torch.autocast(dtype={_TORCH_DTYPE[v.compute_dtype]}) around their forward"
+                if v.is_mixed else
+                f"autocast off (torch.autocast(enabled=False)), inputs cast to {_TORCH_DTYPE[v.compute_dtype]}"
+            ) + f", outputs {_TORCH_DTYPE[v.output_dtype]}"
+        )
+        keras_lines.insert(-1, f"layers matching {pattern!r}: dtype policy "
+                           f'"{_keras_policy_name(Recipe(v))}" (keras.dtype_policies.DTypePolicyMap)')
+        jax_lines.insert(-1, f"paths matching {pattern!r}: params {_JNP_DTYPE[v.param_dtype]}, compute "
+                         f"{_JNP_DTYPE[v.compute_dtype]} (mp.cast_to_compute per path, mp.module_kwargs({pattern!r}))")
     if recipe.fp8 is not None:
         what = f"{recipe.fp8.describe()} (emulated float8 matmuls; put the layers in yourself)"
         torch_lines.append(f"unimp.backends.torch.FP8Dense for nn.Linear: {what}")

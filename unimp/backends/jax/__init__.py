@@ -30,6 +30,9 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device), :func:`observe` (names
   an activation for a statistics step, ``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
+* ``overrides``: :func:`layer_paths` (pytree key paths), :func:`apply_overrides` (a tree cast by
+  path, unmatched patterns warned), per-path casting behind ``mp.cast_to_compute`` /
+  ``mp.cast_to_param`` and ``mp.module_kwargs(path)``.
 * ``mixed_precision``: :class:`MixedPrecision`.
 * ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
 
@@ -52,6 +55,7 @@ from unimp.backends.jax.fp8 import (
 from unimp.backends.jax.mixed_precision import MixedPrecision
 from unimp.backends.jax.optimizer import LossScaleOptState, MultiSteps, get_loss_scale, loss_scaling
 from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
+from unimp.backends.jax.overrides import apply_overrides, layer_paths
 from unimp.backends.jax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -85,10 +89,12 @@ __all__ = [
     "StepResult",
     "TrainStep",
     "all_finite",
+    "apply_overrides",
     "cast_tree",
     "device_info",
     "framework_version",
     "get_loss_scale",
+    "layer_paths",
     "loss_scale_from_config",
     "loss_scale_from_state_dict",
     "loss_scaling",

@@ -17,6 +17,7 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import _as_device
 from unimp.backends.jax.optimizer import loss_scaling
+from unimp.backends.jax.overrides import apply_overrides, cast_by_path
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
 from unimp.backends.jax.step import TrainStep
 from unimp.step import check_stats_every
@@ -78,6 +79,30 @@ class MixedPrecision(MixedPrecisionBase):
         """The JAX dtype floating outputs are returned in."""
         return self._dtypes[2]
 
+    def cast_to_compute(self, tree: Any, path: str = "") -> Any:
+        """Floating leaves of ``tree`` cast to the compute dtype of the policy at their key path
+        (:mod:`unimp.backends.jax.overrides`: an override's where one covers the path); others
+        pass through.
+
+        Args:
+            tree: any pytree.
+            path: the dotted path the tree sits at: ``cast_to_compute(h, path="l2")`` casts an
+                activation entering layer ``l2`` to ``l2``'s compute dtype.
+
+        Raises:
+            ValueError: an override conflict at some path.
+        """
+        return cast_by_path(tree, self.policy, "compute_dtype", path)
+
+    def cast_to_param(self, tree: Any, path: str = "") -> Any:
+        """Floating leaves of ``tree`` cast to the param dtype of the policy at their key path
+        (``path`` as in :meth:`cast_to_compute`).
+
+        Raises:
+            ValueError: an override conflict at some path.
+        """
+        return cast_by_path(tree, self.policy, "param_dtype", path)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """A no-op context manager: JAX has no autocast (use :meth:`apply` or
         :meth:`module_kwargs`). Provided so framework-neutral code runs unchanged."""
@@ -104,15 +129,22 @@ class MixedPrecision(MixedPrecisionBase):
 
         return wrapped
 
-    def module_kwargs(self) -> dict[str, Any]:
+    def module_kwargs(self, path: str | None = None) -> dict[str, Any]:
         """``{"dtype": compute, "param_dtype": param}`` for flax linen and nnx modules.
+
+        With ``path`` (the module's dotted path, e.g. ``"head"`` or ``"blocks.0.attn"``), the
+        dtypes of ``policy.policy_for(path)``: an override's where one covers it (flax's own
+        per-module ``dtype`` / ``param_dtype``).
 
         The dtype is explicit: flax's ``dtype=None`` promotes half inputs back to float32 when
         parameters are float32. Normalization layers given these keep float32 parameters and
         statistics (flax computes mean and variance in at least float32) and return the
         compute dtype.
         """
-        return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
+        if path is None:
+            return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
+        p = self.policy.policy_for(path)
+        return {"dtype": to_dtype(p.compute_dtype), "param_dtype": to_dtype(p.param_dtype)}
 
     def init_loss_scale(self) -> LossScale:
         """The recipe's loss scale as a pytree in its initial state."""
@@ -124,7 +156,8 @@ class MixedPrecision(MixedPrecisionBase):
         """Applies the recipe to parameters and an optax optimizer.
 
         Args:
-            params: a pytree; floating leaves are cast to the param dtype.
+            params: a pytree; floating leaves are cast to the param dtype of their path
+                (:func:`apply_overrides`: an unmatched override pattern warns here).
             optimizer: an optax optimizer, wrapped with :func:`loss_scaling` using the recipe's
                 loss scale; ``None`` to skip.
 
@@ -132,7 +165,7 @@ class MixedPrecision(MixedPrecisionBase):
             ``(params, optimizer)``; scale the loss with ``get_loss_scale(opt_state).scale``.
         """
         opt = None if optimizer is None else loss_scaling(optimizer, self.loss_scale)
-        return self.cast_to_param(params), opt
+        return apply_overrides(self, params), opt
 
     def train_step(
         self,

@@ -16,6 +16,7 @@ from jax import lax
 from unimp.backends.jax.devices import _commit_like, _device_leaf
 from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
 from unimp.backends.jax.overflow import _keep_unless, _varying_axes, all_finite, sync_loss_scale
+from unimp.backends.jax.overrides import apply_overrides
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
 from unimp.backends.jax.stats import (
     _collecting,
@@ -232,7 +233,8 @@ class TrainStep:
                 "device= and mesh= both place the step: bind the recipe without a device "
                 "(the mesh says where the replicas run)."
             )
-        params = jax.tree_util.tree_map(_device_leaf, mp.cast_to_param(params))
+        # cast per path; an unmatched override pattern warns, a conflict fails, here
+        params = jax.tree_util.tree_map(_device_leaf, apply_overrides(mp, params))
         if mp.device is not None:  # committed there: the rest of the state follows it
             params = jax.device_put(params, mp.device)
         if donate:  # the first call must not delete the caller's own arrays

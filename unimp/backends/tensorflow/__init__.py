@@ -22,6 +22,9 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the layer-call
   recording a statistics step traces with (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
+* ``overrides``: :func:`layer_paths` (layer names from the model down), :func:`apply_overrides`
+  (each covered layer given its override's dtype policy), :func:`dtype_policy_map` (the same
+  as a ``keras.dtype_policies.DTypePolicyMap``).
 * ``mixed_precision``: :class:`MixedPrecision`.
 * ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
 
@@ -54,6 +57,7 @@ from unimp.backends.tensorflow.fp8 import (
 from unimp.backends.tensorflow.mixed_precision import MixedPrecision
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
+from unimp.backends.tensorflow.overrides import apply_overrides, dtype_policy_map, layer_paths
 from unimp.backends.tensorflow.stats import tensor_stats
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.loss_scale import ReplicaDesyncWarning
@@ -74,10 +78,13 @@ __all__ = [
     "StepResult",
     "TrainStep",
     "all_finite",
+    "apply_overrides",
     "cast_tree",
     "device_info",
+    "dtype_policy_map",
     "framework_version",
     "keras_policy_name",
+    "layer_paths",
     "tensor_stats",
     "to_dtype",
 ]

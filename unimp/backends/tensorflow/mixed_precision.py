@@ -17,6 +17,7 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
+from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.step import check_stats_every, check_step_options
@@ -184,6 +185,9 @@ class MixedPrecision(MixedPrecisionBase):
           the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
           model is compiled with it, so ``fit`` follows unimp's rule. A model already
           compiled with another optimizer is left alone, with a warning that says so.
+        * Each layer the policy's ``overrides`` cover gets its override's Keras dtype policy
+          (:mod:`unimp.backends.tensorflow.overrides`; e.g. ``"mixed_float16;l2:float32"``
+          gives layer ``l2`` the ``float32`` policy, the guide's float32 output layer).
 
         Args:
             model: a ``keras.Model`` (or layer) built inside :meth:`autocast`.
@@ -195,8 +199,8 @@ class MixedPrecision(MixedPrecisionBase):
 
         Raises:
             TypeError: ``model`` is not a Keras layer or model, or a bad optimizer.
-            ValueError: compile arguments without an optimizer. Nothing is changed when an
-                error is raised.
+            ValueError: compile arguments without an optimizer, an override conflict or an
+                override Keras cannot express. Nothing is changed when an error is raised.
         """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
@@ -214,6 +218,7 @@ class MixedPrecision(MixedPrecisionBase):
                 "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
             )
         wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
+        overridden = _resolve(self, model)  # warns / raises before anything changes
         # built outside autocast: none of the layers holding weights has the recipe's policy
         # (the model's own policy is not the test: a loaded or deep-copied model is rebuilt
         # under the global policy while its layers keep the policies they were saved with)
@@ -241,6 +246,7 @@ class MixedPrecision(MixedPrecisionBase):
             )
         if compile_kwargs:  # first: a bad compile argument leaves the model untouched
             model.compile(optimizer=wrapped, **compile_kwargs)
+        apply_overrides(self, model, overridden)
         self._cast_outputs(model)
         return model, wrapped
 
@@ -309,7 +315,8 @@ class MixedPrecision(MixedPrecisionBase):
         :class:`ReplicaDesyncWarning`. ``jit_compile`` is not supported there.
 
         Args:
-            model: a built Keras model (``model.trainable_variables`` non-empty).
+            model: a built Keras model (``model.trainable_variables`` non-empty); the policy's
+                ``overrides`` are applied to it here if :meth:`prepare` did not.
             optimizer: a Keras optimizer (wrapped in :class:`LossScaleOptimizer` with the
                 recipe's loss scale) or an unimp :class:`LossScaleOptimizer` (used as is).
             loss_fn: ``loss_fn(model, batch) -> scalar loss``.
@@ -360,6 +367,8 @@ class MixedPrecision(MixedPrecisionBase):
                 "the model has no trainable variables yet: build it first (keras.Input in the "
                 "model, model.build(input_shape), or call it on one batch)."
             )
+        if self.policy.overrides and not getattr(model, "_unimp_overrides", False):
+            apply_overrides(self, model)  # a model not prepared still runs its overrides
         if isinstance(optimizer, LossScaleOptimizer):
             lso = optimizer
         else:

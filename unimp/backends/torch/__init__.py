@@ -20,6 +20,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the forward hooks of
   a statistics step (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
+* ``overrides``: :func:`layer_paths` (module names), :func:`apply_overrides` (each covered
+  module under its override policy: autocast to its dtype or off, or held in it in module mode).
 * ``mixed_precision``: :class:`MixedPrecision`.
 * ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
 
@@ -49,6 +51,7 @@ from unimp.backends.torch.fp8 import (
 )
 from unimp.backends.torch.mixed_precision import MixedPrecision
 from unimp.backends.torch.overflow import all_finite
+from unimp.backends.torch.overrides import apply_overrides, layer_paths
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.stats import tensor_stats
 from unimp.backends.torch.step import TrainStep
@@ -66,9 +69,11 @@ __all__ = [
     "MixedPrecision",
     "StepResult",
     "all_finite",
+    "apply_overrides",
     "cast_tree",
     "device_info",
     "framework_version",
+    "layer_paths",
     "tensor_stats",
     "to_dtype",
     "GradScaler",

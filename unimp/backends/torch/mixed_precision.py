@@ -20,6 +20,7 @@ from unimp.backends.torch.casting import (
 )
 from unimp.backends.torch.devices import _as_device, _dtype_ok
 from unimp.backends.torch.optimizer import _check_half_state
+from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.scaling import GradScaler, _to_host
 from unimp.backends.torch.step import TrainStep
 from unimp.steprecorder import _with_log, check_log_every
@@ -87,19 +88,32 @@ class MixedPrecision(MixedPrecisionBase):
         self.compute_dtype = to_dtype(policy.compute_dtype)
         self.output_dtype = to_dtype(policy.output_dtype)
         mode = self.recipe.cast_mode
+        # a float32 model with half overrides: autocast only inside the overridden modules
+        f32_base = policy.param_dtype == policy.compute_dtype == "float32"
         if policy.is_float32:
             mode = "none"
         elif mode == "auto":
-            mode = "autocast" if policy.is_mixed else "module"
-        elif mode == "autocast" and not policy.is_mixed:
+            mode = "autocast" if policy.is_mixed or f32_base else "module"
+        elif mode == "autocast" and not (policy.is_mixed or f32_base):
             raise ValueError(
                 f"cast_mode='autocast' needs half compute with wider parameters; policy {policy} "
                 "is not mixed: use cast_mode='module' or 'auto'."
             )
         self._mode = mode
+        for pattern, o in policy.overrides:
+            if mode == "autocast" and o.param_dtype != policy.param_dtype:
+                raise ValueError(
+                    f"Policy.overrides[{pattern!r}] keeps parameters in {o.param_dtype}, but in autocast "
+                    f"mode every parameter stays {policy.param_dtype}: give the override a dtype "
+                    "(compute and output), or use cast_mode='module'."
+                )
         if mode != "none":
-            for dt in {self.compute_dtype, self.param_dtype}:
-                why = _dtype_ok(self._device, dt, autocast=(mode == "autocast" and dt == self.compute_dtype))
+            checks = {(self.compute_dtype, mode == "autocast"), (self.param_dtype, False)}
+            checks |= {(to_dtype(o.compute_dtype), mode == "autocast" and o.is_mixed) for _, o in policy.overrides}
+            for dt, in_autocast in checks:
+                if dt == torch.float32 and in_autocast:
+                    continue  # a float32 model's autocast is off outside the overridden modules
+                why = _dtype_ok(self._device, dt, autocast=in_autocast)
                 if why:
                     raise ValueError(f"recipe {policy} cannot run on {self._device}: {why}.")
 
@@ -115,7 +129,7 @@ class MixedPrecision(MixedPrecisionBase):
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast(device_type, dtype=compute)`` in autocast mode, else a no-op context."""
-        if self._mode == "autocast":
+        if self._mode == "autocast" and self.compute_dtype != torch.float32:
             return torch.autocast(self._device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
@@ -136,7 +150,10 @@ class MixedPrecision(MixedPrecisionBase):
           ``optimizer.step()``, and new values master -> model after it (Apex O2). Clip
           :func:`master_params`. ``model.state_dict()`` holds the float32 master values and
           ``model.load_state_dict()`` sets the masters, so checkpoints lose nothing.
-        * every mode: the model's floating outputs are cast to the output dtype.
+        * every mode: the model's floating outputs are cast to the output dtype, and each module
+          the policy's ``overrides`` cover runs under its override policy
+          (:mod:`unimp.backends.torch.overrides`): autocast to its dtype, or autocast off with
+          inputs cast (a float32 override), or held in its dtype (module mode).
 
         A float32 recipe returns the model (and optimizer) untouched.
 
@@ -149,7 +166,8 @@ class MixedPrecision(MixedPrecisionBase):
 
         Raises:
             TypeError: not a Module / Optimizer.
-            ValueError: the model was already prepared; its parameters are on another device type
+            ValueError: the model was already prepared; an override conflict (two patterns give
+                one module different policies); its parameters are on another device type
                 than the bound device (autocast would silently leave it in float32); module mode
                 without the optimizer; or
                 loss scaling is on and a float16 parameter would receive float16 gradients
@@ -165,6 +183,7 @@ class MixedPrecision(MixedPrecisionBase):
         if self._mode == "none":
             return out
         self._check_model_device(model)
+        overridden = resolve(self.policy, model)  # warns / raises before anything changes
         module_masters = self._mode == "module" and self.param_dtype != self.compute_dtype
         if module_masters and optimizer is None:
             raise ValueError(
@@ -189,13 +208,14 @@ class MixedPrecision(MixedPrecisionBase):
                     "with float32 parameters, or loss_scale='none'."
                 )
         if module_masters:
-            f32_values = self._to_module_mode(model)
+            f32_values = self._to_module_mode(model, overridden)
             pairs = []
             moved = {}
             for group in optimizer.param_groups:
                 new = []
                 for p in group["params"]:
-                    if p.dtype == self.compute_dtype and p.is_floating_point():
+                    # held in the compute dtype or a half override's: a float32 master
+                    if p.is_floating_point() and p.dtype != self.param_dtype:
                         start = f32_values.get(id(p), p.detach())  # exact, not rounded through half
                         master = torch.nn.Parameter(start.to(self.param_dtype).clone(), requires_grad=p.requires_grad)
                         pairs.append((p, master))
@@ -211,6 +231,9 @@ class MixedPrecision(MixedPrecisionBase):
             _checkpoint_masters(model, names, pairs)
         elif self._mode == "module":
             model.to(self.param_dtype)
+            for name, o in overridden.items():
+                cast_module(model.get_submodule(name), to_dtype(o.compute_dtype))
+        apply_overrides(self, model, overridden)
         if optimizer is not None:
             optimizer._unimp_names = names  # type: ignore[attr-defined]
         self._wrap_forward(model)
@@ -231,12 +254,17 @@ class MixedPrecision(MixedPrecisionBase):
                 f"recipe to its device (unimp.mixed_precision(..., device={wrong[0]!r}))."
             )
 
-    def _to_module_mode(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
-        """Casts the model to the compute dtype with float32 normalization layers; returns the
-        parameters' values from before the cast (by ``id``), from which the masters start."""
+    def _to_module_mode(self, model: torch.nn.Module, overridden: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """Casts the model to the compute dtype with float32 normalization layers and the
+        overridden modules in their override's compute dtype; returns the parameters' values
+        from before the cast (by ``id``), from which the masters start."""
         before = {id(p): p.detach().clone() for p in model.parameters()}
-        norms = [m for m in model.modules() if isinstance(m, _NORM_LAYERS)]
-        inside_norm = {id(sub) for m in norms for sub in m.modules()}
+        kept = {name: model.get_submodule(name) for name in overridden}
+        inside_kept = {id(sub) for m in kept.values() for sub in m.modules()}
+        norms = [m for m in model.modules() if isinstance(m, _NORM_LAYERS) and id(m) not in inside_kept]
+        inside_norm = {id(sub) for m in norms for sub in m.modules()} | inside_kept
+        for name, m in kept.items():
+            cast_module(m, to_dtype(overridden[name].compute_dtype))
         with torch.no_grad():
             # module by module: a normalization layer's parameters and statistics are never
             # rounded through the compute dtype (casting the whole model to float16 and the norm
@@ -280,9 +308,12 @@ class MixedPrecision(MixedPrecisionBase):
         ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`) of the gradients and
         layer outputs to the results of steps 0, k, 2k, ... (``result.stats``); ``log=path``
         writes a step log every ``log_every`` steps (see the JAX or TensorFlow ``train_step``
-        for both, and ``docs/steplog.md``).
+        for both, and ``docs/steplog.md``). The policy's ``overrides`` are applied to a model
+        that :meth:`prepare` did not see.
         """
         log_every = check_log_every(log, log_every)
+        if self.policy.overrides and self._mode != "none" and not getattr(model, "_unimp_overrides", False):
+            apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
                          max_grad_norm=max_grad_norm, scheduler=scheduler,
                          stats_every=stats_every)

@@ -1,0 +1,181 @@
+"""Per-layer overrides in the core: the matching rule, normalisation, parsing and serialisation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from unimp import Policy, Recipe, get_policy, get_recipe
+from unimp.overrides import (
+    OverrideWarning,
+    match_overrides,
+    pattern_matches,
+    resolve_overrides,
+    top_paths,
+)
+
+F32 = Policy("float32", "float32", "float32")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "expected"),
+    [
+        ("head", "head", True),
+        ("head", "head.weight", True),
+        ("head", "header", False),
+        ("head", "body.head", False),
+        ("*norm*", "blocks.0.norm1.weight", True),
+        ("blocks.*.attn", "blocks.3.attn.q.bias", True),
+        ("blocks.?.attn", "blocks.12.attn", False),
+        ("blocks.[0-1].attn", "blocks.1.attn", True),
+        ("blocks.[0-1].attn", "blocks.2.attn", False),
+        ("Head", "head", False),  # case-sensitive
+    ],
+)
+def test_pattern_matches_whole_path_or_dotted_prefix(pattern, path, expected):
+    assert pattern_matches(pattern, path) is expected
+
+
+def test_dtype_value_keeps_parent_param_dtype():
+    p = Policy("float32", "float16", "float32", overrides={"head": "float32", "emb": "bf16"})
+    assert dict(p.overrides) == {
+        "head": F32,
+        # a dtype name wins over Lightning's mixed "bf16": the layer computes and returns bf16
+        "emb": Policy("float32", "bfloat16", "bfloat16"),
+    }
+
+
+def test_policy_values_and_named_policies():
+    p = get_policy("bfloat16").with_(
+        overrides={"a": "mixed_float16", "b": "params=float32,compute=float32", "c": F32}
+    )
+    assert dict(p.overrides) == {
+        "a": Policy("float32", "float16", "float32"),
+        "b": F32,
+        "c": F32,
+    }
+
+
+def test_a_slash_reads_as_a_dot():
+    p = get_policy("mixed_float16;head/0:float32")
+    assert p.overrides == (("head.0", F32),)
+    assert p.policy_for("head.0.weight") == F32
+
+
+def test_overrides_are_canonical_and_hashable():
+    a = Policy("float32", "float16", "float32", overrides={"x": "f32", "y": "float32"})
+    b = Policy("float32", "float16", "float32", overrides=[("y", F32), ("x", "float32")])
+    assert a == b and hash(a) == hash(b)
+    assert a.overrides == (("x", F32), ("y", F32))
+    assert {a: 1}[b] == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "mixed_float16;l2:float32",
+        "mixed_bfloat16;*norm*:float32;blocks.*.attn:params=float32,compute=float16,output=float32",
+        "bfloat16;head:float32",
+    ],
+)
+def test_str_parses_back_to_an_equal_policy(text):
+    p = get_policy(text)
+    assert p.overrides
+    assert get_policy(str(p)) == p
+    assert str(get_policy(str(p))) == str(p)
+
+
+def test_str_writes_dtype_values_compactly():
+    p = get_policy("mixed_float16").with_(overrides={"l2": "float32"})
+    assert str(p) == "params=float32,compute=float16,output=float32;l2:float32"
+    assert repr(get_policy("mixed_float16")) == (
+        "Policy(param_dtype='float32', compute_dtype='float16', output_dtype='float32')"
+    )
+    assert "overrides=(('l2'" in repr(p)
+
+
+def test_recipe_dict_and_files_keep_overrides(tmp_path):
+    r = get_recipe("mixed_float16;l2:float32;*norm*:float32")
+    assert Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    j = tmp_path / "r.json"
+    j.write_text(json.dumps(r.to_dict()))
+    assert Recipe.from_file(j) == r
+    t = tmp_path / "r.toml"
+    t.write_text(
+        '[policy]\nname = "mixed_float16"\n[policy.overrides]\nl2 = "float32"\n"*norm*" = "float32"\n'
+    )
+    assert Recipe.from_file(t) == r
+    assert "l2:float32" in r.describe()
+
+
+def test_policy_for_and_is_float32():
+    p = get_policy("mixed_float16;l2:float32")
+    assert p.policy_for("l2.bias") == F32
+    assert p.policy_for("l1") == get_policy("mixed_float16")
+    assert not get_policy("float32;l2:bf16").is_float32
+    assert get_policy("float32;l2:float32").is_float32
+
+
+def test_conflict_names_both_patterns():
+    p = get_policy("mixed_float16;*norm*:float32;blocks.*:bfloat16")
+    with pytest.raises(ValueError, match=r"'\*norm\*'.*'blocks\.\*'|'blocks\.\*'.*'\*norm\*'"):
+        p.policy_for("blocks.0.norm")
+    with pytest.raises(ValueError, match="conflict at 'blocks.0.norm'"):
+        resolve_overrides(p.overrides, ["blocks.0.attn", "blocks.0.norm"])
+    # patterns that agree are no conflict
+    same = get_policy("mixed_float16;*norm*:float32;blocks.*:float32")
+    assert match_overrides(same.overrides, "blocks.0.norm")[1] == F32
+
+
+def test_unmatched_pattern_warns_with_nearest_paths():
+    p = get_policy("mixed_float16;haed:float32")
+    with pytest.warns(OverrideWarning, match=r"'haed' matches no layer.*did you mean 'head'"):
+        assert resolve_overrides(p.overrides, ["body", "head", "head.weight"]) == {}
+
+
+def test_top_paths_keeps_outermost():
+    p = get_policy("mixed_float16;attn:float32")
+    resolved = resolve_overrides(p.overrides, ["attn", "attn.q", "attn.k", "mlp"])
+    assert list(resolved) == ["attn", "attn.q", "attn.k"]
+    assert list(top_paths(resolved)) == ["attn"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({"head": "float8"}, ValueError, r"overrides\['head'\].*float8"),
+        ({"head": 3}, TypeError, r"overrides\['head'\]"),
+        ({"": "float32"}, ValueError, "non-empty glob"),
+        ({"a;b": "float32"}, ValueError, r"without whitespace"),
+        ({"a": get_policy("mixed_float16;b:float32")}, ValueError, "overrides of its own"),
+        ([("a", "float32"), ("a", "float16")], ValueError, "given twice"),
+        ("head=float32", TypeError, "must be a dict"),
+    ],
+)
+def test_bad_overrides_are_errors(overrides, error, match):
+    with pytest.raises(error, match=match):
+        Policy("float32", "float16", "float32", overrides=overrides)
+
+
+def test_bad_override_text():
+    with pytest.raises(ValueError, match="not pattern:value"):
+        get_policy("mixed_float16;l2")
+
+
+def test_explain_lists_each_override_per_framework():
+    from unimp.compare.explain import explain_recipe
+
+    lines = dict(explain_recipe(get_recipe("mixed_float16;l2:float32")))
+    assert any("'l2'" in x and "enabled=False" in x for x in lines["torch"])
+    assert any("'l2'" in x and '"float32"' in x for x in lines["tensorflow"])
+    assert any("'l2'" in x and "module_kwargs('l2')" in x for x in lines["jax"])
+
+
+def test_compare_accepts_a_recipe_file_with_overrides(tmp_path):
+    from unimp.compare.run import CompareConfig, validate
+
+    path = tmp_path / "r.toml"
+    path.write_text('[policy]\nname = "mixed_float16"\n[policy.overrides]\nl2 = "float32"\n')
+    recipe, _, _ = validate(CompareConfig(recipe=str(path), backends=("jax",)))
+    assert recipe == get_recipe("mixed_float16;l2:float32")
