@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from unimp import fp8
@@ -59,6 +59,7 @@ def test_keras_quantizers_real_run(amaxes, L):
 
 @settings(max_examples=25, deadline=None)
 @given(sequences, st.integers(1, 4))
+@example([1e-37, 1e-37], 1)  # subnormal elements (found by hypothesis in CI-like runs)
 def test_flax_fp8_ops_real_run(amaxes, L):
     pytest.importorskip("flax")
     import jax
@@ -78,7 +79,11 @@ def test_flax_fp8_ops_real_run(amaxes, L):
         assert sorted(_bits(state.amax_history).tolist()) == sorted(_bits(hist).tolist())
         # flax's x / d is computed by XLA as x * (1 / d): unimp's multiply-only rule matches it.
         ours = fp8.quantize_dequantize(x, s, inv, "float8_e4m3fn")
-        assert (_bits(ours) == _bits(q)).all()
+        # XLA on CPU reads float32 subnormals as zero (docs/observability.md): flax sees 0 where
+        # NumPy sees a subnormal element (e.g. amax 1e-37 makes 0 * inf = NaN there), so those
+        # elements are platform, not rule; every other element matches bit for bit
+        normal = (np.asarray(x) == 0) | (np.abs(np.asarray(x)) >= np.finfo(np.float32).tiny)
+        assert (_bits(ours) == _bits(q))[normal].all()
 
 
 def test_keras_dense_quantized_to_float8_real_run():

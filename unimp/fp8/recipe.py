@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any
 
 from unimp.fp8.config import CurrentScaling, DelayedScaling, Fp8Config, fp8_from_dict
+from unimp.overrides import pattern_matches
 
 #: Layer kinds whose matmuls run in float8 by default (Keras / flax ``Dense``, torch ``Linear``,
 #: convolutions).
@@ -18,10 +18,9 @@ FP8_LAYERS = ("Dense", "Linear", "Conv")
 
 def matches(pattern: str, path: str) -> bool:
     """A glob over a dotted layer path: ``pattern`` matches the whole path or a dotted prefix of
-    it (``"encoder.*"`` matches ``"encoder.layer1.fc"``; ``"head"`` matches ``"head.dense"``),
-    with :func:`fnmatch.fnmatchcase` (the rule of the policy issue's ``Policy.overrides``)."""
-    parts = path.split(".")
-    return any(fnmatchcase(".".join(parts[:i]), pattern) for i in range(len(parts), 0, -1))
+    it (``"encoder.*"`` matches ``"encoder.layer1.fc"``; ``"head"`` matches ``"head.dense"``):
+    the one rule of ``Policy.overrides``, :func:`unimp.overrides.pattern_matches`."""
+    return pattern_matches(pattern, path)
 
 
 @dataclass(frozen=True)
