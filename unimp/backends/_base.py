@@ -26,11 +26,16 @@ __all__ = ["BACKEND_MODULES", "COMMON_API", "MixedPrecisionBase", "export"]
 #:   for ``unimp info``: which half dtypes each device runs and the recommended recipe name.
 #: * ``tensor_stats(x, scale)``: ``(counts, magnitudes)``, int32 ``(len(COUNT_FIELDS),)`` and
 #:   float32 ``(2,)`` device arrays: :mod:`unimp.stats`'s statistics of ``x`` (no host sync).
+#: * ``matmul_precision(name)``: a context manager setting the framework's float32 matmul /
+#:   convolution precision from :data:`unimp.precision.MATMUL_PRECISION_TABLE`, restored after.
+#: * ``current_matmul_precision()``: the framework's current setting, a dict (``unimp info``).
 COMMON_API = (
     "MixedPrecision",
     "StepResult",
     "all_finite",
     "cast_tree",
+    "current_matmul_precision",
+    "matmul_precision",
     "device_info",
     "framework_version",
     "tensor_stats",
@@ -121,6 +126,7 @@ class MixedPrecisionBase:
 #: name in ``unimp.backends.torch``, ``.tensorflow`` and ``.jax`` (a test checks it).
 BACKEND_MODULES = (
     "devices",  # framework_version, device parsing and placement, device_info
+    "precision",  # matmul_precision: the core's matmul precision table set on the framework
     "casting",  # to_dtype, cast_tree, the framework's autocast / module mode / master weights
     "overflow",  # all_finite and its replica reduction; select / keep-unless (JAX)
     "scaling",  # the loss-scale state on device tensors: the rule's array namespace, the scaler

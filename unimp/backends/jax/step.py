@@ -16,6 +16,7 @@ from jax import lax
 from unimp.backends.jax.devices import _commit_like, _device_leaf
 from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
 from unimp.backends.jax.overflow import _keep_unless, _varying_axes, all_finite, sync_loss_scale
+from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
 from unimp.backends.jax.stats import _collecting, _gradient_stats, _merge_stacked, _pending
 from unimp.step import (
@@ -362,9 +363,13 @@ class TrainStep:
         else:
             # batch is a sequence of k micro-batches of one structure: stacked inside the jit
             micro = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batch)
+            # float32 (or wider params' dtype), or the policy's accum_dtype: rounded to it at
+            # every addition; the mean is taken back in the default accumulator's dtype
+            accum = self._mp.policy.accum_dtype
             zeros = jax.tree_util.tree_map(
                 lambda p: jnp.zeros(
-                    jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)
+                    jnp.shape(p),
+                    accum or jnp.promote_types(jnp.result_type(p), jnp.float32),
                 ),
                 params,
             )
@@ -382,7 +387,10 @@ class TrainStep:
             )
             if with_stats:  # one entry per micro-batch: taken together
                 activations = {n: _merge_stacked(e) for n, e in observed[0].items()}
-            scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
+            scaled_grads = jax.tree_util.tree_map(
+                lambda a, p: a.astype(jnp.promote_types(jnp.result_type(p), jnp.float32)) / k,
+                summed, params,
+            )
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
         if axis is not None and not _tracks_variance(axis):
@@ -471,19 +479,21 @@ class TrainStep:
         args = (self._params, self._opt_state, self._loss_scale, batch)
         with_stats = self._stats_every is not None and self._calls % self._stats_every == 0
         jitted = self._stats_jitted if with_stats else self._jitted
-        if self._stateful:
-            try:
-                params, opt_state, ls, raw, self._model_state = jitted(*args, self._model_state)
-            except ValueError as e:
-                if self._mesh is None or "out_specs" not in str(e):
-                    raise
-                raise ValueError(
-                    f"with mesh=, the new model_state must be the same on every replica; reduce "
-                    f"it over axis_name={self._axis!r} in loss_fn (flax: BatchNorm(axis_name="
-                    f"{self._axis!r}), or lax.pmean(new_state, {self._axis!r}))."
-                ) from e
-        else:
-            params, opt_state, ls, raw = jitted(*args)
+        # traced under the policy's matmul precision: the config is part of jit's cache key
+        with matmul_precision(self._mp.policy.matmul_precision):
+            if self._stateful:
+                try:
+                    params, opt_state, ls, raw, self._model_state = jitted(*args, self._model_state)
+                except ValueError as e:
+                    if self._mesh is None or "out_specs" not in str(e):
+                        raise
+                    raise ValueError(
+                        f"with mesh=, the new model_state must be the same on every replica; "
+                        f"reduce it over axis_name={self._axis!r} in loss_fn (flax: BatchNorm("
+                        f"axis_name={self._axis!r}), or lax.pmean(new_state, {self._axis!r}))."
+                    ) from e
+            else:
+                params, opt_state, ls, raw = jitted(*args)
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         stats = None
         if with_stats:

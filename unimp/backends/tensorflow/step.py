@@ -11,14 +11,17 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from unimp.backends.tensorflow.casting import to_dtype
 from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
+from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host, _traced_fields, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _pending
 from unimp.loss_scale import (
     from_state_dict,
 )
+from unimp.policy import Policy
 from unimp.step import StepResult, micro_batches
 
 
@@ -86,6 +89,18 @@ def _forward_state(model: Any) -> list[Any]:
     return list(found.values())
 
 
+def _add_rounded(total: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``total + g`` rounded to their (accumulation) dtype, one addition at a time.
+
+    A half dtype adds in float32 and rounds back, spelled out: Grappler's arithmetic optimizer
+    would otherwise fold the unrolled chain of half additions into one ``AddN``, which rounds
+    once at the end instead of after every micro-batch (the rule the other backends follow).
+    """
+    if total.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(tf.cast(total, tf.float32) + tf.cast(g, tf.float32), total.dtype)
+    return total + g
+
+
 class TrainStep:
     """A compiled training step: ``step(batch) -> StepResult``. Built by
     :meth:`MixedPrecision.train_step`; see there.
@@ -110,7 +125,9 @@ class TrainStep:
         jit_compile: bool,
         device: str | None = None,
         stats_every: int | None = None,
+        policy: Policy | None = None,
     ) -> None:
+        self.policy = Policy() if policy is None else policy
         self.model = model
         self.device = device
         self.optimizer = optimizer
@@ -166,12 +183,14 @@ class TrainStep:
             batch = self._split(batch)
         stats_step = self.stats_every is not None and self.calls % self.stats_every == 0
         function = self.stats_function if stats_step else self.function
-        if self.device is None:
-            raw = function(batch)
-        else:
-            _check_placed(self.device)
-            with tf.device(self.device):
+        # the policy's matmul precision (TensorFlow's global TF32 switch) for this call only
+        with matmul_precision(self.policy.matmul_precision):
+            if self.device is None:
                 raw = function(batch)
+            else:
+                _check_placed(self.device)
+                with tf.device(self.device):
+                    raw = function(batch)
         stats = None
         if stats_step:
             stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
@@ -346,9 +365,11 @@ class TrainStep:
             grads, loss32 = self._scaled_grads(batch, scale)
             unscaled = [None if g is None else _unscale(g, scale) for g in grads]
             return self._finish(unscaled, loss32, tf.math.is_finite(loss32), scale)
-        # a window of k micro-batches: sum the scaled gradients in float32 from exact zeros,
-        # take the mean, unscale once; the window is skipped when any micro-batch is non-finite
+        # a window of k micro-batches: sum the scaled gradients in float32 (or the policy's
+        # accum_dtype, rounded at every addition) from exact zeros, take the mean in float32,
+        # unscale once; the window is skipped when any micro-batch is non-finite
         k = self.grad_accum_steps
+        accum = to_dtype(self.policy.accum_dtype or "float32")
         total: list[Any] = [None] * len(self._variables)
         losses = []
         for micro in batch:
@@ -356,11 +377,11 @@ class TrainStep:
             losses.append(loss32)
             for i, g in enumerate(grads):
                 if g is not None:
-                    g = tf.cast(tf.convert_to_tensor(g), tf.float32)
-                    total[i] = g if total[i] is None else total[i] + g
+                    g = tf.cast(tf.convert_to_tensor(g), accum)
+                    total[i] = g if total[i] is None else _add_rounded(total[i], g)
         kf = tf.constant(float(k), tf.float32)
         unscaled = [
-            None if t is None else tf.cast((t / kf) / scale, v.dtype)
+            None if t is None else tf.cast((tf.cast(t, tf.float32) / kf) / scale, v.dtype)
             for t, v in zip(total, self._variables, strict=True)
         ]
         stacked = tf.stack(losses)
