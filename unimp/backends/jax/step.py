@@ -354,9 +354,21 @@ class TrainStep:
             return ls.scale(loss), (loss, st)
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
+        # reduce_dtype under variance tracking: the replicated params are made varying, so each
+        # replica's gradient stays its own, and the step all-reduces it in reduce_dtype below
+        # (instead of the transpose's implicit all-reduce in the gradient's dtype)
+        reduce = self._mp.policy.reduce_dtype if axis is not None else None
+        tracked = axis is not None and _tracks_variance(axis)
+        explicit = None
+        gparams = params
+        if reduce is not None and tracked:
+            explicit = jax.tree_util.tree_map(lambda p: axis not in _varying_axes(p), params)
+            gparams = jax.tree_util.tree_map(
+                lambda p, e: lax.pcast(p, axis, to="varying") if e else p, params, explicit
+            )
         activations: Any = {}
         if k == 1:
-            scaled_grads, (loss, new_model_state, *observed) = grad_fn(params, batch, model_state)
+            scaled_grads, (loss, new_model_state, *observed) = grad_fn(gparams, batch, model_state)
             loss_finite = jnp.isfinite(loss)
             if with_stats:
                 activations = observed[0]
@@ -376,7 +388,7 @@ class TrainStep:
 
             def body(carry: Any, mb: Any) -> Any:
                 acc, st = carry  # the model state threads through the micro-batches in order
-                g, (micro_loss, st, *observed) = grad_fn(params, mb, st)
+                g, (micro_loss, st, *observed) = grad_fn(gparams, mb, st)
                 return (
                     jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g),
                     st,
@@ -393,11 +405,21 @@ class TrainStep:
             )
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
-        if axis is not None and not _tracks_variance(axis):
+        if explicit is not None:
+            # each replica's share (the loss is the pmean) summed in reduce_dtype: an overflow
+            # there is the same inf on every replica, so every replica skips
+            scaled_grads = jax.tree_util.tree_map(
+                lambda g, e: lax.psum(g.astype(reduce), axis).astype(g.dtype) if e else g,
+                scaled_grads, explicit,
+            )
+        elif axis is not None and not tracked:
             # pmap, vmap, shard_map(check_vma=False): JAX does not all-reduce the gradients of
             # replicated params in the transpose, so average them here (every param is taken
-            # as replicated: the pmap convention)
-            scaled_grads = lax.pmean(scaled_grads, axis)
+            # as replicated: the pmap convention), in reduce_dtype when the policy sets one
+            scaled_grads = jax.tree_util.tree_map(
+                lambda g: lax.pmean(g.astype(reduce or g.dtype), axis).astype(g.dtype),
+                scaled_grads,
+            )
         grads = ls.unscale(scaled_grads)
         stats = None
         if with_stats:  # unscaled, before clipping, at the step's scale
