@@ -5,7 +5,8 @@ a ``tf.distribute`` strategy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,45 @@ def _times(g: Any, factor: tf.Tensor) -> Any:
             g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
         )
     return g * tf.cast(factor, g.dtype)
+
+
+def _all_reduce_in(replica: Any, grads: list[Any], dtype: tf.DType, scale: tf.Tensor) -> list[Any]:
+    """The sum over the replicas of each (unscaled) gradient, computed in ``dtype``: cast to
+    it, one all-reduce (SUM), cast back to the gradient's dtype. A half ``dtype`` carries the
+    SCALED gradient (``g * scale`` on the wire, divided by ``scale`` after), as torch's DDP hook
+    and JAX's replica step do, so the loss scale guards the half wire against underflow and an
+    overflow of the sum is an inf; float32 or wider sums the unscaled gradients, as Keras's own
+    sum. ``None`` stays ``None``; a ``tf.IndexedSlices`` is made dense first."""
+    present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+    if not present:
+        return grads
+    half = dtype in (tf.float16, tf.bfloat16)
+    wire = [tf.cast(g * tf.cast(scale, g.dtype) if half else g, dtype) for g in present]
+    summed = iter(replica.all_reduce("sum", wire))
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+            continue
+        total = tf.cast(next(summed), g.dtype)
+        out.append(total / tf.cast(scale, g.dtype) if half else total)
+    return out
+
+
+@contextlib.contextmanager
+def _keras_sum_off(optimizer: Any, active: bool) -> Iterator[None]:
+    """While the step traces, Keras's optimizer applies the gradients it is given instead of
+    summing them over the replicas first (its ``_all_reduce_sum_gradients``): the step has
+    all-reduced them itself, in the policy's ``reduce_dtype``. Restored after the trace, so
+    other users of the optimizer (``model.fit``) keep Keras's sum."""
+    if not active:
+        yield
+        return
+    optimizer._all_reduce_sum_gradients = list  # an instance attribute hides the method
+    try:
+        yield
+    finally:
+        del optimizer._all_reduce_sum_gradients
 
 
 def _strategy_of(variables: list[Any]) -> Any:
@@ -263,7 +303,8 @@ class TrainStep:
         opt = self.optimizer
         outer, opt._tracer = opt._tracer, id(self)  # the update runs in merge_call, out of _step
         try:
-            per_replica = self.strategy.run(self._step, args=(batch,))
+            with _keras_sum_off(opt.inner_optimizer, self.policy.reduce_dtype is not None):
+                per_replica = self.strategy.run(self._step, args=(batch,))
         finally:
             opt._tracer = outer
         first = self.strategy.experimental_local_results
@@ -297,11 +338,21 @@ class TrainStep:
             )
         grads_finite = all_finite([g for g in unscaled if g is not None])
         replica = tf.distribute.get_replica_context() if self.strategy is not None else None
+        reduced = False
         if replica is not None and replica.num_replicas_in_sync > 1:
             # Keras's optimizer sums the gradients over replicas: give it local / n, so the
             # update is the mean gradient, as one device on the whole global batch.
             inv = tf.constant(1.0 / replica.num_replicas_in_sync, tf.float32)
             unscaled = [_times(g, inv) for g in unscaled]
+            if self.policy.reduce_dtype is not None:
+                # the policy's reduce_dtype: this step sums local / n in it (cast around the
+                # all-reduce) and Keras's own sum is turned off (_keras_sum_off); the flag is
+                # taken on the reduced gradients too, so an overflow of the sum skips everywhere
+                unscaled = _all_reduce_in(
+                    replica, unscaled, to_dtype(self.policy.reduce_dtype), scale
+                )
+                grads_finite = grads_finite & all_finite([g for g in unscaled if g is not None])
+                reduced = True
         grad_norm = None
         if self.max_grad_norm is not None:
             # clipping acts on the unscaled gradients; the norm is reported before clipping.
@@ -309,7 +360,7 @@ class TrainStep:
             # replica (clipping each replica by its own norm would not be clip(mean)).
             grad_norm = _global_norm(
                 unscaled
-                if replica is None or replica.num_replicas_in_sync == 1
+                if replica is None or replica.num_replicas_in_sync == 1 or reduced
                 else replica.all_reduce("sum", [g for g in unscaled if g is not None])
             )
             limit = tf.constant(self.max_grad_norm, tf.float32)
