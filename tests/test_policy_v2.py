@@ -91,3 +91,33 @@ def test_one_mapping_table_with_a_row_per_name():
     assert highest == ("highest", False, False, "float32")
     assert MATMUL_PRECISION_TABLE["high"].jax == "tensorfloat32"
     assert MATMUL_PRECISION_TABLE["medium"].jax == "bfloat16"
+
+
+def test_explain_keeps_the_new_fields():
+    from unimp.compare.explain import explain_recipe
+
+    lines = dict(explain_recipe(get_recipe("p=f32,c=bf16,o=f32,matmul=high,reduce=bf16,accum=f32")))
+    assert any('set_float32_matmul_precision("high")' in line for line in lines["torch"])
+    assert any("enable_tensor_float_32_execution(True)" in line for line in lines["tensorflow"])
+    assert any('default_matmul_precision("tensorfloat32")' in line for line in lines["jax"])
+    for fw in ("torch", "tensorflow", "jax"):
+        assert any("all-reduced" in line and "bfloat16" in line for line in lines[fw])
+        assert any("sums the micro-batch gradients in float32" in line for line in lines[fw])
+    assert len(dict(explain_recipe(get_recipe("mixed_float16")))["jax"]) == 3  # unchanged
+
+
+@pytest.mark.parametrize(
+    "backend,current,device,text",
+    [
+        ("torch", {"matmul": "highest", "conv_tf32": True}, "cuda:0", "matmul highest (float32), conv TF32"),
+        ("tensorflow", {"tf32": True}, "/physical_device:GPU:0", "TF32 on (matmuls and convolutions)"),
+        ("jax", {"default_matmul_precision": None}, "cuda:0",
+         "default_matmul_precision unset (TF32 on Ampere+ GPUs, bfloat16 on TPU)"),
+        ("jax", {"default_matmul_precision": "float32"}, "cpu:0",
+         "default_matmul_precision float32; a CPU computes full float32"),
+    ],
+)
+def test_info_describes_each_frameworks_default(backend, current, device, text):
+    from unimp.precision import describe_matmul_precision
+
+    assert describe_matmul_precision(backend, current, device) == text

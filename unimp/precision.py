@@ -89,3 +89,29 @@ def check_matmul_precision(value: object, field: str = "matmul_precision") -> st
         f"{field} must be one of {', '.join(repr(n) for n in MATMUL_PRECISIONS)} or None "
         f"(the framework's own setting), got {value!r}.{hint}"
     )
+
+
+def describe_matmul_precision(backend: str, current: dict, device: str) -> str:
+    """One line for ``unimp info``: what a float32 matmul / convolution computes in, on ``device``.
+
+    Args:
+        backend: ``"torch"``, ``"tensorflow"`` or ``"jax"``.
+        current: the backend's ``current_matmul_precision()``.
+        device: the device's name (``"cpu"``, ``"cuda:0"``, ``"/GPU:0"``, ``"TFRT_CPU_0"``, ...).
+
+    Returns:
+        e.g. ``"matmul highest (float32), conv TF32"``; on a CPU it adds that every setting
+        computes in full float32 there.
+    """
+    if backend == "torch":
+        matmul = current.get("matmul", "highest")
+        kind = "float32" if matmul == "highest" else ("TF32/bf16x3" if matmul == "high" else "bf16")
+        text = f"matmul {matmul} ({kind}), conv {'TF32' if current.get('conv_tf32') else 'float32'}"
+    elif backend == "tensorflow":
+        text = f"TF32 {'on' if current.get('tf32') else 'off'} (matmuls and convolutions)"
+    else:
+        value = current.get("default_matmul_precision")
+        text = f"default_matmul_precision {value or 'unset (TF32 on Ampere+ GPUs, bfloat16 on TPU)'}"
+    if "cpu" in device.lower():
+        text += "; a CPU computes full float32"
+    return text
