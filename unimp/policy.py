@@ -77,6 +77,14 @@ class Policy:
         precision = check_matmul_precision(self.matmul_precision, "Policy.matmul_precision")
         object.__setattr__(self, "matmul_precision", precision)
 
+    def __repr__(self) -> str:  # the optional fields only when set, as in str()
+        items = (
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if not (f.name in _OPTIONAL and getattr(self, f.name) is None)
+        )
+        return f"Policy({', '.join(items)})"
+
     def __str__(self) -> str:
         text = f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
         return text + "".join(
