@@ -149,3 +149,31 @@ def sync_loss_scale(ls: Any, axis_name: Any) -> Any:
     differ = lax.pmax(jnp.stack(differs).any().astype(jnp.int32), axis_name) > 0
     lax.cond(differ, lambda: jax.debug.callback(_warn_resync), lambda: None)
     return jax.tree_util.tree_unflatten(treedef, firsts)
+
+
+def _own_gradients(params: Any, axis_name: Any) -> tuple[Any, Any]:
+    """For an all-reduce in the policy's ``reduce_dtype`` under variance tracking: which leaves
+    are replicated (invariant over the axis: JAX's transpose would all-reduce their gradient
+    in its own dtype), and ``params`` with those made varying (``lax.pcast``), so that each
+    replica's gradient stays its own until :func:`_reduce_in`. Sharded leaves keep theirs."""
+    replicated = jax.tree_util.tree_map(lambda p: axis_name not in _varying_axes(p), params)
+    own = jax.tree_util.tree_map(
+        lambda p, r: jax.lax.pcast(p, axis_name, to="varying") if r else p, params, replicated
+    )
+    return replicated, own
+
+
+def _reduce_in(grads: Any, axis_name: Any, dtype: Any, replicated: Any = None) -> Any:
+    """The gradients all-reduced over ``axis_name`` in ``dtype`` (``None``: their own), cast
+    back. ``replicated`` (from :func:`_own_gradients`): each replica's share of the mean loss's
+    gradient, SUMMED (``psum``) where True; ``None``: every leaf is a replica's own gradient of
+    its local loss, AVERAGED (``pmean``, the pmap convention). A float16 overflow of the sum is
+    the same inf on every replica, so every replica skips."""
+    if replicated is None:
+        return jax.tree_util.tree_map(
+            lambda g: jax.lax.pmean(g.astype(dtype or g.dtype), axis_name).astype(g.dtype), grads
+        )
+    return jax.tree_util.tree_map(
+        lambda g, r: jax.lax.psum(g.astype(dtype), axis_name).astype(g.dtype) if r else g,
+        grads, replicated,
+    )

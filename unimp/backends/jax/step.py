@@ -15,7 +15,14 @@ from jax import lax
 
 from unimp.backends.jax.devices import _commit_like, _device_leaf
 from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
-from unimp.backends.jax.overflow import _keep_unless, _varying_axes, all_finite, sync_loss_scale
+from unimp.backends.jax.overflow import (
+    _keep_unless,
+    _own_gradients,
+    _reduce_in,
+    _varying_axes,
+    all_finite,
+    sync_loss_scale,
+)
 from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
 from unimp.backends.jax.stats import _collecting, _gradient_stats, _merge_stacked, _pending
@@ -359,13 +366,7 @@ class TrainStep:
         # (instead of the transpose's implicit all-reduce in the gradient's dtype)
         reduce = self._mp.policy.reduce_dtype if axis is not None else None
         tracked = axis is not None and _tracks_variance(axis)
-        explicit = None
-        gparams = params
-        if reduce is not None and tracked:
-            explicit = jax.tree_util.tree_map(lambda p: axis not in _varying_axes(p), params)
-            gparams = jax.tree_util.tree_map(
-                lambda p, e: lax.pcast(p, axis, to="varying") if e else p, params, explicit
-            )
+        explicit, gparams = _own_gradients(params, axis) if reduce and tracked else (None, params)
         activations: Any = {}
         if k == 1:
             scaled_grads, (loss, new_model_state, *observed) = grad_fn(gparams, batch, model_state)
@@ -405,21 +406,11 @@ class TrainStep:
             )
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
-        if explicit is not None:
-            # each replica's share (the loss is the pmean) summed in reduce_dtype: an overflow
-            # there is the same inf on every replica, so every replica skips
-            scaled_grads = jax.tree_util.tree_map(
-                lambda g, e: lax.psum(g.astype(reduce), axis).astype(g.dtype) if e else g,
-                scaled_grads, explicit,
-            )
-        elif axis is not None and not tracked:
+        if explicit is not None or (axis is not None and not tracked):
             # pmap, vmap, shard_map(check_vma=False): JAX does not all-reduce the gradients of
             # replicated params in the transpose, so average them here (every param is taken
-            # as replicated: the pmap convention), in reduce_dtype when the policy sets one
-            scaled_grads = jax.tree_util.tree_map(
-                lambda g: lax.pmean(g.astype(reduce or g.dtype), axis).astype(g.dtype),
-                scaled_grads,
-            )
+            # as replicated: the pmap convention); with reduce_dtype, in it
+            scaled_grads = _reduce_in(scaled_grads, axis, reduce, explicit)
         grads = ls.unscale(scaled_grads)
         stats = None
         if with_stats:  # unscaled, before clipping, at the step's scale
