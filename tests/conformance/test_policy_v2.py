@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import kits
 import ml_dtypes
 import numpy as np
@@ -196,3 +198,16 @@ def test_float32_accumulation_matches_the_float32_reference(backend):
         np.testing.assert_allclose(f32.w(), -(total / np.float32(K)), rtol=1e-6)
     else:
         np.testing.assert_array_equal(f32.w(), -(total / np.float32(K)))
+
+
+def test_current_matmul_precision_reads_the_framework(backend):
+    module = importlib.import_module(f"unimp.backends.{backend}")
+    with module.matmul_precision("highest"):
+        current = module.current_matmul_precision()
+    assert current == {
+        "torch": {"matmul": "highest", "conv_tf32": False},
+        "tensorflow": {"tf32": False},
+        "jax": {"default_matmul_precision": "float32"},
+    }[backend]
+    with pytest.raises(ValueError, match="'highest', 'high', 'medium'"), module.matmul_precision("tf32"):
+        pass
