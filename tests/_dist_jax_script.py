@@ -249,4 +249,46 @@ try:
     out["model_state_mesh"]["per_replica"] = "no error"
 except ValueError as e:
     out["model_state_mesh"]["per_replica"] = str(e)
+# 8. reduce_dtype (issue 17): the mean gradient of replicated params all-reduced in float32,
+#    float16 or bfloat16, under a mesh (variance tracked) and under shard_map(check_vma=False);
+#    and a float16 reduce that overflows (4 replicas x 65536 x 4 > 65504) skips on every replica.
+rng = np.random.default_rng(17)
+rx = rng.normal(0, 1, (8, 5)).astype(np.float32)
+ry = rng.normal(0, 1, (8,)).astype(np.float32)
+
+
+def reg_loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def _reduce_run(reduce_dtype, check_vma=True):
+    pol = unimp.Policy(reduce_dtype=reduce_dtype)
+    rmp = unimp.mixed_precision(unimp.Recipe(pol), backend="jax")
+    init = {"w": np.zeros(5, np.float32), "b": np.float32(0.0)}
+    if check_vma:
+        st = rmp.train_step(reg_loss, optax.sgd(1.0), init, axis_name="d", mesh=mesh)
+        st({"x": rx, "y": ry})
+        return [per_device(st.params["w"]), per_device(st.params["b"])]
+    st = rmp.train_step(reg_loss, optax.sgd(1.0), init, axis_name="d")
+    f = jax.jit(jax.shard_map(st.replica_step, mesh=mesh, in_specs=(P(), P(), P(), P("d")),
+                              out_specs=P(), check_vma=False))
+    params, _, _, _ = f(st.params, st.opt_state, st.loss_scale, {"x": put(rx, "d"), "y": put(ry, "d")})
+    return [per_device(params["w"]), per_device(params["b"])]
+
+
+out["reduce"] = {
+    "data": {"x": rx.tolist(), "y": ry.tolist()},
+    "vma": {str(d): _reduce_run(d) for d in (None, "float32", "float16", "bfloat16")},
+    "no_vma": {str(d): _reduce_run(d, False) for d in (None, "float32", "float16", "bfloat16")},
+}
+ov = unimp.mixed_precision(
+    unimp.Recipe("params=float32,compute=float16,output=float32,reduce=float16",
+                 loss_scale=DynamicLossScale(init_scale=65536.0)), backend="jax")
+ovs = ov.train_step(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(1.0), {"w": jnp.zeros(N)},
+                    axis_name="d", mesh=mesh)
+r = ovs(np.full((N, N), 4.0, np.float32))  # each replica's share of the scaled gradient: 65536
+out["reduce_overflow"] = {
+    "applied": bool(r.applied), "grads_finite": bool(r.grads_finite),
+    "scale_next": per_device(ovs.loss_scale.loss_scale), "w": per_device(ovs.params["w"]),
+}
 print(json.dumps(out))

@@ -147,5 +147,38 @@ try:
         mp.train_step(model, opt, loss_fn, jit_compile=True)
 except ValueError as e:
     errors["jit"] = str(e)
+# 8. reduce_dtype (issue 17): a Dense(1) regression on per-replica data, one SGD(1.0) step, the
+#    gradients all-reduced in float32 / float16 / bfloat16 (None: Keras's own sum); and a
+#    float16 reduce whose sum overflows (2 replicas x 2**20 x gradient) skips on both replicas.
+rrng = np.random.default_rng(17)
+rx = rrng.normal(0, 1, (8, 5)).astype("float32")
+ry = rrng.normal(0, 1, (8, 1)).astype("float32")
+
+
+def mse(model, b):
+    return tf.reduce_mean(tf.square(model(b["x"]) - b["y"]))
+
+
+def reduce_run(reduce_dtype):
+    rmp = unimp.mixed_precision(unimp.Recipe(unimp.Policy(reduce_dtype=reduce_dtype)), backend="tensorflow")
+    with strategy.scope():
+        m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+        st = rmp.train_step(m, keras.optimizers.SGD(1.0), mse)
+    st({"x": rx, "y": ry})
+    return [per_replica(v) for v in m.trainable_variables]
+
+
+out["reduce"] = {"data": {"x": rx.tolist(), "y": ry.tolist()},
+                 **{str(d): reduce_run(d) for d in (None, "float32", "float16", "bfloat16")}}
+omp = unimp.mixed_precision(unimp.Recipe("p=f32,c=f16,o=f32,reduce=f16", loss_scale=DynamicLossScale(
+    init_scale=2.0**20)), backend="tensorflow")
+with strategy.scope():
+    om = keras.Sequential([keras.Input((2,)), Vec()])
+    ost = omp.train_step(om, keras.optimizers.SGD(1.0), loss_fn)
+r = ost({"x": np.full((2, 2), 0.1, "float32"), "f": np.ones(2, "float32")})  # share 2**20 * 0.05
+out["reduce_overflow"] = {"applied": bool(r.applied), "grads_finite": bool(r.grads_finite),
+                          "scale_next": per_replica(ost.optimizer.dynamic_scale),
+                          "w": per_replica(om.trainable_variables[0])}
+
 out["errors"] = errors
 print(json.dumps(out))

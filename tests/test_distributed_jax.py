@@ -155,3 +155,61 @@ def test_mesh_model_state_is_reduced_or_refused(run):
     assert m["mean"] == 0.5 * m["total_mean"]
     assert m["per_replica"].startswith("with mesh=, the new model_state must be the same on every")
     assert "BatchNorm(axis_name='d')" in m["per_replica"]
+
+
+# ------------------------------------------------------------------ reduce_dtype (issue 17)
+
+
+def _exact_shares(run):
+    """Per replica, its share of the mean gradient (its 2-row local gradient / 4), float64: the
+    model is w.x + b, loss the mean squared error, params start at 0, so the local gradient
+    of rows i is (-sum x_i y_i, -sum y_i) (2 / 2 rows)."""
+    import numpy as np
+
+    x = np.asarray(run["reduce"]["data"]["x"], np.float64)
+    y = np.asarray(run["reduce"]["data"]["y"], np.float64)
+    shares = []
+    for r in range(4):
+        xs, ys = x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2]
+        shares.append(np.concatenate([-(xs * ys[:, None]).sum(0), [-ys.sum()]]) / 4)
+    return np.stack(shares)
+
+
+@pytest.mark.parametrize("mode", ["vma", "no_vma"])
+def test_float32_reduce_is_bitwise_the_float32_reference(run, mode):
+    got = run["reduce"][mode]
+    assert got["float32"] == got["None"]
+    w, b = got["float32"]
+    assert len({tuple(r) for r in w}) == 1 and len(set(b)) == 1  # every replica the same
+
+
+@pytest.mark.parametrize("mode", ["vma", "no_vma"])
+@pytest.mark.parametrize("dtype,unit", [("float16", 2.0**-11), ("bfloat16", 2.0**-8)])
+def test_half_reduce_stays_within_the_computed_bound(run, mode, dtype, unit):
+    # Bound: the all-reduce rounds each replica's share s_r to the reduce dtype (relative error
+    # <= u, the unit roundoff: 2**-11 float16, 2**-8 bfloat16) and rounds every partial sum
+    # once more; any summation order of n = 4 terms puts at most n roundings on each term, so
+    # |fl(sum s_r) - sum s_r| <= gamma_n * sum |s_r|, gamma_n = n u / (1 - n u) (Higham,
+    # Accuracy and Stability of Numerical Algorithms, eq. 4.4). The float32 shares themselves
+    # are off by ~1e-7 relative: 1e-6 * sum |s_r| covers them. SGD(1.0) from 0: w = -mean grad.
+    import numpy as np
+
+    shares = _exact_shares(run)
+    exact = -shares.sum(0)
+    n = 4
+    bound = n * unit / (1 - n * unit) * np.abs(shares).sum(0) + 1e-6 * np.abs(shares).sum(0)
+    w, b = run["reduce"][mode][dtype]
+    got = np.concatenate([np.asarray(w[0]), [b[0]]])
+    assert np.all(np.abs(got - exact) <= bound), (got - exact, bound)
+    assert len({tuple(r) for r in w}) == 1  # the replicas agree bitwise
+    f32 = np.concatenate([np.asarray(run["reduce"][mode]["float32"][0][0]), [run["reduce"][mode]["float32"][1][0]]])
+    assert not np.array_equal(got, f32)  # the reduce really ran in the half dtype
+
+
+def test_float16_reduce_overflow_skips_on_every_replica(run):
+    # every replica's share of the scaled gradient is 65536 > 65504 (float16 max): inf on the
+    # wire, the same on every replica, so every replica skips and halves the scale
+    r = run["reduce_overflow"]
+    assert r["applied"] is False and r["grads_finite"] is False
+    assert r["scale_next"] == [32768.0] * 4
+    assert r["w"] == [[0.0] * 4] * 4

@@ -120,3 +120,45 @@ def test_example_runs():
     for (scale, applied), (next_scale, _) in zip(lines, lines[1:], strict=False):
         allowed = {int(scale)} if applied == "True" else {int(scale), int(scale) // 2}
         assert int(next_scale) in allowed  # a skip backs off (gradients) or keeps it (the loss)
+
+
+# ------------------------------------------------------------------ reduce_dtype (issue 17)
+
+
+def test_float32_reduce_is_bitwise_kerass_own_sum(run):
+    assert run["reduce"]["float32"] == run["reduce"]["None"]
+
+
+@pytest.mark.parametrize("dtype,unit", [("float16", 2.0**-11), ("bfloat16", 2.0**-8)])
+def test_half_reduce_stays_within_the_computed_bound(run, dtype, unit):
+    # Bound: each replica's share s_r (its local gradient / 2; on a half wire, times the loss
+    # scale 1, a power of two: exact) is rounded to the reduce dtype (relative error <= u, the
+    # unit roundoff) and the sum of the 2 shares once more, so |fl(sum) - sum| <= gamma_2 *
+    # sum |s_r|, gamma_n = n u / (1 - n u) (Higham, eq. 4.4); the float32 shares are within
+    # 1e-6 relative. Dense(1) from zeros, loss mean((x.k + b - y)**2) over each replica's 4 rows:
+    # local gradient (-(1/2) sum x_i y_i, -(1/2) sum y_i); SGD(1.0): new params = -mean gradient.
+    import numpy as np
+
+    x = np.asarray(run["reduce"]["data"]["x"], np.float64)
+    y = np.asarray(run["reduce"]["data"]["y"], np.float64)[:, 0]
+    shares = []
+    for r in range(2):
+        xs, ys = x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4]
+        shares.append(np.concatenate([-0.5 * (xs * ys[:, None]).sum(0), [-0.5 * ys.sum()]]) / 2)
+    shares = np.stack(shares)
+    exact = -shares.sum(0)
+    size = np.abs(shares).sum(0)
+    bound = 2 * unit / (1 - 2 * unit) * size + 1e-6 * size
+    kernel, bias = run["reduce"][dtype]
+    assert kernel[0] == kernel[1] and bias[0] == bias[1]  # the replicas agree
+    got = np.concatenate([np.asarray(kernel[0])[:, 0], bias[0]])
+    assert np.all(np.abs(got - exact) <= bound), (got - exact, bound)
+    assert run["reduce"][dtype] != run["reduce"]["float32"]  # the sum really ran in half
+
+
+def test_float16_reduce_overflow_skips_on_both_replicas(run):
+    # the scaled shares 2**20 * 0.1 / 2 fit float16, their sum 104858 does not: inf on both
+    r = run["reduce_overflow"]
+    assert r["applied"] is False and r["grads_finite"] is False
+    assert r["scale_next"] == [524288.0, 524288.0]
+    assert r["w"] == [[0.0, 0.0], [0.0, 0.0]]

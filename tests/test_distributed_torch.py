@@ -159,7 +159,40 @@ def scenarios(rank):
     run("fsdp2", lambda: _fsdp2(rank))
     run("fsdp2_local_only", lambda: _fsdp2(rank, process_group=False))
     run("fsdp2_fp16_reduce", lambda: _fsdp2(rank, fp16_reduce=True, poison=False))
+    run("reduce_grads", lambda: _reduce_grads(rank))
+    run("reduce_overflow", lambda: _train(
+        rank, unimp.Recipe("p=f32,c=f16,o=f32,reduce=f16", loss_scale=DynamicLossScale(init_scale=2.0**20)),
+        hook=unimp.distributed.torch.reduce_hook("float16")))
+    run("fsdp2_policy", lambda: _fsdp2(rank, poison=False, mpp=unimp.distributed.torch.fsdp_mixed_precision(
+        "p=f32,c=bf16,o=f32,reduce=f32")))
     return results
+
+
+def _reduce_grads(rank):
+    """The averaged gradient of a Linear(5, 1) on per-rank random data, after DDP's all-reduce:
+    DDP's default, and reduce_hook in float32, float16 and bfloat16; and each rank's own
+    (single-process) gradient, for the bound."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from unimp.distributed.torch import reduce_hook
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 1, generator=gen)
+    out = {}
+    for name in ("default", "float32", "float16", "bfloat16"):
+        m = torch.nn.Linear(5, 1)
+        with torch.no_grad():
+            m.weight.copy_(torch.linspace(-1, 1, 5)[None])
+            m.bias.zero_()
+        if name == "default":
+            local = torch.nn.functional.mse_loss(m(x), y)
+            out["local"] = [g.clone() for g in torch.autograd.grad(local, list(m.parameters()))]
+        ddp = DDP(m)
+        if name != "default":
+            ddp.register_comm_hook(None, reduce_hook(name))
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        out[name] = [p.grad.detach().clone() for p in m.parameters()]
+    return out
 
 
 def _fsdp_model():
@@ -171,12 +204,13 @@ def _fsdp_batch(rank):
     return torch.full((2, 4), float(rank + 1))
 
 
-def _fsdp2(rank, process_group=None, fp16_reduce=False, poison=True):
+def _fsdp2(rank, process_group=None, fp16_reduce=False, poison=True, mpp=None):
     """FSDP2 fully_shard (gloo, CPU): each rank holds a SHARD of each gradient; an inf in rank
     1's shard exists on rank 1 only, and the scaler's reduction makes both ranks skip."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mpp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16) if fp16_reduce else None
+    if fp16_reduce:
+        mpp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
     kw = {"mp_policy": mpp} if mpp is not None else {}
     model = _fsdp_model()
     for m in model:
@@ -487,3 +521,69 @@ def test_fp16_mean_doctests_and_no_framework_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "[]", out.stderr
+
+
+# --------------------------------------------------------------------------- reduce_dtype (issue 17)
+
+
+@pytest.mark.slow
+def test_float32_reduce_hook_is_bitwise_ddps_default(ddp_results):
+    for r in _get(ddp_results, "reduce_grads"):
+        assert _bitwise_equal(r["float32"], r["default"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,unit", [("float16", 2.0**-11), ("bfloat16", 2.0**-8)])
+def test_half_reduce_hook_stays_within_the_computed_bound(ddp_results, dtype, unit):
+    # Bound: each rank's share g_r / 2 (exact: a power of two) is rounded to the reduce dtype
+    # (relative error <= u, the unit roundoff) and the sum of the 2 shares once more, so
+    # |fl(sum) - sum| <= gamma_2 * sum |g_r / 2|, gamma_n = n u / (1 - n u) (Higham, eq. 4.4);
+    # the default float32 mean is within 1e-6 relative of the exact one.
+    r0, r1 = _get(ddp_results, "reduce_grads")
+    for i in range(2):
+        shares = [r0["local"][i].double() / 2, r1["local"][i].double() / 2]
+        exact = shares[0] + shares[1]
+        size = shares[0].abs() + shares[1].abs()
+        bound = 2 * unit / (1 - 2 * unit) * size + 1e-6 * size
+        got = r0[dtype][i].double()
+        assert bool(((got - exact).abs() <= bound).all()), (got - exact, bound)
+        assert torch.equal(r0[dtype][i], r1[dtype][i])  # the same on both ranks
+        assert r0[dtype][i].dtype == torch.float32  # cast back to the gradient's dtype
+    assert not _bitwise_equal(r0["bfloat16"], r0["default"])  # the reduce ran in bfloat16
+
+
+@pytest.mark.slow
+def test_float16_reduce_overflow_skips_on_every_replica(ddp_results):
+    # 2**20 x the local gradients: above 65504 on the float16 wire, inf on both ranks
+    r0, r1 = _get(ddp_results, "reduce_overflow")
+    for r in (r0, r1):
+        assert r["steps"][0]["applied"] is False and r["steps"][0]["grads_finite"] is False
+        assert r["steps"][0]["scale_after"] == 2.0**19
+        assert _bitwise_equal(r["steps"][0]["params"], r["params0"])
+    assert _bitwise_equal(r0["steps"][1]["params"], r1["steps"][1]["params"])
+
+
+@pytest.mark.slow
+def test_fsdp2_policy_from_the_recipe_reduces_in_its_reduce_dtype(ddp_results):
+    for r in _get(ddp_results, "fsdp2_policy"):
+        assert r["grad_dtype"] == "torch.float32"  # reduce_dtype float32; compute bfloat16
+        assert all(s["applied"] for s in r["steps"])
+
+
+def test_fsdp_mixed_precision_maps_the_policy():
+    from unimp.distributed.torch import fsdp_mixed_precision
+
+    mpp = fsdp_mixed_precision("p=f32,c=bf16,o=f32,reduce=f32")
+    assert (mpp.param_dtype, mpp.reduce_dtype, mpp.output_dtype) == (
+        torch.bfloat16, torch.float32, torch.float32)
+    # no reduce_dtype: the stored param dtype, never the half compute dtype
+    assert fsdp_mixed_precision("mixed_float16").reduce_dtype == torch.float32
+
+
+def test_reduce_hook_needs_a_reduce_dtype():
+    from unimp.distributed.torch import reduce_hook
+
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        reduce_hook(unimp.get_policy("mixed_bfloat16"))
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        reduce_hook("int8")

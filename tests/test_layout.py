@@ -15,7 +15,7 @@ from unimp.backends._base import BACKEND_MODULES, COMMON_API
 
 UNIMP = pathlib.Path(__file__).resolve().parents[1] / "unimp"
 BACKENDS = ("torch", "tensorflow", "jax")
-CORE = ("dtypes", "policy", "loss_scale", "recipe", "registry", "step")
+CORE = ("dtypes", "policy", "precision", "loss_scale", "recipe", "registry", "step")
 MAX_LINES = 600
 
 

@@ -20,8 +20,8 @@ F32, F16, BF16, F64 = "float32", "float16", "bfloat16", "float64"
         ("compute=half", (F32, F16, F16)),
         ("half", (F16, F16, F16)),
         ("float16", (F16, F16, F16)),
-        ("f32", (F32, F32, F32)),
-        ("full", (F32, F32, F32)),
+        ("f32", (F32, F32, F32, "highest")),  # the float32 reference pins true float32 matmuls
+        ("full", (F32, F32, F32, "highest")),
         # Keras
         ("mixed_float16", (F32, F16, F32)),
         ("mixed_bfloat16", (F32, BF16, F32)),

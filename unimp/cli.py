@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import unimp
 from unimp import registry
 from unimp.loss_scale import LossScaleError
+from unimp.precision import describe_matmul_precision
 
 
 class UsageError(Exception):
@@ -88,6 +89,7 @@ def _info(args: argparse.Namespace) -> int:
             try:
                 module = registry.get_backend(name)
                 row["devices"] = module.device_info()
+                row["matmul_precision"] = module.current_matmul_precision()
             except Exception as e:  # a broken framework install must not hide the others
                 row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
@@ -106,6 +108,9 @@ def _info(args: argparse.Namespace) -> int:
             print(
                 f"      {dev['device']:<22} half dtypes: {halves:<18} recommended: {dev.get('recommended')}"
             )
+            if "matmul_precision" in row:
+                text = describe_matmul_precision(row["backend"], row["matmul_precision"], dev["device"])
+                print(f"      {'':<22} float32 matmul precision: {text}")
         if "error" in row:
             print(f"      cannot load: {row['error']}")
     return 0

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from unimp.dtypes import DTYPE_ALIASES, HALF_DTYPES, canonical_dtype
 from unimp.overrides import match_overrides, normalize_overrides
+from unimp.precision import check_matmul_precision
 
 __all__ = ["Policy", "get_policy", "policy_names"]
 
@@ -37,13 +38,24 @@ class Policy:
             cover a path or its dotted prefix; a dtype ``d`` means ``Policy(param_dtype, d,
             d)``; patterns matching one path must agree. The rule is :mod:`unimp.overrides`;
             :meth:`policy_for` applies it to one path.
+        matmul_precision: internal precision of float32 matmuls and convolutions during
+            unimp's train step and ``mp.autocast()``: ``"highest"``, ``"high"``, ``"medium"``
+            (torch's names; :data:`unimp.precision.MATMUL_PRECISION_TABLE` maps them to each
+            framework), or ``None`` (default): the framework's own setting, as before.
+        reduce_dtype: dtype the gradients are all-reduced in across data-parallel replicas
+            (cast before the all-reduce, back after it), or ``None`` (default): the
+            gradients' own dtype, as before.
+        accum_dtype: dtype ``grad_accum_steps`` sums the micro-batch gradients in, or
+            ``None`` (default): float32, or the parameters' dtype when wider, as before.
 
-    Each field is a canonical dtype name (``"float64"``, ``"float32"``, ``"float16"``,
+    The dtype fields hold canonical dtype names (``"float64"``, ``"float32"``, ``"float16"``,
     ``"bfloat16"``); any spelling :func:`unimp.dtypes.canonical_dtype` accepts is normalised
-    on construction. ``str(policy)`` parses back to an equal policy with :func:`get_policy`.
+    on construction. ``str(policy)`` parses back to an equal policy with :func:`get_policy`
+    (the optional fields appear only when set: ``...,matmul=highest,reduce=bfloat16,accum=float32``).
 
     Raises:
-        ValueError: a field is not a supported floating dtype.
+        ValueError: a field is not a supported floating dtype, or ``matmul_precision`` is
+            not one of the names (the message lists them).
 
     Example:
         >>> p = Policy("f32", "bf16", "f32")
@@ -56,20 +68,32 @@ class Policy:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     output_dtype: str = "float32"
+    matmul_precision: str | None = None
+    reduce_dtype: str | None = None
+    accum_dtype: str | None = None
     overrides: tuple[tuple[str, Policy], ...] = ()
 
     def __post_init__(self) -> None:
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+        for field in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype", "accum_dtype"):
             value = getattr(self, field)
+            if value is None and field in _OPTIONAL:
+                continue
             try:
                 canonical = canonical_dtype(value)
             except ValueError as e:
                 raise ValueError(f"Policy.{field}: {e}") from None
             object.__setattr__(self, field, canonical)
+        precision = check_matmul_precision(self.matmul_precision, "Policy.matmul_precision")
+        object.__setattr__(self, "matmul_precision", precision)
         object.__setattr__(self, "overrides", normalize_overrides(self.overrides, self.param_dtype))
 
     def __str__(self) -> str:
         base = f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
+        base += "".join(
+            f",{key}={getattr(self, field)}"
+            for field, key in _OPTIONAL.items()
+            if getattr(self, field) is not None
+        )
         return base + "".join(f";{p}:{_override_text(self, v)}" for p, v in self.overrides)
 
     def __repr__(self) -> str:
@@ -113,16 +137,20 @@ class Policy:
 
     def with_(self, **changes: Any) -> Policy:
         """A copy with some fields replaced (``param_dtype=``, ``compute_dtype=``, ``output_dtype=``,
-        ``overrides=``); dtype values of the overrides are resolved again only when ``overrides``
-        is given."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        unknown = set(changes) - set(fields)
+        ``overrides=``, ...); dtype values of the overrides are resolved again only when
+        ``overrides`` is given."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
         if unknown:
             raise TypeError(
-                f"unknown Policy field(s) {sorted(unknown)}; fields are {sorted(fields)}"
+                f"unknown Policy field(s) {sorted(unknown)}; fields are {sorted(values)}"
             )
-        fields.update(changes)
-        return Policy(**fields)
+        values.update(changes)
+        return Policy(**values)
+
+
+#: The optional fields (``None``: as before) and their keys in ``str(policy)``.
+_OPTIONAL = {"matmul_precision": "matmul", "reduce_dtype": "reduce", "accum_dtype": "accum"}
 
 
 _F32 = "float32"
@@ -176,7 +204,14 @@ _KEYS = {
     "compute": "compute_dtype",
     "o": "output_dtype",
     "output": "output_dtype",
+    "matmul": "matmul_precision",
+    "matmul_precision": "matmul_precision",
+    "reduce": "reduce_dtype",
+    "reduce_dtype": "reduce_dtype",
+    "accum": "accum_dtype",
+    "accum_dtype": "accum_dtype",
 }
+_KEYS_TEXT = "p|params, c|compute, o|output, matmul, reduce, accum"
 
 
 def policy_names() -> list[str]:
@@ -191,7 +226,7 @@ def _suggestions(name: str) -> str:
     return (
         f"{hint} Valid names: dtype names ({', '.join(sorted(DTYPE_ALIASES))}, half), "
         f"named policies ({', '.join(policy_names())}), or jmp's grammar "
-        "'params=float32,compute=float16,output=float32' (keys p|params, c|compute, o|output)."
+        f"'params=float32,compute=float16,output=float32' (keys {_KEYS_TEXT})."
     )
 
 
@@ -215,7 +250,10 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     * jmp's grammar and defaulting rules: ``"params=float32,compute=float16,output=float32"``
       with keys ``p|params``, ``c|compute``, ``o|output``; params default to float32, compute
       follows params, output follows compute. Without ``=``, one dtype for all three
-      (``"float16"``, ``"bf16"``, ``"half"``).
+      (``"float16"``, ``"bf16"``, ``"half"``); a float32 name (``"float32"``, ``"f32"``)
+      also sets ``matmul_precision="highest"``. The optional keys ``matmul`` (a name of
+      :data:`unimp.precision.MATMUL_PRECISIONS`), ``reduce`` and ``accum`` (dtypes) set the
+      fields of the same name (``matmul_precision``, ``reduce_dtype``, ``accum_dtype``).
     * Keras: ``mixed_float16``, ``mixed_bfloat16`` (params float32, compute half, output
       float32); plain dtype names give one dtype for all three.
     * Apex opt levels ``O0`` .. ``O3``.
@@ -275,7 +313,9 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
             dtype = _dtype(text, platform, name)
         except ValueError:
             raise ValueError(f"unknown policy {name!r}.{_suggestions(text)}") from None
-        return Policy(dtype, dtype, dtype)
+        # the float32 reference pins true float32 matmuls, so that float32 runs agree across
+        # frameworks on a GPU as on a CPU (TF32 is on by default in TensorFlow and JAX)
+        return Policy(dtype, dtype, dtype, "highest" if dtype == _F32 else None)
     values: dict[str, str] = {}
     for part in text.split(","):
         if "=" not in part:
@@ -288,17 +328,20 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
             close = difflib.get_close_matches(key, list(_KEYS), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(
-                f"policy {name!r}: unknown key {key!r}.{hint} Keys are p|params, c|compute, o|output."
+                f"policy {name!r}: unknown key {key!r}.{hint} Keys are {_KEYS_TEXT}."
             )
         field = _KEYS[key]
         if field in values:
             raise ValueError(f"policy {name!r}: {field} given twice.")
-        values[field] = _dtype(value, platform, name)
+        if field == "matmul_precision":
+            values[field] = check_matmul_precision(value, f"policy {name!r}: matmul")
+        else:
+            values[field] = _dtype(value, platform, name)
     # jmp's defaulting: params float32, compute follows params, output follows compute.
     param = values.get("param_dtype", _F32)
     compute = values.get("compute_dtype", param)
     output = values.get("output_dtype", compute)
-    return Policy(param, compute, output)
+    return Policy(param, compute, output, *(values.get(f) for f in _OPTIONAL))
 
 
 def _override_text(parent: Policy, value: Policy) -> str:

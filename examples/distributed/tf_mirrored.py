@@ -2,7 +2,10 @@
 
 Run (two logical CPU devices for a try-out; on GPUs MirroredStrategy uses them all):
     python examples/distributed/tf_mirrored.py
-For several machines use tf.distribute.MultiWorkerMirroredStrategy with TF_CONFIG set on each.
+Several workers (machines, or processes on one host): set TF_CONFIG on each, e.g.
+    TF_CONFIG='{"cluster": {"worker": ["host0:12345", "host1:12345"]}, "task": {"type": "worker", "index": 0}}'
+and the same script uses tf.distribute.MultiWorkerMirroredStrategy over every worker's devices.
+Every worker draws the same global batch (same seed) and feeds its share of it.
 """
 
 import os
@@ -12,7 +15,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-if not tf.config.list_physical_devices("GPU"):  # try-out on CPU: two logical devices
+MULTI_WORKER = "TF_CONFIG" in os.environ
+if not MULTI_WORKER and not tf.config.list_physical_devices("GPU"):  # CPU try-out: 2 logical devices
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
@@ -24,7 +28,7 @@ import unimp  # noqa: E402
 
 def main(steps: int = 3) -> None:
     keras.utils.set_random_seed(0)  # the same weights on every run (and on every replica)
-    strategy = tf.distribute.MirroredStrategy()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy() if MULTI_WORKER else tf.distribute.MirroredStrategy()
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     with strategy.scope():  # variables, optimizer and loss-scale state mirrored on every replica
         with mp.autocast():

@@ -29,12 +29,17 @@ __all__ = ["BACKEND_MODULES", "COMMON_API", "FP8_API", "MixedPrecisionBase", "ex
 #: * ``layer_paths(model)``: the dotted paths a policy's ``overrides`` match in this framework.
 #: * ``apply_overrides(mp, model)``: the overrides applied to a model (torch modules, Keras
 #:   layers) or a parameter tree (JAX, returning the cast tree); ``prepare`` calls it.
+#: * ``matmul_precision(name)``: a context manager setting the framework's float32 matmul /
+#:   convolution precision from :data:`unimp.precision.MATMUL_PRECISION_TABLE`, restored after.
+#: * ``current_matmul_precision()``: the framework's current setting, a dict (``unimp info``).
 COMMON_API = (
     "MixedPrecision",
     "StepResult",
     "all_finite",
     "apply_overrides",
     "cast_tree",
+    "current_matmul_precision",
+    "matmul_precision",
     "device_info",
     "framework_version",
     "layer_paths",
@@ -137,6 +142,7 @@ class MixedPrecisionBase:
 #: name in ``unimp.backends.torch``, ``.tensorflow`` and ``.jax`` (a test checks it).
 BACKEND_MODULES = (
     "devices",  # framework_version, device parsing and placement, device_info
+    "precision",  # matmul_precision: the core's matmul precision table set on the framework
     "casting",  # to_dtype, cast_tree, the framework's autocast / module mode / master weights
     "overrides",  # per-layer overrides (unimp.overrides) mapped to the framework's mechanism
     "overflow",  # all_finite and its replica reduction; select / keep-unless (JAX)

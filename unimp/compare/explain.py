@@ -115,7 +115,44 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         torch_lines.append(f"unimp.backends.torch.FP8Dense for nn.Linear: {what}")
         keras_lines.append(f"unimp.backends.tensorflow.FP8Dense for Dense: {what}")
         jax_lines.append(f"nn.Dense(dot_general=unimp.backends.jax.fp8_dot_general(...)): {what}")
-    return [("torch", torch_lines), ("tensorflow", keras_lines), ("jax", jax_lines)]
+    extra = _policy_v2_lines(p)
+    return [
+        ("torch", torch_lines + extra["torch"]),
+        ("tensorflow", keras_lines + extra["tensorflow"]),
+        ("jax", jax_lines + extra["jax"]),
+    ]
+
+
+def _policy_v2_lines(p: Any) -> dict[str, list[str]]:
+    """The lines of the optional policy fields (matmul precision, reduce and accum dtypes)."""
+    from unimp.precision import MATMUL_PRECISION_TABLE
+
+    out: dict[str, list[str]] = {"torch": [], "tensorflow": [], "jax": []}
+    if p.matmul_precision is not None:
+        row = MATMUL_PRECISION_TABLE[p.matmul_precision]
+        scope = "for the train step and mp.autocast(), restored after"
+        out["torch"].append(
+            f'torch.set_float32_matmul_precision("{row.torch_matmul}") and '
+            f"torch.backends.cudnn.allow_tf32 = {row.torch_cudnn_tf32} {scope}"
+        )
+        out["tensorflow"].append(
+            f"tf.config.experimental.enable_tensor_float_32_execution({row.tensorflow_tf32}) "
+            f"{scope} (one process-global switch)"
+        )
+        out["jax"].append(f'jax.default_matmul_precision("{row.jax}") {scope} (read at trace time)')
+    if p.reduce_dtype is not None:
+        out["torch"].append(
+            f"gradients all-reduced in {p.reduce_dtype}: DDP register_comm_hook(None, "
+            "unimp.distributed.torch.reduce_hook(policy)); FSDP2 fsdp_mixed_precision(policy)"
+        )
+        out["tensorflow"].append(
+            f"gradients all-reduced in {p.reduce_dtype} under tf.distribute (cast around the all-reduce)"
+        )
+        out["jax"].append(f"gradients all-reduced (psum) in {p.reduce_dtype} in the replica step")
+    if p.accum_dtype is not None:
+        for lines in out.values():
+            lines.append(f"grad_accum_steps sums the micro-batch gradients in {p.accum_dtype}")
+    return out
 
 
 def scaler_sequence(steps: int, overflow_rate: float, seed: int, burst: int = 0) -> list[bool]:

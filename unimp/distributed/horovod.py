@@ -30,6 +30,11 @@ float16, and the loss scale is never the cause of a wire overflow. The price: va
 without loss scaling (see :func:`unimp.distributed.fp16_mean`, ``mode="predivide"``). A real
 overflow on the wire is inf on every rank, so every rank skips that step.
 
+The policy's ``reduce_dtype`` (issue 17): ``DistributedOptimizer(..., compression=mp.policy)``
+puts the gradients on the wire in that dtype (float16 or bfloat16 through
+:class:`LossScaleCompression`; float32 or unset: no compression). Horovod is not installed in
+unimp's default test environment: this path is tested only in the ``horovod`` tox env.
+
 Build: Horovod 0.28.1 (its last release) needs a C++17 patch to build against current torch;
 ``scripts/build_horovod.sh`` does it (Gloo, no MPI). Run with
 ``horovodrun -np 2 -H localhost:2 --gloo python examples/distributed/horovod_torch.py``.
@@ -125,17 +130,33 @@ class LossScaleCompression:
     Args:
         scaler: the loss scaler whose scale multiplies the gradients.
         world_size: the number of ranks summing (default ``hvd.size()``).
+        dtype: the wire dtype, the policy's ``reduce_dtype``: ``"float16"`` (default) or
+            ``"bfloat16"`` (float32's range: no overflow, 8 significand bits).
+
+    Raises:
+        ValueError: ``dtype`` is not a half dtype (float32 needs no compression).
     """
 
-    def __init__(self, scaler: _TorchGradScaler, world_size: int | None = None) -> None:
+    def __init__(
+        self, scaler: _TorchGradScaler, world_size: int | None = None, dtype: str = "float16"
+    ) -> None:
+        from unimp.backends.torch.casting import to_dtype
+        from unimp.dtypes import canonical_dtype
+
+        if canonical_dtype(dtype) not in ("float16", "bfloat16"):
+            raise ValueError(
+                f"LossScaleCompression dtype must be 'float16' or 'bfloat16', got {dtype!r}; a "
+                "float32 reduce needs no compression (compression='none')."
+            )
         self.scaler = scaler
         self.world_size = hvd.size() if world_size is None else int(world_size)
+        self.dtype = to_dtype(dtype)
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if not tensor.is_floating_point():
             return tensor, None
         scale = self.scaler._scale.to(tensor.device).clone()
-        wire = (tensor.to(torch.float32) / (scale * self.world_size)).to(torch.float16)
+        wire = (tensor.to(torch.float32) / (scale * self.world_size)).to(self.dtype)
         return wire, (tensor.dtype, scale)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -157,8 +178,10 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     Args:
         optimizer, named_parameters, **kwargs: as ``hvd.DistributedOptimizer``.
         scaler: the :class:`GradScaler` scaling the loss.
-        compression: ``"none"`` (Horovod's ``Compression.none``, ``op`` as given) or ``"fp16"``
-            (:class:`LossScaleCompression` with ``op=hvd.Sum``).
+        compression: ``"none"`` (Horovod's ``Compression.none``, ``op`` as given), ``"fp16"``
+            (:class:`LossScaleCompression` with ``op=hvd.Sum``), or a :class:`unimp.Policy`:
+            its ``reduce_dtype`` picks the wire (``None`` or float32: ``"none"``; float16 or
+            bfloat16: :class:`LossScaleCompression` in that dtype).
 
     Raises:
         ValueError: ``hvd.Compression.fp16`` with a loss scaler (the scaled gradients overflow
@@ -171,6 +194,13 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             "common scales (65536 * a gradient of 1 is already inf): pass compression='fp16', "
             "which unscales and divides by the world size in float32 before the cast."
         )
+    from unimp.policy import Policy
+
+    wire = "float16"
+    if isinstance(compression, Policy):
+        reduce = compression.reduce_dtype
+        compression = "none" if reduce in (None, "float32", "float64") else "fp16"
+        wire = reduce or wire
     if compression in ("none", None, hvd.Compression.none):
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                         compression=hvd.Compression.none, **kwargs)
@@ -180,7 +210,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         raise ValueError("compression='fp16' averages (it sums pre-divided values); leave op unset.")
     kwargs["op"] = hvd.Sum
     return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
-                                    compression=LossScaleCompression(scaler), **kwargs)
+                                    compression=LossScaleCompression(scaler, dtype=wire), **kwargs)
 
 
 def amp_step(optimizer: Any, scaler: _TorchGradScaler, max_grad_norm: float | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ Example (started with ``torchrun --nproc-per-node 2``; see ``examples/distribute
     mp = unimp.mixed_precision("mixed_float16", backend="torch", device=device)
     model = DDP(mp.prepare(model))
     model.register_comm_hook(None, unimp.distributed.torch.fp16_mean_hook)   # optional
+    # or the policy's reduce_dtype ("...,reduce=bfloat16"): reduce_hook(mp.policy)
     step = mp.train_step(model, optimizer, loss_fn)   # scaler reduces over the default group
 """
 
@@ -39,6 +40,8 @@ __all__ = [
     "check_replicas_agree",
     "fp16_gather_mean_hook",
     "fp16_mean_hook",
+    "fsdp_mixed_precision",
+    "reduce_hook",
     "reduce_step_flags",
     "state_fingerprint",
 ]
@@ -223,3 +226,91 @@ def fp16_gather_mean_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.
         return buf
 
     return fut.then(done)
+
+
+# --------------------------------------------------------------------------- the policy's reduce_dtype
+
+
+def _reduce_dtype(policy_or_dtype: Any) -> torch.dtype | None:
+    from unimp.backends.torch.casting import to_dtype
+    from unimp.policy import Policy
+
+    name = policy_or_dtype.reduce_dtype if isinstance(policy_or_dtype, Policy) else policy_or_dtype
+    return None if name is None else to_dtype(name)
+
+
+def reduce_hook(policy_or_dtype: Any) -> Any:
+    """A DDP comm hook that all-reduces the gradients in the policy's ``reduce_dtype``.
+
+    Each bucket is divided by the world size in its own dtype (as torch's default
+    ``allreduce_hook``), cast to ``reduce_dtype``, summed over the ranks in that dtype, and cast
+    back. With ``reduce_dtype="float32"`` on float32 gradients this is torch's default hook,
+    bitwise. In float16, a sum above 65504 is inf on every rank: unimp's scaler then skips the
+    step on every replica and backs the scale off.
+
+    Args:
+        policy_or_dtype: a :class:`unimp.Policy` (its ``reduce_dtype``) or a dtype name.
+
+    Returns:
+        ``hook(state, bucket) -> Future`` for ``ddp_model.register_comm_hook(group, hook)``
+        (``group`` ``None``: the default group).
+
+    Raises:
+        ValueError: the policy has no ``reduce_dtype`` (nothing to register), or a bad dtype.
+
+    Example:
+        >>> ddp_model.register_comm_hook(None, reduce_hook(mp.policy))  # doctest: +SKIP
+    """
+    dtype = _reduce_dtype(policy_or_dtype)
+    if dtype is None:
+        raise ValueError(
+            "reduce_hook needs a reduce dtype: the policy's reduce_dtype is None (DDP's default "
+            "all-reduce in the gradients' dtype applies); set it, e.g. 'mixed_bfloat16' -> "
+            "Policy(..., reduce_dtype='bfloat16') or '...,reduce=bfloat16'."
+        )
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = dist.group.WORLD if state is None else state
+        buf = bucket.buffer()
+        wire = buf.div(dist.get_world_size(group)).to(dtype)
+        fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            buf.copy_(f.value()[0])
+            return buf
+
+        return fut.then(done)
+
+    hook.__name__ = hook.__qualname__ = f"reduce_hook_{str(dtype).replace('torch.', '')}"
+    return hook
+
+
+def fsdp_mixed_precision(policy: Any) -> Any:
+    """The recipe's FSDP2 ``MixedPrecisionPolicy`` (``torch.distributed.fsdp``) for ``fully_shard``.
+
+    ``param_dtype`` is the policy's compute dtype (FSDP2 casts the unsharded parameters to it
+    for the forward and backward), ``reduce_dtype`` the policy's ``reduce_dtype`` (``None``:
+    the param dtype the sharded parameters are stored in; FSDP2's own default, the
+    ``param_dtype`` above, would reduce-scatter in the compute dtype), ``output_dtype`` the
+    output dtype.
+
+    Args:
+        policy: a :class:`unimp.Policy` or any name :func:`unimp.get_policy` accepts.
+
+    Returns:
+        ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+
+    Example:
+        >>> fully_shard(model, mp_policy=fsdp_mixed_precision(mp.policy))  # doctest: +SKIP
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from unimp.backends.torch.casting import to_dtype
+    from unimp.policy import get_policy
+
+    policy = get_policy(policy)
+    return MixedPrecisionPolicy(
+        param_dtype=to_dtype(policy.compute_dtype),
+        reduce_dtype=to_dtype(policy.reduce_dtype or policy.param_dtype),
+        output_dtype=to_dtype(policy.output_dtype),
+    )

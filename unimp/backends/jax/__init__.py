@@ -22,6 +22,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 
 * ``devices``: :func:`framework_version`, device parsing, committing state to a device,
   :func:`device_info`.
+* ``precision``: :func:`matmul_precision` (the recipe's float32 matmul precision for a block),
+  :func:`current_matmul_precision`.
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`.
 * ``overflow``: :func:`all_finite` (optionally reduced over a mesh axis), :func:`select_tree`,
   :func:`sync_loss_scale`.
@@ -56,6 +58,7 @@ from unimp.backends.jax.mixed_precision import MixedPrecision
 from unimp.backends.jax.optimizer import LossScaleOptState, MultiSteps, get_loss_scale, loss_scaling
 from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
 from unimp.backends.jax.overrides import apply_overrides, layer_paths
+from unimp.backends.jax.precision import current_matmul_precision, matmul_precision
 from unimp.backends.jax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -78,6 +81,8 @@ __all__ = [
     "fp8_state_from_numpy",
     "fp8_state_to_numpy",
     "fp8_step",
+    "current_matmul_precision",
+    "matmul_precision",
     "DynamicLossScale",
     "LossScale",
     "LossScaleOptState",

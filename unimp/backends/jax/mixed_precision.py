@@ -18,6 +18,7 @@ from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import _as_device
 from unimp.backends.jax.optimizer import loss_scaling
 from unimp.backends.jax.overrides import apply_overrides, cast_by_path
+from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
 from unimp.backends.jax.step import TrainStep
 from unimp.step import check_stats_every
@@ -104,9 +105,11 @@ class MixedPrecision(MixedPrecisionBase):
         return cast_by_path(tree, self.policy, "param_dtype", path)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """A no-op context manager: JAX has no autocast (use :meth:`apply` or
-        :meth:`module_kwargs`). Provided so framework-neutral code runs unchanged."""
-        return contextlib.nullcontext()
+        """JAX has no autocast (use :meth:`apply` or :meth:`module_kwargs`): a context manager
+        that only sets the policy's ``matmul_precision`` (``jax.default_matmul_precision``,
+        read when a function is traced) for the block, a no-op without one. Provided so
+        framework-neutral code runs unchanged."""
+        return matmul_precision(self.policy.matmul_precision)
 
     def apply(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wraps ``fn(params, *inputs)`` jmp-style.

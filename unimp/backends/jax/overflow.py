@@ -149,3 +149,55 @@ def sync_loss_scale(ls: Any, axis_name: Any) -> Any:
     differ = lax.pmax(jnp.stack(differs).any().astype(jnp.int32), axis_name) > 0
     lax.cond(differ, lambda: jax.debug.callback(_warn_resync), lambda: None)
     return jax.tree_util.tree_unflatten(treedef, firsts)
+
+
+def _own_gradients(params: Any, axis_name: Any) -> tuple[Any, Any]:
+    """For an all-reduce in the policy's ``reduce_dtype`` under variance tracking: which leaves
+    are replicated (invariant over the axis: JAX's transpose would all-reduce their gradient
+    in its own dtype), and ``params`` with those made varying (``lax.pcast``), so that each
+    replica's gradient stays its own until :func:`_reduce_in`. Sharded leaves keep theirs."""
+    replicated = jax.tree_util.tree_map(lambda p: axis_name not in _varying_axes(p), params)
+    own = jax.tree_util.tree_map(
+        lambda p, r: jax.lax.pcast(p, axis_name, to="varying") if r else p, params, replicated
+    )
+    return replicated, own
+
+
+def _reduce_in(grads: Any, axis_name: Any, dtype: Any, replicated: Any = None) -> Any:
+    """The gradients all-reduced over ``axis_name`` in ``dtype`` (``None``: their own), cast
+    back. ``replicated`` (from :func:`_own_gradients`): each replica's share of the mean loss's
+    gradient, SUMMED (``psum``) where True; ``None``: every leaf is a replica's own gradient of
+    its local loss, AVERAGED (``pmean``, the pmap convention). A float16 overflow of the sum is
+    the same inf on every replica, so every replica skips."""
+    if replicated is None:
+        return jax.tree_util.tree_map(
+            lambda g: jax.lax.pmean(g.astype(dtype or g.dtype), axis_name).astype(g.dtype), grads
+        )
+    return jax.tree_util.tree_map(
+        lambda g, r: jax.lax.psum(g.astype(dtype), axis_name).astype(g.dtype) if r else g,
+        grads, replicated,
+    )
+
+
+def _global_norm(grads: Any, axis_name: Any = None) -> jax.Array:
+    """Global L2 norm of the gradients, accumulated in float32 whatever their dtype (a float16
+    norm overflows at 256; ``optax.tree.norm`` sums in the leaves' dtype). The rule of every
+    backend (torch and TensorFlow cast each gradient to float32 too).
+
+    Under shard_map (``axis_name``): squares of gradients that vary over the axis (local shards)
+    are summed over it; replicated (already all-reduced) ones are not."""
+    local, shared = jnp.float32(0.0), jnp.float32(0.0)
+    for g in jax.tree_util.tree_leaves(grads):
+        sq = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+        if axis_name is not None and axis_name in _varying_axes(g):
+            local = local + sq
+        else:
+            shared = shared + sq
+    return jnp.sqrt(shared if axis_name is None else shared + lax.psum(local, axis_name))
+
+
+def _clip(g: jax.Array, clip: jax.Array, factor: jax.Array) -> jax.Array:
+    """``g * factor`` where ``clip``, multiplied in float32 (at least) and rounded once to
+    ``g``'s dtype, as torch's in-place multiply of a half tensor by a float32 scalar."""
+    wide = jnp.promote_types(g.dtype, jnp.float32)
+    return jnp.where(clip, (g.astype(wide) * factor).astype(g.dtype), g)

@@ -15,8 +15,18 @@ from jax import lax
 
 from unimp.backends.jax.devices import _commit_like, _device_leaf
 from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
-from unimp.backends.jax.overflow import _keep_unless, _varying_axes, all_finite, sync_loss_scale
+from unimp.backends.jax.overflow import (
+    _clip,
+    _global_norm,
+    _keep_unless,
+    _own_gradients,
+    _reduce_in,
+    _varying_axes,
+    all_finite,
+    sync_loss_scale,
+)
 from unimp.backends.jax.overrides import apply_overrides
+from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
 from unimp.backends.jax.stats import (
     _collecting,
@@ -41,30 +51,6 @@ def _tracks_variance(axis_name: Any) -> bool:
     """True under shard_map with check_vma=True: JAX types values as varying over the axis,
     and the gradient of an invariant (replicated) param is all-reduced by the transpose."""
     return axis_name in _varying_axes(lax.axis_index(axis_name))
-
-
-def _global_norm(grads: Any, axis_name: Any = None) -> jax.Array:
-    """Global L2 norm of the gradients, accumulated in float32 whatever their dtype (a float16
-    norm overflows at 256; ``optax.tree.norm`` sums in the leaves' dtype). The rule of every
-    backend (torch and TensorFlow cast each gradient to float32 too).
-
-    Under shard_map (``axis_name``): squares of gradients that vary over the axis (local shards)
-    are summed over it; replicated (already all-reduced) ones are not."""
-    local, shared = jnp.float32(0.0), jnp.float32(0.0)
-    for g in jax.tree_util.tree_leaves(grads):
-        sq = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-        if axis_name is not None and axis_name in _varying_axes(g):
-            local = local + sq
-        else:
-            shared = shared + sq
-    return jnp.sqrt(shared if axis_name is None else shared + lax.psum(local, axis_name))
-
-
-def _clip(g: jax.Array, clip: jax.Array, factor: jax.Array) -> jax.Array:
-    """``g * factor`` where ``clip``, multiplied in float32 (at least) and rounded once to
-    ``g``'s dtype, as torch's in-place multiply of a half tensor by a float32 scalar."""
-    wide = jnp.promote_types(g.dtype, jnp.float32)
-    return jnp.where(clip, (g.astype(wide) * factor).astype(g.dtype), g)
 
 
 def _contains_loss_scaling(state: Any) -> bool:
@@ -362,25 +348,35 @@ class TrainStep:
             return ls.scale(loss), (loss, st)
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
+        # reduce_dtype under variance tracking: the replicated params are made varying, so each
+        # replica's gradient stays its own, and the step all-reduces it in reduce_dtype below
+        # (instead of the transpose's implicit all-reduce in the gradient's dtype)
+        reduce = self._mp.policy.reduce_dtype if axis is not None else None
+        tracked = axis is not None and _tracks_variance(axis)
+        explicit, gparams = _own_gradients(params, axis) if reduce and tracked else (None, params)
         activations: Any = {}
         if k == 1:
-            scaled_grads, (loss, new_model_state, *observed) = grad_fn(params, batch, model_state)
+            scaled_grads, (loss, new_model_state, *observed) = grad_fn(gparams, batch, model_state)
             loss_finite = jnp.isfinite(loss)
             if with_stats:
                 activations = observed[0]
         else:
             # batch is a sequence of k micro-batches of one structure: stacked inside the jit
             micro = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batch)
+            # float32 (or wider params' dtype), or the policy's accum_dtype: rounded to it at
+            # every addition; the mean is taken back in the default accumulator's dtype
+            accum = self._mp.policy.accum_dtype
             zeros = jax.tree_util.tree_map(
                 lambda p: jnp.zeros(
-                    jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)
+                    jnp.shape(p),
+                    accum or jnp.promote_types(jnp.result_type(p), jnp.float32),
                 ),
                 params,
             )
 
             def body(carry: Any, mb: Any) -> Any:
                 acc, st = carry  # the model state threads through the micro-batches in order
-                g, (micro_loss, st, *observed) = grad_fn(params, mb, st)
+                g, (micro_loss, st, *observed) = grad_fn(gparams, mb, st)
                 return (
                     jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g),
                     st,
@@ -391,14 +387,17 @@ class TrainStep:
             )
             if with_stats:  # one entry per micro-batch: taken together
                 activations = {n: _merge_stacked(e) for n, e in observed[0].items()}
-            scaled_grads = jax.tree_util.tree_map(lambda a: a / k, summed)
+            scaled_grads = jax.tree_util.tree_map(
+                lambda a, p: a.astype(jnp.promote_types(jnp.result_type(p), jnp.float32)) / k,
+                summed, params,
+            )
             loss = jnp.mean(losses)
             loss_finite = jnp.all(jnp.isfinite(losses))
-        if axis is not None and not _tracks_variance(axis):
+        if explicit is not None or (axis is not None and not tracked):
             # pmap, vmap, shard_map(check_vma=False): JAX does not all-reduce the gradients of
             # replicated params in the transpose, so average them here (every param is taken
-            # as replicated: the pmap convention)
-            scaled_grads = lax.pmean(scaled_grads, axis)
+            # as replicated: the pmap convention); with reduce_dtype, in it
+            scaled_grads = _reduce_in(scaled_grads, axis, reduce, explicit)
         grads = ls.unscale(scaled_grads)
         stats = None
         if with_stats:  # unscaled, before clipping, at the step's scale
@@ -486,19 +485,21 @@ class TrainStep:
         args = (self._params, self._opt_state, self._loss_scale, batch)
         with_stats = self._stats_every is not None and self._calls % self._stats_every == 0
         jitted = self._stats_jitted if with_stats else self._jitted
-        if self._stateful:
-            try:
-                params, opt_state, ls, raw, self._model_state = jitted(*args, self._model_state)
-            except ValueError as e:
-                if self._mesh is None or "out_specs" not in str(e):
-                    raise
-                raise ValueError(
-                    f"with mesh=, the new model_state must be the same on every replica; reduce "
-                    f"it over axis_name={self._axis!r} in loss_fn (flax: BatchNorm(axis_name="
-                    f"{self._axis!r}), or lax.pmean(new_state, {self._axis!r}))."
-                ) from e
-        else:
-            params, opt_state, ls, raw = jitted(*args)
+        # traced under the policy's matmul precision: the config is part of jit's cache key
+        with matmul_precision(self._mp.policy.matmul_precision):
+            if self._stateful:
+                try:
+                    params, opt_state, ls, raw, self._model_state = jitted(*args, self._model_state)
+                except ValueError as e:
+                    if self._mesh is None or "out_specs" not in str(e):
+                        raise
+                    raise ValueError(
+                        f"with mesh=, the new model_state must be the same on every replica; "
+                        f"reduce it over axis_name={self._axis!r} in loss_fn (flax: BatchNorm("
+                        f"axis_name={self._axis!r}), or lax.pmean(new_state, {self._axis!r}))."
+                    ) from e
+            else:
+                params, opt_state, ls, raw = jitted(*args)
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         stats = None
         if with_stats:

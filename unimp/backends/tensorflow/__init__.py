@@ -13,6 +13,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 
 * ``devices``: the Keras 3 / TensorFlow-backend check (run first, on import),
   :func:`framework_version`, device parsing and placement, :func:`device_info`.
+* ``precision``: :func:`matmul_precision` (the recipe's float32 matmul precision for a block),
+  :func:`current_matmul_precision`.
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`, :func:`keras_policy_name`.
 * ``overflow``: :func:`all_finite`, the replica re-sync warning.
 * ``scaling``: the rule's array namespace over TF tensors, unscaling (dense and
@@ -58,6 +60,7 @@ from unimp.backends.tensorflow.mixed_precision import MixedPrecision
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.overrides import apply_overrides, dtype_policy_map, layer_paths
+from unimp.backends.tensorflow.precision import current_matmul_precision, matmul_precision
 from unimp.backends.tensorflow.stats import tensor_stats
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.loss_scale import ReplicaDesyncWarning
@@ -72,6 +75,8 @@ __all__ = [
     "fp8_state_from_numpy",
     "fp8_state_to_numpy",
     "fp8_step",
+    "current_matmul_precision",
+    "matmul_precision",
     "LossScaleOptimizer",
     "MixedPrecision",
     "ReplicaDesyncWarning",

@@ -18,6 +18,7 @@ from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_d
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
+from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.step import check_stats_every, check_step_options
@@ -136,8 +137,9 @@ class MixedPrecision(MixedPrecisionBase):
         """Sets Keras's global dtype policy to :attr:`dtype_policy` inside the block (and
         enters ``tf.device`` of the bound device, if any).
 
-        Layers constructed inside use the recipe's compute and variable dtypes. The previous
-        global policy is restored on exit, also when an exception escapes.
+        Layers constructed inside use the recipe's compute and variable dtypes; the policy's
+        ``matmul_precision`` (TensorFlow's global TF32 switch) is set for the block. The previous
+        global policy and TF32 switch are restored on exit, also when an exception escapes.
 
         Yields:
             The ``keras.DTypePolicy`` in force.
@@ -146,7 +148,7 @@ class MixedPrecision(MixedPrecisionBase):
         policy = self.dtype_policy
         keras.config.set_dtype_policy(policy)
         try:
-            with self._placed():
+            with self._placed(), matmul_precision(self.policy.matmul_precision):
                 yield policy
         finally:
             keras.config.set_dtype_policy(previous)
@@ -375,6 +377,6 @@ class MixedPrecision(MixedPrecisionBase):
             lso = self.loss_scale_optimizer(optimizer)
         step = TrainStep(
             model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
-            device=self._device, stats_every=stats_every,
+            device=self._device, stats_every=stats_every, policy=self.policy,
         )
         return _with_log(step, self, log, log_every, step.optimizer.loss_scale_config, _to_host)

@@ -5,20 +5,24 @@ a ``tf.distribute`` strategy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from unimp.backends.tensorflow.casting import to_dtype
 from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
+from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host, _traced_fields, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
 from unimp.loss_scale import (
     from_state_dict,
 )
+from unimp.policy import Policy
 from unimp.step import StepResult, micro_batches
 
 
@@ -46,6 +50,45 @@ def _times(g: Any, factor: tf.Tensor) -> Any:
             g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
         )
     return g * tf.cast(factor, g.dtype)
+
+
+def _all_reduce_in(replica: Any, grads: list[Any], dtype: tf.DType, scale: tf.Tensor) -> list[Any]:
+    """The sum over the replicas of each (unscaled) gradient, computed in ``dtype``: cast to
+    it, one all-reduce (SUM), cast back to the gradient's dtype. A half ``dtype`` carries the
+    SCALED gradient (``g * scale`` on the wire, divided by ``scale`` after), as torch's DDP hook
+    and JAX's replica step do, so the loss scale guards the half wire against underflow and an
+    overflow of the sum is an inf; float32 or wider sums the unscaled gradients, as Keras's own
+    sum. ``None`` stays ``None``; a ``tf.IndexedSlices`` is made dense first."""
+    present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+    if not present:
+        return grads
+    half = dtype in (tf.float16, tf.bfloat16)
+    wire = [tf.cast(g * tf.cast(scale, g.dtype) if half else g, dtype) for g in present]
+    summed = iter(replica.all_reduce("sum", wire))
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+            continue
+        total = tf.cast(next(summed), g.dtype)
+        out.append(total / tf.cast(scale, g.dtype) if half else total)
+    return out
+
+
+@contextlib.contextmanager
+def _keras_sum_off(optimizer: Any, active: bool) -> Iterator[None]:
+    """While the step traces, Keras's optimizer applies the gradients it is given instead of
+    summing them over the replicas first (its ``_all_reduce_sum_gradients``): the step has
+    all-reduced them itself, in the policy's ``reduce_dtype``. Restored after the trace, so
+    other users of the optimizer (``model.fit``) keep Keras's sum."""
+    if not active:
+        yield
+        return
+    optimizer._all_reduce_sum_gradients = list  # an instance attribute hides the method
+    try:
+        yield
+    finally:
+        del optimizer._all_reduce_sum_gradients
 
 
 def _strategy_of(variables: list[Any]) -> Any:
@@ -86,6 +129,18 @@ def _forward_state(model: Any) -> list[Any]:
     return list(found.values())
 
 
+def _add_rounded(total: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``total + g`` rounded to their (accumulation) dtype, one addition at a time.
+
+    A half dtype adds in float32 and rounds back, spelled out: Grappler's arithmetic optimizer
+    would otherwise fold the unrolled chain of half additions into one ``AddN``, which rounds
+    once at the end instead of after every micro-batch (the rule the other backends follow).
+    """
+    if total.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(tf.cast(total, tf.float32) + tf.cast(g, tf.float32), total.dtype)
+    return total + g
+
+
 class TrainStep:
     """A compiled training step: ``step(batch) -> StepResult``. Built by
     :meth:`MixedPrecision.train_step`; see there.
@@ -110,7 +165,9 @@ class TrainStep:
         jit_compile: bool,
         device: str | None = None,
         stats_every: int | None = None,
+        policy: Policy | None = None,
     ) -> None:
+        self.policy = Policy() if policy is None else policy
         self.model = model
         self.device = device
         self.optimizer = optimizer
@@ -167,12 +224,14 @@ class TrainStep:
             batch = self._split(batch)
         stats_step = self.stats_every is not None and self.calls % self.stats_every == 0
         function = self.stats_function if stats_step else self.function
-        if self.device is None:
-            raw = function(batch)
-        else:
-            _check_placed(self.device)
-            with tf.device(self.device):
+        # the policy's matmul precision (TensorFlow's global TF32 switch) for this call only
+        with matmul_precision(self.policy.matmul_precision):
+            if self.device is None:
                 raw = function(batch)
+            else:
+                _check_placed(self.device)
+                with tf.device(self.device):
+                    raw = function(batch)
         stats = None
         if stats_step:
             stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
@@ -249,7 +308,8 @@ class TrainStep:
         opt = self.optimizer
         outer, opt._tracer = opt._tracer, id(self)  # the update runs in merge_call, out of _step
         try:
-            per_replica = self.strategy.run(self._step, args=(batch,))
+            with _keras_sum_off(opt.inner_optimizer, self.policy.reduce_dtype is not None):
+                per_replica = self.strategy.run(self._step, args=(batch,))
         finally:
             opt._tracer = outer
         first = self.strategy.experimental_local_results
@@ -289,11 +349,21 @@ class TrainStep:
             )
         grads_finite = all_finite([g for g in unscaled if g is not None])
         replica = tf.distribute.get_replica_context() if self.strategy is not None else None
+        reduced = False
         if replica is not None and replica.num_replicas_in_sync > 1:
             # Keras's optimizer sums the gradients over replicas: give it local / n, so the
             # update is the mean gradient, as one device on the whole global batch.
             inv = tf.constant(1.0 / replica.num_replicas_in_sync, tf.float32)
             unscaled = [_times(g, inv) for g in unscaled]
+            if self.policy.reduce_dtype is not None:
+                # the policy's reduce_dtype: this step sums local / n in it (cast around the
+                # all-reduce) and Keras's own sum is turned off (_keras_sum_off); the flag is
+                # taken on the reduced gradients too, so an overflow of the sum skips everywhere
+                unscaled = _all_reduce_in(
+                    replica, unscaled, to_dtype(self.policy.reduce_dtype), scale
+                )
+                grads_finite = grads_finite & all_finite([g for g in unscaled if g is not None])
+                reduced = True
         grad_norm = None
         if self.max_grad_norm is not None:
             # clipping acts on the unscaled gradients; the norm is reported before clipping.
@@ -301,7 +371,7 @@ class TrainStep:
             # replica (clipping each replica by its own norm would not be clip(mean)).
             grad_norm = _global_norm(
                 unscaled
-                if replica is None or replica.num_replicas_in_sync == 1
+                if replica is None or replica.num_replicas_in_sync == 1 or reduced
                 else replica.all_reduce("sum", [g for g in unscaled if g is not None])
             )
             limit = tf.constant(self.max_grad_norm, tf.float32)
@@ -358,9 +428,11 @@ class TrainStep:
             grads, loss32 = self._scaled_grads(batch, scale)
             unscaled = [None if g is None else _unscale(g, scale) for g in grads]
             return self._finish(unscaled, loss32, tf.math.is_finite(loss32), scale)
-        # a window of k micro-batches: sum the scaled gradients in float32 from exact zeros,
-        # take the mean, unscale once; the window is skipped when any micro-batch is non-finite
+        # a window of k micro-batches: sum the scaled gradients in float32 (or the policy's
+        # accum_dtype, rounded at every addition) from exact zeros, take the mean in float32,
+        # unscale once; the window is skipped when any micro-batch is non-finite
         k = self.grad_accum_steps
+        accum = to_dtype(self.policy.accum_dtype or "float32")
         total: list[Any] = [None] * len(self._variables)
         losses = []
         for micro in batch:
@@ -368,11 +440,11 @@ class TrainStep:
             losses.append(loss32)
             for i, g in enumerate(grads):
                 if g is not None:
-                    g = tf.cast(tf.convert_to_tensor(g), tf.float32)
-                    total[i] = g if total[i] is None else total[i] + g
+                    g = tf.cast(tf.convert_to_tensor(g), accum)
+                    total[i] = g if total[i] is None else _add_rounded(total[i], g)
         kf = tf.constant(float(k), tf.float32)
         unscaled = [
-            None if t is None else tf.cast((t / kf) / scale, v.dtype)
+            None if t is None else tf.cast((tf.cast(t, tf.float32) / kf) / scale, v.dtype)
             for t, v in zip(total, self._variables, strict=True)
         ]
         stacked = tf.stack(losses)

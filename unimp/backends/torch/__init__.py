@@ -10,6 +10,8 @@ undone on the device (see :class:`GradScaler`).
 Modules (the same names in every backend package, see :data:`unimp.backends._base.BACKEND_MODULES`):
 
 * ``devices``: :func:`framework_version`, :func:`default_device`, device parsing, :func:`device_info`.
+* ``precision``: :func:`matmul_precision` (the recipe's float32 matmul precision for a block),
+  :func:`current_matmul_precision`.
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`, module mode's float32 master weights and
   their checkpoints, :func:`master_params`.
 * ``overflow``: :func:`all_finite`.
@@ -52,6 +54,7 @@ from unimp.backends.torch.fp8 import (
 from unimp.backends.torch.mixed_precision import MixedPrecision
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.overrides import apply_overrides, layer_paths
+from unimp.backends.torch.precision import current_matmul_precision, matmul_precision
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.stats import tensor_stats
 from unimp.backends.torch.step import TrainStep
@@ -66,6 +69,8 @@ __all__ = [
     "fp8_state_from_numpy",
     "fp8_state_to_numpy",
     "fp8_step",  # COMMON_API (unimp.backends._base) and torch's own pieces
+    "current_matmul_precision",
+    "matmul_precision",
     "MixedPrecision",
     "StepResult",
     "all_finite",

@@ -21,6 +21,7 @@ from unimp.backends.torch.casting import (
 from unimp.backends.torch.devices import _as_device, _dtype_ok
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
+from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler, _to_host
 from unimp.backends.torch.step import TrainStep
 from unimp.steprecorder import _with_log, check_log_every
@@ -38,6 +39,13 @@ def _prepared_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         with mp.autocast():
             out = forward(*args, **kwargs)
     return mp.cast_to_output(out)
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Any:
+    """Enters ``first`` then ``second`` when the block starts, and leaves them in reverse."""
+    with first, second:
+        yield
 
 
 class _PreparedForward:
@@ -128,10 +136,15 @@ class MixedPrecision(MixedPrecisionBase):
         return self._mode
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """``torch.autocast(device_type, dtype=compute)`` in autocast mode, else a no-op context."""
-        if self._mode == "autocast" and self.compute_dtype != torch.float32:
+        """``torch.autocast(device_type, dtype=compute)`` in autocast mode (a half compute dtype),
+        else a no-op context; with the policy's ``matmul_precision`` set for the block (restored
+        after it)."""
+        precision = self.policy.matmul_precision
+        if self._mode != "autocast" or self.compute_dtype == torch.float32:
+            return matmul_precision(precision) if precision else contextlib.nullcontext()
+        if precision is None:
             return torch.autocast(self._device.type, dtype=self.compute_dtype)
-        return contextlib.nullcontext()
+        return _both(matmul_precision(precision), torch.autocast(self._device.type, dtype=self.compute_dtype))
 
     def grad_scaler(self) -> GradScaler:
         """A :class:`GradScaler` for the recipe's loss scale on the bound device."""

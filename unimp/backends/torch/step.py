@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overflow import all_finite
+from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler, _to_host
 from unimp.backends.torch.stats import (
     _grad_flags,
@@ -60,7 +62,9 @@ def _restore_forward_state(
 class TrainStep:
     """``step(batch) -> StepResult``: one optimizer step (one accumulation window) per call.
 
-    Each call runs ``loss_fn(model, micro_batch)`` under the recipe's autocast, backpropagates
+    Each call runs under the policy's ``matmul_precision`` (set with
+    :func:`unimp.backends.torch.matmul_precision` for the call, restored after it) and runs
+    ``loss_fn(model, micro_batch)`` under the recipe's autocast, backpropagates
     ``loss * scale / grad_accum_steps`` for each micro-batch, unscales once, computes the
     global gradient norm and clips on the UNSCALED gradients (``g * min(1, max_norm / norm)``),
     steps (skipped on the device when the loss or a gradient is non-finite: parameters,
@@ -73,7 +77,10 @@ class TrainStep:
         model, optimizer: as given to (or returned by) :meth:`MixedPrecision.prepare`.
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (the unscaled loss).
         grad_accum_steps: micro-batches per optimizer step; with more than 1, ``batch`` is a
-            sequence of that many micro-batches and the gradient is their mean.
+            sequence of that many micro-batches and the gradient is their mean. The gradients
+            add up in the parameters' gradient dtype (autograd's accumulation), or, when the
+            policy sets ``accum_dtype``, in that dtype (each micro-batch's gradient rounded to
+            it and added, rounded at every addition), then cast back.
         max_grad_norm: clip the global L2 norm of the unscaled gradients to this (> 0).
         scheduler: a torch LR scheduler, advanced only after applied steps. Deciding that needs
             ``applied`` on the host: with a scheduler each step reads it once (a sync); without
@@ -133,14 +140,16 @@ class TrainStep:
         _check_half_state(optimizer)
 
     def __call__(self, batch: Any) -> StepResult:
-        if self.stats_every is None or self.calls % self.stats_every:
-            result, grad_flags = self._run(batch, None)
-        else:
-            recorder = _Recorder(self.model)
-            try:
-                result, grad_flags = self._run(batch, recorder)
-            finally:
-                recorder.close()
+        # the recipe's float32 matmul precision for this call only (restored, also on error)
+        with matmul_precision(self.mp.policy.matmul_precision):
+            if self.stats_every is None or self.calls % self.stats_every:
+                result, grad_flags = self._run(batch, None)
+            else:
+                recorder = _Recorder(self.model)
+                try:
+                    result, grad_flags = self._run(batch, recorder)
+                finally:
+                    recorder.close()
         self.calls += 1
         if self._recorder is not None:
             lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
@@ -171,6 +180,8 @@ class TrainStep:
         # state the forward pass changes (norm running statistics, num_batches_tracked): kept
         # to be selected back on a skipped step, on the device (pytorch/pytorch#88474)
         buffers = _forward_state(self.model)
+        accum = self.mp.policy.accum_dtype if k > 1 else None
+        sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         try:
             for mb in micro:
                 with self.mp.autocast():
@@ -184,6 +195,10 @@ class TrainStep:
                 sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
                 (loss * _to(factor, loss.device)).backward()
                 losses.append(_to(loss.detach().float(), sc.device))
+                if accum is not None:
+                    _accumulate(self.model, sums, to_dtype(accum))
+            for param, total in sums.values():  # the window's sum, back in the gradient's dtype
+                param.grad = total.to(param.dtype)
         except BaseException:
             # a failed window leaves nothing behind: no partial gradients, no stale loss flag
             opt.zero_grad(set_to_none=True)
@@ -245,6 +260,23 @@ class TrainStep:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads a portable (or torch GradScaler) loss-scale state; validated first."""
         self.scaler.load_state_dict(state_dict)
+
+
+def _accumulate(
+    model: torch.nn.Module, sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]], dtype: torch.dtype
+) -> None:
+    """Moves each dense gradient of ``model`` into its running sum in ``dtype`` (the policy's
+    ``accum_dtype``): ``sum = sum + grad.to(dtype)``, rounded to ``dtype`` at every addition
+    (the first micro-batch's gradient is the sum of exact zeros and itself), and clears it.
+    Sparse gradients stay with autograd's accumulation."""
+    for p in model.parameters():
+        g = p.grad
+        if g is None or g.is_sparse:
+            continue
+        g = g.to(dtype)
+        entry = sums.get(id(p))
+        sums[id(p)] = (p, g if entry is None else entry[1] + g)
+        p.grad = None
 
 
 def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

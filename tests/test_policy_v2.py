@@ -1,0 +1,123 @@
+"""Policy v2 (issue 17): matmul precision, reduce and accumulation dtypes in the core."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unimp import Policy, Recipe, get_policy, get_recipe
+from unimp.precision import MATMUL_PRECISION_TABLE, MATMUL_PRECISIONS, check_matmul_precision
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def test_new_fields_default_to_none_meaning_as_before():
+    p = Policy("float32", "float16", "float32")
+    assert (p.matmul_precision, p.reduce_dtype, p.accum_dtype) == (None, None, None)
+    assert str(p) == "params=float32,compute=float16,output=float32"
+
+
+def test_fields_are_normalised_and_printed_only_when_set():
+    p = Policy("f32", "bf16", "f32", matmul_precision=" High", reduce_dtype="bf16", accum_dtype="fp32")
+    assert (p.matmul_precision, p.reduce_dtype, p.accum_dtype) == ("high", "bfloat16", "float32")
+    assert str(p) == "params=float32,compute=bfloat16,output=float32,matmul=high,reduce=bfloat16,accum=float32"
+    assert str(Policy(accum_dtype="bf16")) == "params=float32,compute=float32,output=float32,accum=bfloat16"
+
+
+@given(
+    st.sampled_from(DTYPES), st.sampled_from(DTYPES), st.sampled_from(DTYPES),
+    st.sampled_from((None, *MATMUL_PRECISIONS)),
+    st.sampled_from((None, *DTYPES)), st.sampled_from((None, *DTYPES)),
+)
+def test_str_parses_back_to_an_equal_policy(param, compute, output, matmul, reduce, accum):
+    p = Policy(param, compute, output, matmul, reduce, accum)
+    assert get_policy(str(p)) == p
+    assert hash(get_policy(str(p))) == hash(p)
+
+
+def test_grammar_keys_and_jmp_defaulting_unchanged():
+    p = get_policy("c=f16,reduce=f16,accum=f32,matmul=medium")
+    assert p == Policy("float32", "float16", "float16", "medium", "float16", "float32")
+    assert get_policy("matmul_precision=highest,reduce_dtype=bf16,accum_dtype=f32").reduce_dtype == "bfloat16"
+
+
+def test_the_float32_recipe_asks_for_highest():
+    # so float32 runs agree across frameworks on a GPU as they do on a CPU
+    assert get_policy("float32").matmul_precision == "highest"
+    assert get_recipe("f32").policy.matmul_precision == "highest"
+    assert get_recipe("float32").is_noop
+    assert get_policy("mixed_float16").matmul_precision is None
+    assert get_policy("bfloat16").matmul_precision is None
+
+
+def test_recipe_dict_and_file_keep_the_fields(tmp_path):
+    r = Recipe(Policy("float32", "bfloat16", "float32", "high", "bfloat16", "float32"))
+    assert Recipe.from_dict(r.to_dict()) == r
+    path = tmp_path / "r.toml"
+    path.write_text('policy = "params=float32,compute=bfloat16,output=float32,matmul=high,reduce=bf16,accum=f32"\n')
+    assert Recipe.from_file(path) == r
+
+
+def test_with_replaces_the_new_fields():
+    p = get_policy("mixed_bfloat16").with_(reduce_dtype="f32", matmul_precision="high")
+    assert (p.reduce_dtype, p.matmul_precision) == ("float32", "high")
+    with pytest.raises(TypeError, match="accum_dtype"):
+        p.with_(accum="f32")
+
+
+@pytest.mark.parametrize("bad", ["tf32", "HIGHER", "", 3])
+def test_unknown_precision_name_lists_the_valid_names(bad):
+    with pytest.raises(ValueError, match="'highest', 'high', 'medium'"):
+        Policy(matmul_precision=bad)
+    with pytest.raises(ValueError, match="'highest', 'high', 'medium'"):
+        get_policy(f"c=bf16,matmul={bad}")
+
+
+def test_close_precision_name_is_suggested():
+    with pytest.raises(ValueError, match="Did you mean 'highest'"):
+        check_matmul_precision("hightest")
+
+
+@pytest.mark.parametrize("field", ["reduce_dtype", "accum_dtype"])
+@pytest.mark.parametrize("bad", ["int8", "float8", "complex64"])
+def test_unsupported_reduce_or_accum_dtype_is_a_value_error_naming_the_field(field, bad):
+    with pytest.raises(ValueError, match=f"Policy.{field}"):
+        Policy(**{field: bad})
+
+
+def test_one_mapping_table_with_a_row_per_name():
+    assert tuple(MATMUL_PRECISION_TABLE) == MATMUL_PRECISIONS
+    highest = MATMUL_PRECISION_TABLE["highest"]
+    # true float32 everywhere: torch "highest" + cuDNN TF32 off, TF32 off, JAX "float32"
+    assert highest == ("highest", False, False, "float32")
+    assert MATMUL_PRECISION_TABLE["high"].jax == "tensorfloat32"
+    assert MATMUL_PRECISION_TABLE["medium"].jax == "bfloat16"
+
+
+def test_explain_keeps_the_new_fields():
+    from unimp.compare.explain import explain_recipe
+
+    lines = dict(explain_recipe(get_recipe("p=f32,c=bf16,o=f32,matmul=high,reduce=bf16,accum=f32")))
+    assert any('set_float32_matmul_precision("high")' in line for line in lines["torch"])
+    assert any("enable_tensor_float_32_execution(True)" in line for line in lines["tensorflow"])
+    assert any('default_matmul_precision("tensorfloat32")' in line for line in lines["jax"])
+    for fw in ("torch", "tensorflow", "jax"):
+        assert any("all-reduced" in line and "bfloat16" in line for line in lines[fw])
+        assert any("sums the micro-batch gradients in float32" in line for line in lines[fw])
+    assert len(dict(explain_recipe(get_recipe("mixed_float16")))["jax"]) == 3  # unchanged
+
+
+@pytest.mark.parametrize(
+    "backend,current,device,text",
+    [
+        ("torch", {"matmul": "highest", "conv_tf32": True}, "cuda:0", "matmul highest (float32), conv TF32"),
+        ("tensorflow", {"tf32": True}, "/physical_device:GPU:0", "TF32 on (matmuls and convolutions)"),
+        ("jax", {"default_matmul_precision": None}, "cuda:0",
+         "default_matmul_precision unset (TF32 on Ampere+ GPUs, bfloat16 on TPU)"),
+        ("jax", {"default_matmul_precision": "float32"}, "cpu:0",
+         "default_matmul_precision float32; a CPU computes full float32"),
+    ],
+)
+def test_info_describes_each_frameworks_default(backend, current, device, text):
+    from unimp.precision import describe_matmul_precision
+
+    assert describe_matmul_precision(backend, current, device) == text
