@@ -194,6 +194,9 @@ def test_after_tracing_a_config_differing_only_outside_the_rule_is_adopted():
 
 
 def test_keras_checkpoint_round_trip(tmp_path):
+    # seeded: some initial kernels make fit's first float16 step overflow at 32768 (a correct
+    # skip, but the count below is of the one planted NaN step)
+    keras.utils.set_random_seed(0)
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     with mp.autocast():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
