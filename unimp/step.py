@@ -46,11 +46,12 @@ class StepResult:
 
     Taking a step never synchronizes with the device: the result holds the step's device
     values. Reading a field converts it to a Python value, which may wait for the device;
-    the first read also checks ``max_consecutive_skips`` and may raise
-    :class:`~unimp.LossScaleError`.
+    the first read also checks ``max_consecutive_skips`` and the loss scale's ``floor_action``
+    and may raise :class:`~unimp.LossScaleError`.
 
     Args:
-        raw: the step's device values, one per name in :data:`STEP_FIELDS`.
+        raw: the step's device values, one per name in :data:`STEP_FIELDS`; optionally
+            ``floor_hits`` (the loss-scale state's, for ``floor_action`` "warn" / "raise").
         to_host: converts one device value to a host value (e.g. ``Tensor.item``).
         config: the loss-scale config, for the ``max_consecutive_skips`` check.
         stats: the step's tensor statistics: ``None`` (not taken on this step), a
@@ -101,13 +102,14 @@ class StepResult:
             self._values[name] = value
         if not self._checked:
             self._checked = True
-            if (
-                self._config is not None
-                and getattr(self._config, "max_consecutive_skips", None) is not None
+            floor = self._raw.get("floor_hits")  # with floor_action "warn" / "raise"
+            if self._config is not None and (
+                getattr(self._config, "max_consecutive_skips", None) is not None or floor is not None
             ):
                 skips = self._get("consecutive_skips")
                 state = LossScaleState(
-                    self._get("scale"), 0, skips, max(skips, self._get("total_skips"))
+                    self._get("scale"), 0, skips, max(skips, self._get("total_skips")),
+                    floor_hits=0 if floor is None else int(self._to_host(floor)),
                 )
                 check_state(self._config, state)
         return self._values[name]
