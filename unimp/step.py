@@ -10,6 +10,7 @@ from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
 
 __all__ = [
     "STEP_FIELDS",
+    "floor_hits",
     "HalfOptimizerStateWarning",
     "StepResult",
     "check_stats_every",
@@ -164,6 +165,15 @@ class StepResult:
             return f"StepResult({', '.join(parts)})"
         except Exception as e:  # repr must not raise
             return f"StepResult(<unreadable: {e}>)"
+
+
+def floor_hits(config: LossScaleConfig, extra: Any) -> dict[str, Any]:
+    """``{"floor_hits": <device value>}`` for a step's raw values where the config's
+    ``floor_action`` needs the host check ("warn" / "raise"), else ``{}``; ``extra`` is the
+    format-2 tail that :func:`unimp.loss_scale.update_arrays` returned."""
+    if getattr(config, "floor_action", "keep") == "keep" or not extra:
+        return {}
+    return {"floor_hits": extra[-1]}
 
 
 def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, float | None]:

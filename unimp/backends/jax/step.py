@@ -22,6 +22,7 @@ from unimp.step import (
     StepResult,
     check_stats_every,
     check_step_options,
+    floor_hits,
     micro_batches,
     warn_half_optimizer_state,
 )
@@ -421,6 +422,7 @@ class TrainStep:
             "grad_norm": grad_norm,
             "consecutive_skips": new_ls.consecutive_skips,
             "total_skips": new_ls.total_skips,
+            **floor_hits(new_ls.config, (new_ls.floor_hits,)),
         }
         if with_stats:
             raw["stats"] = stats

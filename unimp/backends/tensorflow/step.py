@@ -14,12 +14,12 @@ import tensorflow as tf
 from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
-from unimp.backends.tensorflow.scaling import _to_host, _traced_fields, _unscale
+from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _pending
 from unimp.loss_scale import (
     from_state_dict,
 )
-from unimp.step import StepResult, micro_batches
+from unimp.step import StepResult, floor_hits, micro_batches
 
 
 def _batch_to_tensors(batch: Any) -> Any:
@@ -308,6 +308,7 @@ class TrainStep:
             "grad_norm": grad_norm,
             "consecutive_skips": consecutive,
             "total_skips": total,
+            **floor_hits(self.optimizer.loss_scale_config, _extra(self.optimizer)),
         }
 
     def _scaled_grads(self, batch: Any, scale: tf.Tensor) -> tuple[list[Any], tf.Tensor]:

@@ -14,7 +14,7 @@ from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.scaling import GradScaler, _to_host
 from unimp.backends.torch.stats import _gradient_stats, _param_names, _pending, _Recorder
-from unimp.step import StepResult, check_stats_every, check_step_options, micro_batches
+from unimp.step import StepResult, check_stats_every, check_step_options, floor_hits, micro_batches
 
 if TYPE_CHECKING:
     from unimp.backends.torch.mixed_precision import MixedPrecision
@@ -209,7 +209,7 @@ class TrainStep:
         applied = sc.step(opt)
         _restore_forward_state(buffers, applied)
         grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never changed in place
-        _, _, consecutive, total = sc._update(grads_finite, loss_finite)  # sc.update(), kept results
+        _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite)  # sc.update(), kept
         opt.zero_grad(set_to_none=True)
         raw = {
             "loss": mean_loss,
@@ -220,6 +220,7 @@ class TrainStep:
             "grad_norm": grad_norm,
             "consecutive_skips": consecutive,
             "total_skips": total,
+            **floor_hits(sc.config, extra),
         }
         if self.scheduler is not None and bool(applied):
             self.scheduler.step()
