@@ -9,7 +9,9 @@ from typing import Any
 from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
 
 __all__ = [
+    "SCHEDULE_COUNTS",
     "STEP_FIELDS",
+    "check_schedule_counts",
     "floor_hits",
     "HalfOptimizerStateWarning",
     "StepResult",
@@ -165,6 +167,34 @@ class StepResult:
             return f"StepResult({', '.join(parts)})"
         except Exception as e:  # repr must not raise
             return f"StepResult(<unreadable: {e}>)"
+
+
+#: What a skipped step does to learning-rate schedules and step counters, the same in every
+#: backend (``train_step(..., schedule_counts=...)``):
+#:
+#: * ``"applied"`` (default): a skipped step changes no counter: torch's LR scheduler is not
+#:   stepped, Keras's ``iterations`` and optax's ``count`` leaves keep their value, so a
+#:   schedule is a function of the applied steps (as torch.amp's skipped ``optimizer.step``,
+#:   Keras's LossScaleOptimizer and optax's ``apply_if_finite``).
+#: * ``"attempted"``: the schedule counts every step, skipped or not: torch's scheduler steps on
+#:   every call (and needs no host read of ``applied``), Keras's ``iterations`` and every integer
+#:   ``count`` leaf of the optax state grow by one on a skipped step (as DeepSpeed and Megatron-LM,
+#:   whose LR schedulers step once per iteration). Parameters, moments and EMA values are never
+#:   touched by a skipped step; torch's per-parameter ``step`` (Adam's bias correction) counts
+#:   applied steps in both modes, where Keras's ``iterations`` and optax's Adam ``count`` also
+#:   drive the bias correction.
+SCHEDULE_COUNTS = ("applied", "attempted")
+
+
+def check_schedule_counts(value: Any) -> str:
+    """Validates ``schedule_counts`` (one of :data:`SCHEDULE_COUNTS`).
+
+    Raises:
+        ValueError: naming the option and the accepted values.
+    """
+    if value not in SCHEDULE_COUNTS:
+        raise ValueError(f"schedule_counts must be 'applied' or 'attempted', got {value!r}.")
+    return value
 
 
 def floor_hits(config: LossScaleConfig, extra: Any) -> dict[str, Any]:

@@ -143,6 +143,20 @@ class MultiSteps(optax.MultiSteps):
 _SECOND_MOMENTS = frozenset({"nu", "sum_of_squares"})
 
 
+def _count_skipped(opt_state: Any, applied: Any) -> Any:
+    """``schedule_counts="attempted"``: every integer ``count`` leaf of the optax state (schedules,
+    Adam's bias correction, EMA debiasing) grows by one on a skipped step, so it counts
+    attempted steps; nothing else changes. Branch-free (``jnp.where``)."""
+
+    def advance(path: Any, x: Any) -> Any:
+        named = path and getattr(path[-1], "name", None) == "count"
+        if named and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.where(applied, x, x + 1)
+        return x
+
+    return jax.tree_util.tree_map_with_path(advance, opt_state)
+
+
 def _half_second_moments(opt_state: Any) -> bool:
     """True when an optax state keeps second moments (``nu``, ``sum_of_squares``) in float16."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:

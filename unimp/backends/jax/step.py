@@ -14,12 +14,18 @@ import optax
 from jax import lax
 
 from unimp.backends.jax.devices import _commit_like, _device_leaf
-from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
+from unimp.backends.jax.optimizer import (
+    LossScaleOptState,
+    _count_skipped,
+    _half_second_moments,
+    _injected_eps,
+)
 from unimp.backends.jax.overflow import _keep_unless, _varying_axes, all_finite, sync_loss_scale
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
 from unimp.backends.jax.stats import _collecting, _gradient_stats, _merge_stacked, _pending
 from unimp.step import (
     StepResult,
+    check_schedule_counts,
     check_stats_every,
     check_step_options,
     floor_hits,
@@ -190,6 +196,7 @@ class TrainStep:
         donate: bool = False,
         model_state: Any = None,
         stats_every: int | None = None,
+        schedule_counts: str = "applied",
     ) -> None:
         stats_every = check_stats_every(stats_every)
         if stats_every is not None and axis_name is not None:
@@ -268,6 +275,7 @@ class TrainStep:
         self._mesh = mesh
         self._donate = donate
         self._stats_every = stats_every
+        self._schedule_counts = check_schedule_counts(schedule_counts)
         self._calls = 0
         self._stats_order: tuple[list[str], list[str]] = ([], [])
         donated = ((0, 1, 2, 4) if self._stateful else (0, 1, 2)) if donate else ()
@@ -410,6 +418,8 @@ class TrainStep:
         applied = grads_finite & loss_finite
         params = _keep_unless(applied, new_params, params)
         opt_state = _keep_unless(applied, new_opt_state, opt_state)
+        if self._schedule_counts == "attempted":  # a skipped step still advances optax's counts
+            opt_state = _count_skipped(opt_state, applied)
         new_ls = ls.adjust(grads_finite, loss_finite)
         if self._stateful:  # what the forward pass changed (batch_stats, ...) is kept only if applied
             model_state = _keep_unless(applied, new_model_state, model_state)

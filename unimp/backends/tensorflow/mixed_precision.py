@@ -278,6 +278,7 @@ class MixedPrecision(MixedPrecisionBase):
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
+        schedule_counts: str = "applied",
     ) -> TrainStep:
         """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
 
@@ -366,6 +367,6 @@ class MixedPrecision(MixedPrecisionBase):
             lso = self.loss_scale_optimizer(optimizer)
         step = TrainStep(
             model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
-            device=self._device, stats_every=stats_every,
+            device=self._device, stats_every=stats_every, schedule_counts=schedule_counts,
         )
         return _with_log(step, self, log, log_every, step.optimizer.loss_scale_config, _to_host)

@@ -17,6 +17,7 @@ from keras.src.utils import tracking
 from unimp.backends.tensorflow.overflow import _warn_resync, all_finite
 from unimp.backends.tensorflow.scaling import (
     _check_keras_arguments,
+    _count_skipped,
     _ensure_extra,
     _extra,
     _positional,
@@ -470,7 +471,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             _TFOps, self._loss_scale_config, *held, grads_finite, loss_finite, extra=extra
         )
         # A skipped step must not touch the inner optimizer at all (its iterations included).
-        tf.cond(applied, apply_inner, lambda: None)
+        tf.cond(applied, apply_inner, lambda: _count_skipped(self))
         self.dynamic_scale.assign(scale)
         self.counter.assign(counter)
         self.consecutive_skips.assign(consecutive)

@@ -54,6 +54,13 @@ def _ensure_extra(optimizer: Any, config: LossScaleConfig) -> None:
         )
 
 
+def _count_skipped(optimizer: Any) -> None:
+    """A skipped step's effect on the inner optimizer: none with ``schedule_counts="applied"``
+    (the default), ``iterations += 1`` with ``"attempted"`` (see ``unimp.step.SCHEDULE_COUNTS``)."""
+    if getattr(optimizer, "schedule_counts", "applied") == "attempted":
+        optimizer.inner_optimizer.iterations.assign_add(1)
+
+
 def _divide(x: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
     """x / scale computed in float32 (float64 for float64 x), returned in x's dtype."""
     if x.dtype == tf.float32:

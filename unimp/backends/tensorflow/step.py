@@ -19,7 +19,7 @@ from unimp.backends.tensorflow.stats import _Collector, _pending
 from unimp.loss_scale import (
     from_state_dict,
 )
-from unimp.step import StepResult, floor_hits, micro_batches
+from unimp.step import StepResult, check_schedule_counts, floor_hits, micro_batches
 
 
 def _batch_to_tensors(batch: Any) -> Any:
@@ -110,7 +110,9 @@ class TrainStep:
         jit_compile: bool,
         device: str | None = None,
         stats_every: int | None = None,
+        schedule_counts: str = "applied",
     ) -> None:
+        optimizer.schedule_counts = check_schedule_counts(schedule_counts)  # read when traced
         self.model = model
         self.device = device
         self.optimizer = optimizer

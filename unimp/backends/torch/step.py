@@ -14,7 +14,14 @@ from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.scaling import GradScaler, _to_host
 from unimp.backends.torch.stats import _gradient_stats, _param_names, _pending, _Recorder
-from unimp.step import StepResult, check_stats_every, check_step_options, floor_hits, micro_batches
+from unimp.step import (
+    StepResult,
+    check_schedule_counts,
+    check_stats_every,
+    check_step_options,
+    floor_hits,
+    micro_batches,
+)
 
 if TYPE_CHECKING:
     from unimp.backends.torch.mixed_precision import MixedPrecision
@@ -103,8 +110,10 @@ class TrainStep:
         max_grad_norm: float | None = None,
         scheduler: Any = None,
         stats_every: int | None = None,
+        schedule_counts: str = "applied",
     ) -> None:
         stats_every = check_stats_every(stats_every)
+        self.schedule_counts = check_schedule_counts(schedule_counts)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if not callable(loss_fn):
@@ -222,7 +231,7 @@ class TrainStep:
             "total_skips": total,
             **floor_hits(sc.config, extra),
         }
-        if self.scheduler is not None and bool(applied):
+        if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(applied)):
             self.scheduler.step()
         return StepResult(raw, _to_host, sc.config, stats=stats)
 
