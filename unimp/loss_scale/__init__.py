@@ -33,8 +33,8 @@ Modules:
   and warnings, :func:`loss_scale_from_dict`.
 * ``rule``: the algorithm, :func:`update_arrays` over an array namespace, and its NumPy
   reference (:func:`update`, :func:`simulate`, :func:`check_state`).
-* ``presets``: ``DynamicLossScale.preset`` 's table: each framework's and trainer's (DeepSpeed,
-  Megatron-LM, fairseq) defaults and rule, with the source each was read from.
+* ``presets``: the table behind ``DynamicLossScale.preset``: each framework's and trainer's
+  (DeepSpeed, Megatron-LM, fairseq) defaults and rule, with the source each was read from.
 * ``portable``: the portable state_dict format (:data:`STATE_FORMAT`, :func:`state_dict`,
   :func:`from_state_dict`), the same in every backend.
 

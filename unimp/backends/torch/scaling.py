@@ -292,7 +292,7 @@ class GradScaler:
             raise ValueError(f"growth_interval belongs to a dynamic loss scale; this one is {self._config.kind!r}.")
         config = self._config.replace(growth_interval=new_interval)
         counter = int(self._counter.item())
-        if counter >= config.growth_interval:
+        if counter >= config.growth_at:
             raise ValueError(f"growth_interval={new_interval} must exceed the current counter {counter}.")
         self._config = config
 
