@@ -48,9 +48,14 @@ def _scaler_text(recipe: Recipe) -> str:
         return f"static loss scale {ls.scale:g}"
     return (
         f"dynamic loss scale init={ls.init_scale:g}, growth x{ls.growth_factor:g} after "
-        f"{ls.growth_interval} finite steps, backoff x{ls.backoff_factor:g}, "
+        f"{ls.growth_interval} finite steps"
+        + (" (one more after the start or an overflow)" if ls.delayed_first_growth else "")
+        + f", backoff x{ls.backoff_factor:g}, "
         f"min={'2**-126' if ls.min_scale is None else f'{ls.min_scale:g}'}, "
         f"max={'none' if ls.max_scale is None else f'{ls.max_scale:g}'}"
+        + (f", hysteresis {ls.hysteresis}" if ls.hysteresis > 1 else "")
+        + (f", overflow tolerance {ls.overflow_tolerance:g}" if ls.overflow_tolerance else "")
+        + (f", {ls.floor_action} at the floor" if ls.floor_action != "keep" else "")
     )
 
 
