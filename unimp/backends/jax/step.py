@@ -156,6 +156,9 @@ class TrainStep:
             stepping through this object (it would hold deleted buffers). The ``params``
             given here are copied once, so the caller's arrays are never donated. Off by
             default; on a CPU it made the benchmark MLP about 9 % slower.
+        schedule_counts: ``"applied"`` (default: a skipped step leaves the optax state, its
+            ``count`` leaves included, unchanged) or ``"attempted"`` (every integer ``count``
+            leaf grows by one on a skipped step); see :data:`unimp.step.SCHEDULE_COUNTS`.
         stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
             step; a call that raises is not counted) the result's ``stats`` holds
             :class:`unimp.stats.StepStats`: each floating gradient leaf (named by its params

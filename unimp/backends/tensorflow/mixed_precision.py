@@ -317,6 +317,9 @@ class MixedPrecision(MixedPrecisionBase):
             grad_accum_steps: micro-batches per optimizer step, >= 1.
             max_grad_norm: ``None`` or a finite number > 0.
             jit_compile: compile the step with XLA.
+            schedule_counts: ``"applied"`` (default: a skipped step leaves ``iterations``, hence
+                any learning-rate schedule, unchanged) or ``"attempted"`` (``iterations`` grows
+                on a skipped step too); see :data:`unimp.step.SCHEDULE_COUNTS`.
             stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by
                 the step; a call that raises is not counted) the result's ``stats`` holds
                 :class:`unimp.stats.StepStats`: each trainable variable's gradient (named by

@@ -79,6 +79,8 @@ class TrainStep:
         scheduler: a torch LR scheduler, advanced only after applied steps. Deciding that needs
             ``applied`` on the host: with a scheduler each step reads it once (a sync); without
             one a step never syncs.
+        schedule_counts: ``"applied"`` (default, as above) or ``"attempted"``: the scheduler
+            steps on every call, skipped or not, with no sync (:data:`unimp.step.SCHEDULE_COUNTS`).
         stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
             step; a call that raises is not counted) the result's ``stats`` holds
             :class:`unimp.stats.StepStats`: each gradient the optimizer holds (named as in
