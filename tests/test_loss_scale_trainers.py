@@ -248,3 +248,29 @@ def test_state_with_hysteresis_out_of_range_is_refused():
     d["state"]["hysteresis_used"] = 2
     with pytest.raises(ValueError, match="hysteresis_used"):
         from_state_dict(d)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    events=st.lists(st.sampled_from([True, False, (True, False)]), max_size=60),
+    interval=st.integers(1, 4),
+    hysteresis=st.integers(1, 3),
+    consecutive=st.booleans(),
+    tolerance=st.sampled_from([0.0, 0.2, 0.5]),
+    action=st.sampled_from(["keep", "warn", "raise"]),
+    delayed=st.booleans(),
+)
+def test_every_reachable_state_is_valid_and_round_trips(
+    events, interval, hysteresis, consecutive, tolerance, action, delayed
+):
+    cfg = DynamicLossScale(
+        init_scale=8.0, growth_interval=interval, min_scale=1.0, max_scale=2.0**10,
+        hysteresis=hysteresis, consecutive_hysteresis=consecutive, overflow_tolerance=tolerance,
+        floor_action=action, delayed_first_growth=delayed,
+    )
+    hits = 0
+    for s in simulate(cfg, events):
+        assert 0 <= int(s.hysteresis_used) < hysteresis and 0 <= int(s.counter) < cfg.growth_at
+        assert int(s.floor_hits) >= hits and (action != "keep" or int(s.floor_hits) == 0)
+        hits = int(s.floor_hits)
+        assert from_state_dict(json.loads(json.dumps(state_dict(cfg, s)))) == (cfg, s)
