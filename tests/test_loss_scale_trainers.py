@@ -193,7 +193,7 @@ def test_floor_action_warn_warns_once_per_hit():
 
 def test_raise_names_the_step():
     cfg = DynamicLossScale(init_scale=1, min_scale=1, floor_action="raise")
-    with pytest.raises(LossScaleError, match="at step 7"):
+    with pytest.raises(LossScaleError, match="reported by step 7"):
         check_state(cfg, simulate(cfg, [False])[-1], step=7)
 
 

@@ -114,7 +114,7 @@ class StepResult:
                     self._get("scale"), 0, skips, max(skips, self._get("total_skips")),
                     floor_hits=0 if floor is None else int(self._to_host(floor)),
                 )
-                check_state(self._config, state)
+                check_state(self._config, state, step=self._raw.get("floor_step"))
         return self._values[name]
 
     loss = property(lambda self: self._get("loss"), doc="float, the unscaled loss.")
@@ -197,13 +197,14 @@ def check_schedule_counts(value: Any) -> str:
     return value
 
 
-def floor_hits(config: LossScaleConfig, extra: Any) -> dict[str, Any]:
-    """``{"floor_hits": <device value>}`` for a step's raw values where the config's
-    ``floor_action`` needs the host check ("warn" / "raise"), else ``{}``; ``extra`` is the
-    format-2 tail that :func:`unimp.loss_scale.update_arrays` returned."""
+def floor_hits(config: LossScaleConfig, extra: Any, step: int | None = None) -> dict[str, Any]:
+    """``{"floor_hits": <device value>, "floor_step": step}`` for a step's raw values where the
+    config's ``floor_action`` needs the host check ("warn" / "raise"), else ``{}``; ``extra`` is
+    the format-2 tail that :func:`unimp.loss_scale.update_arrays` returned, ``step`` the step's
+    0-based index (named in the message; a traced step adds it on the host)."""
     if getattr(config, "floor_action", "keep") == "keep" or not extra:
         return {}
-    return {"floor_hits": extra[-1]}
+    return {"floor_hits": extra[-1]} if step is None else {"floor_hits": extra[-1], "floor_step": step}
 
 
 def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, float | None]:

@@ -67,7 +67,7 @@ def test_deepspeed_stops_on_the_step_deepspeed_stops(backend):
     first, second = run.step(_BATCHES["inf-grad"]), run.step(_BATCHES["inf-grad"])
     assert (first.scale, second.scale) == (2.0, 2.0)
     third = run.step(_BATCHES["inf-grad"])
-    with pytest.raises(LossScaleError, match="floor hit 1"):
+    with pytest.raises(LossScaleError, match="floor hit 1, reported by step 2"):
         third.scale  # noqa: B018
 
 

@@ -279,10 +279,11 @@ def _check_floor(config: LossScaleConfig, state: LossScaleState, step: int | Non
     action = getattr(config, "floor_action", "keep")
     if action == "keep" or int(state.floor_hits) == 0:
         return
-    where = f"at step {step}" if step is not None else f"by skipped step {int(state.total_skips)}"
+    where = f"step {step}" if step is not None else f"the state read after {int(state.total_skips)} skips"
     msg = (
         f"the loss scale is at its floor (min_scale={config.floor!r}) and an overflow asked to "
-        f"lower it again {where} (floor hit {int(state.floor_hits)}; floor_action={action!r}). "
+        f"lower it again (floor hit {int(state.floor_hits)}, reported by {where}; "
+        f"floor_action={action!r}). "
         "DeepSpeed stops here ('Current loss scale already at minimum') and fairseq too "
         "('Minimum loss scale reached'): the loss is probably diverging, not out of float16 "
         "range. Lower the learning rate, clip gradients (max_grad_norm), look for NaN/inf in the "

@@ -503,6 +503,8 @@ class TrainStep:
         stats = None
         if with_stats:
             stats = _pending(self._calls, raw.pop("stats"), self._stats_order)
+        if "floor_hits" in raw:  # the step's index, named by a floor_action message
+            raw["floor_step"] = self._calls
         self._calls += 1
         result = StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats)
         if self._recorder is not None:

@@ -175,6 +175,8 @@ class TrainStep:
             with tf.device(self.device):
                 raw = function(batch)
         stats = None
+        if "floor_hits" in raw:  # the step's index, named by a floor_action message
+            raw["floor_step"] = self.calls
         if stats_step:
             stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
         self.calls += 1

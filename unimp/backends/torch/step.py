@@ -231,7 +231,7 @@ class TrainStep:
             "grad_norm": grad_norm,
             "consecutive_skips": consecutive,
             "total_skips": total,
-            **floor_hits(sc.config, extra),
+            **floor_hits(sc.config, extra, self.calls),
         }
         if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(applied)):
             self.scheduler.step()
