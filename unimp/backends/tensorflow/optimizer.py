@@ -392,9 +392,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Replicas whose loss-scale state differs (a checkpoint restored on one worker only)
         # are re-synchronized from replica 0, with a warning: the update below reads the
         # primary (replica 0) copy in cross-replica context and assigns it to every replica.
-        mine = tf.stack(
-            [tf.cast(tf.convert_to_tensor(v), tf.float64) for v in self._state_variables()]
-        )
+        held = [tf.convert_to_tensor(v) for v in self._state_variables()] + list(_extra(self) or ())
+        mine = tf.stack([tf.cast(v, tf.float64) for v in held])
         everyone = replica.all_gather(mine[None], axis=0)
         differ = tf.reduce_any(tf.not_equal(everyone, everyone[:1]))
         applied, consecutive, total = replica.merge_call(
