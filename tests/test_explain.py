@@ -105,3 +105,17 @@ def test_explain_fp8_table_text(capsys):
     assert main(["explain", "--fp8", "--amaxes", "4,0,inf,nan,2", "--history-len", "2"]) == 0
     out = capsys.readouterr().out
     assert "L=2" in out and "torchao" in out and "Differences:" in out
+
+
+def test_scalers_show_the_large_scale_trainers(capsys):
+    # 40 clean steps (no growth at interval 1000), then 40 overflows from step 40 on: with
+    # hysteresis 2 the first is absorbed, 16 halve DeepSpeed's 2**16 to its floor 1 and the 18th
+    # stops the run; Megatron (2**32) sits at its floor; fairseq stops on its 21st backoff
+    assert main(["explain", "O1", "--scalers", "--json", "--steps", "80", "--burst", "40",
+                 "--overflow-rate", "0", "--growth-interval", "1000"]) == 0
+    s = json.loads(capsys.readouterr().out)["scalers"]["scalers"]
+    assert {"deepspeed", "megatron", "fairseq"} <= set(s)
+    assert s["deepspeed"]["config"]["hysteresis"] == s["megatron"]["config"]["hysteresis"] == 2
+    assert s["deepspeed"]["stops_at"] == 57
+    assert s["megatron"]["stops_at"] is None and min(s["megatron"]["scale"]) == 1.0
+    assert s["fairseq"]["stops_at"] == 60 and min(s["fairseq"]["scale"]) == 2.0**-13

@@ -171,9 +171,11 @@ def _explain(args: argparse.Namespace) -> int:
             )
         for name, row in table["scalers"].items():
             cfg = row["config"]
+            stop = "" if row["stops_at"] is None else f" (stops at step {row['stops_at']})"
             print(
                 f"  {name:<9} {row['native']:<48} init {cfg['init_scale']:<8g} interval {cfg['growth_interval']:<5} "
-                f"min {_g(cfg['min_scale'], '2**-126'):<8} max {_g(cfg['max_scale']):<11} final {row['scale'][-1]:g}"
+                f"min {_g(cfg['min_scale'], '2**-126'):<8} max {_g(cfg['max_scale']):<11} "
+                f"hysteresis {cfg.get('hysteresis', 1)} final {row['scale'][-1]:g}{stop}"
             )
         print("Differences (scale index 0 is the initial scale):")
         for line in table["differences"]:

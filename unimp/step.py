@@ -9,7 +9,10 @@ from typing import Any
 from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
 
 __all__ = [
+    "SCHEDULE_COUNTS",
     "STEP_FIELDS",
+    "check_schedule_counts",
+    "floor_hits",
     "HalfOptimizerStateWarning",
     "StepResult",
     "check_stats_every",
@@ -46,11 +49,12 @@ class StepResult:
 
     Taking a step never synchronizes with the device: the result holds the step's device
     values. Reading a field converts it to a Python value, which may wait for the device;
-    the first read also checks ``max_consecutive_skips`` and may raise
-    :class:`~unimp.LossScaleError`.
+    the first read also checks ``max_consecutive_skips`` and the loss scale's ``floor_action``
+    and may raise :class:`~unimp.LossScaleError`.
 
     Args:
-        raw: the step's device values, one per name in :data:`STEP_FIELDS`.
+        raw: the step's device values, one per name in :data:`STEP_FIELDS`; optionally
+            ``floor_hits`` (the loss-scale state's, for ``floor_action`` "warn" / "raise").
         to_host: converts one device value to a host value (e.g. ``Tensor.item``).
         config: the loss-scale config, for the ``max_consecutive_skips`` check.
         stats: the step's tensor statistics: ``None`` (not taken on this step), a
@@ -101,15 +105,16 @@ class StepResult:
             self._values[name] = value
         if not self._checked:
             self._checked = True
-            if (
-                self._config is not None
-                and getattr(self._config, "max_consecutive_skips", None) is not None
+            floor = self._raw.get("floor_hits")  # with floor_action "warn" / "raise"
+            if self._config is not None and (
+                getattr(self._config, "max_consecutive_skips", None) is not None or floor is not None
             ):
                 skips = self._get("consecutive_skips")
                 state = LossScaleState(
-                    self._get("scale"), 0, skips, max(skips, self._get("total_skips"))
+                    self._get("scale"), 0, skips, max(skips, self._get("total_skips")),
+                    floor_hits=0 if floor is None else int(self._to_host(floor)),
                 )
-                check_state(self._config, state)
+                check_state(self._config, state, step=self._raw.get("floor_step"))
         return self._values[name]
 
     loss = property(lambda self: self._get("loss"), doc="float, the unscaled loss.")
@@ -162,6 +167,44 @@ class StepResult:
             return f"StepResult({', '.join(parts)})"
         except Exception as e:  # repr must not raise
             return f"StepResult(<unreadable: {e}>)"
+
+
+#: What a skipped step does to learning-rate schedules and step counters, the same in every
+#: backend (``train_step(..., schedule_counts=...)``):
+#:
+#: * ``"applied"`` (default): a skipped step changes no counter: torch's LR scheduler is not
+#:   stepped, Keras's ``iterations`` and optax's ``count`` leaves keep their value, so a
+#:   schedule is a function of the applied steps (as torch.amp's skipped ``optimizer.step``,
+#:   Keras's LossScaleOptimizer and optax's ``apply_if_finite``).
+#: * ``"attempted"``: the schedule counts every step, skipped or not: torch's scheduler steps on
+#:   every call (and needs no host read of ``applied``), Keras's ``iterations`` and every integer
+#:   ``count`` leaf of the optax state grow by one on a skipped step (as DeepSpeed and Megatron-LM,
+#:   whose LR schedulers step once per iteration). Parameters, moments and EMA values are never
+#:   touched by a skipped step; torch's per-parameter ``step`` (Adam's bias correction) counts
+#:   applied steps in both modes, where Keras's ``iterations`` and optax's Adam ``count`` also
+#:   drive the bias correction.
+SCHEDULE_COUNTS = ("applied", "attempted")
+
+
+def check_schedule_counts(value: Any) -> str:
+    """Validates ``schedule_counts`` (one of :data:`SCHEDULE_COUNTS`).
+
+    Raises:
+        ValueError: naming the option and the accepted values.
+    """
+    if value not in SCHEDULE_COUNTS:
+        raise ValueError(f"schedule_counts must be 'applied' or 'attempted', got {value!r}.")
+    return value
+
+
+def floor_hits(config: LossScaleConfig, extra: Any, step: int | None = None) -> dict[str, Any]:
+    """``{"floor_hits": <device value>, "floor_step": step}`` for a step's raw values where the
+    config's ``floor_action`` needs the host check ("warn" / "raise"), else ``{}``; ``extra`` is
+    the format-2 tail that :func:`unimp.loss_scale.update_arrays` returned, ``step`` the step's
+    0-based index (named in the message; a traced step adds it on the host)."""
+    if getattr(config, "floor_action", "keep") == "keep" or not extra:
+        return {}
+    return {"floor_hits": extra[-1]} if step is None else {"floor_hits": extra[-1], "floor_step": step}
 
 
 def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, float | None]:

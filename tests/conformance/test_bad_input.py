@@ -60,7 +60,7 @@ BAD_STATE_DICTS = [
         None,
     ),
     ("keras-checkpoint", {"dynamic_scale": 1024.0, "step_counter": 3}, "format"),
-    ("future-format", _sd(format="unimp.loss_scale/2"), "format"),
+    ("future-format", _sd(format="unimp.loss_scale/3"), "format"),  # /2 exists since issue 18
     ("missing-state", _sd(state=KeyError), "state"),
     ("bad-kind", _sd(config__kind="adaptive"), "kind"),
     ("bad-growth", _sd(config__growth_factor=0.9), "growth_factor"),

@@ -1,5 +1,6 @@
 """``unimp explain``: how a recipe maps onto each framework's native objects, and how the
-frameworks' own loss scalers would differ on the same steps. Framework-free."""
+frameworks' and the large-scale trainers' (DeepSpeed, Megatron-LM, fairseq) own loss scalers
+would differ on the same steps. Framework-free."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ PRESETS = {
     "jmp": "jmp.DynamicLossScale(2**15)",
     "flax": "flax.training.dynamic_scale.DynamicScale()",
     "apex": "apex.amp dynamic loss scaler",
+    "deepspeed": "DeepSpeed fp16 DynamicLossScaler (hysteresis 2)",
+    "megatron": "Megatron-LM DynamicGradScaler (hysteresis 2)",
+    "fairseq": "fairseq DynamicLossScaler (FP16Optimizer)",
 }
 
 _TORCH_DTYPE = {
@@ -44,9 +48,14 @@ def _scaler_text(recipe: Recipe) -> str:
         return f"static loss scale {ls.scale:g}"
     return (
         f"dynamic loss scale init={ls.init_scale:g}, growth x{ls.growth_factor:g} after "
-        f"{ls.growth_interval} finite steps, backoff x{ls.backoff_factor:g}, "
+        f"{ls.growth_interval} finite steps"
+        + (" (one more after the start or an overflow)" if ls.delayed_first_growth else "")
+        + f", backoff x{ls.backoff_factor:g}, "
         f"min={'2**-126' if ls.min_scale is None else f'{ls.min_scale:g}'}, "
         f"max={'none' if ls.max_scale is None else f'{ls.max_scale:g}'}"
+        + (f", hysteresis {ls.hysteresis}" if ls.hysteresis > 1 else "")
+        + (f", overflow tolerance {ls.overflow_tolerance:g}" if ls.overflow_tolerance else "")
+        + (f", {ls.floor_action} at the floor" if ls.floor_action != "keep" else "")
     )
 
 
@@ -191,7 +200,8 @@ def scaler_table(
 
     Returns:
         ``{"steps": n, "scalers": {name: {"native": str, "config": dict, "scale": [...],
-        "skips": int}}, "differences": [str, ...]}``.
+        "skips": int, "stops_at": int | None}}, "differences": [str, ...]}``; ``stops_at`` is
+        the step where a scaler that stops at its floor (DeepSpeed, fairseq) would end the run.
     """
     names = list(PRESETS) if presets is None else list(presets)
     out: dict[str, Any] = {"steps": len(flags), "scalers": {}, "differences": []}
@@ -213,11 +223,14 @@ def scaler_table(
         else:
             cfg = DynamicLossScale.preset(name, **overrides)
         states = simulate(cfg, flags)
+        raises = getattr(cfg, "floor_action", "keep") == "raise"
         out["scalers"][name] = {
             "native": PRESETS.get(name, "the recipe's own loss scale" if name in own else name),
             "config": cfg.to_dict(),
             "scale": [float(cfg.initial_scale())] + [float(s.scale) for s in states],
             "skips": int(states[-1].total_skips) if states else 0,
+            # the step (0-based) where the scaler would stop the run at its floor, as the trainer
+            "stops_at": next((i for i, s in enumerate(states) if raises and s.floor_hits), None),
         }
     base = names[0]
     for name in names[1:]:
@@ -230,4 +243,7 @@ def scaler_table(
                 f"{name}: first differs from {base} at step {first} ({b[first]:g} vs {a[first]:g}); "
                 f"final {b[-1]:g} vs {a[-1]:g}"
             )
+        stop = out["scalers"][name]["stops_at"]
+        if stop is not None:
+            out["differences"][-1] += f"; stops the run at step {stop} (an overflow at its floor)"
     return out

@@ -47,7 +47,7 @@ import torch
 
 from unimp.backends.torch import GradScaler as _TorchGradScaler
 from unimp.distributed.torch import _config_code
-from unimp.loss_scale import warn_replica_desync
+from unimp.loss_scale import EXTRA_FIELDS, warn_replica_desync
 
 try:
     import horovod.torch as hvd
@@ -65,7 +65,7 @@ __all__ = [
     "broadcast_state",
 ]
 
-_FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", "config")
+_FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", *EXTRA_FIELDS, "config")
 
 
 class GradScaler(_TorchGradScaler):
@@ -99,7 +99,7 @@ class GradScaler(_TorchGradScaler):
         if self._replicas_checked:
             return
         if hvd.size() > 1:
-            parts = [self._scale, self._counter, self._consecutive, self._total]
+            parts = [self._scale, self._counter, self._consecutive, self._total, *self._extra]
             v = torch.stack([t.to(torch.float64) for t in parts]
                             + [torch.tensor(_config_code(self.config), dtype=torch.float64, device=self.device)])
             both = hvd.allreduce(torch.cat([v, -v]), op=hvd.Max, name="unimp.state_fingerprint")

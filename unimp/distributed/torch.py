@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unimp.loss_scale import warn_replica_desync
+from unimp.loss_scale import EXTRA_FIELDS, warn_replica_desync
 
 __all__ = [
     "broadcast_state",
@@ -46,7 +46,7 @@ __all__ = [
     "state_fingerprint",
 ]
 
-_FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", "config")
+_FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", *EXTRA_FIELDS, "config")
 
 
 def _group(group: Any) -> Any:
@@ -89,10 +89,10 @@ def _config_code(config: Any) -> float:
 
 
 def state_fingerprint(scaler: Any) -> torch.Tensor:
-    """A float64 vector ``[scale, counter, consecutive_skips, total_skips, config code]`` on the
-    scaler's device (no host sync): equal on two ranks iff they hold the same loss-scale state
-    and config (the config code is a CRC-32 of its JSON)."""
-    parts = [scaler._scale, scaler._counter, scaler._consecutive, scaler._total]
+    """A float64 vector ``[scale, counter, consecutive_skips, total_skips, <EXTRA_FIELDS>,
+    config code]`` on the scaler's device (no host sync): equal on two ranks iff they hold the
+    same loss-scale state and config (the config code is a CRC-32 of its JSON)."""
+    parts = [scaler._scale, scaler._counter, scaler._consecutive, scaler._total, *scaler._extra]
     code = torch.tensor(_config_code(scaler.config), dtype=torch.float64, device=scaler.device)
     return torch.stack([t.to(torch.float64) for t in parts] + [code])
 
@@ -103,7 +103,7 @@ def check_replicas_agree(scaler: Any, group: Any = None) -> list[str]:
 
     The scaler calls this once, at its first ``unscale_`` after construction or
     ``load_state_dict``. One all-reduce (MAX over ``[v, -v]``, which gives the max and the min of
-    every field) and one host read of 10 numbers; every rank reaches the same verdict.
+    every field) and one host read of 18 numbers; every rank reaches the same verdict.
 
     Args:
         scaler: a :class:`unimp.backends.torch.GradScaler`.

@@ -18,6 +18,10 @@ The rule (dynamic scale):
 * non-finite loss (overflow in the forward pass): the step is skipped and counted, but the
   scale and the counter are left alone: loss scaling cannot fix a forward overflow, so it must
   not drive the scale down.
+* the large-scale trainers' rules (off by default): ``hysteresis`` (back off only after several
+  overflows; DeepSpeed, Megatron-LM), ``overflow_tolerance`` (fairseq), ``floor_action`` (warn or
+  raise when an overflow hits the floor; DeepSpeed, fairseq) and ``delayed_first_growth``
+  (DeepSpeed >= 0.17.1); see :func:`update_arrays` and :mod:`unimp.loss_scale.presets`.
 
 Static and disabled scales never change their scale; they still skip non-finite steps (a NaN
 update would destroy the parameters) and count the skips.
@@ -29,6 +33,8 @@ Modules:
   and warnings, :func:`loss_scale_from_dict`.
 * ``rule``: the algorithm, :func:`update_arrays` over an array namespace, and its NumPy
   reference (:func:`update`, :func:`simulate`, :func:`check_state`).
+* ``presets``: the table behind ``DynamicLossScale.preset``: each framework's and trainer's
+  (DeepSpeed, Megatron-LM, fairseq) defaults and rule, with the source each was read from.
 * ``portable``: the portable state_dict format (:data:`STATE_FORMAT`, :func:`state_dict`,
   :func:`from_state_dict`), the same in every backend.
 
@@ -36,9 +42,12 @@ This ``__init__`` only re-exports; import the names from ``unimp.loss_scale``.
 """
 
 from unimp.loss_scale.config import (
+    EXTRA_FIELDS,
+    FLOOR_ACTIONS,
     DynamicLossScale,
     LossScaleConfig,
     LossScaleError,
+    LossScaleFloorWarning,
     LossScaleState,
     NoLossScale,
     ReplicaDesyncWarning,
@@ -47,13 +56,16 @@ from unimp.loss_scale.config import (
     warn_replica_desync,
 )
 from unimp.loss_scale.portable import STATE_FORMAT, from_state_dict, state_dict
-from unimp.loss_scale.rule import check_state, simulate, update, update_arrays
+from unimp.loss_scale.rule import check_state, simulate, tracks_extra, update, update_arrays
 
 __all__ = [
+    "EXTRA_FIELDS",
+    "FLOOR_ACTIONS",
     "STATE_FORMAT",
     "DynamicLossScale",
     "LossScaleConfig",
     "LossScaleError",
+    "LossScaleFloorWarning",
     "LossScaleState",
     "NoLossScale",
     "ReplicaDesyncWarning",
@@ -63,6 +75,7 @@ __all__ = [
     "loss_scale_from_dict",
     "simulate",
     "state_dict",
+    "tracks_extra",
     "update",
     "update_arrays",
     "warn_replica_desync",

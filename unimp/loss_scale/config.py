@@ -20,7 +20,27 @@ _I32_MAX = int(np.iinfo(np.int32).max)
 
 
 class LossScaleError(RuntimeError):
-    """The loss scale is stuck: more consecutive skipped steps than ``max_consecutive_skips``."""
+    """The loss scale is stuck: more consecutive skipped steps than ``max_consecutive_skips``,
+    or an overflow asked to lower a scale already at its floor with ``floor_action="raise"``."""
+
+
+#: The floor actions of :class:`DynamicLossScale` (what an overflow at the floor does).
+FLOOR_ACTIONS = ("keep", "warn", "raise")
+
+
+def _v2(default: Any) -> Any:
+    """A field added by format 2 of the portable state_dict: written only when it differs from
+    its default, so a state that format 1 can hold is still saved as format 1."""
+    return dataclasses.field(default=default, metadata={"format": 2})
+
+
+def _is_v2(f: dataclasses.Field) -> bool:
+    return f.metadata.get("format") == 2
+
+
+class LossScaleFloorWarning(UserWarning):
+    """An overflow asked to lower a loss scale already at its floor (``floor_action="warn"``):
+    the cause is probably not float16 range but a diverging loss."""
 
 
 class ReplicaDesyncWarning(UserWarning):
@@ -89,12 +109,31 @@ class LossScaleState:
             always in ``[0, growth_interval)``.
         consecutive_skips: int32 scalar, skipped steps in a row (reset by an applied step).
         total_skips: int32 scalar, skipped steps since the start.
+        hysteresis_used: int32 scalar, overflows absorbed by ``hysteresis`` since it was last
+            refilled, in ``[0, hysteresis)`` (DeepSpeed's ``delayed_shift - cur_hysteresis``,
+            Megatron's ``hysteresis - _hysteresis_tracker``). 0 unless ``hysteresis > 1``.
+        overflows_since_rescale: int32 scalar, overflows since the last backoff (fairseq's
+            ``_overflows_since_rescale``; a growth does not reset it). 0 unless
+            ``overflow_tolerance > 0``.
+        steps_since_rescale: int32 scalar, steps since the last growth or backoff, this one not
+            included (fairseq's ``_iter - _last_rescale_iter - 1``). 0 unless
+            ``overflow_tolerance > 0``.
+        floor_hits: int32 scalar, overflows that asked to lower a scale already at its floor
+            (DeepSpeed's "already at minimum", fairseq's FloatingPointError). Counted only with
+            ``floor_action`` ``"warn"`` or ``"raise"``, else 0.
+
+    The last four fields came with format 2 of the portable state_dict; a format-1 state loads
+    with them at 0 (hysteresis full, nothing counted since a rescale, no floor hit).
     """
 
     scale: np.float32
     counter: np.int32
     consecutive_skips: np.int32
     total_skips: np.int32
+    hysteresis_used: np.int32 = _v2(0)
+    overflows_since_rescale: np.int32 = _v2(0)
+    steps_since_rescale: np.int32 = _v2(0)
+    floor_hits: np.int32 = _v2(0)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -103,7 +142,7 @@ class LossScaleState:
             object.__setattr__(self, f.name, cast(np.asarray(value).item()))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values: ``scale`` a float, the counters ints."""
+        """Plain JSON-able values: ``scale`` a float, the counters ints (every field)."""
         return {
             f.name: (float if f.name == "scale" else int)(getattr(self, f.name))
             for f in dataclasses.fields(self)
@@ -115,7 +154,7 @@ class LossScaleState:
         if not isinstance(d, Mapping):
             raise ValueError(f"loss-scale state must be a dict, got {type(d).__name__}.")
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in d]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and not _is_v2(f)]
         extra = sorted(set(d) - set(names))
         if missing or extra:
             raise ValueError(
@@ -126,11 +165,15 @@ class LossScaleState:
             raise ValueError(f"loss-scale state 'scale' must be a number, got {scale!r}.")
         if not math.isfinite(float(scale)) or float(scale) <= 0:
             raise ValueError(f"loss-scale state 'scale' must be finite and > 0, got {scale!r}.")
-        for n in names[1:]:
+        for n in [n for n in names[1:] if n in d]:
             v = d[n]
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= _I32_MAX:
                 raise ValueError(f"loss-scale state {n!r} must be an int in [0, 2**31 - 1], got {v!r}.")
-        return cls(**{n: d[n] for n in names})
+        return cls(**{n: d[n] for n in names if n in d})
+
+
+#: The format-2 fields of :class:`LossScaleState`, in order (``update_arrays``'s ``extra``).
+EXTRA_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleState) if _is_v2(f))
 
 
 class _Config:
@@ -166,10 +209,13 @@ class _Config:
         return update(self, state, grads_finite, loss_finite)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: ``{"kind": ..., <every dataclass field>}``."""
+        """JSON-able: ``{"kind": ..., <every dataclass field>}``; a field added by format 2
+        (``hysteresis`` ...) only where it differs from its default, so a config that format 1
+        can hold is written as before."""
         out: dict[str, Any] = {"kind": self.kind}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            out[f.name] = getattr(self, f.name)
+            if not (_is_v2(f) and getattr(self, f.name) == f.default):
+                out[f.name] = getattr(self, f.name)
         return out
 
 
@@ -233,11 +279,32 @@ class DynamicLossScale(_Config):
         max_scale: cap of the scale; ``None`` means no cap (growth still never makes it inf).
         max_consecutive_skips: ``None``, or N >= 1: more than N skipped steps in a row raise
             :class:`LossScaleError` when the state is checked.
+        hysteresis: int >= 1, overflows it takes to back off once (DeepSpeed's and Megatron's
+            ``hysteresis``): the first ``hysteresis - 1`` overflows only reset the growth count;
+            once used up, every overflow backs off until the hysteresis is refilled. 1 (default)
+            backs off on every overflow.
+        consecutive_hysteresis: refill the hysteresis on every clean step (DeepSpeed's
+            ``consecutive_hysteresis``) instead of only when the scale grows (default, as
+            DeepSpeed and Megatron).
+        overflow_tolerance: in [0, 1), fairseq's ``fp16_scale_tolerance``: an overflow backs
+            off only when the overflows since the last backoff, divided by the steps since the
+            last growth or backoff (this one included), reach it (compared in float32). 0
+            (default) backs off on every overflow.
+        floor_action: what an overflow that would lower a scale already at its floor does:
+            ``"keep"`` (default) keeps the scale at the floor and goes on; ``"warn"`` also
+            warns (:class:`LossScaleFloorWarning`) and ``"raise"`` raises
+            :class:`LossScaleError`, both where the host reads the state (a step's result,
+            ``get_scale``), never with a sync per step; the step is counted in
+            ``LossScaleState.floor_hits``.
+        delayed_first_growth: the first growth after the start or an overflow comes on the
+            ``growth_interval + 1``-th clean step, later ones every ``growth_interval`` clean
+            steps (DeepSpeed >= 0.17.1). False (default): on the ``growth_interval``-th.
 
     Raises:
         ValueError: naming the field, for growth_factor <= 1, backoff_factor outside (0, 1),
             growth_interval < 1, min_scale above max_scale, init_scale outside
-            [min_scale, max_scale], or a non-finite number.
+            [min_scale, max_scale], a non-finite number, hysteresis < 1, overflow_tolerance
+            outside [0, 1), or an unknown floor_action.
 
     Example:
         >>> cfg = DynamicLossScale(init_scale=2**15, growth_interval=1)
@@ -252,6 +319,11 @@ class DynamicLossScale(_Config):
     min_scale: float | None = 1.0
     max_scale: float | None = 2.0**24
     max_consecutive_skips: int | None = None
+    hysteresis: int = _v2(1)
+    consecutive_hysteresis: bool = _v2(False)
+    overflow_tolerance: float = _v2(0.0)
+    floor_action: str = _v2("keep")
+    delayed_first_growth: bool = _v2(False)
     kind: ClassVar[str] = "dynamic"
     dynamic: ClassVar[bool] = True
 
@@ -293,6 +365,21 @@ class DynamicLossScale(_Config):
         skips = self.max_consecutive_skips
         if skips is not None:
             skips = _positive_int(c, "max_consecutive_skips", skips, 1)
+        hysteresis = _positive_int(c, "hysteresis", self.hysteresis, 1)
+        tolerance = _number(c, "overflow_tolerance", self.overflow_tolerance)
+        if not 0 <= tolerance < 1:
+            raise ValueError(
+                f"{c}.overflow_tolerance must be in [0, 1) (a fraction of the steps since the last "
+                f"rescale), got {self.overflow_tolerance!r}."
+            )
+        if self.floor_action not in FLOOR_ACTIONS:
+            raise ValueError(
+                f"{c}.floor_action must be one of {', '.join(map(repr, FLOOR_ACTIONS))}, got "
+                f"{self.floor_action!r}."
+            )
+        for name in ("consecutive_hysteresis", "delayed_first_growth"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{c}.{name} must be a bool, got {getattr(self, name)!r}.")
         for name, value in (
             ("init_scale", init),
             ("growth_factor", growth),
@@ -301,6 +388,10 @@ class DynamicLossScale(_Config):
             ("min_scale", lo),
             ("max_scale", hi),
             ("max_consecutive_skips", skips),
+            ("hysteresis", hysteresis),
+            ("consecutive_hysteresis", bool(self.consecutive_hysteresis)),
+            ("overflow_tolerance", tolerance),
+            ("delayed_first_growth", bool(self.delayed_first_growth)),
         ):
             object.__setattr__(self, name, value)
 
@@ -312,68 +403,43 @@ class DynamicLossScale(_Config):
         """The effective floor: ``min_scale``, or 2**-126 when it is ``None``."""
         return _F32_TINY if self.min_scale is None else self.min_scale
 
+    @property
+    def growth_at(self) -> int:
+        """The counter value that grows the scale: ``growth_interval``, plus 1 with
+        ``delayed_first_growth`` (the counter then restarts at 1 after a growth)."""
+        return self.growth_interval + int(self.delayed_first_growth)
+
+    @property
+    def format(self) -> int:
+        """The oldest portable state_dict format that holds this config (1 or 2)."""
+        return 2 if any(_is_v2(f) for f in dataclasses.fields(self) if f.name in self.to_dict()) else 1
+
     def replace(self, **changes: Any) -> DynamicLossScale:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> DynamicLossScale:
-        """Each framework's own dynamic loss-scale defaults and rules.
-
-        ============  ==========  ========  ===========  ==========================================
-        preset        init        interval  min / max    source
-        ============  ==========  ========  ===========  ==========================================
-        ``torch``     2**16       2000      none / none  torch.amp.GradScaler
-        ``keras``     2**15       2000      none / none  keras.optimizers.LossScaleOptimizer (Keras 3)
-        ``tf_keras``  2**15       2000      1 / none     tf.keras 2 mixed_precision.LossScaleOptimizer
-        ``jmp``       2**15       2000      1 / none     jmp.DynamicLossScale (typical init)
-        ``flax``      2**16       2001      none / fmax  flax.training.dynamic_scale.DynamicScale
-        ``apex``      2**16       2000      none / 2**24 apex.amp (dynamic LossScaler)
-        ============  ==========  ========  ===========  ==========================================
-
-        "none" as a floor means unimp's ``min_scale=None`` (2**-126): the frameworks without a
-        floor would keep halving into float32 subnormals and finally to 0 after about 140
-        overflows in a row; unimp stops at the smallest normal so ``1/scale`` stays finite.
-        flax checks ``fin_steps == growth_interval`` before counting the current step, so it
-        grows one clean step later than the others: its ``growth_interval=2000`` is unimp's
-        2001. flax clamps growth at the largest float32, hence ``max_scale`` = float32 max.
+        """Each framework's or trainer's own dynamic loss-scale defaults and rules: ``torch``,
+        ``keras``, ``tf_keras``, ``jmp``, ``flax``, ``apex``, ``deepspeed``, ``megatron``,
+        ``fairseq``. The table, and the source each preset was read from, is in
+        :mod:`unimp.loss_scale.presets`.
 
         Args:
-            name: one of ``torch``, ``keras``, ``tf_keras``, ``jmp``, ``flax``, ``apex``.
+            name: a preset name (case, ``-`` and ``.`` are ignored; ``tf.keras``, ``pytorch``
+                are aliases).
             **overrides: fields to change, e.g. ``growth_interval=100``.
 
         Raises:
             ValueError: unknown preset name (the message lists them), or a bad override.
-        """
-        presets: dict[str, dict[str, Any]] = {
-            "torch": dict(init_scale=2.0**16, growth_interval=2000, min_scale=None, max_scale=None),
-            "keras": dict(init_scale=2.0**15, growth_interval=2000, min_scale=None, max_scale=None),
-            "tf_keras": dict(
-                init_scale=2.0**15, growth_interval=2000, min_scale=1.0, max_scale=None
-            ),
-            "jmp": dict(init_scale=2.0**15, growth_interval=2000, min_scale=1.0, max_scale=None),
-            "flax": dict(
-                init_scale=2.0**16, growth_interval=2001, min_scale=None, max_scale=_F32_MAX
-            ),
-            "apex": dict(
-                init_scale=2.0**16, growth_interval=2000, min_scale=None, max_scale=2.0**24
-            ),
-        }
-        key = (
-            name.strip().lower().replace("-", "_").replace(".", "_")
-            if isinstance(name, str)
-            else name
-        )
-        key = {"tf.keras": "tf_keras", "tfkeras": "tf_keras", "pytorch": "torch"}.get(key, key)
-        if key not in presets:
-            import difflib
 
-            close = difflib.get_close_matches(str(name), list(presets), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"unknown loss-scale preset {name!r}.{hint} Presets: {', '.join(presets)}."
-            )
-        return cls(**{**presets[key], **overrides})
+        Example:
+            >>> DynamicLossScale.preset("megatron").hysteresis
+            2
+        """
+        from unimp.loss_scale.presets import preset_fields
+
+        return cls(**preset_fields(name, overrides))
 
 
 LossScaleConfig = NoLossScale | StaticLossScale | DynamicLossScale

@@ -7,7 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from unimp.loss_scale.config import LossScaleConfig, LossScaleError, LossScaleState
+from unimp.loss_scale.config import (
+    EXTRA_FIELDS,
+    LossScaleConfig,
+    LossScaleError,
+    LossScaleFloorWarning,
+    LossScaleState,
+)
 
 
 class _NumpyOps:
@@ -27,6 +33,15 @@ class _NumpyOps:
         return np.int32(x)
 
 
+def tracks_extra(config: LossScaleConfig) -> bool:
+    """True when ``config``'s rule needs the format-2 state fields (``hysteresis > 1``, an
+    ``overflow_tolerance`` or a ``floor_action`` other than ``"keep"``); static in the config."""
+    return bool(
+        config.dynamic
+        and (config.hysteresis > 1 or config.overflow_tolerance > 0 or config.floor_action != "keep")
+    )
+
+
 def update_arrays(
     ops: Any,
     config: LossScaleConfig,
@@ -36,12 +51,19 @@ def update_arrays(
     total_skips: Any,
     grads_finite: Any,
     loss_finite: Any,
-) -> tuple[Any, Any, Any, Any]:
+    extra: tuple[Any, ...] | None = None,
+) -> tuple[Any, ...]:
     """The loss-scale algorithm, branch-free, over any array namespace.
 
     Backends call this with their own tensors so the rule is written once. Python branches
     here depend only on the (static) config, never on array values, so the function traces
     under ``jax.jit``, ``tf.function`` and ``torch.compile``.
+
+    Beyond the rule in :mod:`unimp.loss_scale`: an overflow backs off only when the
+    ``hysteresis`` is used up (it is refilled by a growth, or by every clean step with
+    ``consecutive_hysteresis``) and the overflow fraction reaches ``overflow_tolerance``;
+    every overflow restarts the growth count; a backoff asked for while the scale is already at
+    its floor counts a floor hit (``floor_action`` "warn" / "raise" act on it on the host).
 
     Args:
         ops: a namespace with ``where(c, a, b)``, ``minimum``, ``maximum``, ``isfinite``,
@@ -51,10 +73,23 @@ def update_arrays(
         counter, consecutive_skips, total_skips: int32 scalars.
         grads_finite: bool scalar, every gradient element is finite.
         loss_finite: bool scalar, the (unscaled) loss is finite.
+        extra: ``None``, or the format-2 fields of :class:`LossScaleState` as int32 scalars
+            (``hysteresis_used, overflows_since_rescale, steps_since_rescale, floor_hits``).
 
     Returns:
-        ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes.
+        ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes; with
+        ``extra``, followed by the four format-2 fields.
+
+    Raises:
+        ValueError: ``extra`` is None for a config whose rule needs it (see
+            :func:`tracks_extra`).
     """
+    if extra is None and tracks_extra(config):
+        raise ValueError(
+            "this loss-scale config (hysteresis, overflow_tolerance or floor_action) needs the "
+            "format-2 state: pass extra=(hysteresis_used, overflows_since_rescale, "
+            "steps_since_rescale, floor_hits)."
+        )
     # Written for few kernels: every op here is a kernel launch (torch, TF graph) or a fused
     # scalar op (XLA). tests/test_loss_scale.py checks it against the plain nested-select spec.
     applied = grads_finite & loss_finite
@@ -64,7 +99,8 @@ def update_arrays(
     new_consecutive = ops.where(applied, zero, consecutive_skips + one)
     new_total = ops.where(applied, total_skips, total_skips + one)
     if not config.dynamic:
-        return scale, counter, new_consecutive, new_total
+        out = (scale, counter, new_consecutive, new_total)
+        return out if extra is None else (*out, *extra)
     grown = scale * ops.f32(config.growth_factor)
     if config.max_scale is not None:
         grown = ops.minimum(grown, ops.f32(config.max_scale))  # finite: max_scale <= float32 max
@@ -72,12 +108,33 @@ def update_arrays(
         grown = ops.where(ops.isfinite(grown), grown, scale)  # growth never makes the scale inf
     backed = ops.maximum(scale * ops.f32(config.backoff_factor), ops.f32(config.floor))
     next_counter = counter + one
-    grow = applied & (next_counter >= ops.i32(config.growth_interval))
+    grow = applied & (next_counter >= ops.i32(config.growth_at))
+    overflow = backoff
+    if extra is not None:
+        used, overflows, since, hits = extra
+        if config.hysteresis > 1:  # back off only once the hysteresis is used up
+            exhausted = used + one >= ops.i32(config.hysteresis)
+            backoff = backoff & exhausted
+            refill = applied if config.consecutive_hysteresis else grow
+            used = ops.where(refill, zero, ops.where(overflow, ops.minimum(used + one, ops.i32(config.hysteresis - 1)), used))
+        if config.overflow_tolerance > 0:  # fairseq: back off once the overflow fraction is reached
+            fraction = ops.f32(overflows + one) / ops.f32(since + one)
+            backoff = backoff & (fraction >= ops.f32(config.overflow_tolerance))
+            since = ops.where(grow | backoff, zero, ops.where(applied | overflow, since + one, since))
+            overflows = ops.where(backoff, zero, ops.where(overflow, overflows + one, overflows))
+        if config.floor_action != "keep":
+            hits = ops.where(backoff & (scale <= ops.f32(config.floor)), hits + one, hits)
+        extra = (used, overflows, since, hits)
     # finite loss and grads: count, grow on the interval-th; finite loss, bad grads: back off
-    # and restart the count; non-finite loss (forward overflow): leave scale and counter alone.
+    # (when the hysteresis and tolerance allow) and restart the count; non-finite loss (forward
+    # overflow): leave scale, counter and the format-2 fields alone.
     new_scale = ops.where(grow, grown, ops.where(backoff, backed, scale))
-    new_counter = ops.where(grow | backoff, zero, ops.where(applied, next_counter, counter))
-    return new_scale, new_counter, new_consecutive, new_total
+    if config.delayed_first_growth:  # DeepSpeed >= 0.17.1: restart at 1 after a growth
+        new_counter = ops.where(grow, one, ops.where(overflow, zero, ops.where(applied, next_counter, counter)))
+    else:
+        new_counter = ops.where(grow | overflow, zero, ops.where(applied, next_counter, counter))
+    out = (new_scale, new_counter, new_consecutive, new_total)
+    return out if extra is None else (*out, *extra)
 
 
 def update(
@@ -115,6 +172,7 @@ def _reference(
         np.int32(state.total_skips),
         np.bool_(grads_finite),
         np.bool_(loss_finite),
+        extra=tuple(np.int32(getattr(state, n)) for n in EXTRA_FIELDS),
     )
 
 
@@ -176,15 +234,25 @@ def simulate(
     return out
 
 
-def check_state(config: LossScaleConfig, state: LossScaleState) -> None:
-    """Raises :class:`LossScaleError` when ``max_consecutive_skips`` is exceeded.
+def check_state(config: LossScaleConfig, state: LossScaleState, step: int | None = None) -> None:
+    """Raises :class:`LossScaleError` when ``max_consecutive_skips`` is exceeded, or when an
+    overflow hit the floor with ``floor_action="raise"``; warns (:class:`LossScaleFloorWarning`)
+    for a floor hit with ``floor_action="warn"``.
 
     Backends call this when results are read, not every step, to avoid a host-device sync.
 
+    Args:
+        config: the loss-scale config.
+        state: the state read from the device.
+        step: the 0-based step the state was read after, where the caller knows it (named in
+            the message).
+
     Raises:
-        LossScaleError: more than ``max_consecutive_skips`` skipped steps in a row; the message
-            says why the scale is stuck and what to look at.
+        LossScaleError: more than ``max_consecutive_skips`` skipped steps in a row, or
+            ``state.floor_hits > 0`` with ``floor_action="raise"``; the message says why the
+            scale is stuck and what to look at.
     """
+    _check_floor(config, state, step)
     limit = getattr(config, "max_consecutive_skips", None)
     if limit is None or int(state.consecutive_skips) <= limit:
         return
@@ -205,3 +273,24 @@ def check_state(config: LossScaleConfig, state: LossScaleState) -> None:
         + ". "
         + why
     )
+
+
+def _check_floor(config: LossScaleConfig, state: LossScaleState, step: int | None) -> None:
+    action = getattr(config, "floor_action", "keep")
+    if action == "keep" or int(state.floor_hits) == 0:
+        return
+    where = f"step {step}" if step is not None else f"the state read after {int(state.total_skips)} skips"
+    msg = (
+        f"the loss scale is at its floor (min_scale={config.floor!r}) and an overflow asked to "
+        f"lower it again (floor hit {int(state.floor_hits)}, reported by {where}; "
+        f"floor_action={action!r}). "
+        "DeepSpeed stops here ('Current loss scale already at minimum') and fairseq too "
+        "('Minimum loss scale reached'): the loss is probably diverging, not out of float16 "
+        "range. Lower the learning rate, clip gradients (max_grad_norm), look for NaN/inf in the "
+        "inputs, or compute the overflowing op in float32; floor_action='keep' goes on at the floor."
+    )
+    if action == "raise":
+        raise LossScaleError(msg)
+    import warnings
+
+    warnings.warn(msg, LossScaleFloorWarning, stacklevel=4)

@@ -74,7 +74,7 @@ def test_pytree_children_come_from_dataclass_fields():
     ls = ujax.DynamicLossScale()
     names = [k[0].name for k, _ in jax.tree_util.tree_leaves_with_path(ls)]
     assert names == [f.name for f in dataclasses.fields(ls) if not f.metadata.get("static")]
-    assert names == ["loss_scale", "counter", "consecutive_skips", "total_skips"]
+    assert names == ["loss_scale", "counter", "consecutive_skips", "total_skips", *core.EXTRA_FIELDS]
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

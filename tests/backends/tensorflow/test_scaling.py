@@ -216,6 +216,23 @@ def test_keras_checkpoint_round_trip(tmp_path):
     assert int(loaded.optimizer.iterations.numpy()) == 2
 
 
+def test_keras_checkpoint_keeps_the_trainers_fields(tmp_path):
+    # a rule with hysteresis holds its format-2 fields in one more variable, saved and loaded
+    cfg = DynamicLossScale.preset("megatron", init_scale=1024.0, growth_interval=3)
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow", loss_scale=cfg)
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    _, opt = mp.prepare(model, keras.optimizers.SGD(0.01), loss="mse")
+    model.fit(np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32), batch_size=4, verbose=0)
+    opt.apply([tf.fill(v.shape, np.inf) for v in model.trainable_variables], model.trainable_variables)
+    assert opt.state_dict()["state"]["hysteresis_used"] == 1 and float(opt.loss_scale) == 1024.0
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.optimizer.loss_scale_config == cfg
+    assert loaded.optimizer.state_dict() == opt.state_dict()
+
+
 def test_tf_train_checkpoint_round_trip(tmp_path):
     opt, w = _used_optimizer()
     prefix = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))

@@ -272,3 +272,33 @@ def test_skip_guard_covers_persistent_buffers_not_caches():
     model.register_buffer("rotary_cache", torch.ones(1000), persistent=False)
     kept = {id(b) for b, _ in _forward_state(model)}
     assert kept == {id(model[1].running_mean), id(model[1].running_var), id(model[1].num_batches_tracked)}
+
+
+@pytest.mark.parametrize("counts", ["applied", "attempted"])
+def test_no_scheduler_before_optimizer_warning_when_the_first_step_is_skipped(counts):
+    # pytorch/pytorch#44511: torch.amp.GradScaler skips optimizer.step() on an overflow, so a
+    # scheduler stepped after a skipped first step warns; unimp skips on the device instead
+    def loop(scaler, x):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        scaler.scale(model(x).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        return sched.get_last_lr()
+
+    inf = torch.full((4, 2), float("inf"))
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        loop(torch.amp.GradScaler("cpu"), inf)  # torch's own: the warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loop(ut.GradScaler(device="cpu"), inf) == [0.5]
+        mp = unimp.mixed_precision("mixed_float16", backend="torch", device="cpu")
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        step = mp.train_step(model, opt, lambda m, x: m(x).float().pow(2).mean(), scheduler=sched,
+                             schedule_counts=counts)
+        assert step(inf).applied is False and step(torch.full((4, 2), 0.1)).applied is True
+    assert sched.get_last_lr() == [0.5 if counts == "applied" else 0.25]

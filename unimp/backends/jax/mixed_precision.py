@@ -185,6 +185,7 @@ class MixedPrecision(MixedPrecisionBase):
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
+        schedule_counts: str = "applied",
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
@@ -214,5 +215,6 @@ class MixedPrecision(MixedPrecisionBase):
             donate=donate,
             model_state=model_state,
             stats_every=stats_every,
+            schedule_counts=schedule_counts,
         )
         return _with_log(step, self, log, log_every, step.loss_scale.config, jax.device_get)

@@ -143,6 +143,20 @@ class MultiSteps(optax.MultiSteps):
 _SECOND_MOMENTS = frozenset({"nu", "sum_of_squares"})
 
 
+def _count_skipped(opt_state: Any, applied: Any) -> Any:
+    """``schedule_counts="attempted"``: every integer ``count`` leaf of the optax state (schedules,
+    Adam's bias correction, EMA debiasing) grows by one on a skipped step, so it counts
+    attempted steps; nothing else changes. Branch-free (``jnp.where``)."""
+
+    def advance(path: Any, x: Any) -> Any:
+        named = path and getattr(path[-1], "name", None) == "count"
+        if named and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.where(applied, x, x + 1)
+        return x
+
+    return jax.tree_util.tree_map_with_path(advance, opt_state)
+
+
 def _half_second_moments(opt_state: Any) -> bool:
     """True when an optax state keeps second moments (``nu``, ``sum_of_squares``) in float16."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
@@ -166,3 +180,22 @@ def _injected_eps(opt_state: Any) -> float | None:
             except (TypeError, ValueError):
                 return None
     return min(found) if found else None
+
+
+def _contains_loss_scaling(state: Any) -> bool:
+    return any(
+        isinstance(x, LossScaleOptState)
+        for x in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, LossScaleOptState)
+        )
+    )
+
+
+def _learning_rate(opt_state: Any) -> Any:
+    """The learning rate an optax state exposes (``optax.inject_hyperparams``), else None."""
+    found = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
+    for leaf in found:
+        hp = getattr(leaf, "hyperparams", None)
+        if isinstance(hp, dict) and "learning_rate" in hp:
+            return hp["learning_rate"]
+    return None

@@ -147,6 +147,10 @@ class _LossScale:
     counter: Any = 0
     consecutive_skips: Any = 0
     total_skips: Any = 0
+    hysteresis_used: Any = 0  # the format-2 fields (unimp.loss_scale.EXTRA_FIELDS)
+    overflows_since_rescale: Any = 0
+    steps_since_rescale: Any = 0
+    floor_hits: Any = 0
     config: Any = field(default=None, metadata=_STATIC)
 
     _config_cls: ClassVar[type] = core.DynamicLossScale
@@ -167,15 +171,10 @@ class _LossScale:
         scale = cfg.initial_scale() if self.loss_scale is None else self.loss_scale
         scale_arr = _scalar(scale, jnp.float32, name, "loss_scale")
         self._check_scale(cfg, scale_arr)
-        self._check_host_state(cfg, (scale, self.counter, self.consecutive_skips, self.total_skips))
-        values = {
-            "loss_scale": scale_arr,
-            "counter": _scalar(self.counter, jnp.int32, name, "counter"),
-            "consecutive_skips": _scalar(
-                self.consecutive_skips, jnp.int32, name, "consecutive_skips"
-            ),
-            "total_skips": _scalar(self.total_skips, jnp.int32, name, "total_skips"),
-        }
+        ints = ("counter", "consecutive_skips", "total_skips", *core.EXTRA_FIELDS)
+        self._check_host_state(cfg, (scale, *(getattr(self, n) for n in ints)))
+        values = {"loss_scale": scale_arr}
+        values.update({n: _scalar(getattr(self, n), jnp.int32, name, n) for n in ints})
         for k, v in values.items():
             object.__setattr__(self, k, v)
         object.__setattr__(self, "config", cfg)
@@ -240,18 +239,17 @@ class _LossScale:
         """
         g = _check_pred(grads_finite, f"{type(self).__name__}.adjust(grads_finite)")
         lf = _check_pred(loss_finite, f"{type(self).__name__}.adjust(loss_finite)")
-        scale, counter, consecutive, total = core.update_arrays(
-            _JaxOps,
-            self.config,
-            self.loss_scale,
-            self.counter,
-            self.consecutive_skips,
-            self.total_skips,
-            g,
-            lf,
+        extra = tuple(getattr(self, n) for n in core.EXTRA_FIELDS) if core.tracks_extra(self.config) else None
+        out = core.update_arrays(
+            _JaxOps, self.config, *self._held()[:4], g, lf, extra=extra
         )
-        return self._evolve(
-            loss_scale=scale, counter=counter, consecutive_skips=consecutive, total_skips=total
+        names = [f.name for f in dataclasses.fields(core.LossScaleState)]
+        return self._evolve(loss_scale=out[0], **dict(zip(names[1:len(out)], out[1:], strict=True)))
+
+    def _held(self) -> tuple[Any, ...]:
+        """The state's arrays, in :class:`unimp.LossScaleState` field order."""
+        return (self.loss_scale,) + tuple(
+            getattr(self, f.name) for f in dataclasses.fields(core.LossScaleState)[1:]
         )
 
     def _evolve(self, **changes: Any) -> Any:
@@ -269,21 +267,13 @@ class _LossScale:
             TypeError: the config is of another kind (use :func:`loss_scale_from_config`).
         """
         s = config.initial_state() if state is None else state
-        return cls(
-            s.scale,
-            s.counter,
-            consecutive_skips=s.consecutive_skips,
-            total_skips=s.total_skips,
-            config=config,
-        )
+        names = [f.name for f in dataclasses.fields(core.LossScaleState)[2:]]
+        return cls(s.scale, s.counter, config=config, **{n: getattr(s, n) for n in names})
 
     @property
     def state(self) -> core.LossScaleState:
         """The state as a host :class:`unimp.LossScaleState` (synchronizes)."""
-        values = jax.device_get(
-            (self.loss_scale, self.counter, self.consecutive_skips, self.total_skips)
-        )
-        return core.LossScaleState(*values)
+        return core.LossScaleState(*jax.device_get(self._held()))
 
     def state_dict(self) -> dict[str, Any]:
         """The portable state (:func:`unimp.loss_scale.state_dict`), the same in every backend.
@@ -291,8 +281,7 @@ class _LossScale:
         Raises:
             TypeError: called on traced values inside ``jit``; call it outside.
         """
-        leaves = (self.loss_scale, self.counter, self.consecutive_skips, self.total_skips)
-        if not all(_concrete(x) for x in leaves):
+        if not all(_concrete(x) for x in self._held()):
             raise TypeError("state_dict() needs concrete values; call it outside jit / scan.")
         return core.state_dict(self.config, self.state)
 
@@ -314,7 +303,8 @@ class _LossScale:
         return cls.from_config(config, state)
 
     def check(self) -> None:
-        """Raises :class:`unimp.LossScaleError` past ``max_consecutive_skips`` (synchronizes)."""
+        """Raises :class:`unimp.LossScaleError` past ``max_consecutive_skips`` or at a floor hit
+        with ``floor_action="raise"`` (warns with "warn"); synchronizes."""
         core.check_state(self.config, self.state)
 
 

@@ -14,7 +14,13 @@ import optax
 from jax import lax
 
 from unimp.backends.jax.devices import _commit_like, _device_leaf
-from unimp.backends.jax.optimizer import LossScaleOptState, _half_second_moments, _injected_eps
+from unimp.backends.jax.optimizer import (
+    _contains_loss_scaling,
+    _count_skipped,
+    _half_second_moments,
+    _injected_eps,
+    _learning_rate,
+)
 from unimp.backends.jax.overflow import (
     _clip,
     _global_norm,
@@ -37,8 +43,10 @@ from unimp.backends.jax.stats import (
 )
 from unimp.step import (
     StepResult,
+    check_schedule_counts,
     check_stats_every,
     check_step_options,
+    floor_hits,
     micro_batches,
     warn_half_optimizer_state,
 )
@@ -51,25 +59,6 @@ def _tracks_variance(axis_name: Any) -> bool:
     """True under shard_map with check_vma=True: JAX types values as varying over the axis,
     and the gradient of an invariant (replicated) param is all-reduced by the transpose."""
     return axis_name in _varying_axes(lax.axis_index(axis_name))
-
-
-def _contains_loss_scaling(state: Any) -> bool:
-    return any(
-        isinstance(x, LossScaleOptState)
-        for x in jax.tree_util.tree_leaves(
-            state, is_leaf=lambda x: isinstance(x, LossScaleOptState)
-        )
-    )
-
-
-def _learning_rate(opt_state: Any) -> Any:
-    """The learning rate an optax state exposes (``optax.inject_hyperparams``), else None."""
-    found = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
-    for leaf in found:
-        hp = getattr(leaf, "hyperparams", None)
-        if isinstance(hp, dict) and "learning_rate" in hp:
-            return hp["learning_rate"]
-    return None
 
 
 class TrainStep:
@@ -142,6 +131,9 @@ class TrainStep:
             stepping through this object (it would hold deleted buffers). The ``params``
             given here are copied once, so the caller's arrays are never donated. Off by
             default; on a CPU it made the benchmark MLP about 9 % slower.
+        schedule_counts: ``"applied"`` (default: a skipped step leaves the optax state, its
+            ``count`` leaves included, unchanged) or ``"attempted"`` (every integer ``count``
+            leaf grows by one on a skipped step); see :data:`unimp.step.SCHEDULE_COUNTS`.
         stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
             step; a call that raises is not counted) the result's ``stats`` holds
             :class:`unimp.stats.StepStats`: each floating gradient leaf (named by its params
@@ -182,6 +174,7 @@ class TrainStep:
         donate: bool = False,
         model_state: Any = None,
         stats_every: int | None = None,
+        schedule_counts: str = "applied",
     ) -> None:
         stats_every = check_stats_every(stats_every)
         if stats_every is not None and axis_name is not None:
@@ -261,6 +254,7 @@ class TrainStep:
         self._mesh = mesh
         self._donate = donate
         self._stats_every = stats_every
+        self._schedule_counts = check_schedule_counts(schedule_counts)
         self._calls = 0
         self._stats_order: tuple[list[str], list[str]] = ([], [])
         self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
@@ -421,6 +415,8 @@ class TrainStep:
         applied = grads_finite & loss_finite
         params = _keep_unless(applied, new_params, params)
         opt_state = _keep_unless(applied, new_opt_state, opt_state)
+        if self._schedule_counts == "attempted":  # a skipped step still advances optax's counts
+            opt_state = _count_skipped(opt_state, applied)
         new_ls = ls.adjust(grads_finite, loss_finite)
         if self._stateful:  # what the forward pass changed (batch_stats, ...) is kept only if applied
             model_state = _keep_unless(applied, new_model_state, model_state)
@@ -433,6 +429,7 @@ class TrainStep:
             "grad_norm": grad_norm,
             "consecutive_skips": new_ls.consecutive_skips,
             "total_skips": new_ls.total_skips,
+            **floor_hits(new_ls.config, (new_ls.floor_hits,)),
         }
         if with_stats:
             raw["stats"] = stats
@@ -505,6 +502,8 @@ class TrainStep:
         if with_stats:
             stats = _pending(self._calls, raw.pop("stats"), self._stats_order)
         flags = raw.pop("grad_flags", None)
+        if "floor_hits" in raw:  # the step's index, named by a floor_action message
+            raw["floor_step"] = self._calls
         self._calls += 1
         result = StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats)
         if self._recorder is not None:

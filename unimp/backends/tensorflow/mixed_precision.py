@@ -286,6 +286,7 @@ class MixedPrecision(MixedPrecisionBase):
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
+        schedule_counts: str = "applied",
     ) -> TrainStep:
         """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
 
@@ -325,6 +326,9 @@ class MixedPrecision(MixedPrecisionBase):
             grad_accum_steps: micro-batches per optimizer step, >= 1.
             max_grad_norm: ``None`` or a finite number > 0.
             jit_compile: compile the step with XLA.
+            schedule_counts: ``"applied"`` (default: a skipped step leaves ``iterations``, hence
+                any learning-rate schedule, unchanged) or ``"attempted"`` (``iterations`` grows
+                on a skipped step too); see :data:`unimp.step.SCHEDULE_COUNTS`.
             stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by
                 the step; a call that raises is not counted) the result's ``stats`` holds
                 :class:`unimp.stats.StepStats`: each trainable variable's gradient (named by
@@ -378,5 +382,6 @@ class MixedPrecision(MixedPrecisionBase):
         step = TrainStep(
             model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
             device=self._device, stats_every=stats_every, policy=self.policy,
+            schedule_counts=schedule_counts,
         )
         return _with_log(step, self, log, log_every, step.optimizer.loss_scale_config, _to_host)

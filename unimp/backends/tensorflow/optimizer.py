@@ -17,6 +17,9 @@ from keras.src.utils import tracking
 from unimp.backends.tensorflow.overflow import _warn_resync, all_finite
 from unimp.backends.tensorflow.scaling import (
     _check_keras_arguments,
+    _count_skipped,
+    _ensure_extra,
+    _extra,
     _positional,
     _resolve_loss_scale,
     _TFOps,
@@ -24,6 +27,7 @@ from unimp.backends.tensorflow.scaling import (
     _unscale,
 )
 from unimp.loss_scale import (
+    EXTRA_FIELDS,
     DynamicLossScale,
     LossScaleConfig,
     LossScaleState,
@@ -148,6 +152,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             shape=(), dtype="int32", name="consecutive_skips"
         )
         self.total_skips = self.add_variable(shape=(), dtype="int32", name="total_skips")
+        _ensure_extra(self, config)
         self._create_untracked_state()
 
     @tracking.no_automatic_dependency_tracking
@@ -387,9 +392,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Replicas whose loss-scale state differs (a checkpoint restored on one worker only)
         # are re-synchronized from replica 0, with a warning: the update below reads the
         # primary (replica 0) copy in cross-replica context and assigns it to every replica.
-        mine = tf.stack(
-            [tf.cast(tf.convert_to_tensor(v), tf.float64) for v in self._state_variables()]
-        )
+        held = [tf.convert_to_tensor(v) for v in self._state_variables()] + list(_extra(self) or ())
+        mine = tf.stack([tf.cast(v, tf.float64) for v in held])
         everyone = replica.all_gather(mine[None], axis=0)
         differ = tf.reduce_any(tf.not_equal(everyone, everyone[:1]))
         applied, consecutive, total = replica.merge_call(
@@ -460,22 +464,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         applied = tf.logical_and(grads_finite, loss_finite)
         if tf.inside_function():
             self._traced_by.add(self._tracer)
-        scale, counter, consecutive, total = update_arrays(
-            _TFOps,
-            self._loss_scale_config,
-            tf.convert_to_tensor(self.dynamic_scale),
-            tf.convert_to_tensor(self.counter),
-            tf.convert_to_tensor(self.consecutive_skips),
-            tf.convert_to_tensor(self.total_skips),
-            grads_finite,
-            loss_finite,
+        held = [tf.convert_to_tensor(v) for v in self._state_variables()]
+        extra = _extra(self)
+        scale, counter, consecutive, total, *extra = update_arrays(
+            _TFOps, self._loss_scale_config, *held, grads_finite, loss_finite, extra=extra
         )
         # A skipped step must not touch the inner optimizer at all (its iterations included).
-        tf.cond(applied, apply_inner, lambda: None)
+        tf.cond(applied, apply_inner, lambda: _count_skipped(self))
         self.dynamic_scale.assign(scale)
         self.counter.assign(counter)
         self.consecutive_skips.assign(consecutive)
         self.total_skips.assign(total)
+        if extra:
+            self.loss_scale_extra.assign(tf.stack(extra))
         self._bad_losses.assign(0.0)
         return applied, consecutive, total
 
@@ -490,12 +491,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- state -----------------------------------------------------------------------------
 
     def _state(self) -> LossScaleState:
-        return LossScaleState(
-            np.float32(self.dynamic_scale.numpy()),
-            int(self.counter.numpy()),
-            int(self.consecutive_skips.numpy()),
-            int(self.total_skips.numpy()),
-        )
+        extra = _extra(self)
+        held = [*self._state_variables(), *(extra or ())]
+        return LossScaleState(*(v.numpy() for v in held))
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scale state in unimp's portable format (the same in every backend).
@@ -542,6 +540,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.counter.assign(np.int32(state.counter))
         self.consecutive_skips.assign(np.int32(state.consecutive_skips))
         self.total_skips.assign(np.int32(state.total_skips))
+        _ensure_extra(self, config)
+        if _extra(self) is not None:
+            self.loss_scale_extra.assign(np.array([getattr(state, n) for n in EXTRA_FIELDS], np.int32))
 
     # -- serialization ---------------------------------------------------------------------
 

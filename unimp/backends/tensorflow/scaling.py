@@ -12,9 +12,11 @@ import numpy as np
 import tensorflow as tf
 
 from unimp.loss_scale import (
+    EXTRA_FIELDS,
     DynamicLossScale,
     LossScaleConfig,
     loss_scale_from_dict,
+    tracks_extra,
 )
 
 
@@ -33,6 +35,30 @@ class _TFOps:
     @staticmethod
     def i32(x: Any) -> tf.Tensor:
         return tf.cast(x, tf.int32)
+
+
+def _extra(optimizer: Any) -> tuple[tf.Tensor, ...] | None:
+    """The format-2 loss-scale fields (``EXTRA_FIELDS``) of a LossScaleOptimizer as int32
+    tensors, or None where it holds none (a config whose rule does not need them)."""
+    v = getattr(optimizer, "loss_scale_extra", None)
+    return None if v is None else tuple(tf.unstack(tf.convert_to_tensor(v), num=len(EXTRA_FIELDS)))
+
+
+def _ensure_extra(optimizer: Any, config: LossScaleConfig) -> None:
+    """Creates the optimizer's ``loss_scale_extra`` int32 vector (the format-2 fields, in
+    ``EXTRA_FIELDS`` order) when ``config``'s rule needs it; only then, so an optimizer with a
+    format-1 rule keeps the variables (and the ``.keras`` files) it always had."""
+    if tracks_extra(config) and getattr(optimizer, "loss_scale_extra", None) is None:
+        optimizer.loss_scale_extra = optimizer.add_variable(
+            shape=(len(EXTRA_FIELDS),), dtype="int32", name="loss_scale_extra"
+        )
+
+
+def _count_skipped(optimizer: Any) -> None:
+    """A skipped step's effect on the inner optimizer: none with ``schedule_counts="applied"``
+    (the default), ``iterations += 1`` with ``"attempted"`` (see ``unimp.step.SCHEDULE_COUNTS``)."""
+    if getattr(optimizer, "schedule_counts", "applied") == "attempted":
+        optimizer.inner_optimizer.iterations.assign_add(1)
 
 
 def _divide(x: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:

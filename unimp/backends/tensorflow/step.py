@@ -17,13 +17,13 @@ from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
-from unimp.backends.tensorflow.scaling import _to_host, _traced_fields, _unscale
+from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
 from unimp.loss_scale import (
     from_state_dict,
 )
 from unimp.policy import Policy
-from unimp.step import StepResult, micro_batches
+from unimp.step import StepResult, check_schedule_counts, floor_hits, micro_batches
 
 
 def _batch_to_tensors(batch: Any) -> Any:
@@ -166,8 +166,10 @@ class TrainStep:
         device: str | None = None,
         stats_every: int | None = None,
         policy: Policy | None = None,
+        schedule_counts: str = "applied",
     ) -> None:
         self.policy = Policy() if policy is None else policy
+        optimizer.schedule_counts = check_schedule_counts(schedule_counts)  # read when traced
         self.model = model
         self.device = device
         self.optimizer = optimizer
@@ -233,6 +235,8 @@ class TrainStep:
                 with tf.device(self.device):
                     raw = function(batch)
         stats = None
+        if "floor_hits" in raw:  # the step's index, named by a floor_action message
+            raw["floor_step"] = self.calls
         if stats_step:
             stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
         flags = raw.pop("grad_flags", None)
@@ -390,6 +394,7 @@ class TrainStep:
             "consecutive_skips": consecutive,
             "total_skips": total,
             **({} if flags is None else {"grad_flags": flags}),
+            **floor_hits(self.optimizer.loss_scale_config, _extra(self.optimizer)),
         }
 
     def _scaled_grads(self, batch: Any, scale: tf.Tensor) -> tuple[list[Any], tf.Tensor]:

@@ -312,6 +312,7 @@ class MixedPrecision(MixedPrecisionBase):
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         scheduler: Any = None,
+        schedule_counts: str = "applied",
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
@@ -321,13 +322,14 @@ class MixedPrecision(MixedPrecisionBase):
         ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`) of the gradients and
         layer outputs to the results of steps 0, k, 2k, ... (``result.stats``); ``log=path``
         writes a step log every ``log_every`` steps (see the JAX or TensorFlow ``train_step``
-        for both, and ``docs/steplog.md``). The policy's ``overrides`` are applied to a model
-        that :meth:`prepare` did not see.
+        for both, and ``docs/steplog.md``). ``schedule_counts``: what a skipped step does to
+        ``scheduler`` (:data:`unimp.step.SCHEDULE_COUNTS`). The policy's ``overrides`` are
+        applied to a model that :meth:`prepare` did not see.
         """
         log_every = check_log_every(log, log_every)
         if self.policy.overrides and self._mode != "none" and not getattr(model, "_unimp_overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
                          max_grad_norm=max_grad_norm, scheduler=scheduler,
-                         stats_every=stats_every)
+                         stats_every=stats_every, schedule_counts=schedule_counts)
         return _with_log(step, self, log, log_every, step.scaler.config, _to_host)

@@ -18,6 +18,7 @@ from unimp.backends.torch.optimizer import _guarded_step, _param_names
 from unimp.backends.torch.overflow import all_finite
 from unimp.dtypes import finfo
 from unimp.loss_scale import (
+    EXTRA_FIELDS,
     DynamicLossScale,
     LossScaleConfig,
     LossScaleState,
@@ -227,6 +228,7 @@ class GradScaler:
         self._counter = torch.tensor(int(s.counter), dtype=torch.int32, device=dev)
         self._consecutive = torch.tensor(int(s.consecutive_skips), dtype=torch.int32, device=dev)
         self._total = torch.tensor(int(s.total_skips), dtype=torch.int32, device=dev)
+        self._extra = tuple(torch.tensor(int(getattr(s, n)), dtype=torch.int32, device=dev) for n in EXTRA_FIELDS)
 
     @property
     def config(self) -> LossScaleConfig:
@@ -241,7 +243,8 @@ class GradScaler:
     @property
     def state(self) -> LossScaleState:
         """The loss-scale state as host values (synchronizes)."""
-        return LossScaleState(self._scale.item(), self._counter.item(), self._consecutive.item(), self._total.item())
+        held = (self._scale, self._counter, self._consecutive, self._total, *self._extra)
+        return LossScaleState(*(t.item() for t in held))
 
     def is_enabled(self) -> bool:
         """False when built with ``enabled=False`` (then every method passes through)."""
@@ -289,7 +292,7 @@ class GradScaler:
             raise ValueError(f"growth_interval belongs to a dynamic loss scale; this one is {self._config.kind!r}.")
         config = self._config.replace(growth_interval=new_interval)
         counter = int(self._counter.item())
-        if counter >= config.growth_interval:
+        if counter >= config.growth_at:
             raise ValueError(f"growth_interval={new_interval} must exceed the current counter {counter}.")
         self._config = config
 
@@ -502,10 +505,11 @@ class GradScaler:
         tensors that later updates leave alone, for a step's report)."""
         out = update_arrays(
             self._ops, self._config, self._scale, self._counter, self._consecutive, self._total,
-            grads_finite, loss_finite,
+            grads_finite, loss_finite, extra=self._extra,
         )
         # in place, so tensors handed out earlier (and CUDA graphs) see the new values
-        for held, new in zip((self._scale, self._counter, self._consecutive, self._total), out, strict=True):
+        held_all = (self._scale, self._counter, self._consecutive, self._total, *self._extra)
+        for held, new in zip(held_all, out, strict=True):
             if new is not held:  # a static scale returns scale and counter as they were
                 held.copy_(new)
         self._loss_finite = self._ops.true  # never changed in place: every update rebinds it
@@ -523,6 +527,8 @@ class GradScaler:
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._ops = _TorchOps(self._device)
+        if "_extra" not in d:  # pickled before the format-2 fields: they start at 0
+            self._extra = tuple(torch.zeros((), dtype=torch.int32, device=self._device) for _ in EXTRA_FIELDS)
 
     def state_dict(self) -> dict[str, Any]:
         """unimp's portable loss-scale state (``unimp.loss_scale.state_dict``), JSON-able; the

@@ -22,7 +22,14 @@ from unimp.backends.torch.stats import (
     _pending,
     _Recorder,
 )
-from unimp.step import StepResult, check_stats_every, check_step_options, micro_batches
+from unimp.step import (
+    StepResult,
+    check_schedule_counts,
+    check_stats_every,
+    check_step_options,
+    floor_hits,
+    micro_batches,
+)
 
 if TYPE_CHECKING:
     from unimp.backends.torch.mixed_precision import MixedPrecision
@@ -85,6 +92,8 @@ class TrainStep:
         scheduler: a torch LR scheduler, advanced only after applied steps. Deciding that needs
             ``applied`` on the host: with a scheduler each step reads it once (a sync); without
             one a step never syncs.
+        schedule_counts: ``"applied"`` (default, as above) or ``"attempted"``: the scheduler
+            steps on every call, skipped or not, with no sync (:data:`unimp.step.SCHEDULE_COUNTS`).
         stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
             step; a call that raises is not counted) the result's ``stats`` holds
             :class:`unimp.stats.StepStats`: each gradient the optimizer holds (named as in
@@ -116,8 +125,10 @@ class TrainStep:
         max_grad_norm: float | None = None,
         scheduler: Any = None,
         stats_every: int | None = None,
+        schedule_counts: str = "applied",
     ) -> None:
         stats_every = check_stats_every(stats_every)
+        self.schedule_counts = check_schedule_counts(schedule_counts)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if not callable(loss_fn):
@@ -237,7 +248,7 @@ class TrainStep:
         applied = sc.step(opt)
         _restore_forward_state(buffers, applied)
         grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never changed in place
-        _, _, consecutive, total = sc._update(grads_finite, loss_finite)  # sc.update(), kept results
+        _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite)  # sc.update(), kept
         opt.zero_grad(set_to_none=True)
         raw = {
             "loss": mean_loss,
@@ -248,8 +259,9 @@ class TrainStep:
             "grad_norm": grad_norm,
             "consecutive_skips": consecutive,
             "total_skips": total,
+            **floor_hits(sc.config, extra, self.calls),
         }
-        if self.scheduler is not None and bool(applied):
+        if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(applied)):
             self.scheduler.step()
         return StepResult(raw, _to_host, sc.config, stats=stats), grad_flags
 
