@@ -21,7 +21,7 @@ import pytest
 from conftest import BACKENDS, require_backend
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe")
+SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe", "opcount")
 # (script, backend) cases measured above 10 s on the 2-core CI-like machine (the first case of a
 # framework also pays its import; JAX compiles each loop and recipe)
 SLOW = {
@@ -89,7 +89,14 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
         return
     res = results[backend]
     assert "error" not in res, res.get("error")
-    if script == "overhead":
+    if script == "opcount":  # the counts are recorded for both loops (their values are not asserted)
+        assert [r["impl"] for r in res["rows"]] == ["unimp", "native"]
+        key = {"torch": "aten_ops", "tensorflow": "compute_ops", "jax": "kernels"}[backend]
+        by = "ops_by_type" if backend == "tensorflow" else "ops_by_name"
+        assert all(r[key] > 0 and sum(r[by].values()) >= r[key] for r in res["rows"])
+        if backend == "jax":
+            assert all(r["dispatches"] >= 1 and r["fusions"] > 0 for r in res["rows"])
+    elif script == "overhead":
         (row,) = res["rows"]
         assert row["pairs"] == len(row["ratios"]) == 1
         assert row["a_ms_per_step"] > 0 and row["b_ms_per_step"] > 0
