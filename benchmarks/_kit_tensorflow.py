@@ -177,6 +177,11 @@ def reset_peak(device: str | None) -> None:
         pass
 
 
+def live_mib() -> None:
+    """TensorFlow has no list of the tensors alive: not reported."""
+    return None
+
+
 def framework_peak_mib(device: str | None) -> float | None:
     """``tf.config.experimental.get_memory_info(dev)["peak"]`` in MiB; None where TF reports
     nothing (its CPU allocator keeps no statistics)."""

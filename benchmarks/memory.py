@@ -5,7 +5,10 @@ Each configuration (backend, recipe, loop) runs in its own process, so the proce
 keeps one (``torch.cuda.max_memory_allocated``, JAX ``device.memory_stats()
 ["peak_bytes_in_use"]``, ``tf.config.experimental.get_memory_info(dev)["peak"]``; on a CPU
 none of them does), the RSS after building the model and data, and the peak RSS after the
-training steps. The model is the speedup benchmark's matmul-heavy MLP.
+training steps, and the tensors alive after the steps (torch: every tensor the garbage
+collector tracks, each storage once; JAX: ``jax.live_arrays()``; TensorFlow keeps no such
+list), the figure that allocator caching and compilation do not blur: RSS also holds what
+XLA's compiler and the C allocator keep. The model is the speedup benchmark's matmul-heavy MLP.
 
     python -m benchmarks.memory [--quick] [--device cuda]
 """
@@ -35,8 +38,12 @@ def worker(cfg: dict) -> dict:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     k.reset_peak(t.device)
     rss_built = h.current_rss_mib()
+    live_built = k.live_mib()
     t.run(cfg["steps"])
+    live = k.live_mib()
     return {
+        "live_after_build_mib": live_built,
+        "live_after_steps_mib": live,
         "framework": k.framework_version(),
         "framework_peak_mib": k.framework_peak_mib(t.device),
         "rss_after_import_mib": rss_import,
@@ -82,11 +89,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "results": results,
     }
     rows = []
+    above = {  # peak RSS above the built model, per (backend, recipe, loop)
+        (r["backend"], r["recipe"], r["impl"]): r["peak_rss_mib"] - r["rss_after_build_mib"]
+        for r in results
+        if "error" not in r
+    }
     for r in results:
         if "error" in r:
             rows.append([r["backend"], r["recipe"], r["impl"], "", "", "", "error: " + r["error"][-200:]])
             continue
         peak = r["framework_peak_mib"]
+        native = above.get((r["backend"], r["recipe"], "native"))
+        live = r.get("live_after_steps_mib")
         rows.append(
             [
                 r["backend"],
@@ -96,6 +110,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 f"{r['rss_after_build_mib']:.0f}",
                 f"{r['peak_rss_mib']:.0f}",
                 f"{r['peak_rss_mib'] - r['rss_after_build_mib']:.0f}",
+                ""
+                if r["impl"] != "unimp" or native is None
+                else f"{above[(r['backend'], r['recipe'], 'unimp')] - native:+.0f}",
+                "not reported"
+                if live is None
+                else f"{live:.1f} ({live - r['live_after_build_mib']:+.1f})",
             ]
         )
     table = h.markdown_table(
@@ -107,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "RSS after build MiB",
             "peak RSS MiB",
             "peak - build MiB",
+            "unimp - native, peak - build MiB",
+            "live tensors after the steps MiB (since build)",
         ],
         rows,
     )
