@@ -54,6 +54,10 @@ def worker(cfg: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     p = h.parser(__doc__.splitlines()[0])
+    p.add_argument("--recipes", default=None, help="comma-separated (default: all three)")
+    p.add_argument(
+        "--loops", default=None, help="comma-separated: unimp, native (default: both; --quick: unimp)"
+    )
     args = h.parse(p, argv)
     if args.worker:
         h.emit(worker(json.loads(args.worker)))
@@ -62,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     spec = h.matmul_spec(args.device, args.tiny)
     recipes = ("mixed_float16",) if args.tiny else h.RECIPES
     impls = ("unimp",) if args.tiny or args.quick else ("unimp", "native")
+    if args.recipes:
+        recipes = tuple(x.strip() for x in args.recipes.split(",") if x.strip())
+    if args.loops:
+        impls = tuple(x.strip() for x in args.loops.split(",") if x.strip())
+        if set(impls) - {"unimp", "native"}:
+            p.error(f"--loops: choose from unimp, native; got {args.loops!r}")
     results = []
     for backend in args.backends:
         for recipe in recipes:
@@ -78,6 +88,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 res = h.run_worker("benchmarks.memory", cfg, args.threads, in_process=args.in_process)
                 results.append({"backend": backend, "recipe": recipe, "impl": impl, **res})
                 print(f"memory {backend} {recipe} {impl}: {'error' if 'error' in res else 'done'}", file=sys.stderr)
+                # after every configuration: a run stopped by a time limit keeps what it measured
+                payload, table = _report(args, spec, mode, results)
+    print(table)
+    return payload
+
+
+def _report(args, spec: h.ModelSpec, mode: str, results: list[dict]) -> tuple[dict, str]:
+    """Writes memory.json / memory.md of ``results``; returns the payload and the table."""
     payload = {
         "title": "Peak memory per configuration (one process each)",
         "machine": h.machine(),
@@ -133,8 +151,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         rows,
     )
     h.write(args.out, "memory", payload, table)
-    print(table)
-    return payload
+    return payload, table
 
 
 if __name__ == "__main__":
