@@ -131,7 +131,9 @@ def live_mib() -> float:
 
     storages: dict[tuple[int, int], int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_sparse and obj.device.type != "meta":
+        # type(), not isinstance: isinstance reads __class__, which some lazy module objects
+        # answer with a deprecation warning
+        if issubclass(type(obj), torch.Tensor) and not obj.is_sparse and obj.device.type != "meta":
             st = obj.untyped_storage()
             storages[(st.data_ptr(), obj.device.index or 0)] = st.nbytes()
     return sum(storages.values()) / 2**20
