@@ -29,7 +29,6 @@ import collections
 import contextlib
 import json
 import re
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -172,7 +171,7 @@ def _rows(k: Any, backend: str, cfg: dict) -> list[dict]:
     return rows
 
 
-#: (backend, headline count, its column title) of the table
+#: backend -> (the count in the table, its name)
 HEADLINE = {
     "torch": ("aten_ops", "aten ops"),
     "tensorflow": ("compute_ops", "graph ops (no plumbing)"),
@@ -258,4 +257,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()
