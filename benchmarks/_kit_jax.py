@@ -223,6 +223,12 @@ def reset_peak(device: jax.Device) -> None:
     """JAX has no reset: the peak is the process's (one config per process)."""
 
 
+def live_mib() -> float:
+    """MiB of the JAX arrays alive now (``jax.live_arrays()``): params, optimizer and
+    loss-scale state, the batches, and whatever a step keeps."""
+    return sum(a.nbytes for a in jax.live_arrays()) / 2**20
+
+
 def framework_peak_mib(device: jax.Device) -> float | None:
     """``device.memory_stats()["peak_bytes_in_use"]`` in MiB; None where JAX reports nothing."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None

@@ -74,8 +74,10 @@ class Trainer:
             if impl == "unimp":
                 mp = unimp.mixed_precision(rec, backend="tensorflow")
                 with mp.autocast():
-                    model = make_model(spec, None, None)
-                model, _ = mp.prepare(model)  # the output layer computes in float32
+                    # the output layer computes in float32, as in the native loop (the Keras
+                    # guide's); prepare() alone casts the outputs of a float16 output layer
+                    model = make_model(spec, None, mp.output_dtype_policy)
+                model, _ = mp.prepare(model)
                 self.step = mp.train_step(model, keras.optimizers.Adam(LR), loss_fn)
                 self.function = self.step.function
                 self._one = self._unimp_one
@@ -175,6 +177,11 @@ def reset_peak(device: str | None) -> None:
         tf.config.experimental.reset_memory_stats(_memory_device(device))
     except (ValueError, RuntimeError):
         pass
+
+
+def live_mib() -> None:
+    """TensorFlow has no list of the tensors alive: not reported."""
+    return None
 
 
 def framework_peak_mib(device: str | None) -> float | None:

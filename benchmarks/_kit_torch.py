@@ -124,6 +124,21 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def live_mib() -> float:
+    """MiB of the tensors alive now (every ``torch.Tensor`` the garbage collector tracks, each
+    storage counted once): parameters, gradients, optimizer and loss-scale state."""
+    import gc
+
+    storages: dict[tuple[int, int], int] = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance: isinstance reads __class__, which some lazy module objects
+        # answer with a deprecation warning
+        if issubclass(type(obj), torch.Tensor) and not obj.is_sparse and obj.device.type != "meta":
+            st = obj.untyped_storage()
+            storages[(st.data_ptr(), obj.device.index or 0)] = st.nbytes()
+    return sum(storages.values()) / 2**20
+
+
 def framework_peak_mib(device: torch.device) -> float | None:
     """``torch.cuda.max_memory_allocated`` in MiB; None where torch reports nothing (CPU)."""
     if device.type == "cuda":

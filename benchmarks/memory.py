@@ -5,7 +5,10 @@ Each configuration (backend, recipe, loop) runs in its own process, so the proce
 keeps one (``torch.cuda.max_memory_allocated``, JAX ``device.memory_stats()
 ["peak_bytes_in_use"]``, ``tf.config.experimental.get_memory_info(dev)["peak"]``; on a CPU
 none of them does), the RSS after building the model and data, and the peak RSS after the
-training steps. The model is the speedup benchmark's matmul-heavy MLP.
+training steps, and the tensors alive after the steps (torch: every tensor the garbage
+collector tracks, each storage once; JAX: ``jax.live_arrays()``; TensorFlow keeps no such
+list), the figure that allocator caching and compilation do not blur: RSS also holds what
+XLA's compiler and the C allocator keep. The model is the speedup benchmark's matmul-heavy MLP.
 
     python -m benchmarks.memory [--quick] [--device cuda]
 """
@@ -35,8 +38,12 @@ def worker(cfg: dict) -> dict:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     k.reset_peak(t.device)
     rss_built = h.current_rss_mib()
+    live_built = k.live_mib()
     t.run(cfg["steps"])
+    live = k.live_mib()
     return {
+        "live_after_build_mib": live_built,
+        "live_after_steps_mib": live,
         "framework": k.framework_version(),
         "framework_peak_mib": k.framework_peak_mib(t.device),
         "rss_after_import_mib": rss_import,
@@ -47,6 +54,10 @@ def worker(cfg: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     p = h.parser(__doc__.splitlines()[0])
+    p.add_argument("--recipes", default=None, help="comma-separated (default: all three)")
+    p.add_argument(
+        "--loops", default=None, help="comma-separated: unimp, native (default: both; --quick: unimp)"
+    )
     args = h.parse(p, argv)
     if args.worker:
         h.emit(worker(json.loads(args.worker)))
@@ -55,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     spec = h.matmul_spec(args.device, args.tiny)
     recipes = ("mixed_float16",) if args.tiny else h.RECIPES
     impls = ("unimp",) if args.tiny or args.quick else ("unimp", "native")
+    if args.recipes:
+        recipes = tuple(x.strip() for x in args.recipes.split(",") if x.strip())
+    if args.loops:
+        impls = tuple(x.strip() for x in args.loops.split(",") if x.strip())
+        if set(impls) - {"unimp", "native"}:
+            p.error(f"--loops: choose from unimp, native; got {args.loops!r}")
     results = []
     for backend in args.backends:
         for recipe in recipes:
@@ -71,6 +88,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 res = h.run_worker("benchmarks.memory", cfg, args.threads, in_process=args.in_process)
                 results.append({"backend": backend, "recipe": recipe, "impl": impl, **res})
                 print(f"memory {backend} {recipe} {impl}: {'error' if 'error' in res else 'done'}", file=sys.stderr)
+                # after every configuration: a run stopped by a time limit keeps what it measured
+                payload, table = _report(args, spec, mode, results)
+    print(table)
+    return payload
+
+
+def _report(args, spec: h.ModelSpec, mode: str, results: list[dict]) -> tuple[dict, str]:
+    """Writes memory.json / memory.md of ``results``; returns the payload and the table."""
     payload = {
         "title": "Peak memory per configuration (one process each)",
         "machine": h.machine(),
@@ -82,11 +107,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "results": results,
     }
     rows = []
+    above = {  # peak RSS above the built model, per (backend, recipe, loop)
+        (r["backend"], r["recipe"], r["impl"]): r["peak_rss_mib"] - r["rss_after_build_mib"]
+        for r in results
+        if "error" not in r
+    }
     for r in results:
         if "error" in r:
             rows.append([r["backend"], r["recipe"], r["impl"], "", "", "", "error: " + r["error"][-200:]])
             continue
         peak = r["framework_peak_mib"]
+        native = above.get((r["backend"], r["recipe"], "native"))
+        live = r.get("live_after_steps_mib")
         rows.append(
             [
                 r["backend"],
@@ -96,6 +128,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 f"{r['rss_after_build_mib']:.0f}",
                 f"{r['peak_rss_mib']:.0f}",
                 f"{r['peak_rss_mib'] - r['rss_after_build_mib']:.0f}",
+                ""
+                if r["impl"] != "unimp" or native is None
+                else f"{above[(r['backend'], r['recipe'], 'unimp')] - native:+.0f}",
+                "not reported"
+                if live is None
+                else f"{live:.1f} ({live - r['live_after_build_mib']:+.1f})",
             ]
         )
     table = h.markdown_table(
@@ -107,12 +145,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "RSS after build MiB",
             "peak RSS MiB",
             "peak - build MiB",
+            "unimp - native, peak - build MiB",
+            "live tensors after the steps MiB (since build)",
         ],
         rows,
     )
     h.write(args.out, "memory", payload, table)
-    print(table)
-    return payload
+    return payload, table
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import pytest
 from conftest import BACKENDS, require_backend
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe")
+SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe", "opcount", "gemm")
 # (script, backend) cases measured above 10 s on the 2-core CI-like machine (the first case of a
 # framework also pays its import; JAX compiles each loop and recipe)
 SLOW = {
@@ -31,6 +31,8 @@ SLOW = {
     ("syncs", "jax"),
     ("speedup", "jax"),
     ("observe", "tensorflow"),
+    ("gemm", "tensorflow"),
+    ("gemm", "jax"),
 }
 
 
@@ -89,7 +91,22 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
         return
     res = results[backend]
     assert "error" not in res, res.get("error")
-    if script == "overhead":
+    if script == "gemm":  # the GPU probe's plumbing: every precision measured, under its guard
+        assert [r["precision"] for r in res["rows"]] == ["float32", "tf32", "bfloat16", "float16"]
+        for r in res["rows"]:
+            assert "error" not in r and "skipped" not in r, r
+            assert r["tflops"] > 0 and r["steps"] == 2 and r["ms_per_step"] > 0
+            assert r["device_name"] == "cpu" and r["peak_tflops"] is None  # no peak for a CPU
+        guard = res["rows"][0]["guard"]
+        assert ("transfer_guard" in guard) if backend == "jax" else guard.startswith("none")
+    elif script == "opcount":  # the counts are recorded for both loops (their values are not asserted)
+        assert [r["impl"] for r in res["rows"]] == ["unimp", "native"]
+        key = {"torch": "aten_ops", "tensorflow": "compute_ops", "jax": "kernels"}[backend]
+        by = "ops_by_type" if backend == "tensorflow" else "ops_by_name"
+        assert all(r[key] > 0 and sum(r[by].values()) >= r[key] for r in res["rows"])
+        if backend == "jax":
+            assert all(r["dispatches"] >= 1 and r["fusions"] > 0 for r in res["rows"])
+    elif script == "overhead":
         (row,) = res["rows"]
         assert row["pairs"] == len(row["ratios"]) == 1
         assert row["a_ms_per_step"] > 0 and row["b_ms_per_step"] > 0
@@ -111,3 +128,51 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
         elif backend == "tensorflow":  # one tf.function, no retracing
             assert row["tracings_after_steps"] == 1
             assert row["host_ops"] == []
+
+
+@pytest.mark.parametrize(
+    "name,precision,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bfloat16", 989.5),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.5),
+        ("NVIDIA H100 PCIe", "float16", 756.5),
+        ("NVIDIA H200", "float32", 67.0),
+        ("NVIDIA H200 NVL", "bfloat16", 835.5),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
+        ("NVIDIA A100 80GB PCIe", "float32", 19.5),
+        ("cpu", "float32", None),
+    ],
+)
+def test_gemm_dense_peaks(name: str, precision: str, peak: float | None) -> None:
+    """The datasheets' dense peaks (half the tensor-core figures they list with sparsity)."""
+    from benchmarks.gemm import peak_tflops
+
+    assert peak_tflops(name, precision) == peak
+
+
+def test_gemm_flops_per_step() -> None:
+    """4 x Dense(8192) at batch 8192: 6 * 8192 * 4 * 8192^2 FLOPs a training step."""
+    from benchmarks.gemm import probe_spec, step_flops
+
+    assert step_flops(probe_spec(8192, 4, 8192)) == 6 * 8192 * 4 * 8192**2 == 13194139533312
+
+
+def test_gpu_script_fits_three_minutes(capsys: pytest.CaptureFixture[str]) -> None:
+    """gpu.sh parses, runs only scripts that exist (with options they accept), and caps the
+    whole run: TOTAL_S plus the 5 s nvidia-smi and 10 s info limits (which TOTAL_S counts from
+    the start) and one 3 s kill grace stay under 180 s."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu.sh")]).returncode == 0
+    total = int(re.search(r"^TOTAL_S=(\d+)$", script, re.M).group(1))
+    assert total + 3 < 180
+    runs = re.findall(r"^run (\w+) (\d+)(.*)$", script, re.M)
+    assert [name for name, _, _ in runs] == ["syncs", "gemm", "overhead", "memory"]
+    for name, _, options in runs:
+        module = importlib.import_module(f"benchmarks.{name}")
+        # the options parse: the run stops only at the check of --backends, after parse_args
+        with pytest.raises(SystemExit):
+            module.main([*options.split(), "--device", "cuda", "--backends", "none"])
+        err = capsys.readouterr().err
+        assert "--backends: unknown ['none']" in err and "unrecognized" not in err, err

@@ -203,9 +203,13 @@ class TrainStep:
                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
                         "reduce it, e.g. loss.mean()."
                     )
-                sc._loss_finite = sc._loss_finite & _to(torch.isfinite(loss.detach()), sc.device)
+                detached = loss.detach()
+                finite = _to(torch.isfinite(detached), sc.device)
+                # the flag starts as the cached True, and True & x is x: one op fewer a step
+                start = sc._loss_finite is sc._ops.true
+                sc._loss_finite = finite if start else sc._loss_finite & finite
                 (loss * _to(factor, loss.device)).backward()
-                losses.append(_to(loss.detach().float(), sc.device))
+                losses.append(_to(detached.float(), sc.device))
                 if accum is not None:
                     _accumulate(self.model, sums, to_dtype(accum))
             for param, total in sums.values():  # the window's sum, back in the gradient's dtype
