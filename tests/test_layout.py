@@ -107,3 +107,15 @@ def test_public_names_keep_the_package_path(fw):
         if isinstance(obj, type) and obj.__module__.startswith("unimp.backends"):
             assert obj.__module__ == module.__name__, name
             assert pickle.loads(pickle.dumps(obj)) is obj
+
+
+def test_test_modules_outside_packages_have_unique_basenames():
+    """pytest imports a test file in a folder without ``__init__.py`` by its basename: two such
+    files with one name stop the whole collection ("import file mismatch")."""
+    tests = UNIMP.parent / "tests"
+    seen: dict[str, pathlib.Path] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        if (path.parent / "__init__.py").exists():
+            continue
+        other = seen.setdefault(path.name, path)
+        assert other == path, f"{other} and {path} share a basename; rename one"
