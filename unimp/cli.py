@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import unimp
 from unimp import registry
+from unimp.dtypes import float8_line
 from unimp.loss_scale import LossScaleError
 
 
@@ -88,6 +89,7 @@ def _info(args: argparse.Namespace) -> int:
             try:
                 module = registry.get_backend(name)
                 row["devices"] = module.device_info()
+                row["float8"] = float8_line(row["devices"])
             except Exception as e:  # a broken framework install must not hide the others
                 row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
@@ -106,6 +108,8 @@ def _info(args: argparse.Namespace) -> int:
             print(
                 f"      {dev['device']:<22} half dtypes: {halves:<18} recommended: {dev.get('recommended')}"
             )
+        if row["devices"]:
+            print(f"      {float8_line(row['devices'])}")
         if "error" in row:
             print(f"      cannot load: {row['error']}")
     return 0
