@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections import Counter
 from typing import Any
 
 from unimp.cli import _backends_arg
@@ -80,6 +81,11 @@ def trace_command(args: argparse.Namespace) -> int:
             f"{phase}: maths ops", *(_dtype_counts(t.by_dtype(phase)) for t in traces.values())
         )
     table.add_row("casts between float dtypes", *(str(len(t.casts())) for t in traces.values()))
+    for op in ("fp8_quantize", "fp8_dequantize"):  # float8 recipes: the casts into and out of float8
+        side = 1 if op == "fp8_quantize" else 0  # the float8 format: what it casts into / out of
+        pairs = [Counter((r.inputs, r.outputs)[side][0] for r in t if r.op == op) for t in traces.values()]
+        if any(pairs):
+            table.add_row(op, *(_dtype_counts(c) for c in pairs))
     Console().print(table)
     return 0
 
