@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "FLOAT8_DTYPES",
+    "FP8_SCOPES",
     "FLOAT_DTYPES",
     "HALF_DTYPES",
     "OPS",
@@ -32,6 +33,7 @@ __all__ = [
     "compute_dtype",
     "diff",
     "fp8_cast_op",
+    "fp8_scope",
 ]
 
 #: The shared op vocabulary: every backend maps its native op names onto these; an op with
@@ -83,7 +85,14 @@ OPS = (
     "all_reduce",
     "fp8_quantize",
     "fp8_dequantize",
+    "fp8_amax",
+    "fp8_scale_update",
 )
+#: Scopes the float8 rule (:mod:`unimp.fp8`) runs its amax reduction and its scale update in
+#: (a JAX ``named_scope``, a TensorFlow ``name_scope``, a marker torch's trace reads): the ops
+#: inside (their maths; casts, compares and selects keep their names) are recorded under the
+#: scope's name (:func:`fp8_scope`), in the layer the rule serves.
+FP8_SCOPES = ("fp8_amax", "fp8_scale_update")
 #: float8 formats (:mod:`unimp.fp8`): a cast into one is ``fp8_quantize``, out of one
 #: ``fp8_dequantize`` (:func:`fp8_cast_op`), in every backend's trace.
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -143,6 +152,19 @@ def fp8_cast_op(op: str, inputs: Sequence[str], outputs: Sequence[str]) -> str:
     if any(d in FLOAT8_DTYPES for d in inputs):
         return "fp8_dequantize"
     return op
+
+
+def fp8_scope(parts: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Splits the float8 rule's scopes (:data:`FP8_SCOPES`) out of a scope path.
+
+    Args:
+        parts: a scope / layer path split into names (``["mlp", "fc1", "fp8_amax", "abs"]``).
+
+    Returns:
+        ``(the innermost float8 scope or None, the parts without the float8 scopes)``.
+    """
+    found = [p for p in parts if p in FP8_SCOPES]
+    return (found[-1] if found else None), [p for p in parts if p not in FP8_SCOPES]
 
 
 @dataclass(frozen=True)

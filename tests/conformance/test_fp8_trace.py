@@ -75,3 +75,19 @@ def test_float8_layer_shows_quantize_and_dequantize_ops(backend):
     assert quant == {"float8_e4m3fn": 2, "float8_e5m2": 1}
     assert dequant == {"float8_e4m3fn": 2, "float8_e5m2": 1}
     assert not [r for r in trace if r.op == "cast" and "float8" in "".join(r.inputs + r.outputs)]
+
+
+def test_float8_layer_shows_amax_and_scale_update_ops(backend):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        trace = _traced(backend)
+    amax = [r for r in trace if r.op == "fp8_amax"]
+    update = [r for r in trace if r.op == "fp8_scale_update"]
+    assert amax and update
+    # the reductions and the update run in float32 (the rule's dtype), whatever the layer's
+    assert {r.compute for r in amax if r.floating} == {"float32"}
+    assert {r.compute for r in update if r.floating} == {"float32"}
+    natives = " ".join(r.native.lower() for r in amax)
+    assert "abs" in natives and "max" in natives  # max(abs(x))
+    # three tensors: input and kernel in the forward pass, the output gradient in backward
+    assert {r.phase for r in amax} >= {"forward"} and len({r.native for r in amax}) >= 2

@@ -81,11 +81,14 @@ def trace_command(args: argparse.Namespace) -> int:
             f"{phase}: maths ops", *(_dtype_counts(t.by_dtype(phase)) for t in traces.values())
         )
     table.add_row("casts between float dtypes", *(str(len(t.casts())) for t in traces.values()))
-    for op in ("fp8_quantize", "fp8_dequantize"):  # float8 recipes: the casts into and out of float8
-        side = 1 if op == "fp8_quantize" else 0  # the float8 format: what it casts into / out of
-        pairs = [Counter((r.inputs, r.outputs)[side][0] for r in t if r.op == op) for t in traces.values()]
-        if any(pairs):
-            table.add_row(op, *(_dtype_counts(c) for c in pairs))
+    # float8 recipes: the casts into and out of float8 (by format), the amax reductions and the
+    # scale updates (by compute dtype)
+    for op in ("fp8_quantize", "fp8_dequantize", "fp8_amax", "fp8_scale_update"):
+        pick = {"fp8_quantize": lambda r: r.outputs[0], "fp8_dequantize": lambda r: r.inputs[0]}.get(
+            op, lambda r: r.compute)
+        counts = [Counter(pick(r) for r in t if r.op == op) for t in traces.values()]
+        if any(counts):
+            table.add_row(f"{op} ops", *(_dtype_counts(c) for c in counts))
     Console().print(table)
     return 0
 

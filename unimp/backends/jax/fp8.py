@@ -27,6 +27,7 @@ _FP8_DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m
 class Fp8Ops:
     """The FP8 rule's array namespace over ``jnp`` arrays."""
 
+    scope = staticmethod(jax.named_scope)  # names the amax and scale-update ops in traces
     where = staticmethod(jnp.where)
     isfinite = staticmethod(jnp.isfinite)
     isnan = staticmethod(jnp.isnan)

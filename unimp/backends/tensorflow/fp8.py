@@ -26,6 +26,7 @@ _FP8_DTYPES = {
 class Fp8Ops:
     """The FP8 rule's array namespace over TensorFlow tensors."""
 
+    scope = staticmethod(tf.name_scope)  # names the amax and scale-update ops in traces
     where = staticmethod(tf.where)
     isfinite = staticmethod(tf.math.is_finite)
     isnan = staticmethod(tf.math.is_nan)

@@ -7,6 +7,7 @@ The rule is :func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` run on 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,23 @@ from unimp.fp8 import FP8State
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
+#: The float8 rule's scopes open now (``fp8_amax``, ``fp8_scale_update``): torch has no op
+#: scopes, so :meth:`Fp8Ops.scope` keeps them here for unimp's dtype trace to read.
+SCOPES: list[str] = []
+
+
 class Fp8Ops:
     """The FP8 rule's array namespace over torch tensors on one device (constants cached)."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def scope(name: str) -> Any:
+        """Marks the ops run inside as the rule's ``name`` for unimp's dtype trace."""
+        SCOPES.append(name)
+        try:
+            yield
+        finally:
+            SCOPES.pop()
 
     where = staticmethod(torch.where)
     isfinite = staticmethod(torch.isfinite)
