@@ -28,6 +28,16 @@ def test_info_json_lists_every_backend(capsys):
         assert b["install"].startswith('pip install "unimp[')
 
 
+def test_info_says_float8_is_emulated_one_line_per_framework(capsys):
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    f8 = [line.strip() for line in lines if "float8 matmuls" in line]
+    assert len(f8) == len(unimp.available_backends())
+    for line in f8:
+        assert line.startswith("float8 matmuls: emulated (")  # on every device: no native kernels built
+        assert "small layers gain nothing" in line and "about 1.5x" in line
+
+
 def test_console_script_runs():
     out = subprocess.run(
         [sys.executable, "-m", "unimp.cli", "info", "--no-devices"], capture_output=True, text=True

@@ -26,3 +26,22 @@ def test_device_support_rule(kind, cc, f16, bf16, rec):
 def test_unknown_kind():
     with pytest.raises(ValueError, match="'cpu', 'gpu' or 'tpu'"):
         device_support("npu")
+
+
+@pytest.mark.parametrize(
+    ("kind", "cc", "float8"),
+    [("cpu", None, False), ("tpu", None, False), ("gpu", (8, 0), False), ("gpu", (8, 9), True),
+     ("gpu", (9, 0), True), ("gpu", None, False)],
+)
+def test_float8_units_from_compute_capability_8_9(kind, cc, float8):
+    assert device_support(kind, cc)["float8"] is float8
+
+
+def test_float8_line_says_emulated_and_small_layers_gain_nothing():
+    from unimp.dtypes import float8_line
+
+    cpu = float8_line([device_support("cpu") | {"device": "cpu"}])
+    assert cpu.startswith("float8 matmuls: emulated (no float8 units here)")
+    assert "small layers gain nothing" in cpu and "1.5x" in cpu
+    h100 = float8_line([device_support("gpu", (9, 0)) | {"device": "cuda:0"}])
+    assert "cuda:0 has float8 units, but unimp's native float8 kernels are not built" in h100

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import require_backend
 
 import unimp
 from unimp import fp8
@@ -70,8 +69,19 @@ def test_fp8_recipe_bad_input(kwargs, match):
         unimp.Recipe.from_dict({"policy": "mixed_bfloat16", "fp8": {"exclud": []}})
 
 
-def test_binding_an_fp8_recipe_warns_that_layers_are_not_swapped(backend):
-    require_backend(backend)
-    with pytest.warns(UserWarning, match="FP8 part is not applied to models automatically"):
-        mp = unimp.mixed_precision("fp8", backend=backend)
-    assert mp.recipe.fp8 is not None
+#: the compare ViT's layers in model order (unimp/compare/models.py): eight Dense/Linear layers
+VIT_LAYERS = [("emb", "Linear"), ("ln1", "LayerNorm"), ("attn.q", "Linear"), ("attn.k", "Linear"),
+              ("attn.v", "Linear"), ("attn.o", "Linear"), ("ln2", "LayerNorm"), ("mlp.fc1", "Linear"),
+              ("mlp.fc2", "Linear"), ("lnf", "LayerNorm"), ("l2", "Linear")]
+
+
+def test_select_first_and_last_out_and_globs():
+    assert Fp8Recipe().select(VIT_LAYERS) == ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2")
+    assert Fp8Recipe(exclude=("attn.*",)).select(VIT_LAYERS) == ("mlp.fc1", "mlp.fc2")
+    assert Fp8Recipe(exclude_first_last=False, exclude=("mlp",)).select(VIT_LAYERS) == (
+        "emb", "attn.q", "attn.k", "attn.v", "attn.o", "l2")
+    assert Fp8Recipe().select([("l1", "Dense"), ("l2", "Dense")]) == ()  # the seeds' MLP: none
+    with pytest.raises(ValueError, match="given twice"):
+        Fp8Recipe().select([("a", "Dense"), ("a", "Dense")])
+    with pytest.raises(ValueError, match="pairs of strings"):
+        Fp8Recipe().select(["a"])

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import unimp
 from unimp import registry
+from unimp.dtypes import float8_line
 from unimp.loss_scale import LossScaleError
 from unimp.precision import describe_matmul_precision
 
@@ -90,6 +91,7 @@ def _info(args: argparse.Namespace) -> int:
                 module = registry.get_backend(name)
                 row["devices"] = module.device_info()
                 row["matmul_precision"] = module.current_matmul_precision()
+                row["float8"] = float8_line(row["devices"])
             except Exception as e:  # a broken framework install must not hide the others
                 row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
@@ -111,6 +113,8 @@ def _info(args: argparse.Namespace) -> int:
             if "matmul_precision" in row:
                 text = describe_matmul_precision(row["backend"], row["matmul_precision"], dev["device"])
                 print(f"      {'':<22} float32 matmul precision: {text}")
+        if row["devices"]:
+            print(f"      {float8_line(row['devices'])}")
         if "error" in row:
             print(f"      cannot load: {row['error']}")
     return 0

@@ -211,7 +211,8 @@ def device_support(kind: str, compute_capability: tuple[int, int] | None = None)
         compute_capability: ``(major, minor)`` of an NVIDIA GPU, or ``None``.
 
     Returns:
-        ``{"kind", "float16": bool, "bfloat16": bool, "recommended": recipe name}``.
+        ``{"kind", "float16": bool, "bfloat16": bool, "recommended": recipe name, "float8":
+        bool}`` (``float8``: float8 tensor-core units, NVIDIA compute capability 8.9 and later).
 
     Raises:
         ValueError: unknown ``kind``.
@@ -229,7 +230,26 @@ def device_support(kind: str, compute_capability: tuple[int, int] | None = None)
             rec = "mixed_bfloat16" if bf16 else "mixed_float16" if cc >= (7, 0) else "float32"
     else:
         raise ValueError(f"device kind must be 'cpu', 'gpu' or 'tpu', got {kind!r}.")
-    return {"kind": kind, "float16": f16, "bfloat16": bf16, "recommended": rec}
+    f8 = kind == "gpu" and compute_capability is not None and tuple(int(v) for v in compute_capability) >= (8, 9)
+    return {"kind": kind, "float16": f16, "bfloat16": bf16, "recommended": rec, "float8": f8}
+
+
+#: ``unimp info``'s word on float8 (issue 21): what unimp runs, and when float8 pays.
+FLOAT8_NOTE = (
+    "small layers gain nothing even with float8 units (Transformer Engine reports about 1.5x "
+    "for its FP8 step on large, GEMM-bound layers)"
+)
+
+
+def float8_line(devices: list[dict[str, Any]]) -> str:
+    """One line for ``unimp info``: float8 matmuls are emulated by unimp on every device
+    (quantize-dequantize, no native float8 kernels are built), whether or not a device has
+    float8 units (NVIDIA compute capability 8.9 and later: Ada, Hopper, Blackwell), and when
+    float8 pays at all."""
+    native = [d["device"] for d in devices if d.get("float8")]
+    where = (f"{', '.join(native)} has float8 units, but unimp's native float8 kernels are not built"
+             if native else "no float8 units here")
+    return f"float8 matmuls: emulated ({where}); {FLOAT8_NOTE}"
 
 
 #: Device spellings every backend takes for ``device=``, by the kind they name.

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "FLOAT8_DTYPES",
+    "FP8_SCOPES",
     "FLOAT_DTYPES",
     "HALF_DTYPES",
     "OPS",
@@ -30,6 +32,8 @@ __all__ = [
     "Trace",
     "compute_dtype",
     "diff",
+    "fp8_cast_op",
+    "fp8_scope",
 ]
 
 #: The shared op vocabulary: every backend maps its native op names onto these; an op with
@@ -79,7 +83,19 @@ OPS = (
     "assign",
     "optimizer_update",
     "all_reduce",
+    "fp8_quantize",
+    "fp8_dequantize",
+    "fp8_amax",
+    "fp8_scale_update",
 )
+#: Scopes the float8 rule (:mod:`unimp.fp8`) runs its amax reduction and its scale update in
+#: (a JAX ``named_scope``, a TensorFlow ``name_scope``, a marker torch's trace reads): the ops
+#: inside (their maths; casts, compares and selects keep their names) are recorded under the
+#: scope's name (:func:`fp8_scope`), in the layer the rule serves.
+FP8_SCOPES = ("fp8_amax", "fp8_scale_update")
+#: float8 formats (:mod:`unimp.fp8`): a cast into one is ``fp8_quantize``, out of one
+#: ``fp8_dequantize`` (:func:`fp8_cast_op`), in every backend's trace.
+FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: Where in the step an op ran.
 PHASES = ("forward", "backward", "update")
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -90,7 +106,7 @@ _RANK = {d: i for i, d in enumerate(("float16", "bfloat16", "float32", "float64"
 #: Keras's ``LayerNormalization``): casts, data movement, random bits, and the comparisons /
 #: selects of masks and finiteness checks (no rounding happens in them).
 PLUMBING = frozenset(
-    {"cast", "reshape", "transpose", "broadcast", "copy", "slice", "concat", "gather", "fill",
+    {"cast", "fp8_quantize", "fp8_dequantize", "reshape", "transpose", "broadcast", "copy", "slice", "concat", "gather", "fill",
      "assign", "compare", "select", "is_finite", "random"}
 )  # fmt: skip
 
@@ -124,6 +140,33 @@ def compute_dtype(op: str, inputs: Sequence[str], outputs: Sequence[str]) -> str
     return rest[0] if rest else ""
 
 
+def fp8_cast_op(op: str, inputs: Sequence[str], outputs: Sequence[str]) -> str:
+    """A cast's name in a float8 trace: ``"fp8_quantize"`` when it casts into a float8 format
+    (the rounding step of :func:`unimp.fp8.quantize_arrays`), ``"fp8_dequantize"`` when it
+    casts a float8 tensor back to a wider dtype; any other op keeps ``op``. One rule for every
+    backend (applied by :class:`OpRecord`)."""
+    if op != "cast":
+        return op
+    if any(d in FLOAT8_DTYPES for d in outputs):
+        return "fp8_quantize"
+    if any(d in FLOAT8_DTYPES for d in inputs):
+        return "fp8_dequantize"
+    return op
+
+
+def fp8_scope(parts: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Splits the float8 rule's scopes (:data:`FP8_SCOPES`) out of a scope path.
+
+    Args:
+        parts: a scope / layer path split into names (``["mlp", "fc1", "fp8_amax", "abs"]``).
+
+    Returns:
+        ``(the innermost float8 scope or None, the parts without the float8 scopes)``.
+    """
+    found = [p for p in parts if p in FP8_SCOPES]
+    return (found[-1] if found else None), [p for p in parts if p not in FP8_SCOPES]
+
+
 @dataclass(frozen=True)
 class OpRecord:
     """One op of a traced step.
@@ -151,6 +194,7 @@ class OpRecord:
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}.")
+        object.__setattr__(self, "op", fp8_cast_op(self.op, self.inputs, self.outputs))
         if not self.compute:
             object.__setattr__(self, "compute", compute_dtype(self.op, self.inputs, self.outputs))
 

@@ -67,17 +67,6 @@ class MixedPrecisionBase:
 
     def __init__(self, recipe: Any = "mixed_float16") -> None:
         self._recipe: Recipe = get_recipe(recipe)
-        if self._recipe.fp8 is not None:
-            import warnings
-
-            warnings.warn(
-                f"{self.backend or 'this backend'}: the recipe's FP8 part is not applied to models "
-                "automatically yet (bfloat16 and float32 master weights are); put the float8 "
-                "layers in yourself: unimp.backends.torch.FP8Dense, unimp.backends.tensorflow."
-                "FP8Dense or unimp.backends.jax.fp8_dot_general, with recipe.fp8.scaling.",
-                UserWarning,
-                stacklevel=3,
-            )
 
     @property
     def recipe(self) -> Recipe:

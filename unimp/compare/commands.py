@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections import Counter
 from typing import Any
 
 from unimp.cli import _backends_arg
@@ -80,6 +81,14 @@ def trace_command(args: argparse.Namespace) -> int:
             f"{phase}: maths ops", *(_dtype_counts(t.by_dtype(phase)) for t in traces.values())
         )
     table.add_row("casts between float dtypes", *(str(len(t.casts())) for t in traces.values()))
+    # float8 recipes: the casts into and out of float8 (by format), the amax reductions and the
+    # scale updates (by compute dtype)
+    for op in ("fp8_quantize", "fp8_dequantize", "fp8_amax", "fp8_scale_update"):
+        pick = {"fp8_quantize": lambda r: r.outputs[0], "fp8_dequantize": lambda r: r.inputs[0]}.get(
+            op, lambda r: r.compute)
+        counts = [Counter(pick(r) for r in t if r.op == op) for t in traces.values()]
+        if any(counts):
+            table.add_row(f"{op} ops", *(_dtype_counts(c) for c in counts))
     Console().print(table)
     return 0
 

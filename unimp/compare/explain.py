@@ -120,10 +120,11 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         jax_lines.insert(-1, f"paths matching {pattern!r}: params {_JNP_DTYPE[v.param_dtype]}, compute "
                          f"{_JNP_DTYPE[v.compute_dtype]} (mp.cast_to_compute per path, mp.module_kwargs({pattern!r}))")
     if recipe.fp8 is not None:
-        what = f"{recipe.fp8.describe()} (emulated float8 matmuls; put the layers in yourself)"
-        torch_lines.append(f"unimp.backends.torch.FP8Dense for nn.Linear: {what}")
-        keras_lines.append(f"unimp.backends.tensorflow.FP8Dense for Dense: {what}")
-        jax_lines.append(f"nn.Dense(dot_general=unimp.backends.jax.fp8_dot_general(...)): {what}")
+        what = f"{recipe.fp8.describe()} (emulated float8 matmuls; mp.fp8_layers(model) lists them)"
+        torch_lines.append(f"mp.prepare swaps the selected nn.Linear for unimp FP8Dense (same Parameters): {what}")
+        keras_lines.append(f"mp.prepare puts unimp's float8 matmul into the selected Dense layers: {what}")
+        jax_lines.append(f"mp.fp8_layers(paths); flax mp.module_kwargs(path) adds dot_general_cls, "
+                         f"plain JAX mp.fp8_matmul(states, path, x, w): {what}")
     extra = _policy_v2_lines(p)
     return [
         ("torch", torch_lines + extra["torch"]),

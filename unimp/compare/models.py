@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "FP8_PATHS",
     "weight_layer",
     "LAYER_NORM_EPS",
     "MODELS",
@@ -129,6 +130,14 @@ def _vit_weights(
         "b2": np.zeros(num_classes, np.float32),
     }
 
+
+#: The Dense/Linear layers of each model in model order, by the dotted paths every runner uses
+#: (an FP8 recipe selects among them; the first and the last stay out by default).
+FP8_PATHS = {
+    "mlp": ("l1", "l2"),
+    "cnn": ("l2",),  # the convolution is float8-capable in the recipe, but not built
+    "vit": ("emb", "attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2", "l2"),
+}
 
 _LAYER_PREFIXES = ("emb", "pos", "ln1", "attn", "ln2", "mlp", "lnf")
 

@@ -158,6 +158,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "process's resident memory (RSS) during training.",
         "",
     ]
+    if "fp8" in report:
+        from unimp.compare.fp8_scales import fp8_markdown
+
+        lines += fp8_markdown(report["fp8"])
     lines += _layer_stats_markdown(report)
     if len(report["runs"]) > 1:
         lines += ["## Where the frameworks' dtypes differ (first step, forward pass)", ""]

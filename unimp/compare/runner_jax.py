@@ -13,7 +13,8 @@ import optax
 
 from unimp.backends import jax as backend
 from unimp.backends.jax import observe
-from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS, weight_layer
+from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
+from unimp.compare.models import FP8_PATHS, LAYER_NORM_EPS, VIT_HEADS, weight_layer
 from unimp.compare.run import RunSpec, train_loop
 
 #: ``cast(layer, x)``: an activation entering a layer, in that layer's compute dtype
@@ -21,10 +22,34 @@ from unimp.compare.run import RunSpec, train_loop
 Cast = Callable[[str, jax.Array], jax.Array]
 
 
+#: key of the flat weights dict under which an FP8 run passes ``(mp, states, float32 weights)``
+_FP8 = "__fp8__"
+
+
+#: key set in the flat weights dict for the FP8 states pass, which observes nothing
+_QUIET = "__quiet__"
+
+
+def _obs(p: dict, name: str, y: jax.Array) -> jax.Array:
+    return y if p.get(_QUIET) else observe(name, y)
+
+
+def _matmul(p: dict, path: str, weight: str, x: jax.Array) -> jax.Array:
+    """``x @ p[weight]``; in an FP8 run, a layer the recipe selected (``path``, dotted as in
+    torch and Keras) runs ``mp.fp8_matmul`` on the float32 kernel, as torch's FP8Dense and the
+    Keras float8 Dense quantize the float32 master weight."""
+    fp8 = p.get(_FP8)
+    if fp8 is not None and path in fp8[1]:
+        mp, states, raw = fp8
+        return mp.fp8_matmul(states, path, x, raw[weight])
+    return x @ p[weight]
+
+
+
 def _dense(p: dict, name: str, x: jax.Array, cast: Cast) -> jax.Array:
     # the layer's output is observed (tensor statistics) under the name torch and Keras give it
     x = cast(weight_layer(f"{name}_w"), x)
-    return observe(name.replace("_", "/"), x @ p[f"{name}_w"] + p[f"{name}_b"])
+    return _obs(p, name.replace("_", "/"), _matmul(p, name.replace("_", "."), f"{name}_w", x) + p[f"{name}_b"])
 
 
 def _layer_norm(p: dict, name: str, x: jax.Array, cast: Cast) -> jax.Array:
@@ -33,7 +58,7 @@ def _layer_norm(p: dict, name: str, x: jax.Array, cast: Cast) -> jax.Array:
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + LAYER_NORM_EPS) * p[f"{name}_g"] + p[f"{name}_b"]
-    return observe(name, y)
+    return _obs(p, name, y)
 
 
 def _attention(p: dict, x: jax.Array, heads: int, cast: Cast) -> jax.Array:
@@ -77,10 +102,14 @@ def _vit(p: dict, x: jax.Array, cast: Cast) -> jax.Array:
 
 
 def _forward(mp: Any, kind: str):
-    def forward(params: dict, x: jax.Array, mask: jax.Array) -> jax.Array:
+    def forward(params: dict, x: jax.Array, mask: jax.Array, fp8_states: Any = None,
+                quiet: bool = False) -> jax.Array:
         # params are {layer: {weight: array}} (gradient names "l1/w1" line up with the other
         # frameworks' "l1.weight" and "l1/kernel"); the maths reads the flat weight names
         p = {k: v for layer in mp.cast_to_compute(params).values() for k, v in layer.items()}
+        if fp8_states is not None:
+            p[_FP8] = (mp, fp8_states, {k: v for layer in params.values() for k, v in layer.items()})
+        p[_QUIET] = quiet
         x = mp.cast_to_compute(x)
 
         def cast(layer: str, y: jax.Array) -> jax.Array:  # a no-op without overrides
@@ -91,20 +120,25 @@ def _forward(mp: Any, kind: str):
         elif kind == "mlp":
             with jax.named_scope("l1"):
                 x1 = cast("l1", x.reshape(x.shape[0], -1))
-                h = jax.nn.relu(observe("l1", x1 @ p["w1"] + p["b1"]))
+                h = jax.nn.relu(_obs(p, "l1", _matmul(p, "l1", "w1", x1) + p["b1"]))
         else:
             with jax.named_scope("conv"):
                 y = jax.lax.conv_general_dilated(
                     cast("conv", x), p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
                 )
-                h = jax.nn.relu(observe("conv", y + p["bk"])).reshape(x.shape[0], -1)
+                h = jax.nn.relu(_obs(p, "conv", y + p["bk"])).reshape(x.shape[0], -1)
         h = h * mask.astype(h.dtype)
         with jax.named_scope("l2"):
             h = cast("l2", h)
-            logits = observe("l2", h @ p["w2"] + p["b2"])
+            logits = _obs(p, "l2", _matmul(p, "l2", "w2", h) + p["b2"])
         return mp.cast_to_output(logits)
 
     return forward
+
+
+def _fp8_scales(states: Any) -> dict[str, dict[str, float]]:
+    """``{layer: {tensor: scale}}`` of the float8 states (``{path: (input, kernel, grad)}``)."""
+    return {p: {t: float(s.scale) for t, s in zip(TENSORS, per, strict=True)} for p, per in states.items()}
 
 
 def _device(spec: RunSpec) -> Any:
@@ -121,9 +155,26 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
         mp = backend.MixedPrecision(spec.recipe)
         forward = _forward(mp, spec.model)
 
-        def loss_fn(params: dict, b: dict) -> jax.Array:
-            logits = forward(params, b["x"], b["mask"]).astype(jnp.float32)
+        def loss_fn(params: dict, b: dict, fp8_states: Any = None, quiet: bool = False) -> jax.Array:
+            logits = forward(params, b["x"], b["mask"], fp8_states, quiet).astype(jnp.float32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+        options = spec.step_options()
+        fp8_states = None
+        if spec.recipe.fp8 is not None:
+            mp.fp8_layers(FP8_PATHS[spec.model])
+            fp8_states = mp.fp8_states()
+            plain_loss = loss_fn
+
+            def loss_fn(params: dict, states: Any, b: dict) -> tuple[jax.Array, Any]:
+                # the float8 states after the step are the "gradients" of the states: a second
+                # backward pass with the parameters held constant gives them (the same values
+                # the first computes; the compare models are small)
+                fixed = jax.lax.stop_gradient(params)
+                new_states = jax.grad(lambda st: plain_loss(fixed, b, st, True))(states)
+                return plain_loss(params, b, states), new_states
+
+            options["model_state"] = fp8_states
 
         # the learning rate as a hyperparameter in the state: the step log reads it from there
         if spec.optimizer == "adam":
@@ -133,7 +184,7 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
         params: dict[str, dict[str, jax.Array]] = {}
         for k, v in spec.weights.items():
             params.setdefault(weight_layer(k), {})[k] = jnp.asarray(v)
-        step = mp.train_step(loss_fn, opt, params, **spec.step_options())
+        step = mp.train_step(loss_fn, opt, params, **options)
     step.forward = forward  # for the test accuracy
     return mp, step, lambda b: {k: jnp.asarray(v) for k, v in b.items()}
 
@@ -143,9 +194,14 @@ def run(spec: RunSpec) -> dict[str, Any]:
     mp, step, convert = build(spec)
     with jax.default_device(device):
         trace = mp.trace(step, convert(spec.batches[0])) if spec.trace else None
+        fp8_on = spec.recipe.fp8 is not None
+        first = capture_first(spec, lambda: _fp8_scales(step.model_state) if fp8_on else {})
         out = train_loop(step, spec, convert)
+        fp8 = scales_record(first, _fp8_scales(step.model_state)) if fp8_on else None
         ones = jnp.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), jnp.float32)
-        logits = jax.jit(step.forward)(step.params, jnp.asarray(spec.x_test), ones)
+        # an FP8 run evaluates with the states it trained (no gradient taken: they stay as they are)
+        logits = jax.jit(step.forward)(step.params, jnp.asarray(spec.x_test), ones,
+                                       step.model_state if fp8_on else None)
         pred = np.asarray(jnp.argmax(logits.astype(jnp.float32), axis=1))
     stats = device.memory_stats() if spec.device == "cuda" else None
     return {
@@ -156,4 +212,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "test_accuracy": float((pred == spec.y_test).mean()),
         "peak_memory_bytes": None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None,
         "trace": None if trace is None else trace.to_dict(),
+        "fp8_scales": fp8,
     }

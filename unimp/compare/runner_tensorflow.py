@@ -10,6 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from unimp.backends import tensorflow as backend
+from unimp.backends.tensorflow.fp8 import fp8_model_layers
+from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
 from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
 from unimp.compare.run import RunSpec, train_loop
 
@@ -103,6 +105,13 @@ def _model(spec: RunSpec, mp: Any) -> keras.Model:
     return model
 
 
+def _fp8_scales(mp: Any, model: keras.Model) -> dict[str, dict[str, float]]:
+    """``{layer: {tensor: scale}}`` of the Dense layers ``prepare`` gave the float8 matmul."""
+    layers = {path: layer for path, _, layer in fp8_model_layers(model)}
+    return {p: {t: float(getattr(layers[p], f"{t}_scale").numpy()) for t in TENSORS}
+            for p in mp.fp8_layers(model)}
+
+
 def _device(spec: RunSpec) -> str:
     return "/GPU:0" if spec.device == "cuda" else "/CPU:0"
 
@@ -139,7 +148,9 @@ def run(spec: RunSpec) -> dict[str, Any]:
     with tf.device(device):
         # the step's own trace: training reuses it (tracing here costs no second trace)
         trace = mp.trace(step, convert(spec.batches[0])) if spec.trace else None
+        first = capture_first(spec, lambda: _fp8_scales(mp, model))
         out = train_loop(step, spec, convert)
+        fp8 = scales_record(first, _fp8_scales(mp, model)) if spec.recipe.fp8 is not None else None
         ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
         logits = model([tf.constant(spec.x_test), tf.constant(ones)], training=False)
         pred = np.argmax(np.asarray(tf.cast(logits, tf.float32)), axis=1)
@@ -154,4 +165,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "test_accuracy": float((pred == spec.y_test).mean()),
         "peak_memory_bytes": peak,
         "trace": None if trace is None else trace.to_dict(),
+        "fp8_scales": fp8,
     }

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from unimp.backends import torch as backend
+from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
 from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
 from unimp.compare.run import RunSpec, train_loop
 
@@ -115,6 +116,12 @@ class _ViT(torch.nn.Module):
         return self.l2(pooled * mask.to(pooled.dtype))
 
 
+def _fp8_scales(model: torch.nn.Module) -> dict[str, dict[str, float]]:
+    """``{layer: {tensor: scale}}`` of the FP8Dense modules ``prepare`` put in."""
+    return {name: {t: float(getattr(m, f"{t}_scale")) for t in TENSORS}
+            for name, m in model.named_modules() if isinstance(m, backend.FP8Dense)}
+
+
 def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
     """The bound recipe, the train step and the batch conversion, as :func:`run` uses them.
 
@@ -148,7 +155,9 @@ def run(spec: RunSpec) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     model.train()
     trace = mp.trace(step, convert(spec.batches[0])) if spec.trace else None
+    first = capture_first(spec, lambda: _fp8_scales(model))
     out = train_loop(step, spec, convert)
+    fp8 = scales_record(first, _fp8_scales(model)) if spec.recipe.fp8 is not None else None
     model.eval()
     with torch.no_grad():
         x = torch.from_numpy(spec.x_test).to(device)
@@ -164,4 +173,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "test_accuracy": float((pred == spec.y_test).mean()),
         "peak_memory_bytes": peak,
         "trace": None if trace is None else trace.to_dict(),
+        "fp8_scales": fp8,
     }

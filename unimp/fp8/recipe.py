@@ -4,7 +4,7 @@ float8 matmuls."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,35 @@ class Fp8Recipe:
         if self.exclude_first_last and index is not None and count is not None:
             return 0 < index < count - 1
         return True
+
+    def select(self, layers: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+        """The dotted paths, in model order, of the layers that run float8 matmuls.
+
+        The rule every backend's ``mp.fp8_layers`` applies to the layers it finds: a layer's
+        kind is a prefix match on :attr:`layers`, ``exclude`` globs remove paths, and with
+        ``exclude_first_last`` the first and the last float8-capable layer (counted before
+        ``exclude``) stay out.
+
+        Args:
+            layers: ``(path, kind)`` of every layer of the model, in model (definition) order;
+                e.g. ``[("emb", "Linear"), ("ln1", "LayerNorm"), ("attn.q", "Linear"), ...]``.
+
+        Raises:
+            ValueError: a path given twice, or an entry that is not a ``(path, kind)`` pair of
+                strings (named).
+        """
+        pairs = list(layers)
+        for entry in pairs:
+            if (not isinstance(entry, tuple) or len(entry) != 2
+                    or not all(isinstance(v, str) for v in entry)):
+                raise ValueError(f"Fp8Recipe.select needs (path, kind) pairs of strings, got {entry!r}.")
+        paths = [p for p, _ in pairs]
+        dup = sorted({p for p in paths if paths.count(p) > 1})
+        if dup:
+            raise ValueError(f"Fp8Recipe.select: layer path(s) {dup} given twice; paths name one layer each.")
+        capable = [(p, k) for p, k in pairs if any(k.startswith(x) for x in self.layers)]
+        n = len(capable)
+        return tuple(p for i, (p, k) in enumerate(capable) if self.applies_to(p, k, i, n))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, one key per dataclass field (``scaling`` as its ``to_dict()``)."""

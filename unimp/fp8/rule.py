@@ -162,11 +162,21 @@ def step_arrays(
         after the step)``.
     """
     fmax = config.fp8_max(role)
-    if isinstance(config, CurrentScaling):
-        s = _current(ops, config, amax, fmax)
-        inv = ops.f32(1.0) / s
-        return (s, inv), (s, inv, ops.push(amax_history, amax))
-    return _delayed(ops, config, scale, scale_inv, amax_history, amax, fmax)
+    with _scope(ops, "fp8_scale_update"):
+        if isinstance(config, CurrentScaling):
+            s = _current(ops, config, amax, fmax)
+            inv = ops.f32(1.0) / s
+            return (s, inv), (s, inv, ops.push(amax_history, amax))
+        return _delayed(ops, config, scale, scale_inv, amax_history, amax, fmax)
+
+
+def _scope(ops: Any, name: str) -> Any:
+    """``ops.scope(name)`` where the namespace has one (a backend naming the rule's ops for
+    its trace: ``fp8_amax``, ``fp8_scale_update``), else a no-op context."""
+    import contextlib
+
+    scope = getattr(ops, "scope", None)
+    return contextlib.nullcontext() if scope is None else scope(name)
 
 
 def qdq_arrays(ops: Any, x: Any, scale: Any, scale_inv: Any, dtype: str, fmax: float) -> Any:
@@ -207,7 +217,8 @@ def quantize_arrays(ops: Any, x: Any, scale: Any, dtype: str, fmax: float) -> An
 
 def amax_of(ops: Any, x: Any) -> Any:
     """``max(abs(x))`` in float32 (NaN-propagating), the amax every implementation records."""
-    return ops.amax(ops.abs(ops.to_f32(x)))
+    with _scope(ops, "fp8_amax"):
+        return ops.amax(ops.abs(ops.to_f32(x)))
 
 
 def step(config: Fp8Config, state: FP8State, amax: float, role: str = "forward") -> tuple[Any, FP8State]:

@@ -27,6 +27,7 @@ _FP8_DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m
 class Fp8Ops:
     """The FP8 rule's array namespace over ``jnp`` arrays."""
 
+    scope = staticmethod(jax.named_scope)  # names the amax and scale-update ops in traces
     where = staticmethod(jnp.where)
     isfinite = staticmethod(jnp.isfinite)
     isnan = staticmethod(jnp.isnan)
@@ -184,3 +185,59 @@ def _fp8_dot(config, dn, lhs, rhs, si, sk, sg):
 
 
 _fp8_dot.defvjp(_fwd, _bwd)
+
+
+#: flax's collection for values replaced by their "gradient" (``flax.linen.fp8_ops``'s
+#: ``OVERWRITE_WITH_GRADIENT``): ``flax.training.train_state.TrainState.apply_gradients``
+#: overwrites it instead of applying the optimizer.
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+@functools.cache
+def _flax_dot_general_module() -> type:
+    import flax.linen as nn
+
+    class Fp8DotGeneral(nn.Module):
+        """A flax ``dot_general_cls``: :func:`fp8_dot_general` with its three scaling states
+        (``<input|kernel|grad>_<scale|scale_inv|amax_history>``) as variables of flax's
+        ``_overwrite_with_gradient`` collection."""
+
+        config: Any = None
+
+        @nn.compact
+        def __call__(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+                     preferred_element_type: Any = None) -> jax.Array:
+            init = FP8State.initial(self.config)
+            states = [
+                FP8State(*(self.variable(OVERWRITE_WITH_GRADIENT, f"{name}_{f}",
+                                         functools.partial(jnp.asarray, getattr(init, f), jnp.float32)).value
+                           for f in ("scale", "scale_inv", "amax_history")))
+                for name in ("input", "kernel", "grad")
+            ]
+            return fp8_dot_general(self.config, *states)(lhs, rhs, dimension_numbers)
+
+    return Fp8DotGeneral
+
+
+def fp8_flax_dot_general_cls(config: _fp8.Fp8Config) -> Any:
+    """A flax ``dot_general_cls`` (``nn.Dense(..., dot_general_cls=...)``) running
+    :func:`fp8_dot_general` with its states in flax's ``_overwrite_with_gradient`` collection,
+    as flax's own ``Fp8DotGeneralOp`` keeps them: differentiate the loss with respect to the
+    whole variables dict and overwrite that collection with its "gradient" (flax's
+    ``TrainState.apply_gradients`` does). Needs flax."""
+    return functools.partial(_flax_dot_general_module(), config=config)
+
+
+def fp8_initial_states(config: _fp8.Fp8Config, paths: Any) -> dict[str, tuple[FP8State, FP8State, FP8State]]:
+    """Plain JAX: ``{path: (input, kernel, grad) states}`` (scale 1, zero history), a pytree
+    to pass to the loss and to differentiate (its "gradient" is the state after the step)."""
+    return {p: tuple(fp8_initial_state(config) for _ in range(3)) for p in paths}
+
+
+def fp8_matmul(config: _fp8.Fp8Config, states: Any, path: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """Plain JAX: ``x @ w`` (``w`` of shape ``(in, out)``) as :func:`fp8_dot_general` with
+    ``states[path]`` when ``path`` is in ``states``, else the plain matmul."""
+    if path not in states:
+        return x @ w
+    dn = (((x.ndim - 1,), (0,)), ((), ()))
+    return fp8_dot_general(config, *states[path])(x, w, dn)

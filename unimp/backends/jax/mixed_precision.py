@@ -16,6 +16,7 @@ import optax
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import _as_device
+from unimp.backends.jax.fp8 import fp8_flax_dot_general_cls, fp8_initial_states, fp8_matmul
 from unimp.backends.jax.optimizer import loss_scaling
 from unimp.backends.jax.overrides import apply_overrides, cast_by_path
 from unimp.backends.jax.precision import matmul_precision
@@ -143,11 +144,66 @@ class MixedPrecision(MixedPrecisionBase):
         parameters are float32. Normalization layers given these keep float32 parameters and
         statistics (flax computes mean and variance in at least float32) and return the
         compute dtype.
+
+        With an FP8 recipe and the dotted ``path`` of a flax linen ``Dense`` that
+        :meth:`fp8_layers` selected, ``dot_general_cls=`` is added: unimp's emulated float8
+        ``dot_general`` with its scaling states in flax's ``_overwrite_with_gradient``
+        collection (:func:`unimp.backends.jax.fp8.fp8_flax_dot_general_cls`).
+
+        Raises:
+            ValueError: a ``path`` under an FP8 recipe before :meth:`fp8_layers` was called
+                (the first and last layers are only known from the whole list).
         """
         if path is None:
             return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
         p = self.policy.policy_for(path)
-        return {"dtype": to_dtype(p.compute_dtype), "param_dtype": to_dtype(p.param_dtype)}
+        out = {"dtype": to_dtype(p.compute_dtype), "param_dtype": to_dtype(p.param_dtype)}
+        if self._recipe.fp8 is not None and path in self._fp8_paths():
+            out["dot_general_cls"] = fp8_flax_dot_general_cls(self._recipe.fp8.scaling)
+        return out
+
+    def fp8_layers(self, layers: Any) -> tuple[str, ...]:
+        """Declares the model's layers and returns the dotted paths of those that run float8
+        matmuls (the same rule and names as torch's and Keras's ``fp8_layers``:
+        :meth:`unimp.fp8.recipe.Fp8Recipe.select`, first and last Dense out by default);
+        :meth:`module_kwargs`, :meth:`fp8_states` and :meth:`fp8_matmul` use the selection.
+
+        Args:
+            layers: in model order, dotted paths of Dense layers (``"attn.q"``) or
+                ``(path, kind)`` pairs (``("ln1", "LayerNorm")``).
+
+        Returns:
+            The selected paths; ``()`` without an FP8 recipe.
+        """
+        pairs = [(x, "Dense") if isinstance(x, str) else tuple(x) for x in layers]
+        if self._recipe.fp8 is None:
+            return ()
+        self._fp8_selected = self._recipe.fp8.select(pairs)
+        return self._fp8_selected
+
+    def _fp8_paths(self) -> tuple[str, ...]:
+        selected = getattr(self, "_fp8_selected", None)
+        if selected is None:
+            raise ValueError("an FP8 recipe selects layers from the whole model: call "
+                             "mp.fp8_layers([...every Dense path, in model order...]) first.")
+        return selected
+
+    def fp8_states(self) -> dict[str, Any]:
+        """Plain JAX: the initial scaling states of the selected layers, ``{path: (input,
+        kernel, grad)}`` of :class:`unimp.fp8.FP8State` (a pytree). Pass them to the loss
+        next to the params and differentiate with respect to both: the states' "gradients"
+        are the states after the step (:meth:`fp8_matmul`). ``{}`` without an FP8 recipe."""
+        if self._recipe.fp8 is None:
+            return {}
+        return fp8_initial_states(self._recipe.fp8.scaling, self._fp8_paths())
+
+    def fp8_matmul(self, states: Any, path: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """Plain JAX: ``x @ w`` for the layer at ``path`` (``w``: ``(in, out)``), an emulated
+        float8 matmul with ``states[path]`` when the recipe selected it
+        (:func:`unimp.backends.jax.fp8.fp8_matmul`), else the plain matmul."""
+        if self._recipe.fp8 is None:
+            return x @ w
+        return fp8_matmul(self._recipe.fp8.scaling, states, path, x, w)
 
     def init_loss_scale(self) -> LossScale:
         """The recipe's loss scale as a pytree in its initial state."""

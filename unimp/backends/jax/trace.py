@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from unimp.trace import PLUMBING, OpRecord, Trace
+from unimp.trace import PLUMBING, OpRecord, Trace, fp8_scope
 
 __all__ = ["NOTES", "native_op", "trace"]
 
@@ -144,6 +144,10 @@ class _Walker:
             op = native_op(name)
             if lib is not None and op not in PLUMBING:
                 op = lib  # the maths of jax.nn.softmax is softmax; its reshapes stay reshapes
+            scope, parts = fp8_scope(layer.split("/"))
+            if scope is not None:  # the float8 rule's amax / scale update, in the layer it serves
+                layer = "/".join(parts)
+                op = scope if op not in PLUMBING else op
             self.records.append(
                 OpRecord(
                     "jax",

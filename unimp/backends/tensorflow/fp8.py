@@ -26,6 +26,7 @@ _FP8_DTYPES = {
 class Fp8Ops:
     """The FP8 rule's array namespace over TensorFlow tensors."""
 
+    scope = staticmethod(tf.name_scope)  # names the amax and scale-update ops in traces
     where = staticmethod(tf.where)
     isfinite = staticmethod(tf.math.is_finite)
     isnan = staticmethod(tf.math.is_nan)
@@ -152,67 +153,163 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         n_in = int(input_shape[-1])
         self.kernel = self.add_weight(name="kernel", shape=(n_in, self.units), initializer="glorot_uniform", autocast=False)
         self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros") if self.use_bias else None
-        init = FP8State.initial(self.config)
-        for name in _TENSORS:
-            for f in _FIELDS:
-                value = np.asarray(getattr(init, f), np.float32)
-                var = self.add_weight(
-                    name=f"{name}_{f}", shape=value.shape, dtype="float32", trainable=False,
-                    initializer=lambda shape, dtype=None, v=value: tf.constant(v), autocast=False,
-                )
-                setattr(self, f"{name}_{f}", var)
+        _add_states(self, self.config)
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (current variable values)."""
-        return FP8State(*(tf.convert_to_tensor(getattr(self, f"{name}_{f}")) for f in _FIELDS))
+        return _state(self, name)
 
     def load_fp8_state(self, name: str, state: FP8State) -> None:
         """Assigns a (NumPy or tensor) state to the variables of ``name``."""
         for f in _FIELDS:
             getattr(self, f"{name}_{f}").assign(np.asarray(getattr(state, f), np.float32))
 
-    def _step(self, name: str, amax: tf.Tensor, role: str, training: bool) -> Any:
-        state = self.fp8_state(name)
-        if not training and isinstance(self.config, _fp8.DelayedScaling):
-            return state.scale, state.scale_inv
-        used, new = fp8_step(self.config, state, amax, role)
-        if training:
-            for f in _FIELDS:
-                getattr(self, f"{name}_{f}").assign(getattr(new, f))
-        return used
-
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
-        if not self._warned:  # a host-side check, once per layer (not traced per step)
-            self._warned = True
-            gpu = bool(tf.config.list_logical_devices("GPU"))
-            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
-        training = bool(training)
-        x = tf.convert_to_tensor(inputs)
-        w = tf.convert_to_tensor(self.kernel)
-        dtype = self.config.dtype("forward")
-        fmax = _fp8.FP8_MAX[dtype]
-        sx, sinv_x = self._step("input", fp8_amax(x), "forward", training)
-        sw, sinv_w = self._step("kernel", fp8_amax(w), "forward", training)
-        qx = tf.reshape(_fp8.quantize_arrays(Fp8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
-        qw = _fp8.quantize_arrays(Fp8Ops, w, sw, dtype, fmax)
-        out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], 0)
-
-        @tf.custom_gradient
-        def matmul(x_, w_):
-            y = tf.cast(tf.matmul(qx, qw) * (sinv_x * sinv_w), x_.dtype)
-
-            def grad(g):
-                g2 = tf.reshape(g, [-1, self.units])
-                bdt = self.config.dtype("backward")
-                sg, sinv_g = self._step("grad", fp8_amax(g2), "backward", training)
-                qg = _fp8.quantize_arrays(Fp8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
-                dx = tf.matmul(qg, qw, transpose_b=True) * (sinv_g * sinv_w)
-                dw = tf.matmul(qx, qg, transpose_a=True) * (sinv_x * sinv_g)
-                return tf.cast(tf.reshape(dx, tf.shape(x_)), x_.dtype), tf.cast(dw, w_.dtype)
-
-            return tf.reshape(y, out_shape), grad
-
-        y = matmul(x, w)
+        y = _fp8_matmul(self, self.config, inputs, self.kernel, training)
         if self.bias is not None:
             y = y + tf.cast(self.bias, y.dtype)
         return y
+
+
+def _add_states(layer: Any, config: _fp8.Fp8Config) -> None:
+    """The scaling states of a float8 layer: non-trainable float32 variables
+    ``<input|kernel|grad>_<scale|scale_inv|amax_history>`` (never autocast)."""
+    init = FP8State.initial(config)
+    for name in _TENSORS:
+        for f in _FIELDS:
+            value = np.asarray(getattr(init, f), np.float32)
+            var = layer.add_weight(
+                name=f"{name}_{f}", shape=value.shape, dtype="float32", trainable=False,
+                initializer=lambda shape, dtype=None, v=value: tf.constant(v), autocast=False,
+            )
+            setattr(layer, f"{name}_{f}", var)
+    layer._unimp_fp8_warned = False
+
+
+def _state(layer: Any, name: str) -> FP8State:
+    return FP8State(*(tf.convert_to_tensor(getattr(layer, f"{name}_{f}")) for f in _FIELDS))
+
+
+def _step(layer: Any, config: _fp8.Fp8Config, name: str, amax: tf.Tensor, role: str, training: bool) -> Any:
+    state = _state(layer, name)
+    if not training and isinstance(config, _fp8.DelayedScaling):
+        return state.scale, state.scale_inv
+    used, new = fp8_step(config, state, amax, role)
+    if training:
+        for f in _FIELDS:
+            getattr(layer, f"{name}_{f}").assign(getattr(new, f))
+    return used
+
+
+def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, training: Any) -> tf.Tensor:
+    """``inputs @ kernel`` (kernel ``(in, units)``, read in float32) as an emulated float8 matmul
+    with ``layer``'s scaling states (:func:`_add_states`); the output gradient is quantized in a
+    ``tf.custom_gradient``. Output: ``inputs``' dtype and leading shape."""
+    if not layer._unimp_fp8_warned:  # a host-side check, once per layer (not traced per step)
+        layer._unimp_fp8_warned = True
+        gpu = bool(tf.config.list_logical_devices("GPU"))
+        _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
+    training = bool(training)
+    x = tf.convert_to_tensor(inputs)
+    w = tf.convert_to_tensor(kernel)
+    units = int(w.shape[-1])
+    dtype = config.dtype("forward")
+    fmax = _fp8.FP8_MAX[dtype]
+    sx, sinv_x = _step(layer, config, "input", fp8_amax(x), "forward", training)
+    sw, sinv_w = _step(layer, config, "kernel", fp8_amax(w), "forward", training)
+    qx = tf.reshape(_fp8.quantize_arrays(Fp8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
+    qw = _fp8.quantize_arrays(Fp8Ops, w, sw, dtype, fmax)
+    out_shape = tf.concat([tf.shape(x)[:-1], [units]], 0)
+
+    @tf.custom_gradient
+    def matmul(x_, w_):
+        y = tf.cast(tf.matmul(qx, qw) * (sinv_x * sinv_w), x_.dtype)
+
+        def grad(g):
+            g2 = tf.reshape(g, [-1, units])
+            bdt = config.dtype("backward")
+            sg, sinv_g = _step(layer, config, "grad", fp8_amax(g2), "backward", training)
+            qg = _fp8.quantize_arrays(Fp8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
+            dx = tf.matmul(qg, qw, transpose_b=True) * (sinv_g * sinv_w)
+            dw = tf.matmul(qx, qg, transpose_a=True) * (sinv_x * sinv_g)
+            return tf.cast(tf.reshape(dx, tf.shape(x_)), x_.dtype), tf.cast(dw, w_.dtype)
+
+        return tf.reshape(y, out_shape), grad
+
+    return matmul(x, w)
+
+
+def _fp8_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor:
+    """``keras.layers.Dense.call`` with the matmul replaced by :func:`_fp8_matmul` (bias and
+    activation as Keras adds them)."""
+    y = _fp8_matmul(self, self._unimp_fp8_config, inputs, self._kernel, training)
+    if self.bias is not None:
+        y = y + tf.cast(self.bias, y.dtype)
+    if self.activation is not None:
+        y = self.activation(y)
+    return y
+
+
+def fp8_model_layers(model: Any) -> list[tuple[str, str, Any]]:
+    """``(dotted path, kind, layer)`` of every layer of a Keras model, depth first in
+    definition order, paths joined from layer names (``"mlp.fc1"``); ``keras.layers.Dense``
+    and its subclasses, and unimp's FP8Dense, are ``"Dense"``."""
+    import keras
+
+    out: list[tuple[str, str, Any]] = []
+
+    def walk(layer: Any, prefix: str) -> None:
+        for sub in layer._flatten_layers(include_self=False, recursive=False):
+            path = f"{prefix}{sub.name}"
+            dense = isinstance(sub, (keras.layers.Dense, FP8Dense))
+            out.append((path, "Dense" if dense else type(sub).__name__, sub))
+            walk(sub, path + ".")
+
+    walk(model, "")
+    return out
+
+
+def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
+    """Puts unimp's float8 matmul into the Dense layers of a built Keras model that ``recipe``
+    (an :class:`unimp.fp8.recipe.Fp8Recipe`) selects, in place, and returns their paths: each
+    gets its scaling states (non-trainable float32 variables, added the way Keras's own
+    ``Dense.quantize`` adds its float8 variables: tracker unlocked, then locked) and a ``call``
+    whose matmul is :func:`_fp8_matmul`. Layers already done (or FP8Dense) are kept; a selected
+    layer that is not a Dense stays as it is, with a warning naming it.
+
+    Raises:
+        ValueError: a selected Dense layer is not built yet (build the model first).
+    """
+    import types
+    import warnings
+
+    import keras
+
+    found = fp8_model_layers(model)
+    selected = recipe.select([(p, k) for p, k, _ in found])
+    layers = {p: layer for p, _, layer in found}
+    unbuilt = [p for p in selected if not layers[p].built]
+    if unbuilt:
+        raise ValueError(f"float8 layers {unbuilt} are not built yet: build the model (call it once "
+                         "or give its Input shapes) before mp.prepare.")
+    done = []
+    for path in selected:
+        layer = layers[path]
+        if isinstance(layer, FP8Dense) or getattr(layer, "_unimp_fp8_config", None) is not None:
+            done.append(path)
+        elif isinstance(layer, keras.layers.Dense):
+            layer._tracker.unlock()
+            try:
+                _add_states(layer, recipe.scaling)
+            finally:
+                layer._tracker.lock()
+            layer._unimp_fp8_config = recipe.scaling
+            # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
+            # float32 master weight (Keras's own float8 Dense reads it autocast to bfloat16)
+            layer._kernel._autocast = False
+            layer.call = types.MethodType(_fp8_dense_call, layer)
+            done.append(path)
+        else:
+            warnings.warn(f"layer {path!r} ({type(layer).__name__}): only Dense layers run float8 "
+                          "here; it runs in the recipe's compute dtype.", UserWarning, stacklevel=3)
+    return tuple(done)

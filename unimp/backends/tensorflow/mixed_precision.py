@@ -16,6 +16,7 @@ import tensorflow as tf
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
+from unimp.backends.tensorflow.fp8 import fp8_model_layers, fp8_swap
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
@@ -183,6 +184,9 @@ class MixedPrecision(MixedPrecisionBase):
           ``copy.deepcopy`` (which Keras does through the config) drops it too: a loaded or
           copied model returns its last layer's dtype until prepared again. Preparing again
           with the same output dtype changes nothing; with another, it is a ``ValueError``.
+        * An FP8 recipe: the Dense layers it selects (:meth:`fp8_layers`; the first and last
+          out by default) get unimp's emulated float8 matmul in their ``call`` and float32
+          scaling states (non-trainable variables), in place; the model must be built.
         * The optimizer is wrapped in unimp's :class:`LossScaleOptimizer` (not Keras's) with
           the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
           model is compiled with it, so ``fit`` follows unimp's rule. A model already
@@ -246,11 +250,23 @@ class MixedPrecision(MixedPrecisionBase):
                 "mp.prepare(model, optimizer, loss=..., metrics=...).",
                 stacklevel=2,
             )
+        if self._recipe.fp8 is not None:
+            fp8_swap(model, self._recipe.fp8)
         if compile_kwargs:  # first: a bad compile argument leaves the model untouched
             model.compile(optimizer=wrapped, **compile_kwargs)
         apply_overrides(self, model, overridden)
         self._cast_outputs(model)
         return model, wrapped
+
+    def fp8_layers(self, model: Any) -> tuple[str, ...]:
+        """The dotted paths (layer names joined, ``"mlp.fc1"``) of the Dense layers that run
+        float8 matmuls under the recipe, in model order; ``()`` without an FP8 recipe. The
+        same rule and names in every backend (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first
+        and last Dense out by default). ``EinsumDense`` (``MultiHeadAttention``'s projections)
+        is not a Dense here."""
+        if self._recipe.fp8 is None:
+            return ()
+        return self._recipe.fp8.select([(p, k) for p, k, _ in fp8_model_layers(model)])
 
     def _cast_outputs(self, model: Any) -> None:
         """Wraps ``model.call`` so its floating outputs come out in the output dtype.

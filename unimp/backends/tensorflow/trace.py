@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from unimp.trace import PLUMBING, OpRecord, Trace
+from unimp.trace import PLUMBING, OpRecord, Trace, fp8_scope
 
 __all__ = ["NOTES", "native_op", "trace"]
 
@@ -143,6 +143,7 @@ class _Walker:
                 phase, scopes = "backward", scopes[1:]
             if scopes and _FORWARD.fullmatch(scopes[0]):
                 phase, scopes = phase or "forward", scopes[1:]
+            fp8_op, scopes = fp8_scope(scopes)  # the float8 rule's amax / scale update
             layer, kind = self._layer(scopes)
             if outer:
                 layer = "/".join(p for p in (outer, layer) if p)
@@ -153,6 +154,8 @@ class _Walker:
             name = native_op(op.type)
             if kind in _LAYER_OPS and name not in PLUMBING:
                 name = _LAYER_OPS[kind]
+            if fp8_op is not None and name not in PLUMBING:
+                name = fp8_op
             self.pending.append(
                 (name, op.type, layer, phase, _dtypes(op.inputs), _dtypes(op.outputs))
             )

@@ -7,6 +7,7 @@ The rule is :func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` run on 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,23 @@ from unimp.fp8 import FP8State
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
+#: The float8 rule's scopes open now (``fp8_amax``, ``fp8_scale_update``): torch has no op
+#: scopes, so :meth:`Fp8Ops.scope` keeps them here for unimp's dtype trace to read.
+SCOPES: list[str] = []
+
+
 class Fp8Ops:
     """The FP8 rule's array namespace over torch tensors on one device (constants cached)."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def scope(name: str) -> Any:
+        """Marks the ops run inside as the rule's ``name`` for unimp's dtype trace."""
+        SCOPES.append(name)
+        try:
+            yield
+        finally:
+            SCOPES.pop()
 
     where = staticmethod(torch.where)
     isfinite = staticmethod(torch.isfinite)
@@ -208,8 +224,33 @@ class FP8Dense(torch.nn.Linear):
                     getattr(self, f"{name}_{f}").copy_(getattr(new, f))
         return used, new
 
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, config: _fp8.Fp8Config) -> FP8Dense:
+        """An FP8Dense sharing ``linear``'s ``weight`` and ``bias`` Parameters (the same
+        objects: an optimizer built on the model keeps updating them), with fresh float32
+        scaling states on the weight's device and ``linear``'s training flag."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta", config=config)
+        new.weight, new.bias = linear.weight, linear.bias
+        for name, buf in list(new.named_buffers(recurse=False)):
+            setattr(new, name, torch.zeros(buf.shape, dtype=torch.float32, device=linear.weight.device))
+        for name in _TENSORS:
+            new.load_fp8_state(name, FP8State.initial(config))
+        new.train(linear.training)
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _fp8.warn_emulated("torch", x.device.type)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # as autocast runs a linear: the input in the autocast dtype; the float8 matmul
+            # itself runs outside autocast (its float32 accumulation is the rule)
+            x = x.to(torch.get_autocast_dtype(device_type))
+            with torch.autocast(device_type, enabled=False):
+                return self._forward(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.config.dtype("forward")
         fmax = _fp8.FP8_MAX[dtype]
         ops = _ops(x.device)
@@ -221,3 +262,35 @@ class FP8Dense(torch.nn.Linear):
         y = _Fp8Matmul.apply(x, self.weight, qx, qw, sinv_x, sinv_w, self)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+
+
+def fp8_model_layers(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """``(dotted path, kind)`` of every submodule in definition order, the input of
+    :meth:`unimp.fp8.recipe.Fp8Recipe.select` (``nn.Linear`` and its subclasses, FP8Dense
+    included, are ``"Linear"``)."""
+    return [(name, "Linear" if isinstance(m, torch.nn.Linear) else type(m).__name__)
+            for name, m in model.named_modules() if name]
+
+
+def fp8_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
+    """Replaces the ``nn.Linear`` modules ``recipe`` (an :class:`unimp.fp8.recipe.Fp8Recipe`)
+    selects by :class:`FP8Dense` sharing their Parameters, in place; returns the selected
+    paths. Selected layers already FP8Dense are kept; a selected convolution stays as it is
+    (float8 convolutions are not built) with a warning naming it."""
+    import warnings
+
+    selected = recipe.select(fp8_model_layers(model))
+    modules = dict(model.named_modules())
+    done = []
+    for path in selected:
+        layer = modules[path]
+        if isinstance(layer, FP8Dense):
+            done.append(path)
+        elif isinstance(layer, torch.nn.Linear):
+            parent, _, attr = path.rpartition(".")
+            setattr(modules[parent] if parent else model, attr, FP8Dense.from_linear(layer, recipe.scaling))
+            done.append(path)
+        else:
+            warnings.warn(f"layer {path!r} ({type(layer).__name__}): float8 convolutions are not built; "
+                          "it runs in the recipe's compute dtype.", UserWarning, stacklevel=3)
+    return tuple(done)

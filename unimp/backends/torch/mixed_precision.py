@@ -19,6 +19,7 @@ from unimp.backends.torch.casting import (
     to_dtype,
 )
 from unimp.backends.torch.devices import _as_device, _dtype_ok
+from unimp.backends.torch.fp8 import FP8Dense, fp8_model_layers, fp8_swap
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
@@ -167,6 +168,10 @@ class MixedPrecision(MixedPrecisionBase):
           the policy's ``overrides`` cover runs under its override policy
           (:mod:`unimp.backends.torch.overrides`): autocast to its dtype, or autocast off with
           inputs cast (a float32 override), or held in its dtype (module mode).
+        * an FP8 recipe: the ``nn.Linear`` modules it selects (:meth:`fp8_layers`; the first
+          and last out by default) are replaced by :class:`unimp.backends.torch.FP8Dense`
+          modules sharing their Parameters (the optimizer's references stay valid), emulated
+          float8 matmuls with float32 scaling states (buffers, in ``state_dict``).
 
         A float32 recipe returns the model (and optimizer) untouched.
 
@@ -220,6 +225,8 @@ class MixedPrecision(MixedPrecisionBase):
                     f"cannot be unscaled safely: {listed}. Keep them float32 (model.float()), use a recipe "
                     "with float32 parameters, or loss_scale='none'."
                 )
+        if self._recipe.fp8 is not None:
+            fp8_swap(model, self._recipe.fp8)
         if module_masters:
             f32_values = self._to_module_mode(model, overridden)
             pairs = []
@@ -246,6 +253,10 @@ class MixedPrecision(MixedPrecisionBase):
             model.to(self.param_dtype)
             for name, o in overridden.items():
                 cast_module(model.get_submodule(name), to_dtype(o.compute_dtype))
+            for m in model.modules():  # the float8 scaling states stay float32
+                if isinstance(m, FP8Dense):
+                    for name, b in m.named_buffers(recurse=False):
+                        setattr(m, name, b.float())
         apply_overrides(self, model, overridden)
         if optimizer is not None:
             optimizer._unimp_names = names  # type: ignore[attr-defined]
@@ -254,6 +265,15 @@ class MixedPrecision(MixedPrecisionBase):
         if optimizer is not None:
             _check_half_state(optimizer)
         return out
+
+    def fp8_layers(self, model: torch.nn.Module) -> tuple[str, ...]:
+        """The dotted paths of the layers that run float8 matmuls under the recipe (after
+        :meth:`prepare`, the FP8Dense modules it put in; before, those it would), in model
+        order; ``()`` without an FP8 recipe. The same rule and names in every backend
+        (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first and last Linear out by default)."""
+        if self._recipe.fp8 is None:
+            return ()
+        return self._recipe.fp8.select(fp8_model_layers(model))
 
     def _check_model_device(self, model: torch.nn.Module) -> None:
         """Autocast for one device type leaves ops on another in float32: refuse a model whose
@@ -285,7 +305,8 @@ class MixedPrecision(MixedPrecisionBase):
             for m in model.modules():
                 if id(m) in inside_norm:
                     continue
-                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                buffers = () if isinstance(m, FP8Dense) else m.buffers(recurse=False)  # float8 states stay float32
+                for t in (*m.parameters(recurse=False), *buffers):
                     if t.is_floating_point() and t.dtype != self.compute_dtype:
                         t.data = t.data.to(self.compute_dtype)
         for m in norms:

@@ -16,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from unimp.trace import OpRecord, Trace
+from unimp.backends.torch.fp8 import SCOPES as _FP8_SCOPES
+from unimp.trace import PLUMBING, OpRecord, Trace
 
 __all__ = ["NOTES", "native_op", "trace"]
 
@@ -153,8 +154,11 @@ class _Recorder(TorchDispatchMode):
             layer = self.stack[-1] if self.stack else ""
             forward = self.stack or self.in_loss or not self.backward_seen
             phase = "forward" if forward else "update"
+        op = native_op(name)
+        if _FP8_SCOPES and op not in PLUMBING:  # the float8 rule's amax / scale update maths
+            op = _FP8_SCOPES[-1]
         self.records.append(
-            OpRecord("torch", native_op(name), f"aten.{name}", layer, phase, _dtypes((args, kwargs)), _dtypes(out))
+            OpRecord("torch", op, f"aten.{name}", layer, phase, _dtypes((args, kwargs)), _dtypes(out))
         )
         return out
 
