@@ -22,7 +22,7 @@ BAD_BACKENDS = [
 BAD_POLICIES = [
     ("mixed_float61", "Did you mean 'mixed_float16'"),
     ("bf16-mixd", "Did you mean 'bf16-mixed'"),
-    ("fp8", "FP8 recipes are not supported yet"),
+    ("transformer-engine-float16", "FP8 with float16 weights"),  # "fp8" itself is a recipe now
     ("c=f17", "compute=float16"),
     ("p=f32,p=f16", "given twice"),
     ("x=f16", "Keys are p|params"),
