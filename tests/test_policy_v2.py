@@ -121,3 +121,14 @@ def test_info_describes_each_frameworks_default(backend, current, device, text):
     from unimp.precision import describe_matmul_precision
 
     assert describe_matmul_precision(backend, current, device) == text
+
+
+def test_a_named_policy_takes_the_optional_fields_after_it():
+    p = get_policy("mixed_float16,matmul=high,accum=float32")
+    assert p == get_policy("mixed_float16").with_(matmul_precision="high", accum_dtype="float32")
+    assert get_policy(str(p)) == p
+    assert get_policy("mixed_float16,reduce=bf16;l2:float32").overrides[0][0] == "l2"
+    with pytest.raises(ValueError, match="after a named policy only matmul=, reduce=, accum="):
+        get_policy("mixed_float16,compute=float32")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        get_policy("mixed_float16,matmul=fast")

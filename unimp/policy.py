@@ -317,7 +317,13 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
         # frameworks on a GPU as on a CPU (TF32 is on by default in TensorFlow and JAX)
         return Policy(dtype, dtype, dtype, "highest" if dtype == _F32 else None)
     values: dict[str, str] = {}
-    for part in text.split(","):
+    parts = text.split(",")
+    head = parts[0].strip()
+    base = None  # a named policy with its optional fields set: "mixed_float16,matmul=high"
+    if "=" not in head and (head in _NAMED or head.lower() in _NAMED or head.upper() in _NAMED):
+        base = get_policy(head, platform=platform)
+        parts = parts[1:]
+    for part in parts:
         if "=" not in part:
             raise ValueError(
                 f"policy {name!r}: part {part.strip()!r} is not key=dtype.{_suggestions(part.strip())}"
@@ -331,12 +337,20 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
                 f"policy {name!r}: unknown key {key!r}.{hint} Keys are {_KEYS_TEXT}."
             )
         field = _KEYS[key]
+        if base is not None and field not in _OPTIONAL:
+            raise ValueError(
+                f"policy {name!r}: after a named policy only "
+                f"{', '.join(k + '=' for k in _OPTIONAL.values())} may follow, got {key}=; or "
+                f"write every key ({head!r} is {str(base)!r})."
+            )
         if field in values:
             raise ValueError(f"policy {name!r}: {field} given twice.")
         if field == "matmul_precision":
             values[field] = check_matmul_precision(value, f"policy {name!r}: matmul")
         else:
             values[field] = _dtype(value, platform, name)
+    if base is not None:
+        return base.with_(**values)
     # jmp's defaulting: params float32, compute follows params, output follows compute.
     param = values.get("param_dtype", _F32)
     compute = values.get("compute_dtype", param)
