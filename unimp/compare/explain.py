@@ -97,7 +97,9 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
     torch_lines.append(f"unimp.backends.torch.GradScaler: {scaler}")
     keras_lines = [
         f'keras.DTypePolicy("{_keras_policy_name(recipe)}") for layers built under mp.autocast()',
-        f"every layer computes in {p.compute_dtype}, the output layer too; model outputs cast to "
+        f"every layer computes in {p.compute_dtype}"
+        + (", but those the overrides below cover" if p.overrides else ", the output layer too")
+        + f"; model outputs cast to "
         f"{p.output_dtype} by mp.prepare (loss in {p.output_dtype})",
         f"unimp.backends.tensorflow.LossScaleOptimizer(inner_optimizer): {scaler}",
     ]
@@ -118,7 +120,7 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         keras_lines.insert(-1, f"layers matching {pattern!r}: dtype policy "
                            f'"{_keras_policy_name(Recipe(v))}" (keras.dtype_policies.DTypePolicyMap)')
         jax_lines.insert(-1, f"paths matching {pattern!r}: params {_JNP_DTYPE[v.param_dtype]}, compute "
-                         f"{_JNP_DTYPE[v.compute_dtype]} (mp.cast_to_compute per path, mp.module_kwargs({pattern!r}))")
+                         f"{_JNP_DTYPE[v.compute_dtype]} (mp.cast_to_compute(x, path=...), flax mp.module_kwargs(path) for each path it covers)")
     if recipe.fp8 is not None:
         what = f"{recipe.fp8.describe()} (emulated float8 matmuls; mp.fp8_layers(model) lists them)"
         torch_lines.append(f"mp.prepare swaps the selected nn.Linear for unimp FP8Dense (same Parameters): {what}")
