@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -283,8 +282,7 @@ class FP8State:
         """Inverse of :meth:`to_dict`; checks the history length against ``config``.
 
         Raises:
-            ValueError: a missing or unknown key, a value that is not a number, a scale that is
-                not a positive finite float32, or a history of the wrong length (named).
+            ValueError: a missing or unknown key, or a bad value (see :func:`check_state`).
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"an FP8 tensor state must be a dict, got {type(d).__name__}.")
@@ -293,24 +291,54 @@ class FP8State:
         extra = sorted(set(d) - set(names))
         if missing or extra:
             raise ValueError(f"FP8 tensor state keys must be {names}; missing {missing}, unknown {extra}.")
-        vals = {}
-        for n in names:
-            try:
-                vals[n] = np.asarray(d[n], np.float32)
-            except (TypeError, ValueError):
-                raise ValueError(f"FP8 tensor state {n!r} must be numbers, got {d[n]!r}.") from None
-        for n in ("scale", "scale_inv"):
-            v = vals[n]
-            if v.ndim != 0 or not (math.isfinite(float(v)) or config is not None and config.rule == "torchao"):
-                raise ValueError(f"FP8 tensor state {n!r} must be a finite number, got {d[n]!r}.")
-        hist = vals["amax_history"]
-        if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
-            want = config.amax_history_len if config is not None else "L"
+        return check_state(cls(*(d[n] for n in names)), config)
+
+
+def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = "") -> FP8State:
+    """``state`` as NumPy float32, checked before anything is loaded from it (the one check
+    of :meth:`FP8State.from_dict` and every backend's ``load_fp8_state``).
+
+    Args:
+        state: scale, scale_inv and amax_history as numbers, NumPy arrays or host tensors.
+        config: when given, the history must have its ``amax_history_len`` entries.
+        tensor: a name for the messages (e.g. ``"input"``).
+
+    Raises:
+        ValueError: a value that is not real numbers (bools and strings included); a scale or
+            scale_inv that is not one finite number > 0 (under the ``torchao`` rule, whose
+            scale is 0 for an inf amax and NaN for a NaN amax: any number not < 0); a history
+            that is not a list of ``amax_history_len`` maxima, or holds a negative one.
+    """
+    where = f"FP8 tensor state{f' {tensor!r}' if tensor else ''}"
+    vals = {}
+    for f in dataclasses.fields(FP8State):
+        v = getattr(state, f.name)
+        try:
+            a = np.asarray(v)
+        except (TypeError, ValueError, RuntimeError):
+            a = np.asarray(None)
+        if a.dtype.kind not in "iuf":
+            raise ValueError(f"{where} {f.name!r} must be real numbers, got {v!r}.")
+        vals[f.name] = a.astype(np.float32)
+    lenient = config is not None and config.rule == "torchao"
+    for n in ("scale", "scale_inv"):
+        v = vals[n]
+        ok = v.ndim == 0 and (not v < 0 if lenient else bool(np.isfinite(v) and v > 0))
+        if not ok:
             raise ValueError(
-                f"FP8 tensor state 'amax_history' must be a list of {want} numbers "
-                f"(amax_history_len), got shape {hist.shape}."
+                f"{where} {n!r} must be one finite number > 0, got {getattr(state, n)!r}; save it "
+                "with unimp.fp8.state_dict (or the layer's fp8_state)."
             )
-        return cls(vals["scale"], vals["scale_inv"], hist)
+    hist = vals["amax_history"]
+    if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
+        want = config.amax_history_len if config is not None else "L"
+        raise ValueError(
+            f"{where} 'amax_history' must be a list of {want} numbers (amax_history_len), got "
+            f"shape {hist.shape}; load a state saved with the same config."
+        )
+    if np.any(hist < 0):
+        raise ValueError(f"{where} 'amax_history' holds absolute maxima, >= 0; got {hist.min()}.")
+    return FP8State(vals["scale"], vals["scale_inv"], hist)
 
 
 class Fp8EmulationWarning(UserWarning):
