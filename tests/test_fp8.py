@@ -95,6 +95,7 @@ def test_timing_and_edge_cases_literally():
     ("kwargs", "field"),
     [({"fp8_format": "E5M2"}, "fp8_format"), ({"amax_history_len": 0}, "amax_history_len"),
      ({"amax_compute_algo": "mean"}, "amax_compute_algo"), ({"margin": -1}, "margin"),
+     ({"margin": 128}, "margin"), ({"margin": 1024}, "margin"),
      ({"rule": "deepspeed"}, "rule")],
 )
 def test_delayed_bad_input_names_the_field(kwargs, field):

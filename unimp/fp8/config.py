@@ -86,15 +86,15 @@ class DelayedScaling(_Fp8Config):
     (use :meth:`preset`).
 
     Args:
-        margin: int >= 0, the scale is divided by ``2**margin`` (headroom).
+        margin: int in [0, 127], the scale is divided by ``2**margin`` (headroom).
         amax_history_len: int >= 1, window length L (TE, Keras and flax default 1024).
         amax_compute_algo: ``"max"`` or ``"most_recent"`` (TE's names).
         fp8_format: ``"HYBRID"`` (e4m3 forward, e5m2 gradients; default) or ``"E4M3"``.
         rule: ``"unimp"``, ``"transformer_engine"``, ``"keras"`` or ``"flax"``.
 
     Raises:
-        ValueError: an unknown format, algorithm or rule, a history length < 1 or a negative
-            margin (the message names the field and its valid values); Keras and flax only
+        ValueError: an unknown format, algorithm or rule, a history length < 1 or a margin
+            outside [0, 127] (the message names the field and its valid values); Keras and flax only
             implement ``amax_compute_algo="max"`` and ``margin=0`` (flax) / any margin (Keras
             takes one in ``compute_float8_scale``).
 
@@ -114,6 +114,13 @@ class DelayedScaling(_Fp8Config):
     def __post_init__(self) -> None:
         c = "DelayedScaling"
         object.__setattr__(self, "margin", _int(c, "margin", self.margin, 0))
+        if self.margin > 127:
+            # 2**margin must be a finite float32: past it every rule's scale is 0 (scale_inv
+            # inf), and Python's 2.0**1024 raises OverflowError inside the Keras/flax rule
+            raise ValueError(
+                f"DelayedScaling.margin must be <= 127 (2**margin a finite float32; a larger "
+                f"margin makes every scale 0), got {self.margin!r}."
+            )
         object.__setattr__(
             self, "amax_history_len", _int(c, "amax_history_len", self.amax_history_len, 1)
         )
