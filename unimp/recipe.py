@@ -221,7 +221,20 @@ def _policy_from_value(value: Any) -> Policy:
     policy = get_policy(value["name"])
     if "overrides" not in value:
         return policy
-    return policy.with_(overrides=dict(policy.overrides) | dict(value["overrides"]))
+    table = value["overrides"]
+    if not isinstance(table, Mapping):
+        raise ValueError(
+            f"the policy table's 'overrides' must be a table {{pattern = value}}, got "
+            f"{type(table).__name__} {table!r}; e.g. [policy.overrides] with head = \"float32\"."
+        )
+    for pattern, v in table.items():
+        if isinstance(v, Mapping):  # TOML reads `blocks.0.attn = "float32"` as nested tables
+            raise ValueError(
+                f"policy override {pattern!r} holds a table {dict(v)!r}: an unquoted dotted key "
+                f'is a nested table in TOML, so quote the pattern ("blocks.0.attn" = "float32"), '
+                f'and write a policy value as a string ("params=float32,compute=float32").'
+            )
+    return policy.with_(overrides=dict(policy.overrides) | dict(table))
 
 
 # Apex opt levels fix the cast mode and the loss scale, as Apex did.
