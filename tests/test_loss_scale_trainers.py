@@ -242,6 +242,13 @@ def test_bad_new_fields_name_the_field(kwargs, field):
         DynamicLossScale(**kwargs)
 
 
+def test_preset_with_an_unknown_field_lists_the_fields():
+    with pytest.raises(ValueError, match=r"preset\('deepspeed'\): unknown field\(s\) \['hysterisis'\].*hysteresis"):
+        DynamicLossScale.preset("deepspeed", hysterisis=1)
+    with pytest.raises(ValueError, match="DynamicLossScale.hysteresis must be >= 1"):
+        DynamicLossScale.preset("deepspeed", hysteresis=0)
+
+
 def test_state_with_hysteresis_out_of_range_is_refused():
     cfg = DynamicLossScale(hysteresis=2)
     d = state_dict(cfg, LossScaleState(2.0**15, 0, 1, 1, hysteresis_used=1))
