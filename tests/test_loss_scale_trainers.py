@@ -249,6 +249,13 @@ def test_preset_with_an_unknown_field_lists_the_fields():
         DynamicLossScale.preset("deepspeed", hysteresis=0)
 
 
+def test_a_preset_table_in_a_recipe_names_the_preset_string():
+    from unimp.loss_scale import loss_scale_from_dict
+
+    with pytest.raises(ValueError, match="'preset:deepspeed'"):
+        loss_scale_from_dict({"preset": "deepspeed"})
+
+
 def test_state_with_hysteresis_out_of_range_is_refused():
     cfg = DynamicLossScale(hysteresis=2)
     d = state_dict(cfg, LossScaleState(2.0**15, 0, 1, 1, hysteresis_used=1))

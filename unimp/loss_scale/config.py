@@ -482,7 +482,12 @@ def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScale
         raise ValueError(f"loss scale must be a dict, a name or a number, got {type(d).__name__}.")
     kind = d.get("kind")
     if kind not in _KINDS:
-        raise ValueError(f"loss scale 'kind' must be one of {sorted(_KINDS)}, got {kind!r}.")
+        hint = (
+            f"; a trainer's preset is written as the string 'preset:{d['preset']}' (or saved "
+            "with DynamicLossScale.preset(...).to_dict())"
+            if "preset" in d and kind is None else ""
+        )
+        raise ValueError(f"loss scale 'kind' must be one of {sorted(_KINDS)}, got {kind!r}{hint}.")
     cls = _KINDS[kind]
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names - {"kind"})
