@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -301,7 +302,16 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
     fp8 = overrides.pop("fp8", None)
     if fp8 is not None:
         return get_recipe(name, **overrides, platform=platform).replace(fp8=fp8)
-    policy = get_policy(name, platform=platform)
+    try:
+        policy = get_policy(name, platform=platform)
+    except ValueError as e:
+        if not isinstance(name, str) or not str(e).startswith("unknown policy"):
+            raise
+        # get_policy knows no recipe names: the FP8 recipes are named here, closest first
+        key = name.strip().lower()
+        close = difflib.get_close_matches(key.replace("_", "-"), list(FP8_RECIPES), n=1, cutoff=0.7)
+        hint = f"Did you mean the FP8 recipe {close[0]!r}? " if close else ""
+        raise ValueError(f"{e} {hint}FP8 recipes: {', '.join(FP8_RECIPES)}.") from None
     key = name.strip().upper() if isinstance(name, str) else None
     if key in _APEX:
         cast_mode, ls = _APEX[key]
