@@ -236,6 +236,7 @@ def test_format_1_still_loads_with_documented_defaults():
         (dict(overflow_tolerance=float("nan")), "overflow_tolerance"),
         (dict(floor_action="stop"), "floor_action"),
         (dict(consecutive_hysteresis="yes"), "consecutive_hysteresis"),
+        (dict(delayed_first_growth=True, growth_interval=2**31 - 1), "growth_interval"),
     ],
 )
 def test_bad_new_fields_name_the_field(kwargs, field):

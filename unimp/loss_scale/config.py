@@ -380,6 +380,12 @@ class DynamicLossScale(_Config):
         for name in ("consecutive_hysteresis", "delayed_first_growth"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{c}.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.delayed_first_growth and interval == _I32_MAX:
+            # the int32 counter counts to growth_interval + 1 before the first growth
+            raise ValueError(
+                f"{c}.growth_interval must be < 2**31 - 1 with delayed_first_growth=True (the "
+                f"int32 growth counter reaches growth_interval + 1), got {self.growth_interval!r}."
+            )
         for name, value in (
             ("init_scale", init),
             ("growth_factor", growth),
