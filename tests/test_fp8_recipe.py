@@ -61,7 +61,9 @@ def test_applies_to():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"scaling": "delayed"}, "Fp8Recipe.scaling"), ({"exclude": "head"}, "Fp8Recipe.exclude"),
-     ({"layers": ("Dense", "")}, "Fp8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last")],
+     ({"layers": ("Dense", "")}, "Fp8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last"),
+     ({"exclude": ("head;out",)}, r"Fp8Recipe.exclude: pattern 'head;out'"),  # never matched, silently
+     ({"exclude": (" head",)}, r"Fp8Recipe.exclude: pattern ' head'")],
 )
 def test_fp8_recipe_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -75,3 +77,9 @@ def test_binding_an_fp8_recipe_warns_that_layers_are_not_swapped(backend):
     with pytest.warns(UserWarning, match="FP8 part is not applied to models automatically"):
         mp = unimp.mixed_precision("fp8", backend=backend)
     assert mp.recipe.fp8 is not None
+
+
+def test_exclude_reads_slash_as_dot_as_overrides_do():
+    # Keras's layer.path and unimp trace's names use '/'; the dotted paths never matched them
+    f = Fp8Recipe(exclude=("encoder/fc",))
+    assert f.exclude == ("encoder.fc",) and not f.applies_to("encoder.fc", "Dense")
