@@ -83,3 +83,8 @@ def test_exclude_reads_slash_as_dot_as_overrides_do():
     # Keras's layer.path and unimp trace's names use '/'; the dotted paths never matched them
     f = Fp8Recipe(exclude=("encoder/fc",))
     assert f.exclude == ("encoder.fc",) and not f.applies_to("encoder.fc", "Dense")
+
+
+def test_a_bare_scaling_config_as_recipe_fp8_names_the_wrapper():
+    with pytest.raises(ValueError, match=r"wrap the scaling config: fp8=Fp8Recipe\(CurrentScaling\(...\)\)"):
+        unimp.get_recipe("mixed_bfloat16", fp8=fp8.CurrentScaling())

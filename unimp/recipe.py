@@ -82,8 +82,12 @@ class Recipe:
         object.__setattr__(self, "cast_mode", self.cast_mode.strip().lower())
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
             if not isinstance(self.fp8, Mapping):
+                hint = (
+                    f"; wrap the scaling config: fp8=Fp8Recipe({type(self.fp8).__name__}(...))"
+                    if isinstance(self.fp8, (DelayedScaling, CurrentScaling)) else ""
+                )
                 raise ValueError(
-                    f"Recipe.fp8 must be None or an unimp.fp8.recipe.Fp8Recipe, got {type(self.fp8).__name__}."
+                    f"Recipe.fp8 must be None or an unimp.fp8.recipe.Fp8Recipe, got {type(self.fp8).__name__}{hint}."
                 )
             object.__setattr__(self, "fp8", Fp8Recipe.from_dict(self.fp8))
 
