@@ -180,3 +180,14 @@ def test_every_state_a_preset_reaches_passes_the_load_check(name):
         for a in [1.0, 0.0, INF, NAN, 1e-40, 3e38, 1e-45, 5.0]:
             s = fp8.step(cfg, s, a, role)[1]
             fp8.check_state(s, cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [("keras", {"bogus": 1}, r"cannot set \['bogus'\]"),
+     ("torchao", {"amax_history_len": 16}, "keeps no history"),  # a TypeError from __init__ before
+     ("unimp_current", {"rule": "torchao"}, r"cannot set \['rule'\]")],  # silently became torchao
+)
+def test_preset_overrides_are_fields_the_preset_leaves_open(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fp8.fp8_preset(name, **kwargs)

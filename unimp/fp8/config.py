@@ -36,6 +36,21 @@ def _choice(cls: str, field: str, value: Any, valid: tuple[str, ...]) -> str:
     raise ValueError(f"{cls}.{field} must be one of {list(valid)}, got {value!r}.{hint}")
 
 
+def _preset_fields(cls: type, name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"rule": name, **overrides}`` once every override is a field the preset leaves open
+    (any dataclass field but ``rule``, which the preset's name chooses)."""
+    valid = [f.name for f in dataclasses.fields(cls) if f.name != "rule"]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__}.preset({name!r}): cannot set {unknown}; the fields a preset takes "
+            f"are {valid} (the rule is the preset's name"
+            + ("; a current-scaling config keeps no history" if "amax_history_len" in unknown and
+               "amax_history_len" not in valid else "") + ")."
+        )
+    return {"rule": name, **overrides}
+
+
 def _int(cls: str, field: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{cls}.{field} must be an integer >= {minimum}, got {value!r}.")
@@ -147,10 +162,11 @@ class DelayedScaling(_Fp8Config):
         (``Fp8DotGeneralBase``: L 1024), ``"unimp"``.
 
         Raises:
-            ValueError: an unknown name (the valid names are listed).
+            ValueError: an unknown name (the valid names are listed), or an override that is not
+                a field the preset leaves open (``rule`` is the name's).
         """
         _choice("DelayedScaling.preset", "name", name, cls.RULES)
-        return cls(**{"rule": name, **overrides})
+        return cls(**_preset_fields(cls, name, overrides))
 
 
 @dataclass(frozen=True)
@@ -201,10 +217,11 @@ class CurrentScaling(_Fp8Config):
         scales), ``"unimp"``.
 
         Raises:
-            ValueError: an unknown name (the valid names are listed).
+            ValueError: an unknown name (the valid names are listed), or an override that is not
+                a field the preset leaves open (``rule`` is the name's).
         """
         _choice("CurrentScaling.preset", "name", name, cls.RULES)
-        return cls(**{"rule": name, **overrides})
+        return cls(**_preset_fields(cls, name, overrides))
 
 
 Fp8Config = DelayedScaling | CurrentScaling
