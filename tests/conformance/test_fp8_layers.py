@@ -220,3 +220,10 @@ def test_fp8_dense_load_fp8_state_refuses_bad_state_and_changes_nothing(backend,
             np.testing.assert_array_equal(getattr(after, f), getattr(s, f))
     layer.load_fp8_state("grad", _GOOD)
     np.testing.assert_array_equal(mod.fp8_state_to_numpy(layer.fp8_state("grad")).amax_history, [3.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
+def test_fp8_state_of_an_unknown_tensor_names_the_tensors(backend):
+    _, layer = _layer(backend)
+    with pytest.raises(ValueError, match=r"name must be one of \['input', 'kernel', 'grad'\], got 'weight'"):
+        layer.fp8_state("weight")  # an AttributeError about a buffer before

@@ -164,6 +164,8 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (current variable values)."""
+        if name not in _TENSORS:
+            raise ValueError(f"FP8Dense.fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
         return FP8State(*(tf.convert_to_tensor(getattr(self, f"{name}_{f}")) for f in _FIELDS))
 
     def load_fp8_state(self, name: str, state: FP8State) -> None:

@@ -189,6 +189,8 @@ class FP8Dense(torch.nn.Linear):
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (buffers, not copies)."""
+        if name not in _TENSORS:
+            raise ValueError(f"FP8Dense.fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
         return FP8State(*(getattr(self, f"{name}_{f}") for f in ("scale", "scale_inv", "amax_history")))
 
     def load_fp8_state(self, name: str, state: FP8State) -> None:
