@@ -599,3 +599,11 @@ def test_logs_that_are_not_one_run_are_said_to_be(tmp_path, capsys):
     ]
     assert main(["doctor", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")]) == 0
     assert "warning: these logs may not be one run: tensorflow has 12 steps" in capsys.readouterr().out
+
+
+def test_hysteresis_fix_names_the_field_that_exists():
+    # the text called a gentler backoff_factor "what DeepSpeed calls hysteresis"; DeepSpeed's
+    # hysteresis (DynamicLossScale(hysteresis=)) is the number of overflows per backoff
+    from unimp.doctor.rules import _HYST
+
+    assert "hysteresis=2" in _HYST and "calls it hysteresis" not in _HYST

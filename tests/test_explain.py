@@ -19,6 +19,15 @@ def test_explain_apex_o2_is_module_mode(capsys):
     assert "master weights" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("recipe", "row"), [("bf16-mixed", "no loss scaling final 1"), ("O3", "static scale 1 final 1")]
+)
+def test_scalers_text_for_a_recipe_without_a_dynamic_scale(capsys, recipe, row):
+    # the recipe's own row was printed with the dynamic fields: KeyError 'init_scale'
+    assert main(["explain", recipe, "--scalers", "--steps", "5"]) == 0
+    assert row in capsys.readouterr().out
+
+
 def test_scalers_show_framework_differences(capsys):
     assert main(["explain", "mixed_float16", "--scalers", "--json", "--steps", "60"]) == 0
     data = json.loads(capsys.readouterr().out)["scalers"]

@@ -95,6 +95,7 @@ def test_timing_and_edge_cases_literally():
     ("kwargs", "field"),
     [({"fp8_format": "E5M2"}, "fp8_format"), ({"amax_history_len": 0}, "amax_history_len"),
      ({"amax_compute_algo": "mean"}, "amax_compute_algo"), ({"margin": -1}, "margin"),
+     ({"margin": 128}, "margin"), ({"margin": 1024}, "margin"),
      ({"rule": "deepspeed"}, "rule")],
 )
 def test_delayed_bad_input_names_the_field(kwargs, field):
@@ -150,7 +151,11 @@ def test_portable_state_dict_roundtrip_through_json():
      ({"extra": 1}, "exactly the keys"),
      ({"config": {"kind": "delayed", "amax_history_len": 0}}, "amax_history_len"),
      ({"tensors": {"a": {"scale": 1.0, "scale_inv": 1.0, "amax_history": [0.0]}}}, r"tensors\['a'\].*amax_history"),
-     ({"tensors": {"a": {"scale": 1.0, "amax_history": [0.0] * 4}}}, "missing"),],
+     ({"tensors": {"a": {"scale": 1.0, "amax_history": [0.0] * 4}}}, "missing"),
+     ({"tensors": {"a": {"scale": 0.0, "scale_inv": 1.0, "amax_history": [0.0] * 4}}}, "'scale' must be one finite number > 0"),
+     ({"tensors": {"a": {"scale": -1.0, "scale_inv": 1.0, "amax_history": [0.0] * 4}}}, "'scale' must be one finite number > 0"),
+     ({"tensors": {"a": {"scale": "1", "scale_inv": 1.0, "amax_history": [0.0] * 4}}}, "'scale' must be real numbers"),
+     ({"tensors": {"a": {"scale": 1.0, "scale_inv": 1.0, "amax_history": [0.0, -2.0, 0.0, 0.0]}}}, ">= 0"),],
 )
 def test_from_state_dict_refuses_bad_input(edit, match):
     cfg = fp8.DelayedScaling(amax_history_len=4)
@@ -164,3 +169,25 @@ def test_unimp_rules_cap_the_scale_so_its_inverse_stays_normal():
     assert float(fp8.simulate(fp8.DelayedScaling(amax_history_len=1), [1e-37, 1.0])[1][0]) == 2.0**126
     te = fp8.fp8_preset("transformer_engine_current")
     assert float(fp8.simulate(te, [1e-37])[0][0]) == float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("name", list(fp8.PRESETS))
+def test_every_state_a_preset_reaches_passes_the_load_check(name):
+    # check_state refuses bad loads; it must accept whatever the rules themselves produce
+    cfg = fp8.fp8_preset(name)
+    for role in fp8.ROLES:
+        s = fp8.FP8State.initial(cfg)
+        for a in [1.0, 0.0, INF, NAN, 1e-40, 3e38, 1e-45, 5.0]:
+            s = fp8.step(cfg, s, a, role)[1]
+            fp8.check_state(s, cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [("keras", {"bogus": 1}, r"cannot set \['bogus'\]"),
+     ("torchao", {"amax_history_len": 16}, "keeps no history"),  # a TypeError from __init__ before
+     ("unimp_current", {"rule": "torchao"}, r"cannot set \['rule'\]")],  # silently became torchao
+)
+def test_preset_overrides_are_fields_the_preset_leaves_open(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fp8.fp8_preset(name, **kwargs)

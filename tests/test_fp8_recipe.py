@@ -60,7 +60,9 @@ def test_applies_to():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"scaling": "delayed"}, "Fp8Recipe.scaling"), ({"exclude": "head"}, "Fp8Recipe.exclude"),
-     ({"layers": ("Dense", "")}, "Fp8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last")],
+     ({"layers": ("Dense", "")}, "Fp8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last"),
+     ({"exclude": ("head;out",)}, r"Fp8Recipe.exclude: pattern 'head;out'"),  # never matched, silently
+     ({"exclude": (" head",)}, r"Fp8Recipe.exclude: pattern ' head'")],
 )
 def test_fp8_recipe_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -85,3 +87,14 @@ def test_select_first_and_last_out_and_globs():
         Fp8Recipe().select([("a", "Dense"), ("a", "Dense")])
     with pytest.raises(ValueError, match="pairs of strings"):
         Fp8Recipe().select(["a"])
+
+
+def test_exclude_reads_slash_as_dot_as_overrides_do():
+    # Keras's layer.path and unimp trace's names use '/'; the dotted paths never matched them
+    f = Fp8Recipe(exclude=("encoder/fc",))
+    assert f.exclude == ("encoder.fc",) and not f.applies_to("encoder.fc", "Dense")
+
+
+def test_a_bare_scaling_config_as_recipe_fp8_names_the_wrapper():
+    with pytest.raises(ValueError, match=r"wrap the scaling config: fp8=Fp8Recipe\(CurrentScaling\(...\)\)"):
+        unimp.get_recipe("mixed_bfloat16", fp8=fp8.CurrentScaling())

@@ -19,6 +19,7 @@ from unimp.loss_scale import (
     LossScaleError,
     LossScaleFloorWarning,
     LossScaleState,
+    StaticLossScale,
     check_state,
     from_state_dict,
     simulate,
@@ -235,11 +236,43 @@ def test_format_1_still_loads_with_documented_defaults():
         (dict(overflow_tolerance=float("nan")), "overflow_tolerance"),
         (dict(floor_action="stop"), "floor_action"),
         (dict(consecutive_hysteresis="yes"), "consecutive_hysteresis"),
+        (dict(delayed_first_growth=True, growth_interval=2**31 - 1), "growth_interval"),
     ],
 )
 def test_bad_new_fields_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"DynamicLossScale.{field}"):
         DynamicLossScale(**kwargs)
+
+
+def test_preset_with_an_unknown_field_lists_the_fields():
+    with pytest.raises(ValueError, match=r"preset\('deepspeed'\): unknown field\(s\) \['hysterisis'\].*hysteresis"):
+        DynamicLossScale.preset("deepspeed", hysterisis=1)
+    with pytest.raises(ValueError, match="DynamicLossScale.hysteresis must be >= 1"):
+        DynamicLossScale.preset("deepspeed", hysteresis=0)
+
+
+def test_a_preset_table_in_a_recipe_names_the_preset_string():
+    from unimp.loss_scale import loss_scale_from_dict
+
+    with pytest.raises(ValueError, match="'preset:deepspeed'"):
+        loss_scale_from_dict({"preset": "deepspeed"})
+
+
+@pytest.mark.parametrize(
+    "field", ["overflows_since_rescale", "steps_since_rescale", "floor_hits", "hysteresis_used"]
+)
+@pytest.mark.parametrize(
+    "cfg", [DynamicLossScale(), StaticLossScale(8.0)], ids=["plain-dynamic", "static"]
+)
+def test_state_counting_what_its_config_never_counts_is_refused(cfg, field):
+    # torch and JAX held such a field and TensorFlow (no format-2 variable for a plain rule)
+    # dropped it: one state_dict, two states
+    d = state_dict(cfg)
+    d["format"] = "unimp.loss_scale/2"
+    d["state"] |= {n: 0 for n in ("hysteresis_used", "overflows_since_rescale", "steps_since_rescale", "floor_hits")}
+    d["state"][field] = 3
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        from_state_dict(d)
 
 
 def test_state_with_hysteresis_out_of_range_is_refused():

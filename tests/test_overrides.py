@@ -109,6 +109,21 @@ def test_recipe_dict_and_files_keep_overrides(tmp_path):
     assert "l2:float32" in r.describe()
 
 
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [('[policy.overrides]\nblocks.0.attn = "float32"\n', r"quote the pattern \(\"blocks.0.attn\""),
+     ('[policy.overrides]\nhead = {params = "float32", compute = "float32"}\n', "policy value as a string"),
+     ('overrides = "head:float32"\n', "'overrides' must be a table"),
+     ("overrides = []\n", "'overrides' must be a table")],
+    ids=["unquoted-dotted-key", "inline-table-value", "string", "array"],
+)
+def test_recipe_file_overrides_table_mistakes_name_the_fix(tmp_path, table, match):
+    t = tmp_path / "r.toml"
+    t.write_text('[policy]\nname = "mixed_float16"\n' + table)
+    with pytest.raises(ValueError, match=match):
+        Recipe.from_file(t)
+
+
 def test_policy_for_and_is_float32():
     p = get_policy("mixed_float16;l2:float32")
     assert p.policy_for("l2.bias") == F32

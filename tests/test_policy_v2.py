@@ -34,6 +34,18 @@ def test_str_parses_back_to_an_equal_policy(param, compute, output, matmul, redu
     assert hash(get_policy(str(p))) == hash(p)
 
 
+@given(
+    st.sampled_from(DTYPES), st.sampled_from(("float32", "bfloat16")),
+    st.sampled_from((None, *MATMUL_PRECISIONS)),
+    st.sampled_from((None, *DTYPES)), st.sampled_from((None, *DTYPES)),
+)
+def test_str_parses_back_an_override_with_the_new_fields(param, d, matmul, reduce, accum):
+    # str() wrote such an override as its bare dtype ('head:float32'), losing the fields
+    value = Policy(param, d, d, matmul, reduce, accum)
+    p = Policy("float32", "float16", overrides={"head": value, "*norm*": "float32"})
+    assert get_policy(str(p)) == p
+
+
 def test_grammar_keys_and_jmp_defaulting_unchanged():
     p = get_policy("c=f16,reduce=f16,accum=f32,matmul=medium")
     assert p == Policy("float32", "float16", "float16", "medium", "float16", "float32")

@@ -545,3 +545,14 @@ def test_doctests():
 
     result = doctest.testmod(unimp.steplog.writer, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_train_step_log_options_as_stats_every_takes_them():
+    # log_every refused the NumPy ints stats_every takes; log="" failed later, in open()
+    import numpy as np
+
+    from unimp.steprecorder import check_log_every
+
+    assert check_log_every(None, np.int64(5)) == 5 and type(check_log_every(None, np.int64(5))) is int
+    with pytest.raises(ValueError, match="log must be None, a file path"):
+        check_log_every("", 5)

@@ -176,6 +176,10 @@ def _explain(args: argparse.Namespace) -> int:
         for name, row in table["scalers"].items():
             cfg = row["config"]
             stop = "" if row["stops_at"] is None else f" (stops at step {row['stops_at']})"
+            if cfg["kind"] != "dynamic":  # the recipe's own row: a static scale, or none
+                rule = f"static scale {cfg['scale']:g}" if cfg["kind"] == "static" else "no loss scaling"
+                print(f"  {name:<9} {row['native']:<48} {rule} final {row['scale'][-1]:g}{stop}")
+                continue
             print(
                 f"  {name:<9} {row['native']:<48} init {cfg['init_scale']:<8g} interval {cfg['growth_interval']:<5} "
                 f"min {_g(cfg['min_scale'], '2**-126'):<8} max {_g(cfg['max_scale']):<11} "

@@ -68,9 +68,10 @@ class OverrideWarning(UserWarning):
     """An override pattern matched none of the model's layer or parameter paths."""
 
 
-def check_pattern(pattern: Any) -> str:
+def check_pattern(pattern: Any, field: str = "Policy.overrides") -> str:
     """Validates one override pattern and returns it, ``/`` read as ``.`` (so the layer names
     ``unimp trace`` prints, ``"head/0"``, and Keras's ``layer.path`` work as patterns).
+    ``field`` names the option in the messages (``Fp8Recipe.exclude`` takes the same patterns).
 
     Raises:
         TypeError: not a string.
@@ -79,13 +80,13 @@ def check_pattern(pattern: Any) -> str:
     """
     if not isinstance(pattern, str):
         raise TypeError(
-            f"Policy.overrides: a pattern must be a str like 'head' or '*norm*', got "
+            f"{field}: a pattern must be a str like 'head' or '*norm*', got "
             f"{type(pattern).__name__}."
         )
     bad = sorted({c for c in pattern if c in _RESERVED})
     if not pattern or bad:
         raise ValueError(
-            f"Policy.overrides: pattern {pattern!r} must be a non-empty glob over dotted paths "
+            f"{field}: pattern {pattern!r} must be a non-empty glob over dotted paths "
             f"without whitespace or ';', ':', ',', '=' (found {bad or 'nothing'}); e.g. 'head', "
             "'*norm*', 'blocks.*.attn'."
         )

@@ -361,8 +361,9 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
 def _override_text(parent: Policy, value: Policy) -> str:
     """An override's value in ``str(policy)``: its dtype when it is what that dtype means
     (:mod:`unimp.overrides`), else the full policy in jmp's grammar."""
-    if value.param_dtype == parent.param_dtype and value.compute_dtype == value.output_dtype:
-        return value.compute_dtype
+    d = value.compute_dtype
+    if value == Policy(parent.param_dtype, d, d):  # no optional field set: a dtype says it all
+        return d
     return str(value)
 
 

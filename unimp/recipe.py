@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -81,8 +82,12 @@ class Recipe:
         object.__setattr__(self, "cast_mode", self.cast_mode.strip().lower())
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
             if not isinstance(self.fp8, Mapping):
+                hint = (
+                    f"; wrap the scaling config: fp8=Fp8Recipe({type(self.fp8).__name__}(...))"
+                    if isinstance(self.fp8, (DelayedScaling, CurrentScaling)) else ""
+                )
                 raise ValueError(
-                    f"Recipe.fp8 must be None or an unimp.fp8.recipe.Fp8Recipe, got {type(self.fp8).__name__}."
+                    f"Recipe.fp8 must be None or an unimp.fp8.recipe.Fp8Recipe, got {type(self.fp8).__name__}{hint}."
                 )
             object.__setattr__(self, "fp8", Fp8Recipe.from_dict(self.fp8))
 
@@ -221,7 +226,20 @@ def _policy_from_value(value: Any) -> Policy:
     policy = get_policy(value["name"])
     if "overrides" not in value:
         return policy
-    return policy.with_(overrides=dict(policy.overrides) | dict(value["overrides"]))
+    table = value["overrides"]
+    if not isinstance(table, Mapping):
+        raise ValueError(
+            f"the policy table's 'overrides' must be a table {{pattern = value}}, got "
+            f"{type(table).__name__} {table!r}; e.g. [policy.overrides] with head = \"float32\"."
+        )
+    for pattern, v in table.items():
+        if isinstance(v, Mapping):  # TOML reads `blocks.0.attn = "float32"` as nested tables
+            raise ValueError(
+                f"policy override {pattern!r} holds a table {dict(v)!r}: an unquoted dotted key "
+                f'is a nested table in TOML, so quote the pattern ("blocks.0.attn" = "float32"), '
+                f'and write a policy value as a string ("params=float32,compute=float32").'
+            )
+    return policy.with_(overrides=dict(policy.overrides) | dict(table))
 
 
 # Apex opt levels fix the cast mode and the loss scale, as Apex did.
@@ -288,7 +306,16 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
     fp8 = overrides.pop("fp8", None)
     if fp8 is not None:
         return get_recipe(name, **overrides, platform=platform).replace(fp8=fp8)
-    policy = get_policy(name, platform=platform)
+    try:
+        policy = get_policy(name, platform=platform)
+    except ValueError as e:
+        if not isinstance(name, str) or not str(e).startswith("unknown policy"):
+            raise
+        # get_policy knows no recipe names: the FP8 recipes are named here, closest first
+        key = name.strip().lower()
+        close = difflib.get_close_matches(key.replace("_", "-"), list(FP8_RECIPES), n=1, cutoff=0.7)
+        hint = f"Did you mean the FP8 recipe {close[0]!r}? " if close else ""
+        raise ValueError(f"{e} {hint}FP8 recipes: {', '.join(FP8_RECIPES)}.") from None
     key = name.strip().upper() if isinstance(name, str) else None
     if key in _APEX:
         cast_mode, ls = _APEX[key]

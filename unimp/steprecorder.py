@@ -39,13 +39,17 @@ def check_log_every(log: Any, log_every: Any) -> int:
         ValueError: ``log_every`` is not an int >= 1, or ``log`` is not ``None``, a path or a
             :class:`~unimp.steplog.StepLogWriter`.
     """
-    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+    import numpy as np
+
+    if isinstance(log_every, bool) or not isinstance(log_every, (int, np.integer)) or log_every < 1:
         raise ValueError(f"log_every must be an int >= 1, got {log_every!r}.")
     if log is not None and not isinstance(log, (str, StepLogWriter)) and not hasattr(log, "__fspath__"):
         raise ValueError(
             f"log must be None, a file path or a unimp.steplog.StepLogWriter, got {type(log).__name__}."
         )
-    return log_every
+    if isinstance(log, str) and not log.strip():
+        raise ValueError("log must be None, a file path or a unimp.steplog.StepLogWriter, got ''.")
+    return int(log_every)
 
 
 def _host_fields(result: StepResult) -> dict[str, Any]:

@@ -23,6 +23,8 @@ BAD_POLICIES = [
     ("mixed_float61", "Did you mean 'mixed_float16'"),
     ("bf16-mixd", "Did you mean 'bf16-mixed'"),
     ("transformer-engine-float16", "FP8 with float16 weights"),  # "fp8" itself is a recipe now
+    ("transformer_engine", "Did you mean the FP8 recipe 'transformer-engine'"),  # TE's package name
+    ("fp8-delayd", "Did you mean the FP8 recipe 'fp8-delayed'"),
     ("c=f17", "compute=float16"),
     ("p=f32,p=f16", "given twice"),
     ("x=f16", "Keys are p|params"),

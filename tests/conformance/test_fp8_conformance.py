@@ -151,3 +151,13 @@ def test_state_saved_in_one_backend_resumes_in_another(backend, source):
         assert (_bits(s), _bits(inv)) == (_bits(reference[i][0]), _bits(reference[i][1]))
     got = dst.fp8_state_to_numpy(state)
     assert (_bits(got.amax_history) == _bits(reference[-1][2].amax_history)).all()
+
+
+@pytest.mark.parametrize("length", [1, 5])
+def test_a_state_of_another_history_length_is_refused_when_compiled(backend, length):
+    # a longer history silently widened the window (its old maxima kept ruling the scale)
+    mod = require_backend(backend)
+    config = fp8.DelayedScaling(amax_history_len=3)
+    state = mod.fp8_state_from_numpy(fp8.FP8State.initial(fp8.DelayedScaling(amax_history_len=length)))
+    with pytest.raises(ValueError, match=rf"'amax_history' has shape \({length},\), the config needs \(3,\)"):
+        _compiled_step(backend, mod, config, "forward")(state, _native(backend, 2.0))

@@ -183,3 +183,47 @@ def test_torch_fp8_dense_bias_bfloat16_and_eval():
         after = {k: v for k, v in layer.state_dict().items() if k in before}
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert float(layer.input_amax_history[0]) == float(x.detach().float().abs().max())
+
+
+def _layer(backend):
+    mod = require_backend(backend)
+    if backend == "torch":
+        return mod, mod.FP8Dense(IN, OUT, config=CONFIGS["delayed"])
+    layer = mod.FP8Dense(OUT, config=CONFIGS["delayed"])
+    layer.build((None, IN))
+    return mod, layer
+
+
+_GOOD = fp8.FP8State(np.float32(2.0), np.float32(0.5), np.array([3.0, 1.0], np.float32))
+
+
+@pytest.mark.parametrize(
+    ("name", "state", "match"),
+    [("input", fp8.FP8State(2.0, 0.5, np.zeros(1, np.float32)), "list of 2 numbers"),  # broadcast before
+     ("input", fp8.FP8State(2.0, 0.5, np.zeros(5, np.float32)), "list of 2 numbers"),  # scale set, then failed
+     ("grad", fp8.FP8State(-2.0, 0.5, np.zeros(2, np.float32)), "'scale' must be one finite number > 0"),
+     ("kernel", fp8.FP8State(2.0, float("nan"), np.zeros(2, np.float32)), "'scale_inv'"),
+     ("kernel", fp8.FP8State(True, 0.5, np.zeros(2, np.float32)), "real numbers"),
+     ("kernel", fp8.FP8State(2.0, 0.5, np.array([-1.0, 0.0], np.float32)), ">= 0"),
+     ("weight", _GOOD, "name must be one of"),],
+    ids=["history-1", "history-5", "negative-scale", "nan-scale-inv", "bool", "negative-amax", "name"],
+)
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
+def test_fp8_dense_load_fp8_state_refuses_bad_state_and_changes_nothing(backend, name, state, match):
+    mod, layer = _layer(backend)
+    before = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in ("input", "kernel", "grad")}
+    with pytest.raises(ValueError, match=match):
+        layer.load_fp8_state(name, state)
+    for n, s in before.items():
+        after = mod.fp8_state_to_numpy(layer.fp8_state(n))
+        for f in ("scale", "scale_inv", "amax_history"):
+            np.testing.assert_array_equal(getattr(after, f), getattr(s, f))
+    layer.load_fp8_state("grad", _GOOD)
+    np.testing.assert_array_equal(mod.fp8_state_to_numpy(layer.fp8_state("grad")).amax_history, [3.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
+def test_fp8_state_of_an_unknown_tensor_names_the_tensors(backend):
+    _, layer = _layer(backend)
+    with pytest.raises(ValueError, match=r"name must be one of \['input', 'kernel', 'grad'\], got 'weight'"):
+        layer.fp8_state("weight")  # an AttributeError about a buffer before

@@ -31,7 +31,8 @@ _BF16 = (
 )
 _HYST = (
     "back off more gently, so a run of overflows does not drag the scale down: a "
-    "backoff_factor nearer 1 (e.g. 0.8) in DynamicLossScale (DeepSpeed calls it hysteresis)"
+    "backoff_factor nearer 1 (e.g. 0.8) in DynamicLossScale, or hysteresis=2 (DeepSpeed's and "
+    "Megatron's rule: a lone overflow does not back off)"
 )
 
 Rec = dict[str, Any]

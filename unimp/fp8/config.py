@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -35,6 +34,21 @@ def _choice(cls: str, field: str, value: Any, valid: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(str(value), valid, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"{cls}.{field} must be one of {list(valid)}, got {value!r}.{hint}")
+
+
+def _preset_fields(cls: type, name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"rule": name, **overrides}`` once every override is a field the preset leaves open
+    (any dataclass field but ``rule``, which the preset's name chooses)."""
+    valid = [f.name for f in dataclasses.fields(cls) if f.name != "rule"]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__}.preset({name!r}): cannot set {unknown}; the fields a preset takes "
+            f"are {valid} (the rule is the preset's name"
+            + ("; a current-scaling config keeps no history" if "amax_history_len" in unknown and
+               "amax_history_len" not in valid else "") + ")."
+        )
+    return {"rule": name, **overrides}
 
 
 def _int(cls: str, field: str, value: Any, minimum: int) -> int:
@@ -87,15 +101,15 @@ class DelayedScaling(_Fp8Config):
     (use :meth:`preset`).
 
     Args:
-        margin: int >= 0, the scale is divided by ``2**margin`` (headroom).
+        margin: int in [0, 127], the scale is divided by ``2**margin`` (headroom).
         amax_history_len: int >= 1, window length L (TE, Keras and flax default 1024).
         amax_compute_algo: ``"max"`` or ``"most_recent"`` (TE's names).
         fp8_format: ``"HYBRID"`` (e4m3 forward, e5m2 gradients; default) or ``"E4M3"``.
         rule: ``"unimp"``, ``"transformer_engine"``, ``"keras"`` or ``"flax"``.
 
     Raises:
-        ValueError: an unknown format, algorithm or rule, a history length < 1 or a negative
-            margin (the message names the field and its valid values); Keras and flax only
+        ValueError: an unknown format, algorithm or rule, a history length < 1 or a margin
+            outside [0, 127] (the message names the field and its valid values); Keras and flax only
             implement ``amax_compute_algo="max"`` and ``margin=0`` (flax) / any margin (Keras
             takes one in ``compute_float8_scale``).
 
@@ -115,6 +129,13 @@ class DelayedScaling(_Fp8Config):
     def __post_init__(self) -> None:
         c = "DelayedScaling"
         object.__setattr__(self, "margin", _int(c, "margin", self.margin, 0))
+        if self.margin > 127:
+            # 2**margin must be a finite float32: past it every rule's scale is 0 (scale_inv
+            # inf), and Python's 2.0**1024 raises OverflowError inside the Keras/flax rule
+            raise ValueError(
+                f"DelayedScaling.margin must be <= 127 (2**margin a finite float32; a larger "
+                f"margin makes every scale 0), got {self.margin!r}."
+            )
         object.__setattr__(
             self, "amax_history_len", _int(c, "amax_history_len", self.amax_history_len, 1)
         )
@@ -141,10 +162,11 @@ class DelayedScaling(_Fp8Config):
         (``Fp8DotGeneralBase``: L 1024), ``"unimp"``.
 
         Raises:
-            ValueError: an unknown name (the valid names are listed).
+            ValueError: an unknown name (the valid names are listed), or an override that is not
+                a field the preset leaves open (``rule`` is the name's).
         """
         _choice("DelayedScaling.preset", "name", name, cls.RULES)
-        return cls(**{"rule": name, **overrides})
+        return cls(**_preset_fields(cls, name, overrides))
 
 
 @dataclass(frozen=True)
@@ -195,10 +217,11 @@ class CurrentScaling(_Fp8Config):
         scales), ``"unimp"``.
 
         Raises:
-            ValueError: an unknown name (the valid names are listed).
+            ValueError: an unknown name (the valid names are listed), or an override that is not
+                a field the preset leaves open (``rule`` is the name's).
         """
         _choice("CurrentScaling.preset", "name", name, cls.RULES)
-        return cls(**{"rule": name, **overrides})
+        return cls(**_preset_fields(cls, name, overrides))
 
 
 Fp8Config = DelayedScaling | CurrentScaling
@@ -283,8 +306,7 @@ class FP8State:
         """Inverse of :meth:`to_dict`; checks the history length against ``config``.
 
         Raises:
-            ValueError: a missing or unknown key, a value that is not a number, a scale that is
-                not a positive finite float32, or a history of the wrong length (named).
+            ValueError: a missing or unknown key, or a bad value (see :func:`check_state`).
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"an FP8 tensor state must be a dict, got {type(d).__name__}.")
@@ -293,24 +315,54 @@ class FP8State:
         extra = sorted(set(d) - set(names))
         if missing or extra:
             raise ValueError(f"FP8 tensor state keys must be {names}; missing {missing}, unknown {extra}.")
-        vals = {}
-        for n in names:
-            try:
-                vals[n] = np.asarray(d[n], np.float32)
-            except (TypeError, ValueError):
-                raise ValueError(f"FP8 tensor state {n!r} must be numbers, got {d[n]!r}.") from None
-        for n in ("scale", "scale_inv"):
-            v = vals[n]
-            if v.ndim != 0 or not (math.isfinite(float(v)) or config is not None and config.rule == "torchao"):
-                raise ValueError(f"FP8 tensor state {n!r} must be a finite number, got {d[n]!r}.")
-        hist = vals["amax_history"]
-        if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
-            want = config.amax_history_len if config is not None else "L"
+        return check_state(cls(*(d[n] for n in names)), config)
+
+
+def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = "") -> FP8State:
+    """``state`` as NumPy float32, checked before anything is loaded from it (the one check
+    of :meth:`FP8State.from_dict` and every backend's ``load_fp8_state``).
+
+    Args:
+        state: scale, scale_inv and amax_history as numbers, NumPy arrays or host tensors.
+        config: when given, the history must have its ``amax_history_len`` entries.
+        tensor: a name for the messages (e.g. ``"input"``).
+
+    Raises:
+        ValueError: a value that is not real numbers (bools and strings included); a scale or
+            scale_inv that is not one finite number > 0 (under the ``torchao`` rule, whose
+            scale is 0 for an inf amax and NaN for a NaN amax: any number not < 0); a history
+            that is not a list of ``amax_history_len`` maxima, or holds a negative one.
+    """
+    where = f"FP8 tensor state{f' {tensor!r}' if tensor else ''}"
+    vals = {}
+    for f in dataclasses.fields(FP8State):
+        v = getattr(state, f.name)
+        try:
+            a = np.asarray(v)
+        except (TypeError, ValueError, RuntimeError):
+            a = np.asarray(None)
+        if a.dtype.kind not in "iuf":
+            raise ValueError(f"{where} {f.name!r} must be real numbers, got {v!r}.")
+        vals[f.name] = a.astype(np.float32)
+    lenient = config is not None and config.rule == "torchao"
+    for n in ("scale", "scale_inv"):
+        v = vals[n]
+        ok = v.ndim == 0 and (not v < 0 if lenient else bool(np.isfinite(v) and v > 0))
+        if not ok:
             raise ValueError(
-                f"FP8 tensor state 'amax_history' must be a list of {want} numbers "
-                f"(amax_history_len), got shape {hist.shape}."
+                f"{where} {n!r} must be one finite number > 0, got {getattr(state, n)!r}; save it "
+                "with unimp.fp8.state_dict (or the layer's fp8_state)."
             )
-        return cls(vals["scale"], vals["scale_inv"], hist)
+    hist = vals["amax_history"]
+    if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
+        want = config.amax_history_len if config is not None else "L"
+        raise ValueError(
+            f"{where} 'amax_history' must be a list of {want} numbers (amax_history_len), got "
+            f"shape {hist.shape}; load a state saved with the same config."
+        )
+    if np.any(hist < 0):
+        raise ValueError(f"{where} 'amax_history' holds absolute maxima, >= 0; got {hist.min()}.")
+    return FP8State(vals["scale"], vals["scale_inv"], hist)
 
 
 class Fp8EmulationWarning(UserWarning):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unimp.fp8.config import CurrentScaling, DelayedScaling, Fp8Config, fp8_from_dict
-from unimp.overrides import pattern_matches
+from unimp.overrides import check_pattern, pattern_matches
 
 #: Layer kinds whose matmuls run in float8 by default (Keras / flax ``Dense``, torch ``Linear``,
 #: convolutions).
@@ -62,6 +62,9 @@ class Fp8Recipe:
             if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"Fp8Recipe.{name} must be a tuple of non-empty strings, got {value!r}.")
             object.__setattr__(self, name, tuple(value))
+        # the patterns of Policy.overrides, checked by its rule: '/' reads as '.', and one with
+        # whitespace or ';' would never match a dotted path
+        object.__setattr__(self, "exclude", tuple(check_pattern(p, "Fp8Recipe.exclude") for p in self.exclude))
         if not isinstance(self.exclude_first_last, bool):
             raise ValueError(f"Fp8Recipe.exclude_first_last must be True or False, got {self.exclude_first_last!r}.")
 

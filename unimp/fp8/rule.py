@@ -160,8 +160,22 @@ def step_arrays(
     Returns:
         ``((scale, scale_inv) to quantize this step with, (scale, scale_inv, amax_history)
         after the step)``.
+
+    Raises:
+        ValueError: a state whose shapes are not 0-d scales and an ``(amax_history_len,)``
+            history (a longer history would silently widen the window).
     """
     fmax = config.fp8_max(role)
+    shapes = {"scale": scale, "scale_inv": scale_inv, "amax_history": amax_history}
+    want = {"scale": (), "scale_inv": (), "amax_history": (config.amax_history_len,)}
+    for name, x in shapes.items():  # static shapes in every framework: no sync, no retrace
+        shape = tuple(getattr(x, "shape", ()))
+        if None not in shape and tuple(int(d) for d in shape) != want[name]:
+            raise ValueError(
+                f"FP8 state {name!r} has shape {shape}, the config needs {want[name]} "
+                f"(amax_history_len={config.amax_history_len}); build the state with "
+                "FP8State.initial(config) or load one saved with the same config."
+            )
     with _scope(ops, "fp8_scale_update"):
         if isinstance(config, CurrentScaling):
             s = _current(ops, config, amax, fmax)

@@ -380,6 +380,12 @@ class DynamicLossScale(_Config):
         for name in ("consecutive_hysteresis", "delayed_first_growth"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{c}.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.delayed_first_growth and interval == _I32_MAX:
+            # the int32 counter counts to growth_interval + 1 before the first growth
+            raise ValueError(
+                f"{c}.growth_interval must be < 2**31 - 1 with delayed_first_growth=True (the "
+                f"int32 growth counter reaches growth_interval + 1), got {self.growth_interval!r}."
+            )
         for name, value in (
             ("init_scale", init),
             ("growth_factor", growth),
@@ -482,7 +488,12 @@ def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScale
         raise ValueError(f"loss scale must be a dict, a name or a number, got {type(d).__name__}.")
     kind = d.get("kind")
     if kind not in _KINDS:
-        raise ValueError(f"loss scale 'kind' must be one of {sorted(_KINDS)}, got {kind!r}.")
+        hint = (
+            f"; a trainer's preset is written as the string 'preset:{d['preset']}' (or saved "
+            "with DynamicLossScale.preset(...).to_dict())"
+            if "preset" in d and kind is None else ""
+        )
+        raise ValueError(f"loss scale 'kind' must be one of {sorted(_KINDS)}, got {kind!r}{hint}.")
     cls = _KINDS[kind]
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names - {"kind"})

@@ -101,6 +101,20 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
             f"loss-scale state 'scale' ({float(state.scale)}) must equal the {config.kind} scale "
             f"({config.initial_scale()})."
         )
+    dyn = config.dynamic
+    in_use = {  # the rule keeps the others at 0 (LossScaleState's attributes)
+        "hysteresis_used": dyn and config.hysteresis > 1,
+        "overflows_since_rescale": dyn and config.overflow_tolerance > 0,
+        "steps_since_rescale": dyn and config.overflow_tolerance > 0,
+        "floor_hits": dyn and config.floor_action != "keep",
+    }
+    unused = [n for n in EXTRA_FIELDS if not in_use[n] and int(getattr(state, n))]
+    if unused:
+        raise ValueError(
+            f"loss-scale state {unused} must be 0 with this config {config.to_dict()} (its rule "
+            "never counts them; a backend would drop them): save the state with the config it "
+            "was counted under."
+        )
     if state.consecutive_skips > state.total_skips:
         raise ValueError("loss-scale state 'consecutive_skips' cannot exceed 'total_skips'.")
     return config, state

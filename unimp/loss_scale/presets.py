@@ -77,11 +77,12 @@ cannot fix an overflow in the forward pass, so it must not drive the scale to th
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from typing import Any
 
-from unimp.loss_scale.config import _F32_MAX
+from unimp.loss_scale.config import _F32_MAX, DynamicLossScale
 
 FAIRSEQ_MIN_LOSS_SCALE = 1e-4
 
@@ -121,7 +122,8 @@ def preset_fields(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The :class:`DynamicLossScale` fields of preset ``name`` with ``overrides`` applied.
 
     Raises:
-        ValueError: unknown preset name, listing them and the closest match.
+        ValueError: unknown preset name, listing them and the closest match, or an override
+            that is not a :class:`DynamicLossScale` field (listing them).
     """
     key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
     key = _ALIASES.get(key, key.replace(".", "_") if isinstance(key, str) else key)
@@ -129,6 +131,13 @@ def preset_fields(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
         close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown loss-scale preset {name!r}.{hint} Presets: {', '.join(PRESETS)}.")
+    valid = [f.name for f in dataclasses.fields(DynamicLossScale)]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"DynamicLossScale.preset({name!r}): unknown field(s) {unknown}; the fields are "
+            f"{', '.join(valid)}."
+        )
     fields = {**PRESETS[key], **overrides}
     if key == "fairseq" and "min_scale" not in overrides:
         fields["min_scale"] = fairseq_floor(fields["init_scale"])

@@ -206,12 +206,21 @@ def test_loads_torch_grad_scaler_state_dict():
     assert s.get_scale() == 512.0 and int(s.state.counter) == 3 and s.config.growth_interval == 10
 
 
+_TORCH_SD = {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+             "_growth_tracker": 0}  # torch.amp.GradScaler("cpu").state_dict() of torch 2.x
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
         ({}, "empty state_dict"),
         ({"format": "unimp.loss_scale/1", "config": {"kind": "dynamic"}, "state": {"scale": 1.0}}, "missing"),
         ({"scale": 2.0, "_growth_tracker": 0}, "missing"),
+        (_TORCH_SD | {"scale": "abc"}, "'scale' must be a number, got 'abc'"),
+        (_TORCH_SD | {"scale": None}, "'scale' must be a number"),
+        (_TORCH_SD | {"_growth_tracker": 2.5}, "'_growth_tracker' must be an int, got 2.5"),  # was cut to 2
+        (_TORCH_SD | {"_growth_tracker": "3"}, "'_growth_tracker' must be an int"),  # was read as 3
+        (_TORCH_SD | {"growth_interval": True}, "'growth_interval' must be an int"),
         ({"format": "other"}, "format"),
         ("nope", "dict"),
     ],

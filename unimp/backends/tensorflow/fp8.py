@@ -157,12 +157,24 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (current variable values)."""
+        if name not in _TENSORS:
+            raise ValueError(f"FP8Dense.fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
         return _state(self, name)
 
     def load_fp8_state(self, name: str, state: FP8State) -> None:
-        """Assigns a (NumPy or tensor) state to the variables of ``name``."""
+        """Assigns a (NumPy or tensor) state to the variables of ``name``, checked first
+        against this layer's config (:func:`unimp.fp8.check_state`).
+
+        Raises:
+            ValueError: ``name`` is not ``"input"``, ``"kernel"`` or ``"grad"``, or a bad state
+                (wrong history length, a scale that is not finite and > 0, ...); nothing is
+                changed.
+        """
+        if name not in _TENSORS:
+            raise ValueError(f"FP8Dense.load_fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
+        checked = _fp8.check_state(state, self.config, name)
         for f in _FIELDS:
-            getattr(self, f"{name}_{f}").assign(np.asarray(getattr(state, f), np.float32))
+            getattr(self, f"{name}_{f}").assign(getattr(checked, f))
 
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
         y = _fp8_matmul(self, self.config, inputs, self.kernel, training)

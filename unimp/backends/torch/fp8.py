@@ -205,12 +205,29 @@ class FP8Dense(torch.nn.Linear):
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (buffers, not copies)."""
+        if name not in _TENSORS:
+            raise ValueError(f"FP8Dense.fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
         return FP8State(*(getattr(self, f"{name}_{f}") for f in ("scale", "scale_inv", "amax_history")))
 
     def load_fp8_state(self, name: str, state: FP8State) -> None:
-        """Copies a (NumPy or tensor) state into the buffers of ``name``."""
-        for f in ("scale", "scale_inv", "amax_history"):
-            getattr(self, f"{name}_{f}").copy_(torch.as_tensor(np.asarray(getattr(state, f), np.float32)))
+        """Copies a (NumPy or tensor, any device) state into the buffers of ``name``, checked
+        first against this layer's config (:func:`unimp.fp8.check_state`).
+
+        Raises:
+            ValueError: ``name`` is not ``"input"``, ``"kernel"`` or ``"grad"``, or a bad state
+                (wrong history length, a scale that is not finite and > 0, ...); nothing is
+                changed.
+        """
+        if name not in _TENSORS:
+            raise ValueError(f"FP8Dense.load_fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
+        fields = ("scale", "scale_inv", "amax_history")
+        host = FP8State(*(
+            v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in (getattr(state, f) for f in fields)
+        ))
+        checked = _fp8.check_state(host, self.config, name)
+        with torch.no_grad():
+            for f in fields:
+                getattr(self, f"{name}_{f}").copy_(torch.as_tensor(getattr(checked, f)))
 
     def _step(self, name: str, amax: torch.Tensor, role: str) -> tuple[Any, FP8State]:
         state = self.fp8_state(name)

@@ -566,6 +566,16 @@ class GradScaler:
         if missing:
             raise ValueError(f"torch GradScaler state_dict is missing {missing}.")
         base = self._config if self._config.dynamic else DynamicLossScale.preset("torch")
+        values = {k: d[k].item() if isinstance(d[k], torch.Tensor) and d[k].numel() == 1 else d[k]
+                  for k in need}
+        for k, v in values.items():  # as torch writes them: Python numbers (or 0-d tensors)
+            integral = k in ("growth_interval", "_growth_tracker")
+            if isinstance(v, bool) or not isinstance(v, int if integral else (int, float)):
+                raise ValueError(
+                    f"torch GradScaler state_dict {k!r} must be {'an int' if integral else 'a number'}"
+                    f", got {v!r}; pass the dict torch.amp.GradScaler.state_dict() returned."
+                )
+        d = values
         scale = float(d["scale"])
         try:
             config = base.replace(
