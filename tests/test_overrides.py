@@ -184,7 +184,7 @@ def test_explain_lists_each_override_per_framework():
     lines = dict(explain_recipe(get_recipe("mixed_float16;l2:float32")))
     assert any("'l2'" in x and "enabled=False" in x for x in lines["torch"])
     assert any("'l2'" in x and '"float32"' in x for x in lines["tensorflow"])
-    assert any("'l2'" in x and "module_kwargs('l2')" in x for x in lines["jax"])
+    assert any("'l2'" in x and "mp.module_kwargs(path)" in x for x in lines["jax"])
 
 
 def test_compare_accepts_a_recipe_file_with_overrides(tmp_path):

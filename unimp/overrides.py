@@ -120,7 +120,20 @@ def _value_policy(pattern: str, value: Any, parent_param_dtype: str) -> Policy:
             f"Policy.overrides[{pattern!r}]: an override's policy cannot have overrides of its "
             "own; write each pattern at the top level."
         )
+    whole = {f: getattr(policy, f) for f in _WHOLE_MODEL if getattr(policy, f) is not None}
+    if whole:
+        given = ", ".join(f"{f}={v!r}" for f, v in whole.items())
+        raise ValueError(
+            f"Policy.overrides[{pattern!r}]: an override sets a layer's dtypes only; {given} "
+            "applies to the whole step: set it on the top-level policy, and give the override "
+            f"its dtypes (e.g. {policy.compute_dtype!r})."
+        )
     return policy
+
+
+#: Policy fields that apply to the whole step (the matmul precision switch, the all-reduce and
+#: the gradient accumulation), never to one layer: an override that sets one is refused.
+_WHOLE_MODEL = ("matmul_precision", "reduce_dtype", "accum_dtype")
 
 
 def normalize_overrides(overrides: Any, parent_param_dtype: str) -> tuple[tuple[str, Policy], ...]:
