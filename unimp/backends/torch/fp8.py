@@ -1,5 +1,6 @@
 """torch FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on device tensors, and
-:class:`FP8Dense`, an emulated float8 ``nn.Linear``.
+:class:`FP8Dense`, a float8 ``nn.Linear``: emulated by default, with an opt-in native path
+through ``torch._scaled_mm`` where it runs (:func:`native_fp8_supported`).
 
 The rule is :func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` run on torch tensors
 (the array namespace :class:`Fp8Ops`), bit-identical to the NumPy reference, with no host sync.
