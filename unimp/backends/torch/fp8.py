@@ -1,5 +1,6 @@
 """torch FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on device tensors, and
-:class:`FP8Dense`, an emulated float8 ``nn.Linear``.
+:class:`FP8Dense`, a float8 ``nn.Linear``: emulated by default, with an opt-in native path
+through ``torch._scaled_mm`` where it runs (:func:`native_fp8_supported`).
 
 The rule is :func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` run on torch tensors
 (the array namespace :class:`Fp8Ops`), bit-identical to the NumPy reference, with no host sync.
@@ -8,6 +9,8 @@ The rule is :func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` run on 
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -145,17 +148,92 @@ def fp8_quantize_dequantize(
 
 _TENSORS = ("input", "kernel", "grad")
 
+#: The environment variable that turns :class:`FP8Dense`'s native path on for layers built with
+#: ``native=None`` (the default; e.g. the layers ``mp.prepare`` swaps in): ``"1"`` on, else off.
+NATIVE_ENV = "UNIMP_FP8_NATIVE"
+
+#: The native kernel's shape rule (torch 2.13 ``_meta_registrations.py``
+#: ``_check_scaled_mm_sizes``, CUDA and XPU: "Expected self.size(1) to be divisible by 16",
+#: "Expected both dimensions of mat2 to be divisible by 16"): every dimension but the output
+#: rows a multiple of 16. Applied on every device, so a CPU run decides as a GPU run would.
+NATIVE_MULTIPLE = 16
+
+
+class Fp8NativeFallbackWarning(UserWarning):
+    """A layer asked for the native float8 GEMM runs emulated: the kernel refuses its
+    dimensions (or raised); given once per layer, never per step."""
+
+
+_NATIVE_PROBED: dict[tuple[str, int | None], bool] = {}
+
+
+def native_fp8_supported(device: Any) -> bool:
+    """Whether ``torch._scaled_mm`` runs on ``device``: probed once per device (a CUDA GPU of
+    compute capability 8.9 or later, which has float8 units; or a device type, the CPU in
+    torch 2.13, where the op is implemented), cached, never per step."""
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    key = (device.type, index)
+    if key not in _NATIVE_PROBED:
+        ok = hasattr(torch, "_scaled_mm")
+        if ok and device.type == "cuda":
+            ok = torch.cuda.get_device_capability(index) >= (8, 9)
+        if ok:
+            try:
+                a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+                one = torch.ones((), device=device)
+                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _NATIVE_PROBED[key] = ok
+    return _NATIVE_PROBED[key]
+
+
+def _has_float8_units(device: torch.device) -> bool:
+    return device.type == "cuda" and native_fp8_supported(device)
+
+
+def _native_matmul(a: torch.Tensor, a_fmt: str, b_rows: torch.Tensor, b_fmt: str) -> torch.Tensor:
+    """``a @ b_rows^T`` by the native float8 GEMM with unit scales, as float32.
+
+    ``a`` ``(M, K)`` and ``b_rows`` ``(N, K)`` are float32 holding values of the float8 formats
+    ``a_fmt`` / ``b_fmt`` (the casts are exact); ``K`` is zero-padded to a multiple of 16, as
+    the kernel needs (exact: the added products are 0); ``b`` goes in column-major, as
+    ``_scaled_mm`` takes it.
+    """
+    pad = -a.shape[1] % NATIVE_MULTIPLE
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))
+        b_rows = torch.nn.functional.pad(b_rows, (0, pad))
+    a8 = a.to(_FP8_DTYPES[a_fmt]).contiguous()
+    b8 = b_rows.to(_FP8_DTYPES[b_fmt]).contiguous()
+    one = _ops(a.device).f32(1.0)
+    return torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+
 
 class _Fp8Matmul(torch.autograd.Function):
     """``y = (Q(x) @ Q(w)^T) * (sx * sw)`` with the output gradient quantized in backward
-    (:func:`unimp.fp8.quantize_arrays`); the grad state is stepped and written in place."""
+    (:func:`unimp.fp8.quantize_arrays`); the grad state is stepped and written in place.
+
+    With ``native`` the three GEMMs run as ``torch._scaled_mm`` on the float8 values with unit
+    scales, and the float32 result is scaled by the same ``sx * sw`` product as the emulated
+    rule: only the accumulation order can differ (docs/fp8.md)."""
 
     @staticmethod
-    def forward(ctx, x, weight, qx, qw, sinv_x, sinv_w, layer):  # type: ignore[override]
+    def forward(ctx, x, weight, qx, qw, sinv_x, sinv_w, layer, native):  # type: ignore[override]
         ctx.save_for_backward(qx, qw, sinv_x, sinv_w)
         ctx.layer = layer
+        ctx.native = native
         ctx.out_dtype = x.dtype
-        return ((qx @ qw.t()) * (sinv_x * sinv_w)).to(x.dtype)
+        fmt = layer.config.dtype("forward")
+        if native:
+            acc = _native_matmul(qx.reshape(-1, qx.shape[-1]), fmt, qw, fmt)
+            acc = acc.reshape(*qx.shape[:-1], qw.shape[0])
+        else:
+            acc = qx @ qw.t()
+        return (acc * (sinv_x * sinv_w)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
@@ -163,12 +241,24 @@ class _Fp8Matmul(torch.autograd.Function):
         layer = ctx.layer
         (sg, sinv_g), new = layer._step("grad", fp8_amax(g), "backward")
         dtype = layer.config.dtype("backward")
+        fwd = layer.config.dtype("forward")
         qg = _fp8.quantize_arrays(_ops(g.device), g, sg, dtype, _fp8.FP8_MAX[dtype])
         shape = qg.shape
         qg2 = qg.reshape(-1, shape[-1])
-        dx = ((qg2 @ qw) * (sinv_g * sinv_w)).reshape(*shape[:-1], qw.shape[1])
-        dw = (qg2.t() @ qx.reshape(-1, qx.shape[-1])) * (sinv_g * sinv_x)
-        return dx.to(ctx.out_dtype), dw, None, None, None, None, None
+        qx2 = qx.reshape(-1, qx.shape[-1])
+        native = ctx.native and layer._native_refused is None
+        if native:  # the gradient (e5m2 under HYBRID) is the first operand of both GEMMs
+            try:
+                dx_acc = _native_matmul(qg2, dtype, qw.t(), fwd)
+                dw_acc = _native_matmul(qg2.t(), dtype, qx2.t(), fwd)
+            except RuntimeError as err:
+                layer._refuse_native(f"torch._scaled_mm raised in backward: {err}")
+                native = False
+        if not native:
+            dx_acc, dw_acc = qg2 @ qw, qg2.t() @ qx2
+        dx = (dx_acc * (sinv_g * sinv_w)).reshape(*shape[:-1], qw.shape[1])
+        dw = dw_acc * (sinv_g * sinv_x)
+        return dx.to(ctx.out_dtype), dw, None, None, None, None, None, None
 
 
 class FP8Dense(torch.nn.Linear):
@@ -180,23 +270,46 @@ class FP8Dense(torch.nn.Linear):
     scales the result once. The scaling states (``<input|kernel|grad>_scale``, ``_scale_inv``,
     ``_amax_history``) are buffers, stepped on the device in training mode (no host sync) and
     saved in ``state_dict``; :meth:`fp8_state` gives them as :class:`unimp.fp8.FP8State` for
-    :func:`unimp.fp8.state_dict`. The bias is added in the output dtype. Weights, inputs and
-    gradients are emulated on every device (the native ``torch._scaled_mm`` path is not built,
-    docs/fp8.md); the first call per device type warns once
-    (:class:`unimp.fp8.Fp8EmulationWarning`).
+    :func:`unimp.fp8.state_dict`. The bias is added in the output dtype.
+
+    The matmuls are emulated (float32 GEMMs of the float8 values) unless ``native``: then, on a
+    device where ``torch._scaled_mm`` runs (:func:`native_fp8_supported`: CUDA sm89+, or the
+    CPU), the forward and both backward GEMMs run as ``torch._scaled_mm`` (e4m3 x e4m3, and
+    e5m2 x e4m3 for the gradient under ``HYBRID``) with unit scales, and the float32 result is
+    scaled as the emulated rule scales it. The quantized values, the scales and the states are
+    the same; the accumulation order is the kernel's, so the result is not bit-identical to the
+    emulated one (measured on CPU, docs/fp8.md): the emulated path stays the default, and
+    frameworks bit-identical. A layer whose ``in_features`` or ``out_features`` is not a
+    multiple of 16 (the kernel's rule, :data:`NATIVE_MULTIPLE`), or whose native GEMM raises,
+    runs emulated with one :class:`Fp8NativeFallbackWarning` naming it. On a device without
+    float8 units (anything but CUDA sm89+) the first call per device type warns once
+    (:class:`unimp.fp8.Fp8EmulationWarning`), native or not.
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         config: a :class:`unimp.fp8.DelayedScaling` (default) or
             :class:`unimp.fp8.CurrentScaling`.
+        native: use ``torch._scaled_mm`` where it runs; ``None`` (default) reads the
+            environment variable ``UNIMP_FP8_NATIVE`` at construction (``"1"``: on; unset or
+            anything else: off), so recipe-built layers (``mp.prepare``) can opt in.
+        name: the layer's name in warnings (``mp.prepare`` passes its dotted path); default
+            ``FP8Dense(in_features, out_features)``.
 
     Shapes: input ``(..., in_features)``, output ``(..., out_features)``, input's dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None, config: _fp8.Fp8Config | None = None) -> None:
+                 dtype: Any = None, config: _fp8.Fp8Config | None = None, native: bool | None = None,
+                 name: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config if config is not None else _fp8.DelayedScaling()
+        if native is None:
+            native = os.environ.get(NATIVE_ENV, "") == "1"
+        if not isinstance(native, bool):
+            raise TypeError(f"FP8Dense: native must be True, False or None, got {native!r}.")
+        self.native = native
+        self.fp8_name = name if name is not None else f"FP8Dense({in_features}, {out_features})"
+        self._native_refused: str | None = None  # why this layer runs emulated though native
         for name in _TENSORS:
             init = FP8State.initial(self.config)
             for field in ("scale", "scale_inv", "amax_history"):
@@ -242,12 +355,14 @@ class FP8Dense(torch.nn.Linear):
         return used, new
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, config: _fp8.Fp8Config) -> FP8Dense:
+    def from_linear(cls, linear: torch.nn.Linear, config: _fp8.Fp8Config, native: bool | None = None,
+                    name: str | None = None) -> FP8Dense:
         """An FP8Dense sharing ``linear``'s ``weight`` and ``bias`` Parameters (the same
         objects: an optimizer built on the model keeps updating them), with fresh float32
-        scaling states on the weight's device and ``linear``'s training flag."""
+        scaling states on the weight's device and ``linear``'s training flag (``native`` and
+        ``name`` as in the constructor)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  device="meta", config=config)
+                  device="meta", config=config, native=native, name=name)
         new.weight, new.bias = linear.weight, linear.bias
         for name, buf in list(new.named_buffers(recurse=False)):
             setattr(new, name, torch.zeros(buf.shape, dtype=torch.float32, device=linear.weight.device))
@@ -256,8 +371,27 @@ class FP8Dense(torch.nn.Linear):
         new.train(linear.training)
         return new
 
+    def _use_native(self, device: torch.device) -> bool:
+        """Whether this call runs ``torch._scaled_mm``; a refusal is decided (and warned)
+        once per layer, from its dimensions, the same on every device."""
+        if not self.native or self._native_refused is not None or not native_fp8_supported(device):
+            return False
+        dims = {"in_features": self.in_features, "out_features": self.out_features}
+        bad = [f"{k}={v}" for k, v in dims.items() if v % NATIVE_MULTIPLE]
+        if bad:
+            self._refuse_native(f"its {' and '.join(bad)} not a multiple of {NATIVE_MULTIPLE}, "
+                                "which the float8 GEMM (torch._scaled_mm) requires")
+            return False
+        return True
+
+    def _refuse_native(self, why: str) -> None:
+        self._native_refused = why
+        warnings.warn(f"unimp FP8 (torch): layer {self.fp8_name!r} runs the emulated float8 matmul, "
+                      f"not the native one: {why}.", Fp8NativeFallbackWarning, stacklevel=4)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _fp8.warn_emulated("torch", x.device.type)
+        if not _has_float8_units(x.device) or not self._use_native(x.device):
+            _fp8.warn_emulated("torch", x.device.type)
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             # as autocast runs a linear: the input in the autocast dtype; the float8 matmul
@@ -276,7 +410,14 @@ class FP8Dense(torch.nn.Linear):
             (sw, sinv_w), _ = self._step("kernel", fp8_amax(self.weight), "forward")
             qx = _fp8.quantize_arrays(ops, x, sx, dtype, fmax)
             qw = _fp8.quantize_arrays(ops, self.weight, sw, dtype, fmax)
-        y = _Fp8Matmul.apply(x, self.weight, qx, qw, sinv_x, sinv_w, self)
+        native = self._use_native(x.device)
+        try:
+            y = _Fp8Matmul.apply(x, self.weight, qx, qw, sinv_x, sinv_w, self, native)
+        except RuntimeError as err:
+            if not native:
+                raise
+            self._refuse_native(f"torch._scaled_mm raised: {err}")
+            y = _Fp8Matmul.apply(x, self.weight, qx, qw, sinv_x, sinv_w, self, False)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -291,11 +432,9 @@ def fp8_model_layers(model: torch.nn.Module) -> list[tuple[str, str]]:
 
 def fp8_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
     """Replaces the ``nn.Linear`` modules ``recipe`` (an :class:`unimp.fp8.recipe.Fp8Recipe`)
-    selects by :class:`FP8Dense` sharing their Parameters, in place; returns the selected
-    paths. Selected layers already FP8Dense are kept; a selected convolution stays as it is
+    selects by :class:`FP8Dense` sharing their Parameters, in place (named by their paths in
+    warnings; native per ``UNIMP_FP8_NATIVE``); returns the selected paths. Selected layers already FP8Dense are kept; a selected convolution stays as it is
     (float8 convolutions are not built) with a warning naming it."""
-    import warnings
-
     selected = recipe.select(fp8_model_layers(model))
     modules = dict(model.named_modules())
     done = []
@@ -305,7 +444,8 @@ def fp8_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
             done.append(path)
         elif isinstance(layer, torch.nn.Linear):
             parent, _, attr = path.rpartition(".")
-            setattr(modules[parent] if parent else model, attr, FP8Dense.from_linear(layer, recipe.scaling))
+            new = FP8Dense.from_linear(layer, recipe.scaling, name=path)
+            setattr(modules[parent] if parent else model, attr, new)
             done.append(path)
         else:
             warnings.warn(f"layer {path!r} ({type(layer).__name__}): float8 convolutions are not built; "
