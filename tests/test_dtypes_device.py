@@ -41,7 +41,7 @@ def test_float8_line_says_emulated_and_small_layers_gain_nothing():
     from unimp.dtypes import float8_line
 
     cpu = float8_line([device_support("cpu") | {"device": "cpu"}])
-    assert cpu.startswith("float8 matmuls: emulated (no float8 units here)")
+    assert cpu.startswith("float8 matmuls: emulated by default (no float8 units here; no native")
     assert "small layers gain nothing" in cpu and "1.5x" in cpu
-    h100 = float8_line([device_support("gpu", (9, 0)) | {"device": "cuda:0"}])
-    assert "cuda:0 has float8 units, but unimp's native float8 kernels are not built" in h100
+    h100 = float8_line([device_support("gpu", (9, 0)) | {"device": "cuda:0"}], "torch")
+    assert "cuda:0 has float8 units; torch FP8Dense(native=True) is opt-in" in h100

@@ -91,7 +91,7 @@ def _info(args: argparse.Namespace) -> int:
                 module = registry.get_backend(name)
                 row["devices"] = module.device_info()
                 row["matmul_precision"] = module.current_matmul_precision()
-                row["float8"] = float8_line(row["devices"])
+                row["float8"] = float8_line(row["devices"], name)
             except Exception as e:  # a broken framework install must not hide the others
                 row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
@@ -114,7 +114,7 @@ def _info(args: argparse.Namespace) -> int:
                 text = describe_matmul_precision(row["backend"], row["matmul_precision"], dev["device"])
                 print(f"      {'':<22} float32 matmul precision: {text}")
         if row["devices"]:
-            print(f"      {float8_line(row['devices'])}")
+            print(f"      {float8_line(row['devices'], row['backend'])}")
         if "error" in row:
             print(f"      cannot load: {row['error']}")
     return 0

@@ -241,15 +241,16 @@ FLOAT8_NOTE = (
 )
 
 
-def float8_line(devices: list[dict[str, Any]]) -> str:
-    """One line for ``unimp info``: float8 matmuls are emulated by unimp on every device
-    (quantize-dequantize, no native float8 kernels are built), whether or not a device has
-    float8 units (NVIDIA compute capability 8.9 and later: Ada, Hopper, Blackwell), and when
-    float8 pays at all."""
+def float8_line(devices: list[dict[str, Any]], backend: str | None = None) -> str:
+    """One line for ``unimp info``: float8 matmuls are emulated by unimp by default on every
+    device (quantize-dequantize; torch's ``FP8Dense(native=True)`` is the one opt-in native
+    path, ``torch._scaled_mm``), whether or not a device has float8 units (NVIDIA compute
+    capability 8.9 and later: Ada, Hopper, Blackwell), and when float8 pays at all."""
     native = [d["device"] for d in devices if d.get("float8")]
-    where = (f"{', '.join(native)} has float8 units, but unimp's native float8 kernels are not built"
-             if native else "no float8 units here")
-    return f"float8 matmuls: emulated ({where}); {FLOAT8_NOTE}"
+    opt_in = "torch FP8Dense(native=True) is opt-in" if backend == "torch" else "no native kernels"
+    where = (f"{', '.join(native)} has float8 units; {opt_in}" if native
+             else f"no float8 units here; {opt_in}")
+    return f"float8 matmuls: emulated by default ({where}); {FLOAT8_NOTE}"
 
 
 #: Device spellings every backend takes for ``device=``, by the kind they name.

@@ -374,10 +374,10 @@ _EMULATION_WARNED: set[tuple[str, str]] = set()
 
 
 def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> None:
-    """Warns once per ``(framework, device_type)`` that float8 matmuls are emulated: unimp builds
-    no native float8 GEMM path yet (``torch._scaled_mm``, Transformer Engine), so on a device with
-    float8 units this is slower than bfloat16, and on one without (a CPU, a GPU before sm89) it
-    is the only path."""
+    """Warns once per ``(framework, device_type)`` that float8 matmuls are emulated: the default
+    in every framework (torch's ``FP8Dense(native=True)`` is the only native float8 GEMM path,
+    opt-in, ``torch._scaled_mm``), so on a device with float8 units this is slower than bfloat16,
+    and on one without (a CPU, a GPU before sm89) it is the only path that pays nothing back."""
     key = (framework, device_type)
     if key in _EMULATION_WARNED:
         return
@@ -386,8 +386,9 @@ def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> N
 
     warnings.warn(
         f"unimp FP8 ({framework}, {device_type}): float8 matmuls are emulated (quantize-dequantize "
-        "in float32, the same numbers as a float8 GEMM); no native float8 path is built, so this "
-        "is slower than bfloat16, never faster.",
+        "in float32, the same numbers as a float8 GEMM), so this is slower than bfloat16, never "
+        "faster; torch's FP8Dense alone has an opt-in native GEMM (native=True or "
+        "UNIMP_FP8_NATIVE=1: torch._scaled_mm), which pays only on a device with float8 units.",
         Fp8EmulationWarning,
         stacklevel=stacklevel,
     )
