@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -42,7 +43,13 @@ PRECISIONS: dict[str, tuple[str, bool | None]] = {
     "tf32": ("float32", True),
     "bfloat16": ("mixed_bfloat16", None),
     "float16": ("mixed_float16", None),
+    # the fp8-delayed recipe (first and last layer out), torch's FP8Dense on its native
+    # torch._scaled_mm GEMM (UNIMP_FP8_NATIVE=1); TensorFlow and JAX only emulate float8
+    "float8": ("fp8-delayed", None),
 }
+
+#: Backends with a native float8 GEMM path (the others' float8 row says it is skipped and why).
+FLOAT8_NATIVE = ("torch",)
 
 #: Dense (no sparsity) peak TFLOP/s by device and precision, from NVIDIA's datasheets, which
 #: list the tensor-core figures with 2:4 sparsity ("Specifications 1/2 lower without
@@ -51,12 +58,13 @@ PRECISIONS: dict[str, tuple[str, bool | None]] = {
 #: (nvidia.com/en-us/data-center/h200): FP32 67 / 51 / 67 / 60, TF32 989 / 756 / 989 / 835,
 #: BF16 and FP16 1979 / 1513 / 1979 / 1671 with sparsity. A100 (SXM and PCIe, 40 and 80 GB):
 #: the A100 datasheet (nvidia.com/en-us/data-center/a100): FP32 19.5, TF32 156, BF16 and
-#: FP16 312 dense. Matched against the device name in order: the first key contained in it.
+#: FP16 312 dense (no float8 units). FP8 (E4M3/E5M2), the same datasheets with sparsity: 3958 /
+#: 3026 / 3958 / 3341. Matched against the device name in order: the first key contained in it.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200 NVL": {"float32": 60.0, "tf32": 417.5, "bfloat16": 835.5, "float16": 835.5},
-    "H200": {"float32": 67.0, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5},
-    "H100 PCIe": {"float32": 51.0, "tf32": 378.0, "bfloat16": 756.5, "float16": 756.5},
-    "H100": {"float32": 67.0, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5},
+    "H200 NVL": {"float32": 60.0, "tf32": 417.5, "bfloat16": 835.5, "float16": 835.5, "float8": 1670.5},
+    "H200": {"float32": 67.0, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979.0},
+    "H100 PCIe": {"float32": 51.0, "tf32": 378.0, "bfloat16": 756.5, "float16": 756.5, "float8": 1513.0},
+    "H100": {"float32": 67.0, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979.0},
     "A100": {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0, "float16": 312.0},
 }
 
@@ -67,7 +75,7 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
     name = device_name.upper()
     for key, peaks in PEAK_TFLOPS.items():
         if key.upper() in name:
-            return peaks[precision]
+            return peaks.get(precision)
     return None
 
 
@@ -155,8 +163,18 @@ def _release(backend: str) -> None:
 def measure(k: Any, backend: str, spec: h.ModelSpec, precision: str, cfg: dict) -> dict:
     """One precision: build, warm up (compile), time ``steps`` steps under the guard."""
     recipe, tf32 = PRECISIONS[precision]
+    if precision == "float8" and backend not in FLOAT8_NATIVE:
+        return {"precision": precision, "skipped": f"no native float8 GEMM in {backend} (emulated only)"}
     set_tf32(backend, tf32)
-    t = k.Trainer("unimp", spec, recipe, cfg["device"])
+    native = os.environ.get("UNIMP_FP8_NATIVE")
+    os.environ["UNIMP_FP8_NATIVE"] = "1"  # read when FP8Dense layers are built (prepare)
+    try:
+        t = k.Trainer("unimp", spec, recipe, cfg["device"])
+    finally:
+        if native is None:
+            os.environ.pop("UNIMP_FP8_NATIVE")
+        else:
+            os.environ["UNIMP_FP8_NATIVE"] = native
     t.run(cfg["warmup"])
     steps = 2
     if cfg["target_s"]:  # one timed step sizes the trial: about target_s, 2 to max_steps steps
