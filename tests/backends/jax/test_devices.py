@@ -18,7 +18,7 @@ from backends.jax.helpers import _affine_loss  # noqa: E402
 def test_device_info_and_version():
     info = ujax.device_info()
     assert len(info) == len(jax.devices())
-    assert set(info[0]) == {"device", "kind", "float16", "bfloat16", "recommended"}
+    assert set(info[0]) == {"device", "kind", "float16", "bfloat16", "float8", "recommended"}
     unimp.get_recipe(info[0]["recommended"])  # a name the parser accepts
     assert ujax.framework_version() == jax.__version__
 
