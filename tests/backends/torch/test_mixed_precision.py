@@ -165,3 +165,25 @@ def test_a_deep_copy_of_a_prepared_model_runs_itself(recipe):
 
         back = pickle.loads(pickle.dumps(model))
         assert back(x).dtype == torch.float32 and torch.equal(back(x), model(x))
+
+
+def test_matmul_precision_restores_switches_torchs_getter_refuses_to_read():
+    # torch.backends.cuda.matmul.allow_tf32 = False alone leaves the CUDA and oneDNN matmul
+    # switches disagreeing; torch.get_float32_matmul_precision() then raises (the legacy and
+    # new APIs mixed). unimp's block must neither raise nor change what the user had.
+    from unimp.backends.torch.precision import current_matmul_precision, matmul_precision
+
+    knobs = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.cudnn.conv)
+    saved = [k.fp32_precision for k in knobs]
+    try:
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        before = [k.fp32_precision for k in knobs]
+        assert current_matmul_precision()["matmul"] == "mixed (cuda: ieee, mkldnn: tf32)"
+        with matmul_precision("highest"):
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert [k.fp32_precision for k in knobs] == before
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        for k, v in zip(knobs, saved, strict=True):
+            k.fp32_precision = v

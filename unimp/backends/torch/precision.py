@@ -20,22 +20,53 @@ from unimp.precision import MATMUL_PRECISION_TABLE, check_matmul_precision
 __all__ = ["current_matmul_precision", "matmul_precision"]
 
 
+#: torch's per-backend precision switches (``fp32_precision``, torch >= 2.9), saved and restored
+#: as they are: the legacy getter ``torch.get_float32_matmul_precision`` raises when they
+#: disagree (e.g. after ``torch.backends.cuda.matmul.allow_tf32 = False`` alone).
+_KNOBS = ("cuda.matmul", "mkldnn.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _knobs() -> list[Any]:
+    out = []
+    for path in _KNOBS:
+        obj: Any = torch.backends
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            out.append(obj)
+    return out
+
+
+def _matmul_now() -> str:
+    """``torch.get_float32_matmul_precision()``, or ``"mixed (cuda: ..., mkldnn: ...)"`` where
+    the per-backend switches disagree and torch's getter refuses to answer."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        parts = [
+            f"{name.split('.')[0]}: {getattr(obj, 'fp32_precision', '?')}"
+            for name, obj in zip(_KNOBS[:2], _knobs()[:2], strict=False)
+        ]
+        return f"mixed ({', '.join(parts)})"
+
+
 def current_matmul_precision() -> dict[str, Any]:
-    """torch's current settings: ``{"matmul": "highest"|"high"|"medium", "conv_tf32": bool}``.
+    """torch's current settings: ``{"matmul": "highest"|"high"|"medium", "conv_tf32": bool}``
+    (``"mixed (...)"`` where torch's per-backend switches disagree).
 
     torch's defaults are ``"highest"`` (TF32 off) for matmuls and TF32 on for cuDNN
     convolutions (torch's CUDA semantics notes, "TensorFloat-32 (TF32) on Ampere (and later)
     devices"); neither changes anything on a CPU.
     """
-    return {
-        "matmul": torch.get_float32_matmul_precision(),
-        "conv_tf32": bool(torch.backends.cudnn.allow_tf32),
-    }
+    return {"matmul": _matmul_now(), "conv_tf32": bool(torch.backends.cudnn.allow_tf32)}
 
 
 @contextlib.contextmanager
 def matmul_precision(name: str | None) -> Iterator[None]:
     """Sets torch's float32 matmul and convolution precision for the block.
+
+    Every switch is restored after the block as it was, also one a user set through torch's
+    per-backend ``fp32_precision`` API or to values torch's legacy getter refuses to read.
 
     Args:
         name: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (change nothing).
@@ -53,11 +84,20 @@ def matmul_precision(name: str | None) -> Iterator[None]:
         yield
         return
     row = MATMUL_PRECISION_TABLE[name]
-    old_matmul, old_conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    knobs = _knobs()
+    saved = [(k, k.fp32_precision) for k in knobs]
+    try:  # torch's own setting; unreadable only when explicit per-backend switches disagree
+        old_matmul = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        old_matmul = None
+    old_conv = torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision(row.torch_matmul)
     torch.backends.cudnn.allow_tf32 = row.torch_cudnn_tf32
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(old_matmul)
         torch.backends.cudnn.allow_tf32 = old_conv
+        if old_matmul is not None:
+            torch.set_float32_matmul_precision(old_matmul)
+        for knob, value in saved:  # then each switch exactly as it was ("none": inherit)
+            knob.fp32_precision = value
