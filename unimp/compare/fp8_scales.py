@@ -9,10 +9,12 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from unimp.fp8 import LAYER_TENSORS
+
 __all__ = ["TENSORS", "capture_first", "fp8_section", "fp8_markdown"]
 
-#: the quantized tensors of a float8 layer, in the order of its states
-TENSORS = ("input", "kernel", "grad")
+#: the quantized tensors of a float8 layer, in the order of its states (the core's names)
+TENSORS = LAYER_TENSORS
 
 
 def capture_first(spec: Any, read: Callable[[], dict[str, dict[str, float]]]) -> dict[str, Any]:

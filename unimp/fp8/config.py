@@ -318,6 +318,22 @@ class FP8State:
         return check_state(cls(*(d[n] for n in names)), config)
 
 
+#: The quantized tensors of one float8 matmul layer, in every backend: its input, its kernel and
+#: the gradient of its output (TE's forward / backward tensors of a Linear).
+LAYER_TENSORS = ("input", "kernel", "grad")
+
+
+def check_tensor(name: Any, where: str) -> str:
+    """``name`` if it is one of :data:`LAYER_TENSORS`.
+
+    Raises:
+        ValueError: another name; the message names ``where`` and the valid names.
+    """
+    if name not in LAYER_TENSORS:
+        raise ValueError(f"{where}: name must be one of {list(LAYER_TENSORS)}, got {name!r}.")
+    return name
+
+
 def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = "") -> FP8State:
     """``state`` as NumPy float32, checked before anything is loaded from it (the one check
     of :meth:`FP8State.from_dict` and every backend's ``load_fp8_state``).
@@ -392,3 +408,8 @@ def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> N
         Fp8EmulationWarning,
         stacklevel=stacklevel,
     )
+
+
+#: The fields of :class:`FP8State`, in order (the backends' variables / buffers are named
+#: ``{tensor}_{field}``).
+STATE_FIELDS = tuple(f.name for f in dataclasses.fields(FP8State))

@@ -4,7 +4,6 @@ trace under ``jax.jit``), and :func:`fp8_dot_general`, an emulated float8 ``dot_
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -13,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from unimp import fp8 as _fp8
-from unimp.fp8 import FP8State
+from unimp.fp8 import LAYER_TENSORS, STATE_FIELDS, FP8State
 
 # FP8State is a pytree (every field an array leaf), derived from dataclasses.fields, so it
 # passes through jax.jit, lax.scan and optax states.
 jax.tree_util.register_dataclass(
-    FP8State, data_fields=[f.name for f in dataclasses.fields(FP8State)], meta_fields=[]
+    FP8State, data_fields=list(STATE_FIELDS), meta_fields=[]
 )
 
 _FP8_DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
@@ -211,8 +210,8 @@ def _flax_dot_general_module() -> type:
             states = [
                 FP8State(*(self.variable(OVERWRITE_WITH_GRADIENT, f"{name}_{f}",
                                          functools.partial(jnp.asarray, getattr(init, f), jnp.float32)).value
-                           for f in ("scale", "scale_inv", "amax_history")))
-                for name in ("input", "kernel", "grad")
+                           for f in STATE_FIELDS))
+                for name in LAYER_TENSORS
             ]
             return fp8_dot_general(self.config, *states)(lhs, rhs, dimension_numbers)
 

@@ -112,8 +112,7 @@ def fp8_quantize_dequantize(x: tf.Tensor, scale: tf.Tensor, scale_inv: tf.Tensor
 
 
 
-_TENSORS = ("input", "kernel", "grad")
-_FIELDS = ("scale", "scale_inv", "amax_history")
+_TENSORS, _FIELDS = _fp8.LAYER_TENSORS, _fp8.STATE_FIELDS
 
 
 def _keras_layer_base() -> type:
@@ -157,8 +156,7 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (current variable values)."""
-        if name not in _TENSORS:
-            raise ValueError(f"FP8Dense.fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
+        _fp8.check_tensor(name, "FP8Dense.fp8_state")
         return _state(self, name)
 
     def load_fp8_state(self, name: str, state: FP8State) -> None:
@@ -170,8 +168,7 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
                 (wrong history length, a scale that is not finite and > 0, ...); nothing is
                 changed.
         """
-        if name not in _TENSORS:
-            raise ValueError(f"FP8Dense.load_fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
+        _fp8.check_tensor(name, "FP8Dense.load_fp8_state")
         checked = _fp8.check_state(state, self.config, name)
         for f in _FIELDS:
             getattr(self, f"{name}_{f}").assign(getattr(checked, f))

@@ -146,7 +146,7 @@ def fp8_quantize_dequantize(
     return _fp8.qdq_arrays(_ops(x.device), x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
 
 
-_TENSORS = ("input", "kernel", "grad")
+_TENSORS, _FIELDS = _fp8.LAYER_TENSORS, _fp8.STATE_FIELDS
 
 #: The environment variable that turns :class:`FP8Dense`'s native path on for layers built with
 #: ``native=None`` (the default; e.g. the layers ``mp.prepare`` swaps in): ``"1"`` on, else off.
@@ -312,15 +312,14 @@ class FP8Dense(torch.nn.Linear):
         self._native_refused: str | None = None  # why this layer runs emulated though native
         for name in _TENSORS:
             init = FP8State.initial(self.config)
-            for field in ("scale", "scale_inv", "amax_history"):
+            for field in _FIELDS:
                 buf = torch.tensor(np.asarray(getattr(init, field)), device=self.weight.device)
                 self.register_buffer(f"{name}_{field}", buf)
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (buffers, not copies)."""
-        if name not in _TENSORS:
-            raise ValueError(f"FP8Dense.fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
-        return FP8State(*(getattr(self, f"{name}_{f}") for f in ("scale", "scale_inv", "amax_history")))
+        _fp8.check_tensor(name, "FP8Dense.fp8_state")
+        return FP8State(*(getattr(self, f"{name}_{f}") for f in _FIELDS))
 
     def load_fp8_state(self, name: str, state: FP8State) -> None:
         """Copies a (NumPy or tensor, any device) state into the buffers of ``name``, checked
@@ -331,9 +330,8 @@ class FP8Dense(torch.nn.Linear):
                 (wrong history length, a scale that is not finite and > 0, ...); nothing is
                 changed.
         """
-        if name not in _TENSORS:
-            raise ValueError(f"FP8Dense.load_fp8_state: name must be one of {list(_TENSORS)}, got {name!r}.")
-        fields = ("scale", "scale_inv", "amax_history")
+        _fp8.check_tensor(name, "FP8Dense.load_fp8_state")
+        fields = _FIELDS
         host = FP8State(*(
             v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in (getattr(state, f) for f in fields)
         ))
@@ -350,7 +348,7 @@ class FP8Dense(torch.nn.Linear):
         used = (used[0].clone(), used[1].clone())  # may be the buffers, overwritten next
         if self.training:
             with torch.no_grad():
-                for f in ("scale", "scale_inv", "amax_history"):
+                for f in _FIELDS:
                     getattr(self, f"{name}_{f}").copy_(getattr(new, f))
         return used, new
 
