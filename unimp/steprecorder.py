@@ -28,7 +28,7 @@ from unimp.stats import first_nonfinite, first_nonfinite_gradient
 from unimp.step import _KIND, STEP_FIELDS, StepResult
 from unimp.steplog import StepLogWriter
 
-__all__ = ["StepRecorder", "check_log_every"]
+__all__ = ["LoggedStep", "StepRecorder", "check_log_every"]
 
 
 
@@ -174,6 +174,18 @@ class StepRecorder:
         """Writes what is buffered and the end line (a writer passed in is left open)."""
         if self._finalizer.alive:
             self._finalizer()
+
+
+class LoggedStep:
+    """What every backend's train step has for ``log=``: the recorder :func:`_with_log`
+    attaches (None without a log) and :meth:`close`."""
+
+    _recorder: StepRecorder | None = None
+
+    def close(self) -> None:
+        """Writes what the step log (``log=``) still holds, and its end line."""
+        if self._recorder is not None:
+            self._recorder.close()
 
 
 def _with_log(step: Any, mp: Any, log: Any, log_every: int, config: Any, to_host: Callable[[Any], Any]) -> Any:

@@ -50,6 +50,7 @@ from unimp.step import (
     micro_batches,
     warn_half_optimizer_state,
 )
+from unimp.steprecorder import LoggedStep
 
 if TYPE_CHECKING:
     from unimp.backends.jax.mixed_precision import MixedPrecision
@@ -61,7 +62,7 @@ def _tracks_variance(axis_name: Any) -> bool:
     return axis_name in _varying_axes(lax.axis_index(axis_name))
 
 
-class TrainStep:
+class TrainStep(LoggedStep):
     """One jitted step ``step(batch) -> StepResult`` with params, optimizer state and loss scale.
 
     Each call runs one compiled function (the second call with the same shapes does not
@@ -512,13 +513,6 @@ class TrainStep:
                 grad_flags=None if flags is None else (self._flag_names, flags),
             )  # fmt: skip
         return result
-
-    _recorder = None  # a StepRecorder with train_step(log=...)
-
-    def close(self) -> None:
-        """Writes what the step log (``log=``) still holds, and its end line."""
-        if self._recorder is not None:
-            self._recorder.close()
 
     @property
     def params(self) -> Any:

@@ -24,6 +24,7 @@ from unimp.loss_scale import (
 )
 from unimp.policy import Policy
 from unimp.step import StepResult, check_schedule_counts, floor_hits, micro_batches
+from unimp.steprecorder import LoggedStep
 
 
 def _batch_to_tensors(batch: Any) -> Any:
@@ -141,7 +142,7 @@ def _add_rounded(total: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     return total + g
 
 
-class TrainStep:
+class TrainStep(LoggedStep):
     """A compiled training step: ``step(batch) -> StepResult``. Built by
     :meth:`MixedPrecision.train_step`; see there.
 
@@ -253,13 +254,6 @@ class TrainStep:
                 grad_flags=None if flags is None else (self._flag_names, flags),
             )  # fmt: skip
         return result
-
-    _recorder = None  # a StepRecorder with train_step(log=...)
-
-    def close(self) -> None:
-        """Writes what the step log (``log=``) still holds, and its end line."""
-        if self._recorder is not None:
-            self._recorder.close()
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scale state in unimp's portable format."""

@@ -30,6 +30,7 @@ from unimp.step import (
     floor_hits,
     micro_batches,
 )
+from unimp.steprecorder import LoggedStep
 
 if TYPE_CHECKING:
     from unimp.backends.torch.mixed_precision import MixedPrecision
@@ -66,7 +67,7 @@ def _restore_forward_state(
                 b.copy_(torch.where(_to(applied, b.device), b, old))
 
 
-class TrainStep:
+class TrainStep(LoggedStep):
     """``step(batch) -> StepResult``: one optimizer step (one accumulation window) per call.
 
     Each call runs under the policy's ``matmul_precision`` (set with
@@ -169,13 +170,6 @@ class TrainStep:
                 grad_flags=grad_flags,
             )  # fmt: skip
         return result
-
-    _recorder = None  # a StepRecorder with train_step(log=...)
-
-    def close(self) -> None:
-        """Writes what the step log (``log=``) still holds, and its end line."""
-        if self._recorder is not None:
-            self._recorder.close()
 
     def _run(self, batch: Any, recorder: _Recorder | None) -> tuple[StepResult, Any]:
         """One step; returns its result and, when the step logs without statistics, the
