@@ -143,11 +143,7 @@ class _Collector:
 
     def add_gradients(self, named: list[tuple[str, Any]], scale: tf.Tensor) -> None:
         for name, g in named:
-            key, i = name, 1
-            while key in self.gradients:  # two variables with one path: keep both
-                i += 1
-                key = f"{name}#{i}"
-            self.gradients[key] = _entry(g, scale)
+            self.gradients[_unique(name, self.gradients)] = _entry(g, scale)
 
     @contextlib.contextmanager
     def recording(self, model: Any) -> Iterator[None]:
@@ -181,17 +177,23 @@ class _Collector:
         return {"gradients": dict(self.gradients), "activations": dict(self.activations)}
 
 
+def _unique(name: str, taken: Any) -> str:
+    """``name``, or ``name#2``, ``name#3``, ... when taken: two variables with one path (a
+    Keras model can have them) keep both, in the statistics and in the finite flags alike."""
+    key, i = name, 1
+    while key in taken:
+        i += 1
+        key = f"{name}#{i}"
+    return key
+
+
 def _grad_flags(named: list[tuple[str, Any]]) -> tuple[list[str], tf.Tensor]:
     """One finite flag per gradient (a bool vector, in the order of ``named``, named as the
     statistics name them): which gradient went non-finite first, on a logged step."""
     names: list[str] = []
     flags = []
     for name, g in named:
-        key, i = name, 1
-        while key in names:  # two variables with one path: keep both (as add_gradients)
-            i += 1
-            key = f"{name}#{i}"
-        names.append(key)
+        names.append(_unique(name, names))
         values = g.values if isinstance(g, tf.IndexedSlices) else g
         flags.append(tf.reduce_all(tf.math.is_finite(values)))
     return names, tf.stack(flags) if flags else tf.zeros([0], tf.bool)
