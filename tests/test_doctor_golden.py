@@ -20,7 +20,9 @@ from unimp.steplog import read_steplog
 NAN_AT = 5
 
 
-def _run(backend, path, *, steps=10, plant=None, nan_at=None, stats_every=None):
+def _spec(steps, path=None, *, optimizer="adam", lr=1e-3, plant=None, nan_at=None, stats_every=None):
+    """The seeds' MLP on the digits under mixed_float16, its first ``steps`` batches, logged to
+    ``path``: l1's weights times ``plant``, one NaN pixel in batch ``nan_at``."""
     ds = load_dataset("digits", seed=0, num_classes=10)
     weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
     if plant is not None:
@@ -30,11 +32,33 @@ def _run(backend, path, *, steps=10, plant=None, nan_at=None, stats_every=None):
         x = data[nan_at]["x"].copy()
         x[0, 3, 3, 0] = np.nan  # one pixel of one image
         data[nan_at] = {**data[nan_at], "x": x}
-    spec = RunSpec(
+    return RunSpec(
         get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test,
-        ds.num_classes, "adam", 1e-3, "cpu", stats_every=stats_every, log=str(path),
+        ds.num_classes, optimizer, lr, "cpu", stats_every=stats_every,
+        log=None if path is None else str(path),
     )  # fmt: skip
-    importlib.import_module(f"unimp.compare.runner_{backend}").run(spec)
+
+
+def _build(backend, spec):
+    """``(step, convert)`` of the backend's compare runner for ``spec``."""
+    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    return step, convert
+
+
+def _run(backend, path, *, steps=10, **faults):
+    importlib.import_module(f"unimp.compare.runner_{backend}").run(_spec(steps, path, **faults))
+    return read_steplog(path)
+
+
+def _lr_raised_100x_at_10(backend, path, lr):
+    """An SGD run of 24 steps whose learning rate is raised 100x at step 10; its log."""
+    spec = _spec(24, path, optimizer="sgd", lr=lr)
+    step, convert = _build(backend, spec)
+    for i, b in enumerate(spec.batches):
+        if i == 10:
+            _raise_lr(backend, step, 100)
+        step(convert(b))
+    step.close()
     return read_steplog(path)
 
 
@@ -99,10 +123,7 @@ def test_the_same_fault_gives_the_same_diagnosis_in_every_framework(tmp_path, ca
 )
 def test_bad_log_options_are_refused_before_anything_is_written(backend, bad, needle, tmp_path):
     require_backend(backend)
-    ds = load_dataset("digits", seed=0, num_classes=10)
-    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
-    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:1]
-    spec = RunSpec(get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam", 1e-3, "cpu")
+    spec = _spec(1)
     path = tmp_path / "log.jsonl"
     spec.step_options = lambda: {"log": str(path), **bad}
     with pytest.raises(ValueError, match=needle):
@@ -116,13 +137,11 @@ def test_logging_reads_the_device_only_every_log_every_steps(backend, tmp_path):
     device-to-host transfer (transfer guard). TensorFlow runs eagerly outside its step
     function and has no such check."""
     require_backend(backend)
-    ds = load_dataset("digits", seed=0, num_classes=10)
-    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
-    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:8]
-    spec = RunSpec(get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam", 1e-3, "cpu")
+    spec = _spec(8)
+    data = spec.batches
     path = tmp_path / "log.jsonl"
     spec.step_options = lambda: {"log": str(path), "log_every": 4}
-    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    step, convert = _build(backend, spec)
     batches_ = [convert(b) for b in data]
     step(batches_[0])  # compiled / optimizer state created; record 0 buffered
     if backend == "torch":
@@ -163,21 +182,7 @@ def _raise_lr(backend, step, factor):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_learning_rate_raised_100x_is_named_before_the_overflows(backend, tmp_path):
     require_backend(backend)
-    ds = load_dataset("digits", seed=0, num_classes=10)
-    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
-    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:24]
-    path = tmp_path / "lr.jsonl"
-    spec = RunSpec(
-        get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "sgd",
-        0.1, "cpu", log=str(path),
-    )  # fmt: skip
-    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
-    for i, b in enumerate(data):
-        if i == 10:
-            _raise_lr(backend, step, 100)  # SGD at 10: the gradients overflow from step 12
-        step(convert(b))
-    step.close()
-    log = read_steplog(path)
+    log = _lr_raised_100x_at_10(backend, tmp_path / "lr.jsonl", 0.1)  # overflows from step 12
     assert [r["lr"] for r in log.steps[9:11]] == pytest.approx([0.1, 10.0])
     d = diagnose([log])
     found = [(c, s) for c, s, _ in _classes(d)]
@@ -188,12 +193,10 @@ def test_a_learning_rate_raised_100x_is_named_before_the_overflows(backend, tmp_
 def test_a_step_after_close_is_not_logged_and_says_so(tmp_path):
     backend = BACKENDS[0]
     require_backend(backend)
-    ds = load_dataset("digits", seed=0, num_classes=10)
-    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
-    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:3]
     path = tmp_path / "log.jsonl"
-    spec = RunSpec(get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam", 1e-3, "cpu", log=str(path))
-    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    spec = _spec(3, path)
+    data = spec.batches
+    step, convert = _build(backend, spec)
     step(convert(data[0]))
     step.close()
     with pytest.warns(RuntimeWarning, match="after the step log"):
@@ -272,16 +275,11 @@ def test_an_inf_injected_in_one_layers_gradient_is_named_on_a_step_without_stati
     isolated gradient overflow at step 12 (the scale had held since the start), first in layer
     l1 (backward order: l2's gradients are finite), with no statistics asked for."""
     require_backend(backend)
-    ds = load_dataset("digits", seed=0, num_classes=10)
-    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
-    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:16]
     path = tmp_path / "grad.jsonl"
-    spec = RunSpec(
-        get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "adam",
-        1e-3, "cpu", log=str(path),
-    )  # fmt: skip
+    spec = _spec(16, path)
+    data = spec.batches
     arm = _jax_poison(monkeypatch) if backend == "jax" else None
-    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
+    step, convert = _build(backend, spec)
     arm = arm or _poison_l1_gradient(backend, step, monkeypatch)
     for i, b in enumerate(data):
         arm(i == GRAD_AT)
@@ -309,21 +307,7 @@ def test_a_learning_rate_raised_100x_until_the_run_diverges(backend, tmp_path):
     which backs off on any inf, would halve it on every step toward zero; the doctor names the
     learning-rate change first either way."""
     require_backend(backend)
-    ds = load_dataset("digits", seed=0, num_classes=10)
-    weights = init_weights("mlp", ds.image_shape, ds.num_classes, 0)
-    data = batches(ds, batch_size=32, epochs=1, seed=0, dropout=0.2, hidden=512)[:24]
-    path = tmp_path / "lr.jsonl"
-    spec = RunSpec(
-        get_recipe("mixed_float16"), "mlp", weights, data, ds.x_test, ds.y_test, 10, "sgd",
-        0.5, "cpu", log=str(path),
-    )  # fmt: skip
-    _, step, convert = importlib.import_module(f"unimp.compare.runner_{backend}").build(spec)
-    for i, b in enumerate(data):
-        if i == 10:
-            _raise_lr(backend, step, 100)
-        step(convert(b))
-    step.close()
-    log = read_steplog(path)
+    log = _lr_raised_100x_at_10(backend, tmp_path / "lr.jsonl", 0.5)
     assert [r["scale"] for r in log.steps[10:16]] == [32768, 32768, 16384, 8192, 4096, 2048]
     assert all(not r["loss_finite"] and r["scale"] == 2048 for r in log.steps[16:])
     d = diagnose([log])
