@@ -124,6 +124,29 @@ def test_recipe_file_overrides_table_mistakes_name_the_fix(tmp_path, table, matc
         Recipe.from_file(t)
 
 
+def test_recipe_file_policy_table_takes_the_whole_step_fields(tmp_path):
+    t = tmp_path / "r.toml"
+    t.write_text('[policy]\nname = "mixed_float16"\nmatmul_precision = "high"\nreduce_dtype = "float32"\n'
+                 'accum_dtype = "float32"\n[policy.overrides]\nl2 = "float32"\n')
+    r = Recipe.from_file(t)
+    assert (r.policy.matmul_precision, r.policy.reduce_dtype, r.policy.accum_dtype) == ("high", "float32", "float32")
+    assert str(r.policy.compute_dtype) == "float16" and "l2" in r.policy.overrides
+    assert Recipe.from_dict(r.to_dict()) == r
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [('matmul_precision = "fast"\n', "must be one of 'highest'"),
+     ('compute_dtype = "float32"\n', r"takes 'name' \(required\) and \['matmul_precision'")],
+    ids=["bad-precision", "not-a-table-key"],
+)
+def test_recipe_file_policy_table_bad_field_is_refused(tmp_path, table, match):
+    t = tmp_path / "r.toml"
+    t.write_text('[policy]\nname = "mixed_float16"\n' + table)
+    with pytest.raises(ValueError, match=match):
+        Recipe.from_file(t)
+
+
 def test_policy_for_and_is_float32():
     p = get_policy("mixed_float16;l2:float32")
     assert p.policy_for("l2.bias") == F32

@@ -213,17 +213,27 @@ class Recipe:
         return f"policy {self.policy}; loss scale {ls_text}; cast_mode {self.cast_mode}{fp8}"
 
 
+#: The whole-step Policy fields a recipe file's ``[policy]`` table may set beside ``name``.
+_POLICY_TABLE_FIELDS = ("matmul_precision", "reduce_dtype", "accum_dtype")
+
+
 def _policy_from_value(value: Any) -> Policy:
-    """A recipe file's ``policy``: a name, or ``{"name": ..., "overrides": {pattern: value}}``."""
+    """A recipe file's ``policy``: a name, or a table ``{"name": ..., "overrides": {pattern:
+    value}}`` that may also set the whole-step fields ``matmul_precision``, ``reduce_dtype`` and
+    ``accum_dtype`` (as :class:`Policy`'s fields of the same name)."""
     if not isinstance(value, Mapping):
         return get_policy(value)
-    unknown = sorted(set(value) - {"name", "overrides"})
+    allowed = ("name", *_POLICY_TABLE_FIELDS, "overrides")
+    unknown = sorted(set(value) - set(allowed))
     if unknown or "name" not in value:
         raise ValueError(
-            f"a policy table takes 'name' (required) and 'overrides', got {sorted(value)}; e.g. "
-            '{"name": "mixed_float16", "overrides": {"head": "float32"}}.'
+            f"a policy table takes 'name' (required) and {list(allowed[1:])}, got {sorted(value)}; "
+            'e.g. {"name": "mixed_float16", "matmul_precision": "high", "overrides": {"head": "float32"}}.'
         )
     policy = get_policy(value["name"])
+    fields = {k: value[k] for k in _POLICY_TABLE_FIELDS if k in value}
+    if fields:
+        policy = policy.with_(**fields)
     if "overrides" not in value:
         return policy
     table = value["overrides"]
