@@ -96,11 +96,18 @@ def test_timing_and_edge_cases_literally():
     [({"fp8_format": "E5M2"}, "fp8_format"), ({"amax_history_len": 0}, "amax_history_len"),
      ({"amax_compute_algo": "mean"}, "amax_compute_algo"), ({"margin": -1}, "margin"),
      ({"margin": 128}, "margin"), ({"margin": 1024}, "margin"),
-     ({"rule": "deepspeed"}, "rule")],
+     ({"rule": "deepspeed"}, "rule"), ({"amax_history_len": 16.5}, "amax_history_len"),
+     ({"amax_history_len": 2**31}, "amax_history_len"), ({"amax_history_len": True}, "amax_history_len")],
 )
 def test_delayed_bad_input_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"DelayedScaling.{field}"):
         fp8.DelayedScaling(**kwargs)
+
+
+def test_integer_fields_follow_the_loss_scale_rule():
+    # the same rule as DynamicLossScale.growth_interval: a float with an integral value is that int
+    assert fp8.DelayedScaling(amax_history_len=16.0, margin=2.0) == fp8.DelayedScaling(amax_history_len=16, margin=2)
+    assert type(fp8.DelayedScaling(amax_history_len=16.0).amax_history_len) is int
 
 
 def test_bad_input_lists_valid_values():
