@@ -213,6 +213,11 @@ def simulate(
             pair ``(grads_finite, loss_finite)``; each flag a bool or 0 / 1.
         state: the starting state; ``config.initial_state()`` by default.
 
+    The rule only: like the device-side update, it counts ``floor_hits`` and
+    ``consecutive_skips`` but neither raises nor warns for ``floor_action`` or
+    ``max_consecutive_skips``. To stop where a train step would, call
+    :func:`check_state` on each state, or read ``floor_hits`` as ``unimp explain --scalers`` does.
+
     Returns:
         The state after each step (``len(flags)`` states; the start state is not included).
 
