@@ -226,6 +226,7 @@ def simulate(
             ``flags[1]``), or an event that is not a flag or a pair.
 
     Example:
+        >>> from unimp import DynamicLossScale, simulate
         >>> cfg = DynamicLossScale(init_scale=8, growth_interval=2, min_scale=1)
         >>> [float(s.scale) for s in simulate(cfg, [True, True, False, False, False, False])]
         [8.0, 16.0, 8.0, 4.0, 2.0, 1.0]
