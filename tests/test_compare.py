@@ -215,6 +215,7 @@ BAD = [
     (["--batch-size", "100000"], "--batch-size"),
     (["--data", "/nonexistent/mnist.npz"], "does not exist"),
     (["--data", "digits.csv"], ".npz"),
+    (["--threads", "0"], "--threads must be an integer >= 1"),
 ]
 
 

@@ -278,6 +278,7 @@ def _compare(args: argparse.Namespace) -> int:
         dropout=args.dropout,
         loss_scale=args.loss_scale,
         log_dir=None if args.log_dir is None else os.path.abspath(args.log_dir),
+        threads=args.threads,
     )
     validate(cfg)  # every bad option fails here, before any framework runs or anything is written
     _log_dir(args.log_dir)
@@ -410,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--optimizer", default="adam", help="adam or sgd")
     cmp_.add_argument("--seed", type=int, default=0)
     cmp_.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    cmp_.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch and TensorFlow (default: each framework's own); on a busy "
+        "machine torch is far slower with one thread per core, so 1 makes step times comparable",
+    )
     cmp_.add_argument(
         "--dropout", type=float, default=0.2, help="dropout rate; masks are drawn once in NumPy"
     )

@@ -106,6 +106,15 @@ def _memory(device_peak: int | None, rss_growth: int | None) -> str:
     return "n/a"
 
 
+def _device(device: str, threads: str | None) -> str:
+    """The device, with ``--threads``' count where it was set (``cpu, 1 thread``)."""
+    if threads is None or not device.startswith("cpu"):
+        return device
+    if threads.isdigit():
+        return f"{device}, {threads} thread{'s' if threads != '1' else ''}"
+    return f"{device}, own threads"
+
+
 def summary_rows(report: dict[str, Any]) -> list[list[str]]:
     """The table, one row per backend, columns :data:`COLUMNS`."""
     rows = []
@@ -118,7 +127,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             [
                 name,
                 f"{run['framework']} {run['version']}",
-                run["device"],
+                _device(run["device"], report.get("threads", {}).get(name)),
                 report["recipe_name"],
                 _fmt(run["loss"][-1] if run["loss"] else None),
                 _fmt(run["test_accuracy"], ".3f"),
@@ -148,6 +157,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         tabulate(summary_rows(report), headers=list(COLUMNS), tablefmt="github"),
         "",
+        *(
+            [f"CPU threads (--threads): {', '.join(f'{b} {t}' for b, t in report['threads'].items())}.", ""]
+            if report.get("threads") else []
+        ),
         "`max loss diff`: largest relative per-step loss difference to the other frameworks, over "
         "the steps where both losses are finite; a step where the frameworks disagree on whether "
         "the loss is finite or on skipping the step makes it `inf`, and is listed under "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
@@ -17,6 +18,7 @@ from unimp import registry
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
+from unimp.compare.threads import threads
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
@@ -44,6 +46,7 @@ class CompareConfig:
     dropout: float = 0.2
     loss_scale: str | None = None
     log_dir: str | None = None
+    threads: int | None = None
 
 
 @dataclass
@@ -224,6 +227,8 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout}.")
     if cfg.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {cfg.seed}.")
+    if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
+        raise ValueError(f"--threads must be an integer >= 1, got {cfg.threads!r}.")
     backends = _resolve_backends(cfg.backends)
     for b in backends:  # a device a backend cannot use fails here, before any backend trains
         _device_for(b, cfg.device)
@@ -299,44 +304,49 @@ def run_compare(
             spec.progress = lambda i: bar.advance()
             return runner.run(spec)
 
-    runs = {b: one(b, recipe, b) for b in backends}
-    report: dict[str, Any] = {
-        "unimp": unimp.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "recipe_name": cfg.recipe,
-        "recipe": recipe.to_dict(),
-        "recipe_description": recipe.describe(),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
-        "data": ds.name,
-        "steps": len(steps),
-        "runs": runs,
-        "cross_framework_max_rel_loss_diff": cross_framework_difference(runs),
-        "cross_framework_disagreements": disagreements(runs),
-    }
-    if cfg.baseline:
-        f32 = get_recipe("float32")
-        base = {b: one(b, f32, f"{b} (float32)") for b in backends}
-        report["baseline"] = base
-        report["baseline_deviation"] = {
-            b: max(
-                (
-                    abs(x - y) / max(abs(y), 1e-12)
-                    for x, y in zip(runs[b]["loss"], base[b]["loss"], strict=True)
-                    if math.isfinite(x) and math.isfinite(y)
-                ),
-                default=float("nan"),
-            )
-            for b in backends
+    with contextlib.ExitStack() as stack:
+        thread_info = (
+            {} if cfg.threads is None else stack.enter_context(threads(backends, cfg.threads))
+        )
+        runs = {b: one(b, recipe, b) for b in backends}
+        report: dict[str, Any] = {
+            "unimp": unimp.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "recipe_name": cfg.recipe,
+            "recipe": recipe.to_dict(),
+            "recipe_description": recipe.describe(),
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
+            "data": ds.name,
+            "steps": len(steps),
+            "runs": runs,
+            "cross_framework_max_rel_loss_diff": cross_framework_difference(runs),
+            "cross_framework_disagreements": disagreements(runs),
+            "threads": thread_info,
         }
-    if recipe.fp8 is not None:  # float8 against the same recipe without it: bfloat16
-        from unimp.compare.fp8_scales import fp8_section
+        if cfg.baseline:
+            f32 = get_recipe("float32")
+            base = {b: one(b, f32, f"{b} (float32)") for b in backends}
+            report["baseline"] = base
+            report["baseline_deviation"] = {
+                b: max(
+                    (
+                        abs(x - y) / max(abs(y), 1e-12)
+                        for x, y in zip(runs[b]["loss"], base[b]["loss"], strict=True)
+                        if math.isfinite(x) and math.isfinite(y)
+                    ),
+                    default=float("nan"),
+                )
+                for b in backends
+            }
+        if recipe.fp8 is not None:  # float8 against the same recipe without it: bfloat16
+            from unimp.compare.fp8_scales import fp8_section
 
-        bf16 = {b: one(b, recipe.replace(fp8=None), f"{b} (bfloat16)") for b in backends}
-        report["fp8"] = fp8_section(runs, bf16)
-    _add_trace_diff(report)
-    report["layer_stats"] = {b: layer_stats(run) for b, run in runs.items()}
-    return report
+            bf16 = {b: one(b, recipe.replace(fp8=None), f"{b} (bfloat16)") for b in backends}
+            report["fp8"] = fp8_section(runs, bf16)
+        _add_trace_diff(report)
+        report["layer_stats"] = {b: layer_stats(run) for b, run in runs.items()}
+        return report
 
 
 def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -1,0 +1,65 @@
+"""`unimp compare --threads N`: each framework's CPU threads, set for the run and reported."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from unimp.cli import main
+from unimp.compare.report import _device
+from unimp.compare.threads import threads
+
+
+def test_threads_are_set_for_the_block_and_reported(backend):
+    if backend == "torch":
+        import torch
+
+        before = torch.get_num_threads()
+        with threads([backend], 1) as info:
+            assert torch.get_num_threads() == 1 and info == {"torch": "1"}
+        assert torch.get_num_threads() == before  # process-wide: restored
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with threads([backend], 1) as info:
+                pass
+        if info["tensorflow"] == "1":  # TensorFlow had not started in this process yet
+            assert tf.config.threading.get_intra_op_parallelism_threads() == 1 and not caught
+        else:  # it had: its pools keep their size, and the warning says how to set them
+            assert "already started" in info["tensorflow"]
+            assert any("fresh process" in str(w.message) for w in caught)
+    else:
+        with threads([backend], 1) as info:
+            assert info == {"jax": "framework default (XLA:CPU has no thread setting)"}
+
+
+@pytest.mark.parametrize("n", [0, -2, True, 1.5, "2"])
+def test_bad_thread_count_is_refused_before_anything_changes(n):
+    import torch
+
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match="--threads must be an integer >= 1"):
+        with threads(["torch"], n):
+            pass
+    assert torch.get_num_threads() == before
+
+
+def test_device_cell_says_the_thread_count():
+    assert _device("cpu", "1") == "cpu, 1 thread"
+    assert _device("cpu:0", "4") == "cpu:0, 4 threads"
+    assert _device("cpu:0", "framework default (XLA:CPU has no thread setting)") == "cpu:0, own threads"
+    assert _device("cuda:0", "1") == "cuda:0" and _device("cpu", None) == "cpu"
+
+
+def test_compare_with_threads_reports_them(backend, tmp_path):
+    out = tmp_path / "rep"
+    code = main(["compare", "--epochs", "1", "--batch-size", "64", "--quiet", "--threads", "1",
+                 "--backends", backend, "--out", str(out)])
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["threads"]) == {backend} and rep["config"]["threads"] == 1
+    assert f"CPU threads (--threads): {backend} " in (out / "report.md").read_text()

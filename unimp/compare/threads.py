@@ -1,0 +1,76 @@
+"""``unimp compare --threads N``: the CPU threads each framework runs its ops on.
+
+On a shared or busy CPU, torch's OpenMP pool can be an order of magnitude slower with as
+many threads as cores than with one (its workers wait on cores other processes hold): on a
+loaded 2-core machine the seeds' MLP took 58 ms a step with 2 threads against 6 ms with 1.
+TensorFlow's and JAX's pools degrade far less. Setting the same count for every framework
+makes the "median step ms" row comparable there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+
+
+@contextlib.contextmanager
+def threads(backends: Iterable[str], n: int) -> Iterator[dict[str, str]]:
+    """Runs the block with the CPU intra-op threads of each framework in ``backends`` at ``n``.
+
+    torch's count is restored on exit (it is process-wide, and ``run_compare`` may run inside a
+    user's process); TensorFlow's cannot be changed back once its runtime has started.
+
+    * torch: ``torch.set_num_threads(n)`` (the OpenMP pool; process-wide).
+    * tensorflow: ``tf.config.threading.set_intra_op_parallelism_threads(n)`` and the same for
+      inter-op; TensorFlow takes them only before its runtime starts, so in a process where it
+      already ran they stay as they are, with a warning.
+    * jax: XLA:CPU has no thread setting (jax-ml/jax#1539: its Eigen pool is sized to the
+      machine), so JAX keeps its own; said in the result and the report.
+
+    Args:
+        backends: backend names (``torch``, ``tensorflow``, ``jax``).
+        n: threads, >= 1.
+
+    Yields:
+        ``{backend: what was set}``, e.g. ``{"torch": "1", "jax": "framework default (...)"}``;
+        the report keeps it.
+
+    Raises:
+        ValueError: ``n`` is not an integer >= 1.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {n!r}.")
+    out: dict[str, str] = {}
+    restore = None
+    for b in backends:
+        if b == "torch":
+            import torch
+
+            restore = torch.get_num_threads()
+            torch.set_num_threads(n)
+            out[b] = str(torch.get_num_threads())
+        elif b == "tensorflow":
+            import tensorflow as tf
+
+            try:
+                tf.config.threading.set_intra_op_parallelism_threads(n)
+                tf.config.threading.set_inter_op_parallelism_threads(n)
+                out[b] = str(n)
+            except RuntimeError:  # "... cannot be modified after initialization"
+                warnings.warn(
+                    f"--threads {n}: TensorFlow already started in this process, so its thread "
+                    "pools keep their size; run unimp compare in a fresh process to set them.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                out[b] = "framework default (TensorFlow had already started)"
+        elif b == "jax":
+            out[b] = "framework default (XLA:CPU has no thread setting)"
+    try:
+        yield out
+    finally:
+        if restore is not None:
+            import torch
+
+            torch.set_num_threads(restore)
