@@ -136,13 +136,15 @@ def test_recipe_file_policy_table_takes_the_whole_step_fields(tmp_path):
 
 @pytest.mark.parametrize(
     ("table", "match"),
-    [('matmul_precision = "fast"\n', "must be one of 'highest'"),
-     ('compute_dtype = "float32"\n', r"takes 'name' \(required\) and \['matmul_precision'")],
-    ids=["bad-precision", "not-a-table-key"],
+    [('name = "mixed_float16"\nmatmul_precision = "fast"\n', "must be one of 'highest'"),
+     ('name = "mixed_float16"\ncompute_dtype = "float32"\n', r"takes 'name' \(required\) and \['matmul_precision'"),
+     ('name = "mixed_float16,matmul=high"\nmatmul_precision = "medium"\n', "matmul_precision is given twice"),
+     ('name = "mixed_float16;l2:float32"\n[policy.overrides]\nl2 = "float16"\n', "pattern 'l2' is given twice")],
+    ids=["bad-precision", "not-a-table-key", "field-in-name-and-table", "pattern-in-name-and-table"],
 )
 def test_recipe_file_policy_table_bad_field_is_refused(tmp_path, table, match):
     t = tmp_path / "r.toml"
-    t.write_text('[policy]\nname = "mixed_float16"\n' + table)
+    t.write_text('[policy]\n' + table)
     with pytest.raises(ValueError, match=match):
         Recipe.from_file(t)
 

@@ -18,6 +18,7 @@ from unimp.loss_scale import (
     StaticLossScale,
     loss_scale_from_dict,
 )
+from unimp.policy import _KEYS as _POLICY_KEYS
 from unimp.policy import Policy, get_policy
 
 __all__ = ["CAST_MODES", "Recipe", "get_recipe"]
@@ -230,8 +231,19 @@ def _policy_from_value(value: Any) -> Policy:
             f"a policy table takes 'name' (required) and {list(allowed[1:])}, got {sorted(value)}; "
             'e.g. {"name": "mixed_float16", "matmul_precision": "high", "overrides": {"head": "float32"}}.'
         )
-    policy = get_policy(value["name"])
+    name = value["name"]
+    policy = get_policy(name)
     fields = {k: value[k] for k in _POLICY_TABLE_FIELDS if k in value}
+    if fields and isinstance(name, str):
+        # a field set both in the name ("mixed_float16,matmul=high") and the table is ambiguous
+        head = name.split(";", 1)[0]
+        keys = {_POLICY_KEYS.get(part.partition("=")[0].strip().lower()) for part in head.split(",")[1:]}
+        twice = sorted(keys & set(fields))
+        if twice:
+            raise ValueError(
+                f"policy {twice[0]} is given twice: in the name {name!r} and in the [policy] table; "
+                "keep one of them."
+            )
     if fields:
         policy = policy.with_(**fields)
     if "overrides" not in value:
@@ -249,6 +261,12 @@ def _policy_from_value(value: Any) -> Policy:
                 f'is a nested table in TOML, so quote the pattern ("blocks.0.attn" = "float32"), '
                 f'and write a policy value as a string ("params=float32,compute=float32").'
             )
+    twice = sorted(set(dict(policy.overrides)) & set(table))
+    if twice:
+        raise ValueError(
+            f"policy override pattern {twice[0]!r} is given twice: in the name {name!r} and in "
+            "[policy.overrides]; keep one of them."
+        )
     return policy.with_(overrides=dict(policy.overrides) | dict(table))
 
 
