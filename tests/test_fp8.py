@@ -162,13 +162,29 @@ def test_portable_state_dict_roundtrip_through_json():
      ({"tensors": {"a": {"scale": 0.0, "scale_inv": 1.0, "amax_history": [0.0] * 4}}}, "'scale' must be one finite number > 0"),
      ({"tensors": {"a": {"scale": -1.0, "scale_inv": 1.0, "amax_history": [0.0] * 4}}}, "'scale' must be one finite number > 0"),
      ({"tensors": {"a": {"scale": "1", "scale_inv": 1.0, "amax_history": [0.0] * 4}}}, "'scale' must be real numbers"),
-     ({"tensors": {"a": {"scale": 1.0, "scale_inv": 1.0, "amax_history": [0.0, -2.0, 0.0, 0.0]}}}, ">= 0"),],
+     ({"tensors": {"a": {"scale": 1.0, "scale_inv": 1.0, "amax_history": [0.0, -2.0, 0.0, 0.0]}}}, ">= 0"),
+     ({"tensors": {"a": {"scale": 2.0**127, "scale_inv": 2.0**-127, "amax_history": [0.0] * 4}}}, "above 2\\*\\*126"),
+     ({"tensors": {"a": {"scale": 1.0, "scale_inv": 5.0, "amax_history": [0.0] * 4}}}, "'scale_inv' must be 1 / scale"),],
 )
 def test_from_state_dict_refuses_bad_input(edit, match):
     cfg = fp8.DelayedScaling(amax_history_len=4)
     d = {**fp8.state_dict(cfg, {"a": fp8.FP8State.initial(cfg)}), **edit}
     with pytest.raises(ValueError, match=match):
         fp8.from_state_dict(d)
+
+
+def test_loaded_scale_checks_follow_the_rule():
+    big = fp8.FP8State(np.float32(2.0**127), np.float32(2.0**-127), np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="above 2\\*\\*126"):
+        fp8.check_state(big)
+    with pytest.raises(ValueError, match="above 2\\*\\*126"):
+        fp8.check_state(big, fp8.DelayedScaling.preset("keras", amax_history_len=4))
+    # Transformer Engine caps at float32's max: its states load (scale_inv is subnormal there)
+    assert float(fp8.check_state(big, fp8.DelayedScaling.preset("transformer_engine", amax_history_len=4)).scale) == 2.0**127
+    # Keras and flax's double reciprocal drifts by an ulp: still one state
+    s = np.float32(3.0)
+    drift = np.nextafter(np.float32(1) / s, np.float32(1))
+    fp8.check_state(fp8.FP8State(s, drift, np.zeros(4, np.float32)))
 
 
 def test_unimp_rules_cap_the_scale_so_its_inverse_stays_normal():

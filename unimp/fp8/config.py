@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,6 +31,13 @@ FORMATS: dict[str, tuple[str, str]] = {
 ROLES = ("forward", "backward")
 
 _F32_MAX = float(np.finfo(np.float32).max)
+
+#: unimp's own rules cap the scale at 2**126 (TE: float32 max) so that ``scale_inv`` stays a
+#: normal float32: TensorFlow flushes subnormals to zero on CPU, which would break bit-identity.
+MAX_SCALE = 2.0**126
+#: How far ``scale * scale_inv`` may be from 1 in a loaded state: the reciprocal rounds once
+#: (half an ulp) and Keras / flax's double reciprocal drifts by one ulp more (2**-23 each).
+_INVERSE_TOLERANCE = 2.0**-21
 
 
 def _choice(cls: str, field: str, value: Any, valid: tuple[str, ...]) -> str:
@@ -342,7 +350,9 @@ def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = 
     Raises:
         ValueError: a value that is not real numbers (bools and strings included); a scale or
             scale_inv that is not one finite number > 0 (under the ``torchao`` rule, whose
-            scale is 0 for an inf amax and NaN for a NaN amax: any number not < 0); a history
+            scale is 0 for an inf amax and NaN for a NaN amax: any number not < 0); a scale
+            above 2**126 (except under the ``transformer_engine`` and ``torchao`` rules, given as
+            ``config``); a ``scale_inv`` that is not ``1 / scale`` to within 2**-21; a history
             that is not a list of ``amax_history_len`` maxima, or holds a negative one.
     """
     where = f"FP8 tensor state{f' {tensor!r}' if tensor else ''}"
@@ -365,6 +375,20 @@ def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = 
                 f"{where} {n!r} must be one finite number > 0, got {getattr(state, n)!r}; save it "
                 "with unimp.fp8.state_dict (or the layer's fp8_state)."
             )
+    scale, inv = float(vals["scale"]), float(vals["scale_inv"])
+    capped = config is None or config.rule not in ("transformer_engine", "torchao")
+    if capped and scale > MAX_SCALE:
+        raise ValueError(
+            f"{where} 'scale' is {scale!r}, above 2**126, the largest scale unimp's rules make "
+            "(its reciprocal would be subnormal, which TensorFlow flushes to zero); save it with "
+            "unimp.fp8.state_dict, or give the transformer_engine config it was saved with."
+        )
+    if inv >= 2.0**-126 and math.isfinite(scale * inv) and abs(scale * inv - 1.0) > _INVERSE_TOLERANCE:
+        raise ValueError(
+            f"{where} 'scale_inv' must be 1 / scale: got scale {scale!r} and scale_inv {inv!r} "
+            f"(product {scale * inv!r}); a state out of step with itself would scale the matmul's "
+            "output; save it with unimp.fp8.state_dict (or the layer's fp8_state)."
+        )
     hist = vals["amax_history"]
     if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
         want = config.amax_history_len if config is not None else "L"

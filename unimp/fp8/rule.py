@@ -8,11 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from unimp.fp8.config import _F32_MAX, CurrentScaling, DelayedScaling, Fp8Config, FP8State
-
-#: unimp's own rules cap the scale at 2**126 (TE: float32 max) so that ``scale_inv`` stays a
-#: normal float32: TensorFlow flushes subnormals to zero on CPU, which would break bit-identity.
-MAX_SCALE = 2.0**126
+from unimp.fp8.config import (
+    _F32_MAX,
+    MAX_SCALE,
+    CurrentScaling,
+    DelayedScaling,
+    Fp8Config,
+    FP8State,
+)
 
 #: torchao ``amax_to_scale`` clamps the amax at ``EPS = 1e-12`` (a float64) before dividing.
 _TORCHAO_EPS = 1e-12
