@@ -64,6 +64,8 @@ def test_sequence_has_burst():
         ["explain", "--fp8", "--amaxes", "1,x"],
         ["explain", "--fp8", "--amaxes", "1,-2"],
         ["explain", "--fp8", "--history-len", "0"],
+        ["explain", "mixed_float16", "--fp8"],
+        ["explain", "--fp8", "--scalers"],
     ],
 )
 def test_explain_bad_input_exit_2(argv, capsys):
@@ -94,9 +96,13 @@ def test_explain_o3_has_no_master_weights(capsys):
 
 
 def test_explain_fp8_shows_where_the_four_differ(capsys):
-    assert main(["explain", "--fp8", "--json"]) == 0
-    t = json.loads(capsys.readouterr().out)
-    assert t["amaxes"][2] == 0.0 and t["amaxes"][5] == float("inf")
+    assert main(["explain", "--fp8", "--amaxes", "3,5,0,4,2,inf,2,nan", "--json"]) == 0
+
+    def strict(c):
+        raise ValueError(f"not JSON: {c}")
+
+    t = json.loads(capsys.readouterr().out, parse_constant=strict)  # no Infinity / NaN literals
+    assert t["amaxes"][2] == 0.0 and t["amaxes"][5] == "inf" and t["amaxes"][7] == "nan"
     s = {name: row["scale"] for name, row in t["presets"].items()}
     k = 448 / 5  # 89.6 in float32
     # the zero at step 3: TE does not record it, so its window still holds the 5 at step 6

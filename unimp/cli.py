@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -133,6 +134,11 @@ def _explain(args: argparse.Namespace) -> int:
     from unimp.recipe import get_recipe
 
     if args.fp8:
+        if args.recipe is not None or args.scalers:
+            raise UsageError(
+                "explain --fp8 compares the float8 scaling presets on their own: drop the recipe "
+                "and --scalers, or run them without --fp8"
+            )
         return _explain_fp8(args)
     if args.recipe is None:
         raise UsageError("explain needs a recipe name (or --fp8)")
@@ -191,6 +197,17 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finite_json(x: Any) -> Any:
+    """``x`` with every non-finite float as its name (``"inf"``, ``"-inf"``, ``"nan"``)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return repr(x)
+    if isinstance(x, dict):
+        return {k: _finite_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite_json(v) for v in x]
+    return x
+
+
 def _explain_fp8(args: argparse.Namespace) -> int:
     from unimp.compare.explain_fp8 import DEFAULT_AMAXES, fp8_table, parse_amaxes
 
@@ -201,8 +218,8 @@ def _explain_fp8(args: argparse.Namespace) -> int:
     if not 1 <= args.history_len <= 1024:
         raise UsageError(f"--history-len must be in [1, 1024], got {args.history_len}")
     table = fp8_table(amaxes, args.history_len)
-    if args.json:
-        print(json.dumps(table, indent=2))
+    if args.json:  # valid JSON: a non-finite amax or scale is written as the string "inf" / "nan"
+        print(json.dumps(_finite_json(table), indent=2, allow_nan=False))
         return 0
     print(f"FP8 scale used at each step ({table['format']}, delayed presets with L={args.history_len}):")
     print("  " + f"{'step':<28}" + "".join(f"{i + 1:>10}" for i in range(len(amaxes))))
@@ -523,7 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--fp8", action="store_true", help="where the float8 scaling presets differ, step by step"
     )
-    exp.add_argument("--amaxes", help="with --fp8: comma-separated per-step maxima (0, inf, nan ok)")
+    exp.add_argument(
+        "--amaxes",
+        help="with --fp8: comma-separated per-step maxima (0, inf, nan ok; --amaxes=... when the first starts with '-')",
+    )
     exp.add_argument("--history-len", type=int, default=3, help="with --fp8: delayed window L")
     exp.add_argument(
         "--scalers", action="store_true", help="simulate each framework's native scaler"
