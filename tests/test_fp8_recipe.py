@@ -62,7 +62,9 @@ def test_applies_to():
     [({"scaling": "delayed"}, "Fp8Recipe.scaling"), ({"exclude": "head"}, "Fp8Recipe.exclude"),
      ({"layers": ("Dense", "")}, "Fp8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last"),
      ({"exclude": ("head;out",)}, r"Fp8Recipe.exclude: pattern 'head;out'"),  # never matched, silently
-     ({"exclude": (" head",)}, r"Fp8Recipe.exclude: pattern ' head'")],
+     ({"exclude": (" head",)}, r"Fp8Recipe.exclude: pattern ' head'"),
+     ({"layers": ("Dens",)}, r"'Dens' is not a layer kind .* Did you mean 'Dense'"),  # selected none
+     ({"layers": ("dense",)}, r"'dense' is not a layer kind .* Did you mean 'Dense'")],
 )
 def test_fp8_recipe_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -98,3 +100,17 @@ def test_exclude_reads_slash_as_dot_as_overrides_do():
 def test_a_bare_scaling_config_as_recipe_fp8_names_the_wrapper():
     with pytest.raises(ValueError, match=r"wrap the scaling config: fp8=Fp8Recipe\(CurrentScaling\(...\)\)"):
         unimp.get_recipe("mixed_bfloat16", fp8=fp8.CurrentScaling())
+
+
+def test_policy_overrides_keep_their_layers_out_of_float8():
+    # the overrides decide which layers stay out: 'b' runs in float32, as its override says
+    policy = unimp.get_policy("mixed_bfloat16;b:float32")
+    r = unimp.Recipe(policy, fp8=Fp8Recipe(exclude_first_last=False))
+    layers = [("a", "Linear"), ("b", "Linear"), ("b.inner", "Linear"), ("c", "Linear")]
+    assert r.fp8.select(layers) == ("a", "c")
+    assert r.fp8.kept_out == ("b",) and "policy overrides ['b'] kept out" in r.fp8.describe()
+    # not a field: the recipe round-trips and compares as before, the policy carries the patterns
+    assert unimp.Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    assert "kept_out" not in r.to_dict()["fp8"]
+    assert unimp.Recipe("mixed_bfloat16", fp8=Fp8Recipe(exclude_first_last=False)).fp8.select(layers) == (
+        "a", "b", "b.inner", "c")

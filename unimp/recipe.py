@@ -52,6 +52,8 @@ class Recipe:
         cast_mode: ``"auto"``, ``"autocast"`` or ``"module"`` (see :data:`CAST_MODES`).
         fp8: ``None`` (no float8), or a :class:`unimp.fp8.recipe.Fp8Recipe` (or its
             ``to_dict()``): float8 matmuls for Dense/Linear/Conv layers (see ``get_recipe("fp8")``).
+            A layer covered by one of the policy's ``overrides`` stays out of float8: it runs
+            in the dtypes its override gives.
 
     Raises:
         ValueError: unknown policy, loss scale or cast mode; the message names the valid values.
@@ -91,6 +93,8 @@ class Recipe:
                     f"Recipe.fp8 must be None or an unimp.fp8.recipe.Fp8Recipe, got {type(self.fp8).__name__}{hint}."
                 )
             object.__setattr__(self, "fp8", Fp8Recipe.from_dict(self.fp8))
+        if self.fp8 is not None:  # a layer the policy overrides keeps its dtypes: no float8 there
+            object.__setattr__(self, "fp8", self.fp8.with_kept_out([p for p, _ in policy.overrides]))
 
     @property
     def is_noop(self) -> bool:

@@ -4,6 +4,7 @@ float8 matmuls."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,11 +63,33 @@ class Fp8Recipe:
             if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"Fp8Recipe.{name} must be a tuple of non-empty strings, got {value!r}.")
             object.__setattr__(self, name, tuple(value))
+        for kind in self.layers:  # a typo would silently select no layer
+            if not kind.startswith(FP8_LAYERS):
+                close = difflib.get_close_matches(kind, FP8_LAYERS, n=1, cutoff=0.5)
+                raise ValueError(
+                    f"Fp8Recipe.layers: {kind!r} is not a layer kind unimp runs in float8; each entry is "
+                    f"a class-name prefix starting with one of {list(FP8_LAYERS)} (e.g. 'Conv2D')"
+                    + (f". Did you mean {close[0]!r}?" if close else ".")
+                )
         # the patterns of Policy.overrides, checked by its rule: '/' reads as '.', and one with
         # whitespace or ';' would never match a dotted path
         object.__setattr__(self, "exclude", tuple(check_pattern(p, "Fp8Recipe.exclude") for p in self.exclude))
         if not isinstance(self.exclude_first_last, bool):
             raise ValueError(f"Fp8Recipe.exclude_first_last must be True or False, got {self.exclude_first_last!r}.")
+
+    @property
+    def kept_out(self) -> tuple[str, ...]:
+        """The recipe policy's override patterns: a layer the policy gives its own dtypes keeps
+        them and stays out of float8 (set by :class:`unimp.Recipe`; not a field, so it is
+        neither compared nor saved: the policy carries it)."""
+        return getattr(self, "_kept_out", ())
+
+    def with_kept_out(self, patterns: Sequence[str]) -> Fp8Recipe:
+        """A copy whose :attr:`kept_out` is ``patterns`` (``Recipe`` passes its policy's
+        override patterns)."""
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "_kept_out", tuple(patterns))
+        return out
 
     def applies_to(self, path: str, kind: str, index: int | None = None, count: int | None = None) -> bool:
         """Whether the layer at dotted ``path`` of class ``kind`` runs float8 matmuls.
@@ -79,7 +102,7 @@ class Fp8Recipe:
         """
         if not any(kind.startswith(k) for k in self.layers):
             return False
-        if any(matches(p, path) for p in self.exclude):
+        if any(matches(p, path) for p in (*self.exclude, *self.kept_out)):
             return False
         if self.exclude_first_last and index is not None and count is not None:
             return 0 < index < count - 1
@@ -149,4 +172,6 @@ class Fp8Recipe:
             out += ", first and last layers excluded"
         if self.exclude:
             out += f", excluding {list(self.exclude)}"
+        if self.kept_out:
+            out += f", policy overrides {list(self.kept_out)} kept out"
         return out
