@@ -137,6 +137,8 @@ def test_non_power_of_two_factors_use_float32_arithmetic():
         ({"max_scale": float("inf")}, "max_scale"),
         ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
         ({"init_scale": "big"}, "init_scale"),
+        ({"init_scale": "65536"}, "init_scale must be a number, got the string '65536'"),
+        ({"overflow_tolerance": "0.1"}, "overflow_tolerance must be a number, got the string"),
     ],
 )
 def test_invalid_dynamic_config_names_field(kwargs, field):
@@ -144,7 +146,14 @@ def test_invalid_dynamic_config_names_field(kwargs, field):
         DynamicLossScale(**kwargs)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "x"])
+def test_state_counters_follow_the_configs_integer_rule():
+    d = {"scale": 2.0, "counter": 5.0, "consecutive_skips": 0, "total_skips": 1}
+    assert int(LossScaleState.from_dict(d).counter) == 5  # an integral float, as configs take it
+    with pytest.raises(ValueError, match="'counter' must be an int in"):
+        LossScaleState.from_dict({**d, "counter": 5.5})
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "x", "128"])
 def test_invalid_static(bad):
     with pytest.raises(ValueError, match="scale"):
         StaticLossScale(bad)

@@ -77,6 +77,8 @@ def _number(cls: str, field: str, value: Any) -> float:
     """Any real number (Python, NumPy, float16/bfloat16, a 0-d tensor) as a float32-rounded float."""
     if isinstance(value, bool):
         raise ValueError(f"{cls}.{field} must be a number, got a bool ({value!r}).")
+    if isinstance(value, (str, bytes)):  # float("65536") would read it: a config holds numbers
+        raise ValueError(f"{cls}.{field} must be a number, got the string {value!r}; write it without quotes.")
     try:
         f = float(value)
     except (TypeError, ValueError):
@@ -165,11 +167,15 @@ class LossScaleState:
             raise ValueError(f"loss-scale state 'scale' must be a number, got {scale!r}.")
         if not math.isfinite(float(scale)) or float(scale) <= 0:
             raise ValueError(f"loss-scale state 'scale' must be finite and > 0, got {scale!r}.")
+        counts = {}
         for n in [n for n in names[1:] if n in d]:
             v = d[n]
+            if isinstance(v, (float, np.floating)) and float(v).is_integer():
+                v = int(v)  # the configs' rule for integer fields: 5.0 is 5
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= _I32_MAX:
-                raise ValueError(f"loss-scale state {n!r} must be an int in [0, 2**31 - 1], got {v!r}.")
-        return cls(**{n: d[n] for n in names if n in d})
+                raise ValueError(f"loss-scale state {n!r} must be an int in [0, 2**31 - 1], got {d[n]!r}.")
+            counts[n] = v
+        return cls(scale=scale, **counts)
 
 
 #: The format-2 fields of :class:`LossScaleState`, in order (``update_arrays``'s ``extra``).
