@@ -4,8 +4,11 @@ precision, in achieved TFLOP/s and as a fraction of the device's dense peak.
 Precisions: ``float32`` (TF32 off: torch ``set_float32_matmul_precision("highest")``, TensorFlow
 ``enable_tensor_float_32_execution(False)``, JAX ``jax_default_matmul_precision="highest"``),
 ``tf32`` (the float32 recipe with TF32 matmuls on: the same three switches the other way,
-JAX ``"tensorfloat32"``), ``bfloat16`` (``mixed_bfloat16``) and ``float16``
-(``mixed_float16``). The steps are timed under the frameworks' own no-sync checks: torch inside
+JAX ``"tensorfloat32"``), ``bfloat16`` (``mixed_bfloat16``), ``float16``
+(``mixed_float16``) and ``float8`` (``fp8-delayed``, first and last layers in bfloat16, on
+each framework's native float8 GEMM: ``UNIMP_FP8_NATIVE=1`` while the step is built; its row
+adds ``vs_bfloat16``, the bfloat16 step time over its own; JAX's float8 step is a jitted step
+of its own around unimp's float8 ``dot_general``, see benchmarks._kit_jax). The steps are timed under the frameworks' own no-sync checks: torch inside
 ``torch.cuda.set_sync_debug_mode("error")`` (on CUDA), JAX inside
 ``jax.transfer_guard("disallow")``; the device is waited for after leaving them.
 
@@ -43,13 +46,15 @@ PRECISIONS: dict[str, tuple[str, bool | None]] = {
     "tf32": ("float32", True),
     "bfloat16": ("mixed_bfloat16", None),
     "float16": ("mixed_float16", None),
-    # the fp8-delayed recipe (first and last layer out), torch's FP8Dense on its native
-    # torch._scaled_mm GEMM (UNIMP_FP8_NATIVE=1); TensorFlow and JAX only emulate float8
+    # the fp8-delayed recipe (first and last layer out) on each framework's native float8 GEMM
+    # (UNIMP_FP8_NATIVE=1): torch FP8Dense's torch._scaled_mm, Keras FP8Dense's XLA-compiled
+    # GEMMs of float8 tensors, JAX fp8_dot_general's float8 dot_general operands (XLA's
+    # cuBLASLt float8 rewrite on sm89+; emulated on a CPU)
     "float8": ("fp8-delayed", None),
 }
 
-#: Backends with a native float8 GEMM path (the others' float8 row says it is skipped and why).
-FLOAT8_NATIVE = ("torch",)
+#: Backends with a native float8 GEMM path (any other's float8 row says it is skipped and why).
+FLOAT8_NATIVE = ("torch", "tensorflow", "jax")
 
 #: Dense (no sparsity) peak TFLOP/s by device and precision, from NVIDIA's datasheets, which
 #: list the tensor-core figures with 2:4 sparsity ("Specifications 1/2 lower without
@@ -229,6 +234,9 @@ def worker(cfg: dict) -> dict:
         except Exception as e:  # a precision the device cannot run is a result, not a crash
             rows.append({"precision": precision, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             _release(backend)
+    by = {r["precision"]: r for r in rows if "ms_per_step" in r}
+    if "float8" in by and "bfloat16" in by:  # > 1: float8 faster than bfloat16
+        by["float8"]["vs_bfloat16"] = by["bfloat16"]["ms_per_step"] / by["float8"]["ms_per_step"]
     return {"backend": backend, "framework": k.framework_version(), "rows": rows}
 
 
@@ -254,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bad = [x for x in precisions if x not in PRECISIONS]
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {', '.join(PRECISIONS)}")
-    spec = probe_spec(32, 2, 16) if args.tiny else probe_spec(args.size, args.layers, args.batch)
+    # tiny: 3 layers, so the float8 row has a middle layer (fp8-delayed leaves the first and
+    # last out) running the native float8 path
+    spec = probe_spec(32, 3, 16) if args.tiny else probe_spec(args.size, args.layers, args.batch)
     if args.budget_s is None:
         args.budget_s = float("inf") if args.tiny else 40.0
     config = {
@@ -281,7 +291,7 @@ def _report(args: argparse.Namespace, spec: h.ModelSpec, results: dict) -> tuple
         "machine": h.machine(),
         "settings": {
             "device": args.device or "framework default",
-            "model": f"{args.layers if not args.tiny else 2} x Dense, {spec.describe()}",
+            "model": f"{args.layers if not args.tiny else 3} x Dense, {spec.describe()}",
             "flops_per_step": step_flops(spec),
             "budget_s": args.budget_s,
         },
@@ -290,11 +300,11 @@ def _report(args: argparse.Namespace, spec: h.ModelSpec, results: dict) -> tuple
     rows = []
     for backend, res in results.items():
         if "error" in res:
-            rows.append([backend, "", "", "error: " + res["error"][-200:], "", "", "", "", ""])
+            rows.append([backend, "", "", "error: " + res["error"][-200:], "", "", "", "", "", ""])
             continue
         for r in res["rows"]:
             if "tflops" not in r:
-                rows.append([backend, r["precision"], "", r.get("skipped") or r.get("error"), "", "", "", "", ""])
+                rows.append([backend, r["precision"], "", r.get("skipped") or r.get("error"), "", "", "", "", "", ""])
                 continue
             frac = r["fraction_of_peak"]
             rows.append(
@@ -307,11 +317,12 @@ def _report(args: argparse.Namespace, spec: h.ModelSpec, results: dict) -> tuple
                     f"{r['tflops']:.3g}",
                     "unknown" if r["peak_tflops"] is None else f"{r['peak_tflops']:g}",
                     "" if frac is None else f"{frac:.1%}",
+                    f"{r['vs_bfloat16']:.2f}x" if "vs_bfloat16" in r else "",
                     r["guard"],
                 ]
             )
     header = ["backend", "precision", "device", "ms/step", "steps", "TFLOP/s",
-              "dense peak TFLOP/s", "of peak", "timed under"]
+              "dense peak TFLOP/s", "of peak", "bf16 ms / this ms", "timed under"]
     table = h.markdown_table(header, rows)
     h.write(args.out, "gemm", payload, table)
     return payload, table
