@@ -21,7 +21,7 @@ import pytest
 from conftest import BACKENDS, require_backend
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe", "opcount", "gemm")
+SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe", "opcount", "gemm", "fp8check")
 # (script, backend) cases measured above 10 s on the 2-core CI-like machine (the first case of a
 # framework also pays its import; JAX compiles each loop and recipe)
 SLOW = {
@@ -33,6 +33,7 @@ SLOW = {
     ("observe", "tensorflow"),
     ("gemm", "tensorflow"),
     ("gemm", "jax"),
+    ("fp8check", "tensorflow"),
 }
 
 
@@ -101,6 +102,10 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
             assert r["device_name"] == "cpu" and r["peak_tflops"] is None  # no peak for a CPU
         guard = res["rows"][0]["guard"]
         assert ("transfer_guard" in guard) if backend == "jax" else guard.startswith("none")
+    elif script == "fp8check":  # gpu.sh's check runs here as on a GPU: plumbing cannot fail it
+        assert res["pass"] and res["states_equal"] and res["unequal"] == [], res
+        assert res["float8_units"] is False and res["max_rel_gemm_diff"] < 1e-6
+        assert payload["settings"]["steps"] == res["steps"] == 4
     elif script == "opcount":  # the counts are recorded for both loops (their values are not asserted)
         assert [r["impl"] for r in res["rows"]] == ["unimp", "native"]
         key = {"torch": "aten_ops", "tensorflow": "compute_ops", "jax": "kernels"}[backend]
@@ -170,7 +175,8 @@ def test_gpu_script_fits_three_minutes(capsys: pytest.CaptureFixture[str]) -> No
     total = int(re.search(r"^TOTAL_S=(\d+)$", script, re.M).group(1))
     assert total + 3 < 180
     runs = re.findall(r"^run (\w+) (\d+)(.*)$", script, re.M)
-    assert [name for name, _, _ in runs] == ["syncs", "gemm", "overhead", "memory"]
+    assert [name for name, _, _ in runs] == ["syncs", "gemm", "fp8check", "overhead", "memory"]
+    assert sum(int(limit) for _, limit, _ in runs) <= total  # each step's cap fits the total
     for name, _, options in runs:
         module = importlib.import_module(f"benchmarks.{name}")
         # the options parse: the run stops only at the check of --backends, after parse_args
