@@ -182,12 +182,12 @@ def line(backend: str, res: dict) -> str:
     """The PASS / FAIL line of one backend's result."""
     if "error" in res:
         return f"FAIL {backend}: error: {res['error'][-300:]}"
-    gemm = ("a float8 GEMM ran" if res["float8_gemm"] else "NO float8 GEMM ran") if res["float8_units"] \
-        else "no float8 units here: the native path ran emulated"
+    gemm = (f"{'a' if res['float8_gemm'] else 'NO'} float8 GEMM ran ({res['how']})" if res["float8_units"]
+            else "no float8 units here: the native path ran emulated")
     scales = ("scales equal the emulated reference" if res["states_equal"]
               else f"scales differ from the emulated reference: {', '.join(res['unequal'])}")
     return (f"{'PASS' if res['pass'] else 'FAIL'} {backend}: {scales} ({res['steps']} steps, input/kernel/"
-            f"grad); {gemm} ({res['how']}); max GEMM difference {res['max_rel_gemm_diff']:.2g} of max|out|")
+            f"grad); {gemm}; largest GEMM difference {res['max_rel_gemm_diff']:.2g} of the largest output")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -196,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.worker:
         h.emit(worker(json.loads(args.worker)))
         return {}
-    results = h.run_backends("fp8check", args, {})
+    # each backend's line goes out as its worker ends, so a run cut short keeps the others'
+    results = h.run_backends("fp8check", args, {}, summary=lambda res: line(res.get("backend", "?"), res))
     lines = [line(b, r) for b, r in results.items()]
     rows = [[b, x.split(" ", 1)[0], x.split(": ", 1)[1]] for b, x in zip(results, lines, strict=True)]
     table = h.markdown_table(["backend", "result", "scales, float8 GEMM, GEMM difference"], rows)

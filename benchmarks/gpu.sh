@@ -47,13 +47,15 @@ run syncs 25 --quick
 run gemm 60 --budget-s 10 --precisions bfloat16,float8,float16,tf32,float32
 # the native float8 paths' scaling states against the emulated reference on the same maxima,
 # and whether a float8 GEMM ran: one PASS / FAIL line per framework (copied below)
-run fp8check 25
+run fp8check 25 --backends torch,jax,tensorflow
 # unimp / native (mixed_float16), the seeds' MLP, 4 pairs of 0.25 s trials per build order
 run overhead 30 --quick --models mlp
 # torch.cuda.max_memory_allocated / JAX peak_bytes_in_use / TF peak, unimp and native
 run memory 30 --quick --recipes mixed_bfloat16 --loops unimp,native
 
-grep -E "^(PASS|FAIL) " "$OUT/fp8check.log" 2>/dev/null || echo "FAIL fp8check: no result (see $OUT/fp8check.log)"
+# one line per framework, as each worker ended (a framework cut by the limit has none)
+grep -oE "(PASS|FAIL) (torch|tensorflow|jax|\?):.*" "$OUT/fp8check.log" 2>/dev/null | sort -u \
+    || echo "FAIL fp8check: no result (see $OUT/fp8check.log)"
 
 echo "done in $((SECONDS - start))s; results in $OUT:"
 ls "$OUT"
