@@ -129,8 +129,8 @@ class Trainer:
         ]
         optimizer = optax.adam(LR)
         rec = get_recipe(recipe)
-        if impl == "unimp" and rec.fp8 is not None:
-            self._fp8_trainer(spec, rec, optimizer, params, dev)
+        if impl in ("unimp", "fp8-off") and rec.fp8 is not None:
+            self._fp8_trainer(spec, rec, optimizer, params, dev, fp8_on=impl == "unimp")
         elif impl == "unimp":
             mp = unimp.mixed_precision(rec, backend="jax")
 
@@ -159,17 +159,20 @@ class Trainer:
         else:
             raise ValueError(f"impl must be 'unimp' or 'native', got {impl!r}.")
 
-    def _fp8_trainer(self, spec: ModelSpec, rec: Any, optimizer: Any, params: Any, dev: Any) -> None:
+    def _fp8_trainer(self, spec: ModelSpec, rec: Any, optimizer: Any, params: Any, dev: Any,
+                     fp8_on: bool = True) -> None:
         """An FP8 recipe: unimp's float8 ``dot_general`` for the layers it selects (first and
         last out), in one jitted step that differentiates the params and the float8 states
         together (the states' "gradients" are the states after the step, one backward pass;
         ``mp.train_step`` would need a second one, see unimp.compare.runner_jax). Native per
-        ``UNIMP_FP8_NATIVE`` read here, at construction, as torch's and Keras's layers read it."""
+        ``UNIMP_FP8_NATIVE`` read here, at construction, as torch's and Keras's layers read it.
+        ``fp8_on=False`` (impl ``"fp8-off"``): the same step with every layer in the compute
+        dtype, benchmarks.gemm's like-for-like bfloat16 reference."""
         from unimp.backends.jax.fp8 import fp8_matmul
         from unimp.fp8 import native_requested
 
         mp = unimp.mixed_precision(rec, backend="jax")
-        selected = mp.fp8_layers([f"l{i}" for i in range(len(params))])
+        selected = mp.fp8_layers([f"l{i}" for i in range(len(params))]) if fp8_on else ()
         native = native_requested(None, "benchmarks")
         config = rec.fp8.scaling
 
@@ -194,7 +197,7 @@ class Trainer:
 
         put = functools.partial(jax.device_put, device=dev)
         self.params, self.opt_state = params, put(optimizer.init(params))
-        self.ls = put(mp.fp8_states())  # the float8 states ride where the loss scale does
+        self.ls = put(mp.fp8_states() if fp8_on else {})  # the float8 states ride where the loss scale does
         self.jitted = jax.jit(step, donate_argnums=(0, 1, 2) if dev.platform != "cpu" else ())
         self._one = self._native_one
         self.impl = "unimp-fp8"

@@ -96,6 +96,8 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
         assert [r["precision"] for r in res["rows"]] == ["float32", "tf32", "bfloat16", "float16", "float8"]
         # float8: every framework's native path (a CPU runs it emulated), against bfloat16
         assert res["rows"][-1]["recipe"] == "fp8-delayed" and res["rows"][-1]["vs_bfloat16"] > 0
+        # JAX's float8 step is its own: its reference is the same step without float8
+        assert ("bfloat16_same_step_ms" in res["rows"][-1]) == (backend == "jax")
         for r in res["rows"]:
             assert "error" not in r and "skipped" not in r, r
             assert r["tflops"] > 0 and r["steps"] == 2 and r["ms_per_step"] > 0
