@@ -128,8 +128,11 @@ class Trainer:
             for i in range(N_BATCHES)
         ]
         optimizer = optax.adam(LR)
-        if impl == "unimp":
-            mp = unimp.mixed_precision(get_recipe(recipe), backend="jax")
+        rec = get_recipe(recipe)
+        if impl in ("unimp", "fp8-off") and rec.fp8 is not None:
+            self._fp8_trainer(spec, rec, optimizer, params, dev, fp8_on=impl == "unimp")
+        elif impl == "unimp":
+            mp = unimp.mixed_precision(rec, backend="jax")
 
             def loss_fn(p, batch):
                 logits = forward(
@@ -155,6 +158,49 @@ class Trainer:
             self._one = self._native_one
         else:
             raise ValueError(f"impl must be 'unimp' or 'native', got {impl!r}.")
+
+    def _fp8_trainer(self, spec: ModelSpec, rec: Any, optimizer: Any, params: Any, dev: Any,
+                     fp8_on: bool = True) -> None:
+        """An FP8 recipe: unimp's float8 ``dot_general`` for the layers it selects (first and
+        last out), in one jitted step that differentiates the params and the float8 states
+        together (the states' "gradients" are the states after the step, one backward pass;
+        ``mp.train_step`` would need a second one, see unimp.compare.runner_jax). Native per
+        ``UNIMP_FP8_NATIVE`` read here, at construction, as torch's and Keras's layers read it.
+        ``fp8_on=False`` (impl ``"fp8-off"``): the same step with every layer in the compute
+        dtype, benchmarks.gemm's like-for-like bfloat16 reference."""
+        from unimp.backends.jax.fp8 import fp8_matmul
+        from unimp.fp8 import native_requested
+
+        mp = unimp.mixed_precision(rec, backend="jax")
+        selected = mp.fp8_layers([f"l{i}" for i in range(len(params))]) if fp8_on else ()
+        native = native_requested(None, "benchmarks")
+        config = rec.fp8.scaling
+
+        def loss_fn(p, states, batch):
+            x, last = mp.cast_to_compute(batch["x"]), len(p) - 1
+            cast = mp.cast_to_compute(p)
+            for i, layer in enumerate(p):
+                path = f"l{i}"
+                if path in selected:  # the float32 master weight, quantized
+                    x = fp8_matmul(config, states, path, x, layer["w"], native=native)
+                else:
+                    x = x @ cast[i]["w"]
+                x = x + cast[i]["b"]
+                if i < last:
+                    x = jax.nn.relu(x)
+            return cross_entropy(mp.cast_to_output(x), batch["y"])
+
+        def step(p, opt_state, states, batch):
+            loss, (grads, new_states) = jax.value_and_grad(loss_fn, argnums=(0, 1))(p, states, batch)
+            updates, opt_state = optimizer.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, new_states, loss
+
+        put = functools.partial(jax.device_put, device=dev)
+        self.params, self.opt_state = params, put(optimizer.init(params))
+        self.ls = put(mp.fp8_states() if fp8_on else {})  # the float8 states ride where the loss scale does
+        self.jitted = jax.jit(step, donate_argnums=(0, 1, 2) if dev.platform != "cpu" else ())
+        self._one = self._native_one
+        self.impl = "unimp-fp8"
 
     def _unimp_one(self) -> None:
         self.last = self.step(self.batches[self.i % N_BATCHES]).raw["loss"]

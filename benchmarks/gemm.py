@@ -4,8 +4,12 @@ precision, in achieved TFLOP/s and as a fraction of the device's dense peak.
 Precisions: ``float32`` (TF32 off: torch ``set_float32_matmul_precision("highest")``, TensorFlow
 ``enable_tensor_float_32_execution(False)``, JAX ``jax_default_matmul_precision="highest"``),
 ``tf32`` (the float32 recipe with TF32 matmuls on: the same three switches the other way,
-JAX ``"tensorfloat32"``), ``bfloat16`` (``mixed_bfloat16``) and ``float16``
-(``mixed_float16``). The steps are timed under the frameworks' own no-sync checks: torch inside
+JAX ``"tensorfloat32"``), ``bfloat16`` (``mixed_bfloat16``), ``float16``
+(``mixed_float16``) and ``float8`` (``fp8-delayed``, first and last layers in bfloat16, on
+each framework's native float8 GEMM: ``UNIMP_FP8_NATIVE=1`` while the step is built; its row
+adds ``vs_bfloat16``, the bfloat16 step time over its own; JAX's float8 step is a jitted step
+of its own around unimp's float8 ``dot_general`` (benchmarks._kit_jax), so its reference is
+the same step with no float8 layer, ``bfloat16_same_step_ms``). The steps are timed under the frameworks' own no-sync checks: torch inside
 ``torch.cuda.set_sync_debug_mode("error")`` (on CUDA), JAX inside
 ``jax.transfer_guard("disallow")``; the device is waited for after leaving them.
 
@@ -43,13 +47,15 @@ PRECISIONS: dict[str, tuple[str, bool | None]] = {
     "tf32": ("float32", True),
     "bfloat16": ("mixed_bfloat16", None),
     "float16": ("mixed_float16", None),
-    # the fp8-delayed recipe (first and last layer out), torch's FP8Dense on its native
-    # torch._scaled_mm GEMM (UNIMP_FP8_NATIVE=1); TensorFlow and JAX only emulate float8
+    # the fp8-delayed recipe (first and last layer out) on each framework's native float8 GEMM
+    # (UNIMP_FP8_NATIVE=1): torch FP8Dense's torch._scaled_mm, Keras FP8Dense's XLA-compiled
+    # GEMMs of float8 tensors, JAX fp8_dot_general's float8 dot_general operands (XLA's
+    # cuBLASLt float8 rewrite on sm89+; emulated on a CPU)
     "float8": ("fp8-delayed", None),
 }
 
-#: Backends with a native float8 GEMM path (the others' float8 row says it is skipped and why).
-FLOAT8_NATIVE = ("torch",)
+#: Backends with a native float8 GEMM path (any other's float8 row says it is skipped and why).
+FLOAT8_NATIVE = ("torch", "tensorflow", "jax")
 
 #: Dense (no sparsity) peak TFLOP/s by device and precision, from NVIDIA's datasheets, which
 #: list the tensor-core figures with 2:4 sparsity ("Specifications 1/2 lower without
@@ -163,6 +169,24 @@ def _release(backend: str) -> None:
         keras.backend.clear_session()
 
 
+def _time(k: Any, backend: str, t: Any, cfg: dict) -> tuple[float, int, str]:
+    """Warms ``t`` up (compiles), then times ``steps`` steps under the no-sync guard:
+    ``(seconds per step, steps, guard)``."""
+    t.run(cfg["warmup"])
+    steps = 2
+    if cfg["target_s"]:  # one timed step sizes the trial: about target_s, 2 to max_steps steps
+        t0 = time.perf_counter()
+        t.run(1)
+        one = time.perf_counter() - t0
+        steps = int(min(cfg["max_steps"], max(2, cfg["target_s"] / max(one, 1e-9))))
+    with no_sync_guard(backend, t) as guard:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t.one()
+    t.sync()  # outside the guard: the wait for the device is this benchmark's, not the step's
+    return (time.perf_counter() - t0) / steps, steps, guard
+
+
 def measure(k: Any, backend: str, spec: h.ModelSpec, precision: str, cfg: dict) -> dict:
     """One precision: build, warm up (compile), time ``steps`` steps under the guard."""
     recipe, tf32 = PRECISIONS[precision]
@@ -178,25 +202,22 @@ def measure(k: Any, backend: str, spec: h.ModelSpec, precision: str, cfg: dict) 
             os.environ.pop("UNIMP_FP8_NATIVE")
         else:
             os.environ["UNIMP_FP8_NATIVE"] = native
-    t.run(cfg["warmup"])
-    steps = 2
-    if cfg["target_s"]:  # one timed step sizes the trial: about target_s, 2 to max_steps steps
-        t0 = time.perf_counter()
-        t.run(1)
-        one = time.perf_counter() - t0
-        steps = int(min(cfg["max_steps"], max(2, cfg["target_s"] / max(one, 1e-9))))
-    with no_sync_guard(backend, t) as guard:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            t.one()
-    t.sync()  # outside the guard: the wait for the device is this benchmark's, not the step's
-    seconds = (time.perf_counter() - t0) / steps
+    seconds, steps, guard = _time(k, backend, t, cfg)
     name = device_name(backend, t)
     tflops = step_flops(spec) / seconds / 1e12
     peak = peak_tflops(name, precision)
     del t
     _release(backend)
+    extra = {}
+    if precision == "float8" and backend == "jax":
+        # JAX's float8 step is its own jitted step (benchmarks._kit_jax): its bfloat16 twin
+        # (the same step, no layer in float8) is the like-for-like reference
+        twin = k.Trainer("fp8-off", spec, recipe, cfg["device"])
+        extra["bfloat16_same_step_ms"] = 1e3 * _time(k, backend, twin, cfg)[0]
+        del twin
+        _release(backend)
     return {
+        **extra,
         "precision": precision,
         "recipe": recipe,
         "tf32": tf32,
@@ -229,6 +250,11 @@ def worker(cfg: dict) -> dict:
         except Exception as e:  # a precision the device cannot run is a result, not a crash
             rows.append({"precision": precision, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             _release(backend)
+    by = {r["precision"]: r for r in rows if "ms_per_step" in r}
+    if "float8" in by and ("bfloat16" in by or "bfloat16_same_step_ms" in by["float8"]):
+        # > 1: float8 faster than bfloat16 (JAX: against its float8 step's bfloat16 twin)
+        ref = by["float8"].get("bfloat16_same_step_ms") or by["bfloat16"]["ms_per_step"]
+        by["float8"]["vs_bfloat16"] = ref / by["float8"]["ms_per_step"]
     return {"backend": backend, "framework": k.framework_version(), "rows": rows}
 
 
@@ -254,7 +280,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bad = [x for x in precisions if x not in PRECISIONS]
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {', '.join(PRECISIONS)}")
-    spec = probe_spec(32, 2, 16) if args.tiny else probe_spec(args.size, args.layers, args.batch)
+    # tiny: 3 layers, so the float8 row has a middle layer (fp8-delayed leaves the first and
+    # last out) running the native float8 path
+    spec = probe_spec(32, 3, 16) if args.tiny else probe_spec(args.size, args.layers, args.batch)
     if args.budget_s is None:
         args.budget_s = float("inf") if args.tiny else 40.0
     config = {
@@ -281,7 +309,7 @@ def _report(args: argparse.Namespace, spec: h.ModelSpec, results: dict) -> tuple
         "machine": h.machine(),
         "settings": {
             "device": args.device or "framework default",
-            "model": f"{args.layers if not args.tiny else 2} x Dense, {spec.describe()}",
+            "model": f"{args.layers if not args.tiny else 3} x Dense, {spec.describe()}",
             "flops_per_step": step_flops(spec),
             "budget_s": args.budget_s,
         },
@@ -290,11 +318,11 @@ def _report(args: argparse.Namespace, spec: h.ModelSpec, results: dict) -> tuple
     rows = []
     for backend, res in results.items():
         if "error" in res:
-            rows.append([backend, "", "", "error: " + res["error"][-200:], "", "", "", "", ""])
+            rows.append([backend, "", "", "error: " + res["error"][-200:], "", "", "", "", "", ""])
             continue
         for r in res["rows"]:
             if "tflops" not in r:
-                rows.append([backend, r["precision"], "", r.get("skipped") or r.get("error"), "", "", "", "", ""])
+                rows.append([backend, r["precision"], "", r.get("skipped") or r.get("error"), "", "", "", "", "", ""])
                 continue
             frac = r["fraction_of_peak"]
             rows.append(
@@ -307,11 +335,12 @@ def _report(args: argparse.Namespace, spec: h.ModelSpec, results: dict) -> tuple
                     f"{r['tflops']:.3g}",
                     "unknown" if r["peak_tflops"] is None else f"{r['peak_tflops']:g}",
                     "" if frac is None else f"{frac:.1%}",
+                    f"{r['vs_bfloat16']:.2f}x" if "vs_bfloat16" in r else "",
                     r["guard"],
                 ]
             )
     header = ["backend", "precision", "device", "ms/step", "steps", "TFLOP/s",
-              "dense peak TFLOP/s", "of peak", "timed under"]
+              "dense peak TFLOP/s", "of peak", "bf16 ms / this ms", "timed under"]
     table = h.markdown_table(header, rows)
     h.write(args.out, "gemm", payload, table)
     return payload, table

@@ -41,13 +41,21 @@ run() {  # run NAME LIMIT_S [ARGS...]
 
 # host syncs: set_sync_debug_mode("error"), compilations, transfer guard, tracings
 run syncs 25 --quick
-# 4 x Dense(8192), batch 8192: TFLOP/s and share of the dense peak, float32/tf32/bf16/fp16;
-# each backend starts no new precision 10 s after its import (one in progress may finish)
-run gemm 70 --budget-s 10
+# 4 x Dense(8192), batch 8192: TFLOP/s and share of the dense peak; bfloat16 and float8 (the
+# native float8 GEMMs, fp8-delayed) first, the issue's comparison; each backend starts no new
+# precision 10 s after its import (one in progress may finish)
+run gemm 60 --budget-s 10 --precisions bfloat16,float8,float16,tf32,float32
+# the native float8 paths' scaling states against the emulated reference on the same maxima,
+# and whether a float8 GEMM ran: one PASS / FAIL line per framework (copied below)
+run fp8check 25 --backends torch,jax,tensorflow
 # unimp / native (mixed_float16), the seeds' MLP, 4 pairs of 0.25 s trials per build order
-run overhead 40 --quick --models mlp
+run overhead 30 --quick --models mlp
 # torch.cuda.max_memory_allocated / JAX peak_bytes_in_use / TF peak, unimp and native
-run memory 35 --quick --recipes mixed_bfloat16 --loops unimp,native
+run memory 30 --quick --recipes mixed_bfloat16 --loops unimp,native
+
+# one line per framework, as each worker ended (a framework cut by the limit has none)
+grep -oE "(PASS|FAIL) (torch|tensorflow|jax|\?):.*" "$OUT/fp8check.log" 2>/dev/null | sort -u \
+    || echo "FAIL fp8check: no result (see $OUT/fp8check.log)"
 
 echo "done in $((SECONDS - start))s; results in $OUT:"
 ls "$OUT"

@@ -21,7 +21,7 @@ import pytest
 from conftest import BACKENDS, require_backend
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe", "opcount", "gemm")
+SCRIPTS = ("overhead", "syncs", "speedup", "memory", "observe", "opcount", "gemm", "fp8check")
 # (script, backend) cases measured above 10 s on the 2-core CI-like machine (the first case of a
 # framework also pays its import; JAX compiles each loop and recipe)
 SLOW = {
@@ -33,6 +33,7 @@ SLOW = {
     ("observe", "tensorflow"),
     ("gemm", "tensorflow"),
     ("gemm", "jax"),
+    ("fp8check", "tensorflow"),
 }
 
 
@@ -93,15 +94,20 @@ def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
     assert "error" not in res, res.get("error")
     if script == "gemm":  # the GPU probe's plumbing: every precision measured, under its guard
         assert [r["precision"] for r in res["rows"]] == ["float32", "tf32", "bfloat16", "float16", "float8"]
-        if backend != "torch":  # float8: torch's native FP8Dense GEMM only
-            assert res["rows"][-1]["skipped"] == f"no native float8 GEMM in {backend} (emulated only)"
-            res["rows"] = res["rows"][:-1]
+        # float8: every framework's native path (a CPU runs it emulated), against bfloat16
+        assert res["rows"][-1]["recipe"] == "fp8-delayed" and res["rows"][-1]["vs_bfloat16"] > 0
+        # JAX's float8 step is its own: its reference is the same step without float8
+        assert ("bfloat16_same_step_ms" in res["rows"][-1]) == (backend == "jax")
         for r in res["rows"]:
             assert "error" not in r and "skipped" not in r, r
             assert r["tflops"] > 0 and r["steps"] == 2 and r["ms_per_step"] > 0
             assert r["device_name"] == "cpu" and r["peak_tflops"] is None  # no peak for a CPU
         guard = res["rows"][0]["guard"]
         assert ("transfer_guard" in guard) if backend == "jax" else guard.startswith("none")
+    elif script == "fp8check":  # gpu.sh's check runs here as on a GPU: plumbing cannot fail it
+        assert res["pass"] and res["states_equal"] and res["unequal"] == [], res
+        assert res["float8_units"] is False and res["max_rel_gemm_diff"] < 1e-6
+        assert payload["settings"]["steps"] == res["steps"] == 4
     elif script == "opcount":  # the counts are recorded for both loops (their values are not asserted)
         assert [r["impl"] for r in res["rows"]] == ["unimp", "native"]
         key = {"torch": "aten_ops", "tensorflow": "compute_ops", "jax": "kernels"}[backend]
@@ -171,7 +177,8 @@ def test_gpu_script_fits_three_minutes(capsys: pytest.CaptureFixture[str]) -> No
     total = int(re.search(r"^TOTAL_S=(\d+)$", script, re.M).group(1))
     assert total + 3 < 180
     runs = re.findall(r"^run (\w+) (\d+)(.*)$", script, re.M)
-    assert [name for name, _, _ in runs] == ["syncs", "gemm", "overhead", "memory"]
+    assert [name for name, _, _ in runs] == ["syncs", "gemm", "fp8check", "overhead", "memory"]
+    assert sum(int(limit) for _, limit, _ in runs) <= total  # each step's cap fits the total
     for name, _, options in runs:
         module = importlib.import_module(f"benchmarks.{name}")
         # the options parse: the run stops only at the check of --backends, after parse_args

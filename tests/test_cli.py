@@ -34,7 +34,8 @@ def test_info_says_float8_is_emulated_one_line_per_framework(capsys):
     f8 = [line.strip() for line in lines if "float8 matmuls" in line]
     assert len(f8) == len(unimp.available_backends())
     for line in f8:
-        assert line.startswith("float8 matmuls: emulated by default (")  # torch alone has an opt-in native path
+        assert line.startswith("float8 matmuls: emulated by default (")
+        assert "(native=True) is opt-in" in line  # each framework names its native path
         assert "small layers gain nothing" in line and "about 1.5x" in line
 
 

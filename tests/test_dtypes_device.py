@@ -41,7 +41,11 @@ def test_float8_line_says_emulated_and_small_layers_gain_nothing():
     from unimp.dtypes import float8_line
 
     cpu = float8_line([device_support("cpu") | {"device": "cpu"}])
-    assert cpu.startswith("float8 matmuls: emulated by default (no float8 units here; no native")
+    assert cpu.startswith("float8 matmuls: emulated by default (no float8 units here, where the native "
+                          "path runs emulated too; the native float8 GEMMs are opt-in (UNIMP_FP8_NATIVE=1)")
     assert "small layers gain nothing" in cpu and "1.5x" in cpu
     h100 = float8_line([device_support("gpu", (9, 0)) | {"device": "cuda:0"}], "torch")
-    assert "cuda:0 has float8 units; torch FP8Dense(native=True) is opt-in" in h100
+    assert "cuda:0 has float8 units; torch FP8Dense(native=True) is opt-in (torch._scaled_mm)" in h100
+    for backend, path in [("tensorflow", "Keras FP8Dense(native=True) is opt-in (XLA-compiled"),
+                          ("jax", "JAX fp8_dot_general(native=True) is opt-in (float8 dot_general")]:
+        assert path in float8_line([device_support("gpu", (9, 0)) | {"device": "cuda:0"}], backend)

@@ -241,15 +241,24 @@ FLOAT8_NOTE = (
 )
 
 
+#: Each framework's opt-in native float8 GEMM (``native=True`` or ``UNIMP_FP8_NATIVE=1``).
+FLOAT8_NATIVE_PATHS = {
+    "torch": "torch FP8Dense(native=True) is opt-in (torch._scaled_mm)",
+    "tensorflow": "Keras FP8Dense(native=True) is opt-in (XLA-compiled float8 GEMMs, cuBLASLt)",
+    "jax": "JAX fp8_dot_general(native=True) is opt-in (float8 dot_general operands, XLA's cuBLASLt rewrite)",
+}
+
+
 def float8_line(devices: list[dict[str, Any]], backend: str | None = None) -> str:
     """One line for ``unimp info``: float8 matmuls are emulated by unimp by default on every
-    device (quantize-dequantize; torch's ``FP8Dense(native=True)`` is the one opt-in native
-    path, ``torch._scaled_mm``), whether or not a device has float8 units (NVIDIA compute
-    capability 8.9 and later: Ada, Hopper, Blackwell), and when float8 pays at all."""
+    device (quantize-dequantize); each framework has an opt-in native path
+    (:data:`FLOAT8_NATIVE_PATHS`), which pays only on a device with float8 units (NVIDIA compute
+    capability 8.9 and later: Ada, Hopper, Blackwell) and runs emulated elsewhere; and when
+    float8 pays at all."""
     native = [d["device"] for d in devices if d.get("float8")]
-    opt_in = "torch FP8Dense(native=True) is opt-in" if backend == "torch" else "no native kernels"
+    opt_in = FLOAT8_NATIVE_PATHS.get(backend, "the native float8 GEMMs are opt-in (UNIMP_FP8_NATIVE=1)")
     where = (f"{', '.join(native)} has float8 units; {opt_in}" if native
-             else f"no float8 units here; {opt_in}")
+             else f"no float8 units here, where the native path runs emulated too; {opt_in}")
     return f"float8 matmuls: emulated by default ({where}); {FLOAT8_NOTE}"
 
 

@@ -411,9 +411,8 @@ _EMULATION_WARNED: set[tuple[str, str]] = set()
 
 def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> None:
     """Warns once per ``(framework, device_type)`` that float8 matmuls are emulated: the default
-    in every framework (torch's ``FP8Dense(native=True)`` is the only native float8 GEMM path,
-    opt-in, ``torch._scaled_mm``), so on a device with float8 units this is slower than bfloat16,
-    and on one without (a CPU, a GPU before sm89) it is the only path that pays nothing back."""
+    in every framework, and what the opt-in native paths (:data:`NATIVE_ENV`) still are on a
+    device without float8 units (a CPU, a GPU before sm89), where they pay nothing back."""
     key = (framework, device_type)
     if key in _EMULATION_WARNED:
         return
@@ -423,11 +422,65 @@ def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> N
     warnings.warn(
         f"unimp FP8 ({framework}, {device_type}): float8 matmuls are emulated (quantize-dequantize "
         "in float32, the same numbers as a float8 GEMM), so this is slower than bfloat16, never "
-        "faster; torch's FP8Dense alone has an opt-in native GEMM (native=True or "
-        "UNIMP_FP8_NATIVE=1: torch._scaled_mm), which pays only on a device with float8 units.",
+        "faster; the opt-in native float8 GEMMs (native=True or UNIMP_FP8_NATIVE=1: torch "
+        "_scaled_mm, JAX and TensorFlow through XLA's cuBLASLt rewrite) pay only on a device with "
+        "float8 units.",
         Fp8EmulationWarning,
         stacklevel=stacklevel,
     )
+
+
+#: The environment variable that turns the native float8 GEMM on where a layer or ``dot_general``
+#: is built with ``native=None`` (the default; e.g. the layers ``mp.prepare`` swaps in): ``"1"``
+#: on, anything else off. One switch for torch, Keras and JAX.
+NATIVE_ENV = "UNIMP_FP8_NATIVE"
+
+#: The native float8 GEMM's shape rule: a layer's ``in_features`` and ``out_features`` multiples
+#: of 16. torch 2.13 ``_meta_registrations.py`` ``_check_scaled_mm_sizes`` refuses other sizes;
+#: XLA's GPU ``gemm_rewriter.cc`` pads the operands of a cuBLASLt float8 GEMM to multiples of 16
+#: instead ("as required by cuBLASLt FP8 gemms"), a copy per call. unimp applies the one rule in
+#: every framework, on every device, so a CPU run and the three frameworks pick the same layers.
+NATIVE_MULTIPLE = 16
+
+
+class Fp8NativeFallbackWarning(UserWarning):
+    """A layer asked for the native float8 GEMM runs emulated: the kernel refuses its
+    dimensions (or raised); given once per layer, never per step."""
+
+
+def native_requested(native: Any, where: str) -> bool:
+    """``native`` as given, or (``None``) whether :data:`NATIVE_ENV` is ``"1"`` now.
+
+    Raises:
+        TypeError: ``native`` is not True, False or None (the message names ``where``).
+    """
+    if native is None:
+        import os
+
+        return os.environ.get(NATIVE_ENV, "") == "1"
+    if not isinstance(native, bool):
+        raise TypeError(f"{where}: native must be True, False or None, got {native!r}.")
+    return native
+
+
+def native_refusal(in_features: int, out_features: int, kernel: str) -> str | None:
+    """Why a layer of these dimensions runs emulated though native was asked
+    (:data:`NATIVE_MULTIPLE`), or None when the native GEMM takes it; ``kernel`` names the GEMM
+    in the message."""
+    dims = {"in_features": int(in_features), "out_features": int(out_features)}
+    bad = [f"{k}={v}" for k, v in dims.items() if v % NATIVE_MULTIPLE]
+    if not bad:
+        return None
+    return (f"its {' and '.join(bad)} not a multiple of {NATIVE_MULTIPLE}, which the float8 GEMM "
+            f"({kernel}) requires")
+
+
+def warn_native_fallback(framework: str, layer: str, why: str, *, stacklevel: int = 4) -> None:
+    """The :class:`Fp8NativeFallbackWarning` of one layer (the caller warns once per layer)."""
+    import warnings
+
+    warnings.warn(f"unimp FP8 ({framework}): layer {layer!r} runs the emulated float8 matmul, "
+                  f"not the native one: {why}.", Fp8NativeFallbackWarning, stacklevel=stacklevel)
 
 
 #: The fields of :class:`FP8State`, in order (the backends' variables / buffers are named

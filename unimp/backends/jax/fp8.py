@@ -1,5 +1,6 @@
 """JAX FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on ``jnp`` arrays (they
-trace under ``jax.jit``), and :func:`fp8_dot_general`, an emulated float8 ``dot_general``.
+trace under ``jax.jit``), and :func:`fp8_dot_general`, a float8 ``dot_general``: emulated by
+default, with an opt-in native path (float8 operands for XLA's cuBLASLt float8 GEMM).
 """
 
 from __future__ import annotations
@@ -113,10 +114,42 @@ def fp8_quantize_dequantize(x: jax.Array, scale: jax.Array, scale_inv: jax.Array
     return _fp8.qdq_arrays(Fp8Ops, x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
 
 
+def native_fp8_supported(device: Any = None) -> bool:
+    """Whether ``device`` (default: JAX's default device) has float8 units: a CUDA GPU of
+    compute capability 8.9 or later, where XLA's ``gemm_rewriter`` turns a ``dot_general`` of
+    float8 operands into a cuBLASLt float8 GEMM ("FP8 Custom Calls require Ada, Hopper, or
+    later architectures"). Elsewhere XLA converts the operands to float32 (XLA:CPU, observed
+    in the optimized HLO, jax 0.10.2): the native path runs, emulated."""
+    device = device if device is not None else jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    cap = getattr(device, "compute_capability", None)
+    try:
+        major, minor = (int(v) for v in str(cap).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (8, 9)
+
+
+#: layers already warned that they run emulated though native was asked (once per layer)
+_FALLBACK_WARNED: set[str] = set()
+
+
+def _native_refusal(dn: Any, lhs: Any, rhs: Any) -> str | None:
+    """Why this ``dot_general`` cannot run native: not a Dense product (lhs ``(..., K)`` by a
+    kernel ``(K, N)``, one contracting dimension, no batch), or the core's shape rule."""
+    (lc, rc), (lb, rb) = dn
+    if lb or rb or tuple(rc) != (0,) or jnp.ndim(rhs) != 2 or tuple(lc) != (jnp.ndim(lhs) - 1,):
+        return (f"its dimension numbers {dn} are not a Dense product (lhs (..., K) by a kernel "
+                "(K, N)), the one the float8 GEMM (XLA's cuBLASLt rewrite) takes here")
+    return _fp8.native_refusal(rhs.shape[0], rhs.shape[1], "XLA's cuBLASLt float8 GEMM")
+
+
 def fp8_dot_general(
-    config: _fp8.Fp8Config, input_state: FP8State, kernel_state: FP8State, grad_state: FP8State
+    config: _fp8.Fp8Config, input_state: FP8State, kernel_state: FP8State, grad_state: FP8State,
+    native: bool | None = None, name: str | None = None,
 ) -> Any:
-    """An emulated float8 ``dot_general`` for plain JAX and for flax modules (``dot_general=``).
+    """A float8 ``dot_general`` for plain JAX and for flax modules (``dot_general=``).
 
     ``lhs`` (the input) and ``rhs`` (the kernel) are quantized to the forward format with their
     own states, the output gradient to the backward format in the backward pass; the
@@ -125,6 +158,20 @@ def fp8_dot_general(
     out as the *gradients* of the three state arguments (flax's fp8_ops does the same with its
     ``_overwrite_with_gradient`` collection): differentiate with respect to the states too and
     replace them with their "gradients". A forward-only call leaves the states alone.
+
+    Emulated by default: the three GEMMs multiply the float8 values held in float32. With
+    ``native`` they take the float8 arrays themselves (``jax.lax.dot_general(...,
+    preferred_element_type=float32)``, e4m3 x e4m3 forward, e5m2 x e4m3 for the gradient under
+    ``HYBRID``), as flax's ``Fp8DirectDotGeneralOp`` passes them, and the float32 result is
+    scaled as the emulated rule scales it: XLA's GPU ``gemm_rewriter`` turns each into a
+    cuBLASLt float8 GEMM on sm89+ (:func:`native_fp8_supported`), XLA:CPU converts the
+    operands to float32 and runs the same GEMMs as the emulated path (bit for bit, tested). The
+    input is flattened to ``(M, K)`` for the GEMMs (the rewriter takes one non-contracting
+    dimension per operand). A ``dot_general`` that is not a Dense product, or a kernel whose
+    ``K`` or ``N`` is not a multiple of 16 (:data:`unimp.fp8.NATIVE_MULTIPLE`), runs emulated
+    with one :class:`unimp.fp8.Fp8NativeFallbackWarning` naming the layer. Without float8 units
+    (anything but a CUDA sm89+ default device) the first call warns once per backend
+    (:class:`unimp.fp8.Fp8EmulationWarning`), native or not.
 
     Example::
 
@@ -137,14 +184,36 @@ def fp8_dot_general(
     ``dot_general``; with ``dtype=bfloat16`` the kernel is then quantized from bfloat16, where
     unimp's torch and Keras layers quantize the float32 master weight.
 
+    Args:
+        config: a :class:`unimp.fp8.DelayedScaling` or :class:`unimp.fp8.CurrentScaling`.
+        input_state, kernel_state, grad_state: :class:`unimp.fp8.FP8State` of float32 arrays.
+        native: the float8 GEMM path; ``None`` (default) reads ``UNIMP_FP8_NATIVE`` now
+            (``"1"``: on).
+        name: the layer's name in warnings (default: the shapes of the product).
+
     Returns:
         ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``.
+
+    Raises:
+        TypeError: ``native`` is not True, False or None.
     """
-    _fp8.warn_emulated("jax", jax.default_backend())
+    native = _fp8.native_requested(native, "fp8_dot_general")
+    if not (native and native_fp8_supported()):
+        _fp8.warn_emulated("jax", jax.default_backend())
 
     def dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
                     preferred_element_type: Any = None) -> jax.Array:
-        return _fp8_dot(config, _hashable(dimension_numbers), lhs, rhs, input_state, kernel_state, grad_state)
+        dn = _hashable(dimension_numbers)
+        use = native
+        if use:
+            why = _native_refusal(dn, lhs, rhs)
+            if why is not None:
+                use = False
+                layer = name if name is not None else f"dot_general({jnp.shape(lhs)}, {jnp.shape(rhs)})"
+                if layer not in _FALLBACK_WARNED:
+                    _FALLBACK_WARNED.add(layer)
+                    _fp8.warn_native_fallback("jax", layer, why, stacklevel=3)
+        return _fp8_dot(config, dn, use, lhs, rhs, input_state, kernel_state, grad_state)
 
     return dot_general
 
@@ -154,33 +223,51 @@ def _hashable(dn: Any) -> Any:
     return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
 
 
-def _fwd(config, dn, lhs, rhs, si, sk, sg):
+def _dot8(a: jax.Array, a_fmt: str, b: jax.Array, b_fmt: str, dn: Any) -> jax.Array:
+    """``dot_general`` of ``a`` and ``b`` (float32 holding values of the float8 formats: the
+    casts are exact) taken as float8 arrays, accumulated and returned in float32."""
+    return jax.lax.dot_general(a.astype(_FP8_DTYPES[a_fmt]), b.astype(_FP8_DTYPES[b_fmt]), dn,
+                               preferred_element_type=jnp.float32)
+
+
+def _fwd(config, dn, native, lhs, rhs, si, sk, sg):
     dtype = config.dtype("forward")
     fmax = _fp8.FP8_MAX[dtype]
     (sx, ix), new_i = fp8_step(config, si, fp8_amax(lhs), "forward")
     (sw, iw), new_k = fp8_step(config, sk, fp8_amax(rhs), "forward")
     qx = _fp8.quantize_arrays(Fp8Ops, lhs, sx, dtype, fmax)
     qw = _fp8.quantize_arrays(Fp8Ops, rhs, sw, dtype, fmax)
-    y = (jax.lax.dot_general(qx, qw, dn) * (ix * iw)).astype(lhs.dtype)
+    if native:  # (M, K) @ (K, N): the one product shape the rewriter takes
+        flat = qx.reshape(-1, qx.shape[-1])
+        acc = _dot8(flat, dtype, qw, dtype, (((1,), (0,)), ((), ()))).reshape(*qx.shape[:-1], -1)
+    else:
+        acc = jax.lax.dot_general(qx, qw, dn)
+    y = (acc * (ix * iw)).astype(lhs.dtype)
     marks = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
     return y, (qx, qw, ix, iw, new_i, new_k, sg, marks)
 
 
-def _bwd(config, dn, res, g):
+def _bwd(config, dn, native, res, g):
     qx, qw, ix, iw, new_i, new_k, sg, (lmark, rmark) = res
     dtype = config.dtype("backward")
     (sgs, ig), new_g = fp8_step(config, sg, fp8_amax(g), "backward")
     qg = _fp8.quantize_arrays(Fp8Ops, g, sgs, dtype, _fp8.FP8_MAX[dtype])
-    _, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), qx, qw)
-    dqx, dqw = vjp(qg)
+    if native:  # the gradient first, as JAX's own transpose of dot_general puts it
+        fwd = config.dtype("forward")
+        g2, x2 = qg.reshape(-1, qg.shape[-1]), qx.reshape(-1, qx.shape[-1])
+        dqx = _dot8(g2, dtype, qw, fwd, (((1,), (1,)), ((), ()))).reshape(qx.shape)
+        dqw = _dot8(g2, dtype, x2, fwd, (((0,), (0,)), ((), ()))).T
+    else:
+        _, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), qx, qw)
+        dqx, dqw = vjp(qg)
     dx = (dqx * (ig * iw)).astype(lmark.dtype)
     dw = (dqw * (ig * ix)).astype(rmark.dtype)
     return dx, dw, new_i, new_k, new_g
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_dot(config, dn, lhs, rhs, si, sk, sg):
-    return _fwd(config, dn, lhs, rhs, si, sk, sg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_dot(config, dn, native, lhs, rhs, si, sk, sg):
+    return _fwd(config, dn, native, lhs, rhs, si, sk, sg)[0]
 
 
 _fp8_dot.defvjp(_fwd, _bwd)
@@ -202,6 +289,8 @@ def _flax_dot_general_module() -> type:
         ``_overwrite_with_gradient`` collection."""
 
         config: Any = None
+        native: bool | None = None
+        layer: str | None = None
 
         @nn.compact
         def __call__(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
@@ -213,18 +302,22 @@ def _flax_dot_general_module() -> type:
                            for f in STATE_FIELDS))
                 for name in LAYER_TENSORS
             ]
-            return fp8_dot_general(self.config, *states)(lhs, rhs, dimension_numbers)
+            name = self.layer if self.layer is not None else "/".join(map(str, self.path[:-1])) or None
+            return fp8_dot_general(self.config, *states, native=self.native, name=name)(
+                lhs, rhs, dimension_numbers)
 
     return Fp8DotGeneral
 
 
-def fp8_flax_dot_general_cls(config: _fp8.Fp8Config) -> Any:
+def fp8_flax_dot_general_cls(config: _fp8.Fp8Config, native: bool | None = None,
+                             name: str | None = None) -> Any:
     """A flax ``dot_general_cls`` (``nn.Dense(..., dot_general_cls=...)``) running
     :func:`fp8_dot_general` with its states in flax's ``_overwrite_with_gradient`` collection,
     as flax's own ``Fp8DotGeneralOp`` keeps them: differentiate the loss with respect to the
     whole variables dict and overwrite that collection with its "gradient" (flax's
-    ``TrainState.apply_gradients`` does). Needs flax."""
-    return functools.partial(_flax_dot_general_module(), config=config)
+    ``TrainState.apply_gradients`` does). ``native`` and ``name`` (default: the Dense's flax
+    path) as in :func:`fp8_dot_general`. Needs flax."""
+    return functools.partial(_flax_dot_general_module(), config=config, native=native, layer=name)
 
 
 def fp8_initial_states(config: _fp8.Fp8Config, paths: Any) -> dict[str, tuple[FP8State, FP8State, FP8State]]:
@@ -233,10 +326,12 @@ def fp8_initial_states(config: _fp8.Fp8Config, paths: Any) -> dict[str, tuple[FP
     return {p: tuple(fp8_initial_state(config) for _ in range(3)) for p in paths}
 
 
-def fp8_matmul(config: _fp8.Fp8Config, states: Any, path: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def fp8_matmul(config: _fp8.Fp8Config, states: Any, path: str, x: jax.Array, w: jax.Array,
+               native: bool | None = None) -> jax.Array:
     """Plain JAX: ``x @ w`` (``w`` of shape ``(in, out)``) as :func:`fp8_dot_general` with
-    ``states[path]`` when ``path`` is in ``states``, else the plain matmul."""
+    ``states[path]`` (named ``path`` in warnings; ``native`` as there) when ``path`` is in
+    ``states``, else the plain matmul."""
     if path not in states:
         return x @ w
     dn = (((x.ndim - 1,), (0,)), ((), ()))
-    return fp8_dot_general(config, *states[path])(x, w, dn)
+    return fp8_dot_general(config, *states[path], native=native, name=path)(x, w, dn)

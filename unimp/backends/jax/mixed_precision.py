@@ -159,7 +159,7 @@ class MixedPrecision(MixedPrecisionBase):
         p = self.policy.policy_for(path)
         out = {"dtype": to_dtype(p.compute_dtype), "param_dtype": to_dtype(p.param_dtype)}
         if self._recipe.fp8 is not None and path in self._fp8_paths():
-            out["dot_general_cls"] = fp8_flax_dot_general_cls(self._recipe.fp8.scaling)
+            out["dot_general_cls"] = fp8_flax_dot_general_cls(self._recipe.fp8.scaling, name=path)
         return out
 
     def fp8_layers(self, layers: Any) -> tuple[str, ...]:
@@ -197,13 +197,15 @@ class MixedPrecision(MixedPrecisionBase):
             return {}
         return fp8_initial_states(self._recipe.fp8.scaling, self._fp8_paths())
 
-    def fp8_matmul(self, states: Any, path: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        """Plain JAX: ``x @ w`` for the layer at ``path`` (``w``: ``(in, out)``), an emulated
-        float8 matmul with ``states[path]`` when the recipe selected it
-        (:func:`unimp.backends.jax.fp8.fp8_matmul`), else the plain matmul."""
+    def fp8_matmul(self, states: Any, path: str, x: jax.Array, w: jax.Array,
+                   native: bool | None = None) -> jax.Array:
+        """Plain JAX: ``x @ w`` for the layer at ``path`` (``w``: ``(in, out)``), a float8
+        matmul with ``states[path]`` when the recipe selected it
+        (:func:`unimp.backends.jax.fp8.fp8_matmul`: emulated, or with ``native`` the float8
+        GEMM; ``None`` reads ``UNIMP_FP8_NATIVE`` when traced), else the plain matmul."""
         if self._recipe.fp8 is None:
             return x @ w
-        return fp8_matmul(self._recipe.fp8.scaling, states, path, x, w)
+        return fp8_matmul(self._recipe.fp8.scaling, states, path, x, w, native=native)
 
     def init_loss_scale(self) -> LossScale:
         """The recipe's loss scale as a pytree in its initial state."""

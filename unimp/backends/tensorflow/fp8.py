@@ -1,6 +1,7 @@
 """TensorFlow FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on TensorFlow
-tensors (they trace under ``tf.function``), and :class:`FP8Dense`, an emulated float8 Keras
-Dense layer.
+tensors (they trace under ``tf.function``), and :class:`FP8Dense`, a float8 Keras Dense layer:
+emulated by default, with an opt-in native path (XLA-compiled GEMMs of float8 tensors, which XLA's
+GPU ``gemm_rewriter`` turns into cuBLASLt float8 GEMMs).
 
 TensorFlow flushes float32 subnormals to zero on CPU: an amax below 2**-126 is recorded as 0
 here (see docs/fp8.md); unimp's own rules keep every scale and ``scale_inv`` normal.
@@ -134,25 +135,38 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
     stepped in training calls (traces under ``tf.function``, no host sync); the first call warns
     once that float8 is emulated (:class:`unimp.fp8.Fp8EmulationWarning`).
 
+    With ``native`` the three GEMMs run as XLA-compiled matmuls of float8 tensors
+    (:func:`_xla_matmul`; the native path of :func:`_fp8_matmul`), which XLA's GPU rewriter runs
+    as cuBLASLt float8 GEMMs on sm89+; elsewhere XLA converts them to float32 (emulated, and
+    within float32 summation error of the default path, not bit for bit). A layer whose
+    dimensions the rule refuses (:data:`unimp.fp8.NATIVE_MULTIPLE`) runs emulated with one
+    :class:`unimp.fp8.Fp8NativeFallbackWarning` naming it.
+
     Args:
         units: output features; use_bias: add a bias (in the compute dtype).
         config: a :class:`unimp.fp8.DelayedScaling` (default) or :class:`unimp.fp8.CurrentScaling`.
+        native: the native float8 GEMM path; ``None`` (default) reads ``UNIMP_FP8_NATIVE`` at
+            construction (``"1"``: on).
+
+    Raises:
+        TypeError: ``native`` is not True, False or None.
 
     Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
     """
 
-    def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None, **kwargs: Any) -> None:
+    def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None,
+                 native: bool | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.units = int(units)
         self.use_bias = bool(use_bias)
         self.config = config if config is not None else _fp8.DelayedScaling()
-        self._warned = False
+        self.native = _fp8.native_requested(native, "FP8Dense")
 
     def build(self, input_shape: Any) -> None:
         n_in = int(input_shape[-1])
         self.kernel = self.add_weight(name="kernel", shape=(n_in, self.units), initializer="glorot_uniform", autocast=False)
         self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros") if self.use_bias else None
-        _add_states(self, self.config)
+        _add_states(self, self.config, self.native, self.name)
 
     def fp8_state(self, name: str) -> FP8State:
         """The state of ``"input"``, ``"kernel"`` or ``"grad"`` (current variable values)."""
@@ -180,9 +194,10 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         return y
 
 
-def _add_states(layer: Any, config: _fp8.Fp8Config) -> None:
+def _add_states(layer: Any, config: _fp8.Fp8Config, native: bool, layer_name: str) -> None:
     """The scaling states of a float8 layer: non-trainable float32 variables
-    ``<input|kernel|grad>_<scale|scale_inv|amax_history>`` (never autocast)."""
+    ``<input|kernel|grad>_<scale|scale_inv|amax_history>`` (never autocast); and whether it
+    asked for the native GEMM, under which name (``layer_name``) it is warned about."""
     init = FP8State.initial(config)
     for name in _TENSORS:
         for f in _FIELDS:
@@ -192,7 +207,9 @@ def _add_states(layer: Any, config: _fp8.Fp8Config) -> None:
                 initializer=lambda shape, dtype=None, v=value: tf.constant(v), autocast=False,
             )
             setattr(layer, f"{name}_{f}", var)
-    layer._unimp_fp8_warned = False
+    layer._unimp_fp8_native = bool(native)
+    layer._unimp_fp8_name = layer_name
+    layer._unimp_fp8_use_native = None  # decided at the first call (host side, once per layer)
 
 
 def _state(layer: Any, name: str) -> FP8State:
@@ -210,18 +227,59 @@ def _step(layer: Any, config: _fp8.Fp8Config, name: str, amax: tf.Tensor, role: 
     return used
 
 
+def native_fp8_supported() -> bool:
+    """Whether TensorFlow's first GPU has float8 units (compute capability 8.9 or later, where
+    XLA's ``gemm_rewriter`` emits cuBLASLt float8 GEMMs: "FP8 Custom Calls require Ada, Hopper,
+    or later architectures"); False without a GPU."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return False
+    cap = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability")
+    return cap is not None and tuple(cap) >= (8, 9)
+
+
+@tf.function(jit_compile=True, reduce_retracing=True)
+def _xla_matmul(a8: tf.Tensor, b8: tf.Tensor, transpose_a: bool, transpose_b: bool) -> tf.Tensor:
+    """``a8 @ b8`` (2-D float8 tensors, e4m3 or e5m2) in float32, compiled by XLA.
+
+    TensorFlow 2.21 refuses float8 operands in every matmul op (``MatMul``, ``BatchMatMulV3``,
+    ``XlaDotV2``: "not in the list of allowed values"), so the operands are widened inside the
+    XLA cluster: its HLO is ``dot(convert(f8), convert(f8))``, which XLA's GPU
+    ``gemm_rewriter`` (``MatchFp8Param``: a convert of a float8 operand) rewrites into one
+    cuBLASLt float8 GEMM on sm89+; XLA:CPU runs the float32 dot (checked in the optimized HLO).
+    """
+    return tf.matmul(tf.cast(a8, tf.float32), tf.cast(b8, tf.float32),
+                     transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+def _use_native(layer: Any, n_in: int, units: int) -> bool:
+    """Whether ``layer`` runs the native GEMMs: decided and warned on the host at its first
+    call, once per layer (never traced per step)."""
+    if layer._unimp_fp8_use_native is None:
+        use = layer._unimp_fp8_native
+        if use:
+            why = _fp8.native_refusal(n_in, units, "XLA's cuBLASLt float8 GEMM")
+            if why is not None:
+                _fp8.warn_native_fallback("tensorflow", layer._unimp_fp8_name, why, stacklevel=5)
+                use = False
+        layer._unimp_fp8_use_native = use
+        if not (use and native_fp8_supported()):
+            gpu = bool(tf.config.list_logical_devices("GPU"))
+            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu", stacklevel=5)
+    return layer._unimp_fp8_use_native
+
+
 def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, training: Any) -> tf.Tensor:
-    """``inputs @ kernel`` (kernel ``(in, units)``, read in float32) as an emulated float8 matmul
-    with ``layer``'s scaling states (:func:`_add_states`); the output gradient is quantized in a
-    ``tf.custom_gradient``. Output: ``inputs``' dtype and leading shape."""
-    if not layer._unimp_fp8_warned:  # a host-side check, once per layer (not traced per step)
-        layer._unimp_fp8_warned = True
-        gpu = bool(tf.config.list_logical_devices("GPU"))
-        _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
+    """``inputs @ kernel`` (kernel ``(in, units)``, read in float32) as a float8 matmul with
+    ``layer``'s scaling states (:func:`_add_states`); the output gradient is quantized in a
+    ``tf.custom_gradient``. Emulated (float32 GEMMs of the float8 values), or with the layer's
+    native path the same GEMMs as :func:`_xla_matmul` of float8 tensors. Output: ``inputs``'
+    dtype and leading shape."""
     training = bool(training)
     x = tf.convert_to_tensor(inputs)
     w = tf.convert_to_tensor(kernel)
     units = int(w.shape[-1])
+    native = _use_native(layer, int(w.shape[0]), units)
     dtype = config.dtype("forward")
     fmax = _fp8.FP8_MAX[dtype]
     sx, sinv_x = _step(layer, config, "input", fp8_amax(x), "forward", training)
@@ -229,18 +287,23 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
     qx = tf.reshape(_fp8.quantize_arrays(Fp8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
     qw = _fp8.quantize_arrays(Fp8Ops, w, sw, dtype, fmax)
     out_shape = tf.concat([tf.shape(x)[:-1], [units]], 0)
+    bdt = config.dtype("backward")
+
+    def mm(a: tf.Tensor, a_fmt: str, b: tf.Tensor, b_fmt: str, ta: bool = False, tb: bool = False) -> tf.Tensor:
+        if native:  # the float8 values as float8 tensors (exact casts)
+            return _xla_matmul(Fp8Ops.to_fp8(a, a_fmt), Fp8Ops.to_fp8(b, b_fmt), ta, tb)
+        return tf.matmul(a, b, transpose_a=ta, transpose_b=tb)
 
     @tf.custom_gradient
     def matmul(x_, w_):
-        y = tf.cast(tf.matmul(qx, qw) * (sinv_x * sinv_w), x_.dtype)
+        y = tf.cast(mm(qx, dtype, qw, dtype) * (sinv_x * sinv_w), x_.dtype)
 
         def grad(g):
             g2 = tf.reshape(g, [-1, units])
-            bdt = config.dtype("backward")
             sg, sinv_g = _step(layer, config, "grad", fp8_amax(g2), "backward", training)
             qg = _fp8.quantize_arrays(Fp8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
-            dx = tf.matmul(qg, qw, transpose_b=True) * (sinv_g * sinv_w)
-            dw = tf.matmul(qx, qg, transpose_a=True) * (sinv_x * sinv_g)
+            dx = mm(qg, bdt, qw, dtype, tb=True) * (sinv_g * sinv_w)
+            dw = mm(qx, dtype, qg, bdt, ta=True) * (sinv_x * sinv_g)
             return tf.cast(tf.reshape(dx, tf.shape(x_)), x_.dtype), tf.cast(dw, w_.dtype)
 
         return tf.reshape(y, out_shape), grad
@@ -283,7 +346,8 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     (an :class:`unimp.fp8.recipe.Fp8Recipe`) selects, in place, and returns their paths: each
     gets its scaling states (non-trainable float32 variables, added the way Keras's own
     ``Dense.quantize`` adds its float8 variables: tracker unlocked, then locked) and a ``call``
-    whose matmul is :func:`_fp8_matmul`. Layers already done (or FP8Dense) are kept; a selected
+    whose matmul is :func:`_fp8_matmul` (native per ``UNIMP_FP8_NATIVE``, named by its path in
+    warnings). Layers already done (or FP8Dense) are kept; a selected
     layer that is not a Dense stays as it is, with a warning naming it.
 
     Raises:
@@ -309,7 +373,7 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
         elif isinstance(layer, keras.layers.Dense):
             layer._tracker.unlock()
             try:
-                _add_states(layer, recipe.scaling)
+                _add_states(layer, recipe.scaling, _fp8.native_requested(None, "fp8_swap"), path)
             finally:
                 layer._tracker.lock()
             layer._unimp_fp8_config = recipe.scaling

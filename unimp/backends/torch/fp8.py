@@ -9,7 +9,6 @@ The rule is :func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` run on 
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from typing import Any
 
@@ -148,20 +147,12 @@ def fp8_quantize_dequantize(
 
 _TENSORS, _FIELDS = _fp8.LAYER_TENSORS, _fp8.STATE_FIELDS
 
-#: The environment variable that turns :class:`FP8Dense`'s native path on for layers built with
-#: ``native=None`` (the default; e.g. the layers ``mp.prepare`` swaps in): ``"1"`` on, else off.
-NATIVE_ENV = "UNIMP_FP8_NATIVE"
-
-#: The native kernel's shape rule (torch 2.13 ``_meta_registrations.py``
-#: ``_check_scaled_mm_sizes``, CUDA and XPU: "Expected self.size(1) to be divisible by 16",
-#: "Expected both dimensions of mat2 to be divisible by 16"): every dimension but the output
-#: rows a multiple of 16. Applied on every device, so a CPU run decides as a GPU run would.
-NATIVE_MULTIPLE = 16
-
-
-class Fp8NativeFallbackWarning(UserWarning):
-    """A layer asked for the native float8 GEMM runs emulated: the kernel refuses its
-    dimensions (or raised); given once per layer, never per step."""
+#: The switch (``UNIMP_FP8_NATIVE``), the shape rule and the fallback warning are the core's
+#: (:mod:`unimp.fp8`), shared with Keras and JAX. torch's kernel rule behind the shape rule:
+#: torch 2.13 ``_meta_registrations.py`` ``_check_scaled_mm_sizes``, CUDA and XPU: "Expected
+#: self.size(1) to be divisible by 16", "Expected both dimensions of mat2 to be divisible by 16".
+NATIVE_ENV, NATIVE_MULTIPLE = _fp8.NATIVE_ENV, _fp8.NATIVE_MULTIPLE
+Fp8NativeFallbackWarning = _fp8.Fp8NativeFallbackWarning
 
 
 _NATIVE_PROBED: dict[tuple[str, int | None], bool] = {}
@@ -303,11 +294,7 @@ class FP8Dense(torch.nn.Linear):
                  name: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config if config is not None else _fp8.DelayedScaling()
-        if native is None:
-            native = os.environ.get(NATIVE_ENV, "") == "1"
-        if not isinstance(native, bool):
-            raise TypeError(f"FP8Dense: native must be True, False or None, got {native!r}.")
-        self.native = native
+        self.native = _fp8.native_requested(native, "FP8Dense")
         self.fp8_name = name if name is not None else f"FP8Dense({in_features}, {out_features})"
         self._native_refused: str | None = None  # why this layer runs emulated though native
         for name in _TENSORS:
@@ -374,18 +361,15 @@ class FP8Dense(torch.nn.Linear):
         once per layer, from its dimensions, the same on every device."""
         if not self.native or self._native_refused is not None or not native_fp8_supported(device):
             return False
-        dims = {"in_features": self.in_features, "out_features": self.out_features}
-        bad = [f"{k}={v}" for k, v in dims.items() if v % NATIVE_MULTIPLE]
-        if bad:
-            self._refuse_native(f"its {' and '.join(bad)} not a multiple of {NATIVE_MULTIPLE}, "
-                                "which the float8 GEMM (torch._scaled_mm) requires")
+        why = _fp8.native_refusal(self.in_features, self.out_features, "torch._scaled_mm")
+        if why is not None:
+            self._refuse_native(why)
             return False
         return True
 
     def _refuse_native(self, why: str) -> None:
         self._native_refused = why
-        warnings.warn(f"unimp FP8 (torch): layer {self.fp8_name!r} runs the emulated float8 matmul, "
-                      f"not the native one: {why}.", Fp8NativeFallbackWarning, stacklevel=4)
+        _fp8.warn_native_fallback("torch", self.fp8_name, why, stacklevel=5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _has_float8_units(x.device) or not self._use_native(x.device):
