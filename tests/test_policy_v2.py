@@ -149,3 +149,17 @@ def test_a_named_policy_takes_the_optional_fields_after_it():
         get_policy("mixed_float16,compute=float32")
     with pytest.raises(ValueError, match="matmul must be one of"):
         get_policy("mixed_float16,matmul=fast")
+
+
+def test_policy_strings_spell_none_take_a_dtype_head_and_name_recipes():
+    # "or None" in the message: the string spelling is "none", the framework's own setting
+    assert get_policy("float32,matmul=none").matmul_precision is None
+    assert get_policy("mixed_float16,matmul=none") == get_policy("mixed_float16")
+    # a dtype name is a policy too, so it takes the optional fields after it
+    assert get_policy("float16,matmul=high") == get_policy("float16").with_(matmul_precision="high")
+    # an override cannot set a whole-step field: said as such, not as "is not key=dtype"
+    with pytest.raises(ValueError, match="matmul_precision='high' applies to the whole step"):
+        get_policy("mixed_float16;l2:float16,matmul=high")
+    # 'fp8' is a recipe, with or without fields after it (was: "Did you mean 'fp64'?")
+    with pytest.raises(ValueError, match="'fp8' is a recipe, not a dtype policy"):
+        get_policy("fp8,matmul=high")

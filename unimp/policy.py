@@ -320,7 +320,12 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     parts = text.split(",")
     head = parts[0].strip()
     base = None  # a named policy with its optional fields set: "mixed_float16,matmul=high"
+    if "=" not in head and head.lower() in _UNSUPPORTED:
+        raise ValueError(_UNSUPPORTED[head.lower()])
     if "=" not in head and (head in _NAMED or head.lower() in _NAMED or head.upper() in _NAMED):
+        base = get_policy(head, platform=platform)
+        parts = parts[1:]
+    elif "=" not in head and head.lower() in DTYPE_ALIASES:  # "float16,matmul=high": a dtype's policy
         base = get_policy(head, platform=platform)
         parts = parts[1:]
     for part in parts:
@@ -345,7 +350,9 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
             )
         if field in values:
             raise ValueError(f"policy {name!r}: {field} given twice.")
-        if field == "matmul_precision":
+        if field == "matmul_precision" and value.strip().lower() == "none":
+            values[field] = None  # the string spelling of None: the framework's own setting
+        elif field == "matmul_precision":
             values[field] = check_matmul_precision(value, f"policy {name!r}: matmul")
         else:
             values[field] = _dtype(value, platform, name)
