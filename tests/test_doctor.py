@@ -604,6 +604,6 @@ def test_logs_that_are_not_one_run_are_said_to_be(tmp_path, capsys):
 def test_hysteresis_fix_names_the_field_that_exists():
     # the text called a gentler backoff_factor "what DeepSpeed calls hysteresis"; DeepSpeed's
     # hysteresis (DynamicLossScale(hysteresis=)) is the number of overflows per backoff
-    from unimp.doctor.rules import _HYST
+    from unimp.doctor.advice import _HYST
 
     assert "hysteresis=2" in _HYST and "calls it hysteresis" not in _HYST

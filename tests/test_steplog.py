@@ -8,6 +8,7 @@ import io
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -140,7 +141,8 @@ def test_nonfinite_floats_are_written_as_null(tmp_path):
     with StepLogWriter(path, backend="torch", framework_version="2") as w:
         w.write(
             record(
-                3, loss=float("nan"), loss_finite=False, grad_norm=math.inf, lr=np.nan, stats=stats
+                3, loss=float("nan"), loss_finite=False, grad_norm=math.inf, lr=np.nan, stats=stats,
+                applied=False, consecutive_skips=1, total_skips=1,
             )
         )
     text = path.read_text()
@@ -179,6 +181,10 @@ def test_nonfinite_floats_are_written_as_null(tmp_path):
         ({"stats": 3}, "'stats' must be null or StepStats"),
         ({"stats": {"gradients": [], "activations": {}}}, "'stats.gradients' must map names"),
         ({"stats": {"gradients": {}, "activations": {"l1": {"amax": 1}}}}, "'stats.activations'"),
+        ({"grad_norm": -2.0}, r"'grad_norm' must be >= 0 or null"),
+        ({"consecutive_skips": 5, "total_skips": 2}, r"'consecutive_skips' \(5\) must not exceed"),
+        ({"loss_finite": False}, "'applied' is true but 'loss_finite' is false"),
+        ({"grads_finite": False}, "'applied' is true but 'grads_finite' is false"),
         ({"extra": 1}, r"unknown key\(s\) \['extra'\]"),
         ({"kind": "run"}, "'format' and 'kind'"),
     ],
@@ -434,6 +440,97 @@ def test_the_loss_scale_config_is_checked_and_taken_from_the_recipe(tmp_path):
         assert read_steplog(path).loss_scale is None
 
 
+def header_with(path, **changes):
+    """Rewrites the header of the log at ``path`` with ``changes``."""
+    head, *rest = pathlib.Path(path).read_text().splitlines()
+    pathlib.Path(path).write_text("\n".join([json.dumps({**json.loads(head), **changes}), *rest]))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [{"policy": "mixed_float16"}, "mixed_float16", " Mixed_Float16 "],
+    ids=["dict-without-loss_scale", "name", "name-spelled-loosely"],
+)
+def test_a_header_recipe_is_read_as_from_dict_or_get_recipe(tmp_path, recipe):
+    # a recipe dict may leave loss_scale out (Recipe.from_dict: the policy's default, dynamic
+    # with min_scale 1 for float16); a name is what get_recipe reads
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    header_with(path, recipe=recipe, loss_scale=None)
+    log = read_steplog(path)
+    assert log.warnings == [] and log.recipe == unimp.get_recipe("mixed_float16").to_dict()
+    assert log.loss_scale["kind"] == "dynamic" and log.loss_scale["min_scale"] == 1.0
+
+
+def test_the_header_loss_scale_comes_before_the_recipes(tmp_path):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    header_with(path, recipe="mixed_float16", loss_scale="preset:deepspeed")
+    log = read_steplog(path)
+    assert log.loss_scale["hysteresis"] == 2
+    assert log.recipe == unimp.get_recipe("mixed_float16").to_dict()
+
+
+@pytest.mark.parametrize(
+    "recipe, why",
+    [
+        ({"policy": "bogus"}, "unknown policy 'bogus'"),
+        ("bogus", "unknown policy 'bogus'"),
+        ({"policy": "mixed_float16", "loss_scale": {"kind": "dynamic", "min_scale": "x"}}, "min_scale"),
+        ("recipe.toml", "a recipe file's name"),
+        (3, "a recipe is a dict or a name, got int"),
+    ],
+    ids=["dict-bad-policy", "bad-name", "bad-loss_scale", "file-name", "number"],
+)
+def test_an_unreadable_header_recipe_is_a_warning_naming_it(tmp_path, recipe, why):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    header_with(path, recipe=recipe, loss_scale=None)
+    with pytest.warns(StepLogWarning, match=f"line 1: the recipe {re.escape(repr(recipe))} is not"):
+        log = read_steplog(path)
+    assert log.recipe is None and log.loss_scale is None and why in log.warnings[0]
+
+
+@pytest.mark.parametrize("steps", ["two", -1, 1.0, True, None], ids=str)
+def test_an_end_line_whose_count_is_not_a_count_is_an_error(tmp_path, steps):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    rows = path.read_text().splitlines()
+    rows[-1] = json.dumps({**json.loads(rows[-1]), "steps": steps})
+    path.write_text("\n".join(rows) + "\n")
+    match = f"{re.escape(str(path))}: line 3: the end line's 'steps' must be an int >= 0"
+    with pytest.raises(ValueError, match=match):
+        read_steplog(path)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ('"grad_norm": -2.0', "'grad_norm' must be >= 0 or null"),
+        ('"consecutive_skips": 5', r"'consecutive_skips' \(5\) must not exceed 'total_skips' \(0\)"),
+        ('"loss_finite": false', "'applied' is true but 'loss_finite' is false"),
+    ],
+    ids=["negative-grad-norm", "skips-in-a-row-above-all", "applied-non-finite-loss"],
+)
+def test_a_record_no_train_step_produces_is_an_error_naming_the_line(tmp_path, change, match):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=2)
+    rows = path.read_text().splitlines()
+    key = change.split(":")[0]
+    rows[2] = re.sub(key + r": [^,]+", change, rows[2])
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: line 3: {match}"):
+        read_steplog(path)
+
+
+def test_a_nan_grad_norm_is_possible_and_read_as_null(tmp_path):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    path.write_text(path.read_text().replace('"grad_norm": 1.25', '"grad_norm": NaN'))
+    log = read_quiet(path)
+    assert log.steps[0]["grad_norm"] is None and "holds NaN or Infinity" in log.warnings[0]
+
+
 def test_a_header_only_log_reads_with_no_steps(tmp_path):
     path = tmp_path / "run.jsonl"
     write_log(path, n=0, close=False)
@@ -482,6 +579,14 @@ records = st.lists(
             "total_skips": st.integers(0, 2**31 - 1),
             "batch_finite": st.one_of(st.none(), st.booleans()),
             "lr": any_float,
+        }
+    ).map(
+        lambda r: {  # what a train step can produce: see test_write_rejects_a_bad_record
+            **r,
+            "loss_finite": r["loss_finite"] or r["applied"],
+            "grads_finite": r["grads_finite"] or r["applied"],
+            "grad_norm": None if r["grad_norm"] is None else abs(r["grad_norm"]),
+            "consecutive_skips": min(r["consecutive_skips"], r["total_skips"]),
         }
     ),
     max_size=12,

@@ -50,11 +50,14 @@ ranks after a rise of the learning rate, whose symptom it then probably is):
     none of the above.
 
 The loss-scale config (floor, cap, growth interval) is the log header's ``loss_scale``, else
-its recipe's; without one (or for a static scale) the rules that need it are skipped.
+its recipe's (:attr:`unimp.steplog.StepLog.recipe`, read as ``Recipe.from_dict`` or
+``get_recipe`` would); without one (or for a static scale) the rules that need it are
+skipped. The fixes follow that config and the recipe's compute dtype: a setting the run
+already has is not suggested; the next step is, or nothing (:mod:`unimp.doctor.advice`).
 
-Modules: ``findings`` (the thresholds and the report's classes), ``rules`` (one log),
-``compare`` (:func:`diagnose`, several logs), ``command`` (``unimp doctor``). This
-``__init__`` only re-exports.
+Modules: ``findings`` (the thresholds and the report's classes), ``advice`` (the fixes that
+depend on the config), ``rules`` (one log), ``compare`` (:func:`diagnose`, several logs),
+``command`` (``unimp doctor``). This ``__init__`` only re-exports.
 
 Example:
     >>> import io, os, tempfile

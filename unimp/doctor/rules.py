@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import pairwise
 from typing import Any
 
+from unimp.doctor.advice import Advice
 from unimp.doctor.findings import (
     BURST_MIN,
     CALIBRATION_STEPS,
@@ -25,29 +27,12 @@ from unimp.stats import first_nonfinite as stats_first_nonfinite
 from unimp.steplog import StepLog
 
 _F32_TINY = 2.0**-126  # the floor of a DynamicLossScale with min_scale=None
-_BF16 = (
-    "use bfloat16 instead of float16 where the device has it (recipe 'mixed_bfloat16': "
-    "float32's range, no loss scaling); `unimp info` lists which devices do"
-)
-_HYST = (
-    "back off more gently, so a run of overflows does not drag the scale down: a "
-    "backoff_factor nearer 1 (e.g. 0.8) in DynamicLossScale, or hysteresis=2 (DeepSpeed's and "
-    "Megatron's rule: a lone overflow does not back off)"
-)
 
 Rec = dict[str, Any]
 
 
 def _g(x: float | None) -> str:
     return "?" if x is None else f"{x:g}"
-
-
-def _keep(layer: str) -> Fix:
-    text = (
-        f"keep layer {layer} in float32 (run it outside the float16 policy), or use bfloat16, "
-        "whose range is float32's"
-    )
-    return Fix("keep_float32", text, layer)
 
 
 def first_nonfinite(r: Rec) -> tuple[str, str, str] | None:
@@ -107,6 +92,7 @@ class _Rules:
         cfg = log.loss_scale
         self.cfg = cfg if cfg and cfg.get("kind") == "dynamic" else None
         self.floor = (self.cfg.get("min_scale") or _F32_TINY) if self.cfg else None
+        self.advice = Advice(log.loss_scale, log.recipe)
         self.bad = [i for i, r in enumerate(recs) if r["batch_finite"] is False]
         ok_data = [i for i, r in enumerate(recs) if r["batch_finite"] is not False]
         self.fwd = [i for i in ok_data if not recs[i]["loss_finite"]]
@@ -216,13 +202,10 @@ class _Rules:
             if grows
             else "; it never grew again"
         )
-        fixes = [Fix("bfloat16", _BF16), Fix("hysteresis", _HYST)]
+        spread = any(b - a > 1 for a, b in pairwise(ep) if b <= reach)  # clean steps between
+        fixes = self.advice.bfloat16() + self.advice.gentler(spread)
         if len(stuck) >= 10:
-            stop = (
-                "set max_consecutive_skips (e.g. 100) so a scale stuck at its floor stops the "
-                f"run with LossScaleError instead of skipping {len(stuck)} steps"
-            )
-            fixes.append(Fix("stop_early", stop))
+            fixes += self.advice.stop_early(len(stuck))
         details = {
             "scale_from": a["scale"],
             "scale_to": b["scale"],
@@ -271,7 +254,7 @@ class _Rules:
                     f"the scale fell from {_g(recs[run[0]]['scale'])} to "
                     f"{_g(recs[run[-1]]['scale'])}" + _nonfinite_text(layer, tensor, phase)
                 )
-                fixes = [Fix("hysteresis", _HYST), Fix("bfloat16", _BF16)]
+                fixes = self.advice.gentler() + self.advice.bfloat16()
                 details = {"length": len(run), "layers": layers}
                 self.add(
                     "overflow_burst", "warning", text, run, fixes, details, (layer, tensor, phase)
@@ -325,7 +308,7 @@ class _Rules:
         recs, s = self.recs, self.steps(self.fwd)
         self.episodes.append(("forward_overflow", self.fwd[0]))
         layer, tensor, phase, layers = _where([recs[i] for i in self.fwd])
-        fixes = ([_keep(layer)] if layer else []) + [Fix("bfloat16", _BF16)]
+        fixes = (self.advice.keep(layer) if layer else []) + self.advice.bfloat16()
         text = (
             f"the loss was not finite at {len(s)} step(s), first at step {s[0]} (scale "
             f"{_g(recs[self.fwd[0]]['scale'])}): an overflow in the forward pass, which loss "
@@ -417,11 +400,11 @@ class _Rules:
             f"layer {layer} went non-finite first in {layers[layer]} of {sum(layers.values())} "
             f"problem steps ({phase} {tensor}){symptom}"
         )
-        fixes = [_keep(layer), Fix("bfloat16", _BF16)]
+        fixes = self.advice.keep(layer) + self.advice.bfloat16()
         if not after_lr:
             for f in self.found:
                 if f.cls in ("scale_collapse", "overflow_burst") and f.layer == layer:
-                    f.fixes.insert(0, _keep(layer))
+                    f.fixes[:0] = self.advice.keep(layer)
         where = (layer, tensor, phase)
         self.add("recurring_layer", "error", text, hits, fixes, {"layers": layers}, where)
 

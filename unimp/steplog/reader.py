@@ -31,6 +31,10 @@ class StepLog:
         end: the end line, or None.
         warnings: what was wrong but readable, one line each (also issued as
             :class:`StepLogWarning`).
+        recipe: the header's recipe read as ``Recipe.from_dict`` (a dict) or ``get_recipe``
+            (a name) would, in ``Recipe.to_dict()`` form (its ``loss_scale`` the policy's
+            default where the header's recipe leaves it out); None without a readable one (an
+            unreadable one is a warning).
         loss_scale: the loss-scale config (``to_dict()`` form, checked): the header's, else
             its recipe's; None when neither has a readable one.
     """
@@ -41,6 +45,7 @@ class StepLog:
     ended: bool = False
     end: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    recipe: dict[str, Any] | None = None
     loss_scale: dict[str, Any] | None = None
 
     @property
@@ -62,6 +67,25 @@ class StepLog:
         except ImportError:
             raise ImportError("StepLog.to_frame needs pandas: pip install pandas") from None
         return pd.DataFrame(self.steps, columns=list(STEP_KEYS))
+
+
+def _read_recipe(recipe: Any) -> dict[str, Any]:
+    """A header's ``recipe`` as ``Recipe.to_dict()``: a dict read by ``Recipe.from_dict`` (its
+    ``loss_scale`` may be left out: the policy's default), or a name read by ``get_recipe``
+    (not a recipe file: the log would then depend on a file it does not hold).
+
+    Raises:
+        ValueError: what ``Recipe.from_dict`` / ``get_recipe`` raise, or another type.
+    """
+    from unimp.recipe import Recipe, get_recipe
+
+    if isinstance(recipe, str):
+        if os.path.splitext(recipe)[1].lower() in (".toml", ".json"):
+            raise ValueError("a recipe file's name; the log holds no recipe")
+        return get_recipe(recipe).to_dict()
+    if isinstance(recipe, Mapping):
+        return Recipe.from_dict(recipe).to_dict()
+    raise ValueError(f"a recipe is a dict or a name, got {type(recipe).__name__}")
 
 
 def read_steplog(path: str | os.PathLike[str]) -> StepLog:
@@ -147,9 +171,17 @@ def read_steplog(path: str | os.PathLike[str]) -> StepLog:
         raise ValueError(f"{p}: line {first_no}: the run header has no 'backend' string")
     log.run = header
     recipe = header.get("recipe")
+    if recipe is not None:
+        try:
+            log.recipe = _read_recipe(recipe)
+        except (ValueError, TypeError) as e:
+            shown = repr(recipe)
+            shown = shown if len(shown) <= 120 else shown[:117] + "..."
+            warn(
+                f"{p}: line {first_no}: the recipe {shown} is not readable ({e}); ignored, "
+                "its policy and loss-scale config unknown"
+            )
     cfg = header.get("loss_scale")
-    if cfg is None and isinstance(recipe, Mapping):
-        cfg = recipe.get("loss_scale")
     if cfg is not None:
         from unimp.loss_scale import loss_scale_from_dict
 
@@ -157,6 +189,8 @@ def read_steplog(path: str | os.PathLike[str]) -> StepLog:
             log.loss_scale = loss_scale_from_dict(cfg).to_dict()
         except (ValueError, TypeError) as e:
             warn(f"{p}: line {first_no}: the loss-scale config is not readable ({e}); ignored")
+    elif log.recipe is not None:
+        log.loss_scale = log.recipe["loss_scale"]
     for lineno, raw in numbered[1:]:
         obj = parse(lineno, raw)
         if obj is None:
@@ -178,6 +212,11 @@ def read_steplog(path: str | os.PathLike[str]) -> StepLog:
         elif kind == "end":
             log.ended, log.end = True, obj
             n = obj.get("steps")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(
+                    f"{p}: line {lineno}: the end line's 'steps' must be an int >= 0 (the step "
+                    f"records written), got {n!r}; fix the line or delete it"
+                )
             if n != len(log.steps):
                 warn(
                     f"{p}: line {lineno}: the end line counts {n!r} steps, the log {len(log.steps)}"

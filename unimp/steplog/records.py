@@ -127,7 +127,10 @@ def check_step_record(record: Mapping[str, Any]) -> dict[str, Any]:
             log's) or not.
 
     Raises:
-        ValueError: a missing or unknown key, or a value of the wrong type, naming the key.
+        ValueError: a missing or unknown key, a value of the wrong type, or values no train
+            step produces (a negative ``grad_norm``, ``consecutive_skips`` above
+            ``total_skips``, ``applied`` with ``loss_finite`` or ``grads_finite`` false),
+            naming the key.
     """
     if not isinstance(record, Mapping):
         raise ValueError(f"a step record must be a dict, got {type(record).__name__}")
@@ -145,7 +148,7 @@ def check_step_record(record: Mapping[str, Any]) -> dict[str, Any]:
     scale = _float("scale", record["scale"], False)
     if scale <= 0:
         raise ValueError(f"'scale' must be > 0, got {scale!r}")
-    return {
+    out = {
         "format": STEPLOG_FORMAT,
         "kind": "step",
         "step": _int("step", record["step"]),
@@ -162,3 +165,28 @@ def check_step_record(record: Mapping[str, Any]) -> dict[str, Any]:
         "nonfinite": _nonfinite(record.get("nonfinite")),
         "stats": _stats(record.get("stats")),
     }
+    _check_consistent(out)
+    return out
+
+
+def _check_consistent(r: dict[str, Any]) -> None:
+    """What no train step can produce, in a record whose values each have the right type: a
+    negative norm, more skips in a row than in all, an applied step that was not finite (the
+    loss-scale rule applies a step only when its loss and gradients are finite:
+    ``applied = grads_finite & loss_finite`` in :func:`unimp.loss_scale.rule.update_arrays`).
+    A non-finite norm is possible (read as null), a negative one is not."""
+    if r["grad_norm"] is not None and r["grad_norm"] < 0:
+        raise ValueError(
+            f"'grad_norm' must be >= 0 or null (an L2 norm), got {r['grad_norm']!r}"
+        )
+    if r["consecutive_skips"] > r["total_skips"]:
+        raise ValueError(
+            f"'consecutive_skips' ({r['consecutive_skips']}) must not exceed 'total_skips' "
+            f"({r['total_skips']}): the skips in a row are among all the skips"
+        )
+    for key in ("loss_finite", "grads_finite"):
+        if r["applied"] and not r[key]:
+            raise ValueError(
+                f"'applied' is true but {key!r} is false: a step with a non-finite loss or "
+                "gradients is skipped, never applied"
+            )
