@@ -141,3 +141,58 @@ def test_the_inf_growth_guard_is_needed():
     torch._amp_update_scale_(scale, counter, torch.zeros(()), 2.0, 0.5, 1)
     ref = update(cfg, cfg.initial_state(), True)
     assert float(ref.scale) == F32_MAX and float(scale) == float(np.float32(F32_MAX / 1.5))
+
+
+# the train step on the fused path against the same step forced onto the reference path:
+# clean steps, a gradient overflow, a forward overflow (NaN input: NaN loss), both in a row
+EVENTS = ["ok", "grads", "ok", "loss", "loss", "ok", "ok", "grads", "ok", "ok"]
+
+
+def _trajectory(recipe, cfg, optimizer, reference, monkeypatch):
+    import unimp
+    from backends.torch.helpers import _batch, _loss, _mlp
+
+    if reference:
+        for module in ("unimp.backends.torch.step", "unimp.backends.torch.scaling"):
+            monkeypatch.setattr(f"{module}.fused_rule", lambda config: False)
+    mp = ut.MixedPrecision(unimp.get_recipe(recipe, loss_scale=cfg), device="cpu")
+    model = _mlp()
+    step = mp.train_step(model, optimizer(model.parameters()), _loss)
+    rows = []
+    for i, event in enumerate(EVENTS):
+        x, y, _ = _batch(i)
+        if event == "loss":
+            x[0, 0] = float("nan")
+        r = step((x, y, event == "grads"))
+        raw = r.raw
+        rows.append((
+            r.as_dict(), raw["scale"].item(), int(step.scaler._counter),
+            tuple(raw[k].dtype for k in ("applied", "loss_finite", "grads_finite", "consecutive_skips")),
+        ))  # fmt: skip
+    monkeypatch.undo()
+    return rows, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "recipe,cfg",
+    [
+        ("mixed_float16", DynamicLossScale(init_scale=2.0**10, growth_factor=1.5, backoff_factor=0.7,
+                                           growth_interval=2, min_scale=1.0, max_scale=2.0**12)),
+        ("mixed_bfloat16", NoLossScale()),
+        ("float32", StaticLossScale(3.0)),
+    ],
+    ids=["dynamic-non-dyadic", "none", "static"],
+)  # fmt: skip
+@pytest.mark.parametrize("opt", ["adam_fused", "sgd"])
+def test_train_step_fused_path_equals_the_reference_path(recipe, cfg, opt, monkeypatch):
+    optimizer = {
+        "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    }[opt]
+    fused, fused_params = _trajectory(recipe, cfg, optimizer, False, monkeypatch)
+    ref, ref_params = _trajectory(recipe, cfg, optimizer, True, monkeypatch)
+    assert repr(fused) == repr(ref)  # repr: a NaN loss equals itself
+    assert [r[0]["applied"] for r in fused] == [e == "ok" for e in EVENTS]
+    assert [r[0]["loss_finite"] for r in fused] == [e != "loss" for e in EVENTS]
+    for a, b in zip(fused_params, ref_params, strict=True):
+        assert torch.equal(a, b)

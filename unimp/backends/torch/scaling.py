@@ -317,7 +317,7 @@ class GradScaler:
                 "with mp.prepare(model, optimizer), which keeps float32 master weights."
             )
 
-    def unscale_(self, optimizer: torch.optim.Optimizer, *, _found_inf: torch.Tensor | None = None) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, _found_inf: Any = None, _scale64: Any = None) -> None:
         """Divides the optimizer's gradients by the scale, in place, and checks them for inf/NaN.
 
         Matches torch.amp.GradScaler.unscale_: ``inv_scale`` is the float64 reciprocal of the
@@ -350,7 +350,8 @@ class GradScaler:
         if self._config.unity:  # 1/1: the cached constant, no op
             inv_scale = self._ops.f32(1.0)
         else:
-            inv_scale = torch.reciprocal(self._scale.double(), out=self._buffer("inv_scale"))
+            scale64 = self._scale.double() if _scale64 is None else _scale64  # the train step's
+            inv_scale = torch.reciprocal(scale64, out=self._buffer("inv_scale"))
         with torch.no_grad():
             per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for (dev, _), grads in groups.items():
@@ -366,7 +367,7 @@ class GradScaler:
             if len(flags) == 1:
                 found_inf = flags[0]
             elif flags:
-                found_inf = torch.stack(flags).sum()
+                found_inf = torch.stack(flags).amax()  # 0 / 1: fused optimizers skip on == 1 only
             else:
                 found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         st["found_inf"] = self._reduce_flags(found_inf)
@@ -463,16 +464,15 @@ class GradScaler:
                 raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
         return self._ops.f32(f)
 
-    def _flag_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss_inf, grads_inf)``: 0-d views of the train step's ``flags`` scratch, made once."""
+    def _flag_views(self) -> tuple[torch.Tensor, ...]:
+        """``(loss_inf, grads_inf, skip)``: 0-d views of the train step's ``flags`` scratch,
+        made once."""
         views = self.__dict__["_scratch"].get("flag_views")
         if views is None:
-            views = self._scratch["flag_views"] = tuple(self._buffer("flags", (2,)).unbind())
+            views = self._scratch["flag_views"] = tuple(self._buffer("flags", (3,)).unbind())
         return views
 
-    def _update(
-        self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: tuple[torch.Tensor, ...] | None = None
-    ) -> tuple[torch.Tensor, ...]:
+    def _update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: Any = None) -> tuple[torch.Tensor, ...]:
         """The end of an iteration: the rule applied (:meth:`_apply_update`) and the
         per-optimizer stages reset; returns the rule's results."""
         out = self._apply_update(grads_finite, loss_finite, flags)
@@ -488,9 +488,7 @@ class GradScaler:
             buf = scratch[name] = torch.zeros(shape, dtype=torch.float32, device=self._device)
         return buf
 
-    def _apply_update(
-        self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: tuple[torch.Tensor, ...] | None = None
-    ) -> tuple[torch.Tensor, ...]:
+    def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: Any = None) -> tuple[torch.Tensor, ...]:
         """Runs the rule on the state, in place; returns ``(scale, counter, consecutive_skips,
         total_skips, *extra)`` where the skip counters (and, on the reference path, every
         field) are snapshots that later updates leave alone, for a step's report.

@@ -181,14 +181,21 @@ class TrainStep(LoggedStep):
         opt = self.optimizer
         sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
         # the fused path (one process, a rule torch's kernel follows): the loss and gradient
-        # overflow flags live in one scratch, zeroed by one op, written by torch's check kernel
-        flags = sc._buffer("flags", (2,)) if fused_rule(sc.config) and sc._group() is None else None
+        # overflow flags and the skip flag live in one scratch, zeroed by one op, written by
+        # torch's check kernel and one maximum
+        flags = sc._buffer("flags", (3,)) if fused_rule(sc.config) and sc._group() is None else None
         if flags is not None:
             flags.zero_()
-            loss_inf, grads_inf = sc._flag_views()
-        # a static scale never changes in place: the state tensor is the step's scale
-        scale_used = sc._scale.clone() if sc.config.dynamic else sc._scale
-        factor = scale_used if k == 1 else scale_used / k
+            loss_inf, grads_inf, skip = sc._flag_views()
+        # the scale this step uses (the update changes the state in place): a static scale never
+        # changes, so the state tensor is it; on the fused path its float64 copy, which is also
+        # what unscale's reciprocal reads (one op for both, the same value)
+        scale64 = sc._scale.double() if flags is not None and sc.config.dynamic else None
+        if scale64 is not None:
+            scale_used = scale64
+        else:
+            scale_used = sc._scale.clone() if sc.config.dynamic else sc._scale
+        factor = sc._scale if k == 1 else sc._scale / k  # read before the update
         unscaled = sc.config.unity and k == 1  # loss * 1 is the loss: backward on it directly
         losses = []
         # state the forward pass changes (norm running statistics, num_batches_tracked): kept
@@ -228,12 +235,13 @@ class TrainStep(LoggedStep):
             _restore_forward_state(buffers, None)
             raise
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
-        sc.unscale_(opt, _found_inf=None if flags is None else grads_inf)
+        sc.unscale_(opt, _found_inf=None if flags is None else grads_inf, _scale64=scale64)
         found_inf = sc._opt_state(opt)["found_inf"]
         stats = grad_flags = None
         if recorder is not None:  # unscaled, before clipping, at the step's scale
-            grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale_used)
-            stats = _pending(self.calls, scale_used, grad_stats, recorder.entries)
+            scale32 = scale_used.float()  # the float32 scale (a float64 copy on the fused path)
+            grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale32)
+            stats = _pending(self.calls, scale32, grad_stats, recorder.entries)
         elif self._recorder is not None:  # logged: which gradient went non-finite first
             grad_flags = _grad_flags(opt, _param_names(self.model, opt), sc.device)
         grad_norm = None
@@ -260,12 +268,16 @@ class TrainStep(LoggedStep):
             grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never in place
             fused = None
         else:  # sc.step() with the loss flag as torch's found_inf
-            bad = torch.add(loss_inf, found_inf)  # nonzero: skip
-            _guarded_step(opt, bad, (), {})
-            applied, loss_finite, grads_finite = bad == 0, loss_inf == 0, found_inf == 0
+            if found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
+                grads_inf.copy_(found_inf)
+            # 1: skip the step (exactly 1: torch's fused optimizers skip on found_inf == 1 only)
+            torch.maximum(loss_inf, grads_inf, out=skip)
+            _guarded_step(opt, skip, (), {})
+            # the three report flags in one op: a fresh tensor, so views of it are the step's own
+            loss_finite, grads_finite, applied = torch.eq(flags, 0).unbind()
             # the backoff flag (finite loss, non-finite gradients); a static scale needs none
             overflow = torch.gt(loss_finite, grads_finite, out=sc._buffer("overflow")) if sc.config.dynamic else None
-            fused = (overflow, bad != 0)
+            fused = (overflow, applied.logical_not())
         _restore_forward_state(buffers, applied)
         _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite, fused)  # sc.update()
         opt.zero_grad(set_to_none=True)
