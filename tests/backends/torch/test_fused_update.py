@@ -51,27 +51,34 @@ def _state(cfg):
     return (
         torch.tensor(float(s.scale), dtype=torch.float32),
         torch.tensor(int(s.counter), dtype=torch.int32),
-        torch.tensor(0, dtype=torch.int32),
-        torch.tensor(0, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),  # [consecutive_skips, total_skips]
+    )
+
+
+def _update(cfg, scale, counter, skips, gf, lf, out=None):
+    overflow, skipped = flags_from_bools(torch.tensor(gf), torch.tensor(lf), torch.zeros(()) if out is None else out)
+    return update_in_place(
+        cfg, scale, counter, skips, skips[0], loss_finite=torch.tensor(lf), overflow=overflow, skipped=skipped
     )
 
 
 def _check_steps(cfg, flags):
-    scale, counter, consecutive, total = held = _state(cfg)
+    scale, counter, skips = held = _state(cfg)
     ref = cfg.initial_state()
     out = torch.zeros((), dtype=torch.float32)
+    reports = []
     for i, (gf, lf) in enumerate(flags):
-        overflow, skipped = flags_from_bools(torch.tensor(gf), torch.tensor(lf), out)
-        update_in_place(
-            cfg, scale, counter, consecutive, total,
-            loss_finite=torch.tensor(lf), overflow=overflow, skipped=skipped,
-        )  # fmt: skip
+        consecutive, total = _update(cfg, scale, counter, skips, gf, lf, out)
         ref = update(cfg, ref, gf, lf)
+        reports.append(((int(consecutive), int(total)), consecutive, total))
+        assert (int(consecutive), int(total)) == tuple(skips.tolist())
         got = (scale.numpy().view(np.uint32), int(counter), int(consecutive), int(total))
         want = (np.float32(ref.scale).view(np.uint32), int(ref.counter), int(ref.consecutive_skips),
                 int(ref.total_skips))  # fmt: skip
         assert got == want, f"step {i} ({gf=}, {lf=}): fused {got}, reference {want} ({cfg})"
-    assert all(t is h for t, h in zip((scale, counter, consecutive, total), held, strict=True))
+    assert all(t is h for t, h in zip((scale, counter, skips), held, strict=True))
+    # each step's report keeps its values: later updates change the state, not the snapshots
+    assert all((int(c), int(t)) == values for values, c, t in reports)
 
 
 @settings(max_examples=300, deadline=None)
@@ -106,12 +113,10 @@ def test_fused_update_corners(cfg):
 
 def test_forward_overflow_on_the_growth_step_neither_grows_nor_counts():
     cfg = DynamicLossScale(init_scale=8.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
-    scale, counter, consecutive, total = _state(cfg)
+    scale, counter, skips = _state(cfg)
     for gf, lf in [(True, True), (False, False), (True, False)]:
-        overflow, skipped = flags_from_bools(torch.tensor(gf), torch.tensor(lf), torch.zeros(()))
-        update_in_place(cfg, scale, counter, consecutive, total, loss_finite=torch.tensor(lf),
-                        overflow=overflow, skipped=skipped)  # fmt: skip
-    assert (float(scale), int(counter), int(consecutive), int(total)) == (8.0, 1, 2, 2)
+        _update(cfg, scale, counter, skips, gf, lf)
+    assert (float(scale), int(counter), skips.tolist()) == (8.0, 1, [2, 2])
 
 
 @pytest.mark.parametrize(

@@ -100,26 +100,34 @@ def update_in_place(
     config: LossScaleConfig,
     scale: torch.Tensor,
     counter: torch.Tensor,
+    skips: torch.Tensor,
     consecutive: torch.Tensor,
-    total: torch.Tensor,
     *,
-    loss_finite: torch.Tensor,
-    overflow: torch.Tensor,
+    loss_finite: torch.Tensor | None,
+    overflow: torch.Tensor | None,
     skipped: torch.Tensor,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of the rule, in place, for a config :func:`fused_rule` accepts.
 
     Args:
         config: the loss-scale config (static in the call).
-        scale: float32 0-d; counter, consecutive, total: int32 0-d (the state, changed in place).
+        scale: float32 0-d; counter: int32 0-d; skips: int32 ``[consecutive_skips,
+            total_skips]`` (the state, changed in place; one tensor, so each counter op and the
+            snapshot serve both); consecutive: the 0-d view ``skips[0]`` (made once by the caller:
+            indexing is an op too).
         loss_finite: bool 0-d, the loss was finite.
         overflow: float32 0-d, nonzero when the loss was finite and a gradient was not (the
             step that backs off).
         skipped: bool 0-d, the step was skipped (non-finite loss or gradients).
 
-    Ops: the skip counters 3 (``total += skipped``, ``consecutive = (consecutive + 1) *
-    skipped``); a dynamic scale 4 more (the counter's forward-overflow correction 2, the
-    kernel, the clamp), against :func:`unimp.loss_scale.update_arrays`'s 17 and 4 copies.
+    Returns:
+        ``(consecutive_skips, total_skips)`` after the step: views of a snapshot that later
+        updates leave alone (for a step's report).
+
+    Ops: the skip counters 4 (``skips += skipped``, ``consecutive *= skipped``, the snapshot
+    and its ``unbind`` view); a dynamic scale 4 more (the counter's forward-overflow correction
+    2, the kernel, the clamp), against :func:`unimp.loss_scale.update_arrays`'s 17 and 4 copies.
+    ``loss_finite`` and ``overflow`` are read only for a dynamic scale (None otherwise).
     """
     if config.dynamic:
         counter.add_(loss_finite).sub_(1)  # a forward overflow: the kernel's +1 gives it back
@@ -129,8 +137,9 @@ def update_in_place(
         )  # fmt: skip
         hi = None if config.max_scale is None else _f32(config.max_scale)
         scale.clamp_(_f32(config.floor), hi)
-    total.add_(skipped)
-    consecutive.add_(1).mul_(skipped)
+    skips.add_(skipped)  # [consecutive + s, total + s]
+    consecutive.mul_(skipped)  # (consecutive + s) * s: consecutive + 1 on a skip, 0 otherwise
+    return tuple(skips.clone().unbind())  # type: ignore[return-value]
 
 
 def flags_from_bools(grads_finite: torch.Tensor, loss_finite: torch.Tensor, out: torch.Tensor) -> Any:

@@ -191,8 +191,10 @@ class GradScaler:
         dev = self._device
         self._scale = torch.tensor(float(s.scale), dtype=torch.float32, device=dev)
         self._counter = torch.tensor(int(s.counter), dtype=torch.int32, device=dev)
-        self._consecutive = torch.tensor(int(s.consecutive_skips), dtype=torch.int32, device=dev)
-        self._total = torch.tensor(int(s.total_skips), dtype=torch.int32, device=dev)
+        # the skip counters: 0-d views of one tensor, which the fused update changes (and
+        # snapshots) with one op for both
+        self._skips = torch.tensor([int(s.consecutive_skips), int(s.total_skips)], dtype=torch.int32, device=dev)
+        self._consecutive, self._total = self._skips.unbind()
         self._extra = tuple(torch.tensor(int(getattr(s, n)), dtype=torch.int32, device=dev) for n in EXTRA_FIELDS)
 
     @property
@@ -499,12 +501,12 @@ class GradScaler:
         """
         if fused_rule(self._config):
             overflow, skipped = flags or flags_from_bools(grads_finite, loss_finite, self._buffer("overflow"))
-            update_in_place(
-                self._config, self._scale, self._counter, self._consecutive, self._total,
+            consecutive, total = update_in_place(
+                self._config, self._scale, self._counter, self._skips, self._consecutive,
                 loss_finite=loss_finite, overflow=overflow, skipped=skipped,
             )  # fmt: skip
             self._loss_finite = self._ops.true
-            return (self._scale, self._counter, self._consecutive.clone(), self._total.clone(), *self._extra)
+            return (self._scale, self._counter, consecutive, total, *self._extra)
         out = update_arrays(
             self._ops, self._config, self._scale, self._counter, self._consecutive, self._total,
             grads_finite, loss_finite, extra=self._extra,
@@ -532,6 +534,9 @@ class GradScaler:
         self._ops = _TorchOps(self._device)
         if "_extra" not in d:  # pickled before the format-2 fields: they start at 0
             self._extra = tuple(torch.zeros((), dtype=torch.int32, device=self._device) for _ in EXTRA_FIELDS)
+        # a pickle holds the two counters apart (or, from before, no _skips): one tensor again
+        self._skips = torch.stack([self._consecutive, self._total])
+        self._consecutive, self._total = self._skips.unbind()
 
     def state_dict(self) -> dict[str, Any]:
         """unimp's portable loss-scale state (``unimp.loss_scale.state_dict``), JSON-able; the
