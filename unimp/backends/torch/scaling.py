@@ -1,6 +1,6 @@
-"""torch loss scaling: :class:`GradScaler`, a drop-in for ``torch.amp.GradScaler`` whose scale
-update is :func:`unimp.loss_scale.update_arrays` run on device tensors (the array namespace
-``_TorchOps``), with replica agreement over ``torch.distributed``.
+"""torch loss scaling: :class:`GradScaler`, a drop-in for ``torch.amp.GradScaler`` running unimp's
+rule on device tensors (``_update.py``: torch's fused kernel where it is the rule bit for bit,
+:func:`unimp.loss_scale.update_arrays` elsewhere), with replica agreement over ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ class GradScaler:
     """A drop-in for ``torch.amp.GradScaler`` that follows unimp's loss-scale rule.
 
     Same methods as torch's: ``scale``, ``unscale_``, ``step``, ``update``, ``get_scale``,
-    ``is_enabled``, ``state_dict``, ``load_state_dict``. The scale update is
-    :func:`unimp.loss_scale.update_arrays` run on device tensors (float32 scale, int32 counter
-    and skip counters), so it matches the NumPy reference bit for bit, including what torch
+    ``is_enabled``, ``state_dict``, ``load_state_dict``. The scale update is unimp's rule on
+    device tensors (float32 scale, int32 counter and skip counters; torch's fused
+    ``_amp_update_scale_`` plus a clamp and in-place counters for the configs where that is the
+    rule, :func:`unimp.loss_scale.update_arrays` for the others), so it matches the NumPy
+    reference bit for bit, including what torch
     lacks: ``min_scale`` / ``max_scale``, skip counters, ``max_consecutive_skips`` and the
     forward-overflow rule (a non-finite loss passed to :meth:`scale` skips the step without
     reducing the scale). With ``DynamicLossScale.preset("torch")`` the scale sequence and the
@@ -418,7 +420,7 @@ class GradScaler:
         """Updates the scale and skip counters once per iteration, on the device.
 
         Combines the overflow checks of every optimizer unscaled or stepped since the last
-        update and calls :func:`unimp.loss_scale.update_arrays` (matches torch.amp.GradScaler:
+        update and applies unimp's rule (:meth:`_apply_update`; matches torch.amp.GradScaler:
         back off on overflow, grow on the growth_interval-th consecutive finite step, never to
         inf; plus min/max scale, skip counters and the forward-overflow rule).
 
@@ -467,8 +469,7 @@ class GradScaler:
         return self._ops.f32(f)
 
     def _flag_views(self) -> tuple[torch.Tensor, ...]:
-        """``(loss_inf, grads_inf, skip)``: 0-d views of the train step's ``flags`` scratch,
-        made once."""
+        """``(loss_inf, grads_inf, skip)``: 0-d views of the step's ``flags`` scratch, made once."""
         views = self.__dict__["_scratch"].get("flag_views")
         if views is None:
             views = self._scratch["flag_views"] = tuple(self._buffer("flags", (3,)).unbind())
