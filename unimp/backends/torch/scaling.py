@@ -1,6 +1,6 @@
-"""torch loss scaling: :class:`GradScaler`, a drop-in for ``torch.amp.GradScaler`` whose scale
-update is :func:`unimp.loss_scale.update_arrays` run on device tensors (the array namespace
-``_TorchOps``), with replica agreement over ``torch.distributed``.
+"""torch loss scaling: :class:`GradScaler`, a drop-in for ``torch.amp.GradScaler`` running unimp's
+rule on device tensors (``_update.py``: torch's fused kernel where it is the rule bit for bit,
+:func:`unimp.loss_scale.update_arrays` elsewhere), with replica agreement over ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from unimp import loss_scale as _ls
+from unimp.backends.torch._update import _TorchOps, flags_from_bools, fused_rule, update_in_place
 from unimp.backends.torch.casting import _leaves, _map_tree
 from unimp.backends.torch.devices import _as_device, _to
 from unimp.backends.torch.optimizer import _guarded_step, _param_names
@@ -28,42 +29,6 @@ from unimp.loss_scale import (
 )
 
 _F32 = finfo("float32")
-
-
-class _TorchOps:
-    """The array namespace :func:`unimp.loss_scale.update_arrays` runs on: device tensors.
-
-    Constants are made once per value and cached, so an update issues no host-to-device copy
-    after the first one.
-    """
-
-    where = staticmethod(torch.where)
-    minimum = staticmethod(torch.minimum)
-    maximum = staticmethod(torch.maximum)
-    isfinite = staticmethod(torch.isfinite)
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._cache: dict[tuple[Any, torch.dtype], torch.Tensor] = {}
-
-    def _const(self, x: Any, dtype: torch.dtype) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            return x.to(dtype)
-        key = (x, dtype)
-        if key not in self._cache:
-            self._cache[key] = torch.tensor(x, dtype=dtype, device=self.device)
-        return self._cache[key]
-
-    def f32(self, x: Any) -> torch.Tensor:
-        return self._const(float(x) if not isinstance(x, torch.Tensor) else x, torch.float32)
-
-    def i32(self, x: Any) -> torch.Tensor:
-        return self._const(int(x) if not isinstance(x, torch.Tensor) else x, torch.int32)
-
-    @property
-    def true(self) -> torch.Tensor:
-        """A cached 0-d ``True`` on the device (the loss-finite flag's start value)."""
-        return self._const(True, torch.bool)
 
 
 def _to_host(x: Any) -> Any:
@@ -83,9 +48,11 @@ class GradScaler:
     """A drop-in for ``torch.amp.GradScaler`` that follows unimp's loss-scale rule.
 
     Same methods as torch's: ``scale``, ``unscale_``, ``step``, ``update``, ``get_scale``,
-    ``is_enabled``, ``state_dict``, ``load_state_dict``. The scale update is
-    :func:`unimp.loss_scale.update_arrays` run on device tensors (float32 scale, int32 counter
-    and skip counters), so it matches the NumPy reference bit for bit, including what torch
+    ``is_enabled``, ``state_dict``, ``load_state_dict``. The scale update is unimp's rule on
+    device tensors (float32 scale, int32 counter and skip counters; torch's fused
+    ``_amp_update_scale_`` plus a clamp and in-place counters for the configs where that is the
+    rule, :func:`unimp.loss_scale.update_arrays` for the others), so it matches the NumPy
+    reference bit for bit, including what torch
     lacks: ``min_scale`` / ``max_scale``, skip counters, ``max_consecutive_skips`` and the
     forward-overflow rule (a non-finite loss passed to :meth:`scale` skips the step without
     reducing the scale). With ``DynamicLossScale.preset("torch")`` the scale sequence and the
@@ -226,8 +193,10 @@ class GradScaler:
         dev = self._device
         self._scale = torch.tensor(float(s.scale), dtype=torch.float32, device=dev)
         self._counter = torch.tensor(int(s.counter), dtype=torch.int32, device=dev)
-        self._consecutive = torch.tensor(int(s.consecutive_skips), dtype=torch.int32, device=dev)
-        self._total = torch.tensor(int(s.total_skips), dtype=torch.int32, device=dev)
+        # the skip counters: 0-d views of one tensor, which the fused update changes (and
+        # snapshots) with one op for both
+        self._skips = torch.tensor([int(s.consecutive_skips), int(s.total_skips)], dtype=torch.int32, device=dev)
+        self._consecutive, self._total = self._skips.unbind()
         self._extra = tuple(torch.tensor(int(getattr(s, n)), dtype=torch.int32, device=dev) for n in EXTRA_FIELDS)
 
     @property
@@ -352,7 +321,7 @@ class GradScaler:
                 "with mp.prepare(model, optimizer), which keeps float32 master weights."
             )
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, _found_inf: Any = None, _scale64: Any = None) -> None:
         """Divides the optimizer's gradients by the scale, in place, and checks them for inf/NaN.
 
         Matches torch.amp.GradScaler.unscale_: ``inv_scale`` is the float64 reciprocal of the
@@ -381,22 +350,28 @@ class GradScaler:
         # a scale of exactly 1 unscales exactly: float16 is fine then
         if not self._config.unity and any(dt == torch.float16 for _, dt in groups):
             self._check_fp16(optimizer)  # raises, naming the parameters
-        inv_scale = self._scale.double().reciprocal().float()
+        # the float64 reciprocal rounded once to float32, written into a scratch (one op fewer)
+        if self._config.unity:  # 1/1: the cached constant, no op
+            inv_scale = self._ops.f32(1.0)
+        else:
+            scale64 = self._scale.double() if _scale64 is None else _scale64  # the train step's
+            inv_scale = torch.reciprocal(scale64, out=self._buffer("inv_scale"))
         with torch.no_grad():
             per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for (dev, _), grads in groups.items():
                 if dev not in per_device:
                     per_device[dev] = (
-                        torch.zeros((), dtype=torch.float32, device=dev),
+                        _found_inf if _found_inf is not None and dev == _found_inf.device
+                        else torch.zeros((), dtype=torch.float32, device=dev),
                         _to(inv_scale, dev),
-                    )
+                    )  # fmt: skip
                 fi, inv = per_device[dev]
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)
             flags = [_to(fi, self._device) for fi, _ in per_device.values()]
             if len(flags) == 1:
                 found_inf = flags[0]
             elif flags:
-                found_inf = torch.stack(flags).sum()
+                found_inf = torch.stack(flags).amax()  # 0 / 1: fused optimizers skip on == 1 only
             else:
                 found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         st["found_inf"] = self._reduce_flags(found_inf)
@@ -445,7 +420,7 @@ class GradScaler:
         """Updates the scale and skip counters once per iteration, on the device.
 
         Combines the overflow checks of every optimizer unscaled or stepped since the last
-        update and calls :func:`unimp.loss_scale.update_arrays` (matches torch.amp.GradScaler:
+        update and applies unimp's rule (:meth:`_apply_update`; matches torch.amp.GradScaler:
         back off on overflow, grow on the growth_interval-th consecutive finite step, never to
         inf; plus min/max scale, skip counters and the forward-overflow rule).
 
@@ -493,16 +468,46 @@ class GradScaler:
                 raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
         return self._ops.f32(f)
 
-    def _update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _flag_views(self) -> tuple[torch.Tensor, ...]:
+        """``(loss_inf, grads_inf, skip)``: 0-d views of the step's ``flags`` scratch, made once."""
+        views = self.__dict__["_scratch"].get("flag_views")
+        if views is None:
+            views = self._scratch["flag_views"] = tuple(self._buffer("flags", (3,)).unbind())
+        return views
+
+    def _update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: Any = None) -> tuple[torch.Tensor, ...]:
         """The end of an iteration: the rule applied (:meth:`_apply_update`) and the
         per-optimizer stages reset; returns the rule's results."""
-        out = self._apply_update(grads_finite, loss_finite)
+        out = self._apply_update(grads_finite, loss_finite, flags)
         self._per_opt.clear()
         return out
 
-    def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Runs the rule and copies its results into the state; returns the results (fresh
-        tensors that later updates leave alone, for a step's report)."""
+    def _buffer(self, name: str, shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """A float32 scratch on the scaler's device, made once (``inv_scale``, the fused
+        update's ``overflow``, the train step's ``flags``); never pickled."""
+        scratch = self.__dict__.setdefault("_scratch", {})
+        buf = scratch.get(name)
+        if buf is None:
+            buf = scratch[name] = torch.zeros(shape, dtype=torch.float32, device=self._device)
+        return buf
+
+    def _apply_update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: Any = None) -> tuple[torch.Tensor, ...]:
+        """Runs the rule on the state, in place; returns ``(scale, counter, consecutive_skips,
+        total_skips, *extra)`` where the skip counters (and, on the reference path, every
+        field) are snapshots that later updates leave alone, for a step's report.
+
+        Where :func:`fused_rule` holds, the update is torch's fused kernel and a
+        few in-place ops (``flags``: the caller's ``(overflow, skipped)`` if it has them);
+        elsewhere :func:`unimp.loss_scale.update_arrays`, copied into the state.
+        """
+        if fused_rule(self._config):
+            overflow, skipped = flags or flags_from_bools(grads_finite, loss_finite, self._buffer("overflow"))
+            consecutive, total = update_in_place(
+                self._config, self._scale, self._counter, self._skips, self._consecutive,
+                loss_finite=loss_finite, overflow=overflow, skipped=skipped,
+            )  # fmt: skip
+            self._loss_finite = self._ops.true
+            return (self._scale, self._counter, consecutive, total, *self._extra)
         out = update_arrays(
             self._ops, self._config, self._scale, self._counter, self._consecutive, self._total,
             grads_finite, loss_finite, extra=self._extra,
@@ -522,6 +527,7 @@ class GradScaler:
         pickle names no private class of this package."""
         d = self.__dict__.copy()
         d.pop("_ops", None)
+        d.pop("_scratch", None)  # made again on first use
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -529,6 +535,9 @@ class GradScaler:
         self._ops = _TorchOps(self._device)
         if "_extra" not in d:  # pickled before the format-2 fields: they start at 0
             self._extra = tuple(torch.zeros((), dtype=torch.int32, device=self._device) for _ in EXTRA_FIELDS)
+        # a pickle holds the two counters apart (or, from before, no _skips): one tensor again
+        self._skips = torch.stack([self._consecutive, self._total])
+        self._consecutive, self._total = self._skips.unbind()
 
     def state_dict(self) -> dict[str, Any]:
         """unimp's portable loss-scale state (``unimp.loss_scale.state_dict``), JSON-able; the

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unimp.backends.torch._update import fused_rule
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
-from unimp.backends.torch.optimizer import _check_half_state
+from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler, _to_host
@@ -179,8 +180,23 @@ class TrainStep(LoggedStep):
         sc = self.scaler
         opt = self.optimizer
         sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
-        scale_used = sc._scale.clone()
-        factor = scale_used if k == 1 else scale_used / k
+        # the fused path (one process, a rule torch's kernel follows): the loss and gradient
+        # overflow flags and the skip flag live in one scratch, zeroed by one op, written by
+        # torch's check kernel and one maximum
+        flags = sc._buffer("flags", (3,)) if fused_rule(sc.config) and sc._group() is None else None
+        if flags is not None:
+            flags.zero_()
+            loss_inf, grads_inf, skip = sc._flag_views()
+        # the scale this step uses (the update changes the state in place): a static scale never
+        # changes, so the state tensor is it; on the fused path its float64 copy, which is also
+        # what unscale's reciprocal reads (one op for both, the same value)
+        scale64 = sc._scale.double() if flags is not None and sc.config.dynamic else None
+        if scale64 is not None:
+            scale_used = scale64
+        else:
+            scale_used = sc._scale.clone() if sc.config.dynamic else sc._scale
+        factor = sc._scale if k == 1 else sc._scale / k  # read before the update
+        unscaled = sc.config.unity and k == 1  # loss * 1 is the loss: backward on it directly
         losses = []
         # state the forward pass changes (norm running statistics, num_batches_tracked): kept
         # to be selected back on a skipped step, on the device (pytorch/pytorch#88474)
@@ -198,11 +214,14 @@ class TrainStep(LoggedStep):
                         "reduce it, e.g. loss.mean()."
                     )
                 detached = loss.detach()
-                finite = _to(torch.isfinite(detached), sc.device)
-                # the flag starts as the cached True, and True & x is x: one op fewer a step
-                start = sc._loss_finite is sc._ops.true
-                sc._loss_finite = finite if start else sc._loss_finite & finite
-                (loss * _to(factor, loss.device)).backward()
+                if flags is None:
+                    finite = _to(torch.isfinite(detached), sc.device)
+                    # the flag starts as the cached True, and True & x is x: one op fewer a step
+                    start = sc._loss_finite is sc._ops.true
+                    sc._loss_finite = finite if start else sc._loss_finite & finite
+                (loss if unscaled else loss * _to(factor, loss.device)).backward()
+                if flags is not None:  # after backward: the check multiplies the loss by 1 in place
+                    _check_loss(detached, loss_inf, sc._ops.f32(1.0))
                 losses.append(_to(detached.float(), sc.device))
                 if accum is not None:
                     _accumulate(self.model, sums, to_dtype(accum))
@@ -216,12 +235,13 @@ class TrainStep(LoggedStep):
             _restore_forward_state(buffers, None)
             raise
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
-        sc.unscale_(opt)
+        sc.unscale_(opt, _found_inf=None if flags is None else grads_inf, _scale64=scale64)
         found_inf = sc._opt_state(opt)["found_inf"]
         stats = grad_flags = None
         if recorder is not None:  # unscaled, before clipping, at the step's scale
-            grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale_used)
-            stats = _pending(self.calls, scale_used, grad_stats, recorder.entries)
+            scale32 = scale_used.float()  # the float32 scale (a float64 copy on the fused path)
+            grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale32)
+            stats = _pending(self.calls, scale32, grad_stats, recorder.entries)
         elif self._recorder is not None:  # logged: which gradient went non-finite first
             grad_flags = _grad_flags(opt, _param_names(self.model, opt), sc.device)
         grad_norm = None
@@ -243,10 +263,23 @@ class TrainStep(LoggedStep):
                     groups.setdefault(g.device, []).append(g)
                 for dev, gs in groups.items():
                     torch._foreach_mul_(gs, _to(coef, dev))
-        applied = sc.step(opt)
+        if flags is None:
+            applied = sc.step(opt)
+            grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never in place
+            fused = None
+        else:  # sc.step() with the loss flag as torch's found_inf
+            if found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
+                grads_inf.copy_(found_inf)
+            # 1: skip the step (exactly 1: torch's fused optimizers skip on found_inf == 1 only)
+            torch.maximum(loss_inf, grads_inf, out=skip)
+            _guarded_step(opt, skip, (), {})
+            # the three report flags in one op: a fresh tensor, so views of it are the step's own
+            loss_finite, grads_finite, applied = torch.eq(flags, 0).unbind()
+            # the backoff flag (finite loss, non-finite gradients); a static scale needs none
+            overflow = torch.gt(loss_finite, grads_finite, out=sc._buffer("overflow")) if sc.config.dynamic else None
+            fused = (overflow, applied.logical_not())
         _restore_forward_state(buffers, applied)
-        grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never changed in place
-        _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite)  # sc.update(), kept
+        _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite, fused)  # sc.update()
         opt.zero_grad(set_to_none=True)
         raw = {
             "loss": mean_loss,
@@ -287,6 +320,18 @@ def _accumulate(
         entry = sums.get(id(p))
         sums[id(p)] = (p, g if entry is None else entry[1] + g)
         p.grad = None
+
+
+def _check_loss(loss: torch.Tensor, loss_inf: torch.Tensor, one: torch.Tensor) -> None:
+    """Sets ``loss_inf`` (float32 0-d, the scaler's device) to 1 when ``loss`` is not finite, with
+    torch's check kernel (one op; it multiplies ``loss`` by ``one`` in place, which changes no
+    value); through a scratch on the loss's device when that is another one."""
+    if loss.device == loss_inf.device:
+        torch._amp_foreach_non_finite_check_and_unscale_([loss], loss_inf, one)
+    else:
+        here = torch.zeros((), dtype=torch.float32, device=loss.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([loss], here, _to(one, loss.device))
+        torch.maximum(loss_inf, _to(here, loss_inf.device), out=loss_inf)
 
 
 def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

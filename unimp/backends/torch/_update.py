@@ -1,0 +1,149 @@
+"""The loss-scale update on device tensors: :class:`_TorchOps`, the array namespace that
+:func:`unimp.loss_scale.update_arrays` (the reference) runs on, and the fused path, the rule in
+as few torch ops as the common configs allow: torch's ``torch._amp_update_scale_`` plus a
+clamp, and the skip counters in place.
+
+The reference stays the path for the configs the fused one cannot follow bit for bit (see
+:func:`fused_rule`). Everything here runs on the device,
+in place (tensors handed out earlier and CUDA graphs see the new values), with no host sync.
+
+Why ``_amp_update_scale_`` (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp and
+cuda/AmpKernels.cu, ``amp_update_scale_cuda_kernel``) equals the reference for these configs:
+
+* it takes the factors as float64 and multiplies the float32 scale by them in float64, then
+  rounds to float32. Given the float32 factor (``float(np.float32(f))``), the float64 product of
+  two float32 numbers is exact (48 significant bits), so the one rounding gives the correctly
+  rounded float32 product: the reference's ``scale * f32(factor)``. (The config already holds
+  float32-rounded factors; with 1.1 unrounded, 3 * 1.1 would give 3.3 instead of 3.3000002.)
+* overflow (``found_inf`` nonzero): ``scale * backoff``, counter 0; else the counter counts and,
+  on reaching ``growth_interval`` (``==``; the reference's ``>=`` is the same because a valid
+  state keeps ``counter < growth_interval``), the scale grows unless the product is inf, and
+  the counter restarts at 0.
+* the reference floors a backoff at ``min_scale`` and caps a growth at ``max_scale``: one
+  ``clamp_`` after the kernel does both, because a valid state keeps the scale inside
+  ``[floor, max_scale]`` (every load and override is validated), so the clamp changes nothing
+  on the other branches. With a ``max_scale`` the reference caps an inf growth at ``max_scale``
+  where torch keeps the scale: the fused path is used only where ``max_scale * growth_factor``
+  is finite in float32, so no growth from a scale ``<= max_scale`` is inf.
+* a non-finite loss (forward overflow) must leave scale and counter alone: ``found_inf`` is
+  then 0 and the counter is first lowered by 1, so the kernel's ``+1`` restores it and it never
+  reaches ``growth_interval`` (it is below it before).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from unimp.loss_scale import LossScaleConfig, tracks_extra
+
+
+class _TorchOps:
+    """The array namespace :func:`unimp.loss_scale.update_arrays` runs on: device tensors.
+
+    Constants are made once per value and cached, so an update issues no host-to-device copy
+    after the first one.
+    """
+
+    where = staticmethod(torch.where)
+    minimum = staticmethod(torch.minimum)
+    maximum = staticmethod(torch.maximum)
+    isfinite = staticmethod(torch.isfinite)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cache: dict[tuple[Any, torch.dtype], torch.Tensor] = {}
+
+    def _const(self, x: Any, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.to(dtype)
+        key = (x, dtype)
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(x, dtype=dtype, device=self.device)
+        return self._cache[key]
+
+    def f32(self, x: Any) -> torch.Tensor:
+        return self._const(float(x) if not isinstance(x, torch.Tensor) else x, torch.float32)
+
+    def i32(self, x: Any) -> torch.Tensor:
+        return self._const(int(x) if not isinstance(x, torch.Tensor) else x, torch.int32)
+
+    @property
+    def true(self) -> torch.Tensor:
+        """A cached 0-d ``True`` on the device (the loss-finite flag's start value)."""
+        return self._const(True, torch.bool)
+
+
+def fused_rule(config: LossScaleConfig) -> bool:
+    """True where :func:`update_in_place` equals :func:`unimp.loss_scale.update_arrays` bit for
+    bit: every static config, and dynamic ones without the format-2 rule (hysteresis, overflow
+    tolerance, floor action), without ``delayed_first_growth``, and whose ``max_scale`` (if
+    any) times the growth factor is finite in float32."""
+    if not config.dynamic:
+        return True
+    if tracks_extra(config) or config.delayed_first_growth:
+        return False
+    if config.max_scale is not None:
+        with np.errstate(over="ignore"):
+            return bool(np.isfinite(np.float32(config.max_scale) * np.float32(config.growth_factor)))
+    return True
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as a Python float (what the reference multiplies with)."""
+    return float(np.float32(x))
+
+
+def update_in_place(
+    config: LossScaleConfig,
+    scale: torch.Tensor,
+    counter: torch.Tensor,
+    skips: torch.Tensor,
+    consecutive: torch.Tensor,
+    *,
+    loss_finite: torch.Tensor | None,
+    overflow: torch.Tensor | None,
+    skipped: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the rule, in place, for a config :func:`fused_rule` accepts.
+
+    Args:
+        config: the loss-scale config (static in the call).
+        scale: float32 0-d; counter: int32 0-d; skips: int32 ``[consecutive_skips,
+            total_skips]`` (the state, changed in place; one tensor, so each counter op and the
+            snapshot serve both); consecutive: the 0-d view ``skips[0]`` (made once by the caller:
+            indexing is an op too).
+        loss_finite: bool 0-d, the loss was finite.
+        overflow: float32 0-d, nonzero when the loss was finite and a gradient was not (the
+            step that backs off).
+        skipped: bool 0-d, the step was skipped (non-finite loss or gradients).
+
+    Returns:
+        ``(consecutive_skips, total_skips)`` after the step: views of a snapshot that later
+        updates leave alone (for a step's report).
+
+    Ops: the skip counters 4 (``skips += skipped``, ``consecutive *= skipped``, the snapshot
+    and its ``unbind`` view); a dynamic scale 4 more (the counter's forward-overflow correction
+    2, the kernel, the clamp), against :func:`unimp.loss_scale.update_arrays`'s 17 and 4 copies.
+    ``loss_finite`` and ``overflow`` are read only for a dynamic scale (None otherwise).
+    """
+    if config.dynamic:
+        counter.add_(loss_finite).sub_(1)  # a forward overflow: the kernel's +1 gives it back
+        torch._amp_update_scale_(
+            scale, counter, overflow,
+            _f32(config.growth_factor), _f32(config.backoff_factor), int(config.growth_interval),
+        )  # fmt: skip
+        hi = None if config.max_scale is None else _f32(config.max_scale)
+        scale.clamp_(_f32(config.floor), hi)
+    skips.add_(skipped)  # [consecutive + s, total + s]
+    consecutive.mul_(skipped)  # (consecutive + s) * s: consecutive + 1 on a skip, 0 otherwise
+    return tuple(skips.clone().unbind())  # type: ignore[return-value]
+
+
+def flags_from_bools(grads_finite: torch.Tensor, loss_finite: torch.Tensor, out: torch.Tensor) -> Any:
+    """``(overflow, skipped)`` for :func:`update_in_place` from the two finite flags (bool
+    0-d); ``overflow`` is written into ``out`` (float32 0-d)."""
+    torch.gt(loss_finite, grads_finite, out=out)  # finite loss, non-finite gradients
+    return out, (grads_finite & loss_finite).logical_not()
