@@ -145,7 +145,7 @@ class Trainer:
                 self.step = mp.train_step(
                     loss_fn, optimizer, params, donate=dev.platform != "cpu"
                 )
-            self.jitted = self.step.jitted
+            self.jitted = self.step._call_jitted  # noqa: SLF001 - what step(batch) runs
             self._one = self._unimp_one
         elif impl == "native":
             self.params = params

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -18,7 +19,13 @@ from unimp import (
     state_dict,
     update,
 )
-from unimp.loss_scale import LossScaleState, check_state, loss_scale_from_dict
+from unimp.loss_scale import (
+    EXTRA_FIELDS,
+    LossScaleState,
+    check_state,
+    loss_scale_from_dict,
+    update_arrays,
+)
 
 # ---- right values from the core issue ---------------------------------------------------------
 
@@ -421,3 +428,32 @@ def test_simulate_takes_bools_and_0_1():
     cfg = unimp.DynamicLossScale(init_scale=8.0, growth_interval=1)
     scales = [float(s.scale) for s in unimp.simulate(cfg, [1, 0, np.bool_(True), (True, False)])]
     assert scales == [16.0, 8.0, 16.0, 16.0]
+
+
+@pytest.mark.parametrize(
+    "cfg, unchanged",
+    [
+        (NoLossScale(), ("scale", "counter", *EXTRA_FIELDS)),
+        (StaticLossScale(128.0), ("scale", "counter", *EXTRA_FIELDS)),
+        (DynamicLossScale(), EXTRA_FIELDS),
+        (DynamicLossScale(hysteresis=2), ()),
+        (DynamicLossScale(floor_action="warn"), ()),
+    ],
+    ids=["none", "static", "dynamic", "hysteresis", "floor-warn"],
+)
+@pytest.mark.parametrize("g, lf", [(True, True), (False, True), (True, False), (False, False)])
+def test_unchanged_fields_come_back_as_the_same_arrays(cfg, unchanged, g, lf):
+    # a compiled step returns these from its caller instead of copying them (JAX, TensorFlow)
+    from unimp.loss_scale.rule import _NumpyOps
+
+    assert unimp.loss_scale.unchanged_fields(cfg) == unchanged
+    held = [np.float32(4.0), *(np.int32(i) for i in range(1, 4))]
+    extra = tuple(np.int32(i) for i in range(5, 9))
+    names = [f.name for f in dataclasses.fields(LossScaleState)]
+    args = (_NumpyOps, cfg, *held, np.bool_(g), np.bool_(lf))
+    out = update_arrays(*args, extra=extra)
+    same = {n for n, old, new in zip(names, (*held, *extra), out, strict=True) if new is old}
+    assert set(unchanged) <= same
+    # the caller's own applied flag gives the same bits
+    fused = update_arrays(*args, extra=extra, applied=np.bool_(g and lf))
+    assert [np.asarray(x).tobytes() for x in fused] == [np.asarray(x).tobytes() for x in out]

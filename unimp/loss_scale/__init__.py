@@ -56,7 +56,14 @@ from unimp.loss_scale.config import (
     warn_replica_desync,
 )
 from unimp.loss_scale.portable import STATE_FORMAT, from_state_dict, state_dict
-from unimp.loss_scale.rule import check_state, simulate, tracks_extra, update, update_arrays
+from unimp.loss_scale.rule import (
+    check_state,
+    simulate,
+    tracks_extra,
+    unchanged_fields,
+    update,
+    update_arrays,
+)
 
 __all__ = [
     "EXTRA_FIELDS",
@@ -76,6 +83,7 @@ __all__ = [
     "simulate",
     "state_dict",
     "tracks_extra",
+    "unchanged_fields",
     "update",
     "update_arrays",
     "warn_replica_desync",

@@ -42,6 +42,17 @@ def tracks_extra(config: LossScaleConfig) -> bool:
     )
 
 
+def unchanged_fields(config: LossScaleConfig) -> tuple[str, ...]:
+    """The :class:`LossScaleState` fields that :func:`update_arrays` returns unchanged (the
+    very arrays it was given) for ``config``, whatever the flags: a static or absent scale
+    leaves ``scale``, ``counter`` and the format-2 fields alone; a dynamic rule that does not
+    track the format-2 fields (:func:`tracks_extra`) leaves those. Static in the config: a
+    compiled step need not write (nor copy) them."""
+    if not config.dynamic:
+        return ("scale", "counter", *EXTRA_FIELDS)
+    return () if tracks_extra(config) else EXTRA_FIELDS
+
+
 def update_arrays(
     ops: Any,
     config: LossScaleConfig,
@@ -52,6 +63,7 @@ def update_arrays(
     grads_finite: Any,
     loss_finite: Any,
     extra: tuple[Any, ...] | None = None,
+    applied: Any = None,
 ) -> tuple[Any, ...]:
     """The loss-scale algorithm, branch-free, over any array namespace.
 
@@ -75,6 +87,8 @@ def update_arrays(
         loss_finite: bool scalar, the (unscaled) loss is finite.
         extra: ``None``, or the format-2 fields of :class:`LossScaleState` as int32 scalars
             (``hysteresis_used, overflows_since_rescale, steps_since_rescale, floor_hits``).
+        applied: ``grads_finite & loss_finite`` where the caller has computed it already (for
+            its own conditional update: one op less in a graph); ``None`` computes it here.
 
     Returns:
         ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes; with
@@ -92,8 +106,10 @@ def update_arrays(
         )
     # Written for few kernels: every op here is a kernel launch (torch, TF graph) or a fused
     # scalar op (XLA). tests/test_loss_scale.py checks it against the plain nested-select spec.
-    applied = grads_finite & loss_finite
-    backoff = loss_finite != applied  # finite loss, non-finite gradients: an overflow
+    # A static or absent loss scale leaves scale, counter and the format-2 fields as they are
+    # (the same arrays come back, so a backend can skip writing them) and needs no overflow flag.
+    if applied is None:
+        applied = grads_finite & loss_finite
     zero = ops.i32(0)
     one = ops.i32(1)
     new_consecutive = ops.where(applied, zero, consecutive_skips + one)
@@ -101,6 +117,7 @@ def update_arrays(
     if not config.dynamic:
         out = (scale, counter, new_consecutive, new_total)
         return out if extra is None else (*out, *extra)
+    backoff = loss_finite != applied  # finite loss, non-finite gradients: an overflow
     grown = scale * ops.f32(config.growth_factor)
     if config.max_scale is not None:
         grown = ops.minimum(grown, ops.f32(config.max_scale))  # finite: max_scale <= float32 max

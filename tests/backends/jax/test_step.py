@@ -61,7 +61,7 @@ def test_train_step_second_call_does_not_recompile(opt, host_params):
     step(jnp.array([jnp.inf, 1.0]))  # a skipped step runs the same compiled function
     step(jnp.ones(2) * 2)
     assert step.traces == 1
-    assert step.jitted._cache_size() == 1
+    assert step._call_jitted._cache_size() == 1  # the program step(batch) runs
 
 
 @pytest.mark.parametrize("opt", ["adam", "chain-clip-adamw"])
@@ -84,6 +84,33 @@ def test_train_step_donate_updates_in_place_with_the_same_results(opt):
     assert float(params["b"]) == 0.25
     with pytest.raises(TypeError, match="donate must be True or False"):
         mp.train_step(_affine_loss, optax.sgd(0.1), params, donate="yes")
+
+
+@pytest.mark.parametrize(
+    "scale, donate",
+    [(core.NoLossScale(), False), (core.DynamicLossScale(init_scale=4.0, growth_interval=2), False),
+     (core.DynamicLossScale(init_scale=4.0, hysteresis=2, floor_action="warn"), False),
+     (core.NoLossScale(), True)],
+    ids=["none", "dynamic", "dynamic-format-2", "none-donated"],
+)
+def test_call_runs_a_lean_twin_of_jitted_with_the_same_state_and_report(scale, donate):
+    # step(batch) compiles the step without the outputs it holds already (each was an XLA
+    # copy a step); what it keeps and reports must be jitted's, bit for bit
+    mp = ujax.MixedPrecision(unimp.Recipe("float32", scale))
+    params = {"w": jnp.array([0.5, -1.0]), "b": jnp.float32(0.25)}
+    step = mp.train_step(_affine_loss, optax.adam(0.1), params, donate=donate)
+    state = jax.tree_util.tree_map(jnp.copy, (step.params, step.opt_state, step.loss_scale))
+    pure = jax.jit(step.replica_step)
+    for b in [jnp.ones(2), jnp.array([jnp.inf, 1.0]), jnp.array([3.0, -2.0]), jnp.ones(2) * 2]:
+        r = step(b)
+        *state, raw = pure(*state, b)
+        assert tree_bits(step.params) == tree_bits(state[0])
+        assert tree_bits(step.opt_state) == tree_bits(state[1])
+        assert tree_bits(step.loss_scale) == tree_bits(state[2])
+        assert step.loss_scale.config == state[2].config
+        got = {k: v for k, v in r.raw.items() if k != "floor_step"}  # the host's step index
+        assert sorted(got) == sorted(raw) and tree_bits(got) == tree_bits(raw)
+    assert step.traces == 1 + 1  # the lean twin, and jit(replica_step) above
 
 
 def test_train_step_grad_overflow_skips_and_backs_off():

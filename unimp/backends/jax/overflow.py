@@ -119,6 +119,12 @@ def _varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # JAX 0.6 - 0.8
 
 
+def _tracks_variance(axis_name: Any) -> bool:
+    """True under shard_map with check_vma=True: JAX types values as varying over the axis,
+    and the gradient of an invariant (replicated) param is all-reduced by the transpose."""
+    return axis_name in _varying_axes(lax.axis_index(axis_name))
+
+
 def sync_loss_scale(ls: Any, axis_name: Any) -> Any:
     """The loss-scale state of replica 0 on every replica, warning when the replicas differed.
 

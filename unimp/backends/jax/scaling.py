@@ -505,3 +505,18 @@ def loss_scale_from_state_dict(d: Mapping[str, Any]) -> LossScale:
     """
     config, state = core.from_state_dict(d)
     return _PYTREE_FOR[type(config)].from_config(config, state)
+
+
+def _changed_fields(ls: LossScale, forward: bool) -> dict[str, Any]:
+    """The fields of ``ls`` (after ``adjust``) that the update may have changed, by name: all of
+    them, or with ``forward`` (the state given to the step is still valid after it, i.e. not
+    donated) those not in :func:`unimp.loss_scale.unchanged_fields`, which the caller takes
+    from that state (:func:`_rejoin`) instead of a copy XLA makes of an input it returns."""
+    same = core.unchanged_fields(ls.config) if forward else ()
+    names = [f.name for f in dataclasses.fields(ls) if not f.metadata.get("static")]
+    return {n: getattr(ls, n) for n in names if (n if n != "loss_scale" else "scale") not in same}
+
+
+def _rejoin(old: LossScale, changed: Mapping[str, Any]) -> LossScale:
+    """``old`` with the fields :func:`_changed_fields` returned."""
+    return _replace_unchecked(old, **changed)

@@ -5,6 +5,7 @@ clipping, gradient accumulation, the guarded update), optionally over a data-par
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -27,13 +28,18 @@ from unimp.backends.jax.overflow import (
     _keep_unless,
     _own_gradients,
     _reduce_in,
-    _varying_axes,
+    _tracks_variance,
     all_finite,
     sync_loss_scale,
 )
 from unimp.backends.jax.overrides import apply_overrides
 from unimp.backends.jax.precision import matmul_precision
-from unimp.backends.jax.scaling import LossScale, loss_scale_from_state_dict
+from unimp.backends.jax.scaling import (
+    LossScale,
+    _changed_fields,
+    _rejoin,
+    loss_scale_from_state_dict,
+)
 from unimp.backends.jax.stats import (
     _collecting,
     _grad_flags,
@@ -54,12 +60,6 @@ from unimp.steprecorder import LoggedStep
 
 if TYPE_CHECKING:
     from unimp.backends.jax.mixed_precision import MixedPrecision
-
-
-def _tracks_variance(axis_name: Any) -> bool:
-    """True under shard_map with check_vma=True: JAX types values as varying over the axis,
-    and the gradient of an invariant (replicated) param is all-reduced by the transpose."""
-    return axis_name in _varying_axes(lax.axis_index(axis_name))
 
 
 class TrainStep(LoggedStep):
@@ -265,6 +265,8 @@ class TrainStep(LoggedStep):
         )
         if mesh is None:
             self._jitted = jax.jit(self._step, donate_argnums=donated)
+            # what __call__ runs: the same program less the outputs it holds already (_traced)
+            self._call_jitted = jax.jit(partial(self._traced, lean=True), donate_argnums=donated)
         else:
             P = jax.sharding.PartitionSpec
             replicated = jax.sharding.NamedSharding(mesh, P())
@@ -282,6 +284,7 @@ class TrainStep(LoggedStep):
                 ),
                 donate_argnums=donated,
             )
+            self._call_jitted = self._jitted
 
     # -- the pure, jitted step ----------------------------------------------------------------
 
@@ -294,7 +297,7 @@ class TrainStep(LoggedStep):
         self, params: Any, opt_state: Any, ls: LossScale, batch: Any, model_state: Any = None
     ) -> Any:
         """:meth:`_step` that also returns the statistics, as ``raw["stats"]``."""
-        return self._traced(params, opt_state, ls, batch, model_state, True)
+        return self._traced(params, opt_state, ls, batch, model_state, True, lean=True)
 
     def _traced(
         self,
@@ -302,8 +305,9 @@ class TrainStep(LoggedStep):
         opt_state: Any,
         ls: LossScale,
         batch: Any,
-        model_state: Any,
-        with_stats: bool,
+        model_state: Any = None,
+        with_stats: bool = False,
+        lean: bool = False,
     ) -> Any:
         self._traces += 1  # runs only while tracing: counts compilations
         k = self._k
@@ -436,6 +440,12 @@ class TrainStep(LoggedStep):
             raw["stats"] = stats
         if flags is not None:
             raw["grad_flags"] = flags
+        if lean:  # no output that duplicates another, nor an input __call__ still holds:
+            # each would be a copy (a kernel) per step; __call__ puts them back (_rejoin)
+            forward = not self._donate  # a donated input is gone after the call
+            raw.update({k: None for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
+            raw.update({"scale": None} if forward else {})
+            new_ls = _changed_fields(new_ls, forward)
         if self._stateful:
             return params, opt_state, new_ls, raw, model_state
         return params, opt_state, new_ls, raw
@@ -482,7 +492,8 @@ class TrainStep(LoggedStep):
             )
         args = (self._params, self._opt_state, self._loss_scale, batch)
         with_stats = self._stats_every is not None and self._calls % self._stats_every == 0
-        jitted = self._stats_jitted if with_stats else self._jitted
+        jitted = self._stats_jitted if with_stats else self._call_jitted
+        before = self._loss_scale
         # traced under the policy's matmul precision: the config is part of jit's cache key
         with matmul_precision(self._mp.policy.matmul_precision):
             if self._stateful:
@@ -498,6 +509,10 @@ class TrainStep(LoggedStep):
                     ) from e
             else:
                 params, opt_state, ls, raw = jitted(*args)
+        if self._mesh is None:  # the lean program's outputs: back to the full ones
+            ls = _rejoin(before, ls)
+            raw.update({k: getattr(ls, k) for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
+            raw["scale"] = before.loss_scale if raw["scale"] is None else raw["scale"]
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         stats = None
         if with_stats:
@@ -565,8 +580,8 @@ class TrainStep(LoggedStep):
     def jitted(self) -> Callable[..., Any]:
         """The pure jitted function ``(params, opt_state, loss_scale, batch) -> (params,
         opt_state, loss_scale, raw_results)`` (with ``model_state=``, it takes and returns the
-        model state last), for use in your own loop (with ``donate=True``
-        it deletes its first three arguments)."""
+        model state last), for your own loop (``donate=True``: it deletes its first three
+        arguments). Compiled on its first call: ``step(batch)`` runs a lean twin of it."""
         return self._jitted
 
     def state_dict(self) -> dict[str, Any]:

@@ -467,16 +467,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         held = [tf.convert_to_tensor(v) for v in self._state_variables()]
         extra = _extra(self)
         scale, counter, consecutive, total, *extra = update_arrays(
-            _TFOps, self._loss_scale_config, *held, grads_finite, loss_finite, extra=extra
+            _TFOps, self._loss_scale_config, *held, grads_finite, loss_finite, extra=extra,
+            applied=applied,
         )
         # A skipped step must not touch the inner optimizer at all (its iterations included).
         tf.cond(applied, apply_inner, lambda: _count_skipped(self))
-        self.dynamic_scale.assign(scale)
-        self.counter.assign(counter)
+        if self._loss_scale_config.dynamic:  # a static or absent scale returns them unchanged
+            self.dynamic_scale.assign(scale)
+            self.counter.assign(counter)
+            if extra:
+                self.loss_scale_extra.assign(tf.stack(extra))
         self.consecutive_skips.assign(consecutive)
         self.total_skips.assign(total)
-        if extra:
-            self.loss_scale_extra.assign(tf.stack(extra))
         self._bad_losses.assign(0.0)
         return applied, consecutive, total
 

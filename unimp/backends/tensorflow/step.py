@@ -403,7 +403,8 @@ class TrainStep(LoggedStep):
                     "tf.reduce_mean)."
                 )
             loss32 = tf.cast(loss, tf.float32)
-            scaled = loss32 * scale
+            # no loss scale (scale 1.0, its kind built into the graph): no multiply, the same bits
+            scaled = loss32 * scale if self.optimizer.loss_scale_config.enabled else loss32
         return tape.gradient(scaled, self._variables), loss32
 
     def _step(self, batch: Any) -> dict:
@@ -425,7 +426,10 @@ class TrainStep(LoggedStep):
         scale = tf.identity(tf.convert_to_tensor(self.optimizer.dynamic_scale))
         if self.grad_accum_steps == 1:
             grads, loss32 = self._scaled_grads(batch, scale)
-            unscaled = [None if g is None else _unscale(g, scale) for g in grads]
+            if self.optimizer.loss_scale_config.enabled:
+                unscaled = [None if g is None else _unscale(g, scale) for g in grads]
+            else:  # x / 1.0 is x: no divide (nor its casts) per gradient
+                unscaled = list(grads)
             return self._finish(unscaled, loss32, tf.math.is_finite(loss32), scale)
         # a window of k micro-batches: sum the scaled gradients in float32 (or the policy's
         # accum_dtype, rounded at every addition) from exact zeros, take the mean in float32,
@@ -442,8 +446,11 @@ class TrainStep(LoggedStep):
                     g = tf.cast(tf.convert_to_tensor(g), accum)
                     total[i] = g if total[i] is None else _add_rounded(total[i], g)
         kf = tf.constant(float(k), tf.float32)
+        enabled = self.optimizer.loss_scale_config.enabled  # x / 1.0 is x: no divide without
         unscaled = [
-            None if t is None else tf.cast((tf.cast(t, tf.float32) / kf) / scale, v.dtype)
+            None
+            if t is None
+            else tf.cast((tf.cast(t, tf.float32) / kf) / scale if enabled else tf.cast(t, tf.float32) / kf, v.dtype)
             for t, v in zip(total, self._variables, strict=True)
         ]
         stacked = tf.stack(losses)
