@@ -48,7 +48,8 @@ class NumpyOps:
 
     @staticmethod
     def amax(x: Any) -> Any:
-        """Max over every element, NaN-propagating (as np.max, torch.max, tf.reduce_max)."""
+        """Max over every element, NaN-propagating (as np.max, torch.max, tf.reduce_max); 0
+        over no element (an empty batch: amax is max(abs(x)) with initial 0), in every backend."""
         return np.float32(np.max(x)) if np.size(x) else np.float32(0)
 
     @staticmethod
@@ -233,7 +234,8 @@ def quantize_arrays(ops: Any, x: Any, scale: Any, dtype: str, fmax: float) -> An
 
 
 def amax_of(ops: Any, x: Any) -> Any:
-    """``max(abs(x))`` in float32 (NaN-propagating), the amax every implementation records."""
+    """``max(abs(x))`` in float32 (NaN-propagating), the amax every implementation records;
+    0 for an empty ``x`` (the rule then treats it as any amax 0, per preset)."""
     with _scope(ops, "fp8_amax"):
         return ops.amax(ops.abs(ops.to_f32(x)))
 

@@ -43,7 +43,9 @@ class Fp8Ops:
 
     @staticmethod
     def amax(x: jax.Array) -> jax.Array:
-        return jnp.max(x)  # NaN-propagating
+        # NaN-propagating; 0 over no element, as the reference (jnp.max raises there; the
+        # size is static under jit)
+        return jnp.max(x) if jnp.size(x) else jnp.zeros((), jnp.asarray(x).dtype)
 
     @staticmethod
     def push(history: jax.Array, amax: jax.Array) -> jax.Array:

@@ -43,7 +43,9 @@ class Fp8Ops:
 
     @staticmethod
     def amax(x: tf.Tensor) -> tf.Tensor:
-        return tf.reduce_max(x)  # NaN-propagating (observed on CPU, tf 2.21)
+        # NaN-propagating (observed on CPU, tf 2.21); 0 over no element, as the reference
+        # (tf.reduce_max gives -inf there; the size may be known only at run time)
+        return tf.where(tf.size(x) > 0, tf.reduce_max(x), tf.zeros((), x.dtype))
 
     @staticmethod
     def push(history: tf.Tensor, amax: tf.Tensor) -> tf.Tensor:

@@ -62,7 +62,9 @@ class Fp8Ops:
 
     @staticmethod
     def amax(x: torch.Tensor) -> torch.Tensor:
-        return torch.max(x)  # NaN-propagating
+        # NaN-propagating; 0 over no element, as the reference (torch.max raises on an empty
+        # tensor; numel is host metadata, so this is no sync)
+        return torch.max(x) if x.numel() else x.new_zeros(())
 
     @staticmethod
     def push(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
