@@ -343,6 +343,45 @@ def fp8_model_layers(model: Any) -> list[tuple[str, str, Any]]:
     return out
 
 
+def _call_sites(container: Any, sub: Any) -> int:
+    """How many times ``container``'s graph calls ``sub``: its nodes in a functional model
+    (Keras keys them ``"<id(layer)>_ib-<i>"``), its entries in a Sequential; else 1."""
+    import keras
+
+    nodes = getattr(container, "_nodes", None)
+    if isinstance(container, keras.Sequential):
+        return sum(layer is sub for layer in container.layers)
+    if isinstance(nodes, set):
+        return max(1, sum(str(k).split("_ib-")[0] == str(id(sub)) for k in nodes))
+    return 1
+
+
+def fp8_select(model: Any, recipe: Any) -> tuple[str, ...]:
+    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.Fp8Recipe.select`);
+    a selected layer called at several places (twice in a functional model or a Sequential,
+    or under two parents) is refused (:func:`unimp.fp8.recipe.refuse_shared`).
+
+    Raises:
+        ValueError: a shared selected layer, named with its places.
+    """
+    from unimp.fp8.recipe import refuse_shared
+
+    found = fp8_model_layers(model)
+    selected = recipe.select([(p, k) for p, k, _ in found])
+    places: dict[int, list[str]] = {}
+
+    def walk(layer: Any, prefix: str) -> None:
+        for sub in layer._flatten_layers(include_self=False, recursive=False):
+            path = f"{prefix}{sub.name}"
+            n = _call_sites(layer, sub)
+            places.setdefault(id(sub), []).extend([path] if n == 1 else [f"{path} (call {i + 1})" for i in range(n)])
+            walk(sub, path + ".")
+
+    walk(model, "")
+    refuse_shared(selected, {p: places[id(layer)] for p, _, layer in found if len(places[id(layer)]) > 1})
+    return selected
+
+
 def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     """Puts unimp's float8 matmul into the Dense layers of a built Keras model that ``recipe``
     (an :class:`unimp.fp8.recipe.Fp8Recipe`) selects, in place, and returns their paths: each
@@ -353,16 +392,16 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     layer that is not a Dense stays as it is, with a warning naming it.
 
     Raises:
-        ValueError: a selected Dense layer is not built yet (build the model first).
+        ValueError: a selected Dense layer is not built yet (build the model first), or called
+            at several places (:func:`fp8_select`); nothing is changed.
     """
     import types
     import warnings
 
     import keras
 
-    found = fp8_model_layers(model)
-    selected = recipe.select([(p, k) for p, k, _ in found])
-    layers = {p: layer for p, _, layer in found}
+    selected = fp8_select(model, recipe)
+    layers = {p: layer for p, _, layer in fp8_model_layers(model)}
     unbuilt = [p for p in selected if not layers[p].built]
     if unbuilt:
         raise ValueError(f"float8 layers {unbuilt} are not built yet: build the model (call it once "

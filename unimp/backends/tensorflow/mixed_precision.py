@@ -16,7 +16,7 @@ import tensorflow as tf
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
-from unimp.backends.tensorflow.fp8 import fp8_model_layers, fp8_swap
+from unimp.backends.tensorflow.fp8 import fp8_select, fp8_swap
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
@@ -266,7 +266,7 @@ class MixedPrecision(MixedPrecisionBase):
         is not a Dense here."""
         if self._recipe.fp8 is None:
             return ()
-        return self._recipe.fp8.select([(p, k) for p, k, _ in fp8_model_layers(model)])
+        return fp8_select(model, self._recipe.fp8)
 
     def _cast_outputs(self, model: Any) -> None:
         """Wraps ``model.call`` so its floating outputs come out in the output dtype.

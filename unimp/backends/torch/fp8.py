@@ -414,12 +414,36 @@ def fp8_model_layers(model: torch.nn.Module) -> list[tuple[str, str]]:
             for name, m in model.named_modules() if name]
 
 
+def fp8_select(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
+    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.Fp8Recipe.select`);
+    a selected module reachable at several paths (``nn.Sequential(a, l, l, b)``) is refused
+    (:func:`unimp.fp8.recipe.refuse_shared`).
+
+    Raises:
+        ValueError: a shared selected module, named with its paths.
+    """
+    from unimp.fp8.recipe import refuse_shared
+
+    selected = recipe.select(fp8_model_layers(model))
+    paths: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name:
+            paths.setdefault(id(m), []).append(name)
+    refuse_shared(selected, {p[0]: p for p in paths.values() if len(p) > 1})
+    return selected
+
+
 def fp8_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
     """Replaces the ``nn.Linear`` modules ``recipe`` (an :class:`unimp.fp8.recipe.Fp8Recipe`)
     selects by :class:`FP8Dense` sharing their Parameters, in place (named by their paths in
     warnings; native per ``UNIMP_FP8_NATIVE``); returns the selected paths. Selected layers already FP8Dense are kept; a selected convolution stays as it is
-    (float8 convolutions are not built) with a warning naming it."""
-    selected = recipe.select(fp8_model_layers(model))
+    (float8 convolutions are not built) with a warning naming it.
+
+    Raises:
+        ValueError: a selected module reachable at several paths (:func:`fp8_select`);
+            nothing is swapped.
+    """
+    selected = fp8_select(model, recipe)
     modules = dict(model.named_modules())
     done = []
     for path in selected:

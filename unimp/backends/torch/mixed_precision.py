@@ -19,7 +19,7 @@ from unimp.backends.torch.casting import (
     to_dtype,
 )
 from unimp.backends.torch.devices import _as_device, _dtype_ok
-from unimp.backends.torch.fp8 import FP8Dense, fp8_model_layers, fp8_swap
+from unimp.backends.torch.fp8 import FP8Dense, fp8_select, fp8_swap
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
@@ -273,7 +273,7 @@ class MixedPrecision(MixedPrecisionBase):
         (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first and last Linear out by default)."""
         if self._recipe.fp8 is None:
             return ()
-        return self._recipe.fp8.select(fp8_model_layers(model))
+        return fp8_select(model, self._recipe.fp8)
 
     def _check_model_device(self, model: torch.nn.Module) -> None:
         """Autocast for one device type leaves ops on another in float32: refuse a model whose

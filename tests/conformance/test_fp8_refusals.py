@@ -1,0 +1,66 @@
+"""What every backend's FP8 surface refuses, the same way: a float8 layer shared by several call
+sites, a model argument of the wrong type, a bad layer config."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from conftest import require_backend
+
+import unimp
+from unimp import fp8
+from unimp.fp8.recipe import Fp8Recipe
+
+
+def _shared_model(backend, mp):
+    """Dense/Linear a -> shared -> shared (the same layer object) -> b (built under ``mp``'s
+    autocast); the shared layer's path."""
+    if backend == "torch":
+        import torch
+
+        shared = torch.nn.Linear(4, 4)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), shared, shared, torch.nn.Linear(4, 4)), "1"
+    import keras
+
+    with mp.autocast():
+        shared = keras.layers.Dense(4, name="shared")
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="a"), shared, shared,
+                                  keras.layers.Dense(4, name="b")])
+    return model, "shared"
+
+
+def _optimizer(backend, model):
+    if backend == "torch":
+        import torch
+
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    import keras
+
+    return keras.optimizers.SGD(0.1)
+
+
+def _fp8_kinds(backend, model):
+    if backend == "torch":
+        return [type(m).__name__ for m in model]
+    return [getattr(layer, "_unimp_fp8_config", None) is not None for layer in model.layers]
+
+
+# JAX's fp8_layers takes paths, not objects: a flax module shared between call sites has one path
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_a_shared_float8_layer_is_refused_naming_its_places(backend):
+    require_backend(backend)
+    mp = unimp.mixed_precision("fp8", backend=backend)
+    model, path = _shared_model(backend, mp)
+    before = _fp8_kinds(backend, model)
+    with pytest.raises(ValueError, match=f"shared by several call sites: '{path}' runs at"):
+        mp.fp8_layers(model)
+    with pytest.raises(ValueError, match="own layer, or keep the shared one out of float8"):
+        mp.prepare(model, _optimizer(backend, model))
+    assert _fp8_kinds(backend, model) == before  # nothing swapped
+    kept_out = unimp.mixed_precision(
+        unimp.get_recipe("fp8", fp8=Fp8Recipe(exclude=(path,), exclude_first_last=False)), backend=backend)
+    assert path not in kept_out.fp8_layers(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        kept_out.prepare(model, _optimizer(backend, model))
