@@ -64,3 +64,12 @@ def test_a_shared_float8_layer_is_refused_naming_its_places(backend):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
         kept_out.prepare(model, _optimizer(backend, model))
+
+
+@pytest.mark.parametrize("model", ["abc", [1, 2, 3], None], ids=["str", "ints", "none"])
+def test_fp8_layers_refuses_what_is_not_a_model_naming_the_argument(backend, model):
+    mp = unimp.mixed_precision("fp8", backend=backend)
+    takes = {"torch": "a torch.nn.Module", "tensorflow": "a keras.Model",
+             "jax": "a list of dotted layer paths|layers\\[0\\] must be a dotted path"}[backend]
+    with pytest.raises(TypeError, match=rf"mp\.fp8_layers\((model|layers)\)(:| takes) .*({takes})"):
+        mp.fp8_layers(model)

@@ -263,7 +263,14 @@ class MixedPrecision(MixedPrecisionBase):
         float8 matmuls under the recipe, in model order; ``()`` without an FP8 recipe. The
         same rule and names in every backend (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first
         and last Dense out by default). ``EinsumDense`` (``MultiHeadAttention``'s projections)
-        is not a Dense here."""
+        is not a Dense here.
+
+        Raises:
+            TypeError: ``model`` is not a Keras layer or model.
+            ValueError: a selected layer called at several places (named).
+        """
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"mp.fp8_layers(model) takes a keras.Model (or layer), got {type(model).__name__}.")
         if self._recipe.fp8 is None:
             return ()
         return fp8_select(model, self._recipe.fp8)

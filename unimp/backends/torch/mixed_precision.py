@@ -270,7 +270,14 @@ class MixedPrecision(MixedPrecisionBase):
         """The dotted paths of the layers that run float8 matmuls under the recipe (after
         :meth:`prepare`, the FP8Dense modules it put in; before, those it would), in model
         order; ``()`` without an FP8 recipe. The same rule and names in every backend
-        (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first and last Linear out by default)."""
+        (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first and last Linear out by default).
+
+        Raises:
+            TypeError: ``model`` is not a ``torch.nn.Module``.
+            ValueError: a selected module shared by several paths (named).
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"mp.fp8_layers(model) takes a torch.nn.Module, got {type(model).__name__}.")
         if self._recipe.fp8 is None:
             return ()
         return fp8_select(model, self._recipe.fp8)
