@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 from conftest import require_backend
 
@@ -73,3 +74,51 @@ def test_fp8_layers_refuses_what_is_not_a_model_naming_the_argument(backend, mod
              "jax": "a list of dotted layer paths|layers\\[0\\] must be a dotted path"}[backend]
     with pytest.raises(TypeError, match=rf"mp\.fp8_layers\((model|layers)\)(:| takes) .*({takes})"):
         mp.fp8_layers(model)
+
+
+def _fp8_dense(backend, *sizes, **kwargs):
+    mod = require_backend(backend)
+    if backend == "torch":
+        return mod.FP8Dense(*sizes, **kwargs)
+    return mod.FP8Dense(*sizes[1:], **{"use_bias" if k == "bias" else k: v for k, v in kwargs.items()})
+
+
+@pytest.mark.parametrize(
+    ("sizes", "kwargs", "error", "match"),
+    [((3, 2.7), {}, TypeError, r"(out_features|units) must be an int, got float 2.7"),
+     ((3, "4"), {}, TypeError, r"(out_features|units) must be an int, got str '4'"),
+     ((3, True), {}, TypeError, r"(out_features|units) must be an int, got bool"),
+     ((3, 0), {}, ValueError, r"(out_features|units) must be a positive int, got 0"),
+     ((3, 4), {"bias": "no"}, TypeError, r"(bias|use_bias) must be True or False, got str 'no'"),
+     ((3, 4), {"bias": 1}, TypeError, r"(bias|use_bias) must be True or False, got int 1")],
+    ids=["float", "str", "bool", "zero", "bias-str", "bias-int"],
+)
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's float8 is a dot_general
+def test_fp8_dense_refuses_sizes_and_flags_it_would_coerce(backend, sizes, kwargs, error, match):
+    with pytest.raises(error, match=f"FP8Dense: {match}"):
+        _fp8_dense(backend, *sizes, **kwargs)
+
+
+def test_torch_fp8_dense_refuses_a_float_in_features():
+    with pytest.raises(TypeError, match="FP8Dense: in_features must be an int, got float 3.0"):
+        _fp8_dense("torch", 3.0, 4)
+
+
+def test_keras_fp8_dense_saves_and_loads_with_its_config(tmp_path):
+    require_backend("tensorflow")
+    import keras
+
+    config = fp8.DelayedScaling(amax_history_len=16, margin=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        layer = _fp8_dense("tensorflow", 3, 4, config=config, native=False)
+        model = keras.Sequential([keras.Input((3,)), layer])
+        x = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
+        model(x, training=True)  # one step: states differ from the initial ones
+        model.save(tmp_path / "m.keras")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+        got = loaded.layers[-1]
+        assert type(got) is type(layer) and got.config == config and got.native is False
+        assert got.units == 4 and got.use_bias is True
+        np.testing.assert_array_equal(got.input_amax_history.numpy(), layer.input_amax_history.numpy())
+        np.testing.assert_array_equal(loaded(x).numpy(), model(x).numpy())

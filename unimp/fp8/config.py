@@ -463,6 +463,33 @@ def native_requested(native: Any, where: str) -> bool:
     return native
 
 
+def layer_size(value: Any, field: str, where: str) -> int:
+    """A float8 layer's size argument (``units``, ``in_features``, ...): a positive int.
+
+    Raises:
+        TypeError: not an int (a bool, ``2.7``, ``"4"``: never coerced), naming ``where.field``.
+        ValueError: 0 or negative.
+    """
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {field} must be an int, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"{where}: {field} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def layer_flag(value: Any, field: str, where: str) -> bool:
+    """A float8 layer's switch (``bias``, ``use_bias``): True or False, never a truthy value.
+
+    Raises:
+        TypeError: anything else (``"no"`` is not False), naming ``where.field``.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {field} must be True or False, got {type(value).__name__} {value!r}.")
+    return bool(value)
+
+
 def native_refusal(in_features: int, out_features: int, kernel: str) -> str | None:
     """Why a layer of these dimensions runs emulated though native was asked
     (:data:`NATIVE_MULTIPLE`), or None when the native GEMM takes it; ``kernel`` names the GEMM

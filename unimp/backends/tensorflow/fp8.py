@@ -124,6 +124,13 @@ def _keras_layer_base() -> type:
     return keras.layers.Layer
 
 
+def _keras_serializable() -> Any:
+    import keras
+
+    return keras.saving.register_keras_serializable(package="unimp")
+
+
+@_keras_serializable()
 class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
     """A Keras Dense layer whose matmul is emulated float8 by :mod:`unimp.fp8`'s rule.
 
@@ -150,17 +157,25 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         native: the native float8 GEMM path; ``None`` (default) reads ``UNIMP_FP8_NATIVE`` at
             construction (``"1"``: on).
 
+    Saved models round-trip (:meth:`get_config` holds ``units``, ``use_bias``, the scaling
+    config as its ``to_dict()`` and ``native``; registered as ``"unimp>FP8Dense"``); the
+    scaling states are variables, saved with the weights.
+
     Raises:
-        TypeError: ``native`` is not True, False or None.
+        TypeError: ``units`` not an int (``2.7``, ``"4"``), ``use_bias`` not True or False,
+            ``native`` not True, False or None (the field named).
+        ValueError: ``units`` below 1.
 
     Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
     """
 
     def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None,
                  native: bool | None = None, **kwargs: Any) -> None:
+        units = _fp8.layer_size(units, "units", "FP8Dense")
+        use_bias = _fp8.layer_flag(use_bias, "use_bias", "FP8Dense")
         super().__init__(**kwargs)
-        self.units = int(units)
-        self.use_bias = bool(use_bias)
+        self.units = units
+        self.use_bias = use_bias
         self.config = config if config is not None else _fp8.DelayedScaling()
         self.native = _fp8.native_requested(native, "FP8Dense")
 
@@ -188,6 +203,21 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         checked = _fp8.check_state(state, self.config, name)
         for f in _FIELDS:
             getattr(self, f"{name}_{f}").assign(getattr(checked, f))
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras's layer config plus ``units``, ``use_bias``, ``config`` (the scaling config's
+        ``to_dict()``) and ``native``: :meth:`from_config` rebuilds an equal layer."""
+        return {**super().get_config(), "units": self.units, "use_bias": self.use_bias,
+                "config": self.config.to_dict(), "native": self.native}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> FP8Dense:
+        """Inverse of :meth:`get_config` (``config`` as a dict is read by
+        :func:`unimp.fp8.fp8_from_dict`)."""
+        config = dict(config)
+        if isinstance(config.get("config"), dict):
+            config["config"] = _fp8.fp8_from_dict(config["config"])
+        return super().from_config(config)
 
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
         y = _fp8_matmul(self, self.config, inputs, self.kernel, training)

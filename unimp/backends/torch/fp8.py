@@ -289,11 +289,19 @@ class FP8Dense(torch.nn.Linear):
             ``FP8Dense(in_features, out_features)``.
 
     Shapes: input ``(..., in_features)``, output ``(..., out_features)``, input's dtype.
+
+    Raises:
+        TypeError: ``in_features`` / ``out_features`` not an int (``2.7``, ``"4"``), ``bias``
+            not True or False, ``native`` not True, False or None (the field named).
+        ValueError: a size below 1.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None, config: _fp8.Fp8Config | None = None, native: bool | None = None,
                  name: str | None = None) -> None:
+        in_features = _fp8.layer_size(in_features, "in_features", "FP8Dense")
+        out_features = _fp8.layer_size(out_features, "out_features", "FP8Dense")
+        bias = _fp8.layer_flag(bias, "bias", "FP8Dense")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config if config is not None else _fp8.DelayedScaling()
         self.native = _fp8.native_requested(native, "FP8Dense")
