@@ -122,3 +122,17 @@ def test_keras_fp8_dense_saves_and_loads_with_its_config(tmp_path):
         assert got.units == 4 and got.use_bias is True
         np.testing.assert_array_equal(got.input_amax_history.numpy(), layer.input_amax_history.numpy())
         np.testing.assert_array_equal(loaded(x).numpy(), model(x).numpy())
+
+
+@pytest.mark.parametrize("config", ["fp8", unimp.DynamicLossScale()], ids=["preset-name", "loss-scale"])
+def test_fp8_layer_refuses_a_config_that_is_not_a_scaling_config(backend, config):
+    mod = require_backend(backend)
+    hint = r"unimp\.fp8\.fp8_preset\('fp8'\)" if isinstance(config, str) else r"unimp\.fp8\.fp8_preset\("
+    where = "fp8_dot_general" if backend == "jax" else "FP8Dense"
+    with pytest.raises(TypeError, match=rf"{where}: config must be a unimp\.fp8\.DelayedScaling or "
+                                        rf"CurrentScaling \(e\.g\. {hint}"):
+        if backend == "jax":
+            state = mod.fp8_initial_state(fp8.DelayedScaling())
+            mod.fp8_dot_general(config, state, state, state)
+        else:
+            _fp8_dense(backend, 4, 4, config=config)

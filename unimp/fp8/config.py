@@ -463,6 +463,24 @@ def native_requested(native: Any, where: str) -> bool:
     return native
 
 
+def layer_config(config: Any, where: str) -> Fp8Config:
+    """A float8 layer's scaling config: ``None`` gives :class:`DelayedScaling` ``()``.
+
+    Raises:
+        TypeError: anything but a :class:`DelayedScaling` / :class:`CurrentScaling` (a preset
+            name is not read: the message names :func:`fp8_preset`), naming ``where``.
+    """
+    if config is None:
+        return DelayedScaling()
+    if not isinstance(config, (DelayedScaling, CurrentScaling)):
+        hint = f" unimp.fp8.fp8_preset({config!r})," if isinstance(config, str) else ""
+        raise TypeError(
+            f"{where}: config must be a unimp.fp8.DelayedScaling or CurrentScaling (e.g.{hint} "
+            f"unimp.fp8.fp8_preset('transformer_engine')), got {type(config).__name__} {config!r}."
+        )
+    return config
+
+
 def layer_size(value: Any, field: str, where: str) -> int:
     """A float8 layer's size argument (``units``, ``in_features``, ...): a positive int.
 

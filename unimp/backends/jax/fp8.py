@@ -197,9 +197,11 @@ def fp8_dot_general(
         ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``.
 
     Raises:
-        TypeError: ``native`` is not True, False or None.
+        TypeError: ``native`` is not True, False or None; ``config`` not a DelayedScaling /
+            CurrentScaling (a preset name: use :func:`unimp.fp8.fp8_preset`).
     """
     native = _fp8.native_requested(native, "fp8_dot_general")
+    config = _fp8.layer_config(config, "fp8_dot_general")
     if not (native and native_fp8_supported()):
         _fp8.warn_emulated("jax", jax.default_backend())
 

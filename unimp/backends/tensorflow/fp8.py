@@ -163,7 +163,8 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
 
     Raises:
         TypeError: ``units`` not an int (``2.7``, ``"4"``), ``use_bias`` not True or False,
-            ``native`` not True, False or None (the field named).
+            ``config`` not a DelayedScaling / CurrentScaling (a preset name: use
+            :func:`unimp.fp8.fp8_preset`), ``native`` not True, False or None (the field named).
         ValueError: ``units`` below 1.
 
     Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
@@ -173,10 +174,11 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
                  native: bool | None = None, **kwargs: Any) -> None:
         units = _fp8.layer_size(units, "units", "FP8Dense")
         use_bias = _fp8.layer_flag(use_bias, "use_bias", "FP8Dense")
+        config = _fp8.layer_config(config, "FP8Dense")
         super().__init__(**kwargs)
         self.units = units
         self.use_bias = use_bias
-        self.config = config if config is not None else _fp8.DelayedScaling()
+        self.config = config
         self.native = _fp8.native_requested(native, "FP8Dense")
 
     def build(self, input_shape: Any) -> None:

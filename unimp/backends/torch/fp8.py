@@ -292,7 +292,9 @@ class FP8Dense(torch.nn.Linear):
 
     Raises:
         TypeError: ``in_features`` / ``out_features`` not an int (``2.7``, ``"4"``), ``bias``
-            not True or False, ``native`` not True, False or None (the field named).
+            not True or False, ``config`` not a DelayedScaling / CurrentScaling (a preset
+            name: use :func:`unimp.fp8.fp8_preset`), ``native`` not True, False or None (the
+            field named).
         ValueError: a size below 1.
     """
 
@@ -302,8 +304,9 @@ class FP8Dense(torch.nn.Linear):
         in_features = _fp8.layer_size(in_features, "in_features", "FP8Dense")
         out_features = _fp8.layer_size(out_features, "out_features", "FP8Dense")
         bias = _fp8.layer_flag(bias, "bias", "FP8Dense")
+        config = _fp8.layer_config(config, "FP8Dense")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.config = config if config is not None else _fp8.DelayedScaling()
+        self.config = config
         self.native = _fp8.native_requested(native, "FP8Dense")
         self.fp8_name = name if name is not None else f"FP8Dense({in_features}, {out_features})"
         self._native_refused: str | None = None  # why this layer runs emulated though native
