@@ -136,3 +136,32 @@ def test_fp8_layer_refuses_a_config_that_is_not_a_scaling_config(backend, config
             mod.fp8_dot_general(config, state, state, state)
         else:
             _fp8_dense(backend, 4, 4, config=config)
+
+
+def _first_fp8_call(backend):
+    """Builds one float8 layer and calls it once, from this file; returns the line of the call
+    and its result."""
+    import inspect
+
+    mod = require_backend(backend)
+    if backend == "torch":
+        import torch
+
+        layer, x = mod.FP8Dense(4, 4), torch.ones(2, 4)
+        return inspect.currentframe().f_lineno, layer(x)
+    if backend == "tensorflow":
+        layer, x = mod.FP8Dense(4), np.ones((2, 4), np.float32)
+        return inspect.currentframe().f_lineno, layer(x, training=True)
+    state = mod.fp8_initial_state(fp8.DelayedScaling())
+    return inspect.currentframe().f_lineno, mod.fp8_dot_general(fp8.DelayedScaling(), state, state, state)
+
+
+def test_emulation_warning_points_at_the_users_line(backend):
+    from unimp.fp8 import config as fp8_config
+
+    fp8_config._EMULATION_WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line, _ = _first_fp8_call(backend)
+    got = [(w.filename, w.lineno) for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    assert got == [(__file__, line)]  # not torch's module.py, Keras's layer.py or unimp's own files

@@ -216,7 +216,7 @@ def fp8_dot_general(
                 layer = name if name is not None else f"dot_general({jnp.shape(lhs)}, {jnp.shape(rhs)})"
                 if layer not in _FALLBACK_WARNED:
                     _FALLBACK_WARNED.add(layer)
-                    _fp8.warn_native_fallback("jax", layer, why, stacklevel=3)
+                    _fp8.warn_native_fallback("jax", layer, why)
         return _fp8_dot(config, dn, use, lhs, rhs, input_state, kernel_state, grad_state)
 
     return dot_general

@@ -294,12 +294,12 @@ def _use_native(layer: Any, n_in: int, units: int) -> bool:
         if use:
             why = _fp8.native_refusal(n_in, units, "XLA's cuBLASLt float8 GEMM")
             if why is not None:
-                _fp8.warn_native_fallback("tensorflow", layer._unimp_fp8_name, why, stacklevel=5)
+                _fp8.warn_native_fallback("tensorflow", layer._unimp_fp8_name, why)
                 use = False
         layer._unimp_fp8_use_native = use
         if not (use and native_fp8_supported()):
             gpu = bool(tf.config.list_logical_devices("GPU"))
-            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu", stacklevel=5)
+            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
     return layer._unimp_fp8_use_native
 
 

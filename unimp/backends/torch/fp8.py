@@ -382,7 +382,7 @@ class FP8Dense(torch.nn.Linear):
 
     def _refuse_native(self, why: str) -> None:
         self._native_refused = why
-        _fp8.warn_native_fallback("torch", self.fp8_name, why, stacklevel=5)
+        _fp8.warn_native_fallback("torch", self.fp8_name, why)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _has_float8_units(x.device) or not self._use_native(x.device):
