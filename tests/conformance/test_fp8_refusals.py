@@ -165,3 +165,23 @@ def test_emulation_warning_points_at_the_users_line(backend):
         line, _ = _first_fp8_call(backend)
     got = [(w.filename, w.lineno) for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
     assert got == [(__file__, line)]  # not torch's module.py, Keras's layer.py or unimp's own files
+
+
+# JAX's prepare is a pure function of a params pytree (nothing to mark): the same params give
+# the same result each time
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_preparing_a_model_twice_is_refused(backend):
+    require_backend(backend)
+    mp = unimp.mixed_precision("fp8", backend=backend)
+    if backend == "torch":
+        import torch
+
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    else:
+        import keras
+
+        with mp.autocast():
+            model = keras.Sequential([keras.Input((4,)), *(keras.layers.Dense(4) for _ in range(3))])
+    mp.prepare(model, _optimizer(backend, model))
+    with pytest.raises(ValueError, match=r"this model was already prepared; prepare\(\) applies the recipe once"):
+        mp.prepare(model, _optimizer(backend, model))
