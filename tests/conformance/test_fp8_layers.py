@@ -242,3 +242,23 @@ def test_fp8_state_of_an_unknown_tensor_names_the_tensors(backend):
     _, layer = _layer(backend)
     with pytest.raises(ValueError, match=r"name must be one of \['input', 'kernel', 'grad'\], got 'weight'"):
         layer.fp8_state("weight")  # an AttributeError about a buffer before
+
+
+#: the amax recorded for a batch of float32 subnormals (1e-40) on CPU: TensorFlow and XLA:CPU
+#: flush it to zero, NumPy and torch keep it (docs/fp8.md)
+_SUBNORMAL_AMAX = {"torch": np.float32(1e-40), "tensorflow": np.float32(0.0), "jax": np.float32(0.0)}
+
+
+def test_a_subnormal_amax_is_recorded_as_the_docs_say_on_cpu(backend):
+    mod = require_backend(backend)
+    x = np.full((2, IN), 1e-40, np.float32)
+    if backend == "torch":
+        import torch
+
+        got = mod.fp8_amax(torch.tensor(x)).numpy()
+    elif backend == "tensorflow":
+        got = mod.fp8_amax(x).numpy()
+    else:
+        got = np.asarray(mod.fp8_amax(x))
+    assert got == _SUBNORMAL_AMAX[backend]
+    assert fp8.amax_of(N, x) == np.float32(1e-40)  # the reference

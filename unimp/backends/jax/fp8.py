@@ -1,6 +1,9 @@
 """JAX FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on ``jnp`` arrays (they
 trace under ``jax.jit``), and :func:`fp8_dot_general`, a float8 ``dot_general``: emulated by
 default, with an opt-in native path (float8 operands for XLA's cuBLASLt float8 GEMM).
+
+XLA:CPU's max reduction flushes float32 subnormals to zero: an amax below 2**-126 is recorded as
+0 here on CPU, as TensorFlow records it, where NumPy and torch record the subnormal (docs/fp8.md).
 """
 
 from __future__ import annotations
