@@ -246,7 +246,7 @@ def _fwd(config, dn, native, lhs, rhs, si, sk, sg):
     qw = _fp8.quantize_arrays(Fp8Ops, rhs, sw, dtype, fmax)
     if native:  # (M, K) @ (K, N): the one product shape the rewriter takes
         flat = qx.reshape(-1, qx.shape[-1])
-        acc = _dot8(flat, dtype, qw, dtype, (((1,), (0,)), ((), ()))).reshape(*qx.shape[:-1], -1)
+        acc = _dot8(flat, dtype, qw, dtype, (((1,), (0,)), ((), ()))).reshape(*qx.shape[:-1], qw.shape[1])
     else:
         acc = jax.lax.dot_general(qx, qw, dn)
     y = (acc * (ix * iw)).astype(lhs.dtype)
