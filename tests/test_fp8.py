@@ -214,3 +214,27 @@ def test_every_state_a_preset_reaches_passes_the_load_check(name):
 def test_preset_overrides_are_fields_the_preset_leaves_open(name, kwargs, match):
     with pytest.raises(ValueError, match=match):
         fp8.fp8_preset(name, **kwargs)
+
+
+def test_quantize_dequantize_refuses_an_unknown_dtype_listing_the_dtypes():
+    with pytest.raises(ValueError, match=r"dtype must be one of \['float8_e4m3fn', 'float8_e5m2'\], "
+                                         r"got 'float8_e4m3'. Did you mean 'float8_e4m3fn'\?"):
+        fp8.quantize_dequantize(np.ones(2, np.float32), 1.0, 1.0, "float8_e4m3")
+
+
+@pytest.mark.parametrize(
+    ("amaxes", "error", "match"),
+    [([1.0, "abc"], TypeError, r"amaxes\[1\] must be a number .* got str 'abc'"),
+     ([None], TypeError, r"amaxes\[0\] must be a number .* got NoneType None"),
+     ([2.0, 3.0, -1.0], ValueError, r"amaxes\[2\] is negative \(-1.0\)"),
+     ([True], TypeError, r"amaxes\[0\] must be a number")],
+    ids=["str", "none", "negative", "bool"],
+)
+def test_simulate_refuses_an_entry_that_is_not_an_amax_naming_its_position(amaxes, error, match):
+    with pytest.raises(error, match=match):
+        fp8.simulate(fp8.DelayedScaling(amax_history_len=2), amaxes)
+
+
+def test_simulate_takes_numpy_scalars_inf_and_nan():
+    out = fp8.simulate(fp8.DelayedScaling(amax_history_len=2), np.array([4.0, np.inf, np.nan], np.float32))
+    assert [float(s) for s, _, _ in out] == [1.0, 112.0, 112.0]

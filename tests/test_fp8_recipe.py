@@ -114,3 +114,13 @@ def test_policy_overrides_keep_their_layers_out_of_float8():
     assert "kept_out" not in r.to_dict()["fp8"]
     assert unimp.Recipe("mixed_bfloat16", fp8=Fp8Recipe(exclude_first_last=False)).fp8.select(layers) == (
         "a", "b", "b.inner", "c")
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-current", "transformer-engine"])
+def test_fp8_none_gives_the_recipe_without_float8(name):
+    # fp8=None is "no FP8 part", as Recipe(fp8=None) and recipe.replace(fp8=None); left out,
+    # the FP8 recipe keeps its own
+    plain = unimp.get_recipe(name, fp8=None)
+    assert plain.fp8 is None and str(plain.policy) == str(unimp.get_policy("mixed_bfloat16"))
+    assert plain == unimp.get_recipe(name).replace(fp8=None)
+    assert unimp.get_recipe(name).fp8 is not None

@@ -308,7 +308,10 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
             ``.json``, a :class:`Policy` or a :class:`Recipe`.
         **overrides: ``loss_scale=`` and ``cast_mode=`` replace the defaults (``None`` keeps
             the default, as ``Recipe(loss_scale=None)``: write ``loss_scale="none"`` to turn
-            loss scaling off); ``platform=`` resolves ``"half"`` (see :func:`get_policy`).
+            loss scaling off); ``platform=`` resolves ``"half"`` (see :func:`get_policy`);
+            ``fp8=`` an :class:`unimp.fp8.recipe.Fp8Recipe`, or ``None`` for none (as
+            ``Recipe(fp8=None)``: ``get_recipe("fp8", fp8=None)`` is its bfloat16 recipe
+            without float8).
 
     Raises:
         ValueError: unknown name (naming the closest valid one) or bad override.
@@ -331,8 +334,10 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
         recipe = Recipe.from_file(name)
         return recipe.replace(**overrides) if overrides else recipe
     if isinstance(name, str) and name.strip().lower() in FP8_RECIPES:
+        # fp8=None given: the recipe without float8, as Recipe(fp8=None) and recipe.replace(fp8=None)
+        default = "fp8" not in overrides
         fp8 = overrides.pop("fp8", None)
-        fp8 = Fp8Recipe(FP8_RECIPES[name.strip().lower()]()) if fp8 is None else fp8
+        fp8 = Fp8Recipe(FP8_RECIPES[name.strip().lower()]()) if default else fp8
         return Recipe(get_policy("mixed_bfloat16"), overrides.get("loss_scale"),
                       overrides.get("cast_mode", "auto"), fp8)
     fp8 = overrides.pop("fp8", None)

@@ -22,10 +22,10 @@ STEPS = 3
 CONFIGS = {"delayed": fp8.DelayedScaling(amax_history_len=4), "current": fp8.CurrentScaling()}
 
 
-def _data(step, n_in, n_out):
+def _data(step, n_in, n_out, rows=5):
     rng = np.random.default_rng(step)
-    x = (rng.standard_normal((2, 5, n_in)) * 2.0 ** (step - 1)).astype(np.float32)
-    g = (rng.standard_normal((2, 5, n_out)) * 2.0 ** (2 * step)).astype(np.float32)
+    x = (rng.standard_normal((2, rows, n_in)) * 2.0 ** (step - 1)).astype(np.float32)
+    g = (rng.standard_normal((2, rows, n_out)) * 2.0 ** (2 * step)).astype(np.float32)
     return x, g
 
 
@@ -33,7 +33,7 @@ def _weights(n_in, n_out):
     return np.random.default_rng(7).standard_normal((n_in, n_out)).astype(np.float32)  # (in, out)
 
 
-def _run(backend, config, native, n_in=64, n_out=48, name="mlp.fc1"):
+def _run(backend, config, native, n_in=64, n_out=48, name="mlp.fc1", rows=5):
     """Per step: y, dx, dw (kernel layout ``(in, out)``) and the three states, as NumPy."""
     mod = require_backend(backend)
     w = _weights(n_in, n_out)
@@ -46,7 +46,7 @@ def _run(backend, config, native, n_in=64, n_out=48, name="mlp.fc1"):
         with torch.no_grad():
             layer.weight.copy_(torch.tensor(w.T))
         for step in range(STEPS):
-            x, g = _data(step, n_in, n_out)
+            x, g = _data(step, n_in, n_out, rows)
             xt = torch.tensor(x, requires_grad=True)
             y = layer(xt)
             y.backward(torch.tensor(g))
@@ -70,7 +70,7 @@ def _run(backend, config, native, n_in=64, n_out=48, name="mlp.fc1"):
             return y, dx, dw
 
         for step in range(STEPS):
-            x, g = _data(step, n_in, n_out)
+            x, g = _data(step, n_in, n_out, rows)
             y, dx, dw = fwd_bwd(tf.constant(x), tf.constant(g))
             states = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in tensors}
             out.append((y.numpy(), dx.numpy(), dw.numpy(), states))
@@ -91,7 +91,7 @@ def _run(backend, config, native, n_in=64, n_out=48, name="mlp.fc1"):
         return (y, *vjp(g))
 
     for step in range(STEPS):
-        x, g = _data(step, n_in, n_out)
+        x, g = _data(step, n_in, n_out, rows)
         y, dx, dw, states = apply(jnp.asarray(w), states, jnp.asarray(x), jnp.asarray(g))
         out.append((np.asarray(y), np.asarray(dx), np.asarray(dw),
                     {n: mod.fp8_state_to_numpy(s) for n, s in states.items()}))
@@ -103,6 +103,17 @@ def _quiet(backend, config, native, **kw):
         warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
         warnings.simplefilter("error", fp8.Fp8NativeFallbackWarning)
         return _run(backend, config, native, **kw)
+
+
+def test_native_path_takes_an_empty_batch(backend):
+    # amax 0 for the empty input and gradient, as the emulated path; outputs (2, 0, 48)
+    config = CONFIGS["delayed"]
+    native, emulated = (_quiet(backend, config, flag, rows=0) for flag in (True, False))
+    for (y, dx, _, states), (y_e, _, _, states_e) in zip(native, emulated, strict=True):
+        assert y.shape == y_e.shape == (2, 0, 48) and dx.shape == (2, 0, 64)
+        for n in ("input", "grad"):
+            assert not states[n].amax_history.any() and float(states[n].scale) == 1.0
+            np.testing.assert_array_equal(states[n].amax_history, states_e[n].amax_history)
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

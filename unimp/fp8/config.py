@@ -408,11 +408,37 @@ class Fp8EmulationWarning(UserWarning):
 
 _EMULATION_WARNED: set[tuple[str, str]] = set()
 
+#: Packages whose frames stand between the user's call and a float8 warning: the warning is
+#: attributed to the first frame outside them (the user's line calling the layer or model).
+_LIBRARY_PACKAGES = ("unimp", "torch", "keras", "tf_keras", "tensorflow", "jax", "jaxlib", "flax", "optax")
 
-def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> None:
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points the warning issued by this function's caller at the
+    first frame outside unimp and the frameworks (their module, ``nn.Module.__call__``,
+    Keras's ``Layer.__call__``, ``tf.function`` and ``jax.jit`` tracing), i.e. the user's code;
+    Python 3.12's ``warnings.warn(skip_file_prefixes=...)`` by a frame walk, for Python 3.10+.
+    Only loaded packages are skipped (nothing is imported); with no such frame, 2 (the
+    caller's caller)."""
+    import os
+    import sys
+
+    prefixes = []
+    for name in _LIBRARY_PACKAGES:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            prefixes.append(os.path.dirname(path) + os.sep)
+    frame, level = sys._getframe(2), 2  # the warning caller's caller
+    while frame is not None and frame.f_code.co_filename.startswith(tuple(prefixes)):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+def warn_emulated(framework: str, device_type: str, *, stacklevel: int | None = None) -> None:
     """Warns once per ``(framework, device_type)`` that float8 matmuls are emulated: the default
     in every framework, and what the opt-in native paths (:data:`NATIVE_ENV`) still are on a
-    device without float8 units (a CPU, a GPU before sm89), where they pay nothing back."""
+    device without float8 units (a CPU, a GPU before sm89), where they pay nothing back.
+    Attributed to the user's line (:func:`user_stacklevel`) unless ``stacklevel`` is given."""
     key = (framework, device_type)
     if key in _EMULATION_WARNED:
         return
@@ -426,7 +452,7 @@ def warn_emulated(framework: str, device_type: str, *, stacklevel: int = 3) -> N
         "_scaled_mm, JAX and TensorFlow through XLA's cuBLASLt rewrite) pay only on a device with "
         "float8 units.",
         Fp8EmulationWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
     )
 
 
@@ -463,6 +489,51 @@ def native_requested(native: Any, where: str) -> bool:
     return native
 
 
+def layer_config(config: Any, where: str) -> Fp8Config:
+    """A float8 layer's scaling config: ``None`` gives :class:`DelayedScaling` ``()``.
+
+    Raises:
+        TypeError: anything but a :class:`DelayedScaling` / :class:`CurrentScaling` (a preset
+            name is not read: the message names :func:`fp8_preset`), naming ``where``.
+    """
+    if config is None:
+        return DelayedScaling()
+    if not isinstance(config, (DelayedScaling, CurrentScaling)):
+        hint = f" unimp.fp8.fp8_preset({config!r})," if isinstance(config, str) else ""
+        raise TypeError(
+            f"{where}: config must be a unimp.fp8.DelayedScaling or CurrentScaling (e.g.{hint} "
+            f"unimp.fp8.fp8_preset('transformer_engine')), got {type(config).__name__} {config!r}."
+        )
+    return config
+
+
+def layer_size(value: Any, field: str, where: str) -> int:
+    """A float8 layer's size argument (``units``, ``in_features``, ...): a positive int.
+
+    Raises:
+        TypeError: not an int (a bool, ``2.7``, ``"4"``: never coerced), naming ``where.field``.
+        ValueError: 0 or negative.
+    """
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {field} must be an int, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"{where}: {field} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def layer_flag(value: Any, field: str, where: str) -> bool:
+    """A float8 layer's switch (``bias``, ``use_bias``): True or False, never a truthy value.
+
+    Raises:
+        TypeError: anything else (``"no"`` is not False), naming ``where.field``.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {field} must be True or False, got {type(value).__name__} {value!r}.")
+    return bool(value)
+
+
 def native_refusal(in_features: int, out_features: int, kernel: str) -> str | None:
     """Why a layer of these dimensions runs emulated though native was asked
     (:data:`NATIVE_MULTIPLE`), or None when the native GEMM takes it; ``kernel`` names the GEMM
@@ -475,12 +546,14 @@ def native_refusal(in_features: int, out_features: int, kernel: str) -> str | No
             f"({kernel}) requires")
 
 
-def warn_native_fallback(framework: str, layer: str, why: str, *, stacklevel: int = 4) -> None:
-    """The :class:`Fp8NativeFallbackWarning` of one layer (the caller warns once per layer)."""
+def warn_native_fallback(framework: str, layer: str, why: str, *, stacklevel: int | None = None) -> None:
+    """The :class:`Fp8NativeFallbackWarning` of one layer (the caller warns once per layer),
+    attributed to the user's line (:func:`user_stacklevel`) unless ``stacklevel`` is given."""
     import warnings
 
     warnings.warn(f"unimp FP8 ({framework}): layer {layer!r} runs the emulated float8 matmul, "
-                  f"not the native one: {why}.", Fp8NativeFallbackWarning, stacklevel=stacklevel)
+                  f"not the native one: {why}.", Fp8NativeFallbackWarning,
+                  stacklevel=user_stacklevel() if stacklevel is None else stacklevel)
 
 
 #: The fields of :class:`FP8State`, in order (the backends' variables / buffers are named

@@ -24,6 +24,33 @@ def matches(pattern: str, path: str) -> bool:
     return pattern_matches(pattern, path)
 
 
+def refuse_shared(selected: Sequence[str], sites: Mapping[str, Sequence[str]]) -> None:
+    """The rule for a layer object that runs at several places (a torch module at two paths,
+    a Keras layer called twice), in every backend: refused when the recipe selects it.
+
+    One float8 layer keeps one scaling state per tensor; two call sites would share the input
+    and gradient amax histories of two different tensors (two pushes per step, one scale for
+    both), which no implementation's rule describes. torch's ``named_modules`` lists such a
+    module once, so a swap would reach one of its places only.
+
+    Args:
+        selected: the paths :meth:`Fp8Recipe.select` chose.
+        sites: for each layer reached more than once, its path (as ``select`` saw it) mapped
+            to every place it runs at (paths, or calls).
+
+    Raises:
+        ValueError: a selected layer in ``sites``, named with its places, and the fixes.
+    """
+    shared = {p: list(sites[p]) for p in selected if p in sites}
+    if shared:
+        named = "; ".join(f"{p!r} runs at {places}" for p, places in shared.items())
+        raise ValueError(
+            f"float8 layer(s) shared by several call sites: {named}. One float8 layer keeps one "
+            "amax history per tensor, which the call sites would share. Give each call site its "
+            "own layer, or keep the shared one out of float8 (Fp8Recipe(exclude=[path]))."
+        )
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """The FP8 part of a recipe: float8 matmuls for Dense/Linear/Conv layers.

@@ -48,7 +48,8 @@ class NumpyOps:
 
     @staticmethod
     def amax(x: Any) -> Any:
-        """Max over every element, NaN-propagating (as np.max, torch.max, tf.reduce_max)."""
+        """Max over every element, NaN-propagating (as np.max, torch.max, tf.reduce_max); 0
+        over no element (an empty batch: amax is max(abs(x)) with initial 0), in every backend."""
         return np.float32(np.max(x)) if np.size(x) else np.float32(0)
 
     @staticmethod
@@ -233,7 +234,8 @@ def quantize_arrays(ops: Any, x: Any, scale: Any, dtype: str, fmax: float) -> An
 
 
 def amax_of(ops: Any, x: Any) -> Any:
-    """``max(abs(x))`` in float32 (NaN-propagating), the amax every implementation records."""
+    """``max(abs(x))`` in float32 (NaN-propagating), the amax every implementation records;
+    0 for an empty ``x`` (the rule then treats it as any amax 0, per preset)."""
     with _scope(ops, "fp8_amax"):
         return ops.amax(ops.abs(ops.to_f32(x)))
 
@@ -260,25 +262,54 @@ def simulate(
 ) -> list[tuple[Any, Any, FP8State]]:
     """Runs the reference over a sequence of per-step maxima.
 
+    Args:
+        amaxes: per step, the tensor's ``max(abs(x))``: real numbers >= 0, ``inf`` or ``nan``.
+
     Returns:
         Per step, ``(scale used, scale_inv used, state after the step)``.
+
+    Raises:
+        TypeError: an entry that is not a real number (a string, None, a bool).
+        ValueError: a negative entry. Both name ``amaxes[i]``, as the CLI's ``--amaxes`` names
+            its entries; nothing is run.
 
     Example:
         >>> out = simulate(DelayedScaling(amax_history_len=2), [4.0, 0.0, 8.0])
         >>> [float(s) for s, _, _ in out]
         [1.0, 112.0, 112.0]
     """
+    values = _amaxes(amaxes)
     s = FP8State.initial(config) if state is None else state
     out = []
-    for a in amaxes:
+    for a in values:
         (sc, inv), s = step(config, s, a, role)
         out.append((sc, inv, s))
     return out
 
 
+def _amaxes(amaxes: Iterable[Any]) -> list[float]:
+    """``amaxes`` as floats, each a real number >= 0 (or inf / NaN, an amax the rule handles)."""
+    out = []
+    for i, a in enumerate(amaxes):
+        v = np.asarray(a) if not isinstance(a, str) else None
+        if v is None or v.ndim != 0 or v.dtype.kind not in "fiu":  # bool, str, None, arrays
+            raise TypeError(f"simulate: amaxes[{i}] must be a number (0, inf, nan, 3.5, ...), got "
+                            f"{type(a).__name__} {a!r}.")
+        if v < 0:
+            raise ValueError(f"simulate: amaxes[{i}] is negative ({a!r}): an amax is max(abs(x)) >= 0.")
+        out.append(float(v))
+    return out
+
+
 def quantize_dequantize(x: Any, scale: float, scale_inv: float, dtype: str) -> np.ndarray:
-    """The NumPy reference of :func:`qdq_arrays` (``dtype``: a float8 dtype name)."""
-    from unimp.fp8.config import FP8_MAX
+    """The NumPy reference of :func:`qdq_arrays` (``dtype``: a float8 dtype name).
+
+    Raises:
+        ValueError: ``dtype`` is not ``"float8_e4m3fn"`` or ``"float8_e5m2"`` (the closest named).
+    """
+    from unimp.fp8.config import FP8_MAX, _choice
+
+    dtype = _choice("quantize_dequantize", "dtype", dtype, tuple(FP8_MAX))
 
     with np.errstate(all="ignore"):
         return qdq_arrays(NumpyOps, np.asarray(x), np.float32(scale), np.float32(scale_inv), dtype, FP8_MAX[dtype])

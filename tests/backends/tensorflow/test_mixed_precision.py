@@ -278,17 +278,18 @@ def test_example_tf_keras2_custom_loop():
     assert out["model"].output.dtype == "float32"
 
 
-def test_prepare_again_same_recipe_is_a_no_op_another_is_refused():
+def test_prepare_again_is_refused_as_in_torch():
     import copy
 
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     model = seed_model(mp)
     mp.prepare(model)
-    mp.prepare(model)  # the same output dtype: nothing changes
+    with pytest.raises(ValueError, match="already prepared; prepare\\(\\) applies the recipe once"):
+        mp.prepare(model)
     x = tf.random.uniform((2, 784))
     assert model(x).dtype == tf.float32
     other = unimp.mixed_precision("params=float32,compute=float16,output=float16", backend="tensorflow")
-    with pytest.raises(ValueError, match="prepared with output dtype float32"):
+    with pytest.raises(ValueError, match="already prepared"):
         other.prepare(model)
     # Keras deep-copies through the config (as it saves): the copy runs itself, unprepared
     clone = copy.deepcopy(model)

@@ -1,6 +1,9 @@
 """JAX FP8: :mod:`unimp.fp8`'s scaling and quantize-dequantize rules on ``jnp`` arrays (they
 trace under ``jax.jit``), and :func:`fp8_dot_general`, a float8 ``dot_general``: emulated by
 default, with an opt-in native path (float8 operands for XLA's cuBLASLt float8 GEMM).
+
+XLA:CPU's max reduction flushes float32 subnormals to zero: an amax below 2**-126 is recorded as
+0 here on CPU, as TensorFlow records it, where NumPy and torch record the subnormal (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ class Fp8Ops:
 
     @staticmethod
     def amax(x: jax.Array) -> jax.Array:
-        return jnp.max(x)  # NaN-propagating
+        # NaN-propagating; 0 over no element, as the reference (jnp.max raises there; the
+        # size is static under jit)
+        return jnp.max(x) if jnp.size(x) else jnp.zeros((), jnp.asarray(x).dtype)
 
     @staticmethod
     def push(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -195,9 +200,11 @@ def fp8_dot_general(
         ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``.
 
     Raises:
-        TypeError: ``native`` is not True, False or None.
+        TypeError: ``native`` is not True, False or None; ``config`` not a DelayedScaling /
+            CurrentScaling (a preset name: use :func:`unimp.fp8.fp8_preset`).
     """
     native = _fp8.native_requested(native, "fp8_dot_general")
+    config = _fp8.layer_config(config, "fp8_dot_general")
     if not (native and native_fp8_supported()):
         _fp8.warn_emulated("jax", jax.default_backend())
 
@@ -212,7 +219,7 @@ def fp8_dot_general(
                 layer = name if name is not None else f"dot_general({jnp.shape(lhs)}, {jnp.shape(rhs)})"
                 if layer not in _FALLBACK_WARNED:
                     _FALLBACK_WARNED.add(layer)
-                    _fp8.warn_native_fallback("jax", layer, why, stacklevel=3)
+                    _fp8.warn_native_fallback("jax", layer, why)
         return _fp8_dot(config, dn, use, lhs, rhs, input_state, kernel_state, grad_state)
 
     return dot_general
@@ -239,7 +246,7 @@ def _fwd(config, dn, native, lhs, rhs, si, sk, sg):
     qw = _fp8.quantize_arrays(Fp8Ops, rhs, sw, dtype, fmax)
     if native:  # (M, K) @ (K, N): the one product shape the rewriter takes
         flat = qx.reshape(-1, qx.shape[-1])
-        acc = _dot8(flat, dtype, qw, dtype, (((1,), (0,)), ((), ()))).reshape(*qx.shape[:-1], -1)
+        acc = _dot8(flat, dtype, qw, dtype, (((1,), (0,)), ((), ()))).reshape(*qx.shape[:-1], qw.shape[1])
     else:
         acc = jax.lax.dot_general(qx, qw, dn)
     y = (acc * (ix * iw)).astype(lhs.dtype)

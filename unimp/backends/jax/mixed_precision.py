@@ -174,8 +174,23 @@ class MixedPrecision(MixedPrecisionBase):
 
         Returns:
             The selected paths; ``()`` without an FP8 recipe.
+
+        Raises:
+            TypeError: ``layers`` is a string or not a list/tuple, or an entry that is neither
+                a path string nor a ``(path, kind)`` pair of strings (named by position).
         """
-        pairs = [(x, "Dense") if isinstance(x, str) else tuple(x) for x in layers]
+        if not isinstance(layers, (list, tuple)):
+            raise TypeError(f"mp.fp8_layers(layers) takes a list of dotted layer paths or (path, kind) "
+                            f"pairs, in model order, got {type(layers).__name__}.")
+        pairs = []
+        for i, x in enumerate(layers):
+            if isinstance(x, str):
+                pairs.append((x, "Dense"))
+            elif isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(v, str) for v in x):
+                pairs.append(tuple(x))
+            else:
+                raise TypeError(f"mp.fp8_layers(layers): layers[{i}] must be a dotted path or a "
+                                f"(path, kind) pair of strings, got {x!r}.")
         if self._recipe.fp8 is None:
             return ()
         self._fp8_selected = self._recipe.fp8.select(pairs)

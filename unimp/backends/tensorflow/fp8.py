@@ -43,7 +43,9 @@ class Fp8Ops:
 
     @staticmethod
     def amax(x: tf.Tensor) -> tf.Tensor:
-        return tf.reduce_max(x)  # NaN-propagating (observed on CPU, tf 2.21)
+        # NaN-propagating (observed on CPU, tf 2.21); 0 over no element, as the reference
+        # (tf.reduce_max gives -inf there; the size may be known only at run time)
+        return tf.where(tf.size(x) > 0, tf.reduce_max(x), tf.zeros((), x.dtype))
 
     @staticmethod
     def push(history: tf.Tensor, amax: tf.Tensor) -> tf.Tensor:
@@ -122,6 +124,13 @@ def _keras_layer_base() -> type:
     return keras.layers.Layer
 
 
+def _keras_serializable() -> Any:
+    import keras
+
+    return keras.saving.register_keras_serializable(package="unimp")
+
+
+@_keras_serializable()
 class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
     """A Keras Dense layer whose matmul is emulated float8 by :mod:`unimp.fp8`'s rule.
 
@@ -148,18 +157,28 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         native: the native float8 GEMM path; ``None`` (default) reads ``UNIMP_FP8_NATIVE`` at
             construction (``"1"``: on).
 
+    Saved models round-trip (:meth:`get_config` holds ``units``, ``use_bias``, the scaling
+    config as its ``to_dict()`` and ``native``; registered as ``"unimp>FP8Dense"``); the
+    scaling states are variables, saved with the weights.
+
     Raises:
-        TypeError: ``native`` is not True, False or None.
+        TypeError: ``units`` not an int (``2.7``, ``"4"``), ``use_bias`` not True or False,
+            ``config`` not a DelayedScaling / CurrentScaling (a preset name: use
+            :func:`unimp.fp8.fp8_preset`), ``native`` not True, False or None (the field named).
+        ValueError: ``units`` below 1.
 
     Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
     """
 
     def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None,
                  native: bool | None = None, **kwargs: Any) -> None:
+        units = _fp8.layer_size(units, "units", "FP8Dense")
+        use_bias = _fp8.layer_flag(use_bias, "use_bias", "FP8Dense")
+        config = _fp8.layer_config(config, "FP8Dense")
         super().__init__(**kwargs)
-        self.units = int(units)
-        self.use_bias = bool(use_bias)
-        self.config = config if config is not None else _fp8.DelayedScaling()
+        self.units = units
+        self.use_bias = use_bias
+        self.config = config
         self.native = _fp8.native_requested(native, "FP8Dense")
 
     def build(self, input_shape: Any) -> None:
@@ -186,6 +205,21 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         checked = _fp8.check_state(state, self.config, name)
         for f in _FIELDS:
             getattr(self, f"{name}_{f}").assign(getattr(checked, f))
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras's layer config plus ``units``, ``use_bias``, ``config`` (the scaling config's
+        ``to_dict()``) and ``native``: :meth:`from_config` rebuilds an equal layer."""
+        return {**super().get_config(), "units": self.units, "use_bias": self.use_bias,
+                "config": self.config.to_dict(), "native": self.native}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> FP8Dense:
+        """Inverse of :meth:`get_config` (``config`` as a dict is read by
+        :func:`unimp.fp8.fp8_from_dict`)."""
+        config = dict(config)
+        if isinstance(config.get("config"), dict):
+            config["config"] = _fp8.fp8_from_dict(config["config"])
+        return super().from_config(config)
 
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
         y = _fp8_matmul(self, self.config, inputs, self.kernel, training)
@@ -260,12 +294,12 @@ def _use_native(layer: Any, n_in: int, units: int) -> bool:
         if use:
             why = _fp8.native_refusal(n_in, units, "XLA's cuBLASLt float8 GEMM")
             if why is not None:
-                _fp8.warn_native_fallback("tensorflow", layer._unimp_fp8_name, why, stacklevel=5)
+                _fp8.warn_native_fallback("tensorflow", layer._unimp_fp8_name, why)
                 use = False
         layer._unimp_fp8_use_native = use
         if not (use and native_fp8_supported()):
             gpu = bool(tf.config.list_logical_devices("GPU"))
-            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu", stacklevel=5)
+            _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
     return layer._unimp_fp8_use_native
 
 
@@ -341,6 +375,45 @@ def fp8_model_layers(model: Any) -> list[tuple[str, str, Any]]:
     return out
 
 
+def _call_sites(container: Any, sub: Any) -> int:
+    """How many times ``container``'s graph calls ``sub``: its nodes in a functional model
+    (Keras keys them ``"<id(layer)>_ib-<i>"``), its entries in a Sequential; else 1."""
+    import keras
+
+    nodes = getattr(container, "_nodes", None)
+    if isinstance(container, keras.Sequential):
+        return sum(layer is sub for layer in container.layers)
+    if isinstance(nodes, set):
+        return max(1, sum(str(k).split("_ib-")[0] == str(id(sub)) for k in nodes))
+    return 1
+
+
+def fp8_select(model: Any, recipe: Any) -> tuple[str, ...]:
+    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.Fp8Recipe.select`);
+    a selected layer called at several places (twice in a functional model or a Sequential,
+    or under two parents) is refused (:func:`unimp.fp8.recipe.refuse_shared`).
+
+    Raises:
+        ValueError: a shared selected layer, named with its places.
+    """
+    from unimp.fp8.recipe import refuse_shared
+
+    found = fp8_model_layers(model)
+    selected = recipe.select([(p, k) for p, k, _ in found])
+    places: dict[int, list[str]] = {}
+
+    def walk(layer: Any, prefix: str) -> None:
+        for sub in layer._flatten_layers(include_self=False, recursive=False):
+            path = f"{prefix}{sub.name}"
+            n = _call_sites(layer, sub)
+            places.setdefault(id(sub), []).extend([path] if n == 1 else [f"{path} (call {i + 1})" for i in range(n)])
+            walk(sub, path + ".")
+
+    walk(model, "")
+    refuse_shared(selected, {p: places[id(layer)] for p, _, layer in found if len(places[id(layer)]) > 1})
+    return selected
+
+
 def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     """Puts unimp's float8 matmul into the Dense layers of a built Keras model that ``recipe``
     (an :class:`unimp.fp8.recipe.Fp8Recipe`) selects, in place, and returns their paths: each
@@ -351,16 +424,16 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     layer that is not a Dense stays as it is, with a warning naming it.
 
     Raises:
-        ValueError: a selected Dense layer is not built yet (build the model first).
+        ValueError: a selected Dense layer is not built yet (build the model first), or called
+            at several places (:func:`fp8_select`); nothing is changed.
     """
     import types
     import warnings
 
     import keras
 
-    found = fp8_model_layers(model)
-    selected = recipe.select([(p, k) for p, k, _ in found])
-    layers = {p: layer for p, _, layer in found}
+    selected = fp8_select(model, recipe)
+    layers = {p: layer for p, _, layer in fp8_model_layers(model)}
     unbuilt = [p for p in selected if not layers[p].built]
     if unbuilt:
         raise ValueError(f"float8 layers {unbuilt} are not built yet: build the model (call it once "

@@ -16,7 +16,7 @@ import tensorflow as tf
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
-from unimp.backends.tensorflow.fp8 import fp8_model_layers, fp8_swap
+from unimp.backends.tensorflow.fp8 import fp8_select, fp8_swap
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
@@ -182,8 +182,8 @@ class MixedPrecision(MixedPrecisionBase):
           output layer (a float16 softmax can overflow), give that layer
           ``dtype=mp.output_dtype_policy``. The wrapper is not saved with the model, and
           ``copy.deepcopy`` (which Keras does through the config) drops it too: a loaded or
-          copied model returns its last layer's dtype until prepared again. Preparing again
-          with the same output dtype changes nothing; with another, it is a ``ValueError``.
+          copied model returns its last layer's dtype until prepared again. Preparing the
+          same model again is a ``ValueError``, as in torch (prepare applies the recipe once).
         * An FP8 recipe: the Dense layers it selects (:meth:`fp8_layers`; the first and last
           out by default) get unimp's emulated float8 matmul in their ``call`` and float32
           scaling states (non-trainable variables), in place; the model must be built.
@@ -205,11 +205,13 @@ class MixedPrecision(MixedPrecisionBase):
 
         Raises:
             TypeError: ``model`` is not a Keras layer or model, or a bad optimizer.
-            ValueError: compile arguments without an optimizer, an override conflict or an
-                override Keras cannot express. Nothing is changed when an error is raised.
+            ValueError: the model was already prepared, compile arguments without an
+                optimizer, an override conflict or an override Keras cannot express. Nothing is changed when an error is raised.
         """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
+        if getattr(model, "_unimp_prepared", False):  # as torch's prepare
+            raise ValueError("this model was already prepared; prepare() applies the recipe once.")
         if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
             raise TypeError(
                 f"optimizer must be a keras.optimizers.Optimizer, a name like 'adam', or None, got "
@@ -256,6 +258,7 @@ class MixedPrecision(MixedPrecisionBase):
             model.compile(optimizer=wrapped, **compile_kwargs)
         apply_overrides(self, model, overridden)
         self._cast_outputs(model)
+        model._unimp_prepared = True  # a deep copy (through the config) drops it, as the cast
         return model, wrapped
 
     def fp8_layers(self, model: Any) -> tuple[str, ...]:
@@ -263,10 +266,17 @@ class MixedPrecision(MixedPrecisionBase):
         float8 matmuls under the recipe, in model order; ``()`` without an FP8 recipe. The
         same rule and names in every backend (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first
         and last Dense out by default). ``EinsumDense`` (``MultiHeadAttention``'s projections)
-        is not a Dense here."""
+        is not a Dense here.
+
+        Raises:
+            TypeError: ``model`` is not a Keras layer or model.
+            ValueError: a selected layer called at several places (named).
+        """
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"mp.fp8_layers(model) takes a keras.Model (or layer), got {type(model).__name__}.")
         if self._recipe.fp8 is None:
             return ()
-        return self._recipe.fp8.select([(p, k) for p, k, _ in fp8_model_layers(model)])
+        return fp8_select(model, self._recipe.fp8)
 
     def _cast_outputs(self, model: Any) -> None:
         """Wraps ``model.call`` so its floating outputs come out in the output dtype.

@@ -62,7 +62,9 @@ class Fp8Ops:
 
     @staticmethod
     def amax(x: torch.Tensor) -> torch.Tensor:
-        return torch.max(x)  # NaN-propagating
+        # NaN-propagating; 0 over no element, as the reference (torch.max raises on an empty
+        # tensor; numel is host metadata, so this is no sync)
+        return torch.max(x) if x.numel() else x.new_zeros(())
 
     @staticmethod
     def push(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -287,13 +289,24 @@ class FP8Dense(torch.nn.Linear):
             ``FP8Dense(in_features, out_features)``.
 
     Shapes: input ``(..., in_features)``, output ``(..., out_features)``, input's dtype.
+
+    Raises:
+        TypeError: ``in_features`` / ``out_features`` not an int (``2.7``, ``"4"``), ``bias``
+            not True or False, ``config`` not a DelayedScaling / CurrentScaling (a preset
+            name: use :func:`unimp.fp8.fp8_preset`), ``native`` not True, False or None (the
+            field named).
+        ValueError: a size below 1.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None, config: _fp8.Fp8Config | None = None, native: bool | None = None,
                  name: str | None = None) -> None:
+        in_features = _fp8.layer_size(in_features, "in_features", "FP8Dense")
+        out_features = _fp8.layer_size(out_features, "out_features", "FP8Dense")
+        bias = _fp8.layer_flag(bias, "bias", "FP8Dense")
+        config = _fp8.layer_config(config, "FP8Dense")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.config = config if config is not None else _fp8.DelayedScaling()
+        self.config = config
         self.native = _fp8.native_requested(native, "FP8Dense")
         self.fp8_name = name if name is not None else f"FP8Dense({in_features}, {out_features})"
         self._native_refused: str | None = None  # why this layer runs emulated though native
@@ -369,7 +382,7 @@ class FP8Dense(torch.nn.Linear):
 
     def _refuse_native(self, why: str) -> None:
         self._native_refused = why
-        _fp8.warn_native_fallback("torch", self.fp8_name, why, stacklevel=5)
+        _fp8.warn_native_fallback("torch", self.fp8_name, why)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _has_float8_units(x.device) or not self._use_native(x.device):
@@ -412,12 +425,36 @@ def fp8_model_layers(model: torch.nn.Module) -> list[tuple[str, str]]:
             for name, m in model.named_modules() if name]
 
 
+def fp8_select(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
+    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.Fp8Recipe.select`);
+    a selected module reachable at several paths (``nn.Sequential(a, l, l, b)``) is refused
+    (:func:`unimp.fp8.recipe.refuse_shared`).
+
+    Raises:
+        ValueError: a shared selected module, named with its paths.
+    """
+    from unimp.fp8.recipe import refuse_shared
+
+    selected = recipe.select(fp8_model_layers(model))
+    paths: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name:
+            paths.setdefault(id(m), []).append(name)
+    refuse_shared(selected, {p[0]: p for p in paths.values() if len(p) > 1})
+    return selected
+
+
 def fp8_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
     """Replaces the ``nn.Linear`` modules ``recipe`` (an :class:`unimp.fp8.recipe.Fp8Recipe`)
     selects by :class:`FP8Dense` sharing their Parameters, in place (named by their paths in
     warnings; native per ``UNIMP_FP8_NATIVE``); returns the selected paths. Selected layers already FP8Dense are kept; a selected convolution stays as it is
-    (float8 convolutions are not built) with a warning naming it."""
-    selected = recipe.select(fp8_model_layers(model))
+    (float8 convolutions are not built) with a warning naming it.
+
+    Raises:
+        ValueError: a selected module reachable at several paths (:func:`fp8_select`);
+            nothing is swapped.
+    """
+    selected = fp8_select(model, recipe)
     modules = dict(model.named_modules())
     done = []
     for path in selected:

@@ -19,7 +19,7 @@ from unimp.backends.torch.casting import (
     to_dtype,
 )
 from unimp.backends.torch.devices import _as_device, _dtype_ok
-from unimp.backends.torch.fp8 import FP8Dense, fp8_model_layers, fp8_swap
+from unimp.backends.torch.fp8 import FP8Dense, fp8_select, fp8_swap
 from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
@@ -270,10 +270,17 @@ class MixedPrecision(MixedPrecisionBase):
         """The dotted paths of the layers that run float8 matmuls under the recipe (after
         :meth:`prepare`, the FP8Dense modules it put in; before, those it would), in model
         order; ``()`` without an FP8 recipe. The same rule and names in every backend
-        (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first and last Linear out by default)."""
+        (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first and last Linear out by default).
+
+        Raises:
+            TypeError: ``model`` is not a ``torch.nn.Module``.
+            ValueError: a selected module shared by several paths (named).
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"mp.fp8_layers(model) takes a torch.nn.Module, got {type(model).__name__}.")
         if self._recipe.fp8 is None:
             return ()
-        return self._recipe.fp8.select(fp8_model_layers(model))
+        return fp8_select(model, self._recipe.fp8)
 
     def _check_model_device(self, model: torch.nn.Module) -> None:
         """Autocast for one device type leaves ops on another in float32: refuse a model whose
