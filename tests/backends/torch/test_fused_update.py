@@ -55,20 +55,25 @@ def _state(cfg):
     )
 
 
-def _update(cfg, scale, counter, skips, gf, lf, out=None):
-    overflow, skipped = flags_from_bools(torch.tensor(gf), torch.tensor(lf), torch.zeros(()) if out is None else out)
-    return update_in_place(
-        cfg, scale, counter, skips, skips[0], loss_finite=torch.tensor(lf), overflow=overflow, skipped=skipped
+def _update(cfg, scale, counter, skips, gf, lf, out=None, ints=False):
+    """One fused update; the skip counters after it as a snapshot (a report's). ``ints``: the
+    flags as the train step hands them (int32 0 / 1 from its flag scratch), else bools."""
+    overflow, skipped, loss_inf = flags_from_bools(
+        torch.tensor(gf), torch.tensor(lf), torch.zeros(()) if out is None else out
     )
+    if ints:
+        skipped, loss_inf = skipped.int(), loss_inf.int()
+    update_in_place(cfg, scale, counter, skips, skips[0], loss_inf=loss_inf, overflow=overflow, skipped=skipped)
+    return tuple(skips.clone().unbind())
 
 
-def _check_steps(cfg, flags):
+def _check_steps(cfg, flags, ints=False):
     scale, counter, skips = held = _state(cfg)
     ref = cfg.initial_state()
     out = torch.zeros((), dtype=torch.float32)
     reports = []
     for i, (gf, lf) in enumerate(flags):
-        consecutive, total = _update(cfg, scale, counter, skips, gf, lf, out)
+        consecutive, total = _update(cfg, scale, counter, skips, gf, lf, out, ints)
         ref = update(cfg, ref, gf, lf)
         reports.append(((int(consecutive), int(total)), consecutive, total))
         assert (int(consecutive), int(total)) == tuple(skips.tolist())
@@ -104,11 +109,12 @@ def test_fused_update_equals_the_reference_bit_for_bit(cfg, flags):
     ],
     ids=["floor-non-dyadic", "growth-to-inf-kept", "cap-non-dyadic", "float32-factors", "static", "none"],
 )
-def test_fused_update_corners(cfg):
+@pytest.mark.parametrize("ints", [False, True], ids=["bool-flags", "int32-flags"])
+def test_fused_update_corners(cfg, ints):
     # overflow at the floor, growth past the float32 max, growth past the cap, forward overflow
     # on the growth step
     flags = [(False, True), (True, True), (True, True), (True, False), (True, True), (False, False)] * 3
-    _check_steps(cfg, flags)
+    _check_steps(cfg, flags, ints)
 
 
 def test_forward_overflow_on_the_growth_step_neither_grows_nor_counts():
