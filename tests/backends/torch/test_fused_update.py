@@ -207,3 +207,43 @@ def test_train_step_fused_path_equals_the_reference_path(recipe, cfg, opt, monke
     assert [r[0]["loss_finite"] for r in fused] == [e != "loss" for e in EVENTS]
     for a, b in zip(fused_params, ref_params, strict=True):
         assert torch.equal(a, b)
+
+
+def test_inverse_scale_is_torchs_float64_reciprocal_bit_for_bit():
+    # unscale_'s one op (float64 1.0 / float32 scale, into float32) against torch.amp's
+    # GradScaler.unscale_: self._scale.double().reciprocal().float()
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0x00800000, 0x7F800000, size=20000, dtype=np.uint32)  # normal floats
+    scales = torch.from_numpy(np.concatenate([bits.view(np.float32), np.float32([1.5, 3.0, 65536.0])]))
+    ours = torch.empty_like(scales)
+    torch.div(torch.tensor(1.0, dtype=torch.float64), scales, out=ours)
+    want = scales.double().reciprocal().float()
+    assert torch.equal(ours.view(torch.int32), want.view(torch.int32))
+
+
+def test_step_reports_keep_their_values_when_read_after_later_steps():
+    import unimp
+    from backends.torch.helpers import _batch, _loss, _mlp
+
+    cfg = DynamicLossScale(init_scale=2.0**10, growth_factor=1.5, backoff_factor=0.7, growth_interval=2)
+    mp = ut.MixedPrecision(unimp.get_recipe("mixed_float16", loss_scale=cfg), device="cpu")
+    model = _mlp()
+    step = mp.train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), _loss)
+    results = []
+    for i, event in enumerate(EVENTS):
+        x, y, _ = _batch(i)
+        if event == "loss":
+            x[0, 0] = float("nan")
+        results.append(step((x, y, event == "grads")))
+    # nothing read until every step ran: each report is its own step's
+    got = [(r.applied, r.loss_finite, r.grads_finite, r.consecutive_skips, r.total_skips) for r in results]
+    want, run, total = [], 0, 0
+    for e in EVENTS:
+        run, total = (run + 1, total + 1) if e != "ok" else (0, total)
+        want.append((e == "ok", e != "loss", e == "ok", run, total))
+    assert got == want
+    state, scales = cfg.initial_state(), []
+    for e in EVENTS:  # the scale each step used, by the reference rule
+        scales.append(float(state.scale))
+        state = update(cfg, state, e == "ok", e != "loss")
+    assert [r.scale for r in results] == scales
