@@ -57,13 +57,17 @@ def _state(cfg):
 
 def _update(cfg, scale, counter, skips, gf, lf, out=None, ints=False):
     """One fused update; the skip counters after it as a snapshot (a report's). ``ints``: the
-    flags as the train step hands them (int32 0 / 1 from its flag scratch), else bools."""
+    flags as the train step hands them (int32 0 / 1 and ``[skipped, 1]``), else bools."""
     overflow, skipped, loss_inf = flags_from_bools(
         torch.tensor(gf), torch.tensor(lf), torch.zeros(()) if out is None else out
     )
-    if ints:
-        skipped, loss_inf = skipped.int(), loss_inf.int()
-    update_in_place(cfg, scale, counter, skips, skips[0], loss_inf=loss_inf, overflow=overflow, skipped=skipped)
+    one = None
+    if ints:  # as the train step: [skipped, 1] int32, skipped a view of it (one addcmul)
+        one = torch.stack([skipped.int(), torch.tensor(1, dtype=torch.int32)])
+        skipped, loss_inf = one[0], loss_inf.int()
+    update_in_place(
+        cfg, scale, counter, skips, skips[0], loss_inf=loss_inf, overflow=overflow, skipped=skipped, skipped_one=one
+    )
     return tuple(skips.clone().unbind())
 
 
@@ -87,9 +91,9 @@ def _check_steps(cfg, flags, ints=False):
 
 
 @settings(max_examples=300, deadline=None)
-@given(configs(), events)
-def test_fused_update_equals_the_reference_bit_for_bit(cfg, flags):
-    _check_steps(cfg, flags)
+@given(configs(), events, st.booleans())
+def test_fused_update_equals_the_reference_bit_for_bit(cfg, flags, ints):
+    _check_steps(cfg, flags, ints)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ only when it is read.
 Per step (torch ops): the scratch's ``zero_``; the check kernels write ``loss_inf`` and
 ``grads_inf``; the step writes ``skip`` (``maximum``) and, for a dynamic scale, ``overflow``
 (``gt``); :func:`snapshot` then issues ``ne`` (the three flags as int32, which the in-place
-skip counters and the counter's forward-overflow correction take) and one ``cat``, the report:
+skip counters, one ``addcmul`` with ``[skip, 1]``, and the counter's forward-overflow
+correction take) and one ``cat``, the report:
 ``[scale bits, consecutive_skips, total_skips, loss_inf, grads_inf, skip]`` before the update,
 the scale as its float32 bit pattern (a view: exact). The values after the update are derived
 on the host as the rule defines them (``unimp.loss_scale.update_arrays``): ``applied = not
@@ -43,26 +44,26 @@ def step_flags(sc: Any) -> tuple[torch.Tensor, ...]:
     return views[:4]
 
 
-def snapshot(sc: Any) -> tuple[dict[str, _Field], tuple[torch.Tensor, torch.Tensor]]:
+def snapshot(sc: Any) -> tuple[dict[str, _Field], tuple[torch.Tensor, ...]]:
     """The step's report (two ops: ``ne`` and ``cat``), taken after the step's flags are
     written and before the loss-scale update.
 
     Returns:
-        ``(fields, (loss_inf, skip))``: the report's fields (``scale``, ``applied``,
-        ``loss_finite``, ``grads_finite``, ``consecutive_skips``, ``total_skips``), each a
-        :class:`_Field` of one snapshot; and the two int32 0-d flags (1: non-finite loss, 1:
-        skipped) for ``update_in_place``.
+        ``(fields, (loss_inf, skip, skip_one))``: the report's fields (``scale``,
+        ``applied``, ``loss_finite``, ``grads_finite``, ``consecutive_skips``,
+        ``total_skips``), each a :class:`_Field` of one snapshot; and for ``update_in_place``
+        the int32 flags (0-d, 1: non-finite loss, 1: skipped) and ``[skip, 1]``.
     """
     s = _scratch(sc)
     held = s.get("report")
     if held is None or held[0] is not sc._scale or held[1] is not sc._skips:  # a new state
-        bits = torch.zeros(3, dtype=torch.int32, device=sc.device)
-        parts = [sc._scale.view(torch.int32).reshape(1), sc._skips, bits]
-        held = s["report"] = (sc._scale, sc._skips, bits, bits.unbind(), parts)
-    _, _, bits, (loss_bad, _, skip), parts = held
+        bits = torch.tensor([0, 0, 0, 1], dtype=torch.int32, device=sc.device)  # [.., .., .., 1]
+        parts = [sc._scale.view(torch.int32).reshape(1), sc._skips, bits[:3]]
+        held = s["report"] = (sc._scale, sc._skips, bits[:3], (*bits.unbind()[::2], bits[2:]), parts)
+    _, _, bits, (loss_bad, skip, skip_one), parts = held
     torch.ne(s["flag_views"][4], 0, out=bits)
     snap = _Snapshot(torch.cat(parts))
-    return {name: _Field(snap, name) for name in _DERIVE}, (loss_bad, skip)
+    return {name: _Field(snap, name) for name in _DERIVE}, (loss_bad, skip, skip_one)
 
 
 def _scale_of(bits: int) -> float:

@@ -109,6 +109,7 @@ def update_in_place(
     loss_inf: torch.Tensor | None,
     overflow: torch.Tensor | None,
     skipped: torch.Tensor,
+    skipped_one: torch.Tensor | None = None,
 ) -> None:
     """One step of the rule, in place, for a config :func:`fused_rule` accepts.
 
@@ -123,8 +124,11 @@ def update_in_place(
             step that backs off).
         skipped: bool or int32 0-d, 1 (True) when the step was skipped (non-finite loss or
             gradients).
+        skipped_one: optional int32 ``[skipped, 1]`` (``skipped`` a view of its first element):
+            then both counters change in one op, ``skips = skipped + skips * [skipped, 1]``.
 
-    Ops: the skip counters 2 (``skips += skipped``, ``consecutive *= skipped``); a dynamic
+    Ops: the skip counters 2 (``skips += skipped``, ``consecutive *= skipped``; 1 with
+    ``skipped_one``); a dynamic
     scale 3 more (the counter's forward-overflow correction, the kernel, the clamp), against
     :func:`unimp.loss_scale.update_arrays`'s 17 and 4 copies. A report snapshots the state
     itself (the state changes in place). ``loss_inf`` and ``overflow`` are read only for a
@@ -138,6 +142,9 @@ def update_in_place(
         )  # fmt: skip
         hi = None if config.max_scale is None else _f32(config.max_scale)
         scale.clamp_(_f32(config.floor), hi)
+    if skipped_one is not None:  # [s + consecutive * s, s + total]: the same, in one op
+        torch.addcmul(skipped, skips, skipped_one, out=skips)
+        return
     skips.add_(skipped)  # [consecutive + s, total + s]
     consecutive.mul_(skipped)  # (consecutive + s) * s: consecutive + 1 on a skip, 0 otherwise
 

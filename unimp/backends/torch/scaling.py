@@ -487,15 +487,15 @@ class GradScaler:
         field) are snapshots that later updates leave alone, for a step's report.
 
         Where :func:`fused_rule` holds, the update is torch's fused kernel and a
-        few in-place ops (``flags``: the caller's ``(overflow, skipped, loss_inf)`` if it has them,
+        few in-place ops (``flags``: the caller's ``(overflow, skipped, loss_inf[, [skipped, 1]])`` if it has them,
         then the skip counters come back as None: the caller snapshots them);
         elsewhere :func:`unimp.loss_scale.update_arrays`, copied into the state.
         """
         if fused_rule(self._config):
-            overflow, skipped, loss_inf = flags or flags_from_bools(grads_finite, loss_finite, self._buffer("overflow"))
+            overflow, skipped, loss_inf, *one = flags or flags_from_bools(grads_finite, loss_finite, self._buffer("overflow"))
             update_in_place(
                 self._config, self._scale, self._counter, self._skips, self._consecutive,
-                loss_inf=loss_inf, overflow=overflow, skipped=skipped,
+                loss_inf=loss_inf, overflow=overflow, skipped=skipped, skipped_one=(one or [None])[0],
             )  # fmt: skip
             self._loss_finite = self._ops.true
             # the caller's flags come with its own report; else the counters' snapshot

@@ -271,10 +271,10 @@ class TrainStep(LoggedStep):
             if sc.config.dynamic:  # the backoff flag (finite loss, non-finite gradients)
                 torch.gt(grads_inf, loss_inf, out=overflow)
             # the report: one snapshot, every field derived when read (_report.py)
-            report, (loss_bad, skipped) = snapshot(sc)
+            report, (loss_bad, skipped, skipped_one) = snapshot(sc)
             applied, loss_finite, grads_finite = report["applied"], report["loss_finite"], report["grads_finite"]
             scale_used = report["scale"]
-            fused = (overflow, skipped, loss_bad)
+            fused = (overflow, skipped, loss_bad, skipped_one)
         _restore_forward_state(buffers, applied if flags is None or not buffers else torch.eq(skip, 0))
         _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite, fused)  # sc.update()
         if flags is not None:
