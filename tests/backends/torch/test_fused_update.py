@@ -251,3 +251,17 @@ def test_step_reports_keep_their_values_when_read_after_later_steps():
         scales.append(float(state.scale))
         state = update(cfg, state, e == "ok", e != "loss")
     assert [r.scale for r in results] == scales
+
+
+@pytest.mark.parametrize("loss_inf", [0.0, 1.0])
+@pytest.mark.parametrize("grads_inf", [0.0, 1.0])
+def test_skip_flags_are_max_and_backoff_in_one_op(loss_inf, grads_inf):
+    from unimp.backends.torch._report import skip_flags, step_flags
+
+    sc = ut.GradScaler(DynamicLossScale(), device="cpu")
+    loss_flag, grads_flag, skip, overflow = step_flags(sc)
+    loss_flag.fill_(loss_inf)
+    grads_flag.fill_(grads_inf)
+    skip_flags(sc)
+    # exactly 1.0 / 0.0: torch's fused optimizers skip on found_inf == 1 only
+    assert (skip.item(), overflow.item()) == (max(loss_inf, grads_inf), grads_inf * (1.0 - loss_inf))

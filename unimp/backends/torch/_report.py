@@ -3,8 +3,8 @@ and one packed int32 snapshot per step from which every reported flag and counte
 only when it is read.
 
 Per step (torch ops): the scratch's ``zero_``; the check kernels write ``loss_inf`` and
-``grads_inf``; the step writes ``skip`` (``maximum``) and, for a dynamic scale, ``overflow``
-(``gt``); :func:`snapshot` then issues ``ne`` (the three flags as int32, which the in-place
+``grads_inf``; :func:`skip_flags` writes ``skip`` and ``overflow`` (one ``lerp``);
+:func:`snapshot` then issues ``ne`` (the three flags as int32, which the in-place
 skip counters, one ``addcmul`` with ``[skip, 1]``, and the counter's forward-overflow
 correction take) and one ``cat``, the report:
 ``[scale bits, consecutive_skips, total_skips, loss_inf, grads_inf, skip]`` before the update,
@@ -39,9 +39,20 @@ def step_flags(sc: Any) -> tuple[torch.Tensor, ...]:
     views = _scratch(sc).get("flag_views")
     if views is None:
         flags = sc._buffer("flags", (4,))
-        views = _scratch(sc)["flag_views"] = (*flags.unbind(), flags[:3])
+        end = torch.tensor([1.0, 0.0], dtype=torch.float32, device=sc.device)
+        views = _scratch(sc)["flag_views"] = (*flags.unbind(), flags[:3], flags[2:], end)
     sc._buffer("flags", (4,)).zero_()
     return views[:4]
+
+
+def skip_flags(sc: Any) -> None:
+    """Writes ``skip = max(loss_inf, grads_inf)`` (exactly 1.0 or 0.0: torch's fused optimizers
+    skip on ``found_inf == 1`` only) and ``overflow = grads_inf and not loss_inf`` (the backoff
+    flag: finite loss, non-finite gradients) in one op: ``lerp(grads_inf, [1, 0], loss_inf)``
+    is ``[grads_inf, grads_inf]`` for a finite loss and ``[1, 0]`` for a non-finite one (a
+    weight of exactly 0 or 1 gives the start or the end exactly)."""
+    loss_inf, grads_inf, _, _, _, skip_overflow, end = _scratch(sc)["flag_views"]
+    torch.lerp(grads_inf, end, loss_inf, out=skip_overflow)
 
 
 def snapshot(sc: Any) -> tuple[dict[str, _Field], tuple[torch.Tensor, ...]]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unimp.backends.torch._report import _to_host, snapshot, step_flags
+from unimp.backends.torch._report import _to_host, skip_flags, snapshot, step_flags
 from unimp.backends.torch._update import fused_rule
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
@@ -183,7 +183,7 @@ class TrainStep(LoggedStep):
         sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
         # the fused path (one process, a rule torch's kernel follows): the loss and gradient
         # overflow flags, the skip flag and the backoff flag live in one scratch, zeroed by one
-        # op, written by torch's check kernels, one maximum and one gt (_report.py)
+        # op, written by torch's check kernels and one lerp (_report.py)
         flags = step_flags(sc) if fused_rule(sc.config) and sc._group() is None else None
         if flags is not None:
             loss_inf, grads_inf, skip, overflow = flags
@@ -265,11 +265,8 @@ class TrainStep(LoggedStep):
         else:  # sc.step() with the loss flag as torch's found_inf
             if found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
                 grads_inf.copy_(found_inf)
-            # 1: skip the step (exactly 1: torch's fused optimizers skip on found_inf == 1 only)
-            torch.maximum(loss_inf, grads_inf, out=skip)
+            skip_flags(sc)  # skip (exactly 1 or 0) and the backoff flag, one op
             _guarded_step(opt, skip, (), {})
-            if sc.config.dynamic:  # the backoff flag (finite loss, non-finite gradients)
-                torch.gt(grads_inf, loss_inf, out=overflow)
             # the report: one snapshot, every field derived when read (_report.py)
             report, (loss_bad, skipped, skipped_one) = snapshot(sc)
             applied, loss_finite, grads_finite = report["applied"], report["loss_finite"], report["grads_finite"]
