@@ -82,6 +82,11 @@ class TrainStep(LoggedStep):
     ``num_batches_tracked``, stay bitwise unchanged), updates the loss scale with unimp's rule, and
     resets the gradients (to None, i.e. exact zeros, never by subtracting them).
 
+    The result costs one op a step (one process, a rule torch's fused update follows): its
+    ``scale``, flags and skip counters are one packed int32 snapshot, derived when read; in
+    ``result.raw`` they stand for 0-d tensors (``item()``, ``bool()``, ``dtype``) and all read
+    the device once, together (``unimp/backends/torch/_report.py``).
+
     Args:
         mp: the bound :class:`MixedPrecision`.
         model, optimizer: as given to (or returned by) :meth:`MixedPrecision.prepare`.
