@@ -149,8 +149,10 @@ class StepResult:
 
     @property
     def raw(self) -> dict[str, Any]:
-        """The device values, unconverted (reading this never synchronizes)."""
-        return dict(self._raw)
+        """The device values, unconverted (reading this never synchronizes). A backend may hold
+        a field as a value derived on demand from a packed snapshot (torch's fused step): it
+        is handed out here as its device value (``device_value()``)."""
+        return {k: (v.device_value() if hasattr(v, "device_value") else v) for k, v in self._raw.items()}
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as a Python value (synchronizes)."""

@@ -55,20 +55,29 @@ def _state(cfg):
     )
 
 
-def _update(cfg, scale, counter, skips, gf, lf, out=None):
-    overflow, skipped = flags_from_bools(torch.tensor(gf), torch.tensor(lf), torch.zeros(()) if out is None else out)
-    return update_in_place(
-        cfg, scale, counter, skips, skips[0], loss_finite=torch.tensor(lf), overflow=overflow, skipped=skipped
+def _update(cfg, scale, counter, skips, gf, lf, out=None, ints=False):
+    """One fused update; the skip counters after it as a snapshot (a report's). ``ints``: the
+    flags as the train step hands them (int32 0 / 1 and ``[skipped, 1]``), else bools."""
+    overflow, skipped, loss_inf = flags_from_bools(
+        torch.tensor(gf), torch.tensor(lf), torch.zeros(()) if out is None else out
     )
+    one = None
+    if ints:  # as the train step: [skipped, 1] int32, skipped a view of it (one addcmul)
+        one = torch.stack([skipped.int(), torch.tensor(1, dtype=torch.int32)])
+        skipped, loss_inf = one[0], loss_inf.int()
+    update_in_place(
+        cfg, scale, counter, skips, skips[0], loss_inf=loss_inf, overflow=overflow, skipped=skipped, skipped_one=one
+    )
+    return tuple(skips.clone().unbind())
 
 
-def _check_steps(cfg, flags):
+def _check_steps(cfg, flags, ints=False):
     scale, counter, skips = held = _state(cfg)
     ref = cfg.initial_state()
     out = torch.zeros((), dtype=torch.float32)
     reports = []
     for i, (gf, lf) in enumerate(flags):
-        consecutive, total = _update(cfg, scale, counter, skips, gf, lf, out)
+        consecutive, total = _update(cfg, scale, counter, skips, gf, lf, out, ints)
         ref = update(cfg, ref, gf, lf)
         reports.append(((int(consecutive), int(total)), consecutive, total))
         assert (int(consecutive), int(total)) == tuple(skips.tolist())
@@ -82,9 +91,9 @@ def _check_steps(cfg, flags):
 
 
 @settings(max_examples=300, deadline=None)
-@given(configs(), events)
-def test_fused_update_equals_the_reference_bit_for_bit(cfg, flags):
-    _check_steps(cfg, flags)
+@given(configs(), events, st.booleans())
+def test_fused_update_equals_the_reference_bit_for_bit(cfg, flags, ints):
+    _check_steps(cfg, flags, ints)
 
 
 @pytest.mark.parametrize(
@@ -104,11 +113,12 @@ def test_fused_update_equals_the_reference_bit_for_bit(cfg, flags):
     ],
     ids=["floor-non-dyadic", "growth-to-inf-kept", "cap-non-dyadic", "float32-factors", "static", "none"],
 )
-def test_fused_update_corners(cfg):
+@pytest.mark.parametrize("ints", [False, True], ids=["bool-flags", "int32-flags"])
+def test_fused_update_corners(cfg, ints):
     # overflow at the floor, growth past the float32 max, growth past the cap, forward overflow
     # on the growth step
     flags = [(False, True), (True, True), (True, True), (True, False), (True, True), (False, False)] * 3
-    _check_steps(cfg, flags)
+    _check_steps(cfg, flags, ints)
 
 
 def test_forward_overflow_on_the_growth_step_neither_grows_nor_counts():
@@ -170,6 +180,8 @@ def _trajectory(recipe, cfg, optimizer, reference, monkeypatch):
             x[0, 0] = float("nan")
         r = step((x, y, event == "grads"))
         raw = r.raw
+        # the documented contract: raw holds the step's device values (tensors), on either path
+        assert all(isinstance(raw[k], torch.Tensor) for k in raw if k != "grad_norm")
         rows.append((
             r.as_dict(), raw["scale"].item(), int(step.scaler._counter),
             tuple(raw[k].dtype for k in ("applied", "loss_finite", "grads_finite", "consecutive_skips")),
@@ -201,3 +213,57 @@ def test_train_step_fused_path_equals_the_reference_path(recipe, cfg, opt, monke
     assert [r[0]["loss_finite"] for r in fused] == [e != "loss" for e in EVENTS]
     for a, b in zip(fused_params, ref_params, strict=True):
         assert torch.equal(a, b)
+
+
+def test_inverse_scale_is_torchs_float64_reciprocal_bit_for_bit():
+    # unscale_'s one op (float64 1.0 / float32 scale, into float32) against torch.amp's
+    # GradScaler.unscale_: self._scale.double().reciprocal().float()
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0x00800000, 0x7F800000, size=20000, dtype=np.uint32)  # normal floats
+    scales = torch.from_numpy(np.concatenate([bits.view(np.float32), np.float32([1.5, 3.0, 65536.0])]))
+    ours = torch.empty_like(scales)
+    torch.div(torch.tensor(1.0, dtype=torch.float64), scales, out=ours)
+    want = scales.double().reciprocal().float()
+    assert torch.equal(ours.view(torch.int32), want.view(torch.int32))
+
+
+def test_step_reports_keep_their_values_when_read_after_later_steps():
+    import unimp
+    from backends.torch.helpers import _batch, _loss, _mlp
+
+    cfg = DynamicLossScale(init_scale=2.0**10, growth_factor=1.5, backoff_factor=0.7, growth_interval=2)
+    mp = ut.MixedPrecision(unimp.get_recipe("mixed_float16", loss_scale=cfg), device="cpu")
+    model = _mlp()
+    step = mp.train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), _loss)
+    results = []
+    for i, event in enumerate(EVENTS):
+        x, y, _ = _batch(i)
+        if event == "loss":
+            x[0, 0] = float("nan")
+        results.append(step((x, y, event == "grads")))
+    # nothing read until every step ran: each report is its own step's
+    got = [(r.applied, r.loss_finite, r.grads_finite, r.consecutive_skips, r.total_skips) for r in results]
+    want, run, total = [], 0, 0
+    for e in EVENTS:
+        run, total = (run + 1, total + 1) if e != "ok" else (0, total)
+        want.append((e == "ok", e != "loss", e == "ok", run, total))
+    assert got == want
+    state, scales = cfg.initial_state(), []
+    for e in EVENTS:  # the scale each step used, by the reference rule
+        scales.append(float(state.scale))
+        state = update(cfg, state, e == "ok", e != "loss")
+    assert [r.scale for r in results] == scales
+
+
+@pytest.mark.parametrize("loss_inf", [0.0, 1.0])
+@pytest.mark.parametrize("grads_inf", [0.0, 1.0])
+def test_skip_flags_are_max_and_backoff_in_one_op(loss_inf, grads_inf):
+    from unimp.backends.torch._report import skip_flags, step_flags
+
+    sc = ut.GradScaler(DynamicLossScale(), device="cpu")
+    loss_flag, grads_flag, skip, overflow = step_flags(sc)
+    loss_flag.fill_(loss_inf)
+    grads_flag.fill_(grads_inf)
+    skip_flags(sc)
+    # exactly 1.0 / 0.0: torch's fused optimizers skip on found_inf == 1 only
+    assert (skip.item(), overflow.item()) == (max(loss_inf, grads_inf), grads_inf * (1.0 - loss_inf))

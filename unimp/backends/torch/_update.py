@@ -67,6 +67,9 @@ class _TorchOps:
     def f32(self, x: Any) -> torch.Tensor:
         return self._const(float(x) if not isinstance(x, torch.Tensor) else x, torch.float32)
 
+    def f64(self, x: Any) -> torch.Tensor:
+        return self._const(float(x), torch.float64)
+
     def i32(self, x: Any) -> torch.Tensor:
         return self._const(int(x) if not isinstance(x, torch.Tensor) else x, torch.int32)
 
@@ -103,10 +106,11 @@ def update_in_place(
     skips: torch.Tensor,
     consecutive: torch.Tensor,
     *,
-    loss_finite: torch.Tensor | None,
+    loss_inf: torch.Tensor | None,
     overflow: torch.Tensor | None,
     skipped: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    skipped_one: torch.Tensor | None = None,
+) -> None:
     """One step of the rule, in place, for a config :func:`fused_rule` accepts.
 
     Args:
@@ -115,35 +119,38 @@ def update_in_place(
             total_skips]`` (the state, changed in place; one tensor, so each counter op and the
             snapshot serve both); consecutive: the 0-d view ``skips[0]`` (made once by the caller:
             indexing is an op too).
-        loss_finite: bool 0-d, the loss was finite.
+        loss_inf: bool or int32 0-d, 1 (True) when the loss was not finite.
         overflow: float32 0-d, nonzero when the loss was finite and a gradient was not (the
             step that backs off).
-        skipped: bool 0-d, the step was skipped (non-finite loss or gradients).
+        skipped: bool or int32 0-d, 1 (True) when the step was skipped (non-finite loss or
+            gradients).
+        skipped_one: optional int32 ``[skipped, 1]`` (``skipped`` a view of its first element):
+            then both counters change in one op, ``skips = skipped + skips * [skipped, 1]``.
 
-    Returns:
-        ``(consecutive_skips, total_skips)`` after the step: views of a snapshot that later
-        updates leave alone (for a step's report).
-
-    Ops: the skip counters 4 (``skips += skipped``, ``consecutive *= skipped``, the snapshot
-    and its ``unbind`` view); a dynamic scale 4 more (the counter's forward-overflow correction
-    2, the kernel, the clamp), against :func:`unimp.loss_scale.update_arrays`'s 17 and 4 copies.
-    ``loss_finite`` and ``overflow`` are read only for a dynamic scale (None otherwise).
+    Ops: the skip counters 2 (``skips += skipped``, ``consecutive *= skipped``; 1 with
+    ``skipped_one``); a dynamic
+    scale 3 more (the counter's forward-overflow correction, the kernel, the clamp), against
+    :func:`unimp.loss_scale.update_arrays`'s 17 and 4 copies. A report snapshots the state
+    itself (the state changes in place). ``loss_inf`` and ``overflow`` are read only for a
+    dynamic scale (None otherwise).
     """
     if config.dynamic:
-        counter.add_(loss_finite).sub_(1)  # a forward overflow: the kernel's +1 gives it back
+        counter.add_(loss_inf, alpha=-1)  # a forward overflow: the kernel's +1 gives it back
         torch._amp_update_scale_(
             scale, counter, overflow,
             _f32(config.growth_factor), _f32(config.backoff_factor), int(config.growth_interval),
         )  # fmt: skip
         hi = None if config.max_scale is None else _f32(config.max_scale)
         scale.clamp_(_f32(config.floor), hi)
+    if skipped_one is not None:  # [s + consecutive * s, s + total]: the same, in one op
+        torch.addcmul(skipped, skips, skipped_one, out=skips)
+        return
     skips.add_(skipped)  # [consecutive + s, total + s]
     consecutive.mul_(skipped)  # (consecutive + s) * s: consecutive + 1 on a skip, 0 otherwise
-    return tuple(skips.clone().unbind())  # type: ignore[return-value]
 
 
 def flags_from_bools(grads_finite: torch.Tensor, loss_finite: torch.Tensor, out: torch.Tensor) -> Any:
-    """``(overflow, skipped)`` for :func:`update_in_place` from the two finite flags (bool
-    0-d); ``overflow`` is written into ``out`` (float32 0-d)."""
+    """``(overflow, skipped, loss_inf)`` for :func:`update_in_place` from the two finite flags
+    (bool 0-d); ``overflow`` is written into ``out`` (float32 0-d)."""
     torch.gt(loss_finite, grads_finite, out=out)  # finite loss, non-finite gradients
-    return out, (grads_finite & loss_finite).logical_not()
+    return out, (grads_finite & loss_finite).logical_not(), loss_finite.logical_not()

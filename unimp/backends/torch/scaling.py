@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from unimp import loss_scale as _ls
+from unimp.backends.torch._report import _to_host  # noqa: F401  (re-exported)
 from unimp.backends.torch._update import _TorchOps, flags_from_bools, fused_rule, update_in_place
 from unimp.backends.torch.casting import _leaves, _map_tree
 from unimp.backends.torch.devices import _as_device, _to
@@ -29,10 +30,6 @@ from unimp.loss_scale import (
 )
 
 _F32 = finfo("float32")
-
-
-def _to_host(x: Any) -> Any:
-    return x.item() if isinstance(x, torch.Tensor) else x
 
 
 _READY, _UNSCALED, _STEPPED = 0, 1, 2
@@ -321,7 +318,7 @@ class GradScaler:
                 "with mp.prepare(model, optimizer), which keeps float32 master weights."
             )
 
-    def unscale_(self, optimizer: torch.optim.Optimizer, *, _found_inf: Any = None, _scale64: Any = None) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, _found_inf: Any = None) -> None:
         """Divides the optimizer's gradients by the scale, in place, and checks them for inf/NaN.
 
         Matches torch.amp.GradScaler.unscale_: ``inv_scale`` is the float64 reciprocal of the
@@ -350,12 +347,12 @@ class GradScaler:
         # a scale of exactly 1 unscales exactly: float16 is fine then
         if not self._config.unity and any(dt == torch.float16 for _, dt in groups):
             self._check_fp16(optimizer)  # raises, naming the parameters
-        # the float64 reciprocal rounded once to float32, written into a scratch (one op fewer)
+        # torch's float64 reciprocal rounded once to float32 (scale.double().reciprocal().float()),
+        # in one op: 1.0 (float64) / scale promotes to float64, written into a float32 scratch
         if self._config.unity:  # 1/1: the cached constant, no op
             inv_scale = self._ops.f32(1.0)
         else:
-            scale64 = self._scale.double() if _scale64 is None else _scale64  # the train step's
-            inv_scale = torch.reciprocal(scale64, out=self._buffer("inv_scale"))
+            inv_scale = torch.div(self._ops.f64(1.0), self._scale, out=self._buffer("inv_scale"))
         with torch.no_grad():
             per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for (dev, _), grads in groups.items():
@@ -468,13 +465,6 @@ class GradScaler:
                 raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
         return self._ops.f32(f)
 
-    def _flag_views(self) -> tuple[torch.Tensor, ...]:
-        """``(loss_inf, grads_inf, skip)``: 0-d views of the step's ``flags`` scratch, made once."""
-        views = self.__dict__["_scratch"].get("flag_views")
-        if views is None:
-            views = self._scratch["flag_views"] = tuple(self._buffer("flags", (3,)).unbind())
-        return views
-
     def _update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: Any = None) -> tuple[torch.Tensor, ...]:
         """The end of an iteration: the rule applied (:meth:`_apply_update`) and the
         per-optimizer stages reset; returns the rule's results."""
@@ -497,17 +487,20 @@ class GradScaler:
         field) are snapshots that later updates leave alone, for a step's report.
 
         Where :func:`fused_rule` holds, the update is torch's fused kernel and a
-        few in-place ops (``flags``: the caller's ``(overflow, skipped)`` if it has them);
+        few in-place ops (``flags``: the caller's ``(overflow, skipped, loss_inf[, [skipped, 1]])`` if it has them,
+        then the skip counters come back as None: the caller snapshots them);
         elsewhere :func:`unimp.loss_scale.update_arrays`, copied into the state.
         """
         if fused_rule(self._config):
-            overflow, skipped = flags or flags_from_bools(grads_finite, loss_finite, self._buffer("overflow"))
-            consecutive, total = update_in_place(
+            overflow, skipped, loss_inf, *one = flags or flags_from_bools(grads_finite, loss_finite, self._buffer("overflow"))
+            update_in_place(
                 self._config, self._scale, self._counter, self._skips, self._consecutive,
-                loss_finite=loss_finite, overflow=overflow, skipped=skipped,
+                loss_inf=loss_inf, overflow=overflow, skipped=skipped, skipped_one=(one or [None])[0],
             )  # fmt: skip
             self._loss_finite = self._ops.true
-            return (self._scale, self._counter, consecutive, total, *self._extra)
+            # the caller's flags come with its own report; else the counters' snapshot
+            skips = (None, None) if flags else tuple(self._skips.clone().unbind())
+            return (self._scale, self._counter, *skips, *self._extra)
         out = update_arrays(
             self._ops, self._config, self._scale, self._counter, self._consecutive, self._total,
             grads_finite, loss_finite, extra=self._extra,

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unimp.backends.torch._report import _to_host, skip_flags, snapshot, step_flags
 from unimp.backends.torch._update import fused_rule
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.precision import matmul_precision
-from unimp.backends.torch.scaling import GradScaler, _to_host
+from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.stats import (
     _grad_flags,
     _gradient_stats,
@@ -80,6 +81,11 @@ class TrainStep(LoggedStep):
     optimizer state and the model's buffers, e.g. BatchNorm's running statistics and
     ``num_batches_tracked``, stay bitwise unchanged), updates the loss scale with unimp's rule, and
     resets the gradients (to None, i.e. exact zeros, never by subtracting them).
+
+    The result costs one op a step (one process, a rule torch's fused update follows): its
+    ``scale``, flags and skip counters are one packed int32 snapshot, derived when read; in
+    ``result.raw`` they stand for 0-d tensors (``item()``, ``bool()``, ``dtype``) and all read
+    the device once, together (``unimp/backends/torch/_report.py``).
 
     Args:
         mp: the bound :class:`MixedPrecision`.
@@ -181,20 +187,14 @@ class TrainStep(LoggedStep):
         opt = self.optimizer
         sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
         # the fused path (one process, a rule torch's kernel follows): the loss and gradient
-        # overflow flags and the skip flag live in one scratch, zeroed by one op, written by
-        # torch's check kernel and one maximum
-        flags = sc._buffer("flags", (3,)) if fused_rule(sc.config) and sc._group() is None else None
+        # overflow flags, the skip flag and the backoff flag live in one scratch, zeroed by one
+        # op, written by torch's check kernels and one lerp (_report.py)
+        flags = step_flags(sc) if fused_rule(sc.config) and sc._group() is None else None
         if flags is not None:
-            flags.zero_()
-            loss_inf, grads_inf, skip = sc._flag_views()
+            loss_inf, grads_inf, skip, overflow = flags
         # the scale this step uses (the update changes the state in place): a static scale never
-        # changes, so the state tensor is it; on the fused path its float64 copy, which is also
-        # what unscale's reciprocal reads (one op for both, the same value)
-        scale64 = sc._scale.double() if flags is not None and sc.config.dynamic else None
-        if scale64 is not None:
-            scale_used = scale64
-        else:
-            scale_used = sc._scale.clone() if sc.config.dynamic else sc._scale
+        # changes, so the state tensor is it; on the fused path the report's snapshot holds it
+        scale_used = sc._scale.clone() if sc.config.dynamic and flags is None else sc._scale
         factor = sc._scale if k == 1 else sc._scale / k  # read before the update
         unscaled = sc.config.unity and k == 1  # loss * 1 is the loss: backward on it directly
         losses = []
@@ -235,11 +235,11 @@ class TrainStep(LoggedStep):
             _restore_forward_state(buffers, None)
             raise
         mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
-        sc.unscale_(opt, _found_inf=None if flags is None else grads_inf, _scale64=scale64)
+        sc.unscale_(opt, _found_inf=None if flags is None else grads_inf)
         found_inf = sc._opt_state(opt)["found_inf"]
         stats = grad_flags = None
         if recorder is not None:  # unscaled, before clipping, at the step's scale
-            scale32 = scale_used.float()  # the float32 scale (a float64 copy on the fused path)
+            scale32 = sc._scale.clone() if scale_used is sc._scale else scale_used
             grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale32)
             stats = _pending(self.calls, scale32, grad_stats, recorder.entries)
         elif self._recorder is not None:  # logged: which gradient went non-finite first
@@ -270,16 +270,17 @@ class TrainStep(LoggedStep):
         else:  # sc.step() with the loss flag as torch's found_inf
             if found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
                 grads_inf.copy_(found_inf)
-            # 1: skip the step (exactly 1: torch's fused optimizers skip on found_inf == 1 only)
-            torch.maximum(loss_inf, grads_inf, out=skip)
+            skip_flags(sc)  # skip (exactly 1 or 0) and the backoff flag, one op
             _guarded_step(opt, skip, (), {})
-            # the three report flags in one op: a fresh tensor, so views of it are the step's own
-            loss_finite, grads_finite, applied = torch.eq(flags, 0).unbind()
-            # the backoff flag (finite loss, non-finite gradients); a static scale needs none
-            overflow = torch.gt(loss_finite, grads_finite, out=sc._buffer("overflow")) if sc.config.dynamic else None
-            fused = (overflow, applied.logical_not())
-        _restore_forward_state(buffers, applied)
+            # the report: one snapshot, every field derived when read (_report.py)
+            report, (loss_bad, skipped, skipped_one) = snapshot(sc)
+            applied, loss_finite, grads_finite = report["applied"], report["loss_finite"], report["grads_finite"]
+            scale_used = report["scale"]
+            fused = (overflow, skipped, loss_bad, skipped_one)
+        _restore_forward_state(buffers, applied if flags is None or not buffers else torch.eq(skip, 0))
         _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite, fused)  # sc.update()
+        if flags is not None:
+            consecutive, total = report["consecutive_skips"], report["total_skips"]
         opt.zero_grad(set_to_none=True)
         raw = {
             "loss": mean_loss,
