@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
@@ -42,6 +42,28 @@ _KIND = {
     "consecutive_skips": int,
     "total_skips": int,
 }
+
+
+class _RawView(Mapping):
+    """:attr:`StepResult.raw`: the step's device values, each derived when its key is read."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self._raw = raw
+
+    def __getitem__(self, key: str) -> Any:
+        v = self._raw[key]
+        return v.device_value() if hasattr(v, "device_value") else v
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __repr__(self) -> str:
+        return f"StepResult.raw({sorted(self._raw)})"
 
 
 class StepResult:
@@ -148,11 +170,13 @@ class StepResult:
         return self._stats
 
     @property
-    def raw(self) -> dict[str, Any]:
-        """The device values, unconverted (reading this never synchronizes). A backend may hold
-        a field as a value derived on demand from a packed snapshot (torch's fused step): it
-        is handed out here as its device value (``device_value()``)."""
-        return {k: (v.device_value() if hasattr(v, "device_value") else v) for k, v in self._raw.items()}
+    def raw(self) -> Mapping[str, Any]:
+        """The device values, unconverted (reading this never synchronizes): a read-only
+        mapping over the names of :data:`STEP_FIELDS`. A backend may hold a field as a value
+        derived on demand from a packed snapshot (torch's fused step): it is handed out as its
+        device value (``device_value()``) when that key is read, so reading ``raw["loss"]``
+        costs no device op for the other fields."""
+        return _RawView(self._raw)
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as a Python value (synchronizes)."""
