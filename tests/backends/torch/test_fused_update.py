@@ -255,6 +255,33 @@ def test_step_reports_keep_their_values_when_read_after_later_steps():
     assert [r.scale for r in results] == scales
 
 
+def test_reading_one_raw_value_derives_no_other():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import unimp
+    from backends.torch.helpers import _batch, _loss, _mlp
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    mp = ut.MixedPrecision(unimp.get_recipe("mixed_float16"), device="cpu")
+    model = _mlp()
+    step = mp.train_step(model, torch.optim.Adam(model.parameters(), fused=True), _loss)
+    x, y, _ = _batch(0)
+    r = step((x, y, False))
+    with Count():
+        raw = r.raw
+        loss = raw["loss"]
+    assert Count.ops == 0 and isinstance(loss, torch.Tensor)
+    with Count():
+        applied = raw["applied"]  # derived on the device when read: a few ops, no sync
+    assert 0 < Count.ops <= 3 and applied.dtype == torch.bool and bool(applied)
+
+
 @pytest.mark.parametrize("loss_inf", [0.0, 1.0])
 @pytest.mark.parametrize("grads_inf", [0.0, 1.0])
 def test_skip_flags_are_max_and_backoff_in_one_op(loss_inf, grads_inf):
