@@ -187,3 +187,36 @@ def test_matmul_precision_restores_switches_torchs_getter_refuses_to_read():
         torch.set_float32_matmul_precision("highest")
         for k, v in zip(knobs, saved, strict=True):
             k.fp32_precision = v
+
+
+def test_nested_matmul_precision_blocks_restore_what_each_one_found():
+    # a train step opens a block and its autocast a second one with the same setting; the
+    # inner one changes and restores nothing (the outer does), yet a different inner setting,
+    # or a change made by user code between the two, is still set and restored by the inner one
+    from unimp.backends.torch.precision import matmul_precision
+
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        with matmul_precision("high"):
+            with matmul_precision("high"):
+                assert torch.get_float32_matmul_precision() == "high"
+            assert torch.get_float32_matmul_precision() == "high"
+            with matmul_precision("highest"):
+                assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.get_float32_matmul_precision() == "high"
+            torch.set_float32_matmul_precision("medium")  # user code inside the outer block
+            with matmul_precision("high"):
+                assert torch.get_float32_matmul_precision() == "high"
+            assert torch.get_float32_matmul_precision() == "medium"
+        assert torch.get_float32_matmul_precision() == "highest"
+        with pytest.raises(RuntimeError, match="boom"), matmul_precision("high"):
+            with matmul_precision("high"):
+                raise RuntimeError("boom")
+        assert torch.get_float32_matmul_precision() == "highest"
+        with matmul_precision("high"):  # the stack of open blocks was unwound by the error
+            assert torch.get_float32_matmul_precision() == "high"
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]

@@ -32,6 +32,7 @@ cuda/AmpKernels.cu, ``amp_update_scale_cuda_kernel``) equals the reference for t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -83,7 +84,16 @@ def fused_rule(config: LossScaleConfig) -> bool:
     """True where :func:`update_in_place` equals :func:`unimp.loss_scale.update_arrays` bit for
     bit: every static config, and dynamic ones without the format-2 rule (hysteresis, overflow
     tolerance, floor action), without ``delayed_first_growth``, and whose ``max_scale`` (if
-    any) times the growth factor is finite in float32."""
+    any) times the growth factor is finite in float32.
+
+    Asked on every step: the answer is cached per config (configs are frozen and hashable)."""
+    try:
+        return _fused_rule_cached(config)
+    except TypeError:  # an unhashable config (a user subclass): decide it afresh
+        return _fused_rule(config)
+
+
+def _fused_rule(config: LossScaleConfig) -> bool:
     if not config.dynamic:
         return True
     if tracks_extra(config) or config.delayed_first_growth:
@@ -94,9 +104,23 @@ def fused_rule(config: LossScaleConfig) -> bool:
     return True
 
 
+_fused_rule_cached = functools.lru_cache(maxsize=64)(_fused_rule)
+
+
 def _f32(x: float) -> float:
     """``x`` rounded to float32, as a Python float (what the reference multiplies with)."""
     return float(np.float32(x))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_args(config: LossScaleConfig) -> tuple[float, float, int, float, float | None]:
+    """``(growth, backoff, interval, floor, max_scale)`` as the fused path passes them: the
+    factors and bounds rounded to float32, once per config rather than on every step."""
+    hi = None if config.max_scale is None else _f32(config.max_scale)
+    return (
+        _f32(config.growth_factor), _f32(config.backoff_factor), int(config.growth_interval),
+        _f32(config.floor), hi,
+    )  # fmt: skip
 
 
 def update_in_place(
@@ -135,13 +159,13 @@ def update_in_place(
     dynamic scale (None otherwise).
     """
     if config.dynamic:
+        try:
+            growth, backoff, interval, floor, hi = _kernel_args(config)
+        except TypeError:  # an unhashable config (a user subclass)
+            growth, backoff, interval, floor, hi = _kernel_args.__wrapped__(config)
         counter.add_(loss_inf, alpha=-1)  # a forward overflow: the kernel's +1 gives it back
-        torch._amp_update_scale_(
-            scale, counter, overflow,
-            _f32(config.growth_factor), _f32(config.backoff_factor), int(config.growth_interval),
-        )  # fmt: skip
-        hi = None if config.max_scale is None else _f32(config.max_scale)
-        scale.clamp_(_f32(config.floor), hi)
+        torch._amp_update_scale_(scale, counter, overflow, growth, backoff, interval)
+        scale.clamp_(floor, hi)
     if skipped_one is not None:  # [s + consecutive * s, s + total]: the same, in one op
         torch.addcmul(skipped, skips, skipped_one, out=skips)
         return

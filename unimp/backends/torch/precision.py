@@ -10,6 +10,7 @@ running ops at the same time sees it too.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +27,9 @@ __all__ = ["current_matmul_precision", "matmul_precision"]
 _KNOBS = ("cuda.matmul", "mkldnn.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.conv", "mkldnn.rnn")
 
 
-def _knobs() -> list[Any]:
+@functools.cache
+def _knobs() -> tuple[Any, ...]:
+    """The per-backend switch objects this torch has (module singletons: found once)."""
     out = []
     for path in _KNOBS:
         obj: Any = torch.backends
@@ -34,7 +37,7 @@ def _knobs() -> list[Any]:
             obj = getattr(obj, part, None)
         if obj is not None and hasattr(obj, "fp32_precision"):
             out.append(obj)
-    return out
+    return tuple(out)
 
 
 def _matmul_now() -> str:
@@ -61,6 +64,19 @@ def current_matmul_precision() -> dict[str, Any]:
     return {"matmul": _matmul_now(), "conv_tf32": bool(torch.backends.cudnn.allow_tf32)}
 
 
+#: The settings of the :func:`matmul_precision` blocks open now, innermost last (the switches
+#: are process-global, so the stack is too).
+_IN_FORCE: list[tuple[str, bool]] = []
+
+
+def _torch_now() -> tuple[str, bool] | None:
+    """``(float32 matmul precision, cuDNN TF32)`` now; None where torch's getter refuses."""
+    try:
+        return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
 def matmul_precision(name: str | None) -> Iterator[None]:
     """Sets torch's float32 matmul and convolution precision for the block.
@@ -84,6 +100,11 @@ def matmul_precision(name: str | None) -> Iterator[None]:
         yield
         return
     row = MATMUL_PRECISION_TABLE[name]
+    if _IN_FORCE and _IN_FORCE[-1] == (row.torch_matmul, row.torch_cudnn_tf32) == _torch_now():
+        # nested in a block that set the same (a train step's autocast inside the step): the
+        # outer block restores; setting and saving again would cost a step ~20 us of host time
+        yield
+        return
     knobs = _knobs()
     saved = [(k, k.fp32_precision) for k in knobs]
     try:  # torch's own setting; unreadable only when explicit per-backend switches disagree
@@ -93,9 +114,11 @@ def matmul_precision(name: str | None) -> Iterator[None]:
     old_conv = torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision(row.torch_matmul)
     torch.backends.cudnn.allow_tf32 = row.torch_cudnn_tf32
+    _IN_FORCE.append((row.torch_matmul, row.torch_cudnn_tf32))
     try:
         yield
     finally:
+        _IN_FORCE.pop()
         torch.backends.cudnn.allow_tf32 = old_conv
         if old_matmul is not None:
             torch.set_float32_matmul_precision(old_matmul)
