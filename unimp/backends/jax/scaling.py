@@ -52,9 +52,15 @@ def _replace_unchecked(obj: Any, **changes: Any) -> Any:
     """A copy of a frozen dataclass with fields replaced, skipping ``__init__``: no validation
     and no host sync (for values an update computed, possibly tracers)."""
     new = object.__new__(type(obj))
-    for f in dataclasses.fields(obj):
-        object.__setattr__(new, f.name, changes.get(f.name, getattr(obj, f.name)))
+    for name in _field_names(type(obj)):
+        object.__setattr__(new, name, changes.get(name, getattr(obj, name)))
     return new
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """``cls``'s dataclass field names, read once per class (each step replaces fields)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _pytree_from_fields(cls: type) -> type:
