@@ -139,14 +139,26 @@ def test_recipe_file_policy_table_takes_the_whole_step_fields(tmp_path):
     [('name = "mixed_float16"\nmatmul_precision = "fast"\n', "must be one of 'highest'"),
      ('name = "mixed_float16"\ncompute_dtype = "float32"\n', r"takes 'name' \(required\) and \['matmul_precision'"),
      ('name = "mixed_float16,matmul=high"\nmatmul_precision = "medium"\n', "matmul_precision is given twice"),
+     ('name = "matmul=high"\nmatmul_precision = "medium"\n', "matmul_precision is given twice"),
+     ('name = "reduce=bf16"\nreduce_dtype = "float32"\n', "reduce_dtype is given twice"),
      ('name = "mixed_float16;l2:float32"\n[policy.overrides]\nl2 = "float16"\n', "pattern 'l2' is given twice")],
-    ids=["bad-precision", "not-a-table-key", "field-in-name-and-table", "pattern-in-name-and-table"],
+    ids=["bad-precision", "not-a-table-key", "field-in-name-and-table", "field-first-in-name",
+         "dtype-field-first-in-name", "pattern-in-name-and-table"],
 )
 def test_recipe_file_policy_table_bad_field_is_refused(tmp_path, table, match):
     t = tmp_path / "r.toml"
     t.write_text('[policy]\n' + table)
     with pytest.raises(ValueError, match=match):
         Recipe.from_file(t)
+
+
+def test_recipe_file_policy_table_matmul_none_is_the_frameworks_setting(tmp_path):
+    # TOML has no null: "none" turns off the float32 name's implied "highest", as matmul=none does
+    t = tmp_path / "r.toml"
+    t.write_text('[policy]\nname = "float32"\nmatmul_precision = "none"\n')
+    assert get_policy("float32").matmul_precision == "highest"
+    assert Recipe.from_file(t).policy == get_policy("float32,matmul=none")
+    assert Recipe.from_file(t).policy.matmul_precision is None
 
 
 def test_policy_for_and_is_float32():

@@ -87,11 +87,29 @@ def test_bad_grammar(bad):
 
 
 def test_suggested_names_parse():
-    # jmp's error suggests a value its own parser rejects; ours must not.
+    # jmp's error suggests a value its own parser rejects; ours must not: a bad value of a key
+    # names the key, and every dtype the message offers parses in its place
     with pytest.raises(ValueError) as e:
         get_policy("c=f17")
+    msg = str(e.value)
+    assert "c=f17 is not a dtype" in msg and "Did you mean 'f16'" in msg
+    offered = msg.split("A dtype is one of ")[1].rstrip(".").split(", ")
+    assert "float16" in offered and "mixed_float16" not in offered
+    for dtype in offered:
+        get_policy(f"c={dtype}")
+    with pytest.raises(ValueError) as e:
+        get_policy("f17")  # a whole name: the named policies and the grammar are offered
     assert "params=float32,compute=float16,output=float32" in str(e.value)
     get_policy("params=float32,compute=float16,output=float32")
+
+
+@pytest.mark.parametrize("name", ["half,matmul=high", "torch.float16,matmul=high", "HALF,matmul=none"])
+def test_every_dtype_name_takes_the_optional_fields(name):
+    # what names a whole policy as one dtype also heads one with optional fields
+    head, _, rest = name.partition(",")
+    assert get_policy(name) == get_policy(head).with_(
+        matmul_precision=None if rest.endswith("none") else "high"
+    )
 
 
 def test_type_error():

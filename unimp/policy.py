@@ -242,6 +242,15 @@ def _dtype(value: str, platform: str | None, name: str) -> str:
         ) from None
 
 
+def _is_dtype(text: str, platform: str | None, name: str) -> bool:
+    """``text`` names a dtype as a whole policy name may (``half``, ``torch.float16``, ...)."""
+    try:
+        _dtype(text, platform, name)
+    except ValueError:
+        return False
+    return True
+
+
 def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     """Parses a policy name into a :class:`Policy`.
 
@@ -325,7 +334,7 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     if "=" not in head and (head in _NAMED or head.lower() in _NAMED or head.upper() in _NAMED):
         base = get_policy(head, platform=platform)
         parts = parts[1:]
-    elif "=" not in head and head.lower() in DTYPE_ALIASES:  # "float16,matmul=high": a dtype's policy
+    elif "=" not in head and _is_dtype(head, platform, name):  # "float16,matmul=high", "half,..."
         base = get_policy(head, platform=platform)
         parts = parts[1:]
     for part in parts:
@@ -355,7 +364,15 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
         elif field == "matmul_precision":
             values[field] = check_matmul_precision(value, f"policy {name!r}: matmul")
         else:
-            values[field] = _dtype(value, platform, name)
+            try:
+                values[field] = _dtype(value, platform, name)
+            except ValueError:  # name the key; only dtype names fit there, not named policies
+                close = difflib.get_close_matches(value.strip().lower(), [*DTYPE_ALIASES, "half"], n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"policy {name!r}: {key}={value.strip()} is not a dtype.{hint} A dtype is one "
+                    f"of {', '.join(sorted([*DTYPE_ALIASES, 'half']))}."
+                ) from None
     if base is not None:
         return base.with_(**values)
     # jmp's defaulting: params float32, compute follows params, output follows compute.

@@ -238,10 +238,17 @@ def _policy_from_value(value: Any) -> Policy:
     name = value["name"]
     policy = get_policy(name)
     fields = {k: value[k] for k in _POLICY_TABLE_FIELDS if k in value}
+    if isinstance(fields.get("matmul_precision"), str) and fields["matmul_precision"].strip().lower() == "none":
+        fields["matmul_precision"] = None  # TOML has no null: "none" as in the name's matmul=none
     if fields and isinstance(name, str):
-        # a field set both in the name ("mixed_float16,matmul=high") and the table is ambiguous
+        # a field set both in the name ("mixed_float16,matmul=high", or "matmul=high" alone in
+        # jmp's grammar) and the table is ambiguous
         head = name.split(";", 1)[0]
-        keys = {_POLICY_KEYS.get(part.partition("=")[0].strip().lower()) for part in head.split(",")[1:]}
+        keys = {
+            _POLICY_KEYS.get(part.partition("=")[0].strip().lower())
+            for part in head.split(",")
+            if "=" in part
+        }
         twice = sorted(keys & set(fields))
         if twice:
             raise ValueError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,9 +65,17 @@ def current_matmul_precision() -> dict[str, Any]:
     return {"matmul": _matmul_now(), "conv_tf32": bool(torch.backends.cudnn.allow_tf32)}
 
 
-#: The settings of the :func:`matmul_precision` blocks open now, innermost last (the switches
-#: are process-global, so the stack is too).
-_IN_FORCE: list[tuple[str, bool]] = []
+#: The settings of the :func:`matmul_precision` blocks this thread has open, innermost last.
+#: Per thread: a block of another thread is no reason to skip one here (the switches are
+#: process-global, so threads running blocks at the same time still see each other's setting).
+_OPEN = threading.local()
+
+
+def _in_force() -> list[tuple[str, bool]]:
+    stack = getattr(_OPEN, "stack", None)
+    if stack is None:
+        stack = _OPEN.stack = []
+    return stack
 
 
 def _torch_now() -> tuple[str, bool] | None:
@@ -100,7 +109,8 @@ def matmul_precision(name: str | None) -> Iterator[None]:
         yield
         return
     row = MATMUL_PRECISION_TABLE[name]
-    if _IN_FORCE and _IN_FORCE[-1] == (row.torch_matmul, row.torch_cudnn_tf32) == _torch_now():
+    in_force = _in_force()
+    if in_force and in_force[-1] == (row.torch_matmul, row.torch_cudnn_tf32) == _torch_now():
         # nested in a block that set the same (a train step's autocast inside the step): the
         # outer block restores; setting and saving again would cost a step ~20 us of host time
         yield
@@ -114,11 +124,11 @@ def matmul_precision(name: str | None) -> Iterator[None]:
     old_conv = torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision(row.torch_matmul)
     torch.backends.cudnn.allow_tf32 = row.torch_cudnn_tf32
-    _IN_FORCE.append((row.torch_matmul, row.torch_cudnn_tf32))
+    in_force.append((row.torch_matmul, row.torch_cudnn_tf32))
     try:
         yield
     finally:
-        _IN_FORCE.pop()
+        in_force.pop()
         torch.backends.cudnn.allow_tf32 = old_conv
         if old_matmul is not None:
             torch.set_float32_matmul_precision(old_matmul)
