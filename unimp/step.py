@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -44,26 +45,56 @@ _KIND = {
 }
 
 
-class _RawView(Mapping):
-    """:attr:`StepResult.raw`: the step's device values, each derived when its key is read."""
+class _RawDict(dict):
+    """:attr:`StepResult.raw`: a plain ``dict`` of the step's device values in which a value a
+    backend derives on demand (torch's fused step: a field of one packed snapshot, with a
+    ``device_value()``) is derived when its key is read and kept, so that reading
+    ``raw["loss"]`` costs no device op for the other fields. Everything else a dict does
+    (iterating values or items, ``copy``, ``|``, ``==``, pickling, ``torch.save``) derives the
+    remaining ones first, so it sees device values only; it pickles as an ``OrderedDict``
+    (which ``torch.load``'s default ``weights_only=True`` reads)."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ()
 
-    def __init__(self, raw: Mapping[str, Any]) -> None:
-        self._raw = raw
+    def _derive(self, key: Any) -> Any:
+        v = dict.__getitem__(self, key)
+        if hasattr(v, "device_value"):
+            v = v.device_value()
+            dict.__setitem__(self, key, v)
+        return v
 
-    def __getitem__(self, key: str) -> Any:
-        v = self._raw[key]
-        return v.device_value() if hasattr(v, "device_value") else v
+    def _derive_all(self) -> None:
+        for key in list(dict.keys(self)):
+            self._derive(key)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
+    def __getitem__(self, key: Any) -> Any:
+        return self._derive(key)
 
-    def __len__(self) -> int:
-        return len(self._raw)
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._derive(key) if key in self else default
 
-    def __repr__(self) -> str:
-        return f"StepResult.raw({sorted(self._raw)})"
+    def __iter__(self) -> Iterator[Any]:  # not dict's own: dict(raw) and {**raw} read per key
+        return iter(list(dict.keys(self)))
+
+
+def _deriving(name: str) -> Callable[..., Any]:
+    method = getattr(dict, name)
+
+    def call(self: _RawDict, *args: Any, **kwargs: Any) -> Any:
+        self._derive_all()
+        return method(self, *args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+for _name in ("values", "items", "copy", "pop", "popitem", "setdefault", "__eq__", "__ne__",
+              "__or__", "__ror__", "__repr__"):  # fmt: skip
+    setattr(_RawDict, _name, _deriving(_name))
+_RawDict.__hash__ = None  # type: ignore[assignment]  # a dict: unhashable
+# pickled as an OrderedDict of device values: a dict, and one that torch.load's default
+# weights_only unpickler accepts (it refuses a dict subclass, and builtins.dict by name)
+_RawDict.__reduce__ = lambda self: (collections.OrderedDict, (list(self.items()),))  # type: ignore[method-assign]
 
 
 class StepResult:
@@ -170,13 +201,13 @@ class StepResult:
         return self._stats
 
     @property
-    def raw(self) -> Mapping[str, Any]:
-        """The device values, unconverted (reading this never synchronizes): a read-only
-        mapping over the names of :data:`STEP_FIELDS`. A backend may hold a field as a value
-        derived on demand from a packed snapshot (torch's fused step): it is handed out as its
-        device value (``device_value()``) when that key is read, so reading ``raw["loss"]``
-        costs no device op for the other fields."""
-        return _RawView(self._raw)
+    def raw(self) -> dict[str, Any]:
+        """The device values, unconverted (reading this never synchronizes): a new ``dict``
+        on each read, keyed by the names of :data:`STEP_FIELDS` (and any extra a backend
+        reports). A backend may hold a field as a value derived on demand from a packed
+        snapshot (torch's fused step): it is derived, as a device value, when its key is
+        read, so reading ``raw["loss"]`` costs no device op for the other fields."""
+        return _RawDict(self._raw)
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as a Python value (synchronizes)."""

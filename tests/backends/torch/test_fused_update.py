@@ -294,3 +294,33 @@ def test_skip_flags_are_max_and_backoff_in_one_op(loss_inf, grads_inf):
     skip_flags(sc)
     # exactly 1.0 / 0.0: torch's fused optimizers skip on found_inf == 1 only
     assert (skip.item(), overflow.item()) == (max(loss_inf, grads_inf), grads_inf * (1.0 - loss_inf))
+
+
+def test_raw_is_a_plain_dict_of_device_values(tmp_path):
+    # raw was a dict before it became lazy: code written for the dict (copy, |, pop, values,
+    # dict(), {**}, torch.save with torch.load's weights_only default) keeps working, sees
+    # tensors only, and a key read twice gives the same tensor (derived once)
+    import pickle
+
+    import unimp
+    from backends.torch.helpers import _batch, _loss, _mlp
+
+    mp = ut.MixedPrecision(unimp.get_recipe("mixed_float16"), device="cpu")
+    model = _mlp()
+    step = mp.train_step(model, torch.optim.Adam(model.parameters(), fused=True), _loss)
+    x, y, _ = _batch(0)
+    r = step((x, y, False))
+    raw = r.raw
+    assert isinstance(raw, dict) and raw["scale"] is raw["scale"]
+    tensors = {k: v for k, v in r.raw.items() if k != "grad_norm"}
+    assert all(type(v) is torch.Tensor for v in tensors.values()), tensors
+    for view in (dict(r.raw), {**r.raw}, r.raw.copy(), r.raw | {}, pickle.loads(pickle.dumps(r.raw))):
+        assert isinstance(view, dict) and not isinstance(view, type(raw)) and sorted(view) == sorted(raw)
+        assert all(type(view[k]) is torch.Tensor for k in tensors)
+    path = tmp_path / "raw.pt"
+    torch.save(r.raw, path)
+    back = torch.load(path)  # weights_only=True: plain containers of tensors only
+    assert isinstance(back, dict) and back["scale"].item() == r.scale and bool(back["applied"]) == r.applied
+    popped = r.raw
+    assert type(popped.pop("scale")) is torch.Tensor and "scale" not in popped and "scale" in r.raw
+    assert r.raw == r.raw.copy() and "scale" in repr(r.raw)
