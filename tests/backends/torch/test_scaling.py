@@ -240,12 +240,41 @@ def test_update_with_new_scale():
     s.scale(w.sum()).backward()
     s.step(opt)
     s.update(new_scale=8.0)
-    assert s.get_scale() == 8.0 and int(s.state.counter) == 2
+    # as torch.amp.GradScaler: the growth counter stays (1 from _used_scaler's last step), the
+    # skip counters still record the step
+    assert s.get_scale() == 8.0 and int(s.state.counter) == 1 and int(s.state.total_skips) == 1
     s.scale(w.sum()).backward()
     s.step(opt)
     with pytest.raises(ValueError, match="outside"):
         s.update(new_scale=0.5)  # below min_scale=1
     assert s.get_scale() == 8.0
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(st.booleans(), st.sampled_from([None, None, 4.0, 512.0]), st.booleans()),
+        min_size=1, max_size=10,
+    )
+)
+def test_update_new_scale_matches_torch_grad_scaler(plan):
+    # each entry: (gradients finite, new_scale or None, step before the update); torch sets
+    # the scale and leaves its growth tracker, with or without a step since the last update
+    ref = torch.amp.GradScaler(DEV, init_scale=64.0, growth_interval=3)
+    ours = ut.GradScaler(DynamicLossScale.preset("torch", init_scale=64.0, growth_interval=3), device=DEV)
+    for scaler in (ref, ours):
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=0.1)
+        for i, (finite, new_scale, stepped) in enumerate(plan):
+            if stepped or new_scale is None or i == 0:  # torch's scale is made by the first scale()
+                opt.zero_grad()
+                scaler.scale(w.sum()).backward()
+                if not finite:
+                    w.grad[0] = float("inf")
+                scaler.step(opt)
+            scaler.update(new_scale)
+    assert ours.get_scale() == ref.get_scale()
+    assert int(ours.state.counter) == int(ref.state_dict()["_growth_tracker"])
 
 
 def test_update_without_step_raises():

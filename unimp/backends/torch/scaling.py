@@ -422,20 +422,32 @@ class GradScaler:
         inf; plus min/max scale, skip counters and the forward-overflow rule).
 
         Args:
-            new_scale: set the scale to this value instead of the rule's (as torch); the skip
-                counters are still updated. A tensor is read once on the host to validate it.
+            new_scale: set the scale to this value instead of running the rule (matches
+                torch.amp.GradScaler: the growth counter, and here the format-2 trackers, are
+                left as they were, and no ``unscale_``/``step`` is needed before it); the skip
+                counters still record a step taken since the last update. A tensor is read
+                once on the host to validate it.
 
         Raises:
-            RuntimeError: no ``unscale_``/``step`` since the last update.
+            RuntimeError: no ``unscale_``/``step`` since the last update (without
+                ``new_scale``).
             ValueError: ``new_scale`` not a number or one-element tensor, outside the config's
                 ``[min_scale, max_scale]``, or different from a static scale; nothing changes.
         """
         if not self._enabled:
             return
-        value = None if new_scale is None else self._check_new_scale(new_scale)  # before any change
-        self._update(*self._combined())
-        if value is not None:
-            self._scale.copy_(value)
+        if new_scale is None:
+            self._update(*self._combined())
+            return
+        value = self._check_new_scale(new_scale)  # before any change
+        if any(st["found_inf"] is not None for st in self._per_opt.values()):
+            kept = [t.clone() for t in (self._counter, *self._extra)]
+            self._update(*self._combined())  # the skip counters; the rule's scale is replaced
+            for held, old in zip((self._counter, *self._extra), kept, strict=True):
+                held.copy_(old)
+        self._per_opt.clear()
+        self._loss_finite = self._ops.true
+        self._scale.copy_(value)
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         """``new_scale`` as a float32 0-d tensor on the device, validated (a tensor is read once:
