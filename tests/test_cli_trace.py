@@ -48,6 +48,7 @@ def test_the_table_and_the_diff_beside_float32(capsys):
         (["trace", "mixed_float16", "--loss-scale", "huge"], "--loss-scale"),
         (["trace", "mixed_float16", "--batch-size", "x"], "invalid int value"),
         (["trace"], "recipe"),
+        (["trace", "--diff", "--recipe", "mixed_bfloat16"], "unimp trace: error: unrecognized arguments: --recipe; see unimp trace --help"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
@@ -67,3 +68,16 @@ def test_one_framework_is_diffed_against_float32(capsys):
     assert main(["trace", "mixed_float16", "--backends", backend, "--diff", "--batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert f"matmul: {backend} float16, float32 ({backend}) float32" in out
+
+
+def test_a_float8_recipe_on_a_model_with_no_float8_layer_says_so(capfd):
+    # the seeds' MLP: first and last layers stay out of float8, and it has no other; the note
+    # goes to stderr, so --json output stays JSON
+    backend = BACKENDS[0]
+    require_backend(backend)
+    assert main(["trace", "fp8-delayed", "--backends", backend, "--json", "--batch-size", "8"]) == 0
+    out, err = capfd.readouterr()  # the command writes stderr on the real descriptor
+    json.loads(out)
+    assert "no layer of model 'mlp' ran in float8" in err and "--model vit" in err
+    assert main(["trace", "mixed_bfloat16", "--backends", backend, "--json", "--batch-size", "8"]) == 0
+    assert "float8" not in capfd.readouterr().err

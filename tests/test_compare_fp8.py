@@ -10,7 +10,7 @@ import pytest
 
 from unimp import fp8
 from unimp.cli import main
-from unimp.compare.fp8_scales import fp8_markdown, fp8_section
+from unimp.compare.fp8_scales import fp8_markdown, fp8_section, fp8_terminal_lines
 from unimp.compare.models import init_weights
 
 #: the compare ViT's Dense/Linear layers selected by default (first ``emb`` and last ``l2`` out);
@@ -40,6 +40,18 @@ def test_fp8_section_and_markdown():
     assert "| mlp.fc1 | input | 2 -> 3 | 2 -> 3.5 | yes/no |" in md
     alone = fp8_section({"torch": runs["torch"]}, bf16)
     assert alone["agree"]["mlp.fc1"]["kernel"] == [False, False]  # nothing to agree with
+    lines = fp8_terminal_lines(s, "vit")
+    assert lines[1] == "  torch: 1 float8 layer(s) (mlp.fc1); test accuracy 0.9000 against bfloat16 0.9200"
+    assert not any("note:" in line for line in lines)
+
+
+def test_a_model_with_no_float8_layer_says_so_on_the_terminal():
+    # the seeds' MLP has only a first and a last layer: the recipe keeps both out
+    runs = {"torch": {"test_accuracy": 0.97, "fp8_scales": {}}}
+    s = fp8_section(runs, {"torch": {"test_accuracy": 0.97}})
+    lines = fp8_terminal_lines(s, "mlp")
+    assert "torch: no float8 layer" in lines[1]
+    assert lines[-1].startswith("note: no layer of model 'mlp' ran in float8") and "--model vit" in lines[-1]
 
 
 @pytest.mark.slow  # 20-60 s per framework on 2 CPU cores: an fp8 and a bfloat16 ViT run

@@ -214,3 +214,20 @@ def test_the_first_non_finite_gradient_is_taken_in_backward_order():
     assert first_nonfinite_gradient(names, [True] * 4) is None
     with pytest.raises(ValueError, match="4 gradient names but 3 finite flags"):
         first_nonfinite_gradient(names, [True] * 3)
+
+
+def test_a_missing_name_lists_the_names_there_are():
+    # the names differ by framework (torch l1.weight, Keras sequential/l1/kernel): a wrong one
+    # says which exist, with the closest first
+    s = StepStats.from_dict({"step": 0, "gradients": {}, "activations": {}})
+    entry = (8, 1.0, np.arange(8, dtype=np.int32), np.array([2.0, 0.5], np.float32))
+    arrays = StepStats.from_arrays(3, {"sequential/l1/kernel": entry, "sequential/l1/bias": entry}, {})
+    with pytest.raises(KeyError, match=r"no gradient named 'l1/kernel'\. Did you mean 'sequential/l1/kernel'\?"):
+        arrays.gradients["l1/kernel"]
+    with pytest.raises(KeyError, match="no activation named 'x'.*Names: none"):
+        s.activations["x"]
+    back = StepStats.from_dict(arrays.to_dict())
+    assert back == arrays and sorted(back.gradients) == ["sequential/l1/bias", "sequential/l1/kernel"]
+    import pickle
+
+    assert type(pickle.loads(pickle.dumps(arrays)).gradients) is dict

@@ -346,6 +346,10 @@ def _compare(args: argparse.Namespace) -> int:
     for i, col in enumerate(COLUMNS[1:], start=1):
         table.add_row(col, *(row[i] for row in rows))
     Console().print(table)
+    if "fp8" in report:
+        from unimp.compare.fp8_scales import fp8_terminal_lines
+
+        print("\n".join(fp8_terminal_lines(report["fp8"], args.model)))
     if report.get("trace_diff_text"):
         print("where the frameworks' dtypes differ (first step, forward pass):")
         print("\n".join(f"  {row}" for row in report["trace_diff_text"]))
@@ -570,7 +574,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # unimp as a library sets nothing)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command's own parser: "unimp trace: ...; see unimp trace --help"
+        commands = next(
+            (a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {}
+        )
+        commands.get(getattr(args, "command", None), parser).error(
+            f"unrecognized arguments: {' '.join(extra)}"
+        )
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

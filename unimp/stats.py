@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -252,12 +253,14 @@ class StepStats:
         """
         order = order or ([], [])
 
-        def build(group: Mapping[str, Any], first: list[str]) -> dict[str, TensorStats]:
+        def build(group: Mapping[str, Any], first: list[str], kind: str) -> dict[str, TensorStats]:
             names = [n for n in first if n in group]
             names += sorted(set(group) - set(names))
-            return {n: TensorStats.from_arrays(*group[n]) for n in names}
+            return _Named(kind, {n: TensorStats.from_arrays(*group[n]) for n in names})
 
-        return cls(int(step), build(gradients, order[0]), build(activations, order[1]))
+        return cls(
+            int(step), build(gradients, order[0], "gradient"), build(activations, order[1], "activation")
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values."""
@@ -272,9 +275,28 @@ class StepStats:
         """Inverse of :meth:`to_dict`."""
         return cls(
             int(d["step"]),
-            {k: TensorStats.from_dict(v) for k, v in d["gradients"].items()},
-            {k: TensorStats.from_dict(v) for k, v in d["activations"].items()},
+            _Named("gradient", {k: TensorStats.from_dict(v) for k, v in d["gradients"].items()}),
+            _Named("activation", {k: TensorStats.from_dict(v) for k, v in d["activations"].items()}),
         )
+
+
+class _Named(dict):
+    """A ``{name: TensorStats}`` dict whose missing key names the ones there are (the names
+    differ by framework: ``l1.weight`` in torch, ``sequential/l1/kernel`` in Keras)."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: str, items: Mapping[str, Any]) -> None:
+        super().__init__(items)
+        self.kind = kind
+
+    def __missing__(self, key: Any) -> Any:
+        close = difflib.get_close_matches(str(key), list(self), n=1, cutoff=0.3)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"no {self.kind} named {key!r}.{hint} Names: {', '.join(self) or 'none'}.")
+
+    def __reduce__(self) -> Any:  # pickles as the plain dict it is
+        return (dict, (dict(self),))
 
 
 def check_scale(scale: Any) -> float:

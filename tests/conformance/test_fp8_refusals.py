@@ -167,6 +167,31 @@ def test_emulation_warning_points_at_the_users_line(backend):
     assert got == [(__file__, line)]  # not torch's module.py, Keras's layer.py or unimp's own files
 
 
+def test_emulation_warning_under_tf_function_points_at_the_users_call():
+    # tf.function traces an AutoGraph-converted copy of the function, from a temp file: the
+    # warning skips it and names the line that called the function
+    import inspect
+
+    from unimp.fp8 import config as fp8_config
+
+    mod = require_backend("tensorflow")
+    import tensorflow as tf
+
+    layer = mod.FP8Dense(4)
+
+    @tf.function
+    def fwd(x):
+        return layer(x, training=True) * 2.0
+
+    fp8_config._EMULATION_WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        fwd(tf.ones((2, 4)))
+    got = [(w.filename, w.lineno) for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    assert got == [(__file__, line)]
+
+
 # JAX's prepare is a pure function of a params pytree (nothing to mark): the same params give
 # the same result each time
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])

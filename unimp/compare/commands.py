@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import Counter
 from typing import Any
 
@@ -32,9 +33,13 @@ def trace_command(args: argparse.Namespace) -> int:
         device=args.device,
         loss_scale=args.loss_scale,
     )
-    validate(cfg)  # every bad option fails here, before any framework is imported
+    recipe, _, _ = validate(cfg)  # every bad option fails here, before any framework is imported
     report = trace_report(cfg, with_float32=args.diff)
     traces, reference = report["traces"], report["reference"]
+    if recipe.fp8 is not None and not any(r.op == "fp8_quantize" for t in traces.values() for r in t):
+        from unimp.compare.fp8_scales import no_fp8_layer_note
+
+        print(no_fp8_layer_note(cfg.model), file=sys.stderr)  # stdout stays the table or JSON
     if args.json:
         print(
             json.dumps(

@@ -82,6 +82,28 @@ def fp8_section(runs: dict[str, dict[str, Any]], bf16: dict[str, dict[str, Any]]
     }
 
 
+def fp8_terminal_lines(section: dict[str, Any], model: str) -> list[str]:
+    """``unimp compare``'s float8 lines under its table: per framework the float8 layers and the
+    accuracy against bfloat16, or, where no layer ran in float8, that and why."""
+    out = []
+    for b, a in section["accuracy"].items():
+        layers = section["layers"].get(b, [])
+        what = f"{len(layers)} float8 layer(s) ({', '.join(layers)})" if layers else "no float8 layer"
+        out.append(f"  {b}: {what}; test accuracy {a['fp8']:.4f} against bfloat16 {a['bfloat16']:.4f}")
+    if not any(section["layers"].get(b) for b in section["accuracy"]):
+        out.append(no_fp8_layer_note(model))
+    return ["float8 (FP8 recipe):", *out]
+
+
+def no_fp8_layer_note(model: str) -> str:
+    """The line that says a float8 recipe selected no layer of ``model``."""
+    return (
+        f"note: no layer of model {model!r} ran in float8: the recipe keeps the first and last "
+        "Dense/Linear/Conv layers out (the usual FP8 guidance), and this model has no other; "
+        "--model vit has float8 layers (docs/fp8.md)"
+    )
+
+
 def fp8_markdown(section: dict[str, Any]) -> list[str]:
     """The report's float8 tables: accuracy against bfloat16, then the scales (first/last per
     tensor per framework) and whether the frameworks agree bit for bit."""

@@ -416,7 +416,8 @@ _LIBRARY_PACKAGES = ("unimp", "torch", "keras", "tf_keras", "tensorflow", "jax",
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points the warning issued by this function's caller at the
     first frame outside unimp and the frameworks (their module, ``nn.Module.__call__``,
-    Keras's ``Layer.__call__``, ``tf.function`` and ``jax.jit`` tracing), i.e. the user's code;
+    Keras's ``Layer.__call__``, ``tf.function`` and ``jax.jit`` tracing, AutoGraph's converted
+    copies of traced functions), i.e. the user's code;
     Python 3.12's ``warnings.warn(skip_file_prefixes=...)`` by a frame walk, for Python 3.10+.
     Only loaded packages are skipped (nothing is imported); with no such frame, 2 (the
     caller's caller)."""
@@ -429,7 +430,11 @@ def user_stacklevel() -> int:
         if path:
             prefixes.append(os.path.dirname(path) + os.sep)
     frame, level = sys._getframe(2), 2  # the warning caller's caller
-    while frame is not None and frame.f_code.co_filename.startswith(tuple(prefixes)):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(tuple(prefixes))
+        # AutoGraph's converted copy of a function traced by tf.function (a temp file)
+        or os.path.basename(frame.f_code.co_filename).startswith("__autograph_generated_file")
+    ):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 2
 
