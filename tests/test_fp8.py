@@ -238,3 +238,34 @@ def test_simulate_refuses_an_entry_that_is_not_an_amax_naming_its_position(amaxe
 def test_simulate_takes_numpy_scalars_inf_and_nan():
     out = fp8.simulate(fp8.DelayedScaling(amax_history_len=2), np.array([4.0, np.inf, np.nan], np.float32))
     assert [float(s) for s, _, _ in out] == [1.0, 112.0, 112.0]
+
+
+@pytest.mark.parametrize(
+    ("name", "scale", "scale_inv"),
+    [("unimp_delayed", 1.0, 1e-40), ("keras", 1.0, 1e-40), ("flax", 2.0, 2e-39),
+     ("unimp_current", 4.0, 1e-42),
+     ("transformer_engine", 3e38, 1e-45), ("transformer_engine", 3e38, 2e-39),
+     ("transformer_engine_current", 3e38, 1e-45),
+     ("torchao", 1.0, NAN), ("torchao", NAN, 5.0), ("torchao", 0.0, 5.0), ("torchao", -0.0, INF),
+     ("torchao", INF, 0.0), ("torchao", 2.0, INF)],
+)
+def test_check_state_refuses_a_scale_inv_the_preset_cannot_make_naming_the_preset(name, scale, scale_inv):
+    # a small scale_inv was not compared with 1 / scale; torchao took any pair not < 0
+    cfg = fp8.fp8_preset(name)
+    state = fp8.FP8State(np.float32(scale), np.float32(scale_inv), np.zeros(cfg.amax_history_len, np.float32))
+    with pytest.raises(ValueError, match=f"'{name}' preset.*fp8.state_dict"):
+        fp8.check_state(state, cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "scale"),
+    [("transformer_engine", 3e38), ("transformer_engine", float(np.finfo(np.float32).max)),
+     ("transformer_engine_current", 2.0**127), ("torchao", 0.0), ("torchao", NAN), ("torchao", 4.48e14)],
+)
+def test_check_state_takes_the_pairs_the_preset_makes(name, scale):
+    # scale_inv is the update's float32(1 / scale), subnormal under Transformer Engine's cap
+    cfg = fp8.fp8_preset(name)
+    with np.errstate(divide="ignore"):
+        inv = np.float32(1) / np.float32(scale)
+    got = fp8.check_state(fp8.FP8State(np.float32(scale), inv, np.zeros(cfg.amax_history_len, np.float32)), cfg)
+    assert same_bits(got.scale_inv, inv)
