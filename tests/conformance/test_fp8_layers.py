@@ -220,8 +220,11 @@ _GOOD = fp8.FP8State(np.float32(2.0), np.float32(0.5), np.array([3.0, 1.0], np.f
      ("kernel", fp8.FP8State(2.0, float("nan"), np.zeros(2, np.float32)), "'scale_inv'"),
      ("kernel", fp8.FP8State(True, 0.5, np.zeros(2, np.float32)), "real numbers"),
      ("kernel", fp8.FP8State(2.0, 0.5, np.array([-1.0, 0.0], np.float32)), ">= 0"),
-     ("weight", _GOOD, "name must be one of"),],
-    ids=["history-1", "history-5", "negative-scale", "nan-scale-inv", "bool", "negative-amax", "name"],
+     ("weight", _GOOD, "name must be one of"),
+     ("kernel", fp8.FP8State(1.0, 1e-40, np.zeros(2, np.float32)), "'scale_inv' must be 1 / scale"),
+     ("input", {"scale": 2.0, "amax_history": [0.0, 0.0]}, r"missing \['scale_inv'\]"),],
+    ids=["history-1", "history-5", "negative-scale", "nan-scale-inv", "bool", "negative-amax", "name",
+         "subnormal-scale-inv", "dict-missing-key"],
 )
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
 def test_fp8_dense_load_fp8_state_refuses_bad_state_and_changes_nothing(backend, name, state, match):
@@ -235,6 +238,17 @@ def test_fp8_dense_load_fp8_state_refuses_bad_state_and_changes_nothing(backend,
             np.testing.assert_array_equal(getattr(after, f), getattr(s, f))
     layer.load_fp8_state("grad", _GOOD)
     np.testing.assert_array_equal(mod.fp8_state_to_numpy(layer.fp8_state("grad")).amax_history, [3.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
+def test_fp8_dense_load_fp8_state_takes_the_state_as_its_to_dict(backend):
+    # an AttributeError ('dict' object has no attribute 'scale') before
+    mod, layer = _layer(backend)
+    layer.load_fp8_state("input", _GOOD.to_dict())
+    np.testing.assert_array_equal(mod.fp8_state_to_numpy(layer.fp8_state("input")).amax_history, [3.0, 1.0])
+    with pytest.raises(TypeError, match=r"FP8Dense.load_fp8_state: state must be a unimp.fp8.FP8State or its "
+                                        r"to_dict\(\) \(read by FP8State.from_dict\), got list"):
+        layer.load_fp8_state("input", [2.0, 0.5, [0.0, 0.0]])
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds

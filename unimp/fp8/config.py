@@ -314,12 +314,30 @@ class FP8State:
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"an FP8 tensor state must be a dict, got {type(d).__name__}.")
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in d]
-        extra = sorted(set(d) - set(names))
-        if missing or extra:
-            raise ValueError(f"FP8 tensor state keys must be {names}; missing {missing}, unknown {extra}.")
-        return check_state(cls(*(d[n] for n in names)), config)
+        return check_state(cls.coerce(d, "FP8State.from_dict"), config)
+
+    @classmethod
+    def coerce(cls, state: Any, where: str) -> FP8State:
+        """``state`` as an :class:`FP8State`: one already, or its :meth:`to_dict` (read by
+        :meth:`from_dict`'s key rule; the values are checked by :func:`check_state`), the
+        argument every backend's ``load_fp8_state`` takes.
+
+        Raises:
+            TypeError: anything else, naming ``where``, FP8State and :meth:`from_dict`.
+            ValueError: a dict with missing or unknown keys.
+        """
+        if isinstance(state, cls):
+            return state
+        if isinstance(state, Mapping):
+            names = [f.name for f in dataclasses.fields(cls)]
+            missing = [n for n in names if n not in state]
+            extra = sorted(set(state) - set(names))
+            if missing or extra:
+                raise ValueError(f"{where}: FP8 tensor state keys must be {names}; missing {missing}, "
+                                 f"unknown {extra}.")
+            return cls(*(state[n] for n in names))
+        raise TypeError(f"{where}: state must be a unimp.fp8.FP8State or its to_dict() (read by "
+                        f"FP8State.from_dict), got {type(state).__name__} {state!r}.")
 
 
 #: The quantized tensors of one float8 matmul layer, in every backend: its input, its kernel and
@@ -338,18 +356,21 @@ def check_tensor(name: Any, where: str) -> str:
     return name
 
 
-def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = "") -> FP8State:
+def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = None,
+                tensor: str = "") -> FP8State:
     """``state`` as NumPy float32, checked before anything is loaded from it (the one check
     of :meth:`FP8State.from_dict` and every backend's ``load_fp8_state``).
 
     Args:
-        state: scale, scale_inv and amax_history as numbers, NumPy arrays or host tensors.
+        state: an :class:`FP8State` (or its ``to_dict()``, :meth:`FP8State.coerce`) of numbers,
+            NumPy arrays or host tensors.
         config: when given, the history must have its ``amax_history_len`` entries.
         tensor: a name for the messages (e.g. ``"input"``).
 
     Raises:
-        ValueError: a value that is not real numbers (bools and strings included); a
-            ``(scale, scale_inv)`` pair the config's preset (``config``; None: ``unimp_delayed``)
+        TypeError: ``state`` neither an FP8State nor a dict (:meth:`FP8State.coerce`).
+        ValueError: a dict with other keys; a value that is not real numbers (bools and
+            strings included); a ``(scale, scale_inv)`` pair the config's preset (``config``; None: ``unimp_delayed``)
             cannot produce, the message naming the preset: its update stores
             ``scale_inv = float32(1 / scale)`` (Keras / flax: ``scale = float32(1 / scale_inv)``),
             so the pair must be finite numbers > 0 whose product is 1 within 2**-21 (the
@@ -360,6 +381,7 @@ def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = 
             maxima, or holds a negative one.
     """
     where = f"FP8 tensor state{f' {tensor!r}' if tensor else ''}"
+    state = FP8State.coerce(state, where)
     vals = {}
     for f in dataclasses.fields(FP8State):
         v = getattr(state, f.name)

@@ -192,16 +192,18 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         _fp8.check_tensor(name, "FP8Dense.fp8_state")
         return _state(self, name)
 
-    def load_fp8_state(self, name: str, state: FP8State) -> None:
-        """Assigns a (NumPy or tensor) state to the variables of ``name``, checked first
-        against this layer's config (:func:`unimp.fp8.check_state`).
+    def load_fp8_state(self, name: str, state: FP8State | dict[str, Any]) -> None:
+        """Assigns a (NumPy or tensor) state, or its ``to_dict()``, to the variables of
+        ``name``, checked first against this layer's config (:func:`unimp.fp8.check_state`).
 
         Raises:
+            TypeError: ``state`` neither an FP8State nor a dict (:meth:`unimp.fp8.FP8State.coerce`).
             ValueError: ``name`` is not ``"input"``, ``"kernel"`` or ``"grad"``, or a bad state
                 (wrong history length, a scale that is not finite and > 0, ...); nothing is
                 changed.
         """
         _fp8.check_tensor(name, "FP8Dense.load_fp8_state")
+        state = FP8State.coerce(state, "FP8Dense.load_fp8_state")
         checked = _fp8.check_state(state, self.config, name)
         for f in _FIELDS:
             getattr(self, f"{name}_{f}").assign(getattr(checked, f))

@@ -321,17 +321,19 @@ class FP8Dense(torch.nn.Linear):
         _fp8.check_tensor(name, "FP8Dense.fp8_state")
         return FP8State(*(getattr(self, f"{name}_{f}") for f in _FIELDS))
 
-    def load_fp8_state(self, name: str, state: FP8State) -> None:
-        """Copies a (NumPy or tensor, any device) state into the buffers of ``name``, checked
-        first against this layer's config (:func:`unimp.fp8.check_state`).
+    def load_fp8_state(self, name: str, state: FP8State | dict[str, Any]) -> None:
+        """Copies a (NumPy or tensor, any device) state, or its ``to_dict()``, into the buffers
+        of ``name``, checked first against this layer's config (:func:`unimp.fp8.check_state`).
 
         Raises:
+            TypeError: ``state`` neither an FP8State nor a dict (:meth:`unimp.fp8.FP8State.coerce`).
             ValueError: ``name`` is not ``"input"``, ``"kernel"`` or ``"grad"``, or a bad state
                 (wrong history length, a scale that is not finite and > 0, ...); nothing is
                 changed.
         """
         _fp8.check_tensor(name, "FP8Dense.load_fp8_state")
         fields = _FIELDS
+        state = FP8State.coerce(state, "FP8Dense.load_fp8_state")
         host = FP8State(*(
             v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in (getattr(state, f) for f in fields)
         ))
