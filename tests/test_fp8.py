@@ -110,6 +110,17 @@ def test_integer_fields_follow_the_loss_scale_rule():
     assert type(fp8.DelayedScaling(amax_history_len=16.0).amax_history_len) is int
 
 
+@pytest.mark.parametrize("np_type", [np.float32, np.float64, np.int32, np.int64])
+def test_config_fields_take_numpy_scalars_as_python_numbers(np_type):
+    # margin=np.float32(1.0) was refused while margin=1.0 was taken
+    got = fp8.DelayedScaling(margin=np_type(1), amax_history_len=np_type(16))
+    assert got == fp8.DelayedScaling(margin=1, amax_history_len=16)
+    assert (type(got.margin), type(got.amax_history_len)) == (int, int)
+    assert fp8.CurrentScaling(power_of_2_scales=np.bool_(True)).power_of_2_scales is True
+    with pytest.raises(ValueError, match="DelayedScaling.margin must be an integer"):
+        fp8.DelayedScaling(margin=np_type(1) + np.float32(0.5))
+
+
 def test_bad_input_lists_valid_values():
     with pytest.raises(ValueError, match=r"\['HYBRID', 'E4M3'\]"):
         fp8.CurrentScaling(fp8_format="e4m3")
