@@ -276,3 +276,63 @@ def test_a_subnormal_amax_is_recorded_as_the_docs_say_on_cpu(backend):
         got = np.asarray(mod.fp8_amax(x))
     assert got == _SUBNORMAL_AMAX[backend]
     assert fp8.amax_of(N, x) == np.float32(1e-40)  # the reference
+
+
+def test_fp8_dense_takes_an_integer_input_as_its_framework_dense_does(backend):
+    # Keras's Dense gives float32 for an int32 input, torch's nn.Linear raises, lax.dot_general
+    # multiplies integers exactly; unimp's layers gave truncated int32 outputs in torch and Keras
+    mod = require_backend(backend)
+    x = np.arange(2 * IN, dtype=np.int32).reshape(2, IN)
+    if backend == "torch":
+        import torch
+
+        layer = mod.FP8Dense(IN, OUT, config=CONFIGS["current"])
+        with pytest.raises(TypeError, match=r"FP8Dense .*floating-point operands, got torch.int32; "
+                                            r"cast the input to a float dtype \(x.float\(\)\)"):
+            layer(torch.tensor(x))
+        assert not torch.any(layer.input_amax_history)  # nothing stepped
+    elif backend == "tensorflow":
+        import keras
+
+        layer = mod.FP8Dense(OUT, config=CONFIGS["current"])
+        layer.build((None, IN))
+        y = layer(x)
+        dense = keras.layers.Dense(OUT)
+        dense.build((None, IN))
+        assert y.dtype == dense(x).dtype == "float32"
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x.astype(np.float32))))
+    else:
+        import jax.numpy as jnp
+
+        s = mod.fp8_initial_state(CONFIGS["current"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+            dg = mod.fp8_dot_general(CONFIGS["current"], s, s, s)
+        dn = (((1,), (0,)), ((), ()))
+        with pytest.raises(TypeError, match="fp8_dot_general: the float8 matmul takes floating-point "
+                                            "operands, got int32; cast it to a float dtype"):
+            dg(jnp.asarray(x), jnp.ones((IN, OUT), jnp.float32), dn)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_fp8_dot_general_returns_the_preferred_element_type_as_lax_does(native):
+    # bfloat16 was asked for and float32 returned, where lax.dot_general returns bfloat16
+    mod = require_backend("jax")
+    import jax
+    import jax.numpy as jnp
+
+    cfg = CONFIGS["current"]
+    s = mod.fp8_initial_state(cfg)
+    x, w = jnp.asarray(_data(1)[0]), jnp.asarray(np.ones((IN, 16), np.float32))
+    dn = (((1,), (0,)), ((), ()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dg = mod.fp8_dot_general(cfg, s, s, s, native=native)
+        y = dg(x, w, dn, preferred_element_type=jnp.bfloat16)
+        assert y.dtype == jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.bfloat16).dtype
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(dg(x, w, dn).astype(jnp.bfloat16)))
+        dx = jax.grad(lambda a: dg(a, w, dn, preferred_element_type=jnp.bfloat16).astype(jnp.float32).sum())(x)
+        assert dx.dtype == x.dtype
+        with pytest.raises(TypeError, match="preferred_element_type must be a float dtype"):
+            dg(x, w, dn, preferred_element_type=jnp.int32)
+

@@ -594,6 +594,18 @@ def layer_flag(value: Any, field: str, where: str) -> bool:
     return bool(value)
 
 
+def refuse_non_float(dtype: Any, where: str, fix: str) -> None:
+    """The float8 matmul's rule for an operand that is not floating point (integers, bools) in
+    the frameworks whose own matmul refuses it (torch ``nn.Linear``) or would compute an exact
+    integer product (JAX ``lax.dot_general``), which float8 cannot: a TypeError. Keras's Dense
+    instead casts the input to its compute dtype, and so does unimp's.
+
+    Raises:
+        TypeError: always, naming ``where``, the dtype and ``fix``.
+    """
+    raise TypeError(f"{where}: the float8 matmul takes floating-point operands, got {dtype}; {fix}.")
+
+
 def native_refusal(in_features: int, out_features: int, kernel: str) -> str | None:
     """Why a layer of these dimensions runs emulated though native was asked
     (:data:`NATIVE_MULTIPLE`), or None when the native GEMM takes it; ``kernel`` names the GEMM

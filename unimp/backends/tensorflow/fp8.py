@@ -167,7 +167,9 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
             :func:`unimp.fp8.fp8_preset`), ``native`` not True, False or None (the field named).
         ValueError: ``units`` below 1.
 
-    Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
+    Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``, in the
+    compute dtype; an integer or bool input is cast to the compute dtype first, as
+    ``keras.layers.Dense`` computes it (its matmul promotes the input with the kernel).
     """
 
     def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None,
@@ -313,6 +315,10 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
     dtype and leading shape."""
     training = bool(training)
     x = tf.convert_to_tensor(inputs)
+    if not x.dtype.is_floating:
+        # keras.layers.Dense's matmul promotes an integer (or bool) input with its kernel: the
+        # output is in the compute dtype, never the input's integers (Keras autocasts floats only)
+        x = tf.cast(x, layer.compute_dtype)
     w = tf.convert_to_tensor(kernel)
     units = int(w.shape[-1])
     native = _use_native(layer, int(w.shape[0]), units)

@@ -290,6 +290,9 @@ class FP8Dense(torch.nn.Linear):
 
     Shapes: input ``(..., in_features)``, output ``(..., out_features)``, input's dtype.
 
+    Calling it with a tensor that is not floating point (integers, bools) raises a TypeError,
+    as ``nn.Linear`` refuses one (:func:`unimp.fp8.refuse_non_float`).
+
     Raises:
         TypeError: ``in_features`` / ``out_features`` not an int (``2.7``, ``"4"``), ``bias``
             not True or False, ``config`` not a DelayedScaling / CurrentScaling (a preset
@@ -387,6 +390,9 @@ class FP8Dense(torch.nn.Linear):
         _fp8.warn_native_fallback("torch", self.fp8_name, why)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():  # nn.Linear refuses it too (mat1 and mat2 dtypes differ)
+            _fp8.refuse_non_float(x.dtype, f"FP8Dense {self.fp8_name!r}",
+                                  "cast the input to a float dtype (x.float()), as nn.Linear needs")
         if not _has_float8_units(x.device) or not self._use_native(x.device):
             _fp8.warn_emulated("torch", x.device.type)
         device_type = x.device.type
