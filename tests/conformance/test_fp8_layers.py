@@ -336,3 +336,30 @@ def test_fp8_dot_general_returns_the_preferred_element_type_as_lax_does(native):
         with pytest.raises(TypeError, match="preferred_element_type must be a float dtype"):
             dg(x, w, dn, preferred_element_type=jnp.int32)
 
+
+@pytest.mark.parametrize("how", ["set_weights", "load_weights"])
+@pytest.mark.parametrize("backend", ["tensorflow"])  # Keras's own loaders; torch loads through load_state_dict
+def test_keras_fp8_dense_checks_the_states_keras_loads(backend, how, tmp_path):
+    # set_weights / load_weights assigned a scale of -5 unchecked, and the outputs blew up
+    mod, layer = _layer(backend)
+    x = _data(1)[0]
+    y = np.asarray(layer(x))
+    good = layer.get_weights()
+    bad = [np.full_like(w, -5.0) if w.ndim == 0 else w for w in good]
+    if how == "set_weights":
+        load = lambda: layer.set_weights(bad)  # noqa: E731
+    else:
+        import keras
+
+        _, src = _layer(backend)
+        src.set_weights(good)
+        src.input_scale.assign(-5.0)
+        model = keras.Sequential([keras.Input((IN,)), src])
+        model.save_weights(tmp_path / "w.weights.h5")
+        load = lambda: keras.Sequential([keras.Input((IN,)), layer]).load_weights(tmp_path / "w.weights.h5")  # noqa: E731
+    with pytest.raises(ValueError, match=f"FP8Dense.{'set_weights' if how == 'set_weights' else 'load_own'}.*'input' "
+                                         "'scale' must be one finite number > 0 under the 'unimp_delayed' preset"):
+        load()
+    for w, before in zip(layer.get_weights(), good, strict=True):
+        np.testing.assert_array_equal(w, before)
+    np.testing.assert_array_equal(np.asarray(layer(x)), y)

@@ -159,7 +159,8 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
 
     Saved models round-trip (:meth:`get_config` holds ``units``, ``use_bias``, the scaling
     config as its ``to_dict()`` and ``native``; registered as ``"unimp>FP8Dense"``); the
-    scaling states are variables, saved with the weights.
+    scaling states are variables, saved with the weights, and checked when loaded
+    (``set_weights``, ``load_weights``, ``load_model``: as :meth:`load_fp8_state`).
 
     Raises:
         TypeError: ``units`` not an int (``2.7``, ``"4"``), ``use_bias`` not True or False,
@@ -210,6 +211,28 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         for f in _FIELDS:
             getattr(self, f"{name}_{f}").assign(getattr(checked, f))
 
+    def set_weights(self, weights: Any) -> None:
+        """Keras's ``set_weights``, then the loaded scaling states are checked as
+        :meth:`load_fp8_state` checks them (:func:`_checked_load`).
+
+        Raises:
+            ValueError: Keras's own refusals, or a bad scaling state (a scale of -5, ...); the
+                layer's weights are then as they were.
+        """
+        _checked_load(self, self.config, lambda: super(FP8Dense, self).set_weights(weights),
+                      "FP8Dense.set_weights")
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras's ``load_own_variables`` (``model.load_weights``, ``keras.models.load_model``),
+        then the loaded scaling states are checked (:func:`_checked_load`).
+
+        Raises:
+            ValueError: a bad scaling state in the file; this layer's weights are then as they
+                were (layers loaded before it keep what they loaded).
+        """
+        _checked_load(self, self.config, lambda: super(FP8Dense, self).load_own_variables(store),
+                      "FP8Dense.load_own_variables")
+
     def get_config(self) -> dict[str, Any]:
         """Keras's layer config plus ``units``, ``use_bias``, ``config`` (the scaling config's
         ``to_dict()``) and ``native``: :meth:`from_config` rebuilds an equal layer."""
@@ -248,6 +271,26 @@ def _add_states(layer: Any, config: _fp8.Fp8Config, native: bool, layer_name: st
     layer._unimp_fp8_native = bool(native)
     layer._unimp_fp8_name = layer_name
     layer._unimp_fp8_use_native = None  # decided at the first call (host side, once per layer)
+
+
+def _checked_load(layer: Any, config: _fp8.Fp8Config, load: Any, where: str) -> None:
+    """Runs ``load`` (Keras's ``set_weights`` / ``load_own_variables``, which assign every
+    variable unchecked), then checks the three scaling states as ``load_fp8_state`` does
+    (:func:`unimp.fp8.check_state`); on a bad one every weight of ``layer`` is put back as it
+    was before ``load`` and the error names ``where``. Host work once per load, never per step.
+
+    Raises:
+        ValueError: a bad scaling state (the tensor and the preset named).
+    """
+    before = [np.array(v.numpy(), copy=True) for v in layer.weights]
+    try:
+        load()
+        for name in _TENSORS:
+            _fp8.check_state(fp8_state_to_numpy(_state(layer, name)), config, name)
+    except ValueError as err:
+        for var, value in zip(layer.weights, before, strict=True):
+            var.assign(value)
+        raise ValueError(f"{where}: {err} The layer's weights are unchanged.") from None
 
 
 def _state(layer: Any, name: str) -> FP8State:
@@ -351,6 +394,21 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
         return tf.reshape(y, out_shape), grad
 
     return matmul(x, w)
+
+
+def _check_loads(layer: Any, config: _fp8.Fp8Config, path: str) -> None:
+    """Gives a swapped Dense ``layer`` the checked ``set_weights`` / ``load_own_variables`` of
+    :class:`FP8Dense` (:func:`_checked_load`), as instance methods like its ``call``."""
+    set_weights, load_own = layer.set_weights, layer.load_own_variables
+
+    def checked_set_weights(weights: Any) -> None:
+        _checked_load(layer, config, lambda: set_weights(weights), f"layer {path!r} set_weights")
+
+    def checked_load_own_variables(store: Any) -> None:
+        _checked_load(layer, config, lambda: load_own(store), f"layer {path!r} load_own_variables")
+
+    layer.set_weights = checked_set_weights
+    layer.load_own_variables = checked_load_own_variables
 
 
 def _fp8_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor:
@@ -458,6 +516,7 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
             finally:
                 layer._tracker.lock()
             layer._unimp_fp8_config = recipe.scaling
+            _check_loads(layer, recipe.scaling, path)
             # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
             # float32 master weight (Keras's own float8 Dense reads it autocast to bfloat16)
             layer._kernel._autocast = False
