@@ -110,6 +110,17 @@ def test_integer_fields_follow_the_loss_scale_rule():
     assert type(fp8.DelayedScaling(amax_history_len=16.0).amax_history_len) is int
 
 
+@pytest.mark.parametrize("np_type", [np.float32, np.float64, np.int32, np.int64])
+def test_config_fields_take_numpy_scalars_as_python_numbers(np_type):
+    # margin=np.float32(1.0) was refused while margin=1.0 was taken
+    got = fp8.DelayedScaling(margin=np_type(1), amax_history_len=np_type(16))
+    assert got == fp8.DelayedScaling(margin=1, amax_history_len=16)
+    assert (type(got.margin), type(got.amax_history_len)) == (int, int)
+    assert fp8.CurrentScaling(power_of_2_scales=np.bool_(True)).power_of_2_scales is True
+    with pytest.raises(ValueError, match="DelayedScaling.margin must be an integer"):
+        fp8.DelayedScaling(margin=np_type(1) + np.float32(0.5))
+
+
 def test_bad_input_lists_valid_values():
     with pytest.raises(ValueError, match=r"\['HYBRID', 'E4M3'\]"):
         fp8.CurrentScaling(fp8_format="e4m3")
@@ -238,3 +249,34 @@ def test_simulate_refuses_an_entry_that_is_not_an_amax_naming_its_position(amaxe
 def test_simulate_takes_numpy_scalars_inf_and_nan():
     out = fp8.simulate(fp8.DelayedScaling(amax_history_len=2), np.array([4.0, np.inf, np.nan], np.float32))
     assert [float(s) for s, _, _ in out] == [1.0, 112.0, 112.0]
+
+
+@pytest.mark.parametrize(
+    ("name", "scale", "scale_inv"),
+    [("unimp_delayed", 1.0, 1e-40), ("keras", 1.0, 1e-40), ("flax", 2.0, 2e-39),
+     ("unimp_current", 4.0, 1e-42),
+     ("transformer_engine", 3e38, 1e-45), ("transformer_engine", 3e38, 2e-39),
+     ("transformer_engine_current", 3e38, 1e-45),
+     ("torchao", 1.0, NAN), ("torchao", NAN, 5.0), ("torchao", 0.0, 5.0), ("torchao", -0.0, INF),
+     ("torchao", INF, 0.0), ("torchao", 2.0, INF)],
+)
+def test_check_state_refuses_a_scale_inv_the_preset_cannot_make_naming_the_preset(name, scale, scale_inv):
+    # a small scale_inv was not compared with 1 / scale; torchao took any pair not < 0
+    cfg = fp8.fp8_preset(name)
+    state = fp8.FP8State(np.float32(scale), np.float32(scale_inv), np.zeros(cfg.amax_history_len, np.float32))
+    with pytest.raises(ValueError, match=f"'{name}' preset.*fp8.state_dict"):
+        fp8.check_state(state, cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "scale"),
+    [("transformer_engine", 3e38), ("transformer_engine", float(np.finfo(np.float32).max)),
+     ("transformer_engine_current", 2.0**127), ("torchao", 0.0), ("torchao", NAN), ("torchao", 4.48e14)],
+)
+def test_check_state_takes_the_pairs_the_preset_makes(name, scale):
+    # scale_inv is the update's float32(1 / scale), subnormal under Transformer Engine's cap
+    cfg = fp8.fp8_preset(name)
+    with np.errstate(divide="ignore"):
+        inv = np.float32(1) / np.float32(scale)
+    got = fp8.check_state(fp8.FP8State(np.float32(scale), inv, np.zeros(cfg.amax_history_len, np.float32)), cfg)
+    assert same_bits(got.scale_inv, inv)

@@ -64,7 +64,11 @@ def test_applies_to():
      ({"exclude": ("head;out",)}, r"Fp8Recipe.exclude: pattern 'head;out'"),  # never matched, silently
      ({"exclude": (" head",)}, r"Fp8Recipe.exclude: pattern ' head'"),
      ({"layers": ("Dens",)}, r"'Dens' is not a layer kind .* Did you mean 'Dense'"),  # selected none
-     ({"layers": ("dense",)}, r"'dense' is not a layer kind .* Did you mean 'Dense'")],
+     ({"layers": ("dense",)}, r"'dense' is not a layer kind .* Did you mean 'Dense'"),
+     # never an identifier, so never a class-name prefix: accepted, and selected no layer, before
+     ({"layers": ("Linear:0",)}, r"'Linear:0' is not a layer kind .*\(an identifier\).* Did you mean 'Linear'"),
+     ({"layers": ("Dense ",)}, r"'Dense ' is not a layer kind .* Did you mean 'Dense'"),
+     ({"layers": ("Conv/2d",)}, r"'Conv/2d' is not a layer kind .* Did you mean 'Conv'")],
 )
 def test_fp8_recipe_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -124,3 +128,10 @@ def test_fp8_none_gives_the_recipe_without_float8(name):
     assert plain.fp8 is None and str(plain.policy) == str(unimp.get_policy("mixed_bfloat16"))
     assert plain == unimp.get_recipe(name).replace(fp8=None)
     assert unimp.get_recipe(name).fp8 is not None
+
+
+def test_fp8_recipe_takes_a_numpy_bool_as_a_bool():
+    import numpy as np
+
+    r = Fp8Recipe(exclude_first_last=np.bool_(False))
+    assert r.exclude_first_last is False and r == Fp8Recipe(exclude_first_last=False)

@@ -220,8 +220,11 @@ _GOOD = fp8.FP8State(np.float32(2.0), np.float32(0.5), np.array([3.0, 1.0], np.f
      ("kernel", fp8.FP8State(2.0, float("nan"), np.zeros(2, np.float32)), "'scale_inv'"),
      ("kernel", fp8.FP8State(True, 0.5, np.zeros(2, np.float32)), "real numbers"),
      ("kernel", fp8.FP8State(2.0, 0.5, np.array([-1.0, 0.0], np.float32)), ">= 0"),
-     ("weight", _GOOD, "name must be one of"),],
-    ids=["history-1", "history-5", "negative-scale", "nan-scale-inv", "bool", "negative-amax", "name"],
+     ("weight", _GOOD, "name must be one of"),
+     ("kernel", fp8.FP8State(1.0, 1e-40, np.zeros(2, np.float32)), "'scale_inv' must be 1 / scale"),
+     ("input", {"scale": 2.0, "amax_history": [0.0, 0.0]}, r"missing \['scale_inv'\]"),],
+    ids=["history-1", "history-5", "negative-scale", "nan-scale-inv", "bool", "negative-amax", "name",
+         "subnormal-scale-inv", "dict-missing-key"],
 )
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
 def test_fp8_dense_load_fp8_state_refuses_bad_state_and_changes_nothing(backend, name, state, match):
@@ -235,6 +238,17 @@ def test_fp8_dense_load_fp8_state_refuses_bad_state_and_changes_nothing(backend,
             np.testing.assert_array_equal(getattr(after, f), getattr(s, f))
     layer.load_fp8_state("grad", _GOOD)
     np.testing.assert_array_equal(mod.fp8_state_to_numpy(layer.fp8_state("grad")).amax_history, [3.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
+def test_fp8_dense_load_fp8_state_takes_the_state_as_its_to_dict(backend):
+    # an AttributeError ('dict' object has no attribute 'scale') before
+    mod, layer = _layer(backend)
+    layer.load_fp8_state("input", _GOOD.to_dict())
+    np.testing.assert_array_equal(mod.fp8_state_to_numpy(layer.fp8_state("input")).amax_history, [3.0, 1.0])
+    with pytest.raises(TypeError, match=r"FP8Dense.load_fp8_state: state must be a unimp.fp8.FP8State or its "
+                                        r"to_dict\(\) \(read by FP8State.from_dict\), got list"):
+        layer.load_fp8_state("input", [2.0, 0.5, [0.0, 0.0]])
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
@@ -262,3 +276,90 @@ def test_a_subnormal_amax_is_recorded_as_the_docs_say_on_cpu(backend):
         got = np.asarray(mod.fp8_amax(x))
     assert got == _SUBNORMAL_AMAX[backend]
     assert fp8.amax_of(N, x) == np.float32(1e-40)  # the reference
+
+
+def test_fp8_dense_takes_an_integer_input_as_its_framework_dense_does(backend):
+    # Keras's Dense gives float32 for an int32 input, torch's nn.Linear raises, lax.dot_general
+    # multiplies integers exactly; unimp's layers gave truncated int32 outputs in torch and Keras
+    mod = require_backend(backend)
+    x = np.arange(2 * IN, dtype=np.int32).reshape(2, IN)
+    if backend == "torch":
+        import torch
+
+        layer = mod.FP8Dense(IN, OUT, config=CONFIGS["current"])
+        with pytest.raises(TypeError, match=r"FP8Dense .*floating-point operands, got torch.int32; "
+                                            r"cast the input to a float dtype \(x.float\(\)\)"):
+            layer(torch.tensor(x))
+        assert not torch.any(layer.input_amax_history)  # nothing stepped
+    elif backend == "tensorflow":
+        import keras
+
+        layer = mod.FP8Dense(OUT, config=CONFIGS["current"])
+        layer.build((None, IN))
+        y = layer(x)
+        dense = keras.layers.Dense(OUT)
+        dense.build((None, IN))
+        assert y.dtype == dense(x).dtype == "float32"
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x.astype(np.float32))))
+    else:
+        import jax.numpy as jnp
+
+        s = mod.fp8_initial_state(CONFIGS["current"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+            dg = mod.fp8_dot_general(CONFIGS["current"], s, s, s)
+        dn = (((1,), (0,)), ((), ()))
+        with pytest.raises(TypeError, match="fp8_dot_general: the float8 matmul takes floating-point "
+                                            "operands, got int32; cast it to a float dtype"):
+            dg(jnp.asarray(x), jnp.ones((IN, OUT), jnp.float32), dn)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_fp8_dot_general_returns_the_preferred_element_type_as_lax_does(native):
+    # bfloat16 was asked for and float32 returned, where lax.dot_general returns bfloat16
+    mod = require_backend("jax")
+    import jax
+    import jax.numpy as jnp
+
+    cfg = CONFIGS["current"]
+    s = mod.fp8_initial_state(cfg)
+    x, w = jnp.asarray(_data(1)[0]), jnp.asarray(np.ones((IN, 16), np.float32))
+    dn = (((1,), (0,)), ((), ()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dg = mod.fp8_dot_general(cfg, s, s, s, native=native)
+        y = dg(x, w, dn, preferred_element_type=jnp.bfloat16)
+        assert y.dtype == jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.bfloat16).dtype
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(dg(x, w, dn).astype(jnp.bfloat16)))
+        dx = jax.grad(lambda a: dg(a, w, dn, preferred_element_type=jnp.bfloat16).astype(jnp.float32).sum())(x)
+        assert dx.dtype == x.dtype
+        with pytest.raises(TypeError, match="preferred_element_type must be a float dtype"):
+            dg(x, w, dn, preferred_element_type=jnp.int32)
+
+
+@pytest.mark.parametrize("how", ["set_weights", "load_weights"])
+@pytest.mark.parametrize("backend", ["tensorflow"])  # Keras's own loaders; torch loads through load_state_dict
+def test_keras_fp8_dense_checks_the_states_keras_loads(backend, how, tmp_path):
+    # set_weights / load_weights assigned a scale of -5 unchecked, and the outputs blew up
+    mod, layer = _layer(backend)
+    x = _data(1)[0]
+    y = np.asarray(layer(x))
+    good = layer.get_weights()
+    bad = [np.full_like(w, -5.0) if w.ndim == 0 else w for w in good]
+    if how == "set_weights":
+        load = lambda: layer.set_weights(bad)  # noqa: E731
+    else:
+        import keras
+
+        _, src = _layer(backend)
+        src.set_weights(good)
+        src.input_scale.assign(-5.0)
+        model = keras.Sequential([keras.Input((IN,)), src])
+        model.save_weights(tmp_path / "w.weights.h5")
+        load = lambda: keras.Sequential([keras.Input((IN,)), layer]).load_weights(tmp_path / "w.weights.h5")  # noqa: E731
+    with pytest.raises(ValueError, match=f"FP8Dense.{'set_weights' if how == 'set_weights' else 'load_own'}.*'input' "
+                                         "'scale' must be one finite number > 0 under the 'unimp_delayed' preset"):
+        load()
+    for w, before in zip(layer.get_weights(), good, strict=True):
+        np.testing.assert_array_equal(w, before)
+    np.testing.assert_array_equal(np.asarray(layer(x)), y)

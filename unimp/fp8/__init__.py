@@ -49,6 +49,7 @@ from unimp.fp8.config import (
     layer_size,
     native_refusal,
     native_requested,
+    refuse_non_float,
     warn_emulated,
     warn_native_fallback,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "qdq_arrays",
     "quantize_arrays",
     "quantize_dequantize",
+    "refuse_non_float",
     "simulate",
     "state_dict",
     "step",

@@ -314,12 +314,30 @@ class FP8State:
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"an FP8 tensor state must be a dict, got {type(d).__name__}.")
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in d]
-        extra = sorted(set(d) - set(names))
-        if missing or extra:
-            raise ValueError(f"FP8 tensor state keys must be {names}; missing {missing}, unknown {extra}.")
-        return check_state(cls(*(d[n] for n in names)), config)
+        return check_state(cls.coerce(d, "FP8State.from_dict"), config)
+
+    @classmethod
+    def coerce(cls, state: Any, where: str) -> FP8State:
+        """``state`` as an :class:`FP8State`: one already, or its :meth:`to_dict` (read by
+        :meth:`from_dict`'s key rule; the values are checked by :func:`check_state`), the
+        argument every backend's ``load_fp8_state`` takes.
+
+        Raises:
+            TypeError: anything else, naming ``where``, FP8State and :meth:`from_dict`.
+            ValueError: a dict with missing or unknown keys.
+        """
+        if isinstance(state, cls):
+            return state
+        if isinstance(state, Mapping):
+            names = [f.name for f in dataclasses.fields(cls)]
+            missing = [n for n in names if n not in state]
+            extra = sorted(set(state) - set(names))
+            if missing or extra:
+                raise ValueError(f"{where}: FP8 tensor state keys must be {names}; missing {missing}, "
+                                 f"unknown {extra}.")
+            return cls(*(state[n] for n in names))
+        raise TypeError(f"{where}: state must be a unimp.fp8.FP8State or its to_dict() (read by "
+                        f"FP8State.from_dict), got {type(state).__name__} {state!r}.")
 
 
 #: The quantized tensors of one float8 matmul layer, in every backend: its input, its kernel and
@@ -338,24 +356,32 @@ def check_tensor(name: Any, where: str) -> str:
     return name
 
 
-def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = "") -> FP8State:
+def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = None,
+                tensor: str = "") -> FP8State:
     """``state`` as NumPy float32, checked before anything is loaded from it (the one check
     of :meth:`FP8State.from_dict` and every backend's ``load_fp8_state``).
 
     Args:
-        state: scale, scale_inv and amax_history as numbers, NumPy arrays or host tensors.
+        state: an :class:`FP8State` (or its ``to_dict()``, :meth:`FP8State.coerce`) of numbers,
+            NumPy arrays or host tensors.
         config: when given, the history must have its ``amax_history_len`` entries.
         tensor: a name for the messages (e.g. ``"input"``).
 
     Raises:
-        ValueError: a value that is not real numbers (bools and strings included); a scale or
-            scale_inv that is not one finite number > 0 (under the ``torchao`` rule, whose
-            scale is 0 for an inf amax and NaN for a NaN amax: any number not < 0); a scale
-            above 2**126 (except under the ``transformer_engine`` and ``torchao`` rules, given as
-            ``config``); a ``scale_inv`` that is not ``1 / scale`` to within 2**-21; a history
-            that is not a list of ``amax_history_len`` maxima, or holds a negative one.
+        TypeError: ``state`` neither an FP8State nor a dict (:meth:`FP8State.coerce`).
+        ValueError: a dict with other keys; a value that is not real numbers (bools and
+            strings included); a ``(scale, scale_inv)`` pair the config's preset (``config``; None: ``unimp_delayed``)
+            cannot produce, the message naming the preset: its update stores
+            ``scale_inv = float32(1 / scale)`` (Keras / flax: ``scale = float32(1 / scale_inv)``),
+            so the pair must be finite numbers > 0 whose product is 1 within 2**-21 (the
+            reciprocal's rounding plus Keras / flax's one-ulp drift), with a scale at most
+            2**126 except under the Transformer Engine presets (float32 max) and ``torchao``;
+            ``torchao`` also makes ``(0, inf)`` (an inf amax) and ``(nan, nan)`` (a NaN amax),
+            and nothing else non-finite; a history that is not a list of ``amax_history_len``
+            maxima, or holds a negative one.
     """
     where = f"FP8 tensor state{f' {tensor!r}' if tensor else ''}"
+    state = FP8State.coerce(state, where)
     vals = {}
     for f in dataclasses.fields(FP8State):
         v = getattr(state, f.name)
@@ -366,29 +392,63 @@ def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = 
         if a.dtype.kind not in "iuf":
             raise ValueError(f"{where} {f.name!r} must be real numbers, got {v!r}.")
         vals[f.name] = a.astype(np.float32)
-    lenient = config is not None and config.rule == "torchao"
+    rule = _rule_name(config)
     for n in ("scale", "scale_inv"):
-        v = vals[n]
-        ok = v.ndim == 0 and (not v < 0 if lenient else bool(np.isfinite(v) and v > 0))
-        if not ok:
+        if vals[n].ndim != 0:
             raise ValueError(
-                f"{where} {n!r} must be one finite number > 0, got {getattr(state, n)!r}; save it "
-                "with unimp.fp8.state_dict (or the layer's fp8_state)."
+                f"{where} {n!r} must be one finite number > 0 (a scalar), got {getattr(state, n)!r}; save it with "
+                "unimp.fp8.state_dict (or the layer's fp8_state)."
             )
     scale, inv = float(vals["scale"]), float(vals["scale_inv"])
-    capped = config is None or config.rule not in ("transformer_engine", "torchao")
+    if rule == "torchao" and (math.isnan(scale) or (scale == 0 and not math.copysign(1, scale) < 0)):
+        # torchao's amax_to_scale: an inf amax gives scale +0 (scale_inv +inf), a NaN amax
+        # scale NaN (scale_inv NaN); the only non-finite pairs its update makes
+        want = math.inf if scale == 0 else math.nan
+        if not (inv == want or (math.isnan(want) and math.isnan(inv))):
+            raise ValueError(
+                f"{where} 'scale_inv' must be 1 / scale ({want!r}) with scale {scale!r}, got "
+                f"{inv!r}: under the 'torchao' preset the only non-finite states are (0, inf) and "
+                "(nan, nan); save it with unimp.fp8.state_dict (or the layer's fp8_state)."
+            )
+        return FP8State(vals["scale"], vals["scale_inv"], _history(vals, config, where))
+    for n, v in (("scale", scale), ("scale_inv", inv)):
+        if not (math.isfinite(v) and v > 0):
+            extra = (" (or the pairs (0, inf) and (nan, nan), which an inf / NaN amax gives)"
+                     if rule == "torchao" else "")
+            raise ValueError(
+                f"{where} {n!r} must be one finite number > 0{extra} under the {rule!r} preset, got "
+                f"{getattr(state, n)!r}; save it with unimp.fp8.state_dict (or the layer's fp8_state)."
+            )
+    capped = rule not in ("transformer_engine", "transformer_engine_current", "torchao")
     if capped and scale > MAX_SCALE:
         raise ValueError(
-            f"{where} 'scale' is {scale!r}, above 2**126, the largest scale unimp's rules make "
-            "(its reciprocal would be subnormal, which TensorFlow flushes to zero); save it with "
-            "unimp.fp8.state_dict, or give the transformer_engine config it was saved with."
+            f"{where} 'scale' is {scale!r}, above 2**126, the largest scale the {rule!r} preset "
+            "loads (its reciprocal would be subnormal, which TensorFlow flushes to zero); save it "
+            "with unimp.fp8.state_dict, or give the transformer_engine config it was saved with."
         )
-    if inv >= 2.0**-126 and math.isfinite(scale * inv) and abs(scale * inv - 1.0) > _INVERSE_TOLERANCE:
+    # every preset's update stores scale_inv = float32(1 / scale) (Keras / flax: scale =
+    # float32(1 / scale_inv)); no skip for a small scale_inv: under the capped presets a valid
+    # one is >= 2**-126, and under Transformer Engine's (scale <= float32 max) it is >= 2**-128,
+    # a subnormal that still has 21 significant bits, within the tolerance
+    product = scale * inv  # float64: exact enough, never overflows for float32 inputs
+    if abs(product - 1.0) > _INVERSE_TOLERANCE:
         raise ValueError(
-            f"{where} 'scale_inv' must be 1 / scale: got scale {scale!r} and scale_inv {inv!r} "
-            f"(product {scale * inv!r}); a state out of step with itself would scale the matmul's "
-            "output; save it with unimp.fp8.state_dict (or the layer's fp8_state)."
+            f"{where} 'scale_inv' must be 1 / scale under the {rule!r} preset: got scale {scale!r} "
+            f"and scale_inv {inv!r} (product {product!r}, want 1 within 2**-21); a state out of "
+            "step with itself would scale the matmul's output; save it with unimp.fp8.state_dict "
+            "(or the layer's fp8_state)."
         )
+    return FP8State(vals["scale"], vals["scale_inv"], _history(vals, config, where))
+
+
+def _rule_name(config: Fp8Config | None) -> str:
+    """The :data:`PRESETS` name of ``config``'s rule (``"unimp_delayed"`` when None)."""
+    if config is None:
+        return "unimp_delayed"
+    return next(n for n, (cls, r) in PRESETS.items() if isinstance(config, cls) and r == config.rule)
+
+
+def _history(vals: dict[str, Any], config: Fp8Config | None, where: str) -> Any:
     hist = vals["amax_history"]
     if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
         want = config.amax_history_len if config is not None else "L"
@@ -398,7 +458,7 @@ def check_state(state: FP8State, config: Fp8Config | None = None, tensor: str = 
         )
     if np.any(hist < 0):
         raise ValueError(f"{where} 'amax_history' holds absolute maxima, >= 0; got {hist.min()}.")
-    return FP8State(vals["scale"], vals["scale_inv"], hist)
+    return hist
 
 
 class Fp8EmulationWarning(UserWarning):
@@ -537,6 +597,18 @@ def layer_flag(value: Any, field: str, where: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{where}: {field} must be True or False, got {type(value).__name__} {value!r}.")
     return bool(value)
+
+
+def refuse_non_float(dtype: Any, where: str, fix: str) -> None:
+    """The float8 matmul's rule for an operand that is not floating point (integers, bools) in
+    the frameworks whose own matmul refuses it (torch ``nn.Linear``) or would compute an exact
+    integer product (JAX ``lax.dot_general``), which float8 cannot: a TypeError. Keras's Dense
+    instead casts the input to its compute dtype, and so does unimp's.
+
+    Raises:
+        TypeError: always, naming ``where``, the dtype and ``fix``.
+    """
+    raise TypeError(f"{where}: the float8 matmul takes floating-point operands, got {dtype}; {fix}.")
 
 
 def native_refusal(in_features: int, out_features: int, kernel: str) -> str | None:

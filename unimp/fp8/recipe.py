@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from unimp.fp8.config import CurrentScaling, DelayedScaling, Fp8Config, fp8_from_dict
 from unimp.overrides import check_pattern, pattern_matches
@@ -61,7 +64,8 @@ class Fp8Recipe:
     Args:
         scaling: a :class:`unimp.fp8.DelayedScaling` or :class:`unimp.fp8.CurrentScaling`
             (or its ``to_dict()``).
-        layers: the layer kinds that run float8 matmuls (class-name prefixes).
+        layers: the layer kinds that run float8 matmuls: class-name prefixes, each an
+            identifier starting with ``Dense``, ``Linear`` or ``Conv``.
         exclude: glob patterns over dotted layer paths kept out of float8 (see :func:`matches`).
         exclude_first_last: keep the first and the last float8-capable layer in higher
             precision (default True, the usual FP8 guidance).
@@ -91,18 +95,24 @@ class Fp8Recipe:
                 raise ValueError(f"Fp8Recipe.{name} must be a tuple of non-empty strings, got {value!r}.")
             object.__setattr__(self, name, tuple(value))
         for kind in self.layers:  # a typo would silently select no layer
-            if not kind.startswith(FP8_LAYERS):
-                close = difflib.get_close_matches(kind, FP8_LAYERS, n=1, cutoff=0.5)
+            # an entry is a prefix of a layer's class name (``select``: ``kind.startswith``), so
+            # it must itself be an identifier: 'Linear:0' or 'Dense ' never matches a class name
+            if not (kind.isidentifier() and kind.startswith(FP8_LAYERS)):
+                head = re.match(r"[A-Za-z_]\w*", kind.strip())
+                close = [head.group()] if head and head.group().startswith(FP8_LAYERS) else (
+                    difflib.get_close_matches(kind, FP8_LAYERS, n=1, cutoff=0.5))
                 raise ValueError(
                     f"Fp8Recipe.layers: {kind!r} is not a layer kind unimp runs in float8; each entry is "
-                    f"a class-name prefix starting with one of {list(FP8_LAYERS)} (e.g. 'Conv2D')"
+                    f"a class-name prefix (an identifier) starting with one of {list(FP8_LAYERS)} "
+                    "(e.g. 'Conv2D'), matched against each layer's class name"
                     + (f". Did you mean {close[0]!r}?" if close else ".")
                 )
         # the patterns of Policy.overrides, checked by its rule: '/' reads as '.', and one with
         # whitespace or ';' would never match a dotted path
         object.__setattr__(self, "exclude", tuple(check_pattern(p, "Fp8Recipe.exclude") for p in self.exclude))
-        if not isinstance(self.exclude_first_last, bool):
+        if not isinstance(self.exclude_first_last, (bool, np.bool_)):
             raise ValueError(f"Fp8Recipe.exclude_first_last must be True or False, got {self.exclude_first_last!r}.")
+        object.__setattr__(self, "exclude_first_last", bool(self.exclude_first_last))
 
     @property
     def kept_out(self) -> tuple[str, ...]:

@@ -90,7 +90,8 @@ def _number(cls: str, field: str, value: Any) -> float:
 
 def _positive_int(cls: str, field: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        if isinstance(value, float) and value.is_integer():
+        # a NumPy float counts as a Python float (np.float32(16.0) as 16.0; np.float64 is one)
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
             value = int(value)
         else:
             raise ValueError(f"{cls}.{field} must be an integer >= {minimum}, got {value!r}.")

@@ -197,7 +197,12 @@ def fp8_dot_general(
         name: the layer's name in warnings (default: the shapes of the product).
 
     Returns:
-        ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``.
+        ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``:
+        the product in ``preferred_element_type`` when given (as ``lax.dot_general`` returns
+        it), else in ``lhs``'s dtype; either way accumulated in float32 and scaled once, the
+        rule (``precision`` is not read: the GEMMs multiply float8 values, exact in float32).
+        Operands that are not floating point raise a TypeError (:func:`unimp.fp8.refuse_non_float`:
+        ``lax.dot_general`` would multiply integers exactly; flax's Dense casts them first).
 
     Raises:
         TypeError: ``native`` is not True, False or None; ``config`` not a DelayedScaling /
@@ -210,6 +215,17 @@ def fp8_dot_general(
 
     def dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
                     preferred_element_type: Any = None) -> jax.Array:
+        for operand in (lhs, rhs):
+            if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
+                # lax.dot_general would compute an exact integer product, which float8 cannot
+                _fp8.refuse_non_float(jnp.result_type(operand), "fp8_dot_general",
+                                      "cast it to a float dtype first, as flax's Dense does (promote_dtype)")
+        out = None
+        if preferred_element_type is not None:
+            out = jnp.dtype(preferred_element_type)
+            if not jnp.issubdtype(out, jnp.floating):
+                raise TypeError(f"fp8_dot_general: preferred_element_type must be a float dtype (the "
+                                f"output of a float8 matmul), got {out}.")
         dn = _hashable(dimension_numbers)
         use = native
         if use:
@@ -220,7 +236,7 @@ def fp8_dot_general(
                 if layer not in _FALLBACK_WARNED:
                     _FALLBACK_WARNED.add(layer)
                     _fp8.warn_native_fallback("jax", layer, why)
-        return _fp8_dot(config, dn, use, lhs, rhs, input_state, kernel_state, grad_state)
+        return _fp8_dot(config, dn, use, out, lhs, rhs, input_state, kernel_state, grad_state)
 
     return dot_general
 
@@ -237,7 +253,7 @@ def _dot8(a: jax.Array, a_fmt: str, b: jax.Array, b_fmt: str, dn: Any) -> jax.Ar
                                preferred_element_type=jnp.float32)
 
 
-def _fwd(config, dn, native, lhs, rhs, si, sk, sg):
+def _fwd(config, dn, native, out, lhs, rhs, si, sk, sg):
     dtype = config.dtype("forward")
     fmax = _fp8.FP8_MAX[dtype]
     (sx, ix), new_i = fp8_step(config, si, fp8_amax(lhs), "forward")
@@ -249,12 +265,12 @@ def _fwd(config, dn, native, lhs, rhs, si, sk, sg):
         acc = _dot8(flat, dtype, qw, dtype, (((1,), (0,)), ((), ()))).reshape(*qx.shape[:-1], qw.shape[1])
     else:
         acc = jax.lax.dot_general(qx, qw, dn)
-    y = (acc * (ix * iw)).astype(lhs.dtype)
+    y = (acc * (ix * iw)).astype(lhs.dtype if out is None else out)
     marks = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
     return y, (qx, qw, ix, iw, new_i, new_k, sg, marks)
 
 
-def _bwd(config, dn, native, res, g):
+def _bwd(config, dn, native, out, res, g):
     qx, qw, ix, iw, new_i, new_k, sg, (lmark, rmark) = res
     dtype = config.dtype("backward")
     (sgs, ig), new_g = fp8_step(config, sg, fp8_amax(g), "backward")
@@ -272,9 +288,9 @@ def _bwd(config, dn, native, res, g):
     return dx, dw, new_i, new_k, new_g
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_dot(config, dn, native, lhs, rhs, si, sk, sg):
-    return _fwd(config, dn, native, lhs, rhs, si, sk, sg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fp8_dot(config, dn, native, out, lhs, rhs, si, sk, sg):
+    return _fwd(config, dn, native, out, lhs, rhs, si, sk, sg)[0]
 
 
 _fp8_dot.defvjp(_fwd, _bwd)
@@ -311,7 +327,7 @@ def _flax_dot_general_module() -> type:
             ]
             name = self.layer if self.layer is not None else "/".join(map(str, self.path[:-1])) or None
             return fp8_dot_general(self.config, *states, native=self.native, name=name)(
-                lhs, rhs, dimension_numbers)
+                lhs, rhs, dimension_numbers, precision, preferred_element_type)
 
     return Fp8DotGeneral
 

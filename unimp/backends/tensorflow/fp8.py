@@ -159,7 +159,8 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
 
     Saved models round-trip (:meth:`get_config` holds ``units``, ``use_bias``, the scaling
     config as its ``to_dict()`` and ``native``; registered as ``"unimp>FP8Dense"``); the
-    scaling states are variables, saved with the weights.
+    scaling states are variables, saved with the weights, and checked when loaded
+    (``set_weights``, ``load_weights``, ``load_model``: as :meth:`load_fp8_state`).
 
     Raises:
         TypeError: ``units`` not an int (``2.7``, ``"4"``), ``use_bias`` not True or False,
@@ -167,7 +168,9 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
             :func:`unimp.fp8.fp8_preset`), ``native`` not True, False or None (the field named).
         ValueError: ``units`` below 1.
 
-    Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``.
+    Shapes: input ``(..., in)``, kernel ``(in, units)``, output ``(..., units)``, in the
+    compute dtype; an integer or bool input is cast to the compute dtype first, as
+    ``keras.layers.Dense`` computes it (its matmul promotes the input with the kernel).
     """
 
     def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None,
@@ -192,19 +195,43 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         _fp8.check_tensor(name, "FP8Dense.fp8_state")
         return _state(self, name)
 
-    def load_fp8_state(self, name: str, state: FP8State) -> None:
-        """Assigns a (NumPy or tensor) state to the variables of ``name``, checked first
-        against this layer's config (:func:`unimp.fp8.check_state`).
+    def load_fp8_state(self, name: str, state: FP8State | dict[str, Any]) -> None:
+        """Assigns a (NumPy or tensor) state, or its ``to_dict()``, to the variables of
+        ``name``, checked first against this layer's config (:func:`unimp.fp8.check_state`).
 
         Raises:
+            TypeError: ``state`` neither an FP8State nor a dict (:meth:`unimp.fp8.FP8State.coerce`).
             ValueError: ``name`` is not ``"input"``, ``"kernel"`` or ``"grad"``, or a bad state
                 (wrong history length, a scale that is not finite and > 0, ...); nothing is
                 changed.
         """
         _fp8.check_tensor(name, "FP8Dense.load_fp8_state")
+        state = FP8State.coerce(state, "FP8Dense.load_fp8_state")
         checked = _fp8.check_state(state, self.config, name)
         for f in _FIELDS:
             getattr(self, f"{name}_{f}").assign(getattr(checked, f))
+
+    def set_weights(self, weights: Any) -> None:
+        """Keras's ``set_weights``, then the loaded scaling states are checked as
+        :meth:`load_fp8_state` checks them (:func:`_checked_load`).
+
+        Raises:
+            ValueError: Keras's own refusals, or a bad scaling state (a scale of -5, ...); the
+                layer's weights are then as they were.
+        """
+        _checked_load(self, self.config, lambda: super(FP8Dense, self).set_weights(weights),
+                      "FP8Dense.set_weights")
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras's ``load_own_variables`` (``model.load_weights``, ``keras.models.load_model``),
+        then the loaded scaling states are checked (:func:`_checked_load`).
+
+        Raises:
+            ValueError: a bad scaling state in the file; this layer's weights are then as they
+                were (layers loaded before it keep what they loaded).
+        """
+        _checked_load(self, self.config, lambda: super(FP8Dense, self).load_own_variables(store),
+                      "FP8Dense.load_own_variables")
 
     def get_config(self) -> dict[str, Any]:
         """Keras's layer config plus ``units``, ``use_bias``, ``config`` (the scaling config's
@@ -244,6 +271,26 @@ def _add_states(layer: Any, config: _fp8.Fp8Config, native: bool, layer_name: st
     layer._unimp_fp8_native = bool(native)
     layer._unimp_fp8_name = layer_name
     layer._unimp_fp8_use_native = None  # decided at the first call (host side, once per layer)
+
+
+def _checked_load(layer: Any, config: _fp8.Fp8Config, load: Any, where: str) -> None:
+    """Runs ``load`` (Keras's ``set_weights`` / ``load_own_variables``, which assign every
+    variable unchecked), then checks the three scaling states as ``load_fp8_state`` does
+    (:func:`unimp.fp8.check_state`); on a bad one every weight of ``layer`` is put back as it
+    was before ``load`` and the error names ``where``. Host work once per load, never per step.
+
+    Raises:
+        ValueError: a bad scaling state (the tensor and the preset named).
+    """
+    before = [np.array(v.numpy(), copy=True) for v in layer.weights]
+    try:
+        load()
+        for name in _TENSORS:
+            _fp8.check_state(fp8_state_to_numpy(_state(layer, name)), config, name)
+    except ValueError as err:
+        for var, value in zip(layer.weights, before, strict=True):
+            var.assign(value)
+        raise ValueError(f"{where}: {err} The layer's weights are unchanged.") from None
 
 
 def _state(layer: Any, name: str) -> FP8State:
@@ -311,6 +358,10 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
     dtype and leading shape."""
     training = bool(training)
     x = tf.convert_to_tensor(inputs)
+    if not x.dtype.is_floating:
+        # keras.layers.Dense's matmul promotes an integer (or bool) input with its kernel: the
+        # output is in the compute dtype, never the input's integers (Keras autocasts floats only)
+        x = tf.cast(x, layer.compute_dtype)
     w = tf.convert_to_tensor(kernel)
     units = int(w.shape[-1])
     native = _use_native(layer, int(w.shape[0]), units)
@@ -343,6 +394,21 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
         return tf.reshape(y, out_shape), grad
 
     return matmul(x, w)
+
+
+def _check_loads(layer: Any, config: _fp8.Fp8Config, path: str) -> None:
+    """Gives a swapped Dense ``layer`` the checked ``set_weights`` / ``load_own_variables`` of
+    :class:`FP8Dense` (:func:`_checked_load`), as instance methods like its ``call``."""
+    set_weights, load_own = layer.set_weights, layer.load_own_variables
+
+    def checked_set_weights(weights: Any) -> None:
+        _checked_load(layer, config, lambda: set_weights(weights), f"layer {path!r} set_weights")
+
+    def checked_load_own_variables(store: Any) -> None:
+        _checked_load(layer, config, lambda: load_own(store), f"layer {path!r} load_own_variables")
+
+    layer.set_weights = checked_set_weights
+    layer.load_own_variables = checked_load_own_variables
 
 
 def _fp8_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor:
@@ -450,6 +516,7 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
             finally:
                 layer._tracker.lock()
             layer._unimp_fp8_config = recipe.scaling
+            _check_loads(layer, recipe.scaling, path)
             # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
             # float32 master weight (Keras's own float8 Dense reads it autocast to bfloat16)
             layer._kernel._autocast = False

@@ -290,6 +290,9 @@ class FP8Dense(torch.nn.Linear):
 
     Shapes: input ``(..., in_features)``, output ``(..., out_features)``, input's dtype.
 
+    Calling it with a tensor that is not floating point (integers, bools) raises a TypeError,
+    as ``nn.Linear`` refuses one (:func:`unimp.fp8.refuse_non_float`).
+
     Raises:
         TypeError: ``in_features`` / ``out_features`` not an int (``2.7``, ``"4"``), ``bias``
             not True or False, ``config`` not a DelayedScaling / CurrentScaling (a preset
@@ -321,17 +324,19 @@ class FP8Dense(torch.nn.Linear):
         _fp8.check_tensor(name, "FP8Dense.fp8_state")
         return FP8State(*(getattr(self, f"{name}_{f}") for f in _FIELDS))
 
-    def load_fp8_state(self, name: str, state: FP8State) -> None:
-        """Copies a (NumPy or tensor, any device) state into the buffers of ``name``, checked
-        first against this layer's config (:func:`unimp.fp8.check_state`).
+    def load_fp8_state(self, name: str, state: FP8State | dict[str, Any]) -> None:
+        """Copies a (NumPy or tensor, any device) state, or its ``to_dict()``, into the buffers
+        of ``name``, checked first against this layer's config (:func:`unimp.fp8.check_state`).
 
         Raises:
+            TypeError: ``state`` neither an FP8State nor a dict (:meth:`unimp.fp8.FP8State.coerce`).
             ValueError: ``name`` is not ``"input"``, ``"kernel"`` or ``"grad"``, or a bad state
                 (wrong history length, a scale that is not finite and > 0, ...); nothing is
                 changed.
         """
         _fp8.check_tensor(name, "FP8Dense.load_fp8_state")
         fields = _FIELDS
+        state = FP8State.coerce(state, "FP8Dense.load_fp8_state")
         host = FP8State(*(
             v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in (getattr(state, f) for f in fields)
         ))
@@ -385,6 +390,9 @@ class FP8Dense(torch.nn.Linear):
         _fp8.warn_native_fallback("torch", self.fp8_name, why)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():  # nn.Linear refuses it too (mat1 and mat2 dtypes differ)
+            _fp8.refuse_non_float(x.dtype, f"FP8Dense {self.fp8_name!r}",
+                                  "cast the input to a float dtype (x.float()), as nn.Linear needs")
         if not _has_float8_units(x.device) or not self._use_native(x.device):
             _fp8.warn_emulated("torch", x.device.type)
         device_type = x.device.type
