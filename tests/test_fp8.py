@@ -188,10 +188,17 @@ def test_loaded_scale_checks_follow_the_rule():
     big = fp8.FP8State(np.float32(2.0**127), np.float32(2.0**-127), np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="above 2\\*\\*126"):
         fp8.check_state(big)
-    with pytest.raises(ValueError, match="above 2\\*\\*126"):
-        fp8.check_state(big, fp8.DelayedScaling.preset("keras", amax_history_len=4))
-    # Transformer Engine caps at float32's max: its states load (scale_inv is subnormal there)
-    assert float(fp8.check_state(big, fp8.DelayedScaling.preset("transformer_engine", amax_history_len=4)).scale) == 2.0**127
+    # the presets reproduce uncapped rules: Transformer Engine caps at float32's max, Keras and
+    # flax not at all (fmax / amax of an amax near 2.6e-36 is 2**127; scale_inv is subnormal)
+    for name in ("transformer_engine", "keras", "flax"):
+        assert float(fp8.check_state(big, fp8.DelayedScaling.preset(name, amax_history_len=4)).scale) == 2.0**127
+    # Keras's and flax's update overflows to (inf, 0) for a smaller amax; nobody else's does
+    gone = fp8.FP8State(np.float32(INF), np.float32(0.0), np.zeros(4, np.float32))
+    for name in ("keras", "flax"):
+        fp8.check_state(gone, fp8.DelayedScaling.preset(name, amax_history_len=4))
+    for name in ("unimp_delayed", "transformer_engine"):
+        with pytest.raises(ValueError, match="'scale' must be one finite number > 0"):
+            fp8.check_state(gone, fp8.fp8_preset(name, amax_history_len=4))
     # Keras and flax's double reciprocal drifts by an ulp: still one state
     s = np.float32(3.0)
     drift = np.nextafter(np.float32(1) / s, np.float32(1))
@@ -208,12 +215,16 @@ def test_unimp_rules_cap_the_scale_so_its_inverse_stays_normal():
 @pytest.mark.parametrize("name", list(fp8.PRESETS))
 def test_every_state_a_preset_reaches_passes_the_load_check(name):
     # check_state refuses bad loads; it must accept whatever the rules themselves produce
-    cfg = fp8.fp8_preset(name)
-    for role in fp8.ROLES:
-        s = fp8.FP8State.initial(cfg)
-        for a in [1.0, 0.0, INF, NAN, 1e-40, 3e38, 1e-45, 5.0]:
-            s = fp8.step(cfg, s, a, role)[1]
-            fp8.check_state(s, cfg)
+    # a history of 1 makes the window the latest amax, so the tiny ones drive the scale up
+    # (2**-126 and 1e-36: fmax / amax beyond 2**126 and beyond float32 for Keras and flax)
+    long = fp8.fp8_preset(name)
+    configs = [long, fp8.fp8_preset(name, amax_history_len=1)] if isinstance(long, fp8.DelayedScaling) else [long]
+    for cfg in configs:
+        for role in fp8.ROLES:
+            s = fp8.FP8State.initial(cfg)
+            for a in [1.0, 0.0, INF, NAN, 1e-40, 3e38, 1e-45, 5.0, 2.0**-126, 1e-36, 2.6e-36, 1e-37, 1.0]:
+                s = fp8.step(cfg, s, a, role)[1]
+                fp8.check_state(s, cfg)
 
 
 @pytest.mark.parametrize(

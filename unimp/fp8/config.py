@@ -374,10 +374,12 @@ def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = 
             cannot produce, the message naming the preset: its update stores
             ``scale_inv = float32(1 / scale)`` (Keras / flax: ``scale = float32(1 / scale_inv)``),
             so the pair must be finite numbers > 0 whose product is 1 within 2**-21 (the
-            reciprocal's rounding plus Keras / flax's one-ulp drift), with a scale at most
-            2**126 except under the Transformer Engine presets (float32 max) and ``torchao``;
-            ``torchao`` also makes ``(0, inf)`` (an inf amax) and ``(nan, nan)`` (a NaN amax),
-            and nothing else non-finite; a history that is not a list of ``amax_history_len``
+            reciprocal's rounding plus Keras / flax's one-ulp drift; plus 2**-149 * scale, the
+            rounding step of a subnormal ``scale_inv``), with a scale at most 2**126 under
+            unimp's own rule (the presets reproduce their implementations, uncapped);
+            ``keras`` and ``flax`` also make ``(inf, 0)`` (an amax so small that fmax / amax
+            overflows), ``torchao`` ``(0, inf)`` (an inf amax) and ``(nan, nan)`` (a NaN
+            amax), and nothing else non-finite; a history that is not a list of ``amax_history_len``
             maxima, or holds a negative one.
     """
     where = f"FP8 tensor state{f' {tensor!r}' if tensor else ''}"
@@ -411,6 +413,10 @@ def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = 
                 "(nan, nan); save it with unimp.fp8.state_dict (or the layer's fp8_state)."
             )
         return FP8State(vals["scale"], vals["scale_inv"], _history(vals, config, where))
+    if rule in ("keras", "flax") and scale == math.inf and inv == 0:
+        # Keras's and flax's update: an amax so small that fmax / amax overflows float32 gives a
+        # scale of inf, stored as the double reciprocal (inf, 0); the next finite amax recovers
+        return FP8State(vals["scale"], vals["scale_inv"], _history(vals, config, where))
     for n, v in (("scale", scale), ("scale_inv", inv)):
         if not (math.isfinite(v) and v > 0):
             extra = (" (or the pairs (0, inf) and (nan, nan), which an inf / NaN amax gives)"
@@ -419,7 +425,8 @@ def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = 
                 f"{where} {n!r} must be one finite number > 0{extra} under the {rule!r} preset, got "
                 f"{getattr(state, n)!r}; save it with unimp.fp8.state_dict (or the layer's fp8_state)."
             )
-    capped = rule not in ("transformer_engine", "transformer_engine_current", "torchao")
+    # unimp's own rule caps the scale at 2**126; the presets reproduce theirs, uncapped
+    capped = rule in ("unimp_delayed", "unimp_current")
     if capped and scale > MAX_SCALE:
         raise ValueError(
             f"{where} 'scale' is {scale!r}, above 2**126, the largest scale the {rule!r} preset "
@@ -427,11 +434,12 @@ def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = 
             "with unimp.fp8.state_dict, or give the transformer_engine config it was saved with."
         )
     # every preset's update stores scale_inv = float32(1 / scale) (Keras / flax: scale =
-    # float32(1 / scale_inv)); no skip for a small scale_inv: under the capped presets a valid
-    # one is >= 2**-126, and under Transformer Engine's (scale <= float32 max) it is >= 2**-128,
-    # a subnormal that still has 21 significant bits, within the tolerance
+    # float32(1 / scale_inv)); no skip for a small scale_inv: under unimp's rule a valid one is
+    # >= 2**-126
     product = scale * inv  # float64: exact enough, never overflows for float32 inputs
-    if abs(product - 1.0) > _INVERSE_TOLERANCE:
+    # a subnormal scale_inv (scale > 2**126, Keras / flax / Transformer Engine) holds fewer
+    # bits: its rounding step, 2**-149, is allowed on top
+    if abs(product - 1.0) > _INVERSE_TOLERANCE + 2.0**-149 * scale:
         raise ValueError(
             f"{where} 'scale_inv' must be 1 / scale under the {rule!r} preset: got scale {scale!r} "
             f"and scale_inv {inv!r} (product {product!r}, want 1 within 2**-21); a state out of "
