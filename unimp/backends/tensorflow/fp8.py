@@ -398,14 +398,37 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
 
 def _check_loads(layer: Any, config: _fp8.Fp8Config, path: str) -> None:
     """Gives a swapped Dense ``layer`` the checked ``set_weights`` / ``load_own_variables`` of
-    :class:`FP8Dense` (:func:`_checked_load`), as instance methods like its ``call``."""
+    :class:`FP8Dense` (:func:`_checked_load`), as instance methods like its ``call``.
+
+    Keras's ``Dense.save_own_variables`` writes the kernel and bias only, and that stays so: a
+    ``.keras`` file of a prepared model loads as the plain model it is (``keras.models
+    .load_model`` builds a plain Dense, whose load counts two variables). Its load counts every
+    variable of the layer, the states included, so ``model.save_weights`` then
+    ``load_weights`` into a prepared model failed: a store with the Dense entries only loads
+    the kernel and bias and keeps the states as they are. A store that holds the states too
+    (entries after the Dense ones, in :data:`_TENSORS` x :data:`_FIELDS` order) loads them,
+    checked.
+    """
     set_weights, load_own = layer.set_weights, layer.load_own_variables
+    states = [getattr(layer, f"{name}_{f}") for name in _TENSORS for f in _FIELDS]
 
     def checked_set_weights(weights: Any) -> None:
         _checked_load(layer, config, lambda: set_weights(weights), f"layer {path!r} set_weights")
 
     def checked_load_own_variables(store: Any) -> None:
-        _checked_load(layer, config, lambda: load_own(store), f"layer {path!r} load_own_variables")
+        keys = list(store.keys())
+        dense = len(keys) - len(states)  # the entries Keras's Dense wrote
+        if len(keys) == len(layer.weights) - len(states):  # Dense entries only: states stay
+            full = {k: store[k] for k in keys}
+            full.update({str(len(keys) + i): var.numpy() for i, var in enumerate(states)})
+            store, dense = full, len(keys)
+
+        def load() -> None:
+            load_own(store)  # Keras's Dense reads its own entries, after counting them all
+            for i, var in enumerate(states):
+                var.assign(np.asarray(store[str(dense + i)], np.float32).reshape(var.shape))
+
+        _checked_load(layer, config, load, f"layer {path!r} load_own_variables")
 
     layer.set_weights = checked_set_weights
     layer.load_own_variables = checked_load_own_variables
