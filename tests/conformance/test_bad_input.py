@@ -25,7 +25,7 @@ BAD_POLICIES = [
     ("transformer-engine-float16", "FP8 with float16 weights"),  # "fp8" itself is a recipe now
     ("transformer_engine", "Did you mean the FP8 recipe 'transformer-engine'"),  # TE's package name
     ("fp8-delayd", "Did you mean the FP8 recipe 'fp8-delayed'"),
-    ("c=f17", "compute=float16"),
+    ("c=f17", "c=f17 is not a dtype. Did you mean 'f16'"),
     ("p=f32,p=f16", "given twice"),
     ("x=f16", "Keys are p|params"),
 ]
