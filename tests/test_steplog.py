@@ -491,6 +491,27 @@ def test_an_unreadable_header_recipe_is_a_warning_naming_it(tmp_path, recipe, wh
     assert log.recipe is None and log.loss_scale is None and why in log.warnings[0]
 
 
+@pytest.mark.parametrize(
+    "where, why",
+    [
+        ({"loss_scale": {"kind": "static", "scale": 10**400}}, "loss-scale config"),
+        ({"loss_scale": 10**400}, "loss-scale config"),
+        ({"loss_scale": {"kind": "dynamic", "init_scale": -(10**400)}}, "loss-scale config"),
+        ({"recipe": {"policy": "mixed_float16", "loss_scale": {"kind": "dynamic", "max_scale": 10**400}}},
+         "recipe"),
+    ],
+    ids=["static-scale", "bare-number", "init_scale", "recipe-max_scale"],
+)
+def test_a_header_number_past_float_range_is_a_warning_naming_the_line(tmp_path, where, why):
+    # a JSON integer of 401 digits: float() raises OverflowError, read as an unreadable config
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    header_with(path, **{"recipe": None, "loss_scale": None, **where})
+    with pytest.warns(StepLogWarning, match=f"line 1: the {why}"):
+        log = read_steplog(path)
+    assert log.loss_scale is None and "an integer of 401 digits" in log.warnings[0]
+
+
 @pytest.mark.parametrize("steps", ["two", -1, 1.0, True, None], ids=str)
 def test_an_end_line_whose_count_is_not_a_count_is_an_error(tmp_path, steps):
     path = tmp_path / "run.jsonl"
