@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 import warnings
 
 import pytest
 
 from unimp.cli import main
 from unimp.compare.report import _device
-from unimp.compare.threads import threads
+from unimp.compare.threads import MAX_THREADS, threads
 
 
 def test_threads_are_set_for_the_block_and_reported(backend):
@@ -46,6 +48,49 @@ def test_bad_thread_count_is_refused_before_anything_changes(n):
         with threads(["torch"], n):
             pass
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("n", [MAX_THREADS + 1, 10**6, 2**31, 2**40])
+def test_a_count_past_the_cap_is_refused_before_anything_changes(n):
+    import torch
+
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match=f"--threads must be an integer >= 1 and <= {MAX_THREADS}, got {n}"):
+        with threads(["torch", "tensorflow"], n):
+            pass
+    assert torch.get_num_threads() == before
+
+
+def test_a_failure_setting_a_later_framework_restores_torch(monkeypatch):
+    # TensorFlow raising anything but its "already started" RuntimeError (MemoryError here)
+    # after torch's count was set: torch's must still be put back
+    import torch
+
+    def fail(n):
+        raise MemoryError("no room for the pool")
+
+    threading = types.SimpleNamespace(
+        set_intra_op_parallelism_threads=fail, set_inter_op_parallelism_threads=fail
+    )
+    fake_tf = types.ModuleType("tensorflow")
+    fake_tf.config = types.SimpleNamespace(threading=threading)
+    monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
+    before = torch.get_num_threads()
+    n = 2 if before != 2 else 3
+    with pytest.raises(MemoryError):
+        with threads(["torch", "tensorflow"], n):
+            pytest.fail("the block must not run")
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("n", ["0", str(MAX_THREADS + 1), "2147483648"])
+def test_cli_refuses_a_thread_count_out_of_range_naming_it(tmp_path, capfd, n):
+    out = tmp_path / "rep"
+    code = main(["compare", "--epochs", "1", "--quiet", "--threads", n, "--out", str(out)])
+    _, err = capfd.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"unimp compare: error: --threads must be an integer >= 1 and <= {MAX_THREADS}" in err
+    assert not out.exists()  # refused before anything ran or was written
 
 
 def test_device_cell_says_the_thread_count():

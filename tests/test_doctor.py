@@ -494,6 +494,18 @@ def test_cli_doctor_warns_and_diagnoses_a_cut_off_log(tmp_path, capfd):
     assert "scale_collapse at step 30" in out and "NOT closed" in out
 
 
+_HEAD = '{"format": "unimp.steplog/1", "kind": "run", "backend": "torch"}\n'
+
+
+def _step_line(**raw: str) -> str:
+    """A step record line of step 0, its values in ``raw`` written as they are (JSON text)."""
+    vals = {"step": "0", "loss": "0.5", "scale": "1024.0", "applied": "true"}
+    vals |= {"loss_finite": "true", "grads_finite": "true", "grad_norm": "null", "lr": "0.1"}
+    vals |= {"consecutive_skips": "0", "total_skips": "0", **raw}
+    body = ", ".join(f'"{k}": {v}' for k, v in vals.items())
+    return f'{{"format": "unimp.steplog/1", "kind": "step", {body}}}\n'
+
+
 @pytest.mark.parametrize(
     "content, match",
     [
@@ -504,8 +516,20 @@ def test_cli_doctor_warns_and_diagnoses_a_cut_off_log(tmp_path, capfd):
             '{"format": "unimp.steplog/1", "kind": "run", "backend": "torch"}\n{oops\n{"a": 1}\n',
             "line 2 is not a JSON object",
         ),
+        (_HEAD + _step_line(loss="1" + "0" * 400), "line 2: 'loss' must be a number within float64"),
+        (_HEAD + _step_line(scale="1" + "0" * 400), "line 2: 'scale' must be a number within"),
+        (_HEAD + _step_line(lr="1" + "0" * 400), "line 2: 'lr' must be a number within float64"),
+        # Python >= 3.11 refuses > 4300 digits while parsing, 3.10 reads them: both name line 2
+        (_HEAD + _step_line(loss="1" + "0" * 5000), "line 2"),
+        (_HEAD + "[" * 100_000 + "]" * 100_000 + "\n", "line 2 is not a readable JSON object"),
+        (_HEAD.replace('"torch"', '"torch", "label": {"a": 1}'), "line 1: the run header's 'label'"),
+        (_HEAD.replace('"torch"', '"torch", "label": 5'), "'label' must be a string or null"),
     ],
-    ids=["missing", "empty", "unknown-version", "malformed-middle"],
+    ids=[
+        *("missing", "empty", "unknown-version", "malformed-middle", "huge-int-loss"),
+        *("huge-int-scale", "huge-int-lr", "int-past-4300-digits", "deep-nesting"),
+        *("label-dict", "label-int"),
+    ],
 )
 def test_cli_doctor_bad_input_is_one_line_and_exit_2(tmp_path, capfd, content, match):
     path = tmp_path / "run.jsonl"

@@ -491,6 +491,61 @@ def test_an_unreadable_header_recipe_is_a_warning_naming_it(tmp_path, recipe, wh
     assert log.recipe is None and log.loss_scale is None and why in log.warnings[0]
 
 
+@pytest.mark.parametrize(
+    "where, why",
+    [
+        ({"loss_scale": {"kind": "static", "scale": 10**400}}, "loss-scale config"),
+        ({"loss_scale": 10**400}, "loss-scale config"),
+        ({"loss_scale": {"kind": "dynamic", "init_scale": -(10**400)}}, "loss-scale config"),
+        ({"recipe": {"policy": "mixed_float16", "loss_scale": {"kind": "dynamic", "max_scale": 10**400}}},
+         "recipe"),
+    ],
+    ids=["static-scale", "bare-number", "init_scale", "recipe-max_scale"],
+)
+def test_a_header_number_past_float_range_is_a_warning_naming_the_line(tmp_path, where, why):
+    # a JSON integer of 401 digits: float() raises OverflowError, read as an unreadable config
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    header_with(path, **{"recipe": None, "loss_scale": None, **where})
+    with pytest.warns(StepLogWarning, match=f"line 1: the {why}"):
+        log = read_steplog(path)
+    assert log.loss_scale is None and "an integer of 401 digits" in log.warnings[0]
+
+
+@pytest.mark.parametrize("key", ["loss", "scale", "grad_norm", "lr"])
+@pytest.mark.parametrize("sign", ["", "-"])
+def test_a_step_number_past_float_range_is_an_error_naming_the_line(tmp_path, key, sign):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=2)
+    rows = path.read_text().splitlines()
+    rows[2] = re.sub(f'"{key}": [^,]+', f'"{key}": {sign}1{"0" * 400}', rows[2])
+    path.write_text("\n".join(rows) + "\n")
+    match = f"{re.escape(str(path))}: line 3: '{key}' must be a number within float64 range"
+    with pytest.raises(ValueError, match=match):
+        read_steplog(path)
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["middle", "last"])
+def test_a_line_nested_past_the_recursion_limit_is_an_error_not_a_cut_off(tmp_path, last):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=2, close=not last)
+    rows = path.read_text().splitlines()
+    rows.insert(len(rows) if last else 2, "[" * 100_000 + "]" * 100_000)
+    path.write_text("\n".join(rows) + "\n")
+    n = len(rows) if last else 3
+    with pytest.raises(ValueError, match=f"line {n} is not a readable JSON object \\(nested too"):
+        read_quiet(path)
+
+
+@pytest.mark.parametrize("label", [{"a": 1}, ["a"], 5, True], ids=str)
+def test_a_label_that_is_not_a_string_is_an_error_naming_the_line(tmp_path, label):
+    path = tmp_path / "run.jsonl"
+    write_log(path, n=1)
+    header_with(path, label=label)
+    with pytest.raises(ValueError, match=r"line 1: the run header's 'label' must be a string or null"):
+        read_steplog(path)
+
+
 @pytest.mark.parametrize("steps", ["two", -1, 1.0, True, None], ids=str)
 def test_an_end_line_whose_count_is_not_a_count_is_an_error(tmp_path, steps):
     path = tmp_path / "run.jsonl"

@@ -18,7 +18,7 @@ from unimp import registry
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
-from unimp.compare.threads import threads
+from unimp.compare.threads import check_threads, threads
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
@@ -227,8 +227,8 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout}.")
     if cfg.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {cfg.seed}.")
-    if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
-        raise ValueError(f"--threads must be an integer >= 1, got {cfg.threads!r}.")
+    if cfg.threads is not None:
+        check_threads(cfg.threads)
     backends = _resolve_backends(cfg.backends)
     for b in backends:  # a device a backend cannot use fails here, before any backend trains
         _device_for(b, cfg.device)

@@ -81,11 +81,21 @@ def _number(cls: str, field: str, value: Any) -> float:
         raise ValueError(f"{cls}.{field} must be a number, got the string {value!r}; write it without quotes.")
     try:
         f = float(value)
+    except OverflowError:  # an int past float64's range (a JSON 1e400 written as digits)
+        raise ValueError(f"{cls}.{field} must be finite, got {_shown(value)}.") from None
     except (TypeError, ValueError):
         raise ValueError(f"{cls}.{field} must be a real number, got {value!r}.") from None
     if not math.isfinite(f):
         raise ValueError(f"{cls}.{field} must be finite, got {value!r}.")
     return float(np.float32(f)) if abs(f) <= _F32_MAX else f
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, but an int too long to read as its digit count (an error message
+    stays one short line)."""
+    if isinstance(value, (int, np.integer)) and not -(10**20) < value < 10**20:
+        return f"an integer of {len(str(abs(int(value))))} digits"
+    return repr(value)
 
 
 def _positive_int(cls: str, field: str, value: Any, minimum: int) -> int:
@@ -96,9 +106,9 @@ def _positive_int(cls: str, field: str, value: Any, minimum: int) -> int:
         else:
             raise ValueError(f"{cls}.{field} must be an integer >= {minimum}, got {value!r}.")
     if value < minimum:
-        raise ValueError(f"{cls}.{field} must be >= {minimum}, got {value!r}.")
+        raise ValueError(f"{cls}.{field} must be >= {minimum}, got {_shown(value)}.")
     if value > np.iinfo(np.int32).max:
-        raise ValueError(f"{cls}.{field} must fit in int32, got {value!r}.")
+        raise ValueError(f"{cls}.{field} must fit in int32, got {_shown(value)}.")
     return int(value)
 
 
@@ -166,15 +176,21 @@ class LossScaleState:
         scale = d["scale"]
         if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
             raise ValueError(f"loss-scale state 'scale' must be a number, got {scale!r}.")
-        if not math.isfinite(float(scale)) or float(scale) <= 0:
-            raise ValueError(f"loss-scale state 'scale' must be finite and > 0, got {scale!r}.")
+        try:
+            f = float(scale)
+        except OverflowError:  # an int past float64's range
+            f = math.inf
+        if not math.isfinite(f) or f <= 0:
+            raise ValueError(f"loss-scale state 'scale' must be finite and > 0, got {_shown(scale)}.")
         counts = {}
         for n in [n for n in names[1:] if n in d]:
             v = d[n]
             if isinstance(v, (float, np.floating)) and float(v).is_integer():
                 v = int(v)  # the configs' rule for integer fields: 5.0 is 5
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= _I32_MAX:
-                raise ValueError(f"loss-scale state {n!r} must be an int in [0, 2**31 - 1], got {d[n]!r}.")
+                raise ValueError(
+                    f"loss-scale state {n!r} must be an int in [0, 2**31 - 1], got {_shown(d[n])}."
+                )
             counts[n] = v
         return cls(scale=scale, **counts)
 

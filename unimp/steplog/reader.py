@@ -144,6 +144,14 @@ def read_steplog(path: str | os.PathLike[str]) -> StepLog:
                 f"{p}: line {lineno} is not a JSON object ({why}); a step log holds one per "
                 "line: fix or delete the line"
             ) from None
+        except (RecursionError, ValueError) as e:
+            # valid JSON that Python will not read: nesting deeper than its recursion limit, or
+            # an integer past its 4300-digit limit; no writer produces either, so never a cut-off
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
+            raise ValueError(
+                f"{p}: line {lineno} is not a readable JSON object ({why}); no step log holds "
+                "such a line: fix or delete the line"
+            ) from None
         if not isinstance(obj, dict):
             raise ValueError(f"{p}: line {lineno} is not a JSON object; fix or delete the line")
         fmt = obj.get("format")
@@ -169,6 +177,12 @@ def read_steplog(path: str | os.PathLike[str]) -> StepLog:
         )
     if not isinstance(header.get("backend"), str):
         raise ValueError(f"{p}: line {first_no}: the run header has no 'backend' string")
+    label = header.get("label")
+    if label is not None and not isinstance(label, str):
+        raise ValueError(
+            f"{p}: line {first_no}: the run header's 'label' must be a string or null (as "
+            f"StepLogWriter writes it), got {type(label).__name__}; fix the line"
+        )
     log.run = header
     recipe = header.get("recipe")
     if recipe is not None:

@@ -60,6 +60,11 @@ def _float(key: str, v: Any, nullable: bool) -> float | None:
         raise ValueError(f"{key!r} must be a number{' or null' if nullable else ''}, got {v!r}")
     try:
         f = float(v)
+    except OverflowError:  # an int past float64's range: JSON allows any number of digits
+        raise ValueError(
+            f"{key!r} must be a number within float64 range (about 1.8e308), got an integer of "
+            f"{len(str(abs(int(v))))} digits"
+        ) from None
     except (TypeError, ValueError):
         raise ValueError(f"{key!r} must be a number, got {type(v).__name__}") from None
     if not math.isfinite(f):
