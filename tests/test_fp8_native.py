@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")  # torch-only module: the native float8 GEM
 import unimp  # noqa: E402
 from unimp import fp8  # noqa: E402
 from unimp.backends.torch import fp8 as tfp8  # noqa: E402
-from unimp.fp8 import config as fp8_config  # noqa: E402
+from unimp.fp8 import layers as fp8_config  # noqa: E402
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 STEPS = 3

@@ -154,7 +154,7 @@ def test_fp8_dense_matches_reference(backend, kind, data):
 
 
 def test_emulation_warns_once_not_per_step(backend):
-    from unimp.fp8 import config as fp8_config
+    from unimp.fp8 import layers as fp8_config
 
     config = CONFIGS["current"]
     fp8_config._EMULATION_WARNED.clear()

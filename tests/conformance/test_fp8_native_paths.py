@@ -16,7 +16,7 @@ import pytest
 from conftest import require_backend
 
 from unimp import fp8
-from unimp.fp8 import config as fp8_config
+from unimp.fp8 import layers as fp8_config
 
 STEPS = 3
 CONFIGS = {"delayed": fp8.DelayedScaling(amax_history_len=4), "current": fp8.CurrentScaling()}

@@ -157,7 +157,7 @@ def _first_fp8_call(backend):
 
 
 def test_emulation_warning_points_at_the_users_line(backend):
-    from unimp.fp8 import config as fp8_config
+    from unimp.fp8 import layers as fp8_config
 
     fp8_config._EMULATION_WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
@@ -172,7 +172,7 @@ def test_emulation_warning_under_tf_function_points_at_the_users_call():
     # warning skips it and names the line that called the function
     import inspect
 
-    from unimp.fp8 import config as fp8_config
+    from unimp.fp8 import layers as fp8_config
 
     mod = require_backend("tensorflow")
     import tensorflow as tf

@@ -33,6 +33,7 @@ cuda/AmpKernels.cu, ``amp_update_scale_cuda_kernel``) equals the reference for t
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -178,3 +179,39 @@ def flags_from_bools(grads_finite: torch.Tensor, loss_finite: torch.Tensor, out:
     (bool 0-d); ``overflow`` is written into ``out`` (float32 0-d)."""
     torch.gt(loss_finite, grads_finite, out=out)  # finite loss, non-finite gradients
     return out, (grads_finite & loss_finite).logical_not(), loss_finite.logical_not()
+
+
+def check_new_scale(config: LossScaleConfig, new_scale: float | torch.Tensor) -> float:
+    """``GradScaler.update(new_scale)``'s value as a Python float, validated against ``config``
+    before anything changes (a tensor is read once on the host: an explicit override is rare,
+    and a bad value would poison every later step).
+
+    Raises:
+        ValueError: not a number or a one-element floating tensor; outside ``[min_scale,
+            max_scale]`` (float32's max without a cap) or not finite; different from a static
+            scale.
+    """
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or not new_scale.is_floating_point():
+            raise ValueError(
+                f"new_scale must be a float or a one-element floating tensor, got a "
+                f"{new_scale.dtype} tensor of shape {tuple(new_scale.shape)}."
+            )
+        f = float(new_scale.detach().reshape(()).float().cpu())
+    else:
+        try:
+            f = float(new_scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"new_scale must be a number, got {new_scale!r}.") from None
+    if not config.dynamic:
+        if f != float(config.initial_scale()):
+            raise ValueError(
+                f"new_scale={f!r}: a {config.kind} loss scale cannot change; use a "
+                "DynamicLossScale to let the scale move."
+            )
+        return f
+    hi = config.max_scale if config.max_scale is not None else float(np.finfo(np.float32).max)
+    lo = config.floor
+    if not (math.isfinite(f) and lo <= f <= hi):
+        raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
+    return f

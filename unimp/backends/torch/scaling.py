@@ -5,7 +5,6 @@ rule on device tensors (``_update.py``: torch's fused kernel where it is the rul
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +12,13 @@ import torch
 
 from unimp import loss_scale as _ls
 from unimp.backends.torch._report import _to_host  # noqa: F401  (re-exported)
-from unimp.backends.torch._update import _TorchOps, flags_from_bools, fused_rule, update_in_place
+from unimp.backends.torch._update import (
+    _TorchOps,
+    check_new_scale,
+    flags_from_bools,
+    fused_rule,
+    update_in_place,
+)
 from unimp.backends.torch.casting import _leaves, _map_tree
 from unimp.backends.torch.devices import _as_device, _to
 from unimp.backends.torch.optimizer import _guarded_step, _param_names
@@ -439,7 +444,7 @@ class GradScaler:
         if new_scale is None:
             self._update(*self._combined())
             return
-        value = self._check_new_scale(new_scale)  # before any change
+        value = self._ops.f32(check_new_scale(self._config, new_scale))  # before any change
         if any(st["found_inf"] is not None for st in self._per_opt.values()):
             kept = [t.clone() for t in (self._counter, *self._extra)]
             self._update(*self._combined())  # the skip counters; the rule's scale is replaced
@@ -448,34 +453,6 @@ class GradScaler:
         self._per_opt.clear()
         self._loss_finite = self._ops.true
         self._scale.copy_(value)
-
-    def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
-        """``new_scale`` as a float32 0-d tensor on the device, validated (a tensor is read once:
-        an explicit override is rare, and a bad value would poison every later step)."""
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or not new_scale.is_floating_point():
-                raise ValueError(
-                    f"new_scale must be a float or a one-element floating tensor, got a "
-                    f"{new_scale.dtype} tensor of shape {tuple(new_scale.shape)}."
-                )
-            f = float(new_scale.detach().reshape(()).float().cpu())
-        else:
-            try:
-                f = float(new_scale)
-            except (TypeError, ValueError):
-                raise ValueError(f"new_scale must be a number, got {new_scale!r}.") from None
-        if not self._config.dynamic:
-            if f != float(self._config.initial_scale()):
-                raise ValueError(
-                    f"new_scale={f!r}: a {self._config.kind} loss scale cannot change; use a "
-                    "DynamicLossScale to let the scale move."
-                )
-        else:
-            hi = self._config.max_scale if self._config.max_scale is not None else _F32.max
-            lo = self._config.floor
-            if not (math.isfinite(f) and lo <= f <= hi):
-                raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
-        return self._ops.f32(f)
 
     def _update(self, grads_finite: torch.Tensor, loss_finite: torch.Tensor, flags: Any = None) -> tuple[torch.Tensor, ...]:
         """The end of an iteration: the rule applied (:meth:`_apply_update`) and the
