@@ -251,6 +251,35 @@ def test_fp8_dense_load_fp8_state_takes_the_state_as_its_to_dict(backend):
         layer.load_fp8_state("input", [2.0, 0.5, [0.0, 0.0]])
 
 
+def test_jax_fp8_dot_general_takes_states_as_their_to_dict():
+    # JAX's states are arrays the user holds: a dict of them (a state's to_dict()) is one state,
+    # and the new states come back as the gradient in the same structure (an AttributeError
+    # 'dict' object has no attribute 'scale' before)
+    mod = require_backend("jax")
+    import jax
+    import jax.numpy as jnp
+
+    cfg = fp8.DelayedScaling(amax_history_len=4)
+    st = mod.fp8_initial_state(cfg)
+    as_dict = {k: jnp.asarray(v) for k, v in st.to_dict().items()}
+    x, w, dn = jnp.linspace(-1, 1, 64).reshape(4, 16), jnp.ones((16, 8)), (((1,), (0,)), ((), ()))
+
+    def loss(states):
+        return mod.fp8_dot_general(cfg, *states)(x, w, dn).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from_states = jax.grad(loss)((st, st, st))
+        from_dicts = jax.grad(loss)((as_dict, as_dict, as_dict))
+        assert jnp.array_equal(loss((st, st, st)), loss((as_dict, as_dict, as_dict)))
+    for a, b in zip(from_states, from_dicts, strict=True):
+        assert isinstance(b, dict)
+        for f in ("scale", "scale_inv", "amax_history"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(b[f]))
+    with pytest.raises(ValueError, match=r"fp8_dot_general kernel_state: FP8 tensor state keys must be"):
+        mod.fp8_dot_general(cfg, st, {"scale": 1.0}, st)
+
+
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX's states are arrays the user holds
 def test_fp8_state_of_an_unknown_tensor_names_the_tensors(backend):
     _, layer = _layer(backend)

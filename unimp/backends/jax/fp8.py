@@ -191,7 +191,8 @@ def fp8_dot_general(
 
     Args:
         config: a :class:`unimp.fp8.DelayedScaling` or :class:`unimp.fp8.CurrentScaling`.
-        input_state, kernel_state, grad_state: :class:`unimp.fp8.FP8State` of float32 arrays.
+        input_state, kernel_state, grad_state: :class:`unimp.fp8.FP8State` of float32 arrays
+            (or its ``to_dict()``: taken as one).
         native: the float8 GEMM path; ``None`` (default) reads ``UNIMP_FP8_NATIVE`` now
             (``"1"``: on).
         name: the layer's name in warnings (default: the shapes of the product).
@@ -206,10 +207,17 @@ def fp8_dot_general(
 
     Raises:
         TypeError: ``native`` is not True, False or None; ``config`` not a DelayedScaling /
-            CurrentScaling (a preset name: use :func:`unimp.fp8.fp8_preset`).
+            CurrentScaling (a preset name: use :func:`unimp.fp8.fp8_preset`); a state neither
+            an FP8State nor its dict.
+        ValueError: a state dict with other keys.
     """
     native = _fp8.native_requested(native, "fp8_dot_general")
     config = _fp8.layer_config(config, "fp8_dot_general")
+    # a state's to_dict() is taken as in load_fp8_state (keys only: the values may be tracers)
+    input_state, kernel_state, grad_state = (
+        FP8State.coerce(st, f"fp8_dot_general {name}_state")
+        for st, name in zip((input_state, kernel_state, grad_state), _fp8.LAYER_TENSORS, strict=True)
+    )
     if not (native and native_fp8_supported()):
         _fp8.warn_emulated("jax", jax.default_backend())
 
