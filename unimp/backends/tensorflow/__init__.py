@@ -18,7 +18,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`, :func:`keras_policy_name`.
 * ``overflow``: :func:`all_finite`, the replica re-sync warning.
 * ``scaling``: the rule's array namespace over TF tensors, unscaling (dense and
-  ``IndexedSlices``), the config fields a traced graph builds in.
+  ``IndexedSlices``), the config fields a traced graph builds in, :class:`LossScaleCheck` (the
+  ``max_consecutive_skips`` / ``floor_action`` checks as a ``model.fit`` callback).
 * ``optimizer``: :class:`LossScaleOptimizer` (a Keras optimizer holding the loss-scale state; a
   skipped step leaves the variables and the inner optimizer's state unchanged).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the layer-call
@@ -61,6 +62,7 @@ from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.overrides import apply_overrides, dtype_policy_map, layer_paths
 from unimp.backends.tensorflow.precision import current_matmul_precision, matmul_precision
+from unimp.backends.tensorflow.scaling import LossScaleCheck
 from unimp.backends.tensorflow.stats import tensor_stats
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.loss_scale import ReplicaDesyncWarning
@@ -77,6 +79,7 @@ __all__ = [
     "fp8_step",
     "current_matmul_precision",
     "matmul_precision",
+    "LossScaleCheck",
     "LossScaleOptimizer",
     "MixedPrecision",
     "ReplicaDesyncWarning",

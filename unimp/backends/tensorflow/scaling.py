@@ -6,6 +6,7 @@ Keras's ``initial_scale`` / ``dynamic_growth_steps`` / ``dynamic`` and base-opti
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -184,3 +185,62 @@ def _positional(args: tuple, loss_scale: Any, name: Any) -> tuple[Any, Any]:
             raise TypeError("LossScaleOptimizer got name twice (positionally and by keyword).")
         name = args[1]
     return loss_scale, name
+
+
+def _keras_callback_base() -> type:
+    import keras
+
+    return keras.callbacks.Callback
+
+
+class LossScaleCheck(_keras_callback_base()):  # type: ignore[misc]
+    """A Keras callback that acts on the loss-scale config's ``max_consecutive_skips`` and
+    ``floor_action`` during ``model.fit``, where no step result is read (a custom loop checks
+    them when it reads a :class:`unimp.StepResult`).
+
+    After every ``every``-th training batch it reads the model's
+    :class:`LossScaleOptimizer` state (one device read: a sync on an accelerator, which is why
+    it is a callback the user adds) and runs :func:`unimp.loss_scale.check_state`: a
+    :class:`unimp.LossScaleError` stops ``fit`` as DeepSpeed and fairseq stop at the floor; a
+    floor hit under ``floor_action="warn"`` warns once per new hit.
+
+    Args:
+        every: check after every ``every``-th batch (an int >= 1; default 1). Floor hits are
+            counted on the device, so a later check still sees them; a run of skips longer than
+            ``max_consecutive_skips`` is seen if it lasts until a check.
+
+    Raises:
+        ValueError: ``every`` is not an int >= 1.
+        TypeError: (in ``fit``) the model's optimizer is not unimp's LossScaleOptimizer.
+
+    Example:
+        ``model.fit(x, y, callbacks=[unimp.backends.tensorflow.LossScaleCheck()])``
+    """
+
+    def __init__(self, every: int = 1) -> None:
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
+            raise ValueError(f"LossScaleCheck(every=...) must be an int >= 1, got {every!r}.")
+        self.every = int(every)
+        self._batches = 0
+        self._floor_hits = 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._batches += 1
+        if self._batches % self.every:
+            return
+        from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
+        from unimp.loss_scale import check_state
+
+        opt = getattr(self.model, "optimizer", None)
+        if not isinstance(opt, LossScaleOptimizer):
+            raise TypeError(
+                f"LossScaleCheck needs the model compiled with unimp's LossScaleOptimizer "
+                f"(mp.prepare(model, optimizer) does it), got {type(opt).__name__}."
+            )
+        state = opt._state()
+        hits = int(state.floor_hits)
+        if hits <= self._floor_hits:  # no new floor hit since the last check: skips only
+            state = dataclasses.replace(state, floor_hits=0)
+        self._floor_hits = max(hits, self._floor_hits)
+        check_state(opt.loss_scale_config, state, step=self._batches - 1)
