@@ -11,7 +11,8 @@ import torch  # noqa: E402
 from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from unimp.backends.torch._update import flags_from_bools, fused_rule, update_in_place  # noqa: E402
+from unimp.backends.torch._update import fused_rule, update_in_place  # noqa: E402
+from unimp.backends.torch.overflow import flags_from_bools  # noqa: E402
 from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, update  # noqa: E402
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -285,7 +286,7 @@ def test_reading_one_raw_value_derives_no_other():
 @pytest.mark.parametrize("loss_inf", [0.0, 1.0])
 @pytest.mark.parametrize("grads_inf", [0.0, 1.0])
 def test_skip_flags_are_max_and_backoff_in_one_op(loss_inf, grads_inf):
-    from unimp.backends.torch._report import skip_flags, step_flags
+    from unimp.backends.torch.overflow import skip_flags, step_flags
 
     sc = ut.GradScaler(DynamicLossScale(), device="cpu")
     loss_flag, grads_flag, skip, overflow = step_flags(sc)

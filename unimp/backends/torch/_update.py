@@ -4,7 +4,13 @@ as few torch ops as the common configs allow: torch's ``torch._amp_update_scale_
 clamp, and the skip counters in place.
 
 The reference stays the path for the configs the fused one cannot follow bit for bit (see
-:func:`fused_rule`). Everything here runs on the device,
+:func:`fused_rule`).
+
+torch only, on purpose: torch runs eagerly, one kernel launch per op, so the rule's ~17 small
+ops cost a step real time unless a fused kernel does them; TensorFlow and JAX run the same
+:func:`~unimp.loss_scale.update_arrays` inside a traced graph / one XLA program, which fuses it
+already, so their ``scaling`` modules need no such path. Split from ``scaling.py`` (the
+``GradScaler`` drop-in) to keep both under the layout's size limit. Everything here runs on the device,
 in place (tensors handed out earlier and CUDA graphs see the new values), with no host sync.
 
 Why ``_amp_update_scale_`` (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp and
@@ -172,13 +178,6 @@ def update_in_place(
         return
     skips.add_(skipped)  # [consecutive + s, total + s]
     consecutive.mul_(skipped)  # (consecutive + s) * s: consecutive + 1 on a skip, 0 otherwise
-
-
-def flags_from_bools(grads_finite: torch.Tensor, loss_finite: torch.Tensor, out: torch.Tensor) -> Any:
-    """``(overflow, skipped, loss_inf)`` for :func:`update_in_place` from the two finite flags
-    (bool 0-d); ``overflow`` is written into ``out`` (float32 0-d)."""
-    torch.gt(loss_finite, grads_finite, out=out)  # finite loss, non-finite gradients
-    return out, (grads_finite & loss_finite).logical_not(), loss_finite.logical_not()
 
 
 def check_new_scale(config: LossScaleConfig, new_scale: float | torch.Tensor) -> float:

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from unimp.backends._base import MixedPrecisionBase
-from unimp.backends.torch._report import _to_host
 from unimp.backends.torch.casting import (
     _NORM_LAYERS,
     _checkpoint_masters,
@@ -25,7 +24,7 @@ from unimp.backends.torch.optimizer import _check_half_state
 from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
-from unimp.backends.torch.step import TrainStep
+from unimp.backends.torch.step import TrainStep, _to_host
 from unimp.steprecorder import _with_log, check_log_every
 
 

@@ -11,18 +11,16 @@ from typing import Any
 import torch
 
 from unimp import loss_scale as _ls
-from unimp.backends.torch._report import _to_host  # noqa: F401  (re-exported)
 from unimp.backends.torch._update import (
     _TorchOps,
     check_new_scale,
-    flags_from_bools,
     fused_rule,
     update_in_place,
 )
 from unimp.backends.torch.casting import _leaves, _map_tree
 from unimp.backends.torch.devices import _as_device, _to
 from unimp.backends.torch.optimizer import _guarded_step, _param_names
-from unimp.backends.torch.overflow import all_finite
+from unimp.backends.torch.overflow import all_finite, flags_from_bools
 from unimp.dtypes import finfo
 from unimp.loss_scale import (
     EXTRA_FIELDS,

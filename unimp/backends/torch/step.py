@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from unimp.backends.torch._report import _to_host, skip_flags, snapshot, step_flags
 from unimp.backends.torch._update import fused_rule
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
-from unimp.backends.torch.overflow import all_finite
+from unimp.backends.torch.overflow import _check_loss, _scratch, all_finite, skip_flags, step_flags
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.stats import (
@@ -85,7 +85,7 @@ class TrainStep(LoggedStep):
     The result costs one op a step (one process, a rule torch's fused update follows): its
     ``scale``, flags and skip counters are one packed int32 snapshot, derived when read; in
     ``result.raw`` they stand for 0-d tensors (``item()``, ``bool()``, ``dtype``) and all read
-    the device once, together (``unimp/backends/torch/_report.py``).
+    the device once, together (the report section below).
 
     Args:
         mp: the bound :class:`MixedPrecision`.
@@ -188,7 +188,7 @@ class TrainStep(LoggedStep):
         sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
         # the fused path (one process, a rule torch's kernel follows): the loss and gradient
         # overflow flags, the skip flag and the backoff flag live in one scratch, zeroed by one
-        # op, written by torch's check kernels and one lerp (_report.py)
+        # op, written by torch's check kernels and one lerp (overflow.py)
         flags = step_flags(sc) if fused_rule(sc.config) and sc._group() is None else None
         if flags is not None:
             loss_inf, grads_inf, skip, overflow = flags
@@ -272,7 +272,7 @@ class TrainStep(LoggedStep):
                 grads_inf.copy_(found_inf)
             skip_flags(sc)  # skip (exactly 1 or 0) and the backoff flag, one op
             _guarded_step(opt, skip, (), {})
-            # the report: one snapshot, every field derived when read (_report.py)
+            # the report: one snapshot, every field derived when read (below)
             report, (loss_bad, skipped, skipped_one) = snapshot(sc)
             applied, loss_finite, grads_finite = report["applied"], report["loss_finite"], report["grads_finite"]
             scale_used = report["scale"]
@@ -323,21 +323,118 @@ def _accumulate(
         p.grad = None
 
 
-def _check_loss(loss: torch.Tensor, loss_inf: torch.Tensor, one: torch.Tensor) -> None:
-    """Sets ``loss_inf`` (float32 0-d, the scaler's device) to 1 when ``loss`` is not finite, with
-    torch's check kernel (one op; it multiplies ``loss`` by ``one`` in place, which changes no
-    value); through a scratch on the loss's device when that is another one."""
-    if loss.device == loss_inf.device:
-        torch._amp_foreach_non_finite_check_and_unscale_([loss], loss_inf, one)
-    else:
-        here = torch.zeros((), dtype=torch.float32, device=loss.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([loss], here, _to(one, loss.device))
-        torch.maximum(loss_inf, _to(here, loss_inf.device), out=loss_inf)
-
-
 def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Global L2 norm (float32) of the gradients, on ``device``; 0 for no gradients."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
     return torch.linalg.vector_norm(torch.stack([_to(n, device) for n in norms]))
+
+# --------------------------------------------------------------------------- the report
+# On the fused path the step's report is one packed int32 snapshot taken after the flags are
+# written and before the loss-scale update (``ne`` + ``cat``):
+# ``[scale bits, consecutive_skips, total_skips, loss_inf, grads_inf, skip]`` before the
+# update, the scale as its float32 bit pattern (a view: exact). The values after the update are
+# derived on the host as the rule defines them (``unimp.loss_scale.update_arrays``): ``applied =
+# not skip``, ``consecutive_skips = (consecutive + skip) * skip``, ``total_skips = total + skip``.
+
+
+def _to_host(x: Any) -> Any:
+    """A step value on the host: a tensor's (or a :class:`_Field`'s) ``item()``; else ``x``."""
+    return x.item() if isinstance(x, (torch.Tensor, _Field)) else x
+
+
+def snapshot(sc: Any) -> tuple[dict[str, _Field], tuple[torch.Tensor, ...]]:
+    """The step's report (two ops: ``ne`` and ``cat``), taken after the step's flags are
+    written and before the loss-scale update.
+
+    Returns:
+        ``(fields, (loss_inf, skip, skip_one))``: the report's fields (``scale``,
+        ``applied``, ``loss_finite``, ``grads_finite``, ``consecutive_skips``,
+        ``total_skips``), each a :class:`_Field` of one snapshot; and for ``update_in_place``
+        the int32 flags (0-d, 1: non-finite loss, 1: skipped) and ``[skip, 1]``.
+    """
+    s = _scratch(sc)
+    held = s.get("report")
+    if held is None or held[0] is not sc._scale or held[1] is not sc._skips:  # a new state
+        bits = torch.tensor([0, 0, 0, 1], dtype=torch.int32, device=sc.device)  # [.., .., .., 1]
+        parts = [sc._scale.view(torch.int32).reshape(1), sc._skips, bits[:3]]
+        held = s["report"] = (sc._scale, sc._skips, bits[:3], (*bits.unbind()[::2], bits[2:]), parts)
+    _, _, bits, (loss_bad, skip, skip_one), parts = held
+    torch.ne(s["flag_views"][4], 0, out=bits)
+    snap = _Snapshot(torch.cat(parts))
+    return {name: _Field(snap, name) for name in _DERIVE}, (loss_bad, skip, skip_one)
+
+
+def _scale_of(bits: int) -> float:
+    return float(np.array(bits, dtype=np.int32).view(np.float32))
+
+
+# name -> (dtype of the device value it stands for, its value from the packed host list
+# [scale bits, consecutive, total, loss_inf, grads_inf, skip])
+_DERIVE = {
+    "scale": (torch.float32, lambda v: _scale_of(v[0])),
+    "applied": (torch.bool, lambda v: v[5] == 0),
+    "loss_finite": (torch.bool, lambda v: v[3] == 0),
+    "grads_finite": (torch.bool, lambda v: v[4] == 0),
+    "consecutive_skips": (torch.int32, lambda v: (v[1] + v[5]) * v[5]),
+    "total_skips": (torch.int32, lambda v: v[2] + v[5]),
+}
+
+
+class _Snapshot:
+    """One step's packed int32 report on the device, read to the host once (on first need)."""
+
+    __slots__ = ("packed", "_host")
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+        self._host: list[int] | None = None
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.packed.tolist()  # the only sync, shared by every field
+        return self._host
+
+
+class _Field:
+    """A step's report field on the fused path: stands for a 0-d device value of ``dtype``,
+    derived from its step's :class:`_Snapshot` when read (``item()``, ``bool()``, ``int()``,
+    ``float()``: each waits for the device once per step)."""
+
+    __slots__ = ("_snap", "name")
+
+    def __init__(self, snap: _Snapshot, name: str) -> None:
+        self._snap = snap
+        self.name = name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DERIVE[self.name][0]
+
+    def item(self) -> Any:
+        return _DERIVE[self.name][1](self._snap.host())
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def device_value(self) -> torch.Tensor:
+        """The field as the 0-d device tensor it stands for, derived from the snapshot with
+        torch ops on its device (no host sync): what :attr:`unimp.StepResult.raw` hands out."""
+        p = self._snap.packed
+        if self.name == "scale":
+            return p[0].view(torch.float32)
+        if self.name in ("applied", "loss_finite", "grads_finite"):
+            return p[{"applied": 5, "loss_finite": 3, "grads_finite": 4}[self.name]] == 0
+        if self.name == "consecutive_skips":
+            return (p[1] + p[5]) * p[5]
+        return p[2] + p[5]  # total_skips
+
+    def __repr__(self) -> str:
+        return f"<unimp step {self.name}: {self.dtype}, read on access>"
