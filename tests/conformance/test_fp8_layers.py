@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import require_backend
+from fp8_kit import run_fp8_layer
 
 from unimp import fp8
 from unimp.fp8 import NumpyOps as N
@@ -62,67 +63,7 @@ def _reference(config, data=_data):
 
 def _run(backend, config, data=_data):
     """Per step: y, dx, dw and states from the backend's FP8 layer (weights not updated)."""
-    mod = require_backend(backend)
-    w = _weights()
-    out = []
-    if backend == "torch":
-        import torch
-
-        layer = mod.FP8Dense(IN, OUT, bias=False, config=config)
-        with torch.no_grad():
-            layer.weight.copy_(torch.tensor(w.T))
-        for step in range(STEPS):
-            x, g = data(step)
-            xt = torch.tensor(x, requires_grad=True)
-            y = layer(xt)
-            y.backward(torch.tensor(g))
-            states = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in ("input", "kernel", "grad")}
-            out.append((y.detach().numpy(), xt.grad.numpy(), layer.weight.grad.numpy().T, states))
-            layer.weight.grad = None
-    elif backend == "tensorflow":
-        import tensorflow as tf
-
-        layer = mod.FP8Dense(OUT, use_bias=False, config=config)
-        layer.build((None, IN))
-        layer.kernel.assign(w)
-
-        @tf.function
-        def fwd_bwd(x, g):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = layer(x, training=True)
-            dx, dw = tape.gradient(y, [x, layer.kernel.value], output_gradients=g)
-            return y, dx, dw
-
-        for step in range(STEPS):
-            x, g = data(step)
-            y, dx, dw = fwd_bwd(tf.constant(x), tf.constant(g))
-            states = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in ("input", "kernel", "grad")}
-            out.append((y.numpy(), dx.numpy(), dw.numpy(), states))
-    else:
-        import flax.linen as nn
-        import jax
-        import jax.numpy as jnp
-
-        states = {n: mod.fp8_initial_state(config) for n in ("input", "kernel", "grad")}
-
-        def forward(x_, w_, s_):
-            dg = mod.fp8_dot_general(config, s_["input"], s_["kernel"], s_["grad"])
-            return nn.Dense(OUT, use_bias=False, dot_general=dg).apply({"params": {"kernel": w_}}, x_)
-
-        def apply(wk, st, x, g):
-            # the states after the step come out as the "gradients" of the states
-            y, vjp = jax.vjp(forward, x, wk, st)
-            dx, dw, new_states = vjp(g)
-            return y, dx, dw, new_states
-
-        apply = jax.jit(apply)
-        for step in range(STEPS):
-            x, g = data(step)
-            y, dx, dw, states = apply(jnp.asarray(w), states, jnp.asarray(x), jnp.asarray(g))
-            np_states = {n: mod.fp8_state_to_numpy(s) for n, s in states.items()}
-            out.append((np.asarray(y), np.asarray(dx), np.asarray(dw), np_states))
-    return out
+    return run_fp8_layer(backend, config, _weights(), [data(step) for step in range(STEPS)])
 
 
 def _bits(x):

@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import require_backend
+from fp8_kit import run_fp8_layer
 
 from unimp import fp8
 from unimp.fp8 import layers as fp8_config
@@ -35,67 +36,8 @@ def _weights(n_in, n_out):
 
 def _run(backend, config, native, n_in=64, n_out=48, name="mlp.fc1", rows=5):
     """Per step: y, dx, dw (kernel layout ``(in, out)``) and the three states, as NumPy."""
-    mod = require_backend(backend)
-    w = _weights(n_in, n_out)
-    out = []
-    tensors = fp8.LAYER_TENSORS
-    if backend == "torch":
-        import torch
-
-        layer = mod.FP8Dense(n_in, n_out, bias=False, config=config, native=native, name=name)
-        with torch.no_grad():
-            layer.weight.copy_(torch.tensor(w.T))
-        for step in range(STEPS):
-            x, g = _data(step, n_in, n_out, rows)
-            xt = torch.tensor(x, requires_grad=True)
-            y = layer(xt)
-            y.backward(torch.tensor(g))
-            states = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in tensors}
-            out.append((y.detach().numpy(), xt.grad.numpy(), layer.weight.grad.numpy().T, states))
-            layer.weight.grad = None
-        return out
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        layer = mod.FP8Dense(n_out, use_bias=False, config=config, native=native, name=name)
-        layer.build((None, n_in))
-        layer.kernel.assign(w)
-
-        @tf.function
-        def fwd_bwd(x, g):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = layer(x, training=True)
-            dx, dw = tape.gradient(y, [x, layer.kernel.value], output_gradients=g)
-            return y, dx, dw
-
-        for step in range(STEPS):
-            x, g = _data(step, n_in, n_out, rows)
-            y, dx, dw = fwd_bwd(tf.constant(x), tf.constant(g))
-            states = {n: mod.fp8_state_to_numpy(layer.fp8_state(n)) for n in tensors}
-            out.append((y.numpy(), dx.numpy(), dw.numpy(), states))
-        return out
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    states = {n: mod.fp8_initial_state(config) for n in tensors}
-
-    def forward(x_, w_, s_):
-        dg = mod.fp8_dot_general(config, *(s_[n] for n in tensors), native=native, name=name)
-        return nn.Dense(n_out, use_bias=False, dot_general=dg).apply({"params": {"kernel": w_}}, x_)
-
-    @jax.jit
-    def apply(wk, st, x, g):
-        y, vjp = jax.vjp(forward, x, wk, st)
-        return (y, *vjp(g))
-
-    for step in range(STEPS):
-        x, g = _data(step, n_in, n_out, rows)
-        y, dx, dw, states = apply(jnp.asarray(w), states, jnp.asarray(x), jnp.asarray(g))
-        out.append((np.asarray(y), np.asarray(dx), np.asarray(dw),
-                    {n: mod.fp8_state_to_numpy(s) for n, s in states.items()}))
-    return out
+    batches = [_data(step, n_in, n_out, rows) for step in range(STEPS)]
+    return run_fp8_layer(backend, config, _weights(n_in, n_out), batches, native=native, name=name)
 
 
 def _quiet(backend, config, native, **kw):
