@@ -217,6 +217,15 @@ def emit(result: dict) -> None:
     print(RESULT_MARK + json.dumps(result, default=_jsonable), flush=True)
 
 
+def served_as_worker(args: argparse.Namespace, worker: Callable[[dict], dict]) -> bool:
+    """Runs ``worker`` on the config a parent process passed (``--worker JSON``) and emits its
+    result; True when this process was such a worker (the script's ``main`` returns then)."""
+    if not args.worker:
+        return False
+    emit(worker(json.loads(args.worker)))
+    return True
+
+
 def _jsonable(x: Any) -> Any:
     if hasattr(x, "item"):
         return x.item()

@@ -17,7 +17,6 @@ CPU) that part is reported, not checked: the native paths run emulated there.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -193,8 +192,7 @@ def line(backend: str, res: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     p = h.parser(__doc__.splitlines()[0])
     args = h.parse(p, argv)
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     # each backend's line goes out as its worker ends, so a run cut short keeps the others'
     results = h.run_backends("fp8check", args, {}, summary=lambda res: line(res.get("backend", "?"), res))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -273,8 +272,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="per backend: no new precision after this many seconds (default 40; --tiny: none)",
     )
     args = h.parse(p, argv)
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     precisions = [x.strip() for x in args.precisions.split(",") if x.strip()]
     bad = [x for x in precisions if x not in PRECISIONS]

@@ -15,7 +15,6 @@ XLA's compiler and the C allocator keep. The model is the speedup benchmark's ma
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 
@@ -59,8 +58,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--loops", default=None, help="comma-separated: unimp, native (default: both; --quick: unimp)"
     )
     args = h.parse(p, argv)
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     mode = h.run_mode(args)
     spec = h.matmul_spec(args.device, args.tiny)

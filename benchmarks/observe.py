@@ -16,7 +16,6 @@ compare runners' ``build``:
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -83,8 +82,7 @@ def worker(cfg: dict) -> dict:
 def main(argv: Sequence[str] | None = None) -> dict:
     p = h.parser(__doc__.splitlines()[0])
     args = h.parse(p, argv)
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     mode = h.run_mode(args)
     models = ("mlp",) if args.tiny else ("mlp", "vit")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -228,8 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     p.add_argument("--models", default="mlp,wide", help="comma-separated: mlp, wide, tiny")
     args = h.parse(p, argv)
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     models = ["tiny"] if args.tiny else [m.strip() for m in args.models.split(",") if m.strip()]
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]

@@ -20,7 +20,6 @@ Target: <= 1.02.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from benchmarks import _harness as h
@@ -99,8 +98,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.recipe is None:
         on_cpu = args.device is None or args.device.startswith("cpu")
         args.recipe = h.SCALED_FLOAT32 if on_cpu else "mixed_float16"
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     mode = h.run_mode(args)
     models = ["tiny"] if args.tiny else [m.strip() for m in args.models.split(",") if m.strip()]

@@ -12,7 +12,6 @@ below 1); the same script runs unchanged on a GPU with ``--device cuda``.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 
@@ -72,8 +71,7 @@ def worker(cfg: dict) -> dict:
 def main(argv: Sequence[str] | None = None) -> dict:
     p = h.parser(__doc__.splitlines()[0])
     args = h.parse(p, argv)
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     mode = h.run_mode(args)
     spec = h.matmul_spec(args.device, args.tiny)

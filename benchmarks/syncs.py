@@ -17,7 +17,6 @@ Per backend, for unimp's step and (for contrast) the native loop, after two warm
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from benchmarks import _harness as h
@@ -161,8 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p = h.parser(__doc__.splitlines()[0])
     p.add_argument("--recipe", default="mixed_float16", choices=h.RECIPES)
     args = h.parse(p, argv)
-    if args.worker:
-        h.emit(worker(json.loads(args.worker)))
+    if h.served_as_worker(args, worker):
         return {}
     mode = h.run_mode(args)
     config = {"recipe": args.recipe, "model": "tiny" if args.tiny else "mlp", "steps": STEPS[mode]}
