@@ -87,20 +87,14 @@ class _TorchOps:
         return self._const(True, torch.bool)
 
 
+@functools.lru_cache(maxsize=64)
 def fused_rule(config: LossScaleConfig) -> bool:
     """True where :func:`update_in_place` equals :func:`unimp.loss_scale.update_arrays` bit for
     bit: every static config, and dynamic ones without the format-2 rule (hysteresis, overflow
     tolerance, floor action), without ``delayed_first_growth``, and whose ``max_scale`` (if
     any) times the growth factor is finite in float32.
 
-    Asked on every step: the answer is cached per config (configs are frozen and hashable)."""
-    try:
-        return _fused_rule_cached(config)
-    except TypeError:  # an unhashable config (a user subclass): decide it afresh
-        return _fused_rule(config)
-
-
-def _fused_rule(config: LossScaleConfig) -> bool:
+    Asked on every step: the answer is cached per config (configs are frozen dataclasses)."""
     if not config.dynamic:
         return True
     if tracks_extra(config) or config.delayed_first_growth:
@@ -109,9 +103,6 @@ def _fused_rule(config: LossScaleConfig) -> bool:
         with np.errstate(over="ignore"):
             return bool(np.isfinite(np.float32(config.max_scale) * np.float32(config.growth_factor)))
     return True
-
-
-_fused_rule_cached = functools.lru_cache(maxsize=64)(_fused_rule)
 
 
 def _f32(x: float) -> float:
@@ -166,10 +157,7 @@ def update_in_place(
     dynamic scale (None otherwise).
     """
     if config.dynamic:
-        try:
-            growth, backoff, interval, floor, hi = _kernel_args(config)
-        except TypeError:  # an unhashable config (a user subclass)
-            growth, backoff, interval, floor, hi = _kernel_args.__wrapped__(config)
+        growth, backoff, interval, floor, hi = _kernel_args(config)
         counter.add_(loss_inf, alpha=-1)  # a forward overflow: the kernel's +1 gives it back
         torch._amp_update_scale_(scale, counter, overflow, growth, backoff, interval)
         scale.clamp_(floor, hi)

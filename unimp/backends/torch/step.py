@@ -370,8 +370,9 @@ def _scale_of(bits: int) -> float:
     return float(np.array(bits, dtype=np.int32).view(np.float32))
 
 
-# name -> (dtype of the device value it stands for, its value from the packed host list
-# [scale bits, consecutive, total, loss_inf, grads_inf, skip])
+# name -> (dtype of the device value it stands for, its value from the packed values
+# [scale bits, consecutive, total, loss_inf, grads_inf, skip]: the host list, or the device
+# tensor itself, where the same indexing and arithmetic are torch ops)
 _DERIVE = {
     "scale": (torch.float32, lambda v: _scale_of(v[0])),
     "applied": (torch.bool, lambda v: v[5] == 0),
@@ -428,13 +429,9 @@ class _Field:
         """The field as the 0-d device tensor it stands for, derived from the snapshot with
         torch ops on its device (no host sync): what :attr:`unimp.StepResult.raw` hands out."""
         p = self._snap.packed
-        if self.name == "scale":
+        if self.name == "scale":  # the bit pattern back as float32 (a view: exact)
             return p[0].view(torch.float32)
-        if self.name in ("applied", "loss_finite", "grads_finite"):
-            return p[{"applied": 5, "loss_finite": 3, "grads_finite": 4}[self.name]] == 0
-        if self.name == "consecutive_skips":
-            return (p[1] + p[5]) * p[5]
-        return p[2] + p[5]  # total_skips
+        return _DERIVE[self.name][1](p)  # the host rule, run on the packed device tensor
 
     def __repr__(self) -> str:
         return f"<unimp step {self.name}: {self.dtype}, read on access>"
