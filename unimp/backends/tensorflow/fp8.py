@@ -44,7 +44,11 @@ class Fp8Ops:
     @staticmethod
     def amax(x: tf.Tensor) -> tf.Tensor:
         # NaN-propagating (observed on CPU, tf 2.21); 0 over no element, as the reference
-        # (tf.reduce_max gives -inf there; the size may be known only at run time)
+        # (tf.reduce_max gives -inf there). The size is usually static (a traced batch of known
+        # shape): the select is built only where it is known at run time alone
+        n = x.shape.num_elements()
+        if n is not None:
+            return tf.reduce_max(x) if n > 0 else tf.zeros((), x.dtype)
         return tf.where(tf.size(x) > 0, tf.reduce_max(x), tf.zeros((), x.dtype))
 
     @staticmethod
