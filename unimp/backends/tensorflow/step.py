@@ -403,8 +403,9 @@ class TrainStep(LoggedStep):
                     "tf.reduce_mean)."
                 )
             loss32 = tf.cast(loss, tf.float32)
-            # no loss scale (scale 1.0, its kind built into the graph): no multiply, the same bits
-            scaled = loss32 * scale if self.optimizer.loss_scale_config.enabled else loss32
+            # a scale that is always 1 (none, or a static 1.0; built into the graph): no
+            # multiply, the same bits (as torch's and the core's ``unity``)
+            scaled = loss32 if self.optimizer.loss_scale_config.unity else loss32 * scale
         return tape.gradient(scaled, self._variables), loss32
 
     def _step(self, batch: Any) -> dict:
@@ -426,10 +427,10 @@ class TrainStep(LoggedStep):
         scale = tf.identity(tf.convert_to_tensor(self.optimizer.dynamic_scale))
         if self.grad_accum_steps == 1:
             grads, loss32 = self._scaled_grads(batch, scale)
-            if self.optimizer.loss_scale_config.enabled:
-                unscaled = [None if g is None else _unscale(g, scale) for g in grads]
-            else:  # x / 1.0 is x: no divide (nor its casts) per gradient
+            if self.optimizer.loss_scale_config.unity:  # x / 1.0 is x: no divide (nor its casts)
                 unscaled = list(grads)
+            else:
+                unscaled = [None if g is None else _unscale(g, scale) for g in grads]
             return self._finish(unscaled, loss32, tf.math.is_finite(loss32), scale)
         # a window of k micro-batches: sum the scaled gradients in float32 (or the policy's
         # accum_dtype, rounded at every addition) from exact zeros, take the mean in float32,
@@ -446,7 +447,7 @@ class TrainStep(LoggedStep):
                     g = tf.cast(tf.convert_to_tensor(g), accum)
                     total[i] = g if total[i] is None else _add_rounded(total[i], g)
         kf = tf.constant(float(k), tf.float32)
-        enabled = self.optimizer.loss_scale_config.enabled  # x / 1.0 is x: no divide without
+        enabled = not self.optimizer.loss_scale_config.unity  # x / 1.0 is x: no divide at scale 1
         unscaled = [
             None
             if t is None
