@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from unimp.loss_scale import LossScaleConfig, LossScaleState, check_state
+from unimp.loss_scale import FloorWatch, LossScaleConfig, LossScaleState, check_state
 
 __all__ = [
     "SCHEDULE_COUNTS",
@@ -113,6 +113,9 @@ class StepResult:
         stats: the step's tensor statistics: ``None`` (not taken on this step), a
             :class:`unimp.stats.StepStats`, or a function of no arguments returning one, called
             on the first read of :attr:`stats` (where the backend reads its device arrays).
+        watch: the run's :class:`unimp.loss_scale.FloorWatch` (each train step holds one), so
+            a floor hit warns or raises at the first result read after it, not at every later
+            one; None checks this result alone.
 
     Attributes:
         loss: float, the unscaled loss of the step (the mean over micro-batches when
@@ -132,7 +135,7 @@ class StepResult:
             repr leave it out. Its first read converts the device arrays (a host sync).
     """
 
-    __slots__ = ("_raw", "_to_host", "_config", "_values", "_checked", "_stats")
+    __slots__ = ("_raw", "_to_host", "_config", "_values", "_checked", "_stats", "_watch")
 
     def __init__(
         self,
@@ -140,6 +143,7 @@ class StepResult:
         to_host: Callable[[Any], Any] | None = None,
         config: LossScaleConfig | None = None,
         stats: Any = None,
+        watch: FloorWatch | None = None,
     ) -> None:
         missing = [f for f in STEP_FIELDS if f not in raw]
         if missing:
@@ -150,6 +154,7 @@ class StepResult:
         self._values: dict[str, Any] = {}
         self._checked = False
         self._stats = stats
+        self._watch = watch
 
     def _get(self, name: str) -> Any:
         if name not in self._values:
@@ -167,7 +172,8 @@ class StepResult:
                     self._get("scale"), 0, skips, max(skips, self._get("total_skips")),
                     floor_hits=0 if floor is None else int(self._to_host(floor)),
                 )
-                check_state(self._config, state, step=self._raw.get("floor_step"))
+                check = check_state if self._watch is None else self._watch.check
+                check(self._config, state, step=self._raw.get("floor_step"))
         return self._values[name]
 
     loss = property(lambda self: self._get("loss"), doc="float, the unscaled loss.")

@@ -91,3 +91,22 @@ def test_a_state_saved_with_hysteresis_brings_its_config(backend):
     run.load_state_dict(state_dict(saved_cfg, saved))
     assert [run.step(_BATCHES["inf-grad"]).scale for _ in range(2)] == [2.0**10, 2.0**9]
     assert run.state_dict()["config"] == saved_cfg.to_dict()
+
+
+def test_a_floor_hit_warns_at_one_result_read_in_every_backend(backend):
+    # floor_hits counts every hit since the start: reading each step's result must warn once
+    # per new hit (the run's FloorWatch), not again at every later read, as Keras's
+    # LossScaleCheck does under model.fit
+    import warnings
+
+    from unimp.loss_scale import LossScaleFloorWarning
+
+    cfg = DynamicLossScale(init_scale=2.0, growth_interval=3, min_scale=1.0, floor_action="warn")
+    run = kits.build(backend, get_recipe("mixed_float16", loss_scale=cfg), lr=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ev in ["inf-grad", "inf-grad", "inf-grad", "clean", "clean", "inf-grad"]:
+            run.step(_BATCHES[ev]).applied  # noqa: B018 - the first read checks the state
+    hits = [str(w.message) for w in caught if issubclass(w.category, LossScaleFloorWarning)]
+    # 2 -> 1 on the first overflow; the second, third and sixth hit the floor
+    assert [h.split("(floor hit ")[1].split(",")[0] for h in hits] == ["1", "2", "3"]

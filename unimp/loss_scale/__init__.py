@@ -57,6 +57,7 @@ from unimp.loss_scale.config import (
 )
 from unimp.loss_scale.portable import STATE_FORMAT, from_state_dict, state_dict
 from unimp.loss_scale.rule import (
+    FloorWatch,
     check_state,
     simulate,
     tracks_extra,
@@ -67,6 +68,7 @@ from unimp.loss_scale.rule import (
 
 __all__ = [
     "EXTRA_FIELDS",
+    "FloorWatch",
     "FLOOR_ACTIONS",
     "STATE_FORMAT",
     "DynamicLossScale",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -296,6 +297,38 @@ def check_state(config: LossScaleConfig, state: LossScaleState, step: int | None
         + ". "
         + why
     )
+
+
+class FloorWatch:
+    """:func:`check_state` for one run read again and again (every step's result, a scaler's
+    ``get_scale``, a ``model.fit`` callback): each floor hit is acted on once.
+
+    ``LossScaleState.floor_hits`` counts every hit since the start, so a plain ``check_state``
+    after the first hit would warn (or raise) at every later read. The watch remembers the most
+    hits it has acted on and passes ``floor_hits`` on only when it grew (a count below it is a
+    loaded state: the record starts again); ``max_consecutive_skips`` is checked on every read,
+    as :func:`check_state` does. Every backend's train step holds one.
+    """
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def check(self, config: LossScaleConfig, state: LossScaleState, step: int | None = None) -> None:
+        """:func:`check_state` with the floor hits already acted on taken out.
+
+        Raises:
+            LossScaleError: as :func:`check_state`.
+        """
+        hits = int(state.floor_hits)
+        if hits < self.seen:  # fewer than seen: another state was loaded, a new record starts
+            self.seen = 0
+        if hits <= self.seen:
+            state = dataclasses.replace(state, floor_hits=0)
+        else:
+            self.seen = hits
+        check_state(config, state, step)
 
 
 def _check_floor(config: LossScaleConfig, state: LossScaleState, step: int | None) -> None:

@@ -47,6 +47,7 @@ from unimp.backends.jax.stats import (
     _merge_stacked,
     _pending,
 )
+from unimp.loss_scale import FloorWatch
 from unimp.step import (
     StepResult,
     check_schedule_counts,
@@ -257,6 +258,7 @@ class TrainStep(LoggedStep):
         self._stats_every = stats_every
         self._schedule_counts = check_schedule_counts(schedule_counts)
         self._calls = 0
+        self._floor_watch = FloorWatch()  # each floor hit acted on at one result read
         self._stats_order: tuple[list[str], list[str]] = ([], [])
         self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
         donated = ((0, 1, 2, 4) if self._stateful else (0, 1, 2)) if donate else ()
@@ -521,7 +523,7 @@ class TrainStep(LoggedStep):
         if "floor_hits" in raw:  # the step's index, named by a floor_action message
             raw["floor_step"] = self._calls
         self._calls += 1
-        result = StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats)
+        result = StepResult(raw, to_host=jax.device_get, config=ls.config, stats=stats, watch=self._floor_watch)
         if self._recorder is not None:
             self._recorder.add(
                 self._calls - 1, result, lr=_learning_rate(opt_state), batch_finite=all_finite(batch),

@@ -6,7 +6,6 @@ Keras's ``initial_scale`` / ``dynamic_growth_steps`` / ``dynamic`` and base-opti
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -15,10 +14,12 @@ import tensorflow as tf
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
+    FloorWatch,
     LossScaleConfig,
     loss_scale_from_dict,
     tracks_extra,
 )
+from unimp.loss_scale.config import _positive_int
 
 
 class _TFOps:
@@ -200,14 +201,15 @@ class LossScaleCheck(_keras_callback_base()):  # type: ignore[misc]
 
     After every ``every``-th training batch it reads the model's
     :class:`LossScaleOptimizer` state (one device read: a sync on an accelerator, which is why
-    it is a callback the user adds) and runs :func:`unimp.loss_scale.check_state`: a
+    it is a callback the user adds) and runs :class:`unimp.loss_scale.FloorWatch`'s check: a
     :class:`unimp.LossScaleError` stops ``fit`` as DeepSpeed and fairseq stop at the floor; a
     floor hit under ``floor_action="warn"`` warns once per new hit.
 
     Args:
-        every: check after every ``every``-th batch (an int >= 1; default 1). Floor hits are
-            counted on the device, so a later check still sees them; a run of skips longer than
-            ``max_consecutive_skips`` is seen if it lasts until a check.
+        every: check after every ``every``-th batch (an int >= 1, as the loss-scale configs'
+            integer fields; default 1). Floor hits are counted on the device, so a later check
+            still sees them; a run of skips longer than ``max_consecutive_skips`` is seen if it
+            lasts until a check. A config with neither check reads nothing.
 
     Raises:
         ValueError: ``every`` is not an int >= 1.
@@ -219,18 +221,15 @@ class LossScaleCheck(_keras_callback_base()):  # type: ignore[misc]
 
     def __init__(self, every: int = 1) -> None:
         super().__init__()
-        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
-            raise ValueError(f"LossScaleCheck(every=...) must be an int >= 1, got {every!r}.")
-        self.every = int(every)
+        self.every = _positive_int("LossScaleCheck", "every", every, 1)
         self._batches = 0
-        self._floor_hits = 0
+        self._watch = FloorWatch()  # each floor hit acted on once, as the train steps do
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self._batches += 1
         if self._batches % self.every:
             return
         from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
-        from unimp.loss_scale import check_state
 
         opt = getattr(self.model, "optimizer", None)
         if not isinstance(opt, LossScaleOptimizer):
@@ -238,9 +237,7 @@ class LossScaleCheck(_keras_callback_base()):  # type: ignore[misc]
                 f"LossScaleCheck needs the model compiled with unimp's LossScaleOptimizer "
                 f"(mp.prepare(model, optimizer) does it), got {type(opt).__name__}."
             )
-        state = opt._state()
-        hits = int(state.floor_hits)
-        if hits <= self._floor_hits:  # no new floor hit since the last check: skips only
-            state = dataclasses.replace(state, floor_hits=0)
-        self._floor_hits = max(hits, self._floor_hits)
-        check_state(opt.loss_scale_config, state, step=self._batches - 1)
+        config = opt.loss_scale_config
+        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
+            return  # nothing to act on: no device read (as a step result's first read)
+        self._watch.check(config, opt._state(), step=self._batches - 1)

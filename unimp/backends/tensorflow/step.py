@@ -19,9 +19,7 @@ from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
-from unimp.loss_scale import (
-    from_state_dict,
-)
+from unimp.loss_scale import FloorWatch, from_state_dict
 from unimp.policy import Policy
 from unimp.step import StepResult, check_schedule_counts, floor_hits, micro_batches
 from unimp.steprecorder import LoggedStep
@@ -201,6 +199,7 @@ class TrainStep(LoggedStep):
         self._jit_compile = jit_compile
         self.stats_every = stats_every
         self.calls = 0
+        self._floor_watch = FloorWatch()  # each floor hit acted on at one result read
         self._collector: _Collector | None = None  # set only while the statistics step traces
         self._stats_order: tuple[list[str], list[str]] = ([], [])
         self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
@@ -243,7 +242,8 @@ class TrainStep(LoggedStep):
         flags = raw.pop("grad_flags", None)
         self.calls += 1
         result = StepResult(
-            raw, to_host=_to_host, config=self.optimizer.loss_scale_config, stats=stats
+            raw, to_host=_to_host, config=self.optimizer.loss_scale_config, stats=stats,
+            watch=self._floor_watch,
         )
         if self._recorder is not None:
             lr = getattr(self.optimizer, "learning_rate", None)

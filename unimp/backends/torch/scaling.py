@@ -25,9 +25,9 @@ from unimp.dtypes import finfo
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
+    FloorWatch,
     LossScaleConfig,
     LossScaleState,
-    check_state,
     loss_scale_from_dict,
     update_arrays,
 )
@@ -148,6 +148,7 @@ class GradScaler:
         self._per_opt: dict[int, dict[str, Any]] = {}
         self._process_group = process_group
         self._replicas_checked = False
+        self._floor_watch = FloorWatch()  # get_scale and the train step's results: once per hit
 
     # -- replicas
 
@@ -227,7 +228,7 @@ class GradScaler:
         """
         if not self._enabled:
             return 1.0
-        check_state(self._config, self.state)
+        self._floor_watch.check(self._config, self.state)
         return float(self._scale.item())
 
     def get_growth_factor(self) -> float | None:
@@ -513,6 +514,8 @@ class GradScaler:
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._ops = _TorchOps(self._device)
+        if "_floor_watch" not in d:  # pickled before the watch: no hit acted on yet
+            self._floor_watch = FloorWatch()
         if "_extra" not in d:  # pickled before the format-2 fields: they start at 0
             self._extra = tuple(torch.zeros((), dtype=torch.int32, device=self._device) for _ in EXTRA_FIELDS)
         # a pickle holds the two counters apart (or, from before, no _skips): one tensor again

@@ -295,7 +295,7 @@ class TrainStep(LoggedStep):
         }
         if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(applied)):
             self.scheduler.step()
-        return StepResult(raw, _to_host, sc.config, stats=stats), grad_flags
+        return StepResult(raw, _to_host, sc.config, stats=stats, watch=sc._floor_watch), grad_flags
 
     def state_dict(self) -> dict[str, Any]:
         """unimp's loss-scale state in the portable format (see :meth:`GradScaler.state_dict`)."""
