@@ -333,3 +333,22 @@ def test_keras_fp8_dense_checks_the_states_keras_loads(backend, how, tmp_path):
     for w, before in zip(layer.get_weights(), good, strict=True):
         np.testing.assert_array_equal(w, before)
     np.testing.assert_array_equal(np.asarray(layer(x)), y)
+
+
+def test_torch_load_state_dict_checks_the_scaling_states():
+    # Keras's loaders check the states (set_weights, load_weights); torch's load_state_dict
+    # loaded a scale of -5 unchecked
+    _, layer = _layer("torch")
+    sd = {k: v.clone() for k, v in layer.state_dict().items()}
+    sd["input_scale"].fill_(-5.0)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"'scale' must be one finite number > 0"):
+        layer.load_state_dict(sd)
+    import torch
+
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    good = {k: v.clone() for k, v in before.items()}
+    good["input_amax_history"][0] = 3.0
+    layer.load_state_dict(good)
+    assert float(layer.input_amax_history[0]) == 3.0

@@ -345,6 +345,26 @@ class FP8Dense(torch.nn.Linear):
             for f in fields:
                 getattr(self, f"{name}_{f}").copy_(torch.as_tensor(getattr(checked, f)))
 
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """``load_state_dict``'s per-module loader: the scaling states it brings are checked as
+        :meth:`load_fp8_state` checks them (Keras's FP8Dense checks its loaders the same way);
+        a bad one is an error of ``load_state_dict`` (torch's ``error_msgs``) and this layer
+        loads nothing."""
+        for name in _TENSORS:
+            keys = [f"{prefix}{name}_{f}" for f in _FIELDS]
+            if all(k in state_dict for k in keys):
+                host = FP8State(*(
+                    v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in (state_dict[k] for k in keys)
+                ))
+                try:
+                    _fp8.check_state(host, self.config, name)
+                except ValueError as e:
+                    error_msgs.append(f"{prefix or 'FP8Dense'}: {e}")
+                    return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def _step(self, name: str, amax: torch.Tensor, role: str) -> tuple[Any, FP8State]:
         state = self.fp8_state(name)
         if not self.training and isinstance(self.config, _fp8.DelayedScaling):
