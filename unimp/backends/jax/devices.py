@@ -28,14 +28,18 @@ def device_info() -> list[dict[str, Any]]:
     for d in jax.devices():
         platform = d.platform.lower()
         kind = "tpu" if platform == "tpu" else "cpu" if platform == "cpu" else "gpu"
-        cc = None
-        if kind == "gpu":
-            try:
-                cc = tuple(int(v) for v in str(getattr(d, "compute_capability", "")).split(".")[:2])
-            except ValueError:
-                cc = None
-        out.append({"device": str(d), **device_support(kind, cc if cc and len(cc) == 2 else None)})
+        out.append({"device": str(d), **device_support(kind, _capability(d) if kind == "gpu" else None)})
     return out
+
+
+def _capability(device: jax.Device) -> tuple[int, int] | None:
+    """A GPU's NVIDIA compute capability ``(major, minor)`` (JAX gives ``"8.9"``); None where it
+    has none (ROCm, CPU)."""
+    try:
+        cc = tuple(int(v) for v in str(getattr(device, "compute_capability", "")).split(".")[:2])
+    except ValueError:
+        return None
+    return cc if len(cc) == 2 else None  # type: ignore[return-value]
 
 
 def _as_device(device: Any) -> jax.Device:

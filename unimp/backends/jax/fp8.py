@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from unimp import fp8 as _fp8
+from unimp.backends.jax.devices import _capability
+from unimp.dtypes import device_support
 from unimp.fp8 import LAYER_TENSORS, STATE_FIELDS, FP8State
 
 # FP8State is a pytree (every field an array leaf), derived from dataclasses.fields, so it
@@ -128,12 +130,7 @@ def native_fp8_supported(device: Any = None) -> bool:
     device = device if device is not None else jax.devices()[0]
     if device.platform != "gpu":
         return False
-    cap = getattr(device, "compute_capability", None)
-    try:
-        major, minor = (int(v) for v in str(cap).split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (8, 9)
+    return bool(device_support("gpu", _capability(device))["float8"])  # one rule: unimp.dtypes
 
 
 #: layers already warned that they run emulated though native was asked (once per layer)

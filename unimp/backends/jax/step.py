@@ -262,9 +262,7 @@ class TrainStep(LoggedStep):
         self._stats_order: tuple[list[str], list[str]] = ([], [])
         self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
         donated = ((0, 1, 2, 4) if self._stateful else (0, 1, 2)) if donate else ()
-        self._stats_jitted = (
-            None if stats_every is None else jax.jit(self._stats_step, donate_argnums=donated)
-        )
+        self._stats_jitted = None if stats_every is None else jax.jit(self._stats_step, donate_argnums=donated)
         if mesh is None:
             self._jitted = jax.jit(self._step, donate_argnums=donated)
             # what __call__ runs: the same program less the outputs it holds already (_traced)

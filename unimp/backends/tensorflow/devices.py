@@ -60,11 +60,7 @@ def device_info() -> list[dict[str, Any]]:
     for dev in tf.config.list_physical_devices():
         kind = {"GPU": "gpu", "TPU": "tpu"}.get(dev.device_type.upper(), "cpu")
         details = tf.config.experimental.get_device_details(dev) or {} if kind == "gpu" else {}
-        cc = details.get("compute_capability")
-        entry: dict[str, Any] = {
-            "device": dev.name,
-            **device_support(kind, tuple(cc) if cc else None),
-        }
+        entry: dict[str, Any] = {"device": dev.name, **device_support(kind, _capability(details))}
         if details.get("device_name"):
             entry["name"] = details["device_name"]
         out.append(entry)
@@ -105,3 +101,9 @@ def _check_placed(name: str) -> None:
         listed = ", ".join(h.replace("/device:", "/") for h in have)
         raise ValueError(f"device {name}: TensorFlow has no such device here (it has {listed}).")
     _PLACED_OK.add(name)
+
+
+def _capability(details: dict[str, Any]) -> tuple[int, int] | None:
+    """A GPU's compute capability ``(major, minor)`` from ``get_device_details``; None without."""
+    cc = details.get("compute_capability")
+    return tuple(cc) if cc else None  # type: ignore[return-value]

@@ -16,6 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from unimp import fp8 as _fp8
+from unimp.backends.tensorflow.devices import _capability
+from unimp.dtypes import device_support
 from unimp.fp8 import FP8State
 
 _FP8_DTYPES = {
@@ -319,8 +321,8 @@ def native_fp8_supported() -> bool:
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
         return False
-    cap = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability")
-    return cap is not None and tuple(cap) >= (8, 9)
+    cap = _capability(tf.config.experimental.get_device_details(gpus[0]) or {})
+    return bool(device_support("gpu", cap)["float8"])  # one rule: unimp.dtypes
 
 
 @tf.function(jit_compile=True, reduce_retracing=True)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from unimp import fp8 as _fp8
+from unimp.dtypes import device_support
 from unimp.fp8 import FP8State
 
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -172,7 +173,7 @@ def native_fp8_supported(device: Any) -> bool:
     if key not in _NATIVE_PROBED:
         ok = hasattr(torch, "_scaled_mm")
         if ok and device.type == "cuda":
-            ok = torch.cuda.get_device_capability(index) >= (8, 9)
+            ok = bool(device_support("gpu", torch.cuda.get_device_capability(index))["float8"])
         if ok:
             try:
                 a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
