@@ -32,6 +32,7 @@ from unimp.loss_scale import (
     LossScaleConfig,
     LossScaleState,
     from_state_dict,
+    unchanged_fields,
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
@@ -472,11 +473,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         # A skipped step must not touch the inner optimizer at all (its iterations included).
         tf.cond(applied, apply_inner, lambda: _count_skipped(self))
-        if self._loss_scale_config.dynamic:  # a static or absent scale returns them unchanged
+        same = unchanged_fields(self._loss_scale_config)  # the core says what the rule leaves
+        if "scale" not in same:
             self.dynamic_scale.assign(scale)
+        if "counter" not in same:
             self.counter.assign(counter)
-            if extra:
-                self.loss_scale_extra.assign(tf.stack(extra))
+        if extra and not set(EXTRA_FIELDS) <= set(same):
+            self.loss_scale_extra.assign(tf.stack(extra))
         self.consecutive_skips.assign(consecutive)
         self.total_skips.assign(total)
         self._bad_losses.assign(0.0)
