@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,28 @@ STATE_FORMAT = "unimp.loss_scale/2"
 #: ``delayed_first_growth`` and the state fields in ``EXTRA_FIELDS``; a format-1 dict loads with
 #: them at their defaults (the rule of format 1; hysteresis full, nothing counted).
 STATE_FORMATS = ("unimp.loss_scale/1", STATE_FORMAT)
+
+
+def check_scale_value(config: LossScaleConfig, scale: float, what: str) -> None:
+    """``scale`` (a Python float) is a scale ``config`` can hold: inside ``[min_scale,
+    max_scale]`` (float32's max without a cap) for a dynamic config, equal to its scale for a
+    static or absent one. The one check of a loaded state and of an explicit new scale
+    (``GradScaler.update(new_scale)``).
+
+    Raises:
+        ValueError: naming ``what``, the value and the allowed range or value.
+    """
+    if config.dynamic:
+        hi = config.max_scale if config.max_scale is not None else _F32_MAX
+        if not (math.isfinite(scale) and config.floor <= scale <= hi):
+            raise ValueError(
+                f"{what} ({scale!r}) is outside [min_scale, max_scale] = [{config.floor}, {config.max_scale}]."
+            )
+    elif scale != config.initial_scale():
+        raise ValueError(
+            f"{what} ({scale!r}) must equal the {config.kind} scale ({config.initial_scale()}): a "
+            f"{config.kind} loss scale cannot change; use a DynamicLossScale to let the scale move."
+        )
 
 
 def state_dict(config: LossScaleConfig, state: LossScaleState | None = None) -> dict[str, Any]:
@@ -90,17 +113,7 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
                 f"loss-scale state 'hysteresis_used' ({int(state.hysteresis_used)}) must be < "
                 f"hysteresis ({config.hysteresis})."
             )
-        hi = config.max_scale if config.max_scale is not None else _F32_MAX
-        if not config.floor <= float(state.scale) <= hi:
-            raise ValueError(
-                f"loss-scale state 'scale' ({float(state.scale)}) is outside [min_scale, max_scale] "
-                f"= [{config.floor}, {config.max_scale}]."
-            )
-    elif float(state.scale) != config.initial_scale():
-        raise ValueError(
-            f"loss-scale state 'scale' ({float(state.scale)}) must equal the {config.kind} scale "
-            f"({config.initial_scale()})."
-        )
+    check_scale_value(config, float(state.scale), "loss-scale state 'scale'")
     dyn = config.dynamic
     in_use = {  # the rule keeps the others at 0 (LossScaleState's attributes)
         "hysteresis_used": dyn and config.hysteresis > 1,

@@ -39,13 +39,13 @@ cuda/AmpKernels.cu, ``amp_update_scale_cuda_kernel``) equals the reference for t
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from unimp.loss_scale import LossScaleConfig, tracks_extra
+from unimp.loss_scale.portable import check_scale_value
 
 
 class _TorchOps:
@@ -176,7 +176,7 @@ def check_new_scale(config: LossScaleConfig, new_scale: float | torch.Tensor) ->
     Raises:
         ValueError: not a number or a one-element floating tensor; outside ``[min_scale,
             max_scale]`` (float32's max without a cap) or not finite; different from a static
-            scale.
+            scale (:func:`unimp.loss_scale.portable.check_scale_value`, the loaded states' check).
     """
     if isinstance(new_scale, torch.Tensor):
         if new_scale.numel() != 1 or not new_scale.is_floating_point():
@@ -190,15 +190,5 @@ def check_new_scale(config: LossScaleConfig, new_scale: float | torch.Tensor) ->
             f = float(new_scale)
         except (TypeError, ValueError):
             raise ValueError(f"new_scale must be a number, got {new_scale!r}.") from None
-    if not config.dynamic:
-        if f != float(config.initial_scale()):
-            raise ValueError(
-                f"new_scale={f!r}: a {config.kind} loss scale cannot change; use a "
-                "DynamicLossScale to let the scale move."
-            )
-        return f
-    hi = config.max_scale if config.max_scale is not None else float(np.finfo(np.float32).max)
-    lo = config.floor
-    if not (math.isfinite(f) and lo <= f <= hi):
-        raise ValueError(f"new_scale={f!r} is outside [min_scale, max_scale] = [{lo}, {hi}].")
+    check_scale_value(config, f, "new_scale")
     return f
