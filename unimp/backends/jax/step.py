@@ -493,6 +493,7 @@ class TrainStep(LoggedStep):
         args = (self._params, self._opt_state, self._loss_scale, batch)
         with_stats = self._stats_every is not None and self._calls % self._stats_every == 0
         jitted = self._stats_jitted if with_stats else self._call_jitted
+        lean = jitted is not self._jitted  # every program but the full step returns the lean outputs
         before = self._loss_scale
         # traced under the policy's matmul precision: the config is part of jit's cache key
         with matmul_precision(self._mp.policy.matmul_precision):
@@ -509,7 +510,7 @@ class TrainStep(LoggedStep):
                     ) from e
             else:
                 params, opt_state, ls, raw = jitted(*args)
-        if self._mesh is None:  # the lean program's outputs: back to the full ones
+        if lean:  # the lean program's outputs: back to the full ones
             ls = _rejoin(before, ls)
             raw.update({k: getattr(ls, k) for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
             raw["scale"] = before.loss_scale if raw["scale"] is None else raw["scale"]
