@@ -1,18 +1,18 @@
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
 
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import json
+import os
+import subprocess
+import sys
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import unimp  # noqa: E402
-from unimp.compat import apex as apex_mod  # noqa: E402
-from unimp.compat.apex import amp  # noqa: E402
+import unimp
+from unimp.compat import apex as apex_mod
+from unimp.compat.apex import amp
+
+pytestmark = pytest.mark.backend("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,7 +109,7 @@ def test_overflow_skips_the_next_step_bitwise(opt_level):
         assert torch.equal(a.detach(), b)
     for p, s in opt.state.items():
         assert torch.equal(s["momentum_buffer"], bufs[id(p)])
-    assert amp.state_dict()["state"] == {"scale": 32768.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1}
+    assert amp.state_dict()["state"] == {"scale": 32768.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1, "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0}
     _iteration(model, opt, seed=2)
     opt.step()  # the skip lasts one step only
     assert not torch.equal(model[0].weight.detach(), params[0])
@@ -157,7 +157,7 @@ def test_state_dict_round_trip_and_apex_format():
     amp.load_state_dict(sd)
     assert amp.state_dict() == sd
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2005}})
-    assert amp.state_dict()["state"] == {"scale": 1024.0, "counter": 5, "consecutive_skips": 0, "total_skips": 0}
+    assert amp.state_dict()["state"] == {"scale": 1024.0, "counter": 5, "consecutive_skips": 0, "total_skips": 0, "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0}
 
 
 @pytest.mark.parametrize(

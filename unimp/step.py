@@ -263,7 +263,7 @@ def check_schedule_counts(value: Any) -> str:
 def floor_hits(config: LossScaleConfig, extra: Any, step: int | None = None) -> dict[str, Any]:
     """``{"floor_hits": <device value>, "floor_step": step}`` for a step's raw values where the
     config's ``floor_action`` needs the host check ("warn" / "raise"), else ``{}``; ``extra`` is
-    the format-2 tail that :func:`unimp.loss_scale.update_arrays` returned, ``step`` the step's
+    the extra-fields tail that :func:`unimp.loss_scale.update_arrays` returned, ``step`` the step's
     0-based index (named in the message; a traced step adds it on the host)."""
     if getattr(config, "floor_action", "keep") == "keep" or not extra:
         return {}

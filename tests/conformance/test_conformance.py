@@ -185,6 +185,10 @@ def test_checkpoint_resume_in_fresh_object(backend):
         "counter": 1,
         "consecutive_skips": 0,
         "total_skips": 0,
+        "hysteresis_used": 0,
+        "overflows_since_rescale": 0,
+        "steps_since_rescale": 0,
+        "floor_hits": 0,
     }
     fresh = kits.build(backend, CKPT_RECIPE)
     fresh.load_state_dict(saved)

@@ -35,7 +35,8 @@ import torch
 
 from unimp.backends import torch as _ut
 from unimp.backends.torch import optimizer as _ut_optimizer
-from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
+from unimp.loss_scale import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
+from unimp.loss_scale import state_dict as portable_state_dict
 from unimp.recipe import get_recipe
 
 __all__ = ["amp", "initialize", "load_state_dict", "master_params", "scale_loss", "state_dict"]
@@ -242,13 +243,8 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
         counter = int(old["unskipped"])
         if cfg.dynamic:
             counter %= cfg.growth_interval
-        portable = {
-            "format": "unimp.loss_scale/1",
-            "config": cfg.to_dict(),
-            "state": {"scale": float(old["loss_scale"]), "counter": counter, "consecutive_skips": 0,
-                      "total_skips": 0},
-        }
-        scaler.load_state_dict(portable)
+        state = LossScaleState(float(old["loss_scale"]), counter, 0, 0)
+        scaler.load_state_dict(portable_state_dict(cfg, state))
         return
     scaler.load_state_dict(state_dict)
 

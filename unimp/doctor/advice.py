@@ -33,8 +33,8 @@ class Advice:
     """The fixes for one log, given its header's loss-scale config and recipe.
 
     Args:
-        loss_scale: :attr:`unimp.steplog.StepLog.loss_scale` (``to_dict()`` form; the fields
-            of format 2 left out at their defaults), or None when unknown.
+        loss_scale: :attr:`unimp.steplog.StepLog.loss_scale` (``to_dict()`` form; a field
+            left out is at its default), or None when unknown.
         recipe: :attr:`unimp.steplog.StepLog.recipe` (``Recipe.to_dict()`` form), or None.
     """
 

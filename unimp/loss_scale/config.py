@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from unimp.loss_scale.presets import preset_fields
+
 _F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, smallest normal float32
 
 
@@ -28,14 +30,10 @@ class LossScaleError(RuntimeError):
 FLOOR_ACTIONS = ("keep", "warn", "raise")
 
 
-def _v2(default: Any) -> Any:
-    """A field added by format 2 of the portable state_dict: written only when it differs from
-    its default, so a state that format 1 can hold is still saved as format 1."""
-    return dataclasses.field(default=default, metadata={"format": 2})
-
-
-def _is_v2(f: dataclasses.Field) -> bool:
-    return f.metadata.get("format") == 2
+def _extra(default: Any) -> Any:
+    """A state field that only some rules count (:data:`EXTRA_FIELDS`): a backend holds it only
+    where the config's rule needs it (:func:`unimp.loss_scale.rule.tracks_extra`)."""
+    return dataclasses.field(default=default, metadata={"extra": True})
 
 
 class LossScaleFloorWarning(UserWarning):
@@ -98,7 +96,7 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
-def _positive_int(cls: str, field: str, value: Any, minimum: int) -> int:
+def positive_int(cls: str, field: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         # a NumPy float counts as a Python float (np.float32(16.0) as 16.0; np.float64 is one)
         if isinstance(value, (float, np.floating)) and float(value).is_integer():
@@ -135,18 +133,18 @@ class LossScaleState:
             (DeepSpeed's "already at minimum", fairseq's FloatingPointError). Counted only with
             ``floor_action`` ``"warn"`` or ``"raise"``, else 0.
 
-    The last four fields came with format 2 of the portable state_dict; a format-1 state loads
-    with them at 0 (hysteresis full, nothing counted since a rescale, no floor hit).
+    The last four fields (:data:`EXTRA_FIELDS`) are counted only by the rules that need them
+    (hysteresis, an overflow tolerance, a floor action); every other rule keeps them at 0.
     """
 
     scale: np.float32
     counter: np.int32
     consecutive_skips: np.int32
     total_skips: np.int32
-    hysteresis_used: np.int32 = _v2(0)
-    overflows_since_rescale: np.int32 = _v2(0)
-    steps_since_rescale: np.int32 = _v2(0)
-    floor_hits: np.int32 = _v2(0)
+    hysteresis_used: np.int32 = _extra(0)
+    overflows_since_rescale: np.int32 = _extra(0)
+    steps_since_rescale: np.int32 = _extra(0)
+    floor_hits: np.int32 = _extra(0)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -163,11 +161,13 @@ class LossScaleState:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LossScaleState:
-        """Inverse of :meth:`to_dict`. Raises ``ValueError`` naming a missing or bad key."""
+        """Inverse of :meth:`to_dict`; the :data:`EXTRA_FIELDS`, which only some rules count,
+        read as 0 where left out (as a config's fields read as their defaults). Raises
+        ``ValueError`` naming a missing or bad key."""
         if not isinstance(d, Mapping):
             raise ValueError(f"loss-scale state must be a dict, got {type(d).__name__}.")
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and not _is_v2(f)]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and not f.metadata.get("extra")]
         extra = sorted(set(d) - set(names))
         if missing or extra:
             raise ValueError(
@@ -195,8 +195,9 @@ class LossScaleState:
         return cls(scale=scale, **counts)
 
 
-#: The format-2 fields of :class:`LossScaleState`, in order (``update_arrays``'s ``extra``).
-EXTRA_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleState) if _is_v2(f))
+#: The fields of :class:`LossScaleState` that only some rules count, in order
+#: (``update_arrays``'s ``extra``).
+EXTRA_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleState) if f.metadata.get("extra"))
 
 
 class _Config:
@@ -223,22 +224,11 @@ class _Config:
         """The state before the first step (counters zero, the initial scale as float32)."""
         return LossScaleState(np.float32(self.initial_scale()), 0, 0, 0)
 
-    def update(
-        self, state: LossScaleState, grads_finite: bool, loss_finite: bool = True
-    ) -> LossScaleState:
-        """One step of the reference algorithm; see :func:`update`."""
-        from unimp.loss_scale.rule import update  # the rule imports the configs
-
-        return update(self, state, grads_finite, loss_finite)
-
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: ``{"kind": ..., <every dataclass field>}``; a field added by format 2
-        (``hysteresis`` ...) only where it differs from its default, so a config that format 1
-        can hold is written as before."""
+        """JSON-able: ``{"kind": ..., <every dataclass field>}``."""
         out: dict[str, Any] = {"kind": self.kind}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            if not (_is_v2(f) and getattr(self, f.name) == f.default):
-                out[f.name] = getattr(self, f.name)
+            out[f.name] = getattr(self, f.name)
         return out
 
 
@@ -330,8 +320,9 @@ class DynamicLossScale(_Config):
             outside [0, 1), or an unknown floor_action.
 
     Example:
+        >>> from unimp.loss_scale import update
         >>> cfg = DynamicLossScale(init_scale=2**15, growth_interval=1)
-        >>> float(cfg.update(cfg.initial_state(), grads_finite=True).scale)
+        >>> float(update(cfg, cfg.initial_state(), grads_finite=True).scale)
         65536.0
     """
 
@@ -342,11 +333,11 @@ class DynamicLossScale(_Config):
     min_scale: float | None = 1.0
     max_scale: float | None = 2.0**24
     max_consecutive_skips: int | None = None
-    hysteresis: int = _v2(1)
-    consecutive_hysteresis: bool = _v2(False)
-    overflow_tolerance: float = _v2(0.0)
-    floor_action: str = _v2("keep")
-    delayed_first_growth: bool = _v2(False)
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    overflow_tolerance: float = 0.0
+    floor_action: str = "keep"
+    delayed_first_growth: bool = False
     kind: ClassVar[str] = "dynamic"
     dynamic: ClassVar[bool] = True
 
@@ -355,7 +346,7 @@ class DynamicLossScale(_Config):
         init = _number(c, "init_scale", self.init_scale)
         growth = _number(c, "growth_factor", self.growth_factor)
         backoff = _number(c, "backoff_factor", self.backoff_factor)
-        interval = _positive_int(c, "growth_interval", self.growth_interval, 1)
+        interval = positive_int(c, "growth_interval", self.growth_interval, 1)
         lo = None if self.min_scale is None else _number(c, "min_scale", self.min_scale)
         hi = None if self.max_scale is None else _number(c, "max_scale", self.max_scale)
         if not growth > 1:
@@ -387,8 +378,8 @@ class DynamicLossScale(_Config):
             )
         skips = self.max_consecutive_skips
         if skips is not None:
-            skips = _positive_int(c, "max_consecutive_skips", skips, 1)
-        hysteresis = _positive_int(c, "hysteresis", self.hysteresis, 1)
+            skips = positive_int(c, "max_consecutive_skips", skips, 1)
+        hysteresis = positive_int(c, "hysteresis", self.hysteresis, 1)
         tolerance = _number(c, "overflow_tolerance", self.overflow_tolerance)
         if not 0 <= tolerance < 1:
             raise ValueError(
@@ -438,11 +429,6 @@ class DynamicLossScale(_Config):
         ``delayed_first_growth`` (the counter then restarts at 1 after a growth)."""
         return self.growth_interval + int(self.delayed_first_growth)
 
-    @property
-    def format(self) -> int:
-        """The oldest portable state_dict format that holds this config (1 or 2)."""
-        return 2 if any(_is_v2(f) for f in dataclasses.fields(self) if f.name in self.to_dict()) else 1
-
     def replace(self, **changes: Any) -> DynamicLossScale:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
@@ -466,9 +452,7 @@ class DynamicLossScale(_Config):
             >>> DynamicLossScale.preset("megatron").hysteresis
             2
         """
-        from unimp.loss_scale.presets import preset_fields
-
-        return cls(**preset_fields(name, overrides))
+        return cls(**preset_fields(name, overrides, [f.name for f in dataclasses.fields(cls)]))
 
 
 LossScaleConfig = NoLossScale | StaticLossScale | DynamicLossScale

@@ -14,14 +14,8 @@ from unimp.loss_scale.config import (
     loss_scale_from_dict,
 )
 
-#: Version tag of the portable state_dict format (the newest), the same in every backend.
-STATE_FORMAT = "unimp.loss_scale/2"
-
-#: Every version :func:`from_state_dict` reads. Format 2 added the config fields
-#: ``hysteresis``, ``consecutive_hysteresis``, ``overflow_tolerance``, ``floor_action``,
-#: ``delayed_first_growth`` and the state fields in ``EXTRA_FIELDS``; a format-1 dict loads with
-#: them at their defaults (the rule of format 1; hysteresis full, nothing counted).
-STATE_FORMATS = ("unimp.loss_scale/1", STATE_FORMAT)
+#: Version tag of the portable state_dict format, the same in every backend.
+STATE_FORMAT = "unimp.loss_scale/1"
 
 
 def check_scale_value(config: LossScaleConfig, scale: float, what: str) -> None:
@@ -49,21 +43,13 @@ def check_scale_value(config: LossScaleConfig, scale: float, what: str) -> None:
 def state_dict(config: LossScaleConfig, state: LossScaleState | None = None) -> dict[str, Any]:
     """The portable, JSON-able state of a loss scaler, the same in every backend.
 
-    Written in the oldest format that holds it: format 1 (as unimp wrote before format 2, so
-    older readers still load it) while the config uses none of format 2's fields and the state's
-    format-2 fields are 0; format 2 otherwise, with every state field.
-
     Returns:
-        ``{"format": "unimp.loss_scale/1" or "/2", "config": config.to_dict(), "state":
-        state.to_dict()}``; before the first step ``state`` is the initial state.
+        ``{"format": "unimp.loss_scale/1", "config": config.to_dict(), "state":
+        state.to_dict()}``, every field of both; before the first step ``state`` is the
+        initial state.
     """
     s = config.initial_state() if state is None else state
-    st = s.to_dict()
-    if getattr(config, "format", 1) == 1 and not any(st[n] for n in EXTRA_FIELDS):
-        for n in EXTRA_FIELDS:
-            del st[n]
-        return {"format": STATE_FORMATS[0], "config": config.to_dict(), "state": st}
-    return {"format": STATE_FORMAT, "config": config.to_dict(), "state": st}
+    return {"format": STATE_FORMAT, "config": config.to_dict(), "state": s.to_dict()}
 
 
 def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleState]:
@@ -77,7 +63,7 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
     if not isinstance(d, Mapping):
         raise ValueError(f"a loss-scale state_dict must be a dict, got {type(d).__name__}.")
     fmt = d.get("format")
-    if fmt not in STATE_FORMATS:
+    if fmt != STATE_FORMAT:
         if "_growth_tracker" in d or "growth_tracker" in d:
             hint = (
                 " This looks like a torch.amp.GradScaler state_dict; load it with "
@@ -85,7 +71,7 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
             )
         else:
             hint = " Save it with unimp's state_dict() to get the portable format."
-        raise ValueError(f"state_dict 'format' must be one of {STATE_FORMATS}, got {fmt!r}.{hint}")
+        raise ValueError(f"state_dict 'format' must be {STATE_FORMAT!r}, got {fmt!r}.{hint}")
     extra = sorted(set(d) - {"format", "config", "state"})
     if extra:
         raise ValueError(
@@ -93,14 +79,7 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
         )
     if "config" not in d or "state" not in d:
         raise ValueError("loss-scale state_dict needs both 'config' and 'state' keys.")
-    if fmt == STATE_FORMATS[0]:  # format 1 holds none of format 2's fields
-        for part, names in (("config", ()), ("state", EXTRA_FIELDS)):
-            new = sorted(set(names) & set(d[part])) if isinstance(d[part], Mapping) else []
-            if new:
-                raise ValueError(f"format-1 state_dict has format-2 {part} keys {new}; write format 2.")
     config = loss_scale_from_dict(d["config"])
-    if fmt == STATE_FORMATS[0] and getattr(config, "format", 1) == 2:
-        raise ValueError("format-1 state_dict has format-2 config fields; write format 2.")
     state = LossScaleState.from_dict(d["state"])
     if config.dynamic:
         if not state.counter < config.growth_at:

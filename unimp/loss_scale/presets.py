@@ -77,12 +77,13 @@ cannot fix an overflow in the forward pass, so it must not drive the scale to th
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 from typing import Any
 
-from unimp.loss_scale.config import _F32_MAX, DynamicLossScale
+import numpy as np
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 FAIRSEQ_MIN_LOSS_SCALE = 1e-4
 
@@ -118,8 +119,10 @@ def fairseq_floor(init_scale: float, min_loss_scale: float = FAIRSEQ_MIN_LOSS_SC
     return s
 
 
-def preset_fields(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`DynamicLossScale` fields of preset ``name`` with ``overrides`` applied.
+def preset_fields(name: str, overrides: dict[str, Any], valid: list[str]) -> dict[str, Any]:
+    """The :class:`~unimp.loss_scale.DynamicLossScale` fields of preset ``name`` with
+    ``overrides`` applied; ``valid`` is the list of those fields' names (the class passes its
+    own, so this table imports nothing of the configs).
 
     Raises:
         ValueError: unknown preset name, listing them and the closest match, or an override
@@ -131,7 +134,6 @@ def preset_fields(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
         close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown loss-scale preset {name!r}.{hint} Presets: {', '.join(PRESETS)}.")
-    valid = [f.name for f in dataclasses.fields(DynamicLossScale)]
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
         raise ValueError(

@@ -35,7 +35,7 @@ class _NumpyOps:
 
 
 def tracks_extra(config: LossScaleConfig) -> bool:
-    """True when ``config``'s rule needs the format-2 state fields (``hysteresis > 1``, an
+    """True when ``config``'s rule needs the extra state fields (:data:`EXTRA_FIELDS`) (``hysteresis > 1``, an
     ``overflow_tolerance`` or a ``floor_action`` other than ``"keep"``); static in the config."""
     return bool(
         config.dynamic
@@ -46,8 +46,8 @@ def tracks_extra(config: LossScaleConfig) -> bool:
 def unchanged_fields(config: LossScaleConfig) -> tuple[str, ...]:
     """The :class:`LossScaleState` fields that :func:`update_arrays` returns unchanged (the
     very arrays it was given) for ``config``, whatever the flags: a static or absent scale
-    leaves ``scale``, ``counter`` and the format-2 fields alone; a dynamic rule that does not
-    track the format-2 fields (:func:`tracks_extra`) leaves those. Static in the config: a
+    leaves ``scale``, ``counter`` and the extra fields alone; a dynamic rule that does not
+    track the extra fields (:func:`tracks_extra`) leaves those. Static in the config: a
     compiled step need not write (nor copy) them."""
     if not config.dynamic:
         return ("scale", "counter", *EXTRA_FIELDS)
@@ -86,14 +86,14 @@ def update_arrays(
         counter, consecutive_skips, total_skips: int32 scalars.
         grads_finite: bool scalar, every gradient element is finite.
         loss_finite: bool scalar, the (unscaled) loss is finite.
-        extra: ``None``, or the format-2 fields of :class:`LossScaleState` as int32 scalars
+        extra: ``None``, or the extra fields of :class:`LossScaleState` (:data:`EXTRA_FIELDS`) as int32 scalars
             (``hysteresis_used, overflows_since_rescale, steps_since_rescale, floor_hits``).
         applied: ``grads_finite & loss_finite`` where the caller has computed it already (for
             its own conditional update: one op less in a graph); ``None`` computes it here.
 
     Returns:
         ``(scale, counter, consecutive_skips, total_skips)`` after the step, same dtypes; with
-        ``extra``, followed by the four format-2 fields.
+        ``extra``, followed by the four extra fields.
 
     Raises:
         ValueError: ``extra`` is None for a config whose rule needs it (see
@@ -102,12 +102,12 @@ def update_arrays(
     if extra is None and tracks_extra(config):
         raise ValueError(
             "this loss-scale config (hysteresis, overflow_tolerance or floor_action) needs the "
-            "format-2 state: pass extra=(hysteresis_used, overflows_since_rescale, "
+            "extra state: pass extra=(hysteresis_used, overflows_since_rescale, "
             "steps_since_rescale, floor_hits)."
         )
     # Written for few kernels: every op here is a kernel launch (torch, TF graph) or a fused
     # scalar op (XLA). tests/test_loss_scale.py checks it against the plain nested-select spec.
-    # A static or absent loss scale leaves scale, counter and the format-2 fields as they are
+    # A static or absent loss scale leaves scale, counter and the extra fields as they are
     # (the same arrays come back, so a backend can skip writing them) and needs no overflow flag.
     if applied is None:
         applied = grads_finite & loss_finite
@@ -145,7 +145,7 @@ def update_arrays(
         extra = (used, overflows, since, hits)
     # finite loss and grads: count, grow on the interval-th; finite loss, bad grads: back off
     # (when the hysteresis and tolerance allow) and restart the count; non-finite loss (forward
-    # overflow): leave scale, counter and the format-2 fields alone.
+    # overflow): leave scale, counter and the extra fields alone.
     new_scale = ops.where(grow, grown, ops.where(backoff, backed, scale))
     if config.delayed_first_growth:  # DeepSpeed >= 0.17.1: restart at 1 after a growth
         new_counter = ops.where(grow, one, ops.where(overflow, zero, ops.where(applied, next_counter, counter)))

@@ -1,19 +1,16 @@
 """jax backend, ``step``: the train step (clipping, accumulation, skips, state, syncs, bad input)."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.jax.helpers import HALF, RECIPE, LinenMLP, _affine_loss, _xent, tree_bits  # noqa: E402
-from unimp import loss_scale as core  # noqa: E402
+import unimp
+import unimp.backends.jax as ujax
+from backends.jax.helpers import HALF, RECIPE, LinenMLP, _affine_loss, _xent, tree_bits
+from unimp import loss_scale as core
 
 
 def _dot_loss(params, batch):
@@ -199,6 +196,10 @@ def test_train_step_state_dict_roundtrip_and_cross_backend_resume():
         "counter": 0,
         "consecutive_skips": 1,
         "total_skips": 1,
+        "hysteresis_used": 0,
+        "overflows_since_rescale": 0,
+        "steps_since_rescale": 0,
+        "floor_hits": 0,
     }
     d = core.state_dict(core.DynamicLossScale.preset("torch"), core.LossScaleState(512.0, 3, 0, 9))
     step.load_state_dict(d)

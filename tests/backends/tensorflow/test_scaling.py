@@ -2,25 +2,22 @@
 
 import os
 
-from conftest import require_backend
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+import json
 
-import json  # noqa: E402
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.tensorflow.helpers import F32, INF, lso  # noqa: E402
-from unimp.loss_scale import DynamicLossScale, StaticLossScale, simulate  # noqa: E402
+import unimp
+import unimp.backends.tensorflow as utf
+from backends.tensorflow.helpers import F32, INF, lso
+from unimp.loss_scale import DynamicLossScale, StaticLossScale, simulate
 
 
 def test_growth_never_reaches_inf():
@@ -124,6 +121,10 @@ def test_state_dict_round_trip_and_resume():
         "counter": 1,
         "consecutive_skips": 0,
         "total_skips": 1,
+        "hysteresis_used": 0,
+        "overflows_since_rescale": 0,
+        "steps_since_rescale": 0,
+        "floor_hits": 0,
     }
     fresh = lso(DynamicLossScale(init_scale=1024.0, growth_interval=2))
     fresh.load_state_dict(saved)
@@ -154,7 +155,8 @@ def test_load_state_dict_rejects_bad_input_and_changes_nothing(bad):
 STATIC_8 = {
     "format": "unimp.loss_scale/1",
     "config": {"kind": "static", "scale": 8.0},
-    "state": {"scale": 8.0, "counter": 0, "consecutive_skips": 0, "total_skips": 2},
+    "state": {"scale": 8.0, "counter": 0, "consecutive_skips": 0, "total_skips": 2,
+              "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0},
 }
 
 

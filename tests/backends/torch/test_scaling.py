@@ -1,24 +1,22 @@
 """torch backend, ``scaling``: the loss-scale state and its update against the reference and the framework's own scaler."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import json
 
-import json  # noqa: E402
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.torch.helpers import (  # noqa: E402
+import unimp
+import unimp.backends.torch as ut
+from backends.torch.helpers import (
     DEV,
     _assert_bitwise,
     _batch,
     _mlp,
 )
-from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale  # noqa: E402
+from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
 
 
 def _run_scaler(scaler, flags, opt_factory):
@@ -190,7 +188,9 @@ def test_state_dict_round_trip(source, target):
 def test_used_state_dict_values():
     sd = _used_scaler().state_dict()
     assert sd["format"] == "unimp.loss_scale/1"
-    assert sd["state"] == {"scale": 32.0, "counter": 1, "consecutive_skips": 0, "total_skips": 1}
+    assert sd["state"] == {"scale": 32.0, "counter": 1, "consecutive_skips": 0, "total_skips": 1,
+                           "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0,
+                           "floor_hits": 0}
 
 
 def test_loads_torch_grad_scaler_state_dict():

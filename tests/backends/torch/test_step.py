@@ -1,17 +1,15 @@
 """torch backend, ``step``: the train step (clipping, accumulation, skips, state, syncs, bad input)."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import warnings
 
-import warnings  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.torch.helpers import (  # noqa: E402
+import unimp
+import unimp.backends.torch as ut
+from backends.torch.helpers import (
     DEV,
     HALF,
     MIXED,
@@ -22,7 +20,7 @@ from backends.torch.helpers import (  # noqa: E402
     _mlp,
     _state_copy,
 )
-from unimp.loss_scale import DynamicLossScale, LossScaleError, StaticLossScale  # noqa: E402
+from unimp.loss_scale import DynamicLossScale, LossScaleError, StaticLossScale
 
 RIGHT_VALUE_RECIPES = ["float32", "mixed_float16", "mixed_bfloat16"]
 
@@ -203,7 +201,7 @@ def test_train_step_state_dict_round_trip():
     step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
     step(_batch(0, bad=True))
     sd = step.state_dict()
-    assert sd["state"] == {"scale": 16384.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1}
+    assert sd["state"] == {"scale": 16384.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1, "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0}
     other = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
     other.load_state_dict(sd)
     assert other.state_dict() == sd

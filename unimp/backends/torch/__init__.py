@@ -88,16 +88,3 @@ __all__ = [
 ]
 
 export(__name__, globals())
-
-#: Private names that pickles written before the backend became a package refer to.
-_MOVED = {"_TorchOps": "unimp.backends.torch.scaling"}
-
-
-def __getattr__(name: str):
-    """Resolves :data:`_MOVED` names for unpickling old objects (a GradScaler pickled by unimp
-    0.1.0 held its constant cache, ``unimp.backends.torch._TorchOps``)."""
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
