@@ -121,6 +121,23 @@ def test_invalid_loss_scale_config(backend, kwargs, field):
         )
 
 
+#: The cast modes each framework has ("auto" aside): torch.autocast is torch's alone.
+CAST_MODES = {"torch": {"autocast", "module"}, "tensorflow": {"module"}, "jax": {"module"}}
+
+
+@pytest.mark.parametrize("mode", ["auto", "autocast", "module"])
+def test_cast_mode_is_honoured_or_refused_in_one_line(backend, mode):
+    recipe = get_recipe("mixed_float16", cast_mode=mode)
+    if mode == "auto" or mode in CAST_MODES[backend]:
+        assert unimp.mixed_precision(recipe, backend=backend).recipe.cast_mode == mode
+    else:
+        with pytest.raises(ValueError, match=rf"^{backend} has no cast_mode='{mode}': use cast_mode 'auto' or 'module'") as e:
+            unimp.mixed_precision(recipe, backend=backend)
+        assert "\n" not in str(e.value)
+    # a float32 policy casts nothing, so every mode runs (Apex O0 is "autocast")
+    assert unimp.mixed_precision(get_recipe("float32", cast_mode=mode), backend=backend)
+
+
 @pytest.fixture
 def used_run(backend):
     run = kits.build(

@@ -64,9 +64,22 @@ class MixedPrecisionBase:
     """
 
     backend: str = ""
+    #: The :data:`unimp.recipe.CAST_MODES` this framework runs, ``"auto"`` aside (it picks the
+    #: first): torch has autocast and module casting; Keras's dtype policies and JAX's jmp-style
+    #: policies cast at layer / function boundaries, which is ``"module"``.
+    cast_modes: tuple[str, ...] = ()
 
     def __init__(self, recipe: Any = "mixed_float16") -> None:
-        self._recipe: Recipe = get_recipe(recipe)
+        recipe = get_recipe(recipe)
+        mode = recipe.cast_mode
+        # a float32 policy casts nothing: every mode means the same there (Apex O0 is "autocast")
+        if mode != "auto" and mode not in self.cast_modes and not recipe.policy.is_float32:
+            others = " or ".join(repr(m) for m in ("auto", *self.cast_modes))
+            raise ValueError(
+                f"{self.backend} has no cast_mode={mode!r}: use cast_mode {others} "
+                f"(e.g. get_recipe(name, cast_mode='auto'))."
+            )
+        self._recipe: Recipe = recipe
 
     @property
     def recipe(self) -> Recipe:
@@ -167,7 +180,7 @@ def export(package: str, namespace: dict[str, Any]) -> None:
 
     Pickles, Keras configs (``"module": ...``) and reprs then name the public path
     (``unimp.backends.torch.GradScaler``), which stays the same when a class moves between the
-    package's modules; objects saved before the backends became packages name it too.
+    package's modules.
     """
     for name in namespace["__all__"]:
         obj = namespace[name]

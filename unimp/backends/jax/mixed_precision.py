@@ -23,7 +23,7 @@ from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
 from unimp.backends.jax.step import TrainStep
 from unimp.step import check_stats_every
-from unimp.steprecorder import _with_log, check_log_every
+from unimp.steprecorder import check_log_every, with_log
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -53,6 +53,7 @@ class MixedPrecision(MixedPrecisionBase):
     _cast_tree = staticmethod(cast_tree)
 
     backend = "jax"
+    cast_modes = ("module",)
 
     def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
         resolved = None if device is None else _as_device(device)  # before anything is kept
@@ -290,4 +291,4 @@ class MixedPrecision(MixedPrecisionBase):
             stats_every=stats_every,
             schedule_counts=schedule_counts,
         )
-        return _with_log(step, self, log, log_every, step.loss_scale.config, jax.device_get)
+        return with_log(step, self, log, log_every, step.loss_scale.config, jax.device_get)

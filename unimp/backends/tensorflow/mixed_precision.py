@@ -23,7 +23,7 @@ from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.step import check_stats_every, check_step_options
-from unimp.steprecorder import _with_log, check_log_every
+from unimp.steprecorder import check_log_every, with_log
 
 
 def _cast_call(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -67,6 +67,7 @@ class MixedPrecision(MixedPrecisionBase):
     _cast_tree = staticmethod(cast_tree)
 
     backend = "tensorflow"
+    cast_modes = ("module",)
 
     def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
         resolved = None if device is None else _as_device(device)  # before anything is kept
@@ -410,4 +411,4 @@ class MixedPrecision(MixedPrecisionBase):
             device=self._device, stats_every=stats_every, policy=self.policy,
             schedule_counts=schedule_counts,
         )
-        return _with_log(step, self, log, log_every, step.optimizer.loss_scale_config, _to_host)
+        return with_log(step, self, log, log_every, step.optimizer.loss_scale_config, _to_host)

@@ -25,7 +25,7 @@ from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.step import TrainStep, _to_host
-from unimp.steprecorder import _with_log, check_log_every
+from unimp.steprecorder import check_log_every, with_log
 
 
 def _prepared_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -88,6 +88,7 @@ class MixedPrecision(MixedPrecisionBase):
     _cast_tree = staticmethod(cast_tree)
 
     backend = "torch"
+    cast_modes = ("autocast", "module")
 
     def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
         super().__init__(recipe)
@@ -360,4 +361,4 @@ class MixedPrecision(MixedPrecisionBase):
         step = TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
                          max_grad_norm=max_grad_norm, scheduler=scheduler,
                          stats_every=stats_every, schedule_counts=schedule_counts)
-        return _with_log(step, self, log, log_every, step.scaler.config, _to_host)
+        return with_log(step, self, log, log_every, step.scaler.config, _to_host)
