@@ -1,6 +1,7 @@
-"""The layout rules of unimp/: backends are packages of the same modules, files stay small,
-imports have no cycle, the framework-free core imports no framework, and the package
-``__init__`` files only re-export."""
+"""The layout rules of unimp/: backends are packages of the same modules, imports have no cycle
+(wherever they stand), no package imports another's private names, backends import only the
+core, the framework-free core imports no framework, and the package ``__init__`` files only
+re-export."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from unimp.backends._base import BACKEND_MODULES, COMMON_API
 UNIMP = pathlib.Path(__file__).resolve().parents[1] / "unimp"
 BACKENDS = ("torch", "tensorflow", "jax")
 CORE = ("dtypes", "policy", "precision", "loss_scale", "recipe", "registry", "step")
-MAX_LINES = 600
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -27,21 +27,48 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _runtime_imports(path: pathlib.Path) -> set[str]:
-    """unimp modules imported at module level (not under ``if TYPE_CHECKING:``, not inside a
-    function: those run after every module has loaded)."""
-    tree = ast.parse(path.read_text())
-    out: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
-            if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("unimp"):
-                out.add(sub.module)
-                out.update(f"{sub.module}.{a.name}" for a in sub.names)
-            elif isinstance(sub, ast.Import):
-                out.update(a.name for a in sub.names if a.name.startswith("unimp"))
+def _imports(path: pathlib.Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Every unimp import of a module, wherever it stands (module level, inside a function,
+    under ``if TYPE_CHECKING:``) and ``importlib.import_module("unimp...")`` with a literal
+    name: ``(module, names)`` pairs, relative imports resolved."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join([*base, module] if module else base)
+            if module.split(".")[0] == "unimp":
+                out.append((module, tuple(a.name for a in node.names)))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, ()) for a in node.names if a.name.split(".")[0] == "unimp"]
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("unimp.")
+        ):
+            out.append((node.args[0].value, ()))
     return out
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """The unimp modules ``path`` imports (``from pkg import module`` names the module)."""
+    out: set[str] = set()
+    for module, names in _imports(path):
+        for n in names or ("",):
+            full = f"{module}.{n}" if n else module
+            while full not in ALL and "." in full:
+                full = full.rpartition(".")[0]
+            out.add(full)
+    return out
+
+
+def _package(name: str) -> str:
+    return name if ALL[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
 ALL = {_module_name(p): p for p in UNIMP.rglob("*.py")}
@@ -55,15 +82,11 @@ def test_backend_packages_have_the_same_modules(fw):
     assert modules == sorted(BACKEND_MODULES)
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_no_module_is_over_the_size_limit(name):
-    lines = len(ALL[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concept (limit {MAX_LINES})"
-
-
 def test_no_import_cycle():
+    """Not even through a function-level or a type-checking import: a cycle there is two
+    modules that each need the other, whenever the import runs."""
     graph = {
-        name: {m for m in _runtime_imports(path) if m in ALL and m != name}
+        name: {m for m in _imported_modules(path) if m in ALL and m != name}
         for name, path in ALL.items()
     }
     done: set[str] = set()
@@ -81,6 +104,36 @@ def test_no_import_cycle():
         visit(name, [])
 
 
+def test_no_private_name_is_imported_across_packages():
+    """A ``_name`` is its package's own: another package reaches only public names."""
+    found = []
+    for name, path in sorted(ALL.items()):
+        for module, names in _imports(path):
+            source = module if module in ALL and ALL[module].name == "__init__.py" else module.rpartition(".")[0]
+            private = [n for n in names if n.startswith("_") and not n.startswith("__") and f"{module}.{n}" not in ALL]
+            if private and source != _package(name):
+                found.append(f"{name} imports {', '.join(private)} from {module}")
+    assert not found, "\n".join(found)
+
+
+#: What a backend never imports: the engine helpers, the porting shims, the user's commands, and
+#: the other backends (each translates the core alone).
+NOT_FOR_BACKENDS = ("unimp.distributed", "unimp.compat", "unimp.compare", "unimp.cli", "unimp.doctor")
+
+
+@pytest.mark.parametrize("fw", BACKENDS)
+def test_backends_import_only_the_core(fw):
+    own = f"unimp.backends.{fw}"
+    others = tuple(f"unimp.backends.{b}" for b in BACKENDS if b != fw)
+    found = sorted(
+        f"{name} imports {m}"
+        for name, path in ALL.items() if name == own or name.startswith(own + ".")
+        for m in _imported_modules(path)
+        if m.startswith(NOT_FOR_BACKENDS + others)
+    )
+    assert not found, "\n".join(found)
+
+
 @pytest.mark.parametrize("name", CORE)
 def test_core_imports_no_framework(name):
     files = [UNIMP / f"{name}.py"] if (UNIMP / f"{name}.py").exists() else [*(UNIMP / name).glob("*.py")]
@@ -96,7 +149,7 @@ def test_core_imports_no_framework(name):
 def test_package_init_only_reexports(fw):
     tree = ast.parse((UNIMP / "backends" / fw / "__init__.py").read_text())
     defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    assert defined in ([], ["__getattr__"])  # __getattr__: moved private names for old pickles
+    assert defined == []
 
 
 @pytest.mark.parametrize("fw", BACKENDS)

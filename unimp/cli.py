@@ -15,13 +15,10 @@ from typing import Any, NoReturn
 import unimp
 from unimp import registry
 from unimp._stderr import native_stderr_filtered as _native_stderr_filtered
+from unimp.compare.commands import UsageError, backends_arg
 from unimp.dtypes import float8_line
 from unimp.loss_scale import LossScaleError
 from unimp.precision import describe_matmul_precision
-
-
-class UsageError(Exception):
-    """A bad argument: printed as one line, exit code 2."""
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -233,7 +230,7 @@ def _compare(args: argparse.Namespace) -> int:
     _check_out_dir(out_dir, args.out)
     cfg = CompareConfig(
         recipe=args.recipe,
-        backends=_backends_arg(args.backends),
+        backends=backends_arg(args.backends),
         model=args.model,
         data=args.data,
         epochs=args.epochs,
@@ -306,15 +303,6 @@ def _compare(args: argparse.Namespace) -> int:
         print("\n".join(f"  {row}" for row in report["trace_diff_text"]))
     print("wrote " + ", ".join(written))
     return 0
-
-
-def _backends_arg(value: str | None) -> tuple[str, ...] | None:
-    if value is None or not value.strip():
-        return None
-    backends = tuple(b.strip() for b in value.split(",") if b.strip())
-    if not backends:
-        raise UsageError(f"--backends {value!r} names no backend; e.g. --backends torch,jax")
-    return backends
 
 
 def _log_dir(value: str | None) -> str | None:

@@ -42,13 +42,12 @@ import fnmatch
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
-from unimp.dtypes import canonical_dtype
-
-if TYPE_CHECKING:
-    from unimp.policy import Policy
+#: A layer's policy (:class:`unimp.Policy`): the matching rule here is generic over it, so this
+#: module imports no policy (the policy module imports it).
+P = TypeVar("P")
 
 __all__ = [
     "OverrideWarning",
@@ -93,56 +92,16 @@ def check_pattern(pattern: Any, field: str = "Policy.overrides") -> str:
     return pattern.replace("/", ".")
 
 
-def _value_policy(pattern: str, value: Any, parent_param_dtype: str) -> Policy:
-    from unimp.policy import Policy, get_policy  # circular at import time: policy imports us
-
-    if isinstance(value, Policy):
-        policy = value
-    elif isinstance(value, str):
-        try:
-            d = canonical_dtype(value.strip())
-        except ValueError:
-            try:
-                policy = get_policy(value)
-            except ValueError as e:
-                raise ValueError(
-                    f"Policy.overrides[{pattern!r}]: {value!r} is neither a dtype nor a policy: {e}"
-                ) from None
-        else:
-            policy = Policy(parent_param_dtype, d, d)
-    else:
-        raise TypeError(
-            f"Policy.overrides[{pattern!r}]: a value must be a Policy, a policy name or a dtype "
-            f"name like 'float32', got {type(value).__name__}."
-        )
-    if policy.overrides:
-        raise ValueError(
-            f"Policy.overrides[{pattern!r}]: an override's policy cannot have overrides of its "
-            "own; write each pattern at the top level."
-        )
-    whole = {f: getattr(policy, f) for f in _WHOLE_MODEL if getattr(policy, f) is not None}
-    if whole:
-        given = ", ".join(f"{f}={v!r}" for f, v in whole.items())
-        raise ValueError(
-            f"Policy.overrides[{pattern!r}]: an override sets a layer's dtypes only; {given} "
-            "applies to the whole step: set it on the top-level policy, and give the override "
-            f"its dtypes (e.g. {policy.compute_dtype!r})."
-        )
-    return policy
-
-
-#: Policy fields that apply to the whole step (the matmul precision switch, the all-reduce and
-#: the gradient accumulation), never to one layer: an override that sets one is refused.
-_WHOLE_MODEL = ("matmul_precision", "reduce_dtype", "accum_dtype")
-
-
-def normalize_overrides(overrides: Any, parent_param_dtype: str) -> tuple[tuple[str, Policy], ...]:
+def normalize_overrides(
+    overrides: Any, value_policy: Callable[[str, Any], P]
+) -> tuple[tuple[str, P], ...]:
     """The canonical, hashable form of ``Policy(overrides=...)``.
 
     Args:
         overrides: a mapping ``{pattern: value}`` or an iterable of ``(pattern, value)`` pairs
             (the stored form), or ``None``; values as in this module's docstring.
-        parent_param_dtype: the policy's canonical param dtype (what a dtype value keeps).
+        value_policy: ``(pattern, value) -> Policy``, the checked policy of one value
+            (:class:`~unimp.Policy` passes its own, so this module imports no policy).
 
     Returns:
         ``((pattern, Policy), ...)`` sorted by pattern, so equal contents are equal policies
@@ -171,12 +130,12 @@ def normalize_overrides(overrides: Any, parent_param_dtype: str) -> tuple[tuple[
             f"Policy.overrides must be a dict {{pattern: policy_or_dtype}}, got "
             f"{type(overrides).__name__}."
         )
-    out: dict[str, Policy] = {}
+    out: dict[str, P] = {}
     for pattern, value in items:
         pattern = check_pattern(pattern)
         if pattern in out:
             raise ValueError(f"Policy.overrides: pattern {pattern!r} is given twice.")
-        out[pattern] = _value_policy(pattern, value, parent_param_dtype)
+        out[pattern] = value_policy(pattern, value)
     return tuple(sorted(out.items()))
 
 
@@ -198,8 +157,8 @@ def pattern_matches(pattern: str, path: str) -> bool:
 
 
 def match_overrides(
-    overrides: Iterable[tuple[str, Policy]], path: str
-) -> tuple[str, Policy] | None:
+    overrides: Iterable[tuple[str, P]], path: str
+) -> tuple[str, P] | None:
     """The override that covers ``path``: ``(pattern, policy)``, or ``None`` when none does.
 
     The rule of this module: every matching pattern must give the same policy; the first
@@ -208,7 +167,7 @@ def match_overrides(
     Raises:
         ValueError: two patterns cover ``path`` with different policies (names both).
     """
-    found: tuple[str, Policy] | None = None
+    found: tuple[str, P] | None = None
     for pattern, policy in overrides:
         if not pattern_matches(pattern, path):
             continue
@@ -224,8 +183,8 @@ def match_overrides(
 
 
 def resolve_overrides(
-    overrides: Iterable[tuple[str, Policy]], paths: Iterable[str], *, what: str = "layer"
-) -> dict[str, Policy]:
+    overrides: Iterable[tuple[str, P]], paths: Iterable[str], *, what: str = "layer"
+) -> dict[str, P]:
     """Applies overrides to a model's paths: ``{path: policy}`` for every covered path.
 
     Checks everything before returning, so a backend can validate a model before changing it.
@@ -246,7 +205,7 @@ def resolve_overrides(
     """
     overrides = tuple(overrides)
     paths = list(dict.fromkeys(paths))
-    out: dict[str, Policy] = {}
+    out: dict[str, P] = {}
     used: set[str] = set()
     for path in paths:
         hit = match_overrides(overrides, path)
@@ -284,11 +243,11 @@ def _caller_level() -> int:
     return level
 
 
-def top_paths(resolved: Mapping[str, Policy]) -> dict[str, Policy]:
+def top_paths(resolved: Mapping[str, P]) -> dict[str, P]:
     """The outermost covered paths: those whose dotted parents are not covered with the same
     policy. A backend applies an override once there (a torch module and not again its
     submodules)."""
-    out: dict[str, Policy] = {}
+    out: dict[str, P] = {}
     for path, policy in resolved.items():
         parts = path.split(".")
         parents = (".".join(parts[:i]) for i in range(1, len(parts)))

@@ -85,7 +85,9 @@ class Policy:
             object.__setattr__(self, field, canonical)
         precision = check_matmul_precision(self.matmul_precision, "Policy.matmul_precision")
         object.__setattr__(self, "matmul_precision", precision)
-        object.__setattr__(self, "overrides", normalize_overrides(self.overrides, self.param_dtype))
+        object.__setattr__(self, "overrides", normalize_overrides(
+            self.overrides, lambda pattern, value: _override_policy(pattern, value, self.param_dtype)
+        ))
 
     def __str__(self) -> str:
         base = f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
@@ -405,3 +407,46 @@ def _parse_overrides(text: str, platform: str | None) -> Policy:
             )
         pairs.append((pattern.strip(), value.strip()))
     return parent.with_(overrides=pairs)
+
+
+#: Policy fields that apply to the whole step (the matmul precision switch, the all-reduce and
+#: the gradient accumulation), never to one layer: an override that sets one is refused.
+_WHOLE_MODEL = ("matmul_precision", "reduce_dtype", "accum_dtype")
+
+
+def _override_policy(pattern: str, value: Any, parent_param_dtype: str) -> Policy:
+    """The checked policy of one ``Policy.overrides`` value (a policy, a policy name or a dtype
+    name, which keeps the parent's param dtype); the rules are in :mod:`unimp.overrides`."""
+    if isinstance(value, Policy):
+        policy = value
+    elif isinstance(value, str):
+        try:
+            d = canonical_dtype(value.strip())
+        except ValueError:
+            try:
+                policy = get_policy(value)
+            except ValueError as e:
+                raise ValueError(
+                    f"Policy.overrides[{pattern!r}]: {value!r} is neither a dtype nor a policy: {e}"
+                ) from None
+        else:
+            policy = Policy(parent_param_dtype, d, d)
+    else:
+        raise TypeError(
+            f"Policy.overrides[{pattern!r}]: a value must be a Policy, a policy name or a dtype "
+            f"name like 'float32', got {type(value).__name__}."
+        )
+    if policy.overrides:
+        raise ValueError(
+            f"Policy.overrides[{pattern!r}]: an override's policy cannot have overrides of its "
+            "own; write each pattern at the top level."
+        )
+    whole = {f: getattr(policy, f) for f in _WHOLE_MODEL if getattr(policy, f) is not None}
+    if whole:
+        given = ", ".join(f"{f}={v!r}" for f, v in whole.items())
+        raise ValueError(
+            f"Policy.overrides[{pattern!r}]: an override sets a layer's dtypes only; {given} "
+            "applies to the whole step: set it on the top-level policy, and give the override "
+            f"its dtypes (e.g. {policy.compute_dtype!r})."
+        )
+    return policy

@@ -28,7 +28,7 @@ from unimp.stats import first_nonfinite, first_nonfinite_gradient
 from unimp.step import _KIND, STEP_FIELDS, StepResult
 from unimp.steplog import StepLogWriter
 
-__all__ = ["LoggedStep", "StepRecorder", "check_log_every"]
+__all__ = ["LoggedStep", "StepRecorder", "check_log_every", "with_log"]
 
 
 
@@ -177,7 +177,7 @@ class StepRecorder:
 
 
 class LoggedStep:
-    """What every backend's train step has for ``log=``: the recorder :func:`_with_log`
+    """What every backend's train step has for ``log=``: the recorder :func:`with_log`
     attaches (None without a log) and :meth:`close`."""
 
     _recorder: StepRecorder | None = None
@@ -188,7 +188,7 @@ class LoggedStep:
             self._recorder.close()
 
 
-def _with_log(step: Any, mp: Any, log: Any, log_every: int, config: Any, to_host: Callable[[Any], Any]) -> Any:
+def with_log(step: Any, mp: Any, log: Any, log_every: int, config: Any, to_host: Callable[[Any], Any]) -> Any:
     """Attaches a :class:`StepRecorder` to a train step built by ``mp.train_step`` (after the
     step was built, so a failed build writes no file)."""
     if log is not None:

@@ -287,7 +287,7 @@ def run_audit(
 
     from unimp.compare.data import batches
     from unimp.compare.models import hidden_size, init_weights, weight_layer
-    from unimp.compare.run import RunSpec, _device_for, validate
+    from unimp.compare.run import RunSpec, device_for, validate
     from unimp.loss_scale import StaticLossScale
     from unimp.recipe import get_recipe
     from unimp.stats import StepStats
@@ -329,7 +329,7 @@ def run_audit(
         runner = importlib.import_module(f"unimp.compare.runner_{b}")
         spec = RunSpec(
             recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
-            cfg.optimizer, cfg.lr, _device_for(b, cfg.device), stats_every=1,
+            cfg.optimizer, cfg.lr, device_for(b, cfg.device), stats_every=1,
             log=None if log_dir is None else os.path.join(log_dir, f"{b}.jsonl"),
         )  # fmt: skip
         if progress_factory is None:

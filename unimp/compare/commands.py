@@ -1,4 +1,5 @@
-"""The bodies of ``unimp trace`` and ``unimp audit`` (their options are in :mod:`unimp.cli`)."""
+"""The bodies of ``unimp trace`` and ``unimp audit`` (their options are in :mod:`unimp.cli`), and
+the usage error and the ``--backends`` parser every command shares."""
 
 from __future__ import annotations
 
@@ -9,9 +10,21 @@ import sys
 from collections import Counter
 from typing import Any
 
-from unimp.cli import _backends_arg
+__all__ = ["UsageError", "audit_command", "backends_arg", "trace_command"]
 
-__all__ = ["audit_command", "trace_command"]
+
+class UsageError(Exception):
+    """A bad argument: printed as one line, exit code 2."""
+
+
+def backends_arg(value: str | None) -> tuple[str, ...] | None:
+    """``--backends a,b``: the names as a tuple, None for every installed backend."""
+    if value is None or not value.strip():
+        return None
+    backends = tuple(b.strip() for b in value.split(",") if b.strip())
+    if not backends:
+        raise UsageError(f"--backends {value!r} names no backend; e.g. --backends torch,jax")
+    return backends
 
 
 def _dtype_counts(counter: Any) -> str:
@@ -25,7 +38,7 @@ def trace_command(args: argparse.Namespace) -> int:
 
     cfg = CompareConfig(
         recipe=args.recipe,
-        backends=_backends_arg(args.backends),
+        backends=backends_arg(args.backends),
         model=args.model,
         data=args.data,
         batch_size=args.batch_size,
@@ -104,7 +117,7 @@ def audit_command(args: argparse.Namespace) -> int:
     from unimp.compare.run import CompareConfig
 
     cfg = CompareConfig(
-        backends=_backends_arg(args.backends),
+        backends=backends_arg(args.backends),
         model=args.model,
         data=args.data,
         batch_size=args.batch_size,

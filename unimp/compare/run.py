@@ -22,7 +22,7 @@ from unimp.compare.threads import check_threads, threads
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
-__all__ = ["CompareConfig", "RunSpec", "run_compare", "train_loop", "validate"]
+__all__ = ["CompareConfig", "RunSpec", "device_for", "run_compare", "trace_diff", "train_loop", "validate"]
 
 OPTIMIZERS = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
@@ -231,7 +231,7 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
         check_threads(cfg.threads)
     backends = _resolve_backends(cfg.backends)
     for b in backends:  # a device a backend cannot use fails here, before any backend trains
-        _device_for(b, cfg.device)
+        device_for(b, cfg.device)
     ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
     if cfg.batch_size < 1 or cfg.batch_size > len(ds.x_train):
         raise ValueError(
@@ -240,7 +240,7 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
     return recipe, backends, ds
 
 
-def _device_for(backend: str, wanted: str) -> str:
+def device_for(backend: str, wanted: str) -> str:
     module = registry.get_backend(backend)
     info = module.device_info()
     devices = [d["device"] for d in info]
@@ -269,7 +269,7 @@ def run_compare(
         The report dict (what ``report.json`` holds).
     """
     recipe, backends, ds = validate(cfg)
-    devices = {b: _device_for(b, cfg.device) for b in backends}
+    devices = {b: device_for(b, cfg.device) for b in backends}
     weights = init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
     steps = batches(
         ds,
@@ -381,10 +381,22 @@ def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def trace_diff(traces: dict[str, Any], reference: dict[str, Any] | None = None) -> list[Any]:
+    """:func:`unimp.trace.diff` of the forward passes (:class:`unimp.trace.Trace` by label),
+    with each backend's ``NOTES``: a list of :class:`unimp.trace.DiffRow`."""
+    from unimp.trace import diff
+
+    notes = {}
+    for label, t in {**traces, **(reference or {})}.items():
+        notes[label] = importlib.import_module(f"unimp.backends.{t.framework}.trace").NOTES
+    if len(traces) == 1 and reference:  # one framework: what it runs against float32
+        return diff({**traces, **reference}, notes=notes)
+    return diff(traces, reference=reference, notes=notes) if len(traces) > 1 else []
+
+
 def _add_trace_diff(report: dict[str, Any]) -> None:
     """The dtype-trace diff of the runs' first steps (beside the first float32 baseline run),
     and each run's trace reduced to its summary (the records would make report.json large)."""
-    from unimp.compare.trace import trace_diff
     from unimp.trace import Trace
 
     def take(runs: dict[str, Any]) -> dict[str, Trace]:

@@ -14,16 +14,15 @@ from typing import Any
 
 from unimp import registry
 from unimp.compare.models import hidden_size, init_weights
-from unimp.compare.run import CompareConfig, RunSpec, validate
+from unimp.compare.run import CompareConfig, RunSpec, device_for, trace_diff, validate
 from unimp.recipe import Recipe, get_recipe
-from unimp.trace import DiffRow, Trace, diff
+from unimp.trace import Trace
 
-__all__ = ["trace_compare_model", "trace_diff", "trace_report"]
+__all__ = ["trace_compare_model", "trace_report"]
 
 
 def _spec(cfg: CompareConfig, recipe: Recipe, backend: str) -> tuple[RunSpec, Any]:
     from unimp.compare.data import batches, load_dataset
-    from unimp.compare.run import _device_for
 
     ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
     weights = init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
@@ -33,7 +32,7 @@ def _spec(cfg: CompareConfig, recipe: Recipe, backend: str) -> tuple[RunSpec, An
     )[:1]  # fmt: skip
     spec = RunSpec(
         recipe, cfg.model, weights, first, ds.x_test, ds.y_test, ds.num_classes,
-        cfg.optimizer, cfg.lr, _device_for(backend, cfg.device),
+        cfg.optimizer, cfg.lr, device_for(backend, cfg.device),
     )  # fmt: skip
     return spec, first[0]
 
@@ -56,16 +55,6 @@ def trace_compare_model(cfg: CompareConfig, backend: str, recipe: Recipe | None 
     spec, batch = _spec(cfg, rec, name)
     mp, step, convert = runner.build(spec)
     return mp.trace(step, convert(batch), recipe=rec.describe())
-
-
-def trace_diff(traces: dict[str, Trace], reference: dict[str, Trace] | None = None) -> list[DiffRow]:
-    """:func:`unimp.trace.diff` of the forward passes, with each backend's ``NOTES``."""
-    notes = {}
-    for label, t in {**traces, **(reference or {})}.items():
-        notes[label] = importlib.import_module(f"unimp.backends.{t.framework}.trace").NOTES
-    if len(traces) == 1 and reference:  # one framework: what it runs against float32
-        return diff({**traces, **reference}, notes=notes)
-    return diff(traces, reference=reference, notes=notes) if len(traces) > 1 else []
 
 
 def trace_report(

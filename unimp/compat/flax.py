@@ -42,7 +42,12 @@ from jax import lax
 
 from unimp import loss_scale as core
 from unimp.backends.jax.overflow import all_finite
-from unimp.backends.jax.scaling import _STATIC, _JaxOps, _pytree_from_fields, _replace_unchecked
+from unimp.backends.jax.scaling import (
+    STATIC_FIELDS,
+    LossScaleOps,
+    pytree_from_fields,
+    replace_unchecked,
+)
 
 __all__ = ["DynamicScale", "DynamicScaleResult"]
 
@@ -75,12 +80,12 @@ class DynamicScale:
         ValueError: a bad factor, interval or floor (named).
     """
 
-    growth_factor: float = dataclasses.field(default=2.0, metadata=_STATIC)
-    backoff_factor: float = dataclasses.field(default=0.5, metadata=_STATIC)
-    growth_interval: int = dataclasses.field(default=2000, metadata=_STATIC)
+    growth_factor: float = dataclasses.field(default=2.0, metadata=STATIC_FIELDS)
+    backoff_factor: float = dataclasses.field(default=0.5, metadata=STATIC_FIELDS)
+    growth_interval: int = dataclasses.field(default=2000, metadata=STATIC_FIELDS)
     fin_steps: Any = 0
     scale: Any = 65536.0
-    minimum_scale: float | None = dataclasses.field(default=_F32_TINY, metadata=_STATIC)
+    minimum_scale: float | None = dataclasses.field(default=_F32_TINY, metadata=STATIC_FIELDS)
 
     def __post_init__(self) -> None:
         self.config  # validates the rule before anything is used  # noqa: B018
@@ -141,17 +146,17 @@ class DynamicScale:
             loss_finite = all_finite(value, axis_name)
             zero = jnp.int32(0)
             scale, counter, _, _ = core.update_arrays(
-                _JaxOps, self.config, self.scale, self.fin_steps, zero, zero,
+                LossScaleOps, self.config, self.scale, self.fin_steps, zero, zero,
                 grads_finite, loss_finite,
             )
-            new = _replace_unchecked(self, fin_steps=counter, scale=scale)
+            new = replace_unchecked(self, fin_steps=counter, scale=scale)
             return DynamicScaleResult(new, grads_finite & loss_finite, aux, grad)
 
         return wrapped
 
 
 # flax's children (fin_steps, scale), the rule's constants static: read from the fields
-_pytree_from_fields(DynamicScale)
+pytree_from_fields(DynamicScale)
 
 
 def _to_state_dict(ds: DynamicScale) -> dict[str, Any]:
@@ -162,7 +167,7 @@ def _to_state_dict(ds: DynamicScale) -> dict[str, Any]:
 
 
 def _from_state_dict(target: DynamicScale, state: dict[str, Any]) -> DynamicScale:
-    return _replace_unchecked(
+    return replace_unchecked(
         target,
         fin_steps=jnp.asarray(state["fin_steps"], jnp.int32),
         scale=jnp.asarray(state["scale"], jnp.float32),

@@ -39,10 +39,15 @@ import numpy as np
 
 from unimp import loss_scale as core
 from unimp.backends.jax.casting import cast_tree
-from unimp.backends.jax.overflow import _check_pred
 from unimp.backends.jax.overflow import all_finite as _all_finite
+from unimp.backends.jax.overflow import check_pred
 from unimp.backends.jax.overflow import select_tree as _select_tree
-from unimp.backends.jax.scaling import _STATIC, _JaxOps, _pytree_from_fields, _replace_unchecked
+from unimp.backends.jax.scaling import (
+    STATIC_FIELDS,
+    LossScaleOps,
+    pytree_from_fields,
+    replace_unchecked,
+)
 from unimp.dtypes import canonical_dtype
 from unimp.policy import get_policy as _get_policy
 
@@ -225,9 +230,9 @@ class DynamicLossScale:
 
     loss_scale: Any
     counter: Any = 0
-    period: int = dataclasses.field(default=2000, metadata=_STATIC)
-    factor: Any = dataclasses.field(default=2, metadata=_STATIC)
-    min_loss_scale: Any = dataclasses.field(default=1.0, metadata=_STATIC)
+    period: int = dataclasses.field(default=2000, metadata=STATIC_FIELDS)
+    factor: Any = dataclasses.field(default=2, metadata=STATIC_FIELDS)
+    min_loss_scale: Any = dataclasses.field(default=1.0, metadata=STATIC_FIELDS)
 
     def __post_init__(self) -> None:
         self.config  # validates period, factor and floor before anything is used  # noqa: B018
@@ -269,16 +274,16 @@ class DynamicLossScale:
         Raises:
             ValueError: ``grads_finite`` is not a bool scalar.
         """
-        g = _check_pred(grads_finite, "DynamicLossScale.adjust(grads_finite)")
+        g = check_pred(grads_finite, "DynamicLossScale.adjust(grads_finite)")
         zero = jnp.int32(0)
         scale, counter, _, _ = core.update_arrays(
-            _JaxOps, self.config, self.loss_scale, self.counter, zero, zero, g, jnp.array(True)
+            LossScaleOps, self.config, self.loss_scale, self.counter, zero, zero, g, jnp.array(True)
         )
-        return _replace_unchecked(self, loss_scale=scale, counter=counter)
+        return replace_unchecked(self, loss_scale=scale, counter=counter)
 
 
 # jmp's children (loss_scale, counter); the floor travels with period and factor as static
 # data, read from the dataclass fields (jmp's hand-written flatten dropped it)
-_pytree_from_fields(DynamicLossScale)
+pytree_from_fields(DynamicLossScale)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007 (jmp's name)

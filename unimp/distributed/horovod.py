@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from unimp.backends.torch import GradScaler as _TorchGradScaler
-from unimp.distributed.torch import _config_code
-from unimp.loss_scale import EXTRA_FIELDS, warn_replica_desync
+from unimp.backends.torch.overflow import FINGERPRINT_FIELDS, state_fingerprint
+from unimp.loss_scale import warn_replica_desync
 
 try:
     import horovod.torch as hvd
@@ -65,7 +65,6 @@ __all__ = [
     "broadcast_state",
 ]
 
-_FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", *EXTRA_FIELDS, "config")
 
 
 class GradScaler(_TorchGradScaler):
@@ -99,12 +98,10 @@ class GradScaler(_TorchGradScaler):
         if self._replicas_checked:
             return
         if hvd.size() > 1:
-            parts = [self._scale, self._counter, self._consecutive, self._total, *self._extra]
-            v = torch.stack([t.to(torch.float64) for t in parts]
-                            + [torch.tensor(_config_code(self.config), dtype=torch.float64, device=self.device)])
+            v = state_fingerprint(self)
             both = hvd.allreduce(torch.cat([v, -v]), op=hvd.Max, name="unimp.state_fingerprint")
             hi, lo = both[: len(v)].tolist(), (-both[len(v):]).tolist()
-            differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(_FIELDS, lo, hi, strict=True) if a != b]
+            differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(FINGERPRINT_FIELDS, lo, hi, strict=True) if a != b]
             if differ:
                 broadcast_state(self, root_rank=0)
                 warn_replica_desync("Load the same checkpoint on every rank", differ, stacklevel=3)

@@ -14,7 +14,7 @@ import numpy as np
 
 # one rule for integer fields in every config: an int, or a float with an integral value (16.0,
 # as JSON from some tools writes it), within int32
-from unimp.loss_scale.config import _positive_int
+from unimp.loss_scale.config import positive_int
 
 #: Largest finite value of each float8 dtype (ml_dtypes / torch.finfo / TE ``fp8_dtype_max``).
 FP8_MAX: dict[str, float] = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
@@ -132,7 +132,7 @@ class DelayedScaling(_Fp8Config):
 
     def __post_init__(self) -> None:
         c = "DelayedScaling"
-        object.__setattr__(self, "margin", _positive_int(c, "margin", self.margin, 0))
+        object.__setattr__(self, "margin", positive_int(c, "margin", self.margin, 0))
         if self.margin > 127:
             # 2**margin must be a finite float32: past it every rule's scale is 0 (scale_inv
             # inf), and Python's 2.0**1024 raises OverflowError inside the Keras/flax rule
@@ -141,7 +141,7 @@ class DelayedScaling(_Fp8Config):
                 f"margin makes every scale 0), got {self.margin!r}."
             )
         object.__setattr__(
-            self, "amax_history_len", _positive_int(c, "amax_history_len", self.amax_history_len, 1)
+            self, "amax_history_len", positive_int(c, "amax_history_len", self.amax_history_len, 1)
         )
         _choice(c, "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
         _choice(c, "fp8_format", self.fp8_format, tuple(FORMATS))

@@ -49,7 +49,7 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     return finite
 
 
-def _check_pred(pred: Any, where: str) -> jax.Array:
+def check_pred(pred: Any, where: str) -> jax.Array:
     if isinstance(pred, jax.Array) or isinstance(pred, (np.ndarray, np.generic, bool)):
         p = jnp.asarray(pred)
     else:
@@ -81,7 +81,7 @@ def select_tree(pred: Any, a: Any, b: Any) -> Any:
         ValueError: ``pred`` is not a bool scalar, or the trees differ in structure, shape or
             dtype (the message names the first differing leaf).
     """
-    p = _check_pred(pred, "select_tree")
+    p = check_pred(pred, "select_tree")
     sa, sb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
     if sa != sb:
         raise ValueError(f"select_tree: a and b must have the same structure, got {sa} and {sb}.")

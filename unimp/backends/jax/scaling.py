@@ -17,10 +17,10 @@ import numpy as np
 
 from unimp import loss_scale as core
 from unimp.backends.jax.casting import _is_floating_array
-from unimp.backends.jax.overflow import _check_pred
+from unimp.backends.jax.overflow import check_pred
 
 
-class _JaxOps:
+class LossScaleOps:
     """The array namespace :func:`unimp.loss_scale.update_arrays` runs on: jnp scalars."""
 
     where = staticmethod(jnp.where)
@@ -37,18 +37,18 @@ class _JaxOps:
         return jnp.asarray(x, jnp.int32)
 
 
-_STATIC = {"static": True}
+STATIC_FIELDS = {"static": True}
 
 
 def _register_pytree(cls: type) -> type:
-    """The loss-scale pytrees: :func:`_pytree_from_fields`, and only ``loss_scale`` and
+    """The loss-scale pytrees: :func:`pytree_from_fields`, and only ``loss_scale`` and
     ``counter`` positional (:func:`_refuse_jmp_positional`)."""
-    _pytree_from_fields(cls)
+    pytree_from_fields(cls)
     _refuse_jmp_positional(cls)
     return cls
 
 
-def _replace_unchecked(obj: Any, **changes: Any) -> Any:
+def replace_unchecked(obj: Any, **changes: Any) -> Any:
     """A copy of a frozen dataclass with fields replaced, skipping ``__init__``: no validation
     and no host sync (for values an update computed, possibly tracers)."""
     new = object.__new__(type(obj))
@@ -63,7 +63,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _pytree_from_fields(cls: type) -> type:
+def pytree_from_fields(cls: type) -> type:
     """Registers a frozen dataclass as a pytree, fields read from ``dataclasses.fields``
     (never a hand-written list: jmp lost ``min_loss_scale`` through ``jit`` that way).
 
@@ -153,11 +153,11 @@ class _LossScale:
     counter: Any = 0
     consecutive_skips: Any = 0
     total_skips: Any = 0
-    hysteresis_used: Any = 0  # the format-2 fields (unimp.loss_scale.EXTRA_FIELDS)
+    hysteresis_used: Any = 0  # the extra fields (unimp.loss_scale.EXTRA_FIELDS)
     overflows_since_rescale: Any = 0
     steps_since_rescale: Any = 0
     floor_hits: Any = 0
-    config: Any = field(default=None, metadata=_STATIC)
+    config: Any = field(default=None, metadata=STATIC_FIELDS)
 
     _config_cls: ClassVar[type] = core.DynamicLossScale
 
@@ -243,11 +243,11 @@ class _LossScale:
         Raises:
             ValueError: a flag is not a bool scalar.
         """
-        g = _check_pred(grads_finite, f"{type(self).__name__}.adjust(grads_finite)")
-        lf = _check_pred(loss_finite, f"{type(self).__name__}.adjust(loss_finite)")
+        g = check_pred(grads_finite, f"{type(self).__name__}.adjust(grads_finite)")
+        lf = check_pred(loss_finite, f"{type(self).__name__}.adjust(loss_finite)")
         extra = tuple(getattr(self, n) for n in core.EXTRA_FIELDS) if core.tracks_extra(self.config) else None
         out = core.update_arrays(
-            _JaxOps, self.config, *self._held()[:4], g, lf, extra=extra
+            LossScaleOps, self.config, *self._held()[:4], g, lf, extra=extra
         )
         names = [f.name for f in dataclasses.fields(core.LossScaleState)]
         return self._evolve(loss_scale=out[0], **dict(zip(names[1:len(out)], out[1:], strict=True)))
@@ -261,7 +261,7 @@ class _LossScale:
     def _evolve(self, **changes: Any) -> Any:
         """A copy with fields replaced, skipping ``__init__`` (the values come from
         update_arrays, already float32 / int32 scalars)."""
-        return _replace_unchecked(self, **changes)
+        return replace_unchecked(self, **changes)
 
     # -- conversions ------------------------------------------------------------------------
 
@@ -362,7 +362,7 @@ class DynamicLossScale(_LossScale):
         (0.25, 0.25)
     """
 
-    config: core.DynamicLossScale = field(default=None, metadata=_STATIC)
+    config: core.DynamicLossScale = field(default=None, metadata=STATIC_FIELDS)
 
     _config_cls: ClassVar[type] = core.DynamicLossScale
 
@@ -426,7 +426,7 @@ class StaticLossScale(_LossScale):
         ValueError: a concrete ``loss_scale`` different from ``config.scale``.
     """
 
-    config: core.StaticLossScale = field(default=None, metadata=_STATIC)
+    config: core.StaticLossScale = field(default=None, metadata=STATIC_FIELDS)
 
     _config_cls: ClassVar[type] = core.StaticLossScale
 
@@ -456,7 +456,7 @@ class NoOpLossScale(_LossScale):
         config: a :class:`unimp.NoLossScale`.
     """
 
-    config: core.NoLossScale = field(default=None, metadata=_STATIC)
+    config: core.NoLossScale = field(default=None, metadata=STATIC_FIELDS)
 
     _config_cls: ClassVar[type] = core.NoLossScale
 
@@ -525,4 +525,4 @@ def _changed_fields(ls: LossScale, forward: bool) -> dict[str, Any]:
 
 def _rejoin(old: LossScale, changed: Mapping[str, Any]) -> LossScale:
     """``old`` with the fields :func:`_changed_fields` returned."""
-    return _replace_unchecked(old, **changed)
+    return replace_unchecked(old, **changed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.jax.devices import _commit_like, _device_leaf
 from unimp.backends.jax.optimizer import (
     _contains_loss_scaling,
@@ -58,9 +59,6 @@ from unimp.step import (
     warn_half_optimizer_state,
 )
 from unimp.steprecorder import LoggedStep
-
-if TYPE_CHECKING:
-    from unimp.backends.jax.mixed_precision import MixedPrecision
 
 
 class TrainStep(LoggedStep):
@@ -164,7 +162,7 @@ class TrainStep(LoggedStep):
 
     def __init__(
         self,
-        mp: MixedPrecision,
+        mp: MixedPrecisionBase,
         loss_fn: Callable[[Any, Any], Any],
         optimizer: optax.GradientTransformation,
         params: Any,

@@ -18,10 +18,11 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`, :func:`keras_policy_name`.
 * ``overflow``: :func:`all_finite`, the replica re-sync warning.
 * ``scaling``: the rule's array namespace over TF tensors, unscaling (dense and
-  ``IndexedSlices``), the config fields a traced graph builds in, :class:`LossScaleCheck` (the
-  ``max_consecutive_skips`` / ``floor_action`` checks as a ``model.fit`` callback).
+  ``IndexedSlices``), the config fields a traced graph builds in.
 * ``optimizer``: :class:`LossScaleOptimizer` (a Keras optimizer holding the loss-scale state; a
-  skipped step leaves the variables and the inner optimizer's state unchanged).
+  skipped step leaves the variables and the inner optimizer's state unchanged), and
+  :class:`LossScaleCheck` (its ``max_consecutive_skips`` / ``floor_action`` checks as a
+  ``model.fit`` callback).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the layer-call
   recording a statistics step traces with (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep`.
@@ -58,11 +59,10 @@ from unimp.backends.tensorflow.fp8 import (
     fp8_step,
 )
 from unimp.backends.tensorflow.mixed_precision import MixedPrecision
-from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
+from unimp.backends.tensorflow.optimizer import LossScaleCheck, LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.overrides import apply_overrides, dtype_policy_map, layer_paths
 from unimp.backends.tensorflow.precision import current_matmul_precision, matmul_precision
-from unimp.backends.tensorflow.scaling import LossScaleCheck
 from unimp.backends.tensorflow.stats import tensor_stats
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.loss_scale import ReplicaDesyncWarning

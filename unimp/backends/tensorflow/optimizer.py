@@ -1,6 +1,7 @@
 """TensorFlow optimizer: :class:`LossScaleOptimizer`, a Keras 3 optimizer that holds the loss-scale
 state and applies a step only when it is finite (a skipped step leaves the variables and the
-inner optimizer's state unchanged), with tf.keras 2's ``get_scaled_loss`` / ``get_unscaled_gradients``.
+inner optimizer's state unchanged), with tf.keras 2's ``get_scaled_loss`` / ``get_unscaled_gradients``, and :class:`LossScaleCheck`, the
+``model.fit`` callback that acts on its ``max_consecutive_skips`` and ``floor_action``.
 """
 
 from __future__ import annotations
@@ -16,19 +17,20 @@ from keras.src.utils import tracking
 
 from unimp.backends.tensorflow.overflow import _warn_resync, all_finite
 from unimp.backends.tensorflow.scaling import (
+    LossScaleOps,
     _check_keras_arguments,
     _count_skipped,
     _ensure_extra,
     _extra,
     _positional,
     _resolve_loss_scale,
-    _TFOps,
     _traced_fields,
     _unscale,
 )
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
+    FloorWatch,
     LossScaleConfig,
     LossScaleState,
     from_state_dict,
@@ -36,6 +38,7 @@ from unimp.loss_scale import (
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
+from unimp.loss_scale.config import positive_int
 from unimp.step import lost_decays, warn_half_optimizer_state, warn_lost_decays
 
 
@@ -468,7 +471,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         held = [tf.convert_to_tensor(v) for v in self._state_variables()]
         extra = _extra(self)
         scale, counter, consecutive, total, *extra = update_arrays(
-            _TFOps, self._loss_scale_config, *held, grads_finite, loss_finite, extra=extra,
+            LossScaleOps, self._loss_scale_config, *held, grads_finite, loss_finite, extra=extra,
             applied=applied,
         )
         # A skipped step must not touch the inner optimizer at all (its iterations included).
@@ -596,3 +599,50 @@ def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimiz
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     return LossScaleOptimizer(optimizer, config)
+
+
+class LossScaleCheck(keras.callbacks.Callback):
+    """A Keras callback that acts on the loss-scale config's ``max_consecutive_skips`` and
+    ``floor_action`` during ``model.fit``, where no step result is read (a custom loop checks
+    them when it reads a :class:`unimp.StepResult`).
+
+    After every ``every``-th training batch it reads the model's
+    :class:`LossScaleOptimizer` state (one device read: a sync on an accelerator, which is why
+    it is a callback the user adds) and runs :class:`unimp.loss_scale.FloorWatch`'s check: a
+    :class:`unimp.LossScaleError` stops ``fit`` as DeepSpeed and fairseq stop at the floor; a
+    floor hit under ``floor_action="warn"`` warns once per new hit.
+
+    Args:
+        every: check after every ``every``-th batch (an int >= 1, as the loss-scale configs'
+            integer fields; default 1). Floor hits are counted on the device, so a later check
+            still sees them; a run of skips longer than ``max_consecutive_skips`` is seen if it
+            lasts until a check. A config with neither check reads nothing.
+
+    Raises:
+        ValueError: ``every`` is not an int >= 1.
+        TypeError: (in ``fit``) the model's optimizer is not unimp's LossScaleOptimizer.
+
+    Example:
+        ``model.fit(x, y, callbacks=[unimp.backends.tensorflow.LossScaleCheck()])``
+    """
+
+    def __init__(self, every: int = 1) -> None:
+        super().__init__()
+        self.every = positive_int("LossScaleCheck", "every", every, 1)
+        self._batches = 0
+        self._watch = FloorWatch()  # each floor hit acted on once, as the train steps do
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._batches += 1
+        if self._batches % self.every:
+            return
+        opt = getattr(self.model, "optimizer", None)
+        if not isinstance(opt, LossScaleOptimizer):
+            raise TypeError(
+                f"LossScaleCheck needs the model compiled with unimp's LossScaleOptimizer "
+                f"(mp.prepare(model, optimizer) does it), got {type(opt).__name__}."
+            )
+        config = opt.loss_scale_config
+        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
+            return  # nothing to act on: no device read (as a step result's first read)
+        self._watch.check(config, opt._state(), step=self._batches - 1)

@@ -1,6 +1,6 @@
 """TensorFlow loss scaling: :func:`unimp.loss_scale.update_arrays`'s array namespace over TF
 tensors, unscaling in float32 (dense and ``IndexedSlices``), which config fields a traced
-graph builds in, and the loss-scale arguments LossScaleOptimizer takes (unimp's ``loss_scale``,
+graph builds in, and the loss-scale arguments :class:`~unimp.backends.tensorflow.LossScaleOptimizer` takes (unimp's ``loss_scale``,
 Keras's ``initial_scale`` / ``dynamic_growth_steps`` / ``dynamic`` and base-optimizer keys).
 """
 
@@ -14,15 +14,13 @@ import tensorflow as tf
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
-    FloorWatch,
     LossScaleConfig,
     loss_scale_from_dict,
     tracks_extra,
 )
-from unimp.loss_scale.config import _positive_int
 
 
-class _TFOps:
+class LossScaleOps:
     """unimp.loss_scale.update_arrays's array namespace over TensorFlow tensors."""
 
     where = staticmethod(tf.where)
@@ -40,16 +38,16 @@ class _TFOps:
 
 
 def _extra(optimizer: Any) -> tuple[tf.Tensor, ...] | None:
-    """The format-2 loss-scale fields (``EXTRA_FIELDS``) of a LossScaleOptimizer as int32
+    """The extra loss-scale fields (``EXTRA_FIELDS``) of a LossScaleOptimizer as int32
     tensors, or None where it holds none (a config whose rule does not need them)."""
     v = getattr(optimizer, "loss_scale_extra", None)
     return None if v is None else tuple(tf.unstack(tf.convert_to_tensor(v), num=len(EXTRA_FIELDS)))
 
 
 def _ensure_extra(optimizer: Any, config: LossScaleConfig) -> None:
-    """Creates the optimizer's ``loss_scale_extra`` int32 vector (the format-2 fields, in
-    ``EXTRA_FIELDS`` order) when ``config``'s rule needs it; only then, so an optimizer with a
-    format-1 rule keeps the variables (and the ``.keras`` files) it always had."""
+    """Creates the optimizer's ``loss_scale_extra`` int32 vector (the extra fields, in
+    ``EXTRA_FIELDS`` order) when ``config``'s rule needs it; only then, so an optimizer whose
+    rule counts none of them holds (and saves in ``.keras`` files) no variable for them."""
     if tracks_extra(config) and getattr(optimizer, "loss_scale_extra", None) is None:
         optimizer.loss_scale_extra = optimizer.add_variable(
             shape=(len(EXTRA_FIELDS),), dtype="int32", name="loss_scale_extra"
@@ -186,58 +184,3 @@ def _positional(args: tuple, loss_scale: Any, name: Any) -> tuple[Any, Any]:
             raise TypeError("LossScaleOptimizer got name twice (positionally and by keyword).")
         name = args[1]
     return loss_scale, name
-
-
-def _keras_callback_base() -> type:
-    import keras
-
-    return keras.callbacks.Callback
-
-
-class LossScaleCheck(_keras_callback_base()):  # type: ignore[misc]
-    """A Keras callback that acts on the loss-scale config's ``max_consecutive_skips`` and
-    ``floor_action`` during ``model.fit``, where no step result is read (a custom loop checks
-    them when it reads a :class:`unimp.StepResult`).
-
-    After every ``every``-th training batch it reads the model's
-    :class:`LossScaleOptimizer` state (one device read: a sync on an accelerator, which is why
-    it is a callback the user adds) and runs :class:`unimp.loss_scale.FloorWatch`'s check: a
-    :class:`unimp.LossScaleError` stops ``fit`` as DeepSpeed and fairseq stop at the floor; a
-    floor hit under ``floor_action="warn"`` warns once per new hit.
-
-    Args:
-        every: check after every ``every``-th batch (an int >= 1, as the loss-scale configs'
-            integer fields; default 1). Floor hits are counted on the device, so a later check
-            still sees them; a run of skips longer than ``max_consecutive_skips`` is seen if it
-            lasts until a check. A config with neither check reads nothing.
-
-    Raises:
-        ValueError: ``every`` is not an int >= 1.
-        TypeError: (in ``fit``) the model's optimizer is not unimp's LossScaleOptimizer.
-
-    Example:
-        ``model.fit(x, y, callbacks=[unimp.backends.tensorflow.LossScaleCheck()])``
-    """
-
-    def __init__(self, every: int = 1) -> None:
-        super().__init__()
-        self.every = _positive_int("LossScaleCheck", "every", every, 1)
-        self._batches = 0
-        self._watch = FloorWatch()  # each floor hit acted on once, as the train steps do
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._batches += 1
-        if self._batches % self.every:
-            return
-        from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
-
-        opt = getattr(self.model, "optimizer", None)
-        if not isinstance(opt, LossScaleOptimizer):
-            raise TypeError(
-                f"LossScaleCheck needs the model compiled with unimp's LossScaleOptimizer "
-                f"(mp.prepare(model, optimizer) does it), got {type(opt).__name__}."
-            )
-        config = opt.loss_scale_config
-        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
-            return  # nothing to act on: no device read (as a step result's first read)
-        self._watch.check(config, opt._state(), step=self._batches - 1)

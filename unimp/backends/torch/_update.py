@@ -1,4 +1,4 @@
-"""The loss-scale update on device tensors: :class:`_TorchOps`, the array namespace that
+"""The loss-scale update on device tensors: :class:`LossScaleOps`, the array namespace that
 :func:`unimp.loss_scale.update_arrays` (the reference) runs on, and the fused path, the rule in
 as few torch ops as the common configs allow: torch's ``torch._amp_update_scale_`` plus a
 clamp, and the skip counters in place.
@@ -48,7 +48,7 @@ from unimp.loss_scale import LossScaleConfig, tracks_extra
 from unimp.loss_scale.portable import check_scale_value
 
 
-class _TorchOps:
+class LossScaleOps:
     """The array namespace :func:`unimp.loss_scale.update_arrays` runs on: device tensors.
 
     Constants are made once per value and cached, so an update issues no host-to-device copy
@@ -90,7 +90,7 @@ class _TorchOps:
 @functools.lru_cache(maxsize=64)
 def fused_rule(config: LossScaleConfig) -> bool:
     """True where :func:`update_in_place` equals :func:`unimp.loss_scale.update_arrays` bit for
-    bit: every static config, and dynamic ones without the format-2 rule (hysteresis, overflow
+    bit: every static config, and dynamic ones without the extra fields' rule (hysteresis, overflow
     tolerance, floor action), without ``delayed_first_growth``, and whose ``max_scale`` (if
     any) times the growth factor is finite in float32.
 

@@ -2,16 +2,23 @@
 and the train step's overflow flags on its fused path: one reused float32 scratch
 ``[loss_inf, grads_inf, skip, overflow]``, zeroed by one op, written by torch's check kernels
 (:func:`_check_loss` for the loss, ``unscale_`` for the gradients) and one ``lerp``
-(:func:`skip_flags`), as the step's report and the fused loss-scale update read them."""
+(:func:`skip_flags`), as the step's report and the fused loss-scale update read them; and the
+replicas' agreement over torch.distributed: the step's flags reduced over the group
+(:func:`reduce_step_flags`) and one loss-scale state on every rank (:func:`check_replicas_agree`),
+as :mod:`unimp.distributed.torch` documents them."""
 
 from __future__ import annotations
 
+import json
+import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from unimp.backends.torch.casting import _leaves
 from unimp.backends.torch.devices import _to
+from unimp.loss_scale import EXTRA_FIELDS, warn_replica_desync
 
 
 def all_finite(tree: Any) -> torch.Tensor:
@@ -71,3 +78,113 @@ def flags_from_bools(grads_finite: torch.Tensor, loss_finite: torch.Tensor, out:
     (bool 0-d); ``overflow`` is written into ``out`` (float32 0-d)."""
     torch.gt(loss_finite, grads_finite, out=out)  # finite loss, non-finite gradients
     return out, (grads_finite & loss_finite).logical_not(), loss_finite.logical_not()
+
+
+# --------------------------------------------------------------------------- replicas
+
+#: The entries of :func:`state_fingerprint`, in order.
+FINGERPRINT_FIELDS = ("scale", "counter", "consecutive_skips", "total_skips", *EXTRA_FIELDS, "config")
+
+
+def _initialized_group(group: Any) -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+            "first (torchrun sets the environment it reads)."
+        )
+    return dist.group.WORLD if group is None else group
+
+
+def reduce_step_flags(
+    found_inf: torch.Tensor, loss_finite: torch.Tensor, group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's overflow flags reduced over the replicas: any replica bad -> every replica bad.
+
+    One all-reduce (MAX) of a 2-element float32 tensor on the flags' device; no host sync.
+    Matches torch's ShardedGradScaler, which all-reduces ``found_inf`` over its process group.
+
+    Args:
+        found_inf: float32 0-d, nonzero when a local gradient is non-finite.
+        loss_finite: bool 0-d, the local (unscaled) loss is finite.
+        group: the process group; ``None`` is the default group.
+
+    Returns:
+        ``(found_inf, loss_finite)``: float32 0-d (max over the replicas) and bool 0-d (all
+        replicas finite), on the same device.
+    """
+    group = _initialized_group(group)
+    flags = torch.stack(
+        [found_inf.to(torch.float32).reshape(()), (~loss_finite.reshape(())).to(torch.float32)]
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags[0], flags[1] == 0
+
+
+def config_code(config: Any) -> float:
+    """A deterministic 32-bit code of the loss-scale config (exact in float64)."""
+    return float(zlib.crc32(json.dumps(config.to_dict(), sort_keys=True).encode()))
+
+
+def state_fingerprint(scaler: Any) -> torch.Tensor:
+    """A float64 vector ``[scale, counter, consecutive_skips, total_skips, <EXTRA_FIELDS>,
+    config code]`` on the scaler's device (no host sync): equal on two ranks iff they hold the
+    same loss-scale state and config (the config code is a CRC-32 of its JSON)."""
+    parts = [scaler._scale, scaler._counter, scaler._consecutive, scaler._total, *scaler._extra]
+    code = torch.tensor(config_code(scaler.config), dtype=torch.float64, device=scaler.device)
+    return torch.stack([t.to(torch.float64) for t in parts] + [code])
+
+
+def check_replicas_agree(scaler: Any, group: Any = None) -> list[str]:
+    """Makes every rank hold the same loss-scale state: a mismatch is re-synchronized from rank 0
+    with a :class:`unimp.ReplicaDesyncWarning` (the rule of every unimp engine).
+
+    The scaler calls this once, at its first ``unscale_`` after construction or
+    ``load_state_dict``. One all-reduce (MAX over ``[v, -v]``, which gives the max and the min of
+    every field) and one host read of 18 numbers; every rank reaches the same verdict.
+
+    Args:
+        scaler: a :class:`unimp.backends.torch.GradScaler`.
+        group: the process group; ``None`` is the default group.
+
+    Returns:
+        The fields that differed (empty when the ranks agreed), e.g. ``["scale in [1024, 65536]"]``.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+    group = _initialized_group(group)
+    v = state_fingerprint(scaler)
+    both = torch.cat([v, -v])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = both[: len(v)].tolist(), (-both[len(v) :]).tolist()
+    differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(FINGERPRINT_FIELDS, lo, hi, strict=True) if a != b]
+    if differ:
+        broadcast_state(scaler, src=dist.get_global_rank(group, 0), group=group)
+        warn_replica_desync(
+            "Load the same checkpoint (scaler.load_state_dict) on every rank "
+            "('config' above is a code of the loss-scale config)",
+            differ,
+            stacklevel=3,
+        )
+    return differ
+
+
+def broadcast_state(scaler: Any, src: int = 0, group: Any = None) -> None:
+    """Copies rank ``src``'s loss-scale state and config to every rank of ``group``.
+
+    A collective: every rank calls it. The config travels as the portable ``state_dict``
+    (``torch.distributed.broadcast_object_list``), so the scalers are identical afterwards.
+
+    Args:
+        scaler: a :class:`unimp.backends.torch.GradScaler` on every rank.
+        src: the global rank whose state is kept.
+        group: the process group; ``None`` is the default group.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+    group = _initialized_group(group)
+    box = [scaler.state_dict() if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    scaler.load_state_dict(box[0])
+    scaler._replicas_checked = True  # equal by construction

@@ -12,7 +12,7 @@ import torch
 
 from unimp import loss_scale as _ls
 from unimp.backends.torch._update import (
-    _TorchOps,
+    LossScaleOps,
     check_new_scale,
     fused_rule,
     update_in_place,
@@ -20,7 +20,12 @@ from unimp.backends.torch._update import (
 from unimp.backends.torch.casting import _leaves, _map_tree
 from unimp.backends.torch.devices import _as_device, _to
 from unimp.backends.torch.optimizer import _guarded_step, _param_names
-from unimp.backends.torch.overflow import all_finite, flags_from_bools
+from unimp.backends.torch.overflow import (
+    all_finite,
+    check_replicas_agree,
+    flags_from_bools,
+    reduce_step_flags,
+)
 from unimp.dtypes import finfo
 from unimp.loss_scale import (
     EXTRA_FIELDS,
@@ -84,7 +89,7 @@ class GradScaler:
             stays identical on every rank (as torch's ``ShardedGradScaler``); the first
             :meth:`unscale_` after construction or :meth:`load_state_dict` also checks once
             that every rank holds the same loss-scale state and raises if not (see
-            :func:`unimp.distributed.torch.check_replicas_agree`).
+            :func:`unimp.backends.torch.overflow.check_replicas_agree`).
         init_scale, growth_factor, backoff_factor, growth_interval: torch's keywords, only
             with ``loss_scale=None``.
 
@@ -142,7 +147,7 @@ class GradScaler:
             )
         self._enabled = bool(enabled)
         self._config = config
-        self._ops = _TorchOps(self._device)
+        self._ops = LossScaleOps(self._device)
         self._set_state(config.initial_state())
         self._loss_finite = self._ops.true
         self._per_opt: dict[int, dict[str, Any]] = {}
@@ -166,15 +171,13 @@ class GradScaler:
     def _reduce_flags(self, found_inf: torch.Tensor) -> torch.Tensor:
         """``found_inf`` and the loss-finite flag, reduced (MAX of "bad") over the replicas.
 
-        The distributed logic lives in :mod:`unimp.distributed.torch` (imported only when a group
-        is active); subclasses for other engines (Horovod) override this method.
+        The reduction is :func:`~unimp.backends.torch.overflow.reduce_step_flags` (run only when a
+        group is active); subclasses for other engines (Horovod) override this method.
         """
         group = self._group()
         if group is None:
             return found_inf
-        from unimp.distributed import torch as _dt
-
-        found_inf, self._loss_finite = _dt.reduce_step_flags(found_inf, self._loss_finite, group)
+        found_inf, self._loss_finite = reduce_step_flags(found_inf, self._loss_finite, group)
         return found_inf
 
     def _check_replicas(self) -> None:
@@ -183,9 +186,7 @@ class GradScaler:
             return
         group = self._group()
         if group is not None:
-            from unimp.distributed import torch as _dt
-
-            _dt.check_replicas_agree(self, group)
+            check_replicas_agree(self, group)
         self._replicas_checked = True
 
     # -- state
@@ -427,7 +428,7 @@ class GradScaler:
 
         Args:
             new_scale: set the scale to this value instead of running the rule (matches
-                torch.amp.GradScaler: the growth counter, and here the format-2 trackers, are
+                torch.amp.GradScaler: the growth counter, and here the extra fields' trackers, are
                 left as they were, and no ``unscale_``/``step`` is needed before it); the skip
                 counters still record a step taken since the last update. A tensor is read
                 once on the host to validate it.
@@ -513,12 +514,8 @@ class GradScaler:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
-        self._ops = _TorchOps(self._device)
-        if "_floor_watch" not in d:  # pickled before the watch: no hit acted on yet
-            self._floor_watch = FloorWatch()
-        if "_extra" not in d:  # pickled before the format-2 fields: they start at 0
-            self._extra = tuple(torch.zeros((), dtype=torch.int32, device=self._device) for _ in EXTRA_FIELDS)
-        # a pickle holds the two counters apart (or, from before, no _skips): one tensor again
+        self._ops = LossScaleOps(self._device)
+        # a pickle holds the two counters apart: one tensor again
         self._skips = torch.stack([self._consecutive, self._total])
         self._consecutive, self._total = self._skips.unbind()
 

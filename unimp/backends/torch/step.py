@@ -5,11 +5,12 @@ gradient accumulation, the guarded optimizer step and the loss-scale update).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch._update import fused_rule
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
@@ -33,9 +34,6 @@ from unimp.step import (
     micro_batches,
 )
 from unimp.steprecorder import LoggedStep
-
-if TYPE_CHECKING:
-    from unimp.backends.torch.mixed_precision import MixedPrecision
 
 
 def _forward_state(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -124,7 +122,7 @@ class TrainStep(LoggedStep):
 
     def __init__(
         self,
-        mp: MixedPrecision,
+        mp: MixedPrecisionBase,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
