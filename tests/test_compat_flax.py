@@ -1,18 +1,17 @@
 """unimp.compat.flax.DynamicScale against flax's own (installed with the "jax" extra)."""
 
-from conftest import require_backend
 
-require_backend("jax")
+import functools
 
-import functools  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.training import dynamic_scale as flax_ds
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax.training import dynamic_scale as flax_ds  # noqa: E402
+from unimp.compat import flax as shim
 
-from unimp.compat import flax as shim  # noqa: E402
+pytestmark = pytest.mark.backend("jax")
 
 
 @jax.custom_vjp

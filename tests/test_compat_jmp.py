@@ -1,17 +1,16 @@
 """unimp.compat.jmp against jmp itself (installed with the "test" extra): the same API and the
 same loss-scale sequence where jmp is safe, unimp's rule where it is not."""
 
-from conftest import require_backend
 
-require_backend("jax")
+import jax
+import jax.numpy as jnp
+import jmp as real
+import numpy as np
+import pytest
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import jmp as real  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import unimp.compat.jmp as shim
 
-import unimp.compat.jmp as shim  # noqa: E402
+pytestmark = pytest.mark.backend("jax")
 
 
 def test_exports_jmps_public_names():

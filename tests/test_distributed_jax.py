@@ -5,17 +5,17 @@ scenarios run once in a fresh process (tests/_dist_jax_script.py, ~8 s) and each
 one of its results.
 """
 
-from conftest import require_backend
 
-ujax = require_backend("jax")
 
-import json  # noqa: E402
-import os  # noqa: E402
-import pathlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
-import pytest  # noqa: E402
+import pytest
+
+pytestmark = pytest.mark.backend("jax")
 
 ROOT = pathlib.Path(__file__).parents[1]
 SCALE = 65536.0

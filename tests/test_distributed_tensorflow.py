@@ -9,25 +9,22 @@ its results.
 import os
 import re
 
-from conftest import require_backend
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-utf = require_backend("tensorflow")
+import json
+import pathlib
+import subprocess
+import sys
 
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
+import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
 SCALE = 65536.0
 INF = float("inf")
 
-pytestmark = pytest.mark.slow  # a TensorFlow process with 2 logical devices: ~30 s on 2 cores
+# a TensorFlow process with 2 logical devices: ~30 s on 2 cores
+pytestmark = [pytest.mark.backend("tensorflow"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

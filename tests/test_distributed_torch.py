@@ -4,25 +4,25 @@ One spawn runs every DDP scenario (each rank saves its results); the tests below
 them, so the ~5 s process start is paid once. Every collective has a bounded timeout.
 """
 
-from conftest import require_backend
 
-ubt = require_backend("torch")
+import datetime
+import os
+import socket
+import time
+import traceback
 
-import datetime  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import unimp
+import unimp.backends.torch as ubt
+import unimp.distributed.torch  # noqa: F401
+from unimp.distributed import fp16_mean
+from unimp.loss_scale import DynamicLossScale, simulate
 
-import unimp  # noqa: E402
-import unimp.distributed.torch  # noqa: E402,F401
-from unimp.distributed import fp16_mean  # noqa: E402
-from unimp.loss_scale import DynamicLossScale, simulate  # noqa: E402
+pytestmark = pytest.mark.backend("torch")
 
 WORLD = 2
 TIMEOUT_S = 90

@@ -9,13 +9,14 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")  # torch-only module: the native float8 GEMM is torch's
+import unimp
+from unimp import fp8
+from unimp.backends.torch import fp8 as tfp8
+from unimp.fp8 import layers as fp8_config
 
-import unimp  # noqa: E402
-from unimp import fp8  # noqa: E402
-from unimp.backends.torch import fp8 as tfp8  # noqa: E402
-from unimp.fp8 import layers as fp8_config  # noqa: E402
+pytestmark = pytest.mark.backend("torch")  # torch-only module: the native float8 GEMM is torch's
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 STEPS = 3

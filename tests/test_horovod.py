@@ -5,35 +5,24 @@ Runs in its own tox env (``horovod``): Horovod 0.28.1 must be built with
 case starts ``examples/distributed/horovod_torch.py`` with ``horovodrun -np 2 --gloo``.
 """
 
-from conftest import require_backend
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-ubt = require_backend("torch")
+import pytest
+import torch
 
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+pytestmark = pytest.mark.backend("torch")
 
-import pytest  # noqa: E402
-
-try:
-    import horovod.torch  # noqa: F401
-except ImportError as e:
-    pytest.skip(
-        f"horovod.torch is not importable ({e}); build it with scripts/build_horovod.sh and run "
-        "the 'horovod' tox env",
-        allow_module_level=True,
-    )
+# without Horovod the module skips with unimp's ImportError, which names the build script
+uhvd = pytest.importorskip("unimp.distributed.horovod", exc_type=ImportError)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "distributed" / "horovod_torch.py"
 HOROVODRUN = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) or shutil.which("horovodrun")
-
-import torch  # noqa: E402
-
-import unimp.distributed.horovod as uhvd  # noqa: E402
 
 
 def _horovodrun(tmp_path, *args):

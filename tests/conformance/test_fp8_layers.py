@@ -122,9 +122,9 @@ def test_gradient_amax_is_the_scaled_gradients(backend):
 def test_torch_fp8_dense_bias_bfloat16_and_eval():
     # torch's nn.Linear API: bias in the output dtype, bfloat16 inputs, and eval mode uses the
     # stored delayed scale without stepping it.
+    mod = require_backend("torch")
     import torch
 
-    mod = require_backend("torch")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
         layer = mod.FP8Dense(IN, OUT, config=CONFIGS["delayed"])

@@ -1,15 +1,13 @@
 """Helpers shared by the jax backend's test files (models, losses, batches, bitwise checks)."""
 
-from conftest import require_backend
-
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
 
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
 HALF = ["float16", "bfloat16"]
 

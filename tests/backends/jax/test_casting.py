@@ -1,15 +1,12 @@
 """jax backend, ``casting``: dtype mapping and cast_tree (and module mode / master weights in torch)."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from backends.jax.helpers import HALF, RECIPE  # noqa: E402
+import unimp.backends.jax as ujax
+from backends.jax.helpers import HALF, RECIPE
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,15 @@
 """jax backend, ``devices``: version, device parsing and placement, device_info."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.jax.helpers import _affine_loss  # noqa: E402
+import unimp
+import unimp.backends.jax as ujax
+from backends.jax.helpers import _affine_loss
 
 
 def test_device_info_and_version():

@@ -1,19 +1,16 @@
 """jax backend, ``mixed_precision``: the recipe bound to the framework (exports, autocast, prepare, examples)."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
 
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.jax.helpers import HALF, RECIPE, LinenMLP, _xent  # noqa: E402
-from unimp.backends._base import COMMON_API, MixedPrecisionBase  # noqa: E402
+import unimp
+import unimp.backends.jax as ujax
+from backends.jax.helpers import HALF, RECIPE, LinenMLP, _xent
+from unimp.backends._base import COMMON_API, MixedPrecisionBase
 
 
 @pytest.mark.parametrize("name", COMMON_API)

@@ -1,15 +1,12 @@
 """jax backend, ``overflow``: all_finite, selecting and replica agreement."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import jax
+import jax.numpy as jnp
+import pytest
 
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import pytest  # noqa: E402
-
-from backends.jax.helpers import tree_bits  # noqa: E402
+import unimp.backends.jax as ujax
+from backends.jax.helpers import tree_bits
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,14 @@
 """jax backend, ``overrides``: casting per pytree path and flax's per-module dtypes."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import linen as nn
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from flax import linen as nn  # noqa: E402
-
-from unimp.overrides import OverrideWarning  # noqa: E402
+import unimp.backends.jax as ujax
+from unimp.overrides import OverrideWarning
 
 PARAMS = {"l1": {"w": jnp.ones((4, 8)), "b": jnp.zeros(8)}, "head": [jnp.ones((8, 2)), jnp.int32(3)]}
 

@@ -1,22 +1,20 @@
 """jax backend, ``scaling``: the loss-scale state and its update against the reference and the framework's own scaler."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import dataclasses
 
-import dataclasses  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.training.dynamic_scale import DynamicScale
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax.training.dynamic_scale import DynamicScale  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.jax.helpers import bits  # noqa: E402
-from unimp import loss_scale as core  # noqa: E402
+import unimp
+import unimp.backends.jax as ujax
+from backends.jax.helpers import bits
+from unimp import loss_scale as core
 
 try:  # jmp is the reference for one comparison only; it is in the "test" extra
     import jmp

@@ -3,24 +3,22 @@ second jitted function for statistics steps, the plain program unchanged, flax l
 names, accumulation, bad input). The values against the reference are in
 tests/conformance/test_stats_conformance.py."""
 
-from conftest import require_backend
 
-ujax = require_backend("jax")  # skips with a reason if not under test, FAILS if missing
+import doctest
 
-import doctest  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-import unimp  # noqa: E402
-from benchmarks import _kit_jax  # noqa: E402
-from unimp.backends.jax import stats as jstats  # noqa: E402
-from unimp.loss_scale import StaticLossScale  # noqa: E402
-from unimp.stats import COUNT_FIELDS  # noqa: E402
+import unimp
+import unimp.backends.jax as ujax
+from benchmarks import _kit_jax
+from unimp.backends.jax import stats as jstats
+from unimp.loss_scale import StaticLossScale
+from unimp.stats import COUNT_FIELDS
 
 X = np.linspace(-2, 2, 24, dtype=np.float32).reshape(6, 4)
 

@@ -2,19 +2,17 @@
 
 import os
 
-from conftest import require_backend
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+import subprocess
+import sys
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import keras
+import pytest
+import tensorflow as tf
 
-import keras  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import unimp.backends.tensorflow as utf
 
 
 @pytest.mark.parametrize("other", ["jax", "torch", "numpy"])

@@ -1,20 +1,17 @@
 """LossScaleCheck: the loss-scale config's floor_action and max_consecutive_skips under
 model.fit, where no step result is read."""
 
-from conftest import require_backend
 
-require_backend("tensorflow")
+import warnings
 
-import warnings  # noqa: E402
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import unimp  # noqa: E402
-from unimp.backends.tensorflow import LossScaleCheck, LossScaleOptimizer  # noqa: E402
-from unimp.loss_scale import DynamicLossScale, LossScaleError, LossScaleFloorWarning  # noqa: E402
+import unimp
+from unimp.backends.tensorflow import LossScaleCheck, LossScaleOptimizer
+from unimp.loss_scale import DynamicLossScale, LossScaleError, LossScaleFloorWarning
 
 
 class _InfGrad(keras.layers.Layer):

@@ -2,27 +2,24 @@
 
 import os
 
-from conftest import require_backend
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+import json
+import math
+import subprocess
+import sys
 
-import json  # noqa: E402
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.tensorflow.helpers import Vec, lso  # noqa: E402
-from unimp.backends._base import COMMON_API, MixedPrecisionBase  # noqa: E402
-from unimp.loss_scale import StaticLossScale  # noqa: E402
+import unimp
+import unimp.backends.tensorflow as utf
+from backends.tensorflow.helpers import Vec, lso
+from unimp.backends._base import COMMON_API, MixedPrecisionBase
+from unimp.loss_scale import StaticLossScale
 
 
 def seed_model(mp, head_dtype=None):

@@ -2,22 +2,18 @@
 
 import os
 
-from conftest import require_backend
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
 
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.tensorflow.helpers import F32, INF, lso  # noqa: E402
-from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale  # noqa: E402
+import unimp
+import unimp.backends.tensorflow as utf
+from backends.tensorflow.helpers import F32, INF, lso
+from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
 
 
 def _one_step(opt, w, mode):

@@ -2,19 +2,15 @@
 
 import os
 
-from conftest import require_backend
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+import numpy as np
+import pytest
+import tensorflow as tf
 
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from backends.tensorflow.helpers import INF  # noqa: E402
+import unimp.backends.tensorflow as utf
+from backends.tensorflow.helpers import INF
 
 
 @pytest.mark.parametrize(

@@ -5,26 +5,23 @@ tests/conformance/test_stats_conformance.py."""
 
 import os
 
-from conftest import require_backend
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-utf = require_backend("tensorflow")  # skips with a reason if not under test, FAILS if missing
+import doctest
 
-import doctest  # noqa: E402
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.tensorflow.helpers import Vec  # noqa: E402
-from benchmarks._kit_tensorflow import HOST_OPS, _all_ops  # noqa: E402
-from unimp.backends.tensorflow import stats as tstats  # noqa: E402
-from unimp.loss_scale import StaticLossScale  # noqa: E402
-from unimp.stats import COUNT_FIELDS  # noqa: E402
+import unimp
+import unimp.backends.tensorflow as utf
+from backends.tensorflow.helpers import Vec
+from benchmarks._kit_tensorflow import HOST_OPS, _all_ops
+from unimp.backends.tensorflow import stats as tstats
+from unimp.loss_scale import StaticLossScale
+from unimp.stats import COUNT_FIELDS
 
 X = np.linspace(-2, 2, 24, dtype=np.float32).reshape(6, 4)
 

@@ -1,12 +1,10 @@
 """Helpers shared by the torch backend's test files (models, losses, batches, bitwise checks)."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
 
-import copy  # noqa: E402
+import copy
 
-import torch  # noqa: E402
+import torch
 
 # These tests build their tensors on the CPU; the backend itself takes the device from the user.
 DEV = "cpu"

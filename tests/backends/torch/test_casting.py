@@ -1,15 +1,12 @@
 """torch backend, ``casting``: dtype mapping and cast_tree (and module mode / master weights in torch)."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import pytest
+import torch
 
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.torch.helpers import (  # noqa: E402
+import unimp
+import unimp.backends.torch as ut
+from backends.torch.helpers import (
     DEV,
     HALF,
     MIXED,

@@ -1,14 +1,11 @@
 """torch backend, ``devices``: version, device parsing and placement, device_info."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import pytest
+import torch
 
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from backends.torch.helpers import (  # noqa: E402
+import unimp.backends.torch as ut
+from backends.torch.helpers import (
     DEV,
     _loss,
     _mlp,

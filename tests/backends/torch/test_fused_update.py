@@ -1,19 +1,17 @@
 """torch backend: the fused loss-scale update (``torch._amp_update_scale_`` plus in-place ops)
 against the NumPy reference, bit for bit, step by step; and where it must not be used."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import assume, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from unimp.backends.torch._update import fused_rule, update_in_place  # noqa: E402
-from unimp.backends.torch.overflow import flags_from_bools  # noqa: E402
-from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, update  # noqa: E402
+import unimp.backends.torch as ut
+from unimp.backends.torch._update import fused_rule, update_in_place
+from unimp.backends.torch.overflow import flags_from_bools
+from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, update
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)

@@ -1,26 +1,24 @@
 """torch backend, ``mixed_precision``: the recipe bound to the framework (exports, autocast, prepare, examples)."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import os
+import subprocess
+import sys
+import warnings
 
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import warnings  # noqa: E402
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.torch.helpers import (  # noqa: E402
+import unimp
+import unimp.backends.torch as ut
+from backends.torch.helpers import (
     DEV,
     HALF,
     MIXED,
     _batch,
     _mlp,
 )
-from unimp.backends._base import COMMON_API, MixedPrecisionBase  # noqa: E402
+from unimp.backends._base import COMMON_API, MixedPrecisionBase
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 

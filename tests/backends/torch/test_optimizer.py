@@ -1,17 +1,15 @@
 """torch backend, ``optimizer``: a skipped step leaves the parameters and the optimizer state unchanged; half optimizer state."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import warnings
 
-import warnings  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.torch.helpers import (  # noqa: E402
+import unimp
+import unimp.backends.torch as ut
+from backends.torch.helpers import (
     DEV,
     HALF,
     MIXED,

@@ -1,11 +1,9 @@
 """torch backend, ``overflow``: all_finite, selecting and replica agreement."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import torch
 
-
-import torch  # noqa: E402
+import unimp.backends.torch as ut
 
 
 def test_all_finite():

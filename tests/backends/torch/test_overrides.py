@@ -1,15 +1,13 @@
 """torch backend, ``overrides``: covered modules under their own policy in autocast and module mode."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import copy
 
-import copy  # noqa: E402
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import unimp  # noqa: E402
+import unimp
+import unimp.backends.torch as ut
 
 
 class _Net(torch.nn.Module):

@@ -2,24 +2,22 @@
 statistics steps, the plain steps' ops unchanged, no sync, names, accumulation, bad input).
 The values against the reference are in tests/conformance/test_stats_conformance.py."""
 
-from conftest import require_backend
 
-ut = require_backend("torch")  # skips with a reason if not under test, FAILS if missing
+import doctest
+from collections import Counter
 
-import doctest  # noqa: E402
-from collections import Counter  # noqa: E402
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-import unimp  # noqa: E402
-from backends.torch.helpers import DEV, _batch, _loss, _mlp  # noqa: E402
-from benchmarks._kit_torch import count_host_reads  # noqa: E402
-from unimp.backends.torch import stats as tstats  # noqa: E402
-from unimp.loss_scale import StaticLossScale  # noqa: E402
-from unimp.stats import COUNT_FIELDS, StepStats  # noqa: E402
+import unimp
+import unimp.backends.torch as ut
+from backends.torch.helpers import DEV, _batch, _loss, _mlp
+from benchmarks._kit_torch import count_host_reads
+from unimp.backends.torch import stats as tstats
+from unimp.loss_scale import StaticLossScale
+from unimp.stats import COUNT_FIELDS, StepStats
 
 
 class _CountOps(TorchDispatchMode):

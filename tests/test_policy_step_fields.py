@@ -1,4 +1,5 @@
-"""Policy v2 (issue 17): matmul precision, reduce and accumulation dtypes in the core."""
+"""The policy's whole-step fields in the core: the float32 matmul precision, the all-reduce dtype
+and the gradient-accumulation dtype (``matmul_precision``, ``reduce_dtype``, ``accum_dtype``)."""
 
 import pytest
 from hypothesis import given

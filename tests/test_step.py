@@ -1,3 +1,7 @@
+"""The framework-free step core (unimp.step): StepResult, the step rules every backend shares
+(micro-batches, half optimizer state, lost decays, the replica re-sync message), and the core's
+doctests."""
+
 import doctest
 import importlib
 

@@ -1,4 +1,4 @@
-"""Policy v2 (issue 17) on every backend: the matmul precision is set for unimp's step and
+"""The policy's whole-step fields on every backend: the matmul precision is set for unimp's step and
 ``mp.autocast()`` and nothing leaks; ``accum_dtype`` is the dtype ``grad_accum_steps`` sums in."""
 
 from __future__ import annotations
