@@ -16,7 +16,7 @@ from unimp.backends._base import BACKEND_MODULES, COMMON_API
 
 UNIMP = pathlib.Path(__file__).resolve().parents[1] / "unimp"
 BACKENDS = ("torch", "tensorflow", "jax")
-CORE = ("dtypes", "policy", "precision", "loss_scale", "recipe", "registry", "step")
+CORE = ("attached", "dtypes", "policy", "precision", "loss_scale", "recipe", "registry", "step")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -131,6 +131,15 @@ def test_backends_import_only_the_core(fw):
         for m in _imported_modules(path)
         if m.startswith(NOT_FOR_BACKENDS + others)
     )
+    assert not found, "\n".join(found)
+
+
+def test_no_module_stamps_an_attribute_of_its_own_on_users_objects():
+    """unimp's facts about a user's object live under its one attribute (unimp.attached)."""
+    import re
+
+    stamp = re.compile(r"""\._unimp_\w+|["']_unimp_\w+["']""")
+    found = sorted(f"{name}: {m}" for name, path in ALL.items() for m in stamp.findall(path.read_text()))
     assert not found, "\n".join(found)
 
 

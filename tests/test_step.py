@@ -54,7 +54,8 @@ def test_mixed_precision_base():
 
 @pytest.mark.parametrize(
     "module",
-    ["unimp", "unimp.dtypes", "unimp.policy", "unimp.overrides", "unimp.loss_scale", "unimp.recipe"],
+    ["unimp", "unimp.attached", "unimp.dtypes", "unimp.policy", "unimp.overrides", "unimp.loss_scale",
+     "unimp.recipe"],
 )
 def test_core_doctests(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

@@ -11,6 +11,7 @@ from conftest import require_backend
 
 import unimp
 from unimp import fp8
+from unimp.attached import peek
 from unimp.fp8.recipe import Fp8Recipe
 
 
@@ -44,7 +45,7 @@ def _optimizer(backend, model):
 def _fp8_kinds(backend, model):
     if backend == "torch":
         return [type(m).__name__ for m in model]
-    return [getattr(layer, "_unimp_fp8_config", None) is not None for layer in model.layers]
+    return [peek(layer, "fp8_config", None) is not None for layer in model.layers]
 
 
 # JAX's fp8_layers takes paths, not objects: a flax module shared between call sites has one path

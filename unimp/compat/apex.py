@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from unimp.attached import attach, peek
 from unimp.backends import torch as _ut
 from unimp.backends.torch import optimizer as _ut_optimizer
 from unimp.loss_scale import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
@@ -46,6 +47,8 @@ _OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _DEFAULTS = {"O0": (None, False), "O1": (None, None), "O2": (True, True), "O3": (False, False)}
 
 _STATE: dict[str, Any] = {"scaler": None, "mp": None, "optimizers": []}
+
+_STRANGER = object()  # peek's default for an optimizer amp.initialize never saw
 
 
 def _as_list(x: Any) -> tuple[list[Any], bool]:
@@ -159,14 +162,14 @@ def _patch_step(optimizer: torch.optim.Optimizer, scaler: _ut.GradScaler) -> Non
     original = optimizer.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        pending = getattr(optimizer, "_unimp_apex_bad", None)
+        pending = peek(optimizer, "apex_bad", None)
         if pending is None:
             return original(*args, **kwargs)
-        optimizer._unimp_apex_bad = None  # type: ignore[attr-defined]
+        attach(optimizer).apex_bad = None
         return _ut_optimizer._guarded_step(optimizer, pending, args, kwargs, step_fn=original)
 
     optimizer.step = step  # type: ignore[method-assign]
-    optimizer._unimp_apex_bad = None  # type: ignore[attr-defined]
+    attach(optimizer).apex_bad = None
 
 
 @contextlib.contextmanager
@@ -190,7 +193,7 @@ def scale_loss(
     if scaler is None:
         raise RuntimeError("call amp.initialize(model, optimizer, opt_level=...) before amp.scale_loss.")
     opts, _ = _as_list(optimizers)
-    strangers = [o for o in opts if not hasattr(o, "_unimp_apex_bad")]
+    strangers = [o for o in opts if peek(o, "apex_bad", _STRANGER) is _STRANGER]
     if strangers:
         raise ValueError(
             "scale_loss got an optimizer that was not passed to amp.initialize; its step could not "
@@ -204,7 +207,7 @@ def scale_loss(
     for o in opts:
         st = scaler._opt_state(o)
         bad = torch.where(scaler._loss_finite, st["found_inf"], torch.ones_like(st["found_inf"]))
-        o._unimp_apex_bad = bad  # type: ignore[attr-defined]
+        attach(o).apex_bad = bad
     scaler.update()
 
 

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import unimp.backends.tensorflow as utf
+from unimp.attached import peek
 
 
 def _model(mp):
@@ -70,7 +71,7 @@ def test_bad_overrides_change_nothing(recipe, match):
     with pytest.raises(ValueError, match=match):
         mp.prepare(model, "sgd", loss="mse")
     assert set(_policies(model).values()) == {"mixed_float16"}
-    assert getattr(model, "optimizer", None) is None and not hasattr(model, "_unimp_output_dtype")
+    assert getattr(model, "optimizer", None) is None and peek(model, "output_dtype") is None
 
 
 def test_train_step_applies_the_overrides_to_a_model_not_prepared():

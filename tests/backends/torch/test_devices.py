@@ -10,6 +10,7 @@ from backends.torch.helpers import (
     _loss,
     _mlp,
 )
+from unimp.attached import peek
 
 
 @pytest.mark.parametrize("device", ["meta", "cuda"])
@@ -37,7 +38,7 @@ def test_model_on_another_device_type_raises(call):
             mp.prepare(model)
         else:
             mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
-    assert not getattr(model, "_unimp_prepared", False)
+    assert not peek(model, "prepared", False)
 
 
 def test_bad_device_name_raises():

@@ -18,6 +18,7 @@ from backends.torch.helpers import (
     _batch,
     _mlp,
 )
+from unimp.attached import peek
 from unimp.backends._base import COMMON_API, MixedPrecisionBase
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
@@ -96,7 +97,7 @@ def test_prepare_refuses_float16_params_with_loss_scaling(recipe):
     with pytest.raises(ValueError, match=r"0\.weight.*loss_scale='none'"):
         ut.MixedPrecision(recipe, device=DEV).prepare(model, opt)
     assert model.forward == forward and [p.dtype for p in model.parameters()] == dtypes
-    assert not getattr(model, "_unimp_prepared", False)
+    assert not peek(model, "prepared", False)
 
 
 @pytest.mark.parametrize(

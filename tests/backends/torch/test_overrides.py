@@ -8,6 +8,7 @@ import torch
 
 import unimp
 import unimp.backends.torch as ut
+from unimp.attached import peek
 
 
 class _Net(torch.nn.Module):
@@ -62,7 +63,7 @@ def test_module_mode_holds_the_covered_module_in_its_dtype_without_masters():
     assert seen["head.0"] == torch.float32 and seen["l1"] == torch.float16
     out.float().sum().backward()
     opt.step()
-    masters = opt._unimp_master.pairs
+    masters = opt._unimp.master.pairs
     assert {id(p) for p, _ in masters} == {id(net.l1.weight), id(net.l1.bias)}
 
 
@@ -83,7 +84,7 @@ def test_a_conflict_changes_nothing():
     with pytest.raises(ValueError, match=r"conflict at 'head.2'"):
         mp.prepare(net)
     assert "forward" not in vars(net) and "forward" not in vars(net.head)
-    assert not getattr(net, "_unimp_prepared", False)
+    assert not peek(net, "prepared", False)
 
 
 def test_autocast_mode_refuses_an_override_with_other_parameters():

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from unimp import fp8 as _fp8
+from unimp.attached import attach, peek
 from unimp.backends.tensorflow.devices import _capability
 from unimp.dtypes import device_support
 from unimp.fp8 import FP8State
@@ -274,9 +275,9 @@ def _add_states(layer: Any, config: _fp8.Fp8Config, native: bool, layer_name: st
                 initializer=lambda shape, dtype=None, v=value: tf.constant(v), autocast=False,
             )
             setattr(layer, f"{name}_{f}", var)
-    layer._unimp_fp8_native = bool(native)
-    layer._unimp_fp8_name = layer_name
-    layer._unimp_fp8_use_native = None  # decided at the first call (host side, once per layer)
+    attach(layer).fp8_native = bool(native)
+    attach(layer).fp8_name = layer_name
+    attach(layer).fp8_use_native = None  # decided at the first call (host side, once per layer)
 
 
 def _checked_load(layer: Any, config: _fp8.Fp8Config, load: Any, where: str) -> None:
@@ -342,18 +343,18 @@ def _xla_matmul(a8: tf.Tensor, b8: tf.Tensor, transpose_a: bool, transpose_b: bo
 def _use_native(layer: Any, n_in: int, units: int) -> bool:
     """Whether ``layer`` runs the native GEMMs: decided and warned on the host at its first
     call, once per layer (never traced per step)."""
-    if layer._unimp_fp8_use_native is None:
-        use = layer._unimp_fp8_native
+    if layer._unimp.fp8_use_native is None:
+        use = layer._unimp.fp8_native
         if use:
             why = _fp8.native_refusal(n_in, units, "XLA's cuBLASLt float8 GEMM")
             if why is not None:
-                _fp8.warn_native_fallback("tensorflow", layer._unimp_fp8_name, why)
+                _fp8.warn_native_fallback("tensorflow", layer._unimp.fp8_name, why)
                 use = False
-        layer._unimp_fp8_use_native = use
+        attach(layer).fp8_use_native = use
         if not (use and native_fp8_supported()):
             gpu = bool(tf.config.list_logical_devices("GPU"))
             _fp8.warn_emulated("tensorflow", "gpu" if gpu else "cpu")
-    return layer._unimp_fp8_use_native
+    return layer._unimp.fp8_use_native
 
 
 def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, training: Any) -> tf.Tensor:
@@ -443,7 +444,7 @@ def _check_loads(layer: Any, config: _fp8.Fp8Config, path: str) -> None:
 def _fp8_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor:
     """``keras.layers.Dense.call`` with the matmul replaced by :func:`_fp8_matmul` (bias and
     activation as Keras adds them)."""
-    y = _fp8_matmul(self, self._unimp_fp8_config, inputs, self._kernel, training)
+    y = _fp8_matmul(self, self._unimp.fp8_config, inputs, self._kernel, training)
     if self.bias is not None:
         y = y + tf.cast(self.bias, y.dtype)
     if self.activation is not None:
@@ -536,7 +537,7 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     done = []
     for path in selected:
         layer = layers[path]
-        if isinstance(layer, FP8Dense) or getattr(layer, "_unimp_fp8_config", None) is not None:
+        if isinstance(layer, FP8Dense) or peek(layer, "fp8_config", None) is not None:
             done.append(path)
         elif isinstance(layer, keras.layers.Dense):
             layer._tracker.unlock()
@@ -544,7 +545,7 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
                 _add_states(layer, recipe.scaling, _fp8.native_requested(None, "fp8_swap"), path)
             finally:
                 layer._tracker.lock()
-            layer._unimp_fp8_config = recipe.scaling
+            attach(layer).fp8_config = recipe.scaling
             _check_loads(layer, recipe.scaling, path)
             # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
             # float32 master weight (Keras's own float8 Dense reads it autocast to bfloat16)

@@ -13,6 +13,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from unimp.attached import attach, peek
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
@@ -28,7 +29,7 @@ from unimp.steprecorder import check_log_every, with_log
 
 def _cast_call(model: Any, *args: Any, **kwargs: Any) -> Any:
     """The call of a prepared model: the original call, floating outputs in the output dtype."""
-    return cast_tree(model._unimp_call(*args, **kwargs), model._unimp_output_dtype)
+    return cast_tree(model._unimp.call(*args, **kwargs), model._unimp.output_dtype)
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -211,7 +212,7 @@ class MixedPrecision(MixedPrecisionBase):
         """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
-        if getattr(model, "_unimp_prepared", False):  # as torch's prepare
+        if peek(model, "prepared", False):  # as torch's prepare
             raise ValueError("this model was already prepared; prepare() applies the recipe once.")
         if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
             raise TypeError(
@@ -259,7 +260,7 @@ class MixedPrecision(MixedPrecisionBase):
             model.compile(optimizer=wrapped, **compile_kwargs)
         apply_overrides(self, model, overridden)
         self._cast_outputs(model)
-        model._unimp_prepared = True  # a deep copy (through the config) drops it, as the cast
+        attach(model).prepared = True  # a deep copy (through the config) drops it, as the cast
         return model, wrapped
 
     def fp8_layers(self, model: Any) -> tuple[str, ...]:
@@ -288,7 +289,7 @@ class MixedPrecision(MixedPrecisionBase):
         Raises:
             ValueError: the model was prepared for another output dtype.
         """
-        done = getattr(model, "_unimp_output_dtype", None)
+        done = peek(model, "output_dtype", None)
         if done is not None:
             if done != self.policy.output_dtype:
                 raise ValueError(
@@ -297,8 +298,8 @@ class MixedPrecision(MixedPrecisionBase):
                     "under this recipe's autocast()."
                 )
             return
-        model._unimp_call = model.call
-        model._unimp_output_dtype = self.policy.output_dtype
+        attach(model).call = model.call
+        attach(model).output_dtype = self.policy.output_dtype
         model.call = types.MethodType(_cast_call, model)
 
     def train_step(
@@ -400,7 +401,7 @@ class MixedPrecision(MixedPrecisionBase):
                 "the model has no trainable variables yet: build it first (keras.Input in the "
                 "model, model.build(input_shape), or call it on one batch)."
             )
-        if self.policy.overrides and not getattr(model, "_unimp_overrides", False):
+        if self.policy.overrides and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
         if isinstance(optimizer, LossScaleOptimizer):
             lso = optimizer

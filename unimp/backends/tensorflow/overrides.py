@@ -25,6 +25,7 @@ from typing import Any
 
 import keras
 
+from unimp.attached import attach, peek
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name
 from unimp.overrides import resolve_overrides
 from unimp.policy import Policy
@@ -93,7 +94,7 @@ def dtype_policy_map(mp: Any, model: Any) -> Any:
 
 
 def _override_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
-    return cast_tree(layer._unimp_override_call(*args, **kwargs), layer._unimp_override_output)
+    return cast_tree(layer._unimp.override_call(*args, **kwargs), layer._unimp.override_output)
 
 
 def apply_overrides(mp: Any, model: Any, resolved: dict | None = None) -> dict[str, Policy]:
@@ -117,9 +118,9 @@ def apply_overrides(mp: Any, model: Any, resolved: dict | None = None) -> dict[s
     resolved = _resolve(mp, model) if resolved is None else resolved
     for layer, o, name in resolved.values():
         layer.dtype_policy = keras.DTypePolicy(name)
-        if o.output_dtype != o.compute_dtype and not hasattr(layer, "_unimp_override_call"):
-            layer._unimp_override_call = layer.call
-            layer._unimp_override_output = o.output_dtype
+        if o.output_dtype != o.compute_dtype and peek(layer, "override_call") is None:
+            attach(layer).override_call = layer.call
+            attach(layer).override_output = o.output_dtype
             layer.call = types.MethodType(_override_call, layer)
-    model._unimp_overrides = True  # train_step applies them once
+    attach(model).overrides = True  # train_step applies them once
     return {path: o for path, (_, o, _) in resolved.items()}

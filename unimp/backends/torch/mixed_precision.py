@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from unimp.attached import attach, peek
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch.casting import (
     _NORM_LAYERS,
@@ -31,8 +32,8 @@ from unimp.steprecorder import check_log_every, with_log
 def _prepared_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a prepared model: inputs cast (module mode) or autocast around the
     original forward, floating outputs cast to the output dtype."""
-    mp = model._unimp_mp
-    forward = model._unimp_forward
+    mp = model._unimp.mp
+    forward = model._unimp.forward
     if mp._mode == "module":
         args, kwargs = mp.cast_to_compute(args), mp.cast_to_compute(kwargs)
         out = forward(*args, **kwargs)
@@ -196,7 +197,7 @@ class MixedPrecision(MixedPrecisionBase):
             raise TypeError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        if getattr(model, "_unimp_prepared", False):
+        if peek(model, "prepared", False):
             raise ValueError("this model was already prepared; prepare() applies the recipe once.")
         out = model if optimizer is None else (model, optimizer)
         if self._mode == "none":
@@ -248,7 +249,7 @@ class MixedPrecision(MixedPrecisionBase):
                         new.append(p)
                 group["params"] = new
             optimizer.state.update(moved)
-            optimizer._unimp_master = _MasterWeights(optimizer, pairs)  # type: ignore[attr-defined]
+            attach(optimizer).master = _MasterWeights(optimizer, pairs)
             _checkpoint_masters(model, names, pairs)
         elif self._mode == "module":
             model.to(self.param_dtype)
@@ -260,9 +261,9 @@ class MixedPrecision(MixedPrecisionBase):
                         setattr(m, name, b.float())
         apply_overrides(self, model, overridden)
         if optimizer is not None:
-            optimizer._unimp_names = names  # type: ignore[attr-defined]
+            attach(optimizer).names = names
         self._wrap_forward(model)
-        model._unimp_prepared = True  # type: ignore[attr-defined]
+        attach(model).prepared = True
         if optimizer is not None:
             _check_half_state(optimizer)
         return out
@@ -326,8 +327,8 @@ class MixedPrecision(MixedPrecisionBase):
     def _wrap_forward(self, model: torch.nn.Module) -> None:
         # an object holding the model, not a closure over it: copy.deepcopy (an EMA copy of
         # the model) and pickle carry it with the copy, where a closure ran the original model
-        model._unimp_forward = model.forward  # type: ignore[assignment]
-        model._unimp_mp = self  # type: ignore[assignment]
+        attach(model).forward = model.forward
+        attach(model).mp = self
         model.forward = _PreparedForward(model)  # type: ignore[method-assign]
 
     # -- train step
@@ -356,7 +357,7 @@ class MixedPrecision(MixedPrecisionBase):
         applied to a model that :meth:`prepare` did not see.
         """
         log_every = check_log_every(log, log_every)
-        if self.policy.overrides and self._mode != "none" and not getattr(model, "_unimp_overrides", False):
+        if self.policy.overrides and self._mode != "none" and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
                          max_grad_norm=max_grad_norm, scheduler=scheduler,

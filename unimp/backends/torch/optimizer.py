@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from unimp.attached import attach, peek
 from unimp.backends.torch.devices import _to
 from unimp.step import warn_half_optimizer_state
 
@@ -70,7 +71,7 @@ def _guarded_step(
     # torch's fused kernels are known to honour found_inf; any other amp-aware optimizer gets
     # the attributes too (its step may read them) and the copy-and-select guard as well
     native = amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
-    master = getattr(optimizer, "_unimp_master", None)
+    master = peek(optimizer, "master", None)
     if master is not None:
         master.in_guard = True
     try:
@@ -129,9 +130,9 @@ def _check_half_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer (a numeric ``eps``) holds trainable float16 parameters, so torch keeps its
     moments in float16 too. Optimizers whose ``eps`` is not a number (Adafactor's pair) are
     left alone, as Keras's and optax's Adafactor."""
-    if getattr(optimizer, "_unimp_half_checked", False):
+    if peek(optimizer, "half_checked", False):
         return
-    optimizer._unimp_half_checked = True  # type: ignore[attr-defined]
+    attach(optimizer).half_checked = True
     if "eps" not in optimizer.defaults:
         return  # SGD & co keep no second moment
     eps = []
@@ -147,7 +148,7 @@ def _check_half_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _param_names(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:
-    names = getattr(optimizer, "_unimp_names", {})
+    names = peek(optimizer, "names", {})
     out = []
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from unimp.attached import attach
 from unimp.backends.torch.casting import cast_tree, to_dtype
 from unimp.overrides import resolve_overrides, top_paths
 from unimp.policy import Policy
@@ -104,7 +105,7 @@ def apply_overrides(mp: Any, model: torch.nn.Module, resolved: dict[str, Policy]
     for name, policy in resolved.items():
         module = modules[name]
         module.forward = _OverrideForward(module, policy, mp)  # type: ignore[method-assign]
-    model._unimp_overrides = True  # type: ignore[assignment]  # train_step applies them once
+    attach(model).overrides = True  # train_step applies them once
     return resolved
 
 

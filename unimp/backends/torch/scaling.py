@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from unimp import loss_scale as _ls
+from unimp.attached import peek
 from unimp.backends.torch._update import (
     LossScaleOps,
     check_new_scale,
@@ -343,7 +344,7 @@ class GradScaler:
         if st["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call update() first.")
         self._check_replicas()  # before anything changes: raises on every rank on a mismatch
-        master = getattr(optimizer, "_unimp_master", None)
+        master = peek(optimizer, "master", None)
         if master is not None:
             master.to_master()
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unimp.attached import peek
 from unimp.backends.torch.devices import _to
 from unimp.stats import COUNT_FIELDS, TARGETS, THRESHOLDS, StepStats, check_scale, output_leaves
 
@@ -147,7 +148,7 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     """``id(parameter) -> name`` from ``model.named_parameters()``; in module mode a float32
     master parameter takes the name of the model parameter it stands for."""
     names = {id(p): n for n, p in model.named_parameters()}
-    master = getattr(optimizer, "_unimp_master", None)
+    master = peek(optimizer, "master", None)
     for model_p, master_p in getattr(master, "pairs", ()):
         if id(model_p) in names:
             names[id(master_p)] = names[id(model_p)]
