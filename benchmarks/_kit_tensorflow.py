@@ -77,7 +77,7 @@ class Trainer:
                     # the output layer computes in float32, as in the native loop (the Keras
                     # guide's); prepare() alone casts the outputs of a float16 output layer
                     model = make_model(spec, None, mp.output_dtype_policy)
-                model, _ = mp.prepare(model)
+                model = mp.prepare(model)
                 self.step = mp.train_step(model, keras.optimizers.Adam(LR), loss_fn)
                 self.function = self.step.function
                 self._one = self._unimp_one

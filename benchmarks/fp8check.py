@@ -162,8 +162,8 @@ RUNNERS = {"torch": _torch, "tensorflow": _tensorflow, "jax": _jax}
 def worker(cfg: dict) -> dict:
     backend = cfg["backend"]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
-        warnings.simplefilter("error", fp8.Fp8NativeFallbackWarning)  # 512 x 256 must run native
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
+        warnings.simplefilter("error", fp8.FP8NativeFallbackWarning)  # 512 x 256 must run native
         ref, _ = RUNNERS[backend](False, cfg["device"])
         got, info = RUNNERS[backend](True, cfg["device"])
     unequal = [f"step {s} {n}.{f}" for s, ((_, rs), (_, gs)) in enumerate(zip(ref, got, strict=True))

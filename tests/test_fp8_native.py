@@ -90,8 +90,8 @@ def test_native_matches_emulated_within_summation_bound(kind, count_scaled_mm):
     config = CONFIGS[kind]
     emu, nat = _pair(config)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
-        warnings.simplefilter("error", tfp8.Fp8NativeFallbackWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
+        warnings.simplefilter("error", tfp8.FP8NativeFallbackWarning)
         ref = _steps(emu)
         assert count_scaled_mm == []
         got = _steps(nat)
@@ -126,7 +126,7 @@ def test_refused_dimensions_fall_back_once_naming_the_layer(count_scaled_mm):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _steps(nat, shape=(4, 60))
-    fallback = [w for w in caught if issubclass(w.category, tfp8.Fp8NativeFallbackWarning)]
+    fallback = [w for w in caught if issubclass(w.category, tfp8.FP8NativeFallbackWarning)]
     assert len(fallback) == 1  # once, not per step
     message = str(fallback[0].message)
     assert "'mlp.fc1'" in message and "in_features=60" in message and "16" in message
@@ -151,7 +151,7 @@ def test_kernel_error_falls_back_once_with_torchs_message(monkeypatch):
         warnings.simplefilter("always")
         got = _steps(nat)
         ref = _steps(emu)
-    fallback = [w for w in caught if issubclass(w.category, tfp8.Fp8NativeFallbackWarning)]
+    fallback = [w for w in caught if issubclass(w.category, tfp8.FP8NativeFallbackWarning)]
     assert len(fallback) == 1
     assert "'attn.q'" in str(fallback[0].message) and "divisible by 16" in str(fallback[0].message)
     for r, g in zip(ref, got, strict=True):
@@ -166,14 +166,14 @@ def test_emulation_warns_once_on_a_device_without_float8_units():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _steps(nat)
-    emulated = [w for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    emulated = [w for w in caught if issubclass(w.category, fp8.FP8EmulationWarning)]
     assert len(emulated) == 1 and "torch, cpu" in str(emulated[0].message)
 
 
 def test_gradients_flow_through_the_native_path():
     _, nat = _pair(CONFIGS["delayed"])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         y, dx, dw, db, states = _steps(nat)[-1]
     for g in (dx, dw, db):
         assert g is not None and torch.isfinite(g).all() and g.abs().max() > 0
@@ -192,7 +192,7 @@ def test_prepare_names_the_refused_layer_by_its_path(monkeypatch):
         warnings.simplefilter("always")
         for _ in range(STEPS):
             net(torch.randn(4, 16)).float().sum().backward()
-    fallback = sorted(str(w.message) for w in caught if issubclass(w.category, tfp8.Fp8NativeFallbackWarning))
+    fallback = sorted(str(w.message) for w in caught if issubclass(w.category, tfp8.FP8NativeFallbackWarning))
     assert len(fallback) == 2
     assert "layer '1'" in fallback[0] and "out_features=20" in fallback[0]
     assert "layer '2'" in fallback[1] and "in_features=20" in fallback[1]

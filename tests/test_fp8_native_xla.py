@@ -44,7 +44,7 @@ def _jax_steps(native, shape, n_out=48, steps=3, name="fc"):
 
     out = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         for _ in range(steps):
             x = jnp.asarray(rng.standard_normal(shape) * 3, jnp.float32)
             r = jnp.asarray(rng.standard_normal((*shape[:-1], n_out)) * 1e3, jnp.float32)
@@ -77,7 +77,7 @@ def test_jax_native_gives_float8_operands_to_the_dot():
         return jfp8.fp8_dot_general(CONFIG, *states, native=native)(x, w, DENSE).sum()
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         native = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, True), (0, 1))).lower(x, w).as_text()
         emulated = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, False), (0, 1))).lower(x, w).as_text()
     dots = [line for line in native.splitlines() if "dot_general" in line]
@@ -104,7 +104,7 @@ def test_jax_dimension_numbers_other_than_dense_fall_back(monkeypatch):
         for _ in range(2):
             dg = jfp8.fp8_dot_general(CONFIG, *states, native=True, name="attn.scores")
             y = dg(jnp.ones((2, 16, 32)), jnp.ones((2, 32, 16)), batched)
-    fallback = [str(w.message) for w in caught if issubclass(w.category, fp8.Fp8NativeFallbackWarning)]
+    fallback = [str(w.message) for w in caught if issubclass(w.category, fp8.FP8NativeFallbackWarning)]
     assert len(fallback) == 1 and "'attn.scores'" in fallback[0] and "not a Dense product" in fallback[0]
     assert y.shape == (2, 16, 16) and float(y[0, 0, 0]) == 32.0
 
@@ -128,7 +128,7 @@ def test_jax_flax_dense_is_named_by_its_path(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Net().init(jax.random.PRNGKey(0), jnp.ones((4, 16)))
-    fallback = [str(w.message) for w in caught if issubclass(w.category, fp8.Fp8NativeFallbackWarning)]
+    fallback = [str(w.message) for w in caught if issubclass(w.category, fp8.FP8NativeFallbackWarning)]
     assert len(fallback) == 1 and "layer 'fc1'" in fallback[0] and "out_features=20" in fallback[0]
 
 
@@ -179,9 +179,9 @@ def test_tensorflow_prepare_names_the_refused_layer_by_its_path(monkeypatch):
     mp = unimp.mixed_precision("fp8-delayed", backend="tensorflow")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, _ = mp.prepare(model)
+        model = mp.prepare(model)
         model(np.ones((4, 16), np.float32), training=True)
-    fallback = sorted(str(w.message) for w in caught if issubclass(w.category, fp8.Fp8NativeFallbackWarning))
+    fallback = sorted(str(w.message) for w in caught if issubclass(w.category, fp8.FP8NativeFallbackWarning))
     assert len(fallback) == 2
     assert "layer 'd1'" in fallback[0] and "out_features=20" in fallback[0]
     assert "layer 'd2'" in fallback[1] and "in_features=20" in fallback[1]

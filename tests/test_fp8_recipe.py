@@ -8,7 +8,7 @@ import pytest
 
 import unimp
 from unimp import fp8
-from unimp.fp8.recipe import Fp8Recipe, matches
+from unimp.fp8.recipe import FP8Recipe, matches
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_plain_recipes_keep_their_dict():
 
 
 def test_fp8_override_and_exclude():
-    r = unimp.get_recipe("fp8", fp8=Fp8Recipe(fp8.CurrentScaling(), exclude=("encoder.*", "head")))
+    r = unimp.get_recipe("fp8", fp8=FP8Recipe(fp8.CurrentScaling(), exclude=("encoder.*", "head")))
     assert r.fp8.scaling.kind == "current" and r.fp8.exclude == ("encoder.*", "head")
     r2 = unimp.get_recipe("mixed_bfloat16", fp8={"scaling": {"kind": "delayed", "amax_history_len": 16}})
     assert r2.fp8.scaling.amax_history_len == 16
@@ -48,21 +48,21 @@ def test_exclude_glob_matches_whole_path_or_dotted_prefix(pattern, path, hit):
 
 
 def test_applies_to():
-    f = Fp8Recipe(exclude=("head",))
+    f = FP8Recipe(exclude=("head",))
     assert f.applies_to("body.fc", "Linear", index=1, count=4)
     assert not f.applies_to("embed", "Linear", index=0, count=4)  # first
     assert not f.applies_to("out", "Dense", index=3, count=4)  # last
     assert not f.applies_to("head.proj", "Linear", index=2, count=4)  # excluded by pattern
     assert not f.applies_to("norm", "LayerNorm")
-    assert Fp8Recipe(exclude_first_last=False).applies_to("embed", "Conv2D", index=0, count=4)
+    assert FP8Recipe(exclude_first_last=False).applies_to("embed", "Conv2D", index=0, count=4)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"scaling": "delayed"}, "Fp8Recipe.scaling"), ({"exclude": "head"}, "Fp8Recipe.exclude"),
-     ({"layers": ("Dense", "")}, "Fp8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last"),
-     ({"exclude": ("head;out",)}, r"Fp8Recipe.exclude: pattern 'head;out'"),  # never matched, silently
-     ({"exclude": (" head",)}, r"Fp8Recipe.exclude: pattern ' head'"),
+    [({"scaling": "delayed"}, "FP8Recipe.scaling"), ({"exclude": "head"}, "FP8Recipe.exclude"),
+     ({"layers": ("Dense", "")}, "FP8Recipe.layers"), ({"exclude_first_last": 1}, "exclude_first_last"),
+     ({"exclude": ("head;out",)}, r"FP8Recipe.exclude: pattern 'head;out'"),  # never matched, silently
+     ({"exclude": (" head",)}, r"FP8Recipe.exclude: pattern ' head'"),
      ({"layers": ("Dens",)}, r"'Dens' is not a layer kind .* Did you mean 'Dense'"),  # selected none
      ({"layers": ("dense",)}, r"'dense' is not a layer kind .* Did you mean 'Dense'"),
      # never an identifier, so never a class-name prefix: accepted, and selected no layer, before
@@ -72,7 +72,7 @@ def test_applies_to():
 )
 def test_fp8_recipe_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        Fp8Recipe(**kwargs)
+        FP8Recipe(**kwargs)
     with pytest.raises(ValueError, match="unknown FP8 recipe key"):
         unimp.Recipe.from_dict({"policy": "mixed_bfloat16", "fp8": {"exclud": []}})
 
@@ -84,39 +84,39 @@ VIT_LAYERS = [("emb", "Linear"), ("ln1", "LayerNorm"), ("attn.q", "Linear"), ("a
 
 
 def test_select_first_and_last_out_and_globs():
-    assert Fp8Recipe().select(VIT_LAYERS) == ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2")
-    assert Fp8Recipe(exclude=("attn.*",)).select(VIT_LAYERS) == ("mlp.fc1", "mlp.fc2")
-    assert Fp8Recipe(exclude_first_last=False, exclude=("mlp",)).select(VIT_LAYERS) == (
+    assert FP8Recipe().select(VIT_LAYERS) == ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2")
+    assert FP8Recipe(exclude=("attn.*",)).select(VIT_LAYERS) == ("mlp.fc1", "mlp.fc2")
+    assert FP8Recipe(exclude_first_last=False, exclude=("mlp",)).select(VIT_LAYERS) == (
         "emb", "attn.q", "attn.k", "attn.v", "attn.o", "l2")
-    assert Fp8Recipe().select([("l1", "Dense"), ("l2", "Dense")]) == ()  # the seeds' MLP: none
+    assert FP8Recipe().select([("l1", "Dense"), ("l2", "Dense")]) == ()  # the seeds' MLP: none
     with pytest.raises(ValueError, match="given twice"):
-        Fp8Recipe().select([("a", "Dense"), ("a", "Dense")])
+        FP8Recipe().select([("a", "Dense"), ("a", "Dense")])
     with pytest.raises(ValueError, match="pairs of strings"):
-        Fp8Recipe().select(["a"])
+        FP8Recipe().select(["a"])
 
 
 def test_exclude_reads_slash_as_dot_as_overrides_do():
     # Keras's layer.path and unimp trace's names use '/'; the dotted paths never matched them
-    f = Fp8Recipe(exclude=("encoder/fc",))
+    f = FP8Recipe(exclude=("encoder/fc",))
     assert f.exclude == ("encoder.fc",) and not f.applies_to("encoder.fc", "Dense")
 
 
 def test_a_bare_scaling_config_as_recipe_fp8_names_the_wrapper():
-    with pytest.raises(ValueError, match=r"wrap the scaling config: fp8=Fp8Recipe\(CurrentScaling\(...\)\)"):
+    with pytest.raises(ValueError, match=r"wrap the scaling config: fp8=FP8Recipe\(CurrentScaling\(...\)\)"):
         unimp.get_recipe("mixed_bfloat16", fp8=fp8.CurrentScaling())
 
 
 def test_policy_overrides_keep_their_layers_out_of_float8():
     # the overrides decide which layers stay out: 'b' runs in float32, as its override says
     policy = unimp.get_policy("mixed_bfloat16;b:float32")
-    r = unimp.Recipe(policy, fp8=Fp8Recipe(exclude_first_last=False))
+    r = unimp.Recipe(policy, fp8=FP8Recipe(exclude_first_last=False))
     layers = [("a", "Linear"), ("b", "Linear"), ("b.inner", "Linear"), ("c", "Linear")]
     assert r.fp8.select(layers) == ("a", "c")
     assert r.fp8.kept_out == ("b",) and "policy overrides ['b'] kept out" in r.fp8.describe()
     # not a field: the recipe round-trips and compares as before, the policy carries the patterns
     assert unimp.Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
     assert "kept_out" not in r.to_dict()["fp8"]
-    assert unimp.Recipe("mixed_bfloat16", fp8=Fp8Recipe(exclude_first_last=False)).fp8.select(layers) == (
+    assert unimp.Recipe("mixed_bfloat16", fp8=FP8Recipe(exclude_first_last=False)).fp8.select(layers) == (
         "a", "b", "b.inner", "c")
 
 
@@ -133,5 +133,5 @@ def test_fp8_none_gives_the_recipe_without_float8(name):
 def test_fp8_recipe_takes_a_numpy_bool_as_a_bool():
     import numpy as np
 
-    r = Fp8Recipe(exclude_first_last=np.bool_(False))
-    assert r.exclude_first_last is False and r == Fp8Recipe(exclude_first_last=False)
+    r = FP8Recipe(exclude_first_last=np.bool_(False))
+    assert r.exclude_first_last is False and r == FP8Recipe(exclude_first_last=False)

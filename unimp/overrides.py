@@ -70,7 +70,7 @@ class OverrideWarning(UserWarning):
 def check_pattern(pattern: Any, field: str = "Policy.overrides") -> str:
     """Validates one override pattern and returns it, ``/`` read as ``.`` (so the layer names
     ``unimp trace`` prints, ``"head/0"``, and Keras's ``layer.path`` work as patterns).
-    ``field`` names the option in the messages (``Fp8Recipe.exclude`` takes the same patterns).
+    ``field`` names the option in the messages (``FP8Recipe.exclude`` takes the same patterns).
 
     Raises:
         TypeError: not a string.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unimp.fp8.config import CurrentScaling, DelayedScaling
-from unimp.fp8.recipe import Fp8Recipe
+from unimp.fp8.recipe import FP8Recipe
 from unimp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -50,7 +50,7 @@ class Recipe:
             ``"none"``, a number (static), or a dict from ``to_dict()``. ``None`` picks the
             default for the policy: dynamic for float16 compute, none otherwise.
         cast_mode: ``"auto"``, ``"autocast"`` or ``"module"`` (see :data:`CAST_MODES`).
-        fp8: ``None`` (no float8), or a :class:`unimp.fp8.recipe.Fp8Recipe` (or its
+        fp8: ``None`` (no float8), or a :class:`unimp.fp8.recipe.FP8Recipe` (or its
             ``to_dict()``): float8 matmuls for Dense/Linear/Conv layers (see ``get_recipe("fp8")``).
             A layer covered by one of the policy's ``overrides`` stays out of float8: it runs
             in the dtypes its override gives.
@@ -67,7 +67,7 @@ class Recipe:
     policy: Policy = field(default_factory=Policy)
     loss_scale: LossScaleConfig | None = None
     cast_mode: str = "auto"
-    fp8: Fp8Recipe | None = None
+    fp8: FP8Recipe | None = None
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
@@ -83,16 +83,16 @@ class Recipe:
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "loss_scale", ls)
         object.__setattr__(self, "cast_mode", self.cast_mode.strip().lower())
-        if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
+        if self.fp8 is not None and not isinstance(self.fp8, FP8Recipe):
             if not isinstance(self.fp8, Mapping):
                 hint = (
-                    f"; wrap the scaling config: fp8=Fp8Recipe({type(self.fp8).__name__}(...))"
+                    f"; wrap the scaling config: fp8=FP8Recipe({type(self.fp8).__name__}(...))"
                     if isinstance(self.fp8, (DelayedScaling, CurrentScaling)) else ""
                 )
                 raise ValueError(
-                    f"Recipe.fp8 must be None or an unimp.fp8.recipe.Fp8Recipe, got {type(self.fp8).__name__}{hint}."
+                    f"Recipe.fp8 must be None or an unimp.fp8.recipe.FP8Recipe, got {type(self.fp8).__name__}{hint}."
                 )
-            object.__setattr__(self, "fp8", Fp8Recipe.from_dict(self.fp8))
+            object.__setattr__(self, "fp8", FP8Recipe.from_dict(self.fp8))
         if self.fp8 is not None:  # a layer the policy overrides keeps its dtypes: no float8 there
             object.__setattr__(self, "fp8", self.fp8.with_kept_out([p for p, _ in policy.overrides]))
 
@@ -153,7 +153,7 @@ class Recipe:
                 elif key == "loss_scale":
                     out[key] = loss_scale_from_dict(d[key])
                 elif key == "fp8":
-                    out[key] = None if d[key] is None else Fp8Recipe.from_dict(d[key])
+                    out[key] = None if d[key] is None else FP8Recipe.from_dict(d[key])
                 else:
                     out[key] = d[key]
             except (ValueError, TypeError) as e:
@@ -316,7 +316,7 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
         **overrides: ``loss_scale=`` and ``cast_mode=`` replace the defaults (``None`` keeps
             the default, as ``Recipe(loss_scale=None)``: write ``loss_scale="none"`` to turn
             loss scaling off); ``platform=`` resolves ``"half"`` (see :func:`get_policy`);
-            ``fp8=`` an :class:`unimp.fp8.recipe.Fp8Recipe`, or ``None`` for none (as
+            ``fp8=`` an :class:`unimp.fp8.recipe.FP8Recipe`, or ``None`` for none (as
             ``Recipe(fp8=None)``: ``get_recipe("fp8", fp8=None)`` is its bfloat16 recipe
             without float8).
 
@@ -344,7 +344,7 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
         # fp8=None given: the recipe without float8, as Recipe(fp8=None) and recipe.replace(fp8=None)
         default = "fp8" not in overrides
         fp8 = overrides.pop("fp8", None)
-        fp8 = Fp8Recipe(FP8_RECIPES[name.strip().lower()]()) if default else fp8
+        fp8 = FP8Recipe(FP8_RECIPES[name.strip().lower()]()) if default else fp8
         return Recipe(get_policy("mixed_bfloat16"), overrides.get("loss_scale"),
                       overrides.get("cast_mode", "auto"), fp8)
     fp8 = overrides.pop("fp8", None)

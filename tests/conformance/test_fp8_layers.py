@@ -77,7 +77,7 @@ def test_fp8_dense_matches_reference(backend, kind, data):
     # which each preset treats as it treats any amax 0; the output is empty, (0, OUT).
     config = CONFIGS[kind]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         got = _run(backend, config, data)
     for step, (ref, run) in enumerate(zip(_reference(config, data), got, strict=True)):
         for name, r, o in zip(("y", "dx", "dw"), ref[:3], run[:3], strict=True):
@@ -102,7 +102,7 @@ def test_emulation_warns_once_not_per_step(backend):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _run(backend, config)  # STEPS forward and backward passes
-    emulated = [w for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    emulated = [w for w in caught if issubclass(w.category, fp8.FP8EmulationWarning)]
     assert len(emulated) == 1
     assert "emulated" in str(emulated[0].message) and backend in str(emulated[0].message)
 
@@ -112,7 +112,7 @@ def test_gradient_amax_is_the_scaled_gradients(backend):
     # so its float8 scale) is taken on that scaled tensor, before unscaling, in every backend.
     config = CONFIGS["delayed"]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         run = _run(backend, config)
     for step, (_, _, _, states) in enumerate(run):
         _, g = _data(step)  # g carries a loss scale of 2**(3 * step)
@@ -126,7 +126,7 @@ def test_torch_fp8_dense_bias_bfloat16_and_eval():
     import torch
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         layer = mod.FP8Dense(IN, OUT, config=CONFIGS["delayed"])
         x = torch.tensor(_data(1)[0]).to(torch.bfloat16).requires_grad_()
         y = layer(x)
@@ -276,7 +276,7 @@ def test_fp8_dense_takes_an_integer_input_as_its_framework_dense_does(backend):
 
         s = mod.fp8_initial_state(CONFIGS["current"])
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+            warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
             dg = mod.fp8_dot_general(CONFIGS["current"], s, s, s)
         dn = (((1,), (0,)), ((), ()))
         with pytest.raises(TypeError, match="fp8_dot_general: the float8 matmul takes floating-point "

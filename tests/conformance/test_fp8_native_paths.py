@@ -42,8 +42,8 @@ def _run(backend, config, native, n_in=64, n_out=48, name="mlp.fc1", rows=5):
 
 def _quiet(backend, config, native, **kw):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
-        warnings.simplefilter("error", fp8.Fp8NativeFallbackWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
+        warnings.simplefilter("error", fp8.FP8NativeFallbackWarning)
         return _run(backend, config, native, **kw)
 
 
@@ -86,7 +86,7 @@ def test_refused_layer_falls_back_once_naming_it(backend, monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _run(backend, config, True, n_in=60, name="mlp.fc1")
-    fallback = [w for w in caught if issubclass(w.category, fp8.Fp8NativeFallbackWarning)]
+    fallback = [w for w in caught if issubclass(w.category, fp8.FP8NativeFallbackWarning)]
     assert len(fallback) == 1, [str(w.message) for w in fallback]  # once, not per step
     message = str(fallback[0].message)
     assert "'mlp.fc1'" in message and "in_features=60" in message and "multiple of 16" in message
@@ -101,7 +101,7 @@ def test_native_without_float8_units_warns_emulated_once(backend):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _run(backend, CONFIGS["current"], True)
-    emulated = [w for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    emulated = [w for w in caught if issubclass(w.category, fp8.FP8EmulationWarning)]
     assert len(emulated) == 1 and f"{backend}, cpu" in str(emulated[0].message)
 
 

@@ -1,6 +1,6 @@
 """An FP8 recipe applies itself: each backend's prepared model (torch ``mp.prepare``, Keras
 ``mp.prepare``, flax ``mp.module_kwargs(path)`` and plain JAX ``mp.fp8_matmul``) runs float8
-matmuls in the layers :meth:`unimp.fp8.recipe.Fp8Recipe.select` picks, under the same names."""
+matmuls in the layers :meth:`unimp.fp8.recipe.FP8Recipe.select` picks, under the same names."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def _jax(recipe):
 def test_prepared_model_runs_float8_in_the_selected_layers(backend, recipe):
     require_backend(backend)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         before, after, swapped, states = {"torch": _torch, "tensorflow": _tensorflow, "jax": _jax}[backend](recipe)
     assert before == after == SELECTED
     assert swapped == list(SELECTED)

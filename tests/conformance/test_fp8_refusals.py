@@ -12,7 +12,7 @@ from conftest import require_backend
 import unimp
 from unimp import fp8
 from unimp.attached import peek
-from unimp.fp8.recipe import Fp8Recipe
+from unimp.fp8.recipe import FP8Recipe
 
 
 def _shared_model(backend, mp):
@@ -61,10 +61,10 @@ def test_a_shared_float8_layer_is_refused_naming_its_places(backend):
         mp.prepare(model, _optimizer(backend, model))
     assert _fp8_kinds(backend, model) == before  # nothing swapped
     kept_out = unimp.mixed_precision(
-        unimp.get_recipe("fp8", fp8=Fp8Recipe(exclude=(path,), exclude_first_last=False)), backend=backend)
+        unimp.get_recipe("fp8", fp8=FP8Recipe(exclude=(path,), exclude_first_last=False)), backend=backend)
     assert path not in kept_out.fp8_layers(model)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         kept_out.prepare(model, _optimizer(backend, model))
 
 
@@ -111,7 +111,7 @@ def test_keras_fp8_dense_saves_and_loads_with_its_config(tmp_path):
 
     config = fp8.DelayedScaling(amax_history_len=16, margin=1)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         layer = _fp8_dense("tensorflow", 3, 4, config=config, native=False)
         model = keras.Sequential([keras.Input((3,)), layer])
         x = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
@@ -164,7 +164,7 @@ def test_emulation_warning_points_at_the_users_line(backend):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line, _ = _first_fp8_call(backend)
-    got = [(w.filename, w.lineno) for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    got = [(w.filename, w.lineno) for w in caught if issubclass(w.category, fp8.FP8EmulationWarning)]
     assert got == [(__file__, line)]  # not torch's module.py, Keras's layer.py or unimp's own files
 
 
@@ -189,7 +189,7 @@ def test_emulation_warning_under_tf_function_points_at_the_users_call():
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1
         fwd(tf.ones((2, 4)))
-    got = [(w.filename, w.lineno) for w in caught if issubclass(w.category, fp8.Fp8EmulationWarning)]
+    got = [(w.filename, w.lineno) for w in caught if issubclass(w.category, fp8.FP8EmulationWarning)]
     assert got == [(__file__, line)]
 
 

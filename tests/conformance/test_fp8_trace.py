@@ -67,7 +67,7 @@ def _traced(backend):
 
 def test_float8_layer_shows_quantize_and_dequantize_ops(backend):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         trace = _traced(backend)
     quant = Counter(r.outputs[0] for r in trace if r.op == "fp8_quantize")
     dequant = Counter(r.inputs[0] for r in trace if r.op == "fp8_dequantize")
@@ -79,7 +79,7 @@ def test_float8_layer_shows_quantize_and_dequantize_ops(backend):
 
 def test_float8_layer_shows_amax_and_scale_update_ops(backend):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8EmulationWarning)
+        warnings.simplefilter("ignore", fp8.FP8EmulationWarning)
         trace = _traced(backend)
     amax = [r for r in trace if r.op == "fp8_amax"]
     update = [r for r in trace if r.op == "fp8_scale_update"]

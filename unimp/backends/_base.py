@@ -158,13 +158,13 @@ BACKEND_MODULES = (
 )
 
 #: FP8 names every backend's ``fp8`` module exports (and its package re-exports), the same
-#: meaning in each: ``Fp8Ops`` (the rule's array namespace), ``fp8_initial_state``,
+#: meaning in each: ``FP8Ops`` (the rule's array namespace), ``fp8_initial_state``,
 #: ``fp8_state_from_numpy`` / ``fp8_state_to_numpy`` (to and from :class:`unimp.fp8.FP8State`
 #: of NumPy values, for the portable state_dict), ``fp8_amax``, ``fp8_step`` and
 #: ``fp8_quantize_dequantize`` (:func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` on
 #: native tensors).
 FP8_API = (
-    "Fp8Ops",
+    "FP8Ops",
     "fp8_amax",
     "fp8_initial_state",
     "fp8_quantize_dequantize",

@@ -228,7 +228,7 @@ class CurrentScaling(_Fp8Config):
         return cls(**_preset_fields(cls, name, overrides))
 
 
-Fp8Config = DelayedScaling | CurrentScaling
+FP8Config = DelayedScaling | CurrentScaling
 
 #: Every preset, by the name :func:`fp8_preset` takes.
 PRESETS: dict[str, tuple[type, str]] = {
@@ -242,7 +242,7 @@ PRESETS: dict[str, tuple[type, str]] = {
 }
 
 
-def fp8_preset(name: str, **overrides: Any) -> Fp8Config:
+def fp8_preset(name: str, **overrides: Any) -> FP8Config:
     """The config reproducing one implementation: a name of :data:`PRESETS`.
 
     Raises:
@@ -256,7 +256,7 @@ def fp8_preset(name: str, **overrides: Any) -> Fp8Config:
     return cls.preset(rule, **overrides)
 
 
-def fp8_from_dict(d: Mapping[str, Any]) -> Fp8Config:
+def fp8_from_dict(d: Mapping[str, Any]) -> FP8Config:
     """Inverse of ``config.to_dict()``.
 
     Raises:
@@ -291,7 +291,7 @@ class FP8State:
     amax_history: Any
 
     @classmethod
-    def initial(cls, config: Fp8Config) -> FP8State:
+    def initial(cls, config: FP8Config) -> FP8State:
         """Scale 1, history of zeros (every implementation starts there)."""
         one = np.float32(1.0)
         return cls(one, one, np.zeros(config.amax_history_len, np.float32))
@@ -306,7 +306,7 @@ class FP8State:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], config: Fp8Config | None = None) -> FP8State:
+    def from_dict(cls, d: Mapping[str, Any], config: FP8Config | None = None) -> FP8State:
         """Inverse of :meth:`to_dict`; checks the history length against ``config``.
 
         Raises:
@@ -356,7 +356,7 @@ def check_tensor(name: Any, where: str) -> str:
     return name
 
 
-def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = None,
+def check_state(state: FP8State | Mapping[str, Any], config: FP8Config | None = None,
                 tensor: str = "") -> FP8State:
     """``state`` as NumPy float32, checked before anything is loaded from it (the one check
     of :meth:`FP8State.from_dict` and every backend's ``load_fp8_state``).
@@ -449,14 +449,14 @@ def check_state(state: FP8State | Mapping[str, Any], config: Fp8Config | None = 
     return FP8State(vals["scale"], vals["scale_inv"], _history(vals, config, where))
 
 
-def _rule_name(config: Fp8Config | None) -> str:
+def _rule_name(config: FP8Config | None) -> str:
     """The :data:`PRESETS` name of ``config``'s rule (``"unimp_delayed"`` when None)."""
     if config is None:
         return "unimp_delayed"
     return next(n for n, (cls, r) in PRESETS.items() if isinstance(config, cls) and r == config.rule)
 
 
-def _history(vals: dict[str, Any], config: Fp8Config | None, where: str) -> Any:
+def _history(vals: dict[str, Any], config: FP8Config | None, where: str) -> Any:
     hist = vals["amax_history"]
     if hist.ndim != 1 or (config is not None and hist.shape[0] != config.amax_history_len):
         want = config.amax_history_len if config is not None else "L"

@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from unimp.fp8.config import CurrentScaling, DelayedScaling, Fp8Config
+from unimp.fp8.config import CurrentScaling, DelayedScaling, FP8Config
 
 
-class Fp8EmulationWarning(UserWarning):
+class FP8EmulationWarning(UserWarning):
     """float8 matmuls run emulated (quantize-dequantize in float32), given once per framework and
     device type, never per step."""
 
@@ -66,7 +66,7 @@ def warn_emulated(framework: str, device_type: str, *, stacklevel: int | None = 
         "faster; the opt-in native float8 GEMMs (native=True or UNIMP_FP8_NATIVE=1: torch "
         "_scaled_mm, JAX and TensorFlow through XLA's cuBLASLt rewrite) pay only on a device with "
         "float8 units.",
-        Fp8EmulationWarning,
+        FP8EmulationWarning,
         stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
     )
 
@@ -84,7 +84,7 @@ NATIVE_ENV = "UNIMP_FP8_NATIVE"
 NATIVE_MULTIPLE = 16
 
 
-class Fp8NativeFallbackWarning(UserWarning):
+class FP8NativeFallbackWarning(UserWarning):
     """A layer asked for the native float8 GEMM runs emulated: the kernel refuses its
     dimensions (or raised); given once per layer, never per step."""
 
@@ -104,7 +104,7 @@ def native_requested(native: Any, where: str) -> bool:
     return native
 
 
-def layer_config(config: Any, where: str) -> Fp8Config:
+def layer_config(config: Any, where: str) -> FP8Config:
     """A float8 layer's scaling config: ``None`` gives :class:`DelayedScaling` ``()``.
 
     Raises:
@@ -174,10 +174,10 @@ def native_refusal(in_features: int, out_features: int, kernel: str) -> str | No
 
 
 def warn_native_fallback(framework: str, layer: str, why: str, *, stacklevel: int | None = None) -> None:
-    """The :class:`Fp8NativeFallbackWarning` of one layer (the caller warns once per layer),
+    """The :class:`FP8NativeFallbackWarning` of one layer (the caller warns once per layer),
     attributed to the user's line (:func:`user_stacklevel`) unless ``stacklevel`` is given."""
     import warnings
 
     warnings.warn(f"unimp FP8 ({framework}): layer {layer!r} runs the emulated float8 matmul, "
-                  f"not the native one: {why}.", Fp8NativeFallbackWarning,
+                  f"not the native one: {why}.", FP8NativeFallbackWarning,
                   stacklevel=user_stacklevel() if stacklevel is None else stacklevel)

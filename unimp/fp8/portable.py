@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from unimp.fp8.config import Fp8Config, FP8State, fp8_from_dict
+from unimp.fp8.config import FP8Config, FP8State, fp8_from_dict
 
 #: Version tag of the portable FP8 state_dict format.
 STATE_FORMAT = "unimp.fp8/1"
 
 
-def state_dict(config: Fp8Config, tensors: Mapping[str, FP8State]) -> dict[str, Any]:
+def state_dict(config: FP8Config, tensors: Mapping[str, FP8State]) -> dict[str, Any]:
     """The portable, JSON-able FP8 scaling state of a model.
 
     Args:
@@ -31,7 +31,7 @@ def state_dict(config: Fp8Config, tensors: Mapping[str, FP8State]) -> dict[str, 
     }
 
 
-def from_state_dict(d: Mapping[str, Any]) -> tuple[Fp8Config, dict[str, FP8State]]:
+def from_state_dict(d: Mapping[str, Any]) -> tuple[FP8Config, dict[str, FP8State]]:
     """Inverse of :func:`state_dict`; validates everything before returning.
 
     Raises:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from unimp.fp8.config import CurrentScaling, DelayedScaling, Fp8Config, fp8_from_dict
+from unimp.fp8.config import CurrentScaling, DelayedScaling, FP8Config, fp8_from_dict
 from unimp.overrides import check_pattern, pattern_matches
 
 #: Layer kinds whose matmuls run in float8 by default (Keras / flax ``Dense``, torch ``Linear``,
@@ -37,7 +37,7 @@ def refuse_shared(selected: Sequence[str], sites: Mapping[str, Sequence[str]]) -
     module once, so a swap would reach one of its places only.
 
     Args:
-        selected: the paths :meth:`Fp8Recipe.select` chose.
+        selected: the paths :meth:`FP8Recipe.select` chose.
         sites: for each layer reached more than once, its path (as ``select`` saw it) mapped
             to every place it runs at (paths, or calls).
 
@@ -50,12 +50,12 @@ def refuse_shared(selected: Sequence[str], sites: Mapping[str, Sequence[str]]) -
         raise ValueError(
             f"float8 layer(s) shared by several call sites: {named}. One float8 layer keeps one "
             "amax history per tensor, which the call sites would share. Give each call site its "
-            "own layer, or keep the shared one out of float8 (Fp8Recipe(exclude=[path]))."
+            "own layer, or keep the shared one out of float8 (FP8Recipe(exclude=[path]))."
         )
 
 
 @dataclass(frozen=True)
-class Fp8Recipe:
+class FP8Recipe:
     """The FP8 part of a recipe: float8 matmuls for Dense/Linear/Conv layers.
 
     Everything else follows the recipe's policy (bfloat16 compute, float32 master weights in
@@ -75,7 +75,7 @@ class Fp8Recipe:
             non-empty strings (named).
     """
 
-    scaling: Fp8Config = field(default_factory=DelayedScaling)
+    scaling: FP8Config = field(default_factory=DelayedScaling)
     layers: tuple[str, ...] = FP8_LAYERS
     exclude: tuple[str, ...] = ()
     exclude_first_last: bool = True
@@ -86,13 +86,13 @@ class Fp8Recipe:
             scaling = fp8_from_dict(scaling)
         if not isinstance(scaling, (DelayedScaling, CurrentScaling)):
             raise ValueError(
-                f"Fp8Recipe.scaling must be a DelayedScaling or CurrentScaling, got {type(scaling).__name__}."
+                f"FP8Recipe.scaling must be a DelayedScaling or CurrentScaling, got {type(scaling).__name__}."
             )
         object.__setattr__(self, "scaling", scaling)
         for name in ("layers", "exclude"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
-                raise ValueError(f"Fp8Recipe.{name} must be a tuple of non-empty strings, got {value!r}.")
+                raise ValueError(f"FP8Recipe.{name} must be a tuple of non-empty strings, got {value!r}.")
             object.__setattr__(self, name, tuple(value))
         for kind in self.layers:  # a typo would silently select no layer
             # an entry is a prefix of a layer's class name (``select``: ``kind.startswith``), so
@@ -102,16 +102,16 @@ class Fp8Recipe:
                 close = [head.group()] if head and head.group().startswith(FP8_LAYERS) else (
                     difflib.get_close_matches(kind, FP8_LAYERS, n=1, cutoff=0.5))
                 raise ValueError(
-                    f"Fp8Recipe.layers: {kind!r} is not a layer kind unimp runs in float8; each entry is "
+                    f"FP8Recipe.layers: {kind!r} is not a layer kind unimp runs in float8; each entry is "
                     f"a class-name prefix (an identifier) starting with one of {list(FP8_LAYERS)} "
                     "(e.g. 'Conv2D'), matched against each layer's class name"
                     + (f". Did you mean {close[0]!r}?" if close else ".")
                 )
         # the patterns of Policy.overrides, checked by its rule: '/' reads as '.', and one with
         # whitespace or ';' would never match a dotted path
-        object.__setattr__(self, "exclude", tuple(check_pattern(p, "Fp8Recipe.exclude") for p in self.exclude))
+        object.__setattr__(self, "exclude", tuple(check_pattern(p, "FP8Recipe.exclude") for p in self.exclude))
         if not isinstance(self.exclude_first_last, (bool, np.bool_)):
-            raise ValueError(f"Fp8Recipe.exclude_first_last must be True or False, got {self.exclude_first_last!r}.")
+            raise ValueError(f"FP8Recipe.exclude_first_last must be True or False, got {self.exclude_first_last!r}.")
         object.__setattr__(self, "exclude_first_last", bool(self.exclude_first_last))
 
     @property
@@ -121,7 +121,7 @@ class Fp8Recipe:
         neither compared nor saved: the policy carries it)."""
         return getattr(self, "_kept_out", ())
 
-    def with_kept_out(self, patterns: Sequence[str]) -> Fp8Recipe:
+    def with_kept_out(self, patterns: Sequence[str]) -> FP8Recipe:
         """A copy whose :attr:`kept_out` is ``patterns`` (``Recipe`` passes its policy's
         override patterns)."""
         out = dataclasses.replace(self)
@@ -165,11 +165,11 @@ class Fp8Recipe:
         for entry in pairs:
             if (not isinstance(entry, tuple) or len(entry) != 2
                     or not all(isinstance(v, str) for v in entry)):
-                raise ValueError(f"Fp8Recipe.select needs (path, kind) pairs of strings, got {entry!r}.")
+                raise ValueError(f"FP8Recipe.select needs (path, kind) pairs of strings, got {entry!r}.")
         paths = [p for p, _ in pairs]
         dup = sorted({p for p in paths if paths.count(p) > 1})
         if dup:
-            raise ValueError(f"Fp8Recipe.select: layer path(s) {dup} given twice; paths name one layer each.")
+            raise ValueError(f"FP8Recipe.select: layer path(s) {dup} given twice; paths name one layer each.")
         capable = [(p, k) for p, k in pairs if any(k.startswith(x) for x in self.layers)]
         n = len(capable)
         return tuple(p for i, (p, k) in enumerate(capable) if self.applies_to(p, k, i, n))
@@ -182,7 +182,7 @@ class Fp8Recipe:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Fp8Recipe:
+    def from_dict(cls, d: Mapping[str, Any]) -> FP8Recipe:
         """Inverse of :meth:`to_dict`.
 
         Raises:

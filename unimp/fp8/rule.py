@@ -13,7 +13,7 @@ from unimp.fp8.config import (
     MAX_SCALE,
     CurrentScaling,
     DelayedScaling,
-    Fp8Config,
+    FP8Config,
     FP8State,
 )
 
@@ -146,7 +146,7 @@ def _current(ops: Any, cfg: CurrentScaling, amax: Any, fmax: float) -> Any:
 
 
 def step_arrays(
-    ops: Any, config: Fp8Config, role: str, scale: Any, scale_inv: Any, amax_history: Any, amax: Any
+    ops: Any, config: FP8Config, role: str, scale: Any, scale_inv: Any, amax_history: Any, amax: Any
 ) -> tuple[tuple[Any, Any], tuple[Any, Any, Any]]:
     """One step of one tensor's scaling, branch-free, over any array namespace.
 
@@ -240,7 +240,7 @@ def amax_of(ops: Any, x: Any) -> Any:
         return ops.amax(ops.abs(ops.to_f32(x)))
 
 
-def step(config: Fp8Config, state: FP8State, amax: float, role: str = "forward") -> tuple[Any, FP8State]:
+def step(config: FP8Config, state: FP8State, amax: float, role: str = "forward") -> tuple[Any, FP8State]:
     """One step of the NumPy reference.
 
     Returns:
@@ -258,7 +258,7 @@ def step(config: Fp8Config, state: FP8State, amax: float, role: str = "forward")
 
 
 def simulate(
-    config: Fp8Config, amaxes: Iterable[float], role: str = "forward", state: FP8State | None = None
+    config: FP8Config, amaxes: Iterable[float], role: str = "forward", state: FP8State | None = None
 ) -> list[tuple[Any, Any, FP8State]]:
     """Runs the reference over a sequence of per-step maxima.
 

@@ -29,7 +29,7 @@ def test_casts_follow_the_path_and_pass_integers():
     assert mp.cast_to_compute(h).dtype == jnp.float16  # a bare array: no path, no override
     assert mp.cast_to_compute(h, path="head").dtype == jnp.float32
     mp16 = ujax.MixedPrecision("mixed_bfloat16;head:params=float16,compute=float16")
-    params, _ = mp16.prepare(PARAMS)
+    params = mp16.prepare(PARAMS)
     assert _dtypes(params)["head"] == ["float16", "int32"] and _dtypes(params)["l1"]["w"] == "float32"
 
 

@@ -45,7 +45,7 @@ from unimp.backends._base import export
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import device_info, framework_version
 from unimp.backends.jax.fp8 import (
-    Fp8Ops,
+    FP8Ops,
     fp8_amax,
     fp8_dot_general,
     fp8_initial_state,
@@ -73,7 +73,7 @@ from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
 
 __all__ = [
-    "Fp8Ops",
+    "FP8Ops",
     "fp8_dot_general",
     "fp8_amax",
     "fp8_initial_state",

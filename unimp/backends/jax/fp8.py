@@ -29,7 +29,7 @@ jax.tree_util.register_dataclass(
 _FP8_DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
 
-class Fp8Ops:
+class FP8Ops:
     """The FP8 rule's array namespace over ``jnp`` arrays."""
 
     scope = staticmethod(jax.named_scope)  # names the amax and scale-update ops in traces
@@ -78,7 +78,7 @@ class Fp8Ops:
         return x.astype(jnp.asarray(like).dtype)
 
 
-def fp8_initial_state(config: _fp8.Fp8Config, device: Any = None) -> FP8State:
+def fp8_initial_state(config: _fp8.FP8Config, device: Any = None) -> FP8State:
     """Scale 1, zero history: an :class:`unimp.fp8.FP8State` of float32 arrays."""
     return fp8_state_from_numpy(FP8State.initial(config), device)
 
@@ -98,11 +98,11 @@ def fp8_state_to_numpy(state: FP8State) -> FP8State:
 
 def fp8_amax(x: jax.Array) -> jax.Array:
     """``max(abs(x))`` as a float32 0-d array (NaN-propagating)."""
-    return _fp8.amax_of(Fp8Ops, x)
+    return _fp8.amax_of(FP8Ops, x)
 
 
 def fp8_step(
-    config: _fp8.Fp8Config, state: FP8State, amax: jax.Array, role: str = "forward"
+    config: _fp8.FP8Config, state: FP8State, amax: jax.Array, role: str = "forward"
 ) -> tuple[tuple[jax.Array, jax.Array], FP8State]:
     """One step of :func:`unimp.fp8.step_arrays` on ``jnp`` arrays (jit-able; ``config`` and
     ``role`` static).
@@ -111,14 +111,14 @@ def fp8_step(
         ``((scale, scale_inv) to quantize this step with, state after the step)``.
     """
     used, new = _fp8.step_arrays(
-        Fp8Ops, config, role, state.scale, state.scale_inv, state.amax_history, Fp8Ops.f32(amax)
+        FP8Ops, config, role, state.scale, state.scale_inv, state.amax_history, FP8Ops.f32(amax)
     )
     return used, FP8State(*new)
 
 
 def fp8_quantize_dequantize(x: jax.Array, scale: jax.Array, scale_inv: jax.Array, dtype: str) -> jax.Array:
     """:func:`unimp.fp8.qdq_arrays` on an array: same shape and dtype as ``x``."""
-    return _fp8.qdq_arrays(Fp8Ops, x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
+    return _fp8.qdq_arrays(FP8Ops, x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
 
 
 def native_fp8_supported(device: Any = None) -> bool:
@@ -148,7 +148,7 @@ def _native_refusal(dn: Any, lhs: Any, rhs: Any) -> str | None:
 
 
 def fp8_dot_general(
-    config: _fp8.Fp8Config, input_state: FP8State, kernel_state: FP8State, grad_state: FP8State,
+    config: _fp8.FP8Config, input_state: FP8State, kernel_state: FP8State, grad_state: FP8State,
     native: bool | None = None, name: str | None = None,
 ) -> Any:
     """A float8 ``dot_general`` for plain JAX and for flax modules (``dot_general=``).
@@ -171,9 +171,9 @@ def fp8_dot_general(
     input is flattened to ``(M, K)`` for the GEMMs (the rewriter takes one non-contracting
     dimension per operand). A ``dot_general`` that is not a Dense product, or a kernel whose
     ``K`` or ``N`` is not a multiple of 16 (:data:`unimp.fp8.NATIVE_MULTIPLE`), runs emulated
-    with one :class:`unimp.fp8.Fp8NativeFallbackWarning` naming the layer. Without float8 units
+    with one :class:`unimp.fp8.FP8NativeFallbackWarning` naming the layer. Without float8 units
     (anything but a CUDA sm89+ default device) the first call warns once per backend
-    (:class:`unimp.fp8.Fp8EmulationWarning`), native or not.
+    (:class:`unimp.fp8.FP8EmulationWarning`), native or not.
 
     Example::
 
@@ -263,8 +263,8 @@ def _fwd(config, dn, native, out, lhs, rhs, si, sk, sg):
     fmax = _fp8.FP8_MAX[dtype]
     (sx, ix), new_i = fp8_step(config, si, fp8_amax(lhs), "forward")
     (sw, iw), new_k = fp8_step(config, sk, fp8_amax(rhs), "forward")
-    qx = _fp8.quantize_arrays(Fp8Ops, lhs, sx, dtype, fmax)
-    qw = _fp8.quantize_arrays(Fp8Ops, rhs, sw, dtype, fmax)
+    qx = _fp8.quantize_arrays(FP8Ops, lhs, sx, dtype, fmax)
+    qw = _fp8.quantize_arrays(FP8Ops, rhs, sw, dtype, fmax)
     if native:  # (M, K) @ (K, N): the one product shape the rewriter takes
         flat = qx.reshape(-1, qx.shape[-1])
         acc = _dot8(flat, dtype, qw, dtype, (((1,), (0,)), ((), ()))).reshape(*qx.shape[:-1], qw.shape[1])
@@ -279,7 +279,7 @@ def _bwd(config, dn, native, out, res, g):
     qx, qw, ix, iw, new_i, new_k, sg, (lmark, rmark) = res
     dtype = config.dtype("backward")
     (sgs, ig), new_g = fp8_step(config, sg, fp8_amax(g), "backward")
-    qg = _fp8.quantize_arrays(Fp8Ops, g, sgs, dtype, _fp8.FP8_MAX[dtype])
+    qg = _fp8.quantize_arrays(FP8Ops, g, sgs, dtype, _fp8.FP8_MAX[dtype])
     if native:  # the gradient first, as JAX's own transpose of dot_general puts it
         fwd = config.dtype("forward")
         g2, x2 = qg.reshape(-1, qg.shape[-1]), qx.reshape(-1, qx.shape[-1])
@@ -337,7 +337,7 @@ def _flax_dot_general_module() -> type:
     return Fp8DotGeneral
 
 
-def fp8_flax_dot_general_cls(config: _fp8.Fp8Config, native: bool | None = None,
+def fp8_flax_dot_general_cls(config: _fp8.FP8Config, native: bool | None = None,
                              name: str | None = None) -> Any:
     """A flax ``dot_general_cls`` (``nn.Dense(..., dot_general_cls=...)``) running
     :func:`fp8_dot_general` with its states in flax's ``_overwrite_with_gradient`` collection,
@@ -348,13 +348,13 @@ def fp8_flax_dot_general_cls(config: _fp8.Fp8Config, native: bool | None = None,
     return functools.partial(_flax_dot_general_module(), config=config, native=native, layer=name)
 
 
-def fp8_initial_states(config: _fp8.Fp8Config, paths: Any) -> dict[str, tuple[FP8State, FP8State, FP8State]]:
+def fp8_initial_states(config: _fp8.FP8Config, paths: Any) -> dict[str, tuple[FP8State, FP8State, FP8State]]:
     """Plain JAX: ``{path: (input, kernel, grad) states}`` (scale 1, zero history), a pytree
     to pass to the loss and to differentiate (its "gradient" is the state after the step)."""
     return {p: tuple(fp8_initial_state(config) for _ in range(3)) for p in paths}
 
 
-def fp8_matmul(config: _fp8.Fp8Config, states: Any, path: str, x: jax.Array, w: jax.Array,
+def fp8_matmul(config: _fp8.FP8Config, states: Any, path: str, x: jax.Array, w: jax.Array,
                native: bool | None = None) -> jax.Array:
     """Plain JAX: ``x @ w`` (``w`` of shape ``(in, out)``) as :func:`fp8_dot_general` with
     ``states[path]`` (named ``path`` in warnings; ``native`` as there) when ``path`` is in

@@ -166,7 +166,7 @@ class MixedPrecision(MixedPrecisionBase):
     def fp8_layers(self, layers: Any) -> tuple[str, ...]:
         """Declares the model's layers and returns the dotted paths of those that run float8
         matmuls (the same rule and names as torch's and Keras's ``fp8_layers``:
-        :meth:`unimp.fp8.recipe.Fp8Recipe.select`, first and last Dense out by default);
+        :meth:`unimp.fp8.recipe.FP8Recipe.select`, first and last Dense out by default);
         :meth:`module_kwargs`, :meth:`fp8_states` and :meth:`fp8_matmul` use the selection.
 
         Args:
@@ -227,9 +227,7 @@ class MixedPrecision(MixedPrecisionBase):
         """The recipe's loss scale as a pytree in its initial state."""
         return loss_scale_from_config(self.loss_scale)
 
-    def prepare(
-        self, params: Any, optimizer: optax.GradientTransformation | None = None
-    ) -> tuple[Any, Any]:
+    def prepare(self, params: Any, optimizer: optax.GradientTransformation | None = None) -> Any:
         """Applies the recipe to parameters and an optax optimizer.
 
         Args:
@@ -239,10 +237,12 @@ class MixedPrecision(MixedPrecisionBase):
                 loss scale; ``None`` to skip.
 
         Returns:
-            ``(params, optimizer)``; scale the loss with ``get_loss_scale(opt_state).scale``.
+            The parameters alone when no optimizer is given, else ``(params, optimizer)``: the
+            shape of every backend's ``prepare``. Scale the loss with
+            ``get_loss_scale(opt_state).scale``.
         """
-        opt = None if optimizer is None else loss_scaling(optimizer, self.loss_scale)
-        return apply_overrides(self, params), opt
+        params = apply_overrides(self, params)
+        return params if optimizer is None else (params, loss_scaling(optimizer, self.loss_scale))
 
     def train_step(
         self,

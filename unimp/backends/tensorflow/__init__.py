@@ -50,7 +50,7 @@ from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_d
 from unimp.backends.tensorflow.devices import device_info, framework_version
 from unimp.backends.tensorflow.fp8 import (
     FP8Dense,
-    Fp8Ops,
+    FP8Ops,
     fp8_amax,
     fp8_initial_state,
     fp8_quantize_dequantize,
@@ -69,7 +69,7 @@ from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
 
 __all__ = [
-    "Fp8Ops",
+    "FP8Ops",
     "FP8Dense",
     "fp8_amax",
     "fp8_initial_state",

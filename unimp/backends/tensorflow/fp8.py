@@ -27,7 +27,7 @@ _FP8_DTYPES = {
 }
 
 
-class Fp8Ops:
+class FP8Ops:
     """The FP8 rule's array namespace over TensorFlow tensors."""
 
     scope = staticmethod(tf.name_scope)  # names the amax and scale-update ops in traces
@@ -80,7 +80,7 @@ class Fp8Ops:
         return tf.cast(x, like.dtype)
 
 
-def fp8_initial_state(config: _fp8.Fp8Config, device: Any = None) -> FP8State:
+def fp8_initial_state(config: _fp8.FP8Config, device: Any = None) -> FP8State:
     """Scale 1, zero history: an :class:`unimp.fp8.FP8State` of float32 tensors."""
     return fp8_state_from_numpy(FP8State.initial(config), device)
 
@@ -100,11 +100,11 @@ def fp8_state_to_numpy(state: FP8State) -> FP8State:
 
 def fp8_amax(x: tf.Tensor) -> tf.Tensor:
     """``max(abs(x))`` as a float32 0-d tensor (NaN-propagating)."""
-    return _fp8.amax_of(Fp8Ops, tf.convert_to_tensor(x))
+    return _fp8.amax_of(FP8Ops, tf.convert_to_tensor(x))
 
 
 def fp8_step(
-    config: _fp8.Fp8Config, state: FP8State, amax: tf.Tensor, role: str = "forward"
+    config: _fp8.FP8Config, state: FP8State, amax: tf.Tensor, role: str = "forward"
 ) -> tuple[tuple[tf.Tensor, tf.Tensor], FP8State]:
     """One step of :func:`unimp.fp8.step_arrays` on tensors (traces under ``tf.function``).
 
@@ -112,13 +112,13 @@ def fp8_step(
         ``((scale, scale_inv) to quantize this step with, state after the step)``.
     """
     vals = [tf.convert_to_tensor(v) for v in (state.scale, state.scale_inv, state.amax_history)]
-    used, new = _fp8.step_arrays(Fp8Ops, config, role, *vals, Fp8Ops.f32(amax))
+    used, new = _fp8.step_arrays(FP8Ops, config, role, *vals, FP8Ops.f32(amax))
     return used, FP8State(*new)
 
 
 def fp8_quantize_dequantize(x: tf.Tensor, scale: tf.Tensor, scale_inv: tf.Tensor, dtype: str) -> tf.Tensor:
     """:func:`unimp.fp8.qdq_arrays` on a tensor: same shape and dtype as ``x``."""
-    return _fp8.qdq_arrays(Fp8Ops, tf.convert_to_tensor(x), scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
+    return _fp8.qdq_arrays(FP8Ops, tf.convert_to_tensor(x), scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
 
 
 
@@ -149,14 +149,14 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
     matmul multiplies the float8 values and scales the float32 result once. The scaling states
     are non-trainable float32 variables (``<input|kernel|grad>_<scale|scale_inv|amax_history>``),
     stepped in training calls (traces under ``tf.function``, no host sync); the first call warns
-    once that float8 is emulated (:class:`unimp.fp8.Fp8EmulationWarning`).
+    once that float8 is emulated (:class:`unimp.fp8.FP8EmulationWarning`).
 
     With ``native`` the three GEMMs run as XLA-compiled matmuls of float8 tensors
     (:func:`_xla_matmul`; the native path of :func:`_fp8_matmul`), which XLA's GPU rewriter runs
     as cuBLASLt float8 GEMMs on sm89+; elsewhere XLA converts them to float32 (emulated, and
     within float32 summation error of the default path, not bit for bit). A layer whose
     dimensions the rule refuses (:data:`unimp.fp8.NATIVE_MULTIPLE`) runs emulated with one
-    :class:`unimp.fp8.Fp8NativeFallbackWarning` naming it.
+    :class:`unimp.fp8.FP8NativeFallbackWarning` naming it.
 
     Args:
         units: output features; use_bias: add a bias (in the compute dtype).
@@ -180,7 +180,7 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
     ``keras.layers.Dense`` computes it (its matmul promotes the input with the kernel).
     """
 
-    def __init__(self, units: int, use_bias: bool = True, config: _fp8.Fp8Config | None = None,
+    def __init__(self, units: int, use_bias: bool = True, config: _fp8.FP8Config | None = None,
                  native: bool | None = None, **kwargs: Any) -> None:
         units = _fp8.layer_size(units, "units", "FP8Dense")
         use_bias = _fp8.layer_flag(use_bias, "use_bias", "FP8Dense")
@@ -262,7 +262,7 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
         return y
 
 
-def _add_states(layer: Any, config: _fp8.Fp8Config, native: bool, layer_name: str) -> None:
+def _add_states(layer: Any, config: _fp8.FP8Config, native: bool, layer_name: str) -> None:
     """The scaling states of a float8 layer: non-trainable float32 variables
     ``<input|kernel|grad>_<scale|scale_inv|amax_history>`` (never autocast); and whether it
     asked for the native GEMM, under which name (``layer_name``) it is warned about."""
@@ -280,7 +280,7 @@ def _add_states(layer: Any, config: _fp8.Fp8Config, native: bool, layer_name: st
     attach(layer).fp8_use_native = None  # decided at the first call (host side, once per layer)
 
 
-def _checked_load(layer: Any, config: _fp8.Fp8Config, load: Any, where: str) -> None:
+def _checked_load(layer: Any, config: _fp8.FP8Config, load: Any, where: str) -> None:
     """Runs ``load`` (Keras's ``set_weights`` / ``load_own_variables``, which assign every
     variable unchecked), then checks the three scaling states as ``load_fp8_state`` does
     (:func:`unimp.fp8.check_state`); on a bad one every weight of ``layer`` is put back as it
@@ -304,7 +304,7 @@ def _state(layer: Any, name: str) -> FP8State:
     return FP8State(*(tf.convert_to_tensor(getattr(layer, f"{name}_{f}")) for f in _FIELDS))
 
 
-def _step(layer: Any, config: _fp8.Fp8Config, name: str, amax: tf.Tensor, role: str, training: bool) -> Any:
+def _step(layer: Any, config: _fp8.FP8Config, name: str, amax: tf.Tensor, role: str, training: bool) -> Any:
     state = _state(layer, name)
     if not training and isinstance(config, _fp8.DelayedScaling):
         return state.scale, state.scale_inv
@@ -357,7 +357,7 @@ def _use_native(layer: Any, n_in: int, units: int) -> bool:
     return layer._unimp.fp8_use_native
 
 
-def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, training: Any) -> tf.Tensor:
+def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, training: Any) -> tf.Tensor:
     """``inputs @ kernel`` (kernel ``(in, units)``, read in float32) as a float8 matmul with
     ``layer``'s scaling states (:func:`_add_states`); the output gradient is quantized in a
     ``tf.custom_gradient``. Emulated (float32 GEMMs of the float8 values), or with the layer's
@@ -376,14 +376,14 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
     fmax = _fp8.FP8_MAX[dtype]
     sx, sinv_x = _step(layer, config, "input", fp8_amax(x), "forward", training)
     sw, sinv_w = _step(layer, config, "kernel", fp8_amax(w), "forward", training)
-    qx = tf.reshape(_fp8.quantize_arrays(Fp8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
-    qw = _fp8.quantize_arrays(Fp8Ops, w, sw, dtype, fmax)
+    qx = tf.reshape(_fp8.quantize_arrays(FP8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
+    qw = _fp8.quantize_arrays(FP8Ops, w, sw, dtype, fmax)
     out_shape = tf.concat([tf.shape(x)[:-1], [units]], 0)
     bdt = config.dtype("backward")
 
     def mm(a: tf.Tensor, a_fmt: str, b: tf.Tensor, b_fmt: str, ta: bool = False, tb: bool = False) -> tf.Tensor:
         if native:  # the float8 values as float8 tensors (exact casts)
-            return _xla_matmul(Fp8Ops.to_fp8(a, a_fmt), Fp8Ops.to_fp8(b, b_fmt), ta, tb)
+            return _xla_matmul(FP8Ops.to_fp8(a, a_fmt), FP8Ops.to_fp8(b, b_fmt), ta, tb)
         return tf.matmul(a, b, transpose_a=ta, transpose_b=tb)
 
     @tf.custom_gradient
@@ -393,7 +393,7 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
         def grad(g):
             g2 = tf.reshape(g, [-1, units])
             sg, sinv_g = _step(layer, config, "grad", fp8_amax(g2), "backward", training)
-            qg = _fp8.quantize_arrays(Fp8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
+            qg = _fp8.quantize_arrays(FP8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
             dx = mm(qg, bdt, qw, dtype, tb=True) * (sinv_g * sinv_w)
             dw = mm(qx, dtype, qg, bdt, ta=True) * (sinv_x * sinv_g)
             return tf.cast(tf.reshape(dx, tf.shape(x_)), x_.dtype), tf.cast(dw, w_.dtype)
@@ -403,7 +403,7 @@ def _fp8_matmul(layer: Any, config: _fp8.Fp8Config, inputs: Any, kernel: Any, tr
     return matmul(x, w)
 
 
-def _check_loads(layer: Any, config: _fp8.Fp8Config, path: str) -> None:
+def _check_loads(layer: Any, config: _fp8.FP8Config, path: str) -> None:
     """Gives a swapped Dense ``layer`` the checked ``set_weights`` / ``load_own_variables`` of
     :class:`FP8Dense` (:func:`_checked_load`), as instance methods like its ``call``.
 
@@ -485,7 +485,7 @@ def _call_sites(container: Any, sub: Any) -> int:
 
 
 def fp8_select(model: Any, recipe: Any) -> tuple[str, ...]:
-    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.Fp8Recipe.select`);
+    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.FP8Recipe.select`);
     a selected layer called at several places (twice in a functional model or a Sequential,
     or under two parents) is refused (:func:`unimp.fp8.recipe.refuse_shared`).
 
@@ -512,7 +512,7 @@ def fp8_select(model: Any, recipe: Any) -> tuple[str, ...]:
 
 def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     """Puts unimp's float8 matmul into the Dense layers of a built Keras model that ``recipe``
-    (an :class:`unimp.fp8.recipe.Fp8Recipe`) selects, in place, and returns their paths: each
+    (an :class:`unimp.fp8.recipe.FP8Recipe`) selects, in place, and returns their paths: each
     gets its scaling states (non-trainable float32 variables, added the way Keras's own
     ``Dense.quantize`` adds its float8 variables: tracker unlocked, then locked) and a ``call``
     whose matmul is :func:`_fp8_matmul` (native per ``UNIMP_FP8_NATIVE``, named by its path in

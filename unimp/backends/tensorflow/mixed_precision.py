@@ -203,7 +203,9 @@ class MixedPrecision(MixedPrecisionBase):
             **compile_kwargs: passed to ``model.compile`` together with the wrapped optimizer.
 
         Returns:
-            ``(model, optimizer)``: the same model, the wrapped optimizer (``None`` if none given).
+            The same model alone when no optimizer is given, else ``(model, optimizer)`` with
+            the wrapped optimizer: the shape of every backend's ``prepare`` (and of Apex's
+            ``amp.initialize``).
 
         Raises:
             TypeError: ``model`` is not a Keras layer or model, or a bad optimizer.
@@ -261,12 +263,12 @@ class MixedPrecision(MixedPrecisionBase):
         apply_overrides(self, model, overridden)
         self._cast_outputs(model)
         attach(model).prepared = True  # a deep copy (through the config) drops it, as the cast
-        return model, wrapped
+        return model if optimizer is None else (model, wrapped)
 
     def fp8_layers(self, model: Any) -> tuple[str, ...]:
         """The dotted paths (layer names joined, ``"mlp.fc1"``) of the Dense layers that run
         float8 matmuls under the recipe, in model order; ``()`` without an FP8 recipe. The
-        same rule and names in every backend (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first
+        same rule and names in every backend (:meth:`unimp.fp8.recipe.FP8Recipe.select`; first
         and last Dense out by default). ``EinsumDense`` (``MultiHeadAttention``'s projections)
         is not a Dense here.
 

@@ -43,7 +43,7 @@ from unimp.backends.torch.casting import cast_tree, master_params, to_dtype
 from unimp.backends.torch.devices import default_device, device_info, framework_version
 from unimp.backends.torch.fp8 import (
     FP8Dense,
-    Fp8Ops,
+    FP8Ops,
     fp8_amax,
     fp8_initial_state,
     fp8_quantize_dequantize,
@@ -61,7 +61,7 @@ from unimp.backends.torch.step import TrainStep
 from unimp.step import StepResult
 
 __all__ = [
-    "Fp8Ops",
+    "FP8Ops",
     "FP8Dense",
     "fp8_amax",
     "fp8_initial_state",

@@ -3,7 +3,7 @@
 through ``torch._scaled_mm`` where it runs (:func:`native_fp8_supported`).
 
 The rule is :func:`unimp.fp8.step_arrays` / :func:`unimp.fp8.qdq_arrays` run on torch tensors
-(the array namespace :class:`Fp8Ops`), bit-identical to the NumPy reference, with no host sync.
+(the array namespace :class:`FP8Ops`), bit-identical to the NumPy reference, with no host sync.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8
 
 
 #: The float8 rule's scopes open now (``fp8_amax``, ``fp8_scale_update``): torch has no op
-#: scopes, so :meth:`Fp8Ops.scope` keeps them here for unimp's dtype trace to read.
+#: scopes, so :meth:`FP8Ops.scope` keeps them here for unimp's dtype trace to read.
 SCOPES: list[str] = []
 
 
-class Fp8Ops:
+class FP8Ops:
     """The FP8 rule's array namespace over torch tensors on one device (constants cached)."""
 
     @staticmethod
@@ -92,17 +92,17 @@ class Fp8Ops:
         return x.to(like.dtype)
 
 
-_OPS: dict[torch.device, Fp8Ops] = {}
+_OPS: dict[torch.device, FP8Ops] = {}
 
 
-def _ops(device: Any) -> Fp8Ops:
+def _ops(device: Any) -> FP8Ops:
     device = torch.device(device)
     if device not in _OPS:
-        _OPS[device] = Fp8Ops(device)
+        _OPS[device] = FP8Ops(device)
     return _OPS[device]
 
 
-def fp8_initial_state(config: _fp8.Fp8Config, device: Any = "cpu") -> FP8State:
+def fp8_initial_state(config: _fp8.FP8Config, device: Any = "cpu") -> FP8State:
     """Scale 1, zero history: an :class:`unimp.fp8.FP8State` of float32 tensors on ``device``."""
     return fp8_state_from_numpy(FP8State.initial(config), device)
 
@@ -127,7 +127,7 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_step(
-    config: _fp8.Fp8Config, state: FP8State, amax: torch.Tensor, role: str = "forward"
+    config: _fp8.FP8Config, state: FP8State, amax: torch.Tensor, role: str = "forward"
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], FP8State]:
     """One step of :func:`unimp.fp8.step_arrays` on device tensors.
 
@@ -155,7 +155,7 @@ _TENSORS, _FIELDS = _fp8.LAYER_TENSORS, _fp8.STATE_FIELDS
 #: torch 2.13 ``_meta_registrations.py`` ``_check_scaled_mm_sizes``, CUDA and XPU: "Expected
 #: self.size(1) to be divisible by 16", "Expected both dimensions of mat2 to be divisible by 16".
 NATIVE_ENV, NATIVE_MULTIPLE = _fp8.NATIVE_ENV, _fp8.NATIVE_MULTIPLE
-Fp8NativeFallbackWarning = _fp8.Fp8NativeFallbackWarning
+FP8NativeFallbackWarning = _fp8.FP8NativeFallbackWarning
 
 
 _NATIVE_PROBED: dict[tuple[str, int | None], bool] = {}
@@ -275,9 +275,9 @@ class FP8Dense(torch.nn.Linear):
     emulated one (measured on CPU, docs/fp8.md): the emulated path stays the default, and
     frameworks bit-identical. A layer whose ``in_features`` or ``out_features`` is not a
     multiple of 16 (the kernel's rule, :data:`NATIVE_MULTIPLE`), or whose native GEMM raises,
-    runs emulated with one :class:`Fp8NativeFallbackWarning` naming it. On a device without
+    runs emulated with one :class:`FP8NativeFallbackWarning` naming it. On a device without
     float8 units (anything but CUDA sm89+) the first call per device type warns once
-    (:class:`unimp.fp8.Fp8EmulationWarning`), native or not.
+    (:class:`unimp.fp8.FP8EmulationWarning`), native or not.
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
@@ -303,7 +303,7 @@ class FP8Dense(torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None, config: _fp8.Fp8Config | None = None, native: bool | None = None,
+                 dtype: Any = None, config: _fp8.FP8Config | None = None, native: bool | None = None,
                  name: str | None = None) -> None:
         in_features = _fp8.layer_size(in_features, "in_features", "FP8Dense")
         out_features = _fp8.layer_size(out_features, "out_features", "FP8Dense")
@@ -379,7 +379,7 @@ class FP8Dense(torch.nn.Linear):
         return used, new
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, config: _fp8.Fp8Config, native: bool | None = None,
+    def from_linear(cls, linear: torch.nn.Linear, config: _fp8.FP8Config, native: bool | None = None,
                     name: str | None = None) -> FP8Dense:
         """An FP8Dense sharing ``linear``'s ``weight`` and ``bias`` Parameters (the same
         objects: an optimizer built on the model keeps updating them), with fresh float32
@@ -448,14 +448,14 @@ class FP8Dense(torch.nn.Linear):
 
 def fp8_model_layers(model: torch.nn.Module) -> list[tuple[str, str]]:
     """``(dotted path, kind)`` of every submodule in definition order, the input of
-    :meth:`unimp.fp8.recipe.Fp8Recipe.select` (``nn.Linear`` and its subclasses, FP8Dense
+    :meth:`unimp.fp8.recipe.FP8Recipe.select` (``nn.Linear`` and its subclasses, FP8Dense
     included, are ``"Linear"``)."""
     return [(name, "Linear" if isinstance(m, torch.nn.Linear) else type(m).__name__)
             for name, m in model.named_modules() if name]
 
 
 def fp8_select(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
-    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.Fp8Recipe.select`);
+    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.FP8Recipe.select`);
     a selected module reachable at several paths (``nn.Sequential(a, l, l, b)``) is refused
     (:func:`unimp.fp8.recipe.refuse_shared`).
 
@@ -474,7 +474,7 @@ def fp8_select(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
 
 
 def fp8_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
-    """Replaces the ``nn.Linear`` modules ``recipe`` (an :class:`unimp.fp8.recipe.Fp8Recipe`)
+    """Replaces the ``nn.Linear`` modules ``recipe`` (an :class:`unimp.fp8.recipe.FP8Recipe`)
     selects by :class:`FP8Dense` sharing their Parameters, in place (named by their paths in
     warnings; native per ``UNIMP_FP8_NATIVE``); returns the selected paths. Selected layers already FP8Dense are kept; a selected convolution stays as it is
     (float8 convolutions are not built) with a warning naming it.

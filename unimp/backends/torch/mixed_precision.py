@@ -182,7 +182,8 @@ class MixedPrecision(MixedPrecisionBase):
             optimizer: its optimizer; required in module mode with float32 master weights.
 
         Returns:
-            ``model``, or ``(model, optimizer)`` when an optimizer is given.
+            ``model``, or ``(model, optimizer)`` when an optimizer is given (as Apex's
+            ``amp.initialize``): the shape of every backend's ``prepare``.
 
         Raises:
             TypeError: not a Module / Optimizer.
@@ -272,7 +273,7 @@ class MixedPrecision(MixedPrecisionBase):
         """The dotted paths of the layers that run float8 matmuls under the recipe (after
         :meth:`prepare`, the FP8Dense modules it put in; before, those it would), in model
         order; ``()`` without an FP8 recipe. The same rule and names in every backend
-        (:meth:`unimp.fp8.recipe.Fp8Recipe.select`; first and last Linear out by default).
+        (:meth:`unimp.fp8.recipe.FP8Recipe.select`; first and last Linear out by default).
 
         Raises:
             TypeError: ``model`` is not a ``torch.nn.Module``.

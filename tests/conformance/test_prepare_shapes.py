@@ -1,0 +1,42 @@
+"""``prepare`` takes and returns the same shapes in every backend: ``prepare(model)`` gives the
+model (JAX: the parameters) alone, ``prepare(model, optimizer)`` the pair, as Apex's
+``amp.initialize`` does."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import unimp
+
+
+def _native(backend: str, mp):
+    """A fresh model (JAX: a parameter pytree) and optimizer of ``backend``."""
+    if backend == "torch":
+        import torch
+
+        model = torch.nn.Linear(3, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    if backend == "tensorflow":
+        import keras
+
+        with mp.autocast():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        return model, keras.optimizers.SGD(0.1)
+    import optax
+
+    return {"w": np.ones((3, 2), np.float32)}, optax.sgd(0.1)
+
+
+def test_prepare_returns_the_model_alone_or_the_pair(backend):
+    mp = unimp.mixed_precision("mixed_float16", backend=backend)
+    model, _ = _native(backend, mp)
+    alone = mp.prepare(model)
+    assert not isinstance(alone, tuple)
+    if backend == "jax":
+        assert set(alone) == {"w"}
+    else:
+        assert alone is model
+    model, opt = _native(backend, mp)
+    pair = mp.prepare(model, opt)
+    assert isinstance(pair, tuple) and len(pair) == 2
+    assert backend == "jax" or pair[0] is model
