@@ -436,10 +436,12 @@ def test_simulate_takes_bools_and_0_1():
         (NoLossScale(), ("scale", "counter", *EXTRA_FIELDS)),
         (StaticLossScale(128.0), ("scale", "counter", *EXTRA_FIELDS)),
         (DynamicLossScale(), EXTRA_FIELDS),
-        (DynamicLossScale(hysteresis=2), ()),
-        (DynamicLossScale(floor_action="warn"), ()),
+        (DynamicLossScale(hysteresis=2), ("overflows_since_rescale", "steps_since_rescale", "floor_hits")),
+        (DynamicLossScale(floor_action="warn"), ("hysteresis_used", "overflows_since_rescale", "steps_since_rescale")),
+        (DynamicLossScale(overflow_tolerance=0.25), ("hysteresis_used", "floor_hits")),
+        (DynamicLossScale.preset("deepspeed"), ("overflows_since_rescale", "steps_since_rescale")),
     ],
-    ids=["none", "static", "dynamic", "hysteresis", "floor-warn"],
+    ids=["none", "static", "dynamic", "hysteresis", "floor-warn", "tolerance", "deepspeed"],
 )
 @pytest.mark.parametrize("g, lf", [(True, True), (False, True), (True, False), (False, False)])
 def test_unchanged_fields_come_back_as_the_same_arrays(cfg, unchanged, g, lf):
@@ -447,9 +449,11 @@ def test_unchanged_fields_come_back_as_the_same_arrays(cfg, unchanged, g, lf):
     from unimp.loss_scale.rule import _NumpyOps
 
     assert unimp.loss_scale.unchanged_fields(cfg) == unchanged
+    names = [f.name for f in dataclasses.fields(LossScaleState)]
+    # one decision: the fields a rule counts are the others, in the state's order
+    assert unimp.loss_scale.fields_in_use(cfg) == tuple(n for n in names if n not in unchanged)
     held = [np.float32(4.0), *(np.int32(i) for i in range(1, 4))]
     extra = tuple(np.int32(i) for i in range(5, 9))
-    names = [f.name for f in dataclasses.fields(LossScaleState)]
     args = (_NumpyOps, cfg, *held, np.bool_(g), np.bool_(lf))
     out = update_arrays(*args, extra=extra)
     same = {n for n, old, new in zip(names, (*held, *extra), out, strict=True) if new is old}

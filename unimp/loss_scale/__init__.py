@@ -59,6 +59,7 @@ from unimp.loss_scale.portable import STATE_FORMAT, from_state_dict, state_dict
 from unimp.loss_scale.rule import (
     FloorWatch,
     check_state,
+    fields_in_use,
     simulate,
     tracks_extra,
     unchanged_fields,
@@ -80,6 +81,7 @@ __all__ = [
     "ReplicaDesyncWarning",
     "StaticLossScale",
     "check_state",
+    "fields_in_use",
     "from_state_dict",
     "loss_scale_from_dict",
     "simulate",

@@ -13,6 +13,7 @@ from unimp.loss_scale.config import (
     LossScaleState,
     loss_scale_from_dict,
 )
+from unimp.loss_scale.rule import fields_in_use
 
 #: Version tag of the portable state_dict format, the same in every backend.
 STATE_FORMAT = "unimp.loss_scale/1"
@@ -93,14 +94,8 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
                 f"hysteresis ({config.hysteresis})."
             )
     check_scale_value(config, float(state.scale), "loss-scale state 'scale'")
-    dyn = config.dynamic
-    in_use = {  # the rule keeps the others at 0 (LossScaleState's attributes)
-        "hysteresis_used": dyn and config.hysteresis > 1,
-        "overflows_since_rescale": dyn and config.overflow_tolerance > 0,
-        "steps_since_rescale": dyn and config.overflow_tolerance > 0,
-        "floor_hits": dyn and config.floor_action != "keep",
-    }
-    unused = [n for n in EXTRA_FIELDS if not in_use[n] and int(getattr(state, n))]
+    in_use = fields_in_use(config)  # the rule keeps the others at 0
+    unused = [n for n in EXTRA_FIELDS if n not in in_use and int(getattr(state, n))]
     if unused:
         raise ValueError(
             f"loss-scale state {unused} must be 0 with this config {config.to_dict()} (its rule "

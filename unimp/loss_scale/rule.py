@@ -34,24 +34,41 @@ class _NumpyOps:
         return np.int32(x)
 
 
+def fields_in_use(config: LossScaleConfig) -> tuple[str, ...]:
+    """The :class:`LossScaleState` fields :func:`update_arrays` can change under ``config``, in
+    the state's order: the one decision of which fields a rule counts. Every other field comes
+    back as the very array it was given and stays at its initial value (0 for the counters).
+    Static in the config.
+
+    The skip counters always count. A dynamic rule also moves ``scale`` and ``counter``, and
+    counts ``hysteresis_used`` with ``hysteresis > 1``, ``overflows_since_rescale`` and
+    ``steps_since_rescale`` with an ``overflow_tolerance``, ``floor_hits`` with a
+    ``floor_action`` other than ``"keep"``.
+    """
+    if not config.dynamic:
+        return ("consecutive_skips", "total_skips")
+    counted = {
+        "hysteresis_used": config.hysteresis > 1,
+        "overflows_since_rescale": config.overflow_tolerance > 0,
+        "steps_since_rescale": config.overflow_tolerance > 0,
+        "floor_hits": config.floor_action != "keep",
+    }
+    return ("scale", "counter", "consecutive_skips", "total_skips", *(n for n in EXTRA_FIELDS if counted[n]))
+
+
 def tracks_extra(config: LossScaleConfig) -> bool:
-    """True when ``config``'s rule needs the extra state fields (:data:`EXTRA_FIELDS`) (``hysteresis > 1``, an
-    ``overflow_tolerance`` or a ``floor_action`` other than ``"keep"``); static in the config."""
-    return bool(
-        config.dynamic
-        and (config.hysteresis > 1 or config.overflow_tolerance > 0 or config.floor_action != "keep")
-    )
+    """True when ``config``'s rule counts one of the :data:`EXTRA_FIELDS`
+    (:func:`fields_in_use`): a backend then holds them and passes them to
+    :func:`update_arrays` as ``extra``."""
+    return any(n in EXTRA_FIELDS for n in fields_in_use(config))
 
 
 def unchanged_fields(config: LossScaleConfig) -> tuple[str, ...]:
     """The :class:`LossScaleState` fields that :func:`update_arrays` returns unchanged (the
-    very arrays it was given) for ``config``, whatever the flags: a static or absent scale
-    leaves ``scale``, ``counter`` and the extra fields alone; a dynamic rule that does not
-    track the extra fields (:func:`tracks_extra`) leaves those. Static in the config: a
-    compiled step need not write (nor copy) them."""
-    if not config.dynamic:
-        return ("scale", "counter", *EXTRA_FIELDS)
-    return () if tracks_extra(config) else EXTRA_FIELDS
+    very arrays it was given) for ``config``, whatever the flags: those not in
+    :func:`fields_in_use`. A compiled step need not write (nor copy) them."""
+    used = fields_in_use(config)
+    return tuple(f.name for f in dataclasses.fields(LossScaleState) if f.name not in used)
 
 
 def update_arrays(
