@@ -101,12 +101,12 @@ def backend(request):
     return request.param
 
 
-def edited_state_dict(config, **changes):
-    """``unimp.state_dict(config)`` with keys replaced or (value ``KeyError``) deleted; a path
-    like ``state__counter`` reaches into nested dicts. For corrupt-state_dict tests."""
+def edited_state_dict(loss_scale, /, **changes):
+    """``unimp.state_dict(loss_scale)`` with keys replaced or (value ``KeyError``) deleted; a
+    path like ``state__counter`` reaches into nested dicts. For corrupt-state_dict tests."""
     from unimp import state_dict
 
-    d = state_dict(config)
+    d = state_dict(loss_scale)
     for path, value in changes.items():
         where = d
         *head, last = path.split("__")

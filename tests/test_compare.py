@@ -228,6 +228,16 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, args, needle):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_a_cast_mode_a_backend_lacks_is_refused_up_front(tmp_path, capsys, backend):
+    # Apex O1 is autocast, torch's alone: refused before torch trains, with a fix the CLI takes
+    code, out = _run(tmp_path, "--recipe", "O1", "--backends", f"torch,{backend}")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and not out.exists()
+    assert f"{backend} has no cast_mode='autocast'" in err and "--backends torch" in err
+    assert "--recipe 'params=float32,compute=float16,output=float32'" in err
+
+
 @pytest.mark.parametrize(
     "arrays,needle",
     [

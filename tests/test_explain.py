@@ -2,8 +2,9 @@ import json
 
 import pytest
 
+from unimp import get_recipe
 from unimp.cli import main
-from unimp.compare.explain import scaler_sequence, scaler_table
+from unimp.compare.explain import explain_recipe, scaler_sequence, scaler_table
 
 
 def test_explain_maps_recipe_to_each_framework(capsys):
@@ -134,3 +135,14 @@ def test_scalers_show_the_large_scale_trainers(capsys):
     assert s["deepspeed"]["stops_at"] == 57
     assert s["megatron"]["stops_at"] is None and min(s["megatron"]["scale"]) == 1.0
     assert s["fairseq"]["stops_at"] == 60 and min(s["fairseq"]["scale"]) == 2.0**-13
+
+
+def test_explain_says_which_frameworks_refuse_the_recipes_cast_mode():
+    # Apex O1 is autocast: torch builds it, TensorFlow and JAX refuse it (as MixedPrecision does)
+    rows = dict(explain_recipe(get_recipe("O1")))
+    assert rows["torch"][0].startswith("torch.autocast(")
+    for fw in ("tensorflow", "jax"):
+        assert rows[fw] == [f"refused: {fw} has no cast_mode='autocast': use cast_mode 'auto' or 'module'"]
+    # torch's "auto" casts modules for a policy that is not mixed (float16 parameters)
+    assert rows["torch"] != dict(explain_recipe(get_recipe("float16")))["torch"]
+    assert dict(explain_recipe(get_recipe("float16")))["torch"][0].startswith("model.to(torch.float16)")

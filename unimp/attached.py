@@ -22,22 +22,54 @@ from __future__ import annotations
 import types
 from typing import Any
 
-__all__ = ["ATTRIBUTE", "attach", "peek"]
+__all__ = ["ATTRIBUTE", "Attached", "attach", "check_attachable", "peek"]
 
 #: The one attribute unimp sets on a user's object.
 ATTRIBUTE = "_unimp"
 
+_MISSING = object()
 
-def attach(obj: Any) -> types.SimpleNamespace:
+
+class Attached(types.SimpleNamespace):
+    """unimp's facts about one user object (its own class, so a user's namespace under the
+    same name is never taken for unimp's)."""
+
+
+def check_attachable(obj: Any) -> None:
+    """Raises what :func:`attach` would, without setting anything: ``prepare`` checks the
+    user's objects first, so a refusal leaves them as they were.
+
+    Raises:
+        TypeError: ``obj`` has an attribute ``_unimp`` of its own (rename it), or takes no
+            attributes (a builtin, a ``__slots__`` class without ``__dict__``).
+    """
+    ns = getattr(obj, ATTRIBUTE, _MISSING)
+    if isinstance(ns, Attached):
+        return
+    if ns is not _MISSING:
+        raise TypeError(
+            f"the {type(obj).__name__} has an attribute {ATTRIBUTE!r} of its own (a "
+            f"{type(ns).__name__}), where unimp keeps its state on the objects it prepares; "
+            "rename that attribute."
+        )
+    if not hasattr(obj, "__dict__"):
+        raise TypeError(
+            f"unimp keeps its state on the {type(obj).__name__} in an attribute "
+            f"{ATTRIBUTE!r}, which the object refuses; pass an object that takes attributes."
+        )
+
+
+def attach(obj: Any) -> Attached:
     """unimp's namespace on ``obj``, made (and set as ``obj._unimp``) on first use.
 
     Raises:
-        TypeError: ``obj`` takes no attributes (a builtin, a ``__slots__`` class).
+        TypeError: as :func:`check_attachable`.
     """
     ns = getattr(obj, ATTRIBUTE, None)
-    if isinstance(ns, types.SimpleNamespace):
+    if isinstance(ns, Attached):
         return ns
-    ns = types.SimpleNamespace()
+    check_attachable(obj)
+    ns = Attached()
     try:
         setattr(obj, ATTRIBUTE, ns)
     except (AttributeError, TypeError):
@@ -51,4 +83,4 @@ def attach(obj: Any) -> types.SimpleNamespace:
 def peek(obj: Any, name: str, default: Any = None) -> Any:
     """``obj._unimp.<name>``, or ``default`` where ``obj`` holds no such fact (nothing is set)."""
     ns = getattr(obj, ATTRIBUTE, None)
-    return getattr(ns, name, default) if isinstance(ns, types.SimpleNamespace) else default
+    return getattr(ns, name, default) if isinstance(ns, Attached) else default

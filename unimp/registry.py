@@ -20,6 +20,7 @@ __all__ = [
     "BackendInfo",
     "available_backends",
     "backend_info",
+    "cast_mode_refusal",
     "detect_backend",
     "framework_versions",
     "get_backend",
@@ -43,6 +44,10 @@ class BackendInfo:
         extra: the ``pip install "unimp[extra]"`` that installs it.
         aliases: other names accepted for it.
         array_modules: top-level modules whose array types belong to this backend.
+        cast_modes: the :data:`unimp.recipe.CAST_MODES` the framework runs, ``"auto"`` aside
+            (it picks the first): torch has autocast and module casting; Keras's dtype
+            policies and JAX's jmp-style policies cast at layer / function boundaries, which is
+            ``"module"``. The one table: ``MixedPrecision`` and ``unimp explain`` read it.
     """
 
     name: str
@@ -52,11 +57,13 @@ class BackendInfo:
     extra: str
     aliases: tuple[str, ...] = ()
     array_modules: tuple[str, ...] = ()
+    cast_modes: tuple[str, ...] = ("module",)
 
 
 _BUILTIN = (
     BackendInfo(
-        "torch", "unimp.backends.torch", ("torch",), ("torch",), "torch", ("pytorch",), ("torch",)
+        "torch", "unimp.backends.torch", ("torch",), ("torch",), "torch", ("pytorch",), ("torch",),
+        ("autocast", "module"),
     ),
     BackendInfo(
         "tensorflow",
@@ -278,3 +285,15 @@ def detect_backend(*values: Any) -> str | None:
             f"arrays from different frameworks in one call: {names}; convert them to one framework."
         )
     return next(iter(found), None)
+
+
+def cast_mode_refusal(recipe: Any, backend: str) -> str | None:
+    """Why ``backend`` cannot run ``recipe.cast_mode`` (one line, naming the modes it has), or
+    None where it can: ``"auto"`` always, a mode in its :attr:`BackendInfo.cast_modes`, and
+    every mode under a float32 policy, which casts nothing (Apex O0 is ``"autocast"``)."""
+    info = backend_info(backend)
+    mode = recipe.cast_mode
+    if mode == "auto" or mode in info.cast_modes or recipe.policy.is_float32:
+        return None
+    others = " or ".join(repr(m) for m in ("auto", *info.cast_modes))
+    return f"{info.name} has no cast_mode={mode!r}: use cast_mode {others}"

@@ -11,7 +11,7 @@ import pytest
 from conftest import edited_state_dict
 
 import unimp
-from unimp import DynamicLossScale, get_recipe
+from unimp import DynamicLossScale, StaticLossScale, get_recipe, registry
 
 # (name, needle in the message)
 BAD_BACKENDS = [
@@ -62,7 +62,10 @@ BAD_STATE_DICTS = [
         None,
     ),
     ("keras-checkpoint", {"dynamic_scale": 1024.0, "step_counter": 3}, "format"),
-    ("future-format", _sd(format="unimp.loss_scale/3"), "format"),  # /2 exists since issue 18
+    ("future-format", _sd(format="unimp.loss_scale/3"), "one state format, 'unimp.loss_scale/1'"),
+    ("config-a-name", _sd(config="dynamic"), "'config' must be a dict"),
+    ("kind-a-list", _sd(config__kind=["dynamic"]), "'kind' must be one of"),
+    ("static-with-a-count", edited_state_dict(StaticLossScale(8.0), state__counter=7), r"\['counter'\] must be 0"),
     ("missing-state", _sd(state=KeyError), "state"),
     ("bad-kind", _sd(config__kind="adaptive"), "kind"),
     ("bad-growth", _sd(config__growth_factor=0.9), "growth_factor"),
@@ -123,6 +126,10 @@ def test_invalid_loss_scale_config(backend, kwargs, field):
 
 #: The cast modes each framework has ("auto" aside): torch.autocast is torch's alone.
 CAST_MODES = {"torch": {"autocast", "module"}, "tensorflow": {"module"}, "jax": {"module"}}
+
+
+def test_the_registry_holds_the_cast_mode_table():
+    assert {b: set(registry.backend_info(b).cast_modes) for b in CAST_MODES} == CAST_MODES
 
 
 @pytest.mark.parametrize("mode", ["auto", "autocast", "module"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import kits
 import pytest
 
+import unimp
 from unimp.attached import ATTRIBUTE, peek
 
 
@@ -32,3 +33,30 @@ def test_at_most_one_unimp_attribute_on_a_users_object(backend, recipe):
     }
     assert not {k: v for k, v in found.items() if v}, found
     assert peek(run.model, "prepared") is True  # the facts are there, in the one attribute
+
+
+def test_a_users_own_unimp_attribute_is_refused_before_anything_changes(backend):
+    if backend == "jax":
+        pytest.skip("jax: the user's objects are pytrees and optax transformations (no attributes)")
+    mp = unimp.mixed_precision("O2" if backend == "torch" else "mixed_float16", backend=backend)
+    if backend == "torch":
+        import torch
+
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = [p.detach().clone() for p in model.parameters()]
+    else:
+        import keras
+
+        with mp.autocast():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        opt = keras.optimizers.SGD(0.1)
+        before = [w.copy() for w in model.get_weights()]
+    model._unimp = {"mine": 1}
+    with pytest.raises(TypeError, match="has an attribute '_unimp' of its own .*rename that attribute"):
+        mp.prepare(model, opt)
+    assert model._unimp == {"mine": 1}
+    after = [p.detach() for p in model.parameters()] if backend == "torch" else model.get_weights()
+    assert all((a == b).all() for a, b in zip(before, after, strict=True))
+    if backend == "torch":  # O2 casts the model to float16: not done
+        assert all(p.dtype == torch.float32 for p in model.parameters())

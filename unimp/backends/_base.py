@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from unimp.recipe import Recipe, get_recipe
+from unimp.registry import cast_mode_refusal
 
 __all__ = ["BACKEND_MODULES", "COMMON_API", "FP8_API", "MixedPrecisionBase", "export"]
 
@@ -64,21 +65,12 @@ class MixedPrecisionBase:
     """
 
     backend: str = ""
-    #: The :data:`unimp.recipe.CAST_MODES` this framework runs, ``"auto"`` aside (it picks the
-    #: first): torch has autocast and module casting; Keras's dtype policies and JAX's jmp-style
-    #: policies cast at layer / function boundaries, which is ``"module"``.
-    cast_modes: tuple[str, ...] = ()
 
     def __init__(self, recipe: Any = "mixed_float16") -> None:
         recipe = get_recipe(recipe)
-        mode = recipe.cast_mode
-        # a float32 policy casts nothing: every mode means the same there (Apex O0 is "autocast")
-        if mode != "auto" and mode not in self.cast_modes and not recipe.policy.is_float32:
-            others = " or ".join(repr(m) for m in ("auto", *self.cast_modes))
-            raise ValueError(
-                f"{self.backend} has no cast_mode={mode!r}: use cast_mode {others} "
-                f"(e.g. get_recipe(name, cast_mode='auto'))."
-            )
+        why = cast_mode_refusal(recipe, self.backend)  # the registry's cast_modes table
+        if why:
+            raise ValueError(f"{why} (e.g. get_recipe(name, cast_mode='auto')).")
         self._recipe: Recipe = recipe
 
     @property

@@ -9,6 +9,7 @@ from typing import Any
 
 from unimp.loss_scale import DynamicLossScale, loss_scale_from_dict, simulate
 from unimp.recipe import Recipe
+from unimp.registry import cast_mode_refusal
 
 __all__ = ["PRESETS", "explain_recipe", "scaler_table", "scaler_sequence"]
 
@@ -76,7 +77,9 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
     mode = recipe.cast_mode
     scaler = _scaler_text(recipe)
     torch_lines = []
-    if mode in ("auto", "autocast"):
+    # torch's own choice (MixedPrecision): "auto" autocasts a mixed policy (or a float32 one
+    # with overrides), and casts modules otherwise
+    if mode == "autocast" or (mode == "auto" and (p.is_mixed or p.param_dtype == p.compute_dtype == "float32")):
         torch_lines.append(
             f"torch.autocast(device_type, dtype={_TORCH_DTYPE[p.compute_dtype]}) around the forward pass"
             + ("" if p.compute_dtype != "float32" else " (disabled: float32 compute)")
@@ -128,11 +131,13 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         jax_lines.append(f"mp.fp8_layers(paths); flax mp.module_kwargs(path) adds dot_general_cls, "
                          f"plain JAX mp.fp8_matmul(states, path, x, w): {what}")
     extra = _policy_v2_lines(p)
-    return [
+    out = [
         ("torch", torch_lines + extra["torch"]),
         ("tensorflow", keras_lines + extra["tensorflow"]),
         ("jax", jax_lines + extra["jax"]),
     ]
+    # a framework without the recipe's cast mode refuses it: say so, not what it would build
+    return [(fw, [f"refused: {why}"] if (why := cast_mode_refusal(recipe, fw)) else lines) for fw, lines in out]
 
 
 def _policy_v2_lines(p: Any) -> dict[str, list[str]]:

@@ -230,7 +230,13 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
     if cfg.threads is not None:
         check_threads(cfg.threads)
     backends = _resolve_backends(cfg.backends)
-    for b in backends:  # a device a backend cannot use fails here, before any backend trains
+    for b in backends:  # a device or cast mode a backend cannot use fails here, before any trains
+        why = registry.cast_mode_refusal(recipe, b)
+        if why:
+            raise ValueError(
+                f"--recipe {cfg.recipe}: {why}; compare it with --backends torch, or run "
+                f"--recipe '{recipe.policy}' (the same dtypes, each framework casting its own way)."
+            )
         device_for(b, cfg.device)
     ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
     if cfg.batch_size < 1 or cfg.batch_size > len(ds.x_train):

@@ -494,7 +494,7 @@ def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScale
     if not isinstance(d, Mapping):
         raise ValueError(f"loss scale must be a dict, a name or a number, got {type(d).__name__}.")
     kind = d.get("kind")
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         hint = (
             f"; a trainer's preset is written as the string 'preset:{d['preset']}' (or saved "
             "with DynamicLossScale.preset(...).to_dict())"

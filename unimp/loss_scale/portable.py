@@ -70,6 +70,11 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
                 " This looks like a torch.amp.GradScaler state_dict; load it with "
                 "unimp.backends.torch.GradScaler.load_state_dict, which converts it."
             )
+        elif isinstance(fmt, str) and fmt.startswith("unimp.loss_scale/"):
+            hint = (
+                f" unimp has one state format, {STATE_FORMAT!r}, with every config and state "
+                "field; save the state again with this version's state_dict()."
+            )
         else:
             hint = " Save it with unimp's state_dict() to get the portable format."
         raise ValueError(f"state_dict 'format' must be {STATE_FORMAT!r}, got {fmt!r}.{hint}")
@@ -80,6 +85,11 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
         )
     if "config" not in d or "state" not in d:
         raise ValueError("loss-scale state_dict needs both 'config' and 'state' keys.")
+    if not isinstance(d["config"], Mapping):
+        raise ValueError(
+            f"loss-scale state_dict 'config' must be a dict (the config's to_dict()), got "
+            f"{type(d['config']).__name__}."
+        )
     config = loss_scale_from_dict(d["config"])
     state = LossScaleState.from_dict(d["state"])
     if config.dynamic:
@@ -94,8 +104,8 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
                 f"hysteresis ({config.hysteresis})."
             )
     check_scale_value(config, float(state.scale), "loss-scale state 'scale'")
-    in_use = fields_in_use(config)  # the rule keeps the others at 0
-    unused = [n for n in EXTRA_FIELDS if n not in in_use and int(getattr(state, n))]
+    in_use = fields_in_use(config)  # the rule keeps the others at 0 (the scale is checked above)
+    unused = [n for n in ("counter", *EXTRA_FIELDS) if n not in in_use and int(getattr(state, n))]
     if unused:
         raise ValueError(
             f"loss-scale state {unused} must be 0 with this config {config.to_dict()} (its rule "

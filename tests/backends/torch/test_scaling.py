@@ -221,6 +221,8 @@ _TORCH_SD = {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "gro
         (_TORCH_SD | {"_growth_tracker": 2.5}, "'_growth_tracker' must be an int, got 2.5"),  # was cut to 2
         (_TORCH_SD | {"_growth_tracker": "3"}, "'_growth_tracker' must be an int"),  # was read as 3
         (_TORCH_SD | {"growth_interval": True}, "'growth_interval' must be an int"),
+        (_TORCH_SD | {"_growth_tracker": 2**40}, r"'_growth_tracker' must be an int in \[0, 2\*\*31 - 1\]"),  # was an OverflowError
+        (_TORCH_SD | {"_growth_tracker": -1}, r"'_growth_tracker' must be an int in \[0"),
         ({"format": "other"}, "format"),
         ("nope", "dict"),
     ],

@@ -53,7 +53,6 @@ class MixedPrecision(MixedPrecisionBase):
     _cast_tree = staticmethod(cast_tree)
 
     backend = "jax"
-    cast_modes = ("module",)
 
     def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
         resolved = None if device is None else _as_device(device)  # before anything is kept

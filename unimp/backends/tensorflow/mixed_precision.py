@@ -13,7 +13,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from unimp.attached import attach, peek
+from unimp.attached import attach, check_attachable, peek
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
@@ -68,7 +68,6 @@ class MixedPrecision(MixedPrecisionBase):
     _cast_tree = staticmethod(cast_tree)
 
     backend = "tensorflow"
-    cast_modes = ("module",)
 
     def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
         resolved = None if device is None else _as_device(device)  # before anything is kept
@@ -173,7 +172,7 @@ class MixedPrecision(MixedPrecisionBase):
             )
         return _wrap_optimizer(optimizer, self.loss_scale)
 
-    def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> tuple[Any, Any]:
+    def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> Any:
         """Applies the recipe to a Keras model and optimizer.
 
         * The model's floating outputs are cast to the output dtype (its ``call`` is wrapped, as
@@ -208,12 +207,14 @@ class MixedPrecision(MixedPrecisionBase):
             ``amp.initialize``).
 
         Raises:
-            TypeError: ``model`` is not a Keras layer or model, or a bad optimizer.
+            TypeError: ``model`` is not a Keras layer or model, or has an attribute ``_unimp`` of
+                its own (:mod:`unimp.attached`); a bad optimizer.
             ValueError: the model was already prepared, compile arguments without an
                 optimizer, an override conflict or an override Keras cannot express. Nothing is changed when an error is raised.
         """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
+        check_attachable(model)  # where unimp keeps its facts: refused before anything changes
         if peek(model, "prepared", False):  # as torch's prepare
             raise ValueError("this model was already prepared; prepare() applies the recipe once.")
         if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from unimp.attached import attach, peek
+from unimp.attached import attach, check_attachable, peek
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch.casting import (
     _NORM_LAYERS,
@@ -89,7 +89,6 @@ class MixedPrecision(MixedPrecisionBase):
     _cast_tree = staticmethod(cast_tree)
 
     backend = "torch"
-    cast_modes = ("autocast", "module")
 
     def __init__(self, recipe: Any = "mixed_float16", device: Any = None) -> None:
         super().__init__(recipe)
@@ -186,7 +185,8 @@ class MixedPrecision(MixedPrecisionBase):
             ``amp.initialize``): the shape of every backend's ``prepare``.
 
         Raises:
-            TypeError: not a Module / Optimizer.
+            TypeError: not a Module / Optimizer, or one with an attribute ``_unimp`` of its own
+                (:mod:`unimp.attached`).
             ValueError: the model was already prepared; an override conflict (two patterns give
                 one module different policies); its parameters are on another device type
                 than the bound device (autocast would silently leave it in float32); module mode
@@ -198,6 +198,9 @@ class MixedPrecision(MixedPrecisionBase):
             raise TypeError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        check_attachable(model)  # where unimp keeps its facts: refused before anything changes
+        if optimizer is not None:
+            check_attachable(optimizer)
         if peek(model, "prepared", False):
             raise ValueError("this model was already prepared; prepare() applies the recipe once.")
         out = model if optimizer is None else (model, optimizer)

@@ -565,6 +565,11 @@ class GradScaler:
                     f"torch GradScaler state_dict {k!r} must be {'an int' if integral else 'a number'}"
                     f", got {v!r}; pass the dict torch.amp.GradScaler.state_dict() returned."
                 )
+            if integral and not 0 <= v <= 2**31 - 1:  # unimp's counters are int32
+                raise ValueError(
+                    f"torch GradScaler state_dict {k!r} must be an int in [0, 2**31 - 1], got "
+                    f"{v if abs(v) < 10**20 else f'an integer of {len(str(abs(v)))} digits'}."
+                )
         d = values
         scale = float(d["scale"])
         try:
