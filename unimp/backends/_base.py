@@ -68,7 +68,8 @@ class MixedPrecisionBase:
 
     def __init__(self, recipe: Any = "mixed_float16") -> None:
         recipe = get_recipe(recipe)
-        why = cast_mode_refusal(recipe, self.backend)  # the registry's cast_modes table
+        # the registry's cast_modes table (the framework-free base binds to no backend)
+        why = cast_mode_refusal(recipe, self.backend) if self.backend else None
         if why:
             raise ValueError(f"{why} (e.g. get_recipe(name, cast_mode='auto')).")
         self._recipe: Recipe = recipe
