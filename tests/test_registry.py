@@ -88,3 +88,21 @@ def test_detect_backend_without_import(monkeypatch):
 def test_unknown_mixed_precision_option_lists_the_accepted(backend):
     with pytest.raises(TypeError, match=r"unknown mixed_precision option\(s\) \['grad_scale'\].*loss_scale=, cast_mode=, platform=, device="):
         unimp.mixed_precision("mixed_float16", backend=backend, grad_scale=3)
+
+
+@pytest.mark.parametrize(
+    "recipe, torch_mode, other_mode",
+    [
+        ("mixed_float16", "autocast", "module"),
+        ("float16", "module", "module"),  # not mixed: no master weights to autocast around
+        ("O2", "module", "module"),
+        ("float32", "none", "none"),
+        ("float32;head:float16", "autocast", "module"),  # autocast inside the overridden modules
+    ],
+)
+def test_resolve_cast_mode_is_one_rule_for_every_backend(recipe, torch_mode, other_mode):
+    from unimp import get_recipe
+
+    r = get_recipe(recipe)
+    assert registry.resolve_cast_mode(r, "torch") == torch_mode
+    assert registry.resolve_cast_mode(r, "tensorflow") == registry.resolve_cast_mode(r, "jax") == other_mode

@@ -27,6 +27,7 @@ __all__ = [
     "list_backends",
     "mixed_precision",
     "register_backend",
+    "resolve_cast_mode",
 ]
 
 ENTRY_POINT_GROUP = "unimp.backends"
@@ -297,3 +298,20 @@ def cast_mode_refusal(recipe: Any, backend: str) -> str | None:
         return None
     others = " or ".join(repr(m) for m in ("auto", *info.cast_modes))
     return f"{info.name} has no cast_mode={mode!r}: use cast_mode {others}"
+
+
+def resolve_cast_mode(recipe: Any, backend: str) -> str:
+    """The cast mode ``backend`` runs ``recipe`` in: ``"none"`` for a float32 policy (nothing is
+    cast); for ``"auto"``, ``"autocast"`` where the backend has it and the policy is mixed (or a
+    float32 model with half overrides, autocast inside those modules only), else ``"module"``;
+    an explicit mode as given. The one rule ``MixedPrecision`` and ``unimp explain`` follow; a
+    mode the backend lacks is :func:`cast_mode_refusal`'s to refuse.
+    """
+    p = recipe.policy
+    if p.is_float32:
+        return "none"
+    if recipe.cast_mode != "auto":
+        return recipe.cast_mode
+    f32_base = p.param_dtype == p.compute_dtype == "float32"
+    has = "autocast" in backend_info(backend).cast_modes
+    return "autocast" if has and (p.is_mixed or f32_base) else "module"

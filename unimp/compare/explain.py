@@ -9,7 +9,7 @@ from typing import Any
 
 from unimp.loss_scale import DynamicLossScale, loss_scale_from_dict, simulate
 from unimp.recipe import Recipe
-from unimp.registry import cast_mode_refusal
+from unimp.registry import cast_mode_refusal, resolve_cast_mode
 
 __all__ = ["PRESETS", "explain_recipe", "scaler_table", "scaler_sequence"]
 
@@ -74,12 +74,9 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         ``[(framework, [lines...]), ...]`` for torch, tensorflow and jax.
     """
     p = recipe.policy
-    mode = recipe.cast_mode
     scaler = _scaler_text(recipe)
     torch_lines = []
-    # torch's own choice (MixedPrecision): "auto" autocasts a mixed policy (or a float32 one
-    # with overrides), and casts modules otherwise
-    if mode == "autocast" or (mode == "auto" and (p.is_mixed or p.param_dtype == p.compute_dtype == "float32")):
+    if resolve_cast_mode(recipe, "torch") in ("autocast", "none"):  # torch's own choice
         torch_lines.append(
             f"torch.autocast(device_type, dtype={_TORCH_DTYPE[p.compute_dtype]}) around the forward pass"
             + ("" if p.compute_dtype != "float32" else " (disabled: float32 compute)")

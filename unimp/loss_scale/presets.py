@@ -81,9 +81,9 @@ import difflib
 import math
 from typing import Any
 
-import numpy as np
+from unimp.dtypes import finfo
 
-_F32_MAX = float(np.finfo(np.float32).max)
+_F32_MAX = finfo("float32").max
 
 FAIRSEQ_MIN_LOSS_SCALE = 1e-4
 

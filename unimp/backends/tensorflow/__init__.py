@@ -5,6 +5,10 @@ here: :class:`LossScaleOptimizer` runs :func:`unimp.loss_scale.update_arrays` on
 (``tf.where`` and friends), so it traces under ``tf.function``, compiles under ``jit_compile`` and
 matches the NumPy reference bit for bit.
 
+No ``_update`` module, unlike torch: torch runs eagerly, one kernel launch per op, so its
+GradScaler.update runs the rule through a fused kernel (``torch/_update.py``); here
+:func:`~unimp.loss_scale.update_arrays` runs inside the traced graph, which fuses the rule's small ops already.
+
 Importing this module imports TensorFlow and Keras and checks that Keras runs on TensorFlow.
 unimp itself sets no environment variable and writes no file (importing TensorFlow sets a few of
 its own, e.g. ``TF2_BEHAVIOR``; Keras may create ``~/.keras/keras.json``).

@@ -26,6 +26,7 @@ from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.step import TrainStep, _to_host
+from unimp.registry import resolve_cast_mode
 from unimp.steprecorder import check_log_every, with_log
 
 
@@ -97,14 +98,10 @@ class MixedPrecision(MixedPrecisionBase):
         self.param_dtype = to_dtype(policy.param_dtype)
         self.compute_dtype = to_dtype(policy.compute_dtype)
         self.output_dtype = to_dtype(policy.output_dtype)
-        mode = self.recipe.cast_mode
+        mode = resolve_cast_mode(self.recipe, "torch")
         # a float32 model with half overrides: autocast only inside the overridden modules
         f32_base = policy.param_dtype == policy.compute_dtype == "float32"
-        if policy.is_float32:
-            mode = "none"
-        elif mode == "auto":
-            mode = "autocast" if policy.is_mixed or f32_base else "module"
-        elif mode == "autocast" and not (policy.is_mixed or f32_base):
+        if mode == "autocast" and not (policy.is_mixed or f32_base):
             raise ValueError(
                 f"cast_mode='autocast' needs half compute with wider parameters; policy {policy} "
                 "is not mixed: use cast_mode='module' or 'auto'."
