@@ -22,8 +22,8 @@ from unimp.backends.jax.overrides import apply_overrides, cast_by_path
 from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
 from unimp.backends.jax.step import TrainStep
-from unimp.step import check_stats_every
-from unimp.steprecorder import check_log_every, with_log
+from unimp.steprecorder import with_log
+from unimp.trainstep import StepOptions
 
 
 class MixedPrecision(MixedPrecisionBase):
@@ -262,8 +262,11 @@ class MixedPrecision(MixedPrecisionBase):
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
-        See :class:`TrainStep` (``axis_name`` / ``mesh``: data parallelism under ``shard_map``). ``loss_fn(params, batch)`` returns a scalar loss; make it run
-        in the compute dtype with :meth:`apply` or flax modules built with
+        See :class:`TrainStep` (``axis_name`` / ``mesh``: data parallelism under ``shard_map``)
+        and, for the options every backend takes (``grad_accum_steps``, ``max_grad_norm``,
+        ``stats_every``, ``schedule_counts``, ``log``, ``log_every``),
+        :class:`unimp.trainstep.StepOptions`. ``loss_fn(params, batch)`` returns a scalar
+        loss; make it run in the compute dtype with :meth:`apply` or flax modules built with
         :meth:`module_kwargs`. ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`)
         of the gradients and observed activations (:func:`observe`, flax linen module outputs)
         to the results of steps 0, k, 2k, ... (``result.stats``).
@@ -274,20 +277,9 @@ class MixedPrecision(MixedPrecisionBase):
         rest on ``step.close()``, garbage collection or exit. With ``stats_every`` the records
         carry the statistics, and a non-finite step's first non-finite layer.
         """
-        stats_every = check_stats_every(stats_every)
-        log_every = check_log_every(log, log_every)
+        options = StepOptions(grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every)
         step = TrainStep(
-            self,
-            loss_fn,
-            optimizer,
-            params,
-            grad_accum_steps=grad_accum_steps,
-            max_grad_norm=max_grad_norm,
-            axis_name=axis_name,
-            mesh=mesh,
-            donate=donate,
-            model_state=model_state,
-            stats_every=stats_every,
-            schedule_counts=schedule_counts,
-        )
-        return with_log(step, self, log, log_every, step.loss_scale.config, jax.device_get)
+            self, loss_fn, optimizer, params, options=options, axis_name=axis_name, mesh=mesh,
+            donate=donate, model_state=model_state,
+        )  # fmt: skip
+        return with_log(step, self, log, options.log_every, step.loss_scale.config, jax.device_get)

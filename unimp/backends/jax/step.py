@@ -49,24 +49,19 @@ from unimp.backends.jax.stats import (
     _pending,
 )
 from unimp.loss_scale import FloorWatch
-from unimp.step import (
-    StepResult,
-    check_schedule_counts,
-    check_stats_every,
-    check_step_options,
-    floor_hits,
-    micro_batches,
-    warn_half_optimizer_state,
-)
+from unimp.step import StepResult, floor_hits, micro_batches, warn_half_optimizer_state
 from unimp.steprecorder import LoggedStep
+from unimp.trainstep import StepOptions, run_step
 
 
 class TrainStep(LoggedStep):
     """One jitted step ``step(batch) -> StepResult`` with params, optimizer state and loss scale.
 
     Each call runs one compiled function (the second call with the same shapes does not
-    recompile; :attr:`traces` counts tracings): the loss is scaled, gradients are taken,
-    unscaled once, checked, optionally clipped, and applied. Rules, as in every unimp backend:
+    recompile; :attr:`traces` counts tracings) that runs :func:`unimp.trainstep.run_step` over
+    this module's :class:`StepOps` while it traces: the algorithm of every backend (the loss
+    scaled, gradients taken, unscaled once, checked, optionally clipped, and applied). Rules,
+    as in every unimp backend:
 
     * clipping acts on the unscaled gradients (``grad_norm`` is the global L2 norm before
       clipping; clipping follows optax.clip_by_global_norm: ``g * max_norm / norm`` when the
@@ -78,10 +73,8 @@ class TrainStep(LoggedStep):
       pass changes (``model_state=``: flax ``batch_stats``, nnx ``BatchStat``) bitwise
       unchanged;
     * with ``grad_accum_steps=k`` each call takes a list of ``k`` micro-batches of one
-      structure and shapes (the same call shape in every backend; run with ``lax.scan``
-      over them stacked inside the jitted step); the gradient is the mean of the micro-batch
-      gradients, accumulated from exact zeros, unscaled once, and the whole window is
-      skipped when any micro-batch is non-finite. ``loss`` is the mean micro-batch loss.
+      structure and shapes, run with ``lax.scan`` over them stacked inside the jitted step
+      (the window's rule: :class:`unimp.trainstep.StepOptions`).
 
     Args:
         mp: the :class:`MixedPrecision`.
@@ -89,9 +82,19 @@ class TrainStep(LoggedStep):
         optimizer: an optax optimizer (not wrapped with :func:`loss_scaling`: the step scales
             the loss itself).
         params: the initial params; floating leaves are cast to the param dtype.
-        grad_accum_steps: micro-batches per optimizer step, >= 1.
-        max_grad_norm: clip the global norm of the unscaled gradients to this; ``None`` for no
-            clipping (``grad_norm`` is then not computed and reported as ``None``).
+        options: the step's options (:class:`unimp.trainstep.StepOptions`, validated there),
+            as JAX reads them: ``schedule_counts="applied"`` leaves the optax state, its
+            ``count`` leaves included, unchanged on a skipped step, ``"attempted"`` grows
+            every integer ``count`` leaf by one; with ``stats_every`` the statistics hold each
+            floating gradient leaf (named by its params path joined with ``/``: ``"w1"``,
+            ``"Dense_0/kernel"``), unscaled and before clipping, at the step's loss scale;
+            and, at scale 1, the values ``loss_fn`` names with :func:`observe` and the
+            outputs of every flax linen module without submodules (named by its path), every
+            value of a name (every call, every micro-batch) taken together. Those steps run a
+            second jitted function (compiled on its first call; :attr:`traces` counts it too)
+            that returns the statistics with the results; the other steps run the plain one,
+            whose program is the same as without the option. Reading ``result.stats`` is the
+            only sync. ``stats_every`` is not supported with ``axis_name`` (a ``ValueError``).
         axis_name: data parallelism under ``jax.shard_map``: the mesh axis the batch is split
             over. The step then runs per replica: the loss is ``lax.pmean`` of the local
             losses (so JAX's transpose all-reduces the gradients of replicated params, and
@@ -131,26 +134,10 @@ class TrainStep(LoggedStep):
             stepping through this object (it would hold deleted buffers). The ``params``
             given here are copied once, so the caller's arrays are never donated. Off by
             default; on a CPU it made the benchmark MLP about 9 % slower.
-        schedule_counts: ``"applied"`` (default: a skipped step leaves the optax state, its
-            ``count`` leaves included, unchanged) or ``"attempted"`` (every integer ``count``
-            leaf grows by one on a skipped step); see :data:`unimp.step.SCHEDULE_COUNTS`.
-        stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
-            step; a call that raises is not counted) the result's ``stats`` holds
-            :class:`unimp.stats.StepStats`: each floating gradient leaf (named by its params
-            path joined with ``/``: ``"w1"``, ``"Dense_0/kernel"``), unscaled and before
-            clipping, at the step's loss scale; and, at scale 1, the values ``loss_fn`` names
-            with :func:`observe` and the outputs of every flax linen module without
-            submodules (named by its path), every value of a name (every call, every
-            micro-batch) taken together. Those steps run a second jitted function (compiled
-            on its first call; :attr:`traces` counts it too) that returns the statistics
-            with the results; the other steps run the plain one, whose program is the same
-            as without the option. Reading ``result.stats`` is the only sync. Not supported
-            with ``axis_name`` (a ``ValueError``).
 
     Raises:
         TypeError: ``loss_fn`` not callable or ``optimizer`` not an optax transformation.
-        ValueError: a bad ``grad_accum_steps`` / ``max_grad_norm`` / ``stats_every``, or an
-            optimizer already wrapped with :func:`loss_scaling`, ``mesh`` without
+        ValueError: an optimizer already wrapped with :func:`loss_scaling`, ``mesh`` without
             ``axis_name``, an ``axis_name`` not in ``mesh``, or ``stats_every`` with
             ``axis_name``.
 
@@ -167,16 +154,14 @@ class TrainStep(LoggedStep):
         optimizer: optax.GradientTransformation,
         params: Any,
         *,
-        grad_accum_steps: int = 1,
-        max_grad_norm: float | None = None,
+        options: StepOptions | None = None,
         axis_name: Any = None,
         mesh: Any = None,
         donate: bool = False,
         model_state: Any = None,
-        stats_every: int | None = None,
-        schedule_counts: str = "applied",
     ) -> None:
-        stats_every = check_stats_every(stats_every)
+        options = StepOptions() if options is None else options
+        stats_every = options.stats_every
         if stats_every is not None and axis_name is not None:
             raise ValueError(
                 "stats_every is not supported with axis_name= (each replica sees its own "
@@ -204,7 +189,6 @@ class TrainStep(LoggedStep):
             raise TypeError(
                 f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
             )
-        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
         # Host leaves (NumPy arrays, Python floats) become device arrays of a fixed dtype now, so
         # the first call's signature equals every later one's and nothing recompiles.
         if mp.device is not None and mesh is not None:
@@ -232,8 +216,8 @@ class TrainStep(LoggedStep):
         self._mp = mp
         self._loss_fn = loss_fn
         self._optimizer = optimizer
-        self._k = int(grad_accum_steps)
-        self._max_norm = max_grad_norm
+        self._options = options
+        self._k = options.grad_accum_steps
         self._stateful = model_state is not None
         if self._stateful:
             model_state = jax.tree_util.tree_map(_device_leaf, model_state)
@@ -253,8 +237,6 @@ class TrainStep(LoggedStep):
         self._axis = axis_name
         self._mesh = mesh
         self._donate = donate
-        self._stats_every = stats_every
-        self._schedule_counts = check_schedule_counts(schedule_counts)
         self._calls = 0
         self._floor_watch = FloorWatch()  # each floor hit acted on at one result read
         self._stats_order: tuple[list[str], list[str]] = ([], [])
@@ -308,136 +290,9 @@ class TrainStep(LoggedStep):
         lean: bool = False,
     ) -> Any:
         self._traces += 1  # runs only while tracing: counts compilations
-        k = self._k
-        axis = self._axis
-        if axis is not None:
-            ls = sync_loss_scale(ls, axis)
-
-        call_order: list[str] = []  # the activations in the order the forward pass saw them
-
-        def scaled_loss(p: Any, mb: Any, st: Any) -> Any:
-            if with_stats:  # the observed activations' statistics come out through the aux
-                with _collecting() as collector:
-                    scaled, (loss, st) = forward(p, mb, st)
-                call_order[:] = list(collector.entries)
-                return scaled, (loss, st, collector.entries)
-            return forward(p, mb, st)
-
-        def forward(p: Any, mb: Any, st: Any) -> Any:
-            if self._stateful:
-                out = self._loss_fn(p, st, mb)
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        "with model_state=, loss_fn(params, model_state, batch) must return "
-                        f"(loss, new_model_state), got {type(out).__name__}."
-                    )
-                loss, st = out
-                loss = jnp.asarray(loss)
-            else:
-                loss = jnp.asarray(self._loss_fn(p, mb))
-            if not jnp.issubdtype(loss.dtype, jnp.floating):
-                raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype}.")
-            if loss.shape != ():
-                raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
-            loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-            if axis is not None:
-                loss = lax.pmean(loss, axis)  # the global mean loss; its grad is all-reduced
-            return ls.scale(loss), (loss, st)
-
-        grad_fn = jax.grad(scaled_loss, has_aux=True)
-        # reduce_dtype under variance tracking: the replicated params are made varying, so each
-        # replica's gradient stays its own, and the step all-reduces it in reduce_dtype below
-        # (instead of the transpose's implicit all-reduce in the gradient's dtype)
-        reduce = self._mp.policy.reduce_dtype if axis is not None else None
-        tracked = axis is not None and _tracks_variance(axis)
-        explicit, gparams = _own_gradients(params, axis) if reduce and tracked else (None, params)
-        activations: Any = {}
-        if k == 1:
-            scaled_grads, (loss, new_model_state, *observed) = grad_fn(gparams, batch, model_state)
-            loss_finite = jnp.isfinite(loss)
-            if with_stats:
-                activations = observed[0]
-        else:
-            # batch is a sequence of k micro-batches of one structure: stacked inside the jit
-            micro = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batch)
-            # float32 (or wider params' dtype), or the policy's accum_dtype: rounded to it at
-            # every addition; the mean is taken back in the default accumulator's dtype
-            accum = self._mp.policy.accum_dtype
-            zeros = jax.tree_util.tree_map(
-                lambda p: jnp.zeros(
-                    jnp.shape(p),
-                    accum or jnp.promote_types(jnp.result_type(p), jnp.float32),
-                ),
-                params,
-            )
-
-            def body(carry: Any, mb: Any) -> Any:
-                acc, st = carry  # the model state threads through the micro-batches in order
-                g, (micro_loss, st, *observed) = grad_fn(gparams, mb, st)
-                return (
-                    jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g),
-                    st,
-                ), (micro_loss, *observed)
-
-            (summed, new_model_state), (losses, *observed) = lax.scan(
-                body, (zeros, model_state), micro
-            )
-            if with_stats:  # one entry per micro-batch: taken together
-                activations = {n: _merge_stacked(e) for n, e in observed[0].items()}
-            scaled_grads = jax.tree_util.tree_map(
-                lambda a, p: a.astype(jnp.promote_types(jnp.result_type(p), jnp.float32)) / k,
-                summed, params,
-            )
-            loss = jnp.mean(losses)
-            loss_finite = jnp.all(jnp.isfinite(losses))
-        if explicit is not None or (axis is not None and not tracked):
-            # pmap, vmap, shard_map(check_vma=False): JAX does not all-reduce the gradients of
-            # replicated params in the transpose, so average them here (every param is taken
-            # as replicated: the pmap convention); with reduce_dtype, in it
-            scaled_grads = _reduce_in(scaled_grads, axis, reduce, explicit)
-        grads = ls.unscale(scaled_grads)
-        stats = None
-        if with_stats:  # unscaled, before clipping, at the step's scale
-            gradients = _gradient_stats(grads, ls.loss_scale)
-            self._stats_order = (list(gradients), call_order)
-            stats = {"gradients": gradients, "activations": activations, "scale": ls.loss_scale}
-        flags = None
-        if not with_stats and self._recorder is not None and axis is None:
-            # logged (read while tracing): which gradient went non-finite first
-            self._flag_names, flags = _grad_flags(grads)
-        grads_finite = all_finite(grads, axis)
-        grad_norm = None
-        if self._max_norm is not None:
-            grad_norm = _global_norm(grads, axis)
-            max_norm = jnp.float32(self._max_norm)
-            clip = grad_norm > max_norm
-            factor = max_norm / grad_norm
-            grads = jax.tree_util.tree_map(lambda g: _clip(g, clip, factor), grads)
-        updates, new_opt_state = self._optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        applied = grads_finite & loss_finite
-        params = _keep_unless(applied, new_params, params)
-        opt_state = _keep_unless(applied, new_opt_state, opt_state)
-        if self._schedule_counts == "attempted":  # a skipped step still advances optax's counts
-            opt_state = _count_skipped(opt_state, applied)
-        new_ls = ls.adjust(grads_finite, loss_finite)
-        if self._stateful:  # what the forward pass changed (batch_stats, ...) is kept only if applied
-            model_state = _keep_unless(applied, new_model_state, model_state)
-        raw = {
-            "loss": loss,
-            "scale": ls.loss_scale,
-            "applied": applied,
-            "loss_finite": loss_finite,
-            "grads_finite": grads_finite,
-            "grad_norm": grad_norm,
-            "consecutive_skips": new_ls.consecutive_skips,
-            "total_skips": new_ls.total_skips,
-            **floor_hits(new_ls.config, (new_ls.floor_hits,)),
-        }
-        if with_stats:
-            raw["stats"] = stats
-        if flags is not None:
-            raw["grad_flags"] = flags
+        ops = StepOps(self, params, opt_state, ls, model_state, with_stats)
+        raw = run_step(ops, [batch] if self._k == 1 else list(batch), self._options)
+        new_ls = ops.ls
         if lean:  # no output that duplicates another, nor an input __call__ still holds:
             # each would be a copy (a kernel) per step; __call__ puts them back (_rejoin)
             forward = not self._donate  # a donated input is gone after the call
@@ -445,8 +300,8 @@ class TrainStep(LoggedStep):
             raw.update({"scale": None} if forward else {})
             new_ls = _changed_fields(new_ls, forward)
         if self._stateful:
-            return params, opt_state, new_ls, raw, model_state
-        return params, opt_state, new_ls, raw
+            return ops.params, ops.opt_state, new_ls, raw, ops.model_state
+        return ops.params, ops.opt_state, new_ls, raw
 
     # -- the stateful face ----------------------------------------------------------------------
 
@@ -489,7 +344,7 @@ class TrainStep(LoggedStep):
                 (self._params, self._opt_state, self._loss_scale, self._model_state), batch
             )
         args = (self._params, self._opt_state, self._loss_scale, batch)
-        with_stats = self._stats_every is not None and self._calls % self._stats_every == 0
+        with_stats = self._options.stats_step(self._calls)
         jitted = self._stats_jitted if with_stats else self._call_jitted
         lean = jitted is not self._jitted  # every program but the full step returns the lean outputs
         before = self._loss_scale
@@ -557,7 +412,7 @@ class TrainStep(LoggedStep):
     @property
     def stats_every(self) -> int | None:
         """``None`` or ``k``: statistics on calls 0, k, 2k, ..."""
-        return self._stats_every
+        return self._options.stats_every
 
     @property
     def traces(self) -> int:
@@ -596,3 +451,165 @@ class TrainStep(LoggedStep):
             ValueError: a bad or foreign state dict; nothing is changed.
         """
         self._loss_scale = _commit_like(loss_scale_from_state_dict(d), self._params)
+
+
+class StepOps:
+    """The phases of one step (:class:`unimp.trainstep.StepPrimitives`) for a JAX
+    :class:`TrainStep`, run while the step traces: functional, so each phase leaves the new
+    value on this object (``params``, ``opt_state``, ``ls``, ``model_state``), which the jitted
+    step returns."""
+
+    def __init__(
+        self, step: TrainStep, params: Any, opt_state: Any, ls: LossScale, model_state: Any,
+        with_stats: bool,
+    ) -> None:  # fmt: skip
+        self.step = step
+        self.params, self.opt_state, self.ls, self.model_state = params, opt_state, ls, model_state
+        self.with_stats = with_stats
+        self.axis = step._axis
+        self.activations: Any = {}
+        self.call_order: list[str] = []  # the activations in the order the forward pass saw them
+
+    def begin(self) -> Any:
+        if self.axis is not None:
+            self.ls = sync_loss_scale(self.ls, self.axis)
+        return self.ls.loss_scale
+
+    def save_forward_state(self) -> Any:
+        return self.model_state
+
+    def abort(self, saved: Any) -> None:
+        pass  # functional: a trace that raised returns nothing
+
+    def _forward(self, p: Any, mb: Any, st: Any) -> Any:
+        step = self.step
+        if step._stateful:
+            out = step._loss_fn(p, st, mb)
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    "with model_state=, loss_fn(params, model_state, batch) must return "
+                    f"(loss, new_model_state), got {type(out).__name__}."
+                )
+            loss, st = out
+            loss = jnp.asarray(loss)
+        else:
+            loss = jnp.asarray(step._loss_fn(p, mb))
+        if not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype}.")
+        if loss.shape != ():
+            raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
+        loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+        if self.axis is not None:
+            loss = lax.pmean(loss, self.axis)  # the global mean loss; its grad is all-reduced
+        return self.ls.scale(loss), (loss, st)
+
+    def _scaled_loss(self, p: Any, mb: Any, st: Any) -> Any:
+        if self.with_stats:  # the observed activations' statistics come out through the aux
+            with _collecting() as collector:
+                scaled, (loss, st) = self._forward(p, mb, st)
+            self.call_order[:] = list(collector.entries)
+            return scaled, (loss, st, collector.entries)
+        return self._forward(p, mb, st)
+
+    def gradients(self, micro: list[Any], scale: Any) -> tuple[Any, Any, Any]:
+        axis, params, k = self.axis, self.params, len(micro)
+        grad_fn = jax.grad(self._scaled_loss, has_aux=True)
+        # reduce_dtype under variance tracking: the replicated params are made varying, so each
+        # replica's gradient stays its own, and the step all-reduces it in reduce_dtype below
+        # (instead of the transpose's implicit all-reduce in the gradient's dtype)
+        reduce = self.step._mp.policy.reduce_dtype if axis is not None else None
+        tracked = axis is not None and _tracks_variance(axis)
+        explicit, gparams = _own_gradients(params, axis) if reduce and tracked else (None, params)
+        if k == 1:
+            scaled_grads, (loss, new_model_state, *observed) = grad_fn(gparams, micro[0], self.model_state)
+            loss_finite = jnp.isfinite(loss)
+            if self.with_stats:
+                self.activations = observed[0]
+        else:
+            # k micro-batches of one structure: stacked inside the jit, run with lax.scan
+            stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *micro)
+            # float32 (or wider params' dtype), or the policy's accum_dtype: rounded to it at
+            # every addition; the mean is taken back in the default accumulator's dtype
+            accum = self.step._mp.policy.accum_dtype
+            zeros = jax.tree_util.tree_map(
+                lambda p: jnp.zeros(
+                    jnp.shape(p), accum or jnp.promote_types(jnp.result_type(p), jnp.float32)
+                ),
+                params,
+            )
+
+            def body(carry: Any, mb: Any) -> Any:
+                acc, st = carry  # the model state threads through the micro-batches in order
+                g, (micro_loss, st, *observed) = grad_fn(gparams, mb, st)
+                return (
+                    jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g),
+                    st,
+                ), (micro_loss, *observed)
+
+            (summed, new_model_state), (losses, *observed) = lax.scan(
+                body, (zeros, self.model_state), stacked
+            )
+            if self.with_stats:  # one entry per micro-batch: taken together
+                self.activations = {n: _merge_stacked(e) for n, e in observed[0].items()}
+            scaled_grads = jax.tree_util.tree_map(
+                lambda a, p: a.astype(jnp.promote_types(jnp.result_type(p), jnp.float32)) / k,
+                summed, params,
+            )  # fmt: skip
+            loss = jnp.mean(losses)
+            loss_finite = jnp.all(jnp.isfinite(losses))
+        self.new_model_state = new_model_state
+        if explicit is not None or (axis is not None and not tracked):
+            # pmap, vmap, shard_map(check_vma=False): JAX does not all-reduce the gradients of
+            # replicated params in the transpose, so average them here (every param is taken
+            # as replicated: the pmap convention); with reduce_dtype, in it
+            scaled_grads = _reduce_in(scaled_grads, axis, reduce, explicit)
+        return scaled_grads, loss, loss_finite
+
+    def unscale(self, grads: Any, scale: Any) -> Any:
+        return self.ls.unscale(grads)
+
+    def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
+        step = self.step
+        if self.with_stats:  # unscaled, before clipping, at the step's scale
+            gradients = _gradient_stats(grads, scale)
+            step._stats_order = (list(gradients), self.call_order)
+            return {"stats": {"gradients": gradients, "activations": self.activations, "scale": scale}}
+        if step._recorder is not None and self.axis is None:
+            # logged (read while tracing): which gradient went non-finite first
+            step._flag_names, flags = _grad_flags(grads)
+            return {"grad_flags": flags}
+        return {}
+
+    def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+        return grads, all_finite(grads, self.axis)
+
+    def global_norm(self, grads: Any) -> Any:
+        return _global_norm(grads, self.axis)
+
+    def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
+        limit = jnp.float32(max_norm)
+        clip, factor = norm > limit, limit / norm
+        return jax.tree_util.tree_map(lambda g: _clip(g, clip, factor), grads)
+
+    def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
+        params, opt_state = self.params, self.opt_state
+        updates, new_opt_state = self.step._optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        applied = grads_finite & loss_finite
+        self.params = _keep_unless(applied, new_params, params)
+        self.opt_state = _keep_unless(applied, new_opt_state, opt_state)
+        if self.step._options.schedule_counts == "attempted":  # a skipped step still counts
+            self.opt_state = _count_skipped(self.opt_state, applied)
+        return applied
+
+    def restore_forward_state(self, saved: Any, applied: Any) -> None:
+        if self.step._stateful:  # what the forward pass changed is kept only if applied
+            self.model_state = _keep_unless(applied, self.new_model_state, saved)
+
+    def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
+        self.ls = new = self.ls.adjust(grads_finite, loss_finite)
+        return {
+            "consecutive_skips": new.consecutive_skips,
+            "total_skips": new.total_skips,
+            **floor_hits(new.config, (new.floor_hits,)),
+        }

@@ -1,0 +1,186 @@
+"""The algorithm of one training step, written once over a backend's primitives. Framework-free.
+
+Every backend's ``train_step`` runs :func:`run_step`: the order of the phases, what each phase
+is given and what the step reports are decided here, once; a backend supplies the phases as
+the methods of its ``StepOps`` (``unimp/backends/<framework>/step.py``), with the names and
+signatures of :class:`StepPrimitives`, as :func:`unimp.loss_scale.update_arrays` runs the
+loss-scale rule over an array namespace. What a backend hands over between the phases
+(``grads``, ``saved``) is opaque here: a pytree (JAX), a list of tensors (TensorFlow), or the
+optimizer whose parameters hold the gradients (torch, whose ``.grad`` fields are the state).
+
+The step's options are validated and documented once, by :class:`StepOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from unimp.step import check_schedule_counts, check_stats_every, check_step_options, micro_batches
+from unimp.steprecorder import check_log_every
+
+__all__ = ["StepOptions", "StepPrimitives", "run_step"]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The options every backend's ``train_step`` takes, validated once, one rule for all.
+
+    Args:
+        grad_accum_steps: micro-batches per optimizer step (an int >= 1). With ``k > 1`` each
+            call takes a list of ``k`` micro-batches (the same call shape in every backend:
+            one call is one optimizer step and one :class:`~unimp.StepResult`); their scaled
+            gradients are summed from exact zeros, in float32 (or the parameters' wider
+            dtype) or, where the policy sets ``accum_dtype``, in that dtype rounded at every
+            addition; the mean is unscaled once; the whole window is skipped when any
+            micro-batch is non-finite; ``loss`` is the mean micro-batch loss.
+        max_grad_norm: ``None`` (no clipping; ``grad_norm`` is then reported as ``None``) or
+            a finite number > 0: the global L2 norm the UNSCALED gradients are clipped to
+            (``g * min(1, max_norm / norm)``, as ``torch.nn.utils.clip_grad_norm_``,
+            ``optax.clip_by_global_norm`` and ``tf.clip_by_global_norm``); ``grad_norm`` is
+            the norm before clipping.
+        stats_every: ``None`` (default) or ``k >= 1``: tensor statistics
+            (:mod:`unimp.stats`) in the results of calls 0, k, 2k, ... (counted by the step;
+            a call that raises is not counted); the other calls run the plain step.
+        schedule_counts: what a skipped step does to learning-rate schedules and step
+            counters: ``"applied"`` (default) or ``"attempted"``
+            (:data:`unimp.step.SCHEDULE_COUNTS`).
+        log: ``None``, a file path or a :class:`unimp.steplog.StepLogWriter`: the step log
+            (``docs/steplog.md``).
+        log_every: steps buffered between two writes of the step log (an int >= 1).
+
+    Raises:
+        ValueError: any option out of its range, naming the option and the accepted values.
+    """
+
+    grad_accum_steps: int = 1
+    max_grad_norm: float | None = None
+    stats_every: int | None = None
+    schedule_counts: str = "applied"
+    log: Any = None
+    log_every: int = 100
+
+    def __post_init__(self) -> None:
+        k, norm = check_step_options(self.grad_accum_steps, self.max_grad_norm)
+        set_ = object.__setattr__  # frozen: the checked values replace the given ones
+        set_(self, "stats_every", check_stats_every(self.stats_every))
+        set_(self, "grad_accum_steps", k)
+        set_(self, "max_grad_norm", norm)
+        set_(self, "schedule_counts", check_schedule_counts(self.schedule_counts))
+        set_(self, "log_every", check_log_every(self.log, self.log_every))
+
+    def stats_step(self, calls: int) -> bool:
+        """Whether the call with 0-based index ``calls`` takes statistics."""
+        return self.stats_every is not None and calls % self.stats_every == 0
+
+    def micro_batches(self, batch: Any) -> list[Any]:
+        """``batch`` as the step's list of micro-batches (:func:`unimp.step.micro_batches`)."""
+        return micro_batches(batch, self.grad_accum_steps)
+
+
+class StepPrimitives(Protocol):
+    """The phases of one step, as each backend's ``StepOps`` supplies them.
+
+    Every method runs on the device's values without reading them on the host (a traced
+    backend runs them while tracing). ``grads`` is whatever the backend hands from one phase
+    to the next.
+    """
+
+    def begin(self) -> Any:
+        """Checks what must hold before the loss is scaled (replicas agree on the loss-scale
+        state) and returns the loss scale this step uses (a 0-d float32 device value)."""
+
+    def save_forward_state(self) -> Any:
+        """The state the forward pass changes (normalization statistics, counters), kept to
+        be selected back on a skipped step."""
+
+    def gradients(self, micro: list[Any], scale: Any) -> tuple[Any, Any, Any]:
+        """Runs the scaled forward and backward pass of every micro-batch of the window and
+        accumulates (see :class:`StepOptions`); returns ``(grads, loss, loss_finite)``: the
+        scaled mean gradients (all-reduced where the backend reduces them in the backward),
+        the mean unscaled loss (float32) and whether every micro-batch's loss was finite."""
+
+    def abort(self, saved: Any) -> None:
+        """Undoes a window that raised: no partial gradients, the forward state restored."""
+
+    def unscale(self, grads: Any, scale: Any) -> Any:
+        """The gradients divided by ``scale`` (once, for the whole window)."""
+
+    def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
+        """The unscaled gradients' statistics on a statistics step, or their finite flags on a
+        logged one (before clipping, at the step's scale): entries added to the step's raw
+        values (``"stats"``, ``"grad_flags"``), which the backend takes back out; ``{}``."""
+
+    def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+        """``(grads, grads_finite)``: whether every unscaled gradient element is finite, on
+        every replica; a backend that all-reduces the gradients here returns the reduced ones
+        (and the flag covers them too)."""
+
+    def global_norm(self, grads: Any) -> Any:
+        """The global L2 norm (float32) of the unscaled gradients, over all replicas."""
+
+    def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
+        """The gradients times ``min(1, max_norm / norm)``."""
+
+    def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
+        """The guarded update: parameters and optimizer state change only where the loss and
+        every gradient are finite (``schedule_counts`` says what a skipped step does to the
+        counters); returns ``applied`` (a device bool)."""
+
+    def restore_forward_state(self, saved: Any, applied: Any) -> None:
+        """Selects the saved forward state back where the step was skipped."""
+
+    def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
+        """Runs the loss-scale rule (:func:`unimp.loss_scale.update_arrays`) and returns the
+        report's fields it decides: ``consecutive_skips``, ``total_skips`` and, where the
+        config's ``floor_action`` needs them, ``floor_hits`` (:func:`unimp.step.floor_hits`).
+        A backend whose update reports the step's scale and flags from one snapshot (torch's
+        fused update) returns those fields too; they replace the step's own."""
+
+
+def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dict[str, Any]:
+    """One training step: the algorithm every backend runs (see the module docstring).
+
+    Scale the loss, backward over the window's micro-batches, unscale once, check the
+    gradients (agreed over the replicas), clip the unscaled gradients, apply the update only
+    where the loss and every gradient are finite, keep the forward pass's state only where
+    applied, update the loss scale.
+
+    Args:
+        ops: the backend's primitives (:class:`StepPrimitives`).
+        micro: the window's micro-batches (:meth:`StepOptions.micro_batches`).
+        options: the step's checked options.
+
+    Returns:
+        The step's raw device values: one per name of :data:`unimp.step.STEP_FIELDS`, the
+        floor fields where the config needs them, and what :meth:`StepPrimitives.observe`
+        added; a backend builds its :class:`unimp.StepResult` from them.
+    """
+    scale = ops.begin()
+    saved = ops.save_forward_state()
+    try:
+        grads, loss, loss_finite = ops.gradients(micro, scale)
+    except BaseException:
+        ops.abort(saved)
+        raise
+    grads = ops.unscale(grads, scale)
+    observed = ops.observe(grads, scale)
+    grads, grads_finite = ops.finite(grads, scale)
+    grad_norm = None
+    if options.max_grad_norm is not None:
+        grad_norm = ops.global_norm(grads)
+        grads = ops.clip(grads, grad_norm, options.max_grad_norm)
+    applied = ops.apply(grads, grads_finite, loss_finite)
+    ops.restore_forward_state(saved, applied)
+    reported = ops.update_scale(grads_finite, loss_finite)
+    raw = {
+        "loss": loss,
+        "scale": scale,
+        "applied": applied,
+        "loss_finite": loss_finite,
+        "grads_finite": grads_finite,
+        "grad_norm": grad_norm,
+    }
+    raw.update(reported)
+    raw.update(observed)
+    return raw
