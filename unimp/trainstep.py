@@ -45,9 +45,13 @@ class StepOptions:
         schedule_counts: what a skipped step does to learning-rate schedules and step
             counters: ``"applied"`` (default) or ``"attempted"``
             (:data:`unimp.step.SCHEDULE_COUNTS`).
-        log: ``None``, a file path or a :class:`unimp.steplog.StepLogWriter`: the step log
-            (``docs/steplog.md``).
-        log_every: steps buffered between two writes of the step log (an int >= 1).
+        log: ``None`` (default), a file path or a :class:`unimp.steplog.StepLogWriter`: a
+            JSON Lines step log (``docs/steplog.md``; ``unimp doctor`` reads it): one record
+            per step, kept on the device and written every ``log_every`` steps (the only waits
+            it adds), the rest on the step's ``close()``, garbage collection or exit. With
+            ``stats_every`` the records carry the statistics, and a non-finite step's first
+            non-finite layer.
+        log_every: steps between two writes of the step log, an int >= 1 (default 100).
 
     Raises:
         ValueError: any option out of its range, naming the option and the accepted values.
@@ -134,8 +138,10 @@ class StepPrimitives(Protocol):
         """Runs the loss-scale rule (:func:`unimp.loss_scale.update_arrays`) and returns the
         report's fields it decides: ``consecutive_skips``, ``total_skips`` and, where the
         config's ``floor_action`` needs them, ``floor_hits`` (:func:`unimp.step.floor_hits`).
-        A backend whose update reports the step's scale and flags from one snapshot (torch's
-        fused update) returns those fields too; they replace the step's own."""
+        A backend whose update decides more of the report returns those fields too, and they
+        replace the step's own: torch's fused update reports the scale and flags from one
+        snapshot; TensorFlow's update under a strategy reports the flags agreed by every
+        replica in its ``merge_call``."""
 
 
 def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
-from unimp.step import check_stats_every, check_step_options
-from unimp.steprecorder import check_log_every, with_log
+from unimp.steprecorder import with_log
+from unimp.trainstep import StepOptions
 
 
 def _cast_call(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -354,8 +354,9 @@ class MixedPrecision(MixedPrecisionBase):
             optimizer: a Keras optimizer (wrapped in :class:`LossScaleOptimizer` with the
                 recipe's loss scale) or an unimp :class:`LossScaleOptimizer` (used as is).
             loss_fn: ``loss_fn(model, batch) -> scalar loss``.
-            grad_accum_steps: micro-batches per optimizer step, >= 1.
-            max_grad_norm: ``None`` or a finite number > 0.
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every: the
+                options every backend takes, validated and documented once by
+                :class:`unimp.trainstep.StepOptions`; below, what they mean in Keras.
             jit_compile: compile the step with XLA.
             schedule_counts: ``"applied"`` (default: a skipped step leaves ``iterations``, hence
                 any learning-rate schedule, unchanged) or ``"attempted"`` (``iterations`` grows
@@ -373,13 +374,6 @@ class MixedPrecision(MixedPrecisionBase):
                 quantized mode is not seen); the others call the plain one, whose graph is
                 the same as without the option. Reading ``result.stats`` is the only sync.
                 Not supported under a ``tf.distribute`` strategy (a ``ValueError``).
-            log: ``None`` (default), a file path or a :class:`unimp.steplog.StepLogWriter`: a
-                JSON Lines step log (``docs/steplog.md``; ``unimp doctor`` reads it): one record
-                per step, kept on the device and written every ``log_every`` steps (the only
-                waits it adds), the rest on :meth:`TrainStep.close`, garbage collection or exit.
-                With ``stats_every`` the records carry the statistics, and a non-finite step's
-                first non-finite layer.
-            log_every: steps between writes of the log, >= 1 (default 100).
 
         Returns:
             A :class:`TrainStep`; ``step.state_dict()`` / ``load_state_dict()`` hold the
@@ -390,15 +384,13 @@ class MixedPrecision(MixedPrecisionBase):
             ValueError: bad ``grad_accum_steps``, ``max_grad_norm`` or ``stats_every`` (before
                 anything is built), an unbuilt model, or ``stats_every`` under a strategy.
         """
-        stats_every = check_stats_every(stats_every)
-        log_every = check_log_every(log, log_every)
+        options = StepOptions(grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
         if not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}."
             )
-        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
         if not model.built or not model.trainable_variables:
             raise ValueError(
                 "the model has no trainable variables yet: build it first (keras.Input in the "
@@ -411,8 +403,6 @@ class MixedPrecision(MixedPrecisionBase):
         else:
             lso = self.loss_scale_optimizer(optimizer)
         step = TrainStep(
-            model, lso, loss_fn, int(grad_accum_steps), max_grad_norm, bool(jit_compile),
-            device=self._device, stats_every=stats_every, policy=self.policy,
-            schedule_counts=schedule_counts,
+            model, lso, loss_fn, options, bool(jit_compile), device=self._device, policy=self.policy
         )
-        return with_log(step, self, log, log_every, step.optimizer.loss_scale_config, _to_host)
+        return with_log(step, self, log, options.log_every, step.optimizer.loss_scale_config, _to_host)

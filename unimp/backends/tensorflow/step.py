@@ -21,8 +21,9 @@ from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, 
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
 from unimp.loss_scale import FloorWatch, from_state_dict
 from unimp.policy import Policy
-from unimp.step import StepResult, check_schedule_counts, floor_hits, micro_batches
+from unimp.step import StepResult, floor_hits
 from unimp.steprecorder import LoggedStep
+from unimp.trainstep import StepOptions, run_step
 
 
 def _batch_to_tensors(batch: Any) -> Any:
@@ -159,22 +160,21 @@ class TrainStep(LoggedStep):
         model: Any,
         optimizer: LossScaleOptimizer,
         loss_fn: Callable[[Any, Any], Any],
-        grad_accum_steps: int,
-        max_grad_norm: float | None,
+        options: StepOptions,
         jit_compile: bool,
         device: str | None = None,
-        stats_every: int | None = None,
         policy: Policy | None = None,
-        schedule_counts: str = "applied",
     ) -> None:
         self.policy = Policy() if policy is None else policy
-        optimizer.schedule_counts = check_schedule_counts(schedule_counts)  # read when traced
+        self.options = options
+        stats_every = options.stats_every
+        optimizer.schedule_counts = options.schedule_counts  # read when traced
         self.model = model
         self.device = device
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.grad_accum_steps = grad_accum_steps
-        self.max_grad_norm = max_grad_norm
+        self.grad_accum_steps = options.grad_accum_steps
+        self.max_grad_norm = options.max_grad_norm
         variables = list(model.trainable_variables)
         if stats_every is not None and _strategy_of(variables) is not None:
             raise ValueError(
@@ -220,11 +220,11 @@ class TrainStep(LoggedStep):
 
     def __call__(self, batch: Any) -> StepResult:
         if self.grad_accum_steps > 1:
-            batch = micro_batches(batch, self.grad_accum_steps)
+            batch = self.options.micro_batches(batch)
         batch = _batch_to_tensors(batch)
         if self.strategy is not None and not isinstance(batch, tf.distribute.DistributedValues):
             batch = self._split(batch)
-        stats_step = self.stats_every is not None and self.calls % self.stats_every == 0
+        stats_step = self.options.stats_step(self.calls)
         function = self.stats_function if stats_step else self.function
         # the policy's matmul precision (TensorFlow's global TF32 switch) for this call only
         with matmul_precision(self.policy.matmul_precision):
@@ -331,70 +331,47 @@ class TrainStep(LoggedStep):
         out["stats"] = collector.outputs()
         return out
 
-    def _finish(
-        self, unscaled: list[Any], loss: tf.Tensor, loss_finite: tf.Tensor, scale: tf.Tensor
-    ) -> dict:
-        if self._collector is not None:  # tracing the statistics step: unscaled, unclipped
-            self._collector.add_gradients(
-                [(v.path, g) for v, g in zip(self._variables, unscaled, strict=True) if g is not None],
-                scale,
-            )
-        flags = None
-        if self._collector is None and self._recorder is not None and self.strategy is None:
-            # logged (read while tracing): which gradient went non-finite first
-            self._flag_names, flags = _grad_flags(
-                [(v.path, g) for v, g in zip(self._variables, unscaled, strict=True) if g is not None]
-            )
-        grads_finite = all_finite([g for g in unscaled if g is not None])
-        replica = tf.distribute.get_replica_context() if self.strategy is not None else None
-        reduced = False
-        if replica is not None and replica.num_replicas_in_sync > 1:
-            # Keras's optimizer sums the gradients over replicas: give it local / n, so the
-            # update is the mean gradient, as one device on the whole global batch.
-            inv = tf.constant(1.0 / replica.num_replicas_in_sync, tf.float32)
-            unscaled = [_times(g, inv) for g in unscaled]
-            if self.policy.reduce_dtype is not None:
-                # the policy's reduce_dtype: this step sums local / n in it (cast around the
-                # all-reduce) and Keras's own sum is turned off (_keras_sum_off); the flag is
-                # taken on the reduced gradients too, so an overflow of the sum skips everywhere
-                unscaled = _all_reduce_in(
-                    replica, unscaled, to_dtype(self.policy.reduce_dtype), scale
-                )
-                grads_finite = grads_finite & all_finite([g for g in unscaled if g is not None])
-                reduced = True
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            # clipping acts on the unscaled gradients; the norm is reported before clipping.
-            # Under a strategy it is the norm of the all-reduced gradient, the same on every
-            # replica (clipping each replica by its own norm would not be clip(mean)).
-            grad_norm = _global_norm(
-                unscaled
-                if replica is None or replica.num_replicas_in_sync == 1 or reduced
-                else replica.all_reduce("sum", [g for g in unscaled if g is not None])
-            )
-            limit = tf.constant(self.max_grad_norm, tf.float32)
-            factor = limit / tf.maximum(grad_norm, limit)
-            unscaled = [_times(g, factor) for g in unscaled]
-        applied, consecutive, total, grads_finite, loss_finite = self.optimizer._apply_step(
-            unscaled, self._variables, grads_finite, loss_finite
-        )
-        return {
-            "loss": loss,
-            "scale": scale,
-            "applied": applied,
-            "loss_finite": loss_finite,
-            "grads_finite": grads_finite,
-            "grad_norm": grad_norm,
-            "consecutive_skips": consecutive,
-            "total_skips": total,
-            **({} if flags is None else {"grad_flags": flags}),
-            **floor_hits(self.optimizer.loss_scale_config, _extra(self.optimizer)),
-        }
+    def _step(self, batch: Any) -> dict:
+        opt = self.optimizer
+        outer, opt._tracer = opt._tracer, id(self)  # runs while tracing: marks whose graph it is
+        try:
+            micro = [batch] if self.grad_accum_steps == 1 else list(batch)
+            return run_step(StepOps(self), micro, self.options)
+        finally:
+            opt._tracer = outer
+
+
+class StepOps:
+    """The phases of one step (:class:`unimp.trainstep.StepPrimitives`) for a TensorFlow
+    :class:`TrainStep`, run while its ``tf.function`` traces (in each replica under a
+    strategy): the gradients are a list of tensors (``None`` for a variable without one), in
+    the order of ``model.trainable_variables``."""
+
+    def __init__(self, step: TrainStep) -> None:
+        self.step = step
+        self.optimizer = step.optimizer
+        self.variables = step._variables
+        self.unity = step.optimizer.loss_scale_config.unity  # a scale always 1: no multiply
+        self.k = step.grad_accum_steps
+        self.replica = tf.distribute.get_replica_context() if step.strategy is not None else None
+        self.reduced = False  # the step all-reduced the gradients itself (reduce_dtype)
+
+    def begin(self) -> Any:
+        return tf.identity(tf.convert_to_tensor(self.optimizer.dynamic_scale))
+
+    def save_forward_state(self) -> Any:
+        # state the forward pass changes (BatchNormalization's moving statistics, any
+        # non-trainable variable but the dropout seeds): read before the forward, selected
+        # back after the decision when the step is skipped (in the graph, no host sync)
+        return [(v, tf.identity(v.value)) for v in _forward_state(self.step.model)]
+
+    def abort(self, saved: Any) -> None:
+        pass  # a trace that raised leaves no graph to run
 
     def _scaled_grads(self, batch: Any, scale: tf.Tensor) -> tuple[list[Any], tf.Tensor]:
         with tf.GradientTape() as tape:
             with tf.name_scope("forward"):  # a name only: unimp.trace reads the phase from it
-                loss = tf.convert_to_tensor(self.loss_fn(self.model, batch))
+                loss = tf.convert_to_tensor(self.step.loss_fn(self.step.model, batch))
             if not loss.dtype.is_floating:
                 raise TypeError(f"loss_fn must return a floating loss, got {loss.dtype.name}.")
             if loss.shape.rank not in (None, 0):
@@ -405,56 +382,104 @@ class TrainStep(LoggedStep):
             loss32 = tf.cast(loss, tf.float32)
             # a scale that is always 1 (none, or a static 1.0; built into the graph): no
             # multiply, the same bits (as torch's and the core's ``unity``)
-            scaled = loss32 if self.optimizer.loss_scale_config.unity else loss32 * scale
-        return tape.gradient(scaled, self._variables), loss32
+            scaled = loss32 if self.unity else loss32 * scale
+        return tape.gradient(scaled, self.variables), loss32
 
-    def _step(self, batch: Any) -> dict:
-        opt = self.optimizer
-        outer, opt._tracer = opt._tracer, id(self)  # runs while tracing: marks whose graph it is
-        try:
-            # state the forward pass changes (BatchNormalization's moving statistics, any
-            # non-trainable variable but the dropout seeds): read before the forward, selected
-            # back after the decision when the step is skipped (in the graph, no host sync)
-            saved = [(v, tf.identity(v.value)) for v in _forward_state(self.model)]
-            out = self._step_body(batch)
-            for v, old in saved:
-                v.assign(tf.where(out["applied"], v.value, old))
-            return out
-        finally:
-            opt._tracer = outer
-
-    def _step_body(self, batch: Any) -> dict:
-        scale = tf.identity(tf.convert_to_tensor(self.optimizer.dynamic_scale))
-        if self.grad_accum_steps == 1:
-            grads, loss32 = self._scaled_grads(batch, scale)
-            if self.optimizer.loss_scale_config.unity:  # x / 1.0 is x: no divide (nor its casts)
-                unscaled = list(grads)
-            else:
-                unscaled = [None if g is None else _unscale(g, scale) for g in grads]
-            return self._finish(unscaled, loss32, tf.math.is_finite(loss32), scale)
+    def gradients(self, micro: list[Any], scale: Any) -> tuple[Any, Any, Any]:
+        if self.k == 1:
+            grads, loss32 = self._scaled_grads(micro[0], scale)
+            return list(grads), loss32, tf.math.is_finite(loss32)
         # a window of k micro-batches: sum the scaled gradients in float32 (or the policy's
-        # accum_dtype, rounded at every addition) from exact zeros, take the mean in float32,
-        # unscale once; the window is skipped when any micro-batch is non-finite
-        k = self.grad_accum_steps
-        accum = to_dtype(self.policy.accum_dtype or "float32")
-        total: list[Any] = [None] * len(self._variables)
+        # accum_dtype, rounded at every addition) from exact zeros, take the mean in float32
+        accum = to_dtype(self.step.policy.accum_dtype or "float32")
+        total: list[Any] = [None] * len(self.variables)
         losses = []
-        for micro in batch:
-            grads, loss32 = self._scaled_grads(micro, scale)
+        for mb in micro:
+            grads, loss32 = self._scaled_grads(mb, scale)
             losses.append(loss32)
             for i, g in enumerate(grads):
                 if g is not None:
                     g = tf.cast(tf.convert_to_tensor(g), accum)
                     total[i] = g if total[i] is None else _add_rounded(total[i], g)
-        kf = tf.constant(float(k), tf.float32)
-        enabled = not self.optimizer.loss_scale_config.unity  # x / 1.0 is x: no divide at scale 1
-        unscaled = [
-            None
-            if t is None
-            else tf.cast((tf.cast(t, tf.float32) / kf) / scale if enabled else tf.cast(t, tf.float32) / kf, v.dtype)
-            for t, v in zip(total, self._variables, strict=True)
-        ]
+        kf = tf.constant(float(self.k), tf.float32)
+        mean = [None if t is None else tf.cast(t, tf.float32) / kf for t in total]
         stacked = tf.stack(losses)
-        return self._finish(
-            unscaled, tf.reduce_mean(stacked), tf.reduce_all(tf.math.is_finite(stacked)), scale
+        return mean, tf.reduce_mean(stacked), tf.reduce_all(tf.math.is_finite(stacked))
+
+    def unscale(self, grads: Any, scale: Any) -> Any:
+        if self.k == 1:
+            if self.unity:  # x / 1.0 is x: no divide (nor its casts)
+                return grads
+            return [None if g is None else _unscale(g, scale) for g in grads]
+        # the window's float32 mean, unscaled once, back in each variable's dtype
+        return [
+            None if m is None else tf.cast(m if self.unity else m / scale, v.dtype)
+            for m, v in zip(grads, self.variables, strict=True)
+        ]
+
+    def _named(self, grads: Any) -> list[tuple[str, Any]]:
+        return [(v.path, g) for v, g in zip(self.variables, grads, strict=True) if g is not None]
+
+    def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
+        step = self.step
+        if step._collector is not None:  # tracing the statistics step: unscaled, unclipped
+            step._collector.add_gradients(self._named(grads), scale)
+            return {}
+        if step._recorder is not None and step.strategy is None:
+            # logged (read while tracing): which gradient went non-finite first
+            step._flag_names, flags = _grad_flags(self._named(grads))
+            return {"grad_flags": flags}
+        return {}
+
+    def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+        grads_finite = all_finite([g for g in grads if g is not None])
+        replica = self.replica
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            # Keras's optimizer sums the gradients over replicas: give it local / n, so the
+            # update is the mean gradient, as one device on the whole global batch.
+            inv = tf.constant(1.0 / replica.num_replicas_in_sync, tf.float32)
+            grads = [_times(g, inv) for g in grads]
+            reduce = self.step.policy.reduce_dtype
+            if reduce is not None:
+                # the policy's reduce_dtype: this step sums local / n in it (cast around the
+                # all-reduce) and Keras's own sum is turned off (_keras_sum_off); the flag is
+                # taken on the reduced gradients too, so an overflow of the sum skips everywhere
+                grads = _all_reduce_in(replica, grads, to_dtype(reduce), scale)
+                grads_finite = grads_finite & all_finite([g for g in grads if g is not None])
+                self.reduced = True
+        return grads, grads_finite
+
+    def global_norm(self, grads: Any) -> Any:
+        # Under a strategy it is the norm of the all-reduced gradient, the same on every
+        # replica (clipping each replica by its own norm would not be clip(mean)).
+        replica = self.replica
+        if replica is None or replica.num_replicas_in_sync == 1 or self.reduced:
+            return _global_norm(grads)
+        return _global_norm(replica.all_reduce("sum", [g for g in grads if g is not None]))
+
+    def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
+        limit = tf.constant(max_norm, tf.float32)
+        factor = limit / tf.maximum(norm, limit)
+        return [_times(g, factor) for g in grads]
+
+    def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
+        # the guarded apply and the loss-scale update, in one merge_call under a strategy
+        # (where the flags are reduced over the replicas first): update_scale reports them
+        applied, consecutive, total, grads_finite, loss_finite = self.optimizer._apply_step(
+            grads, self.variables, grads_finite, loss_finite
         )
+        self.reported = {
+            "loss_finite": loss_finite,
+            "grads_finite": grads_finite,
+            "consecutive_skips": consecutive,
+            "total_skips": total,
+            **floor_hits(self.optimizer.loss_scale_config, _extra(self.optimizer)),
+        }
+        return applied
+
+    def restore_forward_state(self, saved: Any, applied: Any) -> None:
+        for v, old in saved:
+            v.assign(tf.where(applied, v.value, old))
+
+    def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
+        return self.reported  # updated by apply, with the agreed flags
