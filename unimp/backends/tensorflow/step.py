@@ -173,8 +173,6 @@ class TrainStep(LoggedStep):
         self.device = device
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.grad_accum_steps = options.grad_accum_steps
-        self.max_grad_norm = options.max_grad_norm
         variables = list(model.trainable_variables)
         if stats_every is not None and _strategy_of(variables) is not None:
             raise ValueError(
@@ -197,7 +195,6 @@ class TrainStep(LoggedStep):
                 "merge_call cannot be compiled by XLA); use jit_compile=False."
             )
         self._jit_compile = jit_compile
-        self.stats_every = stats_every
         self.calls = 0
         self._floor_watch = FloorWatch()  # each floor hit acted on at one result read
         self._collector: _Collector | None = None  # set only while the statistics step traces
@@ -205,6 +202,12 @@ class TrainStep(LoggedStep):
         self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
         self.function = self._make_function()
         self.stats_function = None if stats_every is None else self._make_stats_function()
+
+    # the step's options, read from the one checked record (StepOptions)
+    grad_accum_steps = property(lambda self: self.options.grad_accum_steps)
+    max_grad_norm = property(lambda self: self.options.max_grad_norm)
+    stats_every = property(lambda self: self.options.stats_every)
+    schedule_counts = property(lambda self: self.options.schedule_counts)
 
     def _make_function(self) -> Any:
         if self.strategy is None:

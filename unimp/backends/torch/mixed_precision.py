@@ -27,7 +27,8 @@ from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.step import TrainStep, _to_host
 from unimp.registry import resolve_cast_mode
-from unimp.steprecorder import check_log_every, with_log
+from unimp.steprecorder import with_log
+from unimp.trainstep import StepOptions
 
 
 def _prepared_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -350,17 +351,16 @@ class MixedPrecision(MixedPrecisionBase):
     ) -> TrainStep:
         """A training step following unimp's rules; see :class:`TrainStep`.
 
-        ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`) of the gradients and
-        layer outputs to the results of steps 0, k, 2k, ... (``result.stats``); ``log=path``
-        writes a step log every ``log_every`` steps (see the JAX or TensorFlow ``train_step``
-        for both, and ``docs/steplog.md``). ``schedule_counts``: what a skipped step does to
-        ``scheduler`` (:data:`unimp.step.SCHEDULE_COUNTS`). The policy's ``overrides`` are
-        applied to a model that :meth:`prepare` did not see.
+        ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``
+        and ``log_every`` are the options every backend takes, validated and documented once
+        by :class:`unimp.trainstep.StepOptions` (``stats_every=k``: tensor statistics of the
+        gradients and layer outputs in the results of steps 0, k, 2k, ...; ``log=path``: a
+        step log, ``docs/steplog.md``). ``schedule_counts``: what a skipped step does to
+        ``scheduler``. The policy's ``overrides`` are applied to a model that :meth:`prepare`
+        did not see.
         """
-        log_every = check_log_every(log, log_every)
+        options = StepOptions(grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every)
         if self.policy.overrides and self._mode != "none" and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
-        step = TrainStep(self, model, optimizer, loss_fn, grad_accum_steps=grad_accum_steps,
-                         max_grad_norm=max_grad_norm, scheduler=scheduler,
-                         stats_every=stats_every, schedule_counts=schedule_counts)
-        return with_log(step, self, log, log_every, step.scaler.config, _to_host)
+        step = TrainStep(self, model, optimizer, loss_fn, options=options, scheduler=scheduler)
+        return with_log(step, self, log, options.log_every, step.scaler.config, _to_host)

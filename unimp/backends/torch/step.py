@@ -25,15 +25,9 @@ from unimp.backends.torch.stats import (
     _pending,
     _Recorder,
 )
-from unimp.step import (
-    StepResult,
-    check_schedule_counts,
-    check_stats_every,
-    check_step_options,
-    floor_hits,
-    micro_batches,
-)
+from unimp.step import StepResult, floor_hits
 from unimp.steprecorder import LoggedStep
+from unimp.trainstep import StepOptions, run_step
 
 
 def _forward_state(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,7 +64,8 @@ def _restore_forward_state(
 class TrainStep(LoggedStep):
     """``step(batch) -> StepResult``: one optimizer step (one accumulation window) per call.
 
-    Each call runs under the policy's ``matmul_precision`` (set with
+    Each call runs :func:`unimp.trainstep.run_step` (the algorithm of every backend) over this
+    module's :class:`StepOps`, under the policy's ``matmul_precision`` (set with
     :func:`unimp.backends.torch.matmul_precision` for the call, restored after it) and runs
     ``loss_fn(model, micro_batch)`` under the recipe's autocast, backpropagates
     ``loss * scale / grad_accum_steps`` for each micro-batch, unscales once, computes the
@@ -89,20 +84,15 @@ class TrainStep(LoggedStep):
         mp: the bound :class:`MixedPrecision`.
         model, optimizer: as given to (or returned by) :meth:`MixedPrecision.prepare`.
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (the unscaled loss).
-        grad_accum_steps: micro-batches per optimizer step; with more than 1, ``batch`` is a
-            sequence of that many micro-batches and the gradient is their mean. The gradients
-            add up in the parameters' gradient dtype (autograd's accumulation), or, when the
-            policy sets ``accum_dtype``, in that dtype (each micro-batch's gradient rounded to
-            it and added, rounded at every addition), then cast back.
-        max_grad_norm: clip the global L2 norm of the unscaled gradients to this (> 0).
-        scheduler: a torch LR scheduler, advanced only after applied steps. Deciding that needs
-            ``applied`` on the host: with a scheduler each step reads it once (a sync); without
-            one a step never syncs.
-        schedule_counts: ``"applied"`` (default, as above) or ``"attempted"``: the scheduler
-            steps on every call, skipped or not, with no sync (:data:`unimp.step.SCHEDULE_COUNTS`).
-        stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by the
-            step; a call that raises is not counted) the result's ``stats`` holds
-            :class:`unimp.stats.StepStats`: each gradient the optimizer holds (named as in
+        options: the step's options (:class:`unimp.trainstep.StepOptions`, validated there),
+            as torch reads them. ``grad_accum_steps``: the gradients add up in the
+            parameters' gradient dtype (autograd's accumulation), or, when the policy sets
+            ``accum_dtype``, in that dtype (each micro-batch's gradient rounded to it and
+            added, rounded at every addition), then cast back. ``schedule_counts``:
+            ``"applied"`` (default) advances ``scheduler`` only after applied steps, which
+            needs ``applied`` on the host (one sync a step, with a scheduler only);
+            ``"attempted"`` steps it on every call, with no sync. ``stats_every``: the
+            statistics hold each gradient the optimizer holds (named as in
             ``model.named_parameters()``; in module mode the float32 master gradient, under the
             model parameter's name), unscaled and before clipping, at the step's loss scale;
             and the floating outputs of every leaf module (``model.named_modules()`` names;
@@ -113,11 +103,13 @@ class TrainStep(LoggedStep):
             steps run exactly the code they run without the option. Under DDP the gradients
             are the all-reduced ones (the same on every rank), the layer outputs each rank's
             own.
+        scheduler: a torch LR scheduler, stepped as ``options.schedule_counts`` says; without
+            one a step never syncs.
 
     Raises:
-        ValueError: bad ``grad_accum_steps`` / ``max_grad_norm`` / ``stats_every``, a model on another device
-            type than the bound one, a ``batch`` that is not a
-            sequence of ``grad_accum_steps`` micro-batches, or a loss that is not a scalar.
+        ValueError: a model on another device type than the bound one, a ``batch`` that is
+            not a sequence of ``grad_accum_steps`` micro-batches, or a loss that is not a
+            scalar.
     """
 
     def __init__(
@@ -127,19 +119,15 @@ class TrainStep(LoggedStep):
         optimizer: torch.optim.Optimizer,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
         *,
-        grad_accum_steps: int = 1,
-        max_grad_norm: float | None = None,
+        options: StepOptions | None = None,
         scheduler: Any = None,
-        stats_every: int | None = None,
-        schedule_counts: str = "applied",
     ) -> None:
-        stats_every = check_stats_every(stats_every)
-        self.schedule_counts = check_schedule_counts(schedule_counts)
+        options = StepOptions() if options is None else options
+        self.options = options
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch).")
-        grad_accum_steps, max_grad_norm = check_step_options(grad_accum_steps, max_grad_norm)
         if scheduler is not None and not hasattr(scheduler, "step"):
             raise TypeError("scheduler must be a torch LR scheduler (with .step()).")
         if mp.mode != "none":
@@ -148,18 +136,21 @@ class TrainStep(LoggedStep):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.grad_accum_steps = grad_accum_steps
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.scheduler = scheduler
         self.scaler = GradScaler(mp.loss_scale, device=mp.device)
-        self.stats_every = stats_every
         self.calls = 0  # steps taken: decides the statistics steps, never read from the device
         _check_half_state(optimizer)
+
+    # the step's options, read from the one checked record (StepOptions)
+    grad_accum_steps = property(lambda self: self.options.grad_accum_steps)
+    max_grad_norm = property(lambda self: self.options.max_grad_norm)
+    stats_every = property(lambda self: self.options.stats_every)
+    schedule_counts = property(lambda self: self.options.schedule_counts)
 
     def __call__(self, batch: Any) -> StepResult:
         # the recipe's float32 matmul precision for this call only (restored, also on error)
         with matmul_precision(self.mp.policy.matmul_precision):
-            if self.stats_every is None or self.calls % self.stats_every:
+            if not self.options.stats_step(self.calls):
                 result, grad_flags = self._run(batch, None)
             else:
                 recorder = _Recorder(self.model)
@@ -179,120 +170,13 @@ class TrainStep(LoggedStep):
     def _run(self, batch: Any, recorder: _Recorder | None) -> tuple[StepResult, Any]:
         """One step; returns its result and, when the step logs without statistics, the
         gradients' finite flags (``(names, bool vector)``, else None)."""
-        micro = micro_batches(batch, self.grad_accum_steps)
-        k = len(micro)
-        sc = self.scaler
-        opt = self.optimizer
-        sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
-        # the fused path (one process, a rule torch's kernel follows): the loss and gradient
-        # overflow flags, the skip flag and the backoff flag live in one scratch, zeroed by one
-        # op, written by torch's check kernels and one lerp (overflow.py)
-        flags = step_flags(sc) if fused_rule(sc.config) and sc._group() is None else None
-        if flags is not None:
-            loss_inf, grads_inf, skip, overflow = flags
-        # the scale this step uses (the update changes the state in place): a static scale never
-        # changes, so the state tensor is it; on the fused path the report's snapshot holds it
-        scale_used = sc._scale.clone() if sc.config.dynamic and flags is None else sc._scale
-        factor = sc._scale if k == 1 else sc._scale / k  # read before the update
-        unscaled = sc.config.unity and k == 1  # loss * 1 is the loss: backward on it directly
-        losses = []
-        # state the forward pass changes (norm running statistics, num_batches_tracked): kept
-        # to be selected back on a skipped step, on the device (pytorch/pytorch#88474)
-        buffers = _forward_state(self.model)
-        accum = self.mp.policy.accum_dtype if k > 1 else None
-        sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
-        try:
-            for mb in micro:
-                with self.mp.autocast():
-                    loss = self.loss_fn(self.model, mb)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise ValueError(
-                        f"loss_fn must return a 0-d (scalar) tensor, got "
-                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
-                        "reduce it, e.g. loss.mean()."
-                    )
-                detached = loss.detach()
-                if flags is None:
-                    finite = _to(torch.isfinite(detached), sc.device)
-                    # the flag starts as the cached True, and True & x is x: one op fewer a step
-                    start = sc._loss_finite is sc._ops.true
-                    sc._loss_finite = finite if start else sc._loss_finite & finite
-                (loss if unscaled else loss * _to(factor, loss.device)).backward()
-                if flags is not None:  # after backward: the check multiplies the loss by 1 in place
-                    _check_loss(detached, loss_inf, sc._ops.f32(1.0))
-                losses.append(_to(detached.float(), sc.device))
-                if accum is not None:
-                    _accumulate(self.model, sums, to_dtype(accum))
-            for param, total in sums.values():  # the window's sum, back in the gradient's dtype
-                param.grad = total.to(param.dtype)
-        except BaseException:
-            # a failed window leaves nothing behind: no partial gradients, no stale loss flag
-            opt.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
-            sc._loss_finite = sc._ops.true
-            _restore_forward_state(buffers, None)
-            raise
-        mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
-        sc.unscale_(opt, _found_inf=None if flags is None else grads_inf)
-        found_inf = sc._opt_state(opt)["found_inf"]
-        stats = grad_flags = None
-        if recorder is not None:  # unscaled, before clipping, at the step's scale
-            scale32 = sc._scale.clone() if scale_used is sc._scale else scale_used
-            grad_stats = _gradient_stats(opt, _param_names(self.model, opt), scale32)
-            stats = _pending(self.calls, scale32, grad_stats, recorder.entries)
-        elif self._recorder is not None:  # logged: which gradient went non-finite first
-            grad_flags = _grad_flags(opt, _param_names(self.model, opt), sc.device)
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            grads = [g for _, g in sc._grads(opt)]
-            # a sparse gradient's norm is that of its coalesced values (duplicate indices add
-            # up first: pytorch/pytorch#35810 kind); scaling the uncoalesced values is the same
-            grad_norm = _global_norm(
-                [
-                    p.grad.coalesce()._values() if p.grad.is_sparse else g
-                    for p, g in sc._grads(opt)
-                ],
-                sc.device,
-            )
-            coef = torch.clamp(self.max_grad_norm / grad_norm, max=1.0)
-            if grads:
-                groups: dict[torch.device, list[torch.Tensor]] = {}
-                for g in grads:
-                    groups.setdefault(g.device, []).append(g)
-                for dev, gs in groups.items():
-                    torch._foreach_mul_(gs, _to(coef, dev))
-        if flags is None:
-            applied = sc.step(opt)
-            grads_finite, loss_finite = found_inf == 0, sc._loss_finite  # rebound, never in place
-            fused = None
-        else:  # sc.step() with the loss flag as torch's found_inf
-            if found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
-                grads_inf.copy_(found_inf)
-            skip_flags(sc)  # skip (exactly 1 or 0) and the backoff flag, one op
-            _guarded_step(opt, skip, (), {})
-            # the report: one snapshot, every field derived when read (below)
-            report, (loss_bad, skipped, skipped_one) = snapshot(sc)
-            applied, loss_finite, grads_finite = report["applied"], report["loss_finite"], report["grads_finite"]
-            scale_used = report["scale"]
-            fused = (overflow, skipped, loss_bad, skipped_one)
-        _restore_forward_state(buffers, applied if flags is None or not buffers else torch.eq(skip, 0))
-        _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite, fused)  # sc.update()
-        if flags is not None:
-            consecutive, total = report["consecutive_skips"], report["total_skips"]
-        opt.zero_grad(set_to_none=True)
-        raw = {
-            "loss": mean_loss,
-            "scale": scale_used,
-            "applied": applied,
-            "loss_finite": loss_finite,
-            "grads_finite": grads_finite,
-            "grad_norm": grad_norm,
-            "consecutive_skips": consecutive,
-            "total_skips": total,
-            **floor_hits(sc.config, extra, self.calls),
-        }
-        if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(applied)):
+        micro = self.options.micro_batches(batch)
+        raw = run_step(StepOps(self, recorder), micro, self.options)
+        stats, grad_flags = raw.pop("stats", None), raw.pop("grad_flags", None)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(raw["applied"])):
             self.scheduler.step()
+        sc = self.scaler
         return StepResult(raw, _to_host, sc.config, stats=stats, watch=sc._floor_watch), grad_flags
 
     def state_dict(self) -> dict[str, Any]:
@@ -302,6 +186,154 @@ class TrainStep(LoggedStep):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads a portable (or torch GradScaler) loss-scale state; validated first."""
         self.scaler.load_state_dict(state_dict)
+
+
+class StepOps:
+    """The phases of one step (:class:`unimp.trainstep.StepPrimitives`) for a torch
+    :class:`TrainStep`, run eagerly: the gradients live in the parameters' ``.grad`` fields,
+    so the handle passed between the phases is the optimizer.
+
+    The fused path (one process, a rule torch's kernel follows): the loss and gradient
+    overflow flags, the skip flag and the backoff flag live in one scratch, zeroed by one op,
+    written by torch's check kernels and one lerp (overflow.py); the report is one packed
+    snapshot taken after the step (:func:`snapshot`), and :meth:`update_scale` hands out its
+    fields.
+    """
+
+    def __init__(self, step: TrainStep, recorder: _Recorder | None) -> None:
+        self.step = step
+        self.recorder = recorder
+        self.sc = step.scaler
+        self.opt = step.optimizer
+        self.k = step.options.grad_accum_steps
+
+    def begin(self) -> Any:
+        sc, k = self.sc, self.k
+        sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
+        self.flags = step_flags(sc) if fused_rule(sc.config) and sc._group() is None else None
+        # the scale this step uses (the update changes the state in place): a static scale never
+        # changes, so the state tensor is it; on the fused path the report's snapshot holds it
+        self.scale_used = sc._scale.clone() if sc.config.dynamic and self.flags is None else sc._scale
+        self.factor = sc._scale if k == 1 else sc._scale / k  # read before the update
+        return self.scale_used
+
+    def save_forward_state(self) -> Any:
+        # state the forward pass changes (norm running statistics, num_batches_tracked): kept
+        # to be selected back on a skipped step, on the device (pytorch/pytorch#88474)
+        return _forward_state(self.step.model)
+
+    def abort(self, saved: Any) -> None:
+        # a failed window leaves nothing behind: no partial gradients, no stale loss flag
+        self.opt.zero_grad(set_to_none=True)
+        self.step.model.zero_grad(set_to_none=True)
+        self.sc._loss_finite = self.sc._ops.true
+        _restore_forward_state(saved, None)
+
+    def gradients(self, micro: list[Any], scale: Any) -> tuple[Any, Any, Any]:
+        sc, step, flags = self.sc, self.step, self.flags
+        unscaled = sc.config.unity and self.k == 1  # loss * 1 is the loss: backward on it directly
+        losses = []
+        accum = step.mp.policy.accum_dtype if self.k > 1 else None
+        sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        for mb in micro:
+            with step.mp.autocast():
+                loss = step.loss_fn(step.model, mb)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError(
+                    f"loss_fn must return a 0-d (scalar) tensor, got "
+                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
+                    "reduce it, e.g. loss.mean()."
+                )
+            detached = loss.detach()
+            if flags is None:
+                finite = _to(torch.isfinite(detached), sc.device)
+                # the flag starts as the cached True, and True & x is x: one op fewer a step
+                start = sc._loss_finite is sc._ops.true
+                sc._loss_finite = finite if start else sc._loss_finite & finite
+            (loss if unscaled else loss * _to(self.factor, loss.device)).backward()
+            if flags is not None:  # after backward: the check multiplies the loss by 1 in place
+                _check_loss(detached, flags[0], sc._ops.f32(1.0))
+            losses.append(_to(detached.float(), sc.device))
+            if accum is not None:
+                _accumulate(step.model, sums, to_dtype(accum))
+        for param, total in sums.values():  # the window's sum, back in the gradient's dtype
+            param.grad = total.to(param.dtype)
+        mean_loss = losses[0] if self.k == 1 else torch.stack(losses).mean()
+        # the loss flag: the scaler's (the fused path's is in its scratch, reported by update)
+        return self.opt, mean_loss, sc._loss_finite if flags is None else None
+
+    def unscale(self, grads: Any, scale: Any) -> Any:
+        sc = self.sc
+        sc.unscale_(grads, _found_inf=None if self.flags is None else self.flags[1])
+        self.found_inf = sc._opt_state(grads)["found_inf"]
+        return grads
+
+    def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
+        sc, step = self.sc, self.step
+        if self.recorder is not None:  # unscaled, before clipping, at the step's scale
+            scale32 = sc._scale.clone() if scale is sc._scale else scale
+            grad_stats = _gradient_stats(grads, _param_names(step.model, grads), scale32)
+            return {"stats": _pending(step.calls, scale32, grad_stats, self.recorder.entries)}
+        if step._recorder is not None:  # logged: which gradient went non-finite first
+            return {"grad_flags": _grad_flags(grads, _param_names(step.model, grads), sc.device)}
+        return {}
+
+    def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+        # computed by unscale_'s kernel; the fused path's flag is reported by the update
+        return grads, (self.found_inf == 0 if self.flags is None else None)
+
+    def global_norm(self, grads: Any) -> Any:
+        # a sparse gradient's norm is that of its coalesced values (duplicate indices add
+        # up first: pytorch/pytorch#35810 kind); scaling the uncoalesced values is the same
+        return _global_norm(
+            [p.grad.coalesce()._values() if p.grad.is_sparse else g for p, g in self.sc._grads(grads)],
+            self.sc.device,
+        )
+
+    def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
+        coef = torch.clamp(max_norm / norm, max=1.0)
+        groups: dict[torch.device, list[torch.Tensor]] = {}
+        for _, g in self.sc._grads(grads):
+            groups.setdefault(g.device, []).append(g)
+        for dev, gs in groups.items():
+            torch._foreach_mul_(gs, _to(coef, dev))
+        return grads
+
+    def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
+        sc = self.sc
+        if self.flags is None:
+            return sc.step(grads)
+        loss_inf, grads_inf, skip, overflow = self.flags  # sc.step() with the loss flag as found_inf
+        if self.found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
+            grads_inf.copy_(self.found_inf)
+        skip_flags(sc)  # skip (exactly 1 or 0) and the backoff flag, one op
+        _guarded_step(grads, skip, (), {})
+        # the report: one snapshot, every field derived when read (below)
+        self.report, (loss_bad, skipped, skipped_one) = snapshot(sc)
+        self.fused = (overflow, skipped, loss_bad, skipped_one)
+        return self.report["applied"]
+
+    def restore_forward_state(self, saved: Any, applied: Any) -> None:
+        fused = self.flags is not None and saved
+        _restore_forward_state(saved, torch.eq(self.flags[2], 0) if fused else applied)
+
+    def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
+        sc = self.sc
+        if self.flags is None:
+            _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite)  # sc.update()
+            return {
+                "consecutive_skips": consecutive,
+                "total_skips": total,
+                **floor_hits(sc.config, extra, self.step.calls),
+            }
+        report = self.report
+        _, _, _, _, *extra = sc._update(report["grads_finite"], report["loss_finite"], self.fused)
+        return {
+            **{f: report[f] for f in ("scale", "loss_finite", "grads_finite")},
+            "consecutive_skips": report["consecutive_skips"],
+            "total_skips": report["total_skips"],
+            **floor_hits(sc.config, extra, self.step.calls),
+        }
 
 
 def _accumulate(

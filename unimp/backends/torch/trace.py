@@ -9,6 +9,7 @@ attributed to the module whose forward created their autograd node; ops after th
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -182,7 +183,8 @@ def _snapshot(step: Any, rec: _Recorder) -> Callable[[], None]:
         k: v for k, v in vars(step).items() if isinstance(v, (int, float, bool, type(None)))
     }
     recorder = vars(step).pop("_recorder", None)  # a traced step is no step of the log
-    step.stats_every = None  # nor a statistics step: the trace is of what a plain step runs
+    options = step.options  # nor a statistics step: the trace is of what a plain step runs
+    step.options = dataclasses.replace(options, stats_every=None)
     loss_fn = step.loss_fn
 
     def marked(*args: Any, **kwargs: Any) -> Any:  # every micro-batch's loss is forward
@@ -205,6 +207,7 @@ def _snapshot(step: Any, rec: _Recorder) -> Callable[[], None]:
         if scheduler is not None:
             step.scheduler.load_state_dict(scheduler)
         vars(step).update(saved)
+        step.options = options
         if recorder is not None:
             step._recorder = recorder
 
