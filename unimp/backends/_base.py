@@ -140,11 +140,11 @@ BACKEND_MODULES = (
     "precision",  # matmul_precision: the core's matmul precision table set on the framework
     "casting",  # to_dtype, cast_tree, the framework's autocast / module mode / master weights
     "overrides",  # per-layer overrides (unimp.overrides) mapped to the framework's mechanism
-    "overflow",  # all_finite and its replica reduction; select / keep-unless (JAX)
+    "overflow",  # all_finite and its replica reduction, the global norm; select / keep-unless (JAX)
     "scaling",  # the loss-scale state on device tensors: the rule's array namespace, the scaler
     "optimizer",  # the optimizer wrapped so a skipped step changes nothing
     "stats",  # tensor_stats on the device; what a statistics step records (unimp.stats)
-    "step",  # TrainStep: scaled backward, unscale, clip, accumulate, guarded update
+    "step",  # TrainStep, and StepOps: the phases unimp.trainstep.run_step runs (one algorithm)
     "mixed_precision",  # MixedPrecision: the recipe bound to the framework
     "trace",  # the dtype trace of one step: ops with input / compute / output dtypes
     "fp8",  # unimp.fp8's scaling and quantize-dequantize rules on device tensors, FP8 layers

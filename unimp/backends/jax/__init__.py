@@ -29,13 +29,14 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``precision``: :func:`matmul_precision` (the recipe's float32 matmul precision for a block),
   :func:`current_matmul_precision`.
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`.
-* ``overflow``: :func:`all_finite` (optionally reduced over a mesh axis), :func:`select_tree`,
-  :func:`sync_loss_scale`.
+* ``overflow``: :func:`all_finite` (optionally reduced over a mesh axis), the gradients' global
+  norm, :func:`select_tree`, :func:`sync_loss_scale`.
 * ``scaling``: the loss-scale pytrees and the rule's array namespace over ``jnp`` arrays.
 * ``optimizer``: :func:`loss_scaling` (optax), :func:`get_loss_scale`, :class:`MultiSteps`.
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device), :func:`observe` (names
   an activation for a statistics step, ``train_step(..., stats_every=k)``).
-* ``step``: :class:`TrainStep`.
+* ``step``: :class:`TrainStep` and its ``StepOps``: the phases :func:`unimp.trainstep.run_step`
+  (the step's algorithm, written once in the core) runs while ``jax.jit`` traces.
 * ``overrides``: :func:`layer_paths` (pytree key paths), :func:`apply_overrides` (a tree cast by
   path, unmatched patterns warned), per-path casting behind ``mp.cast_to_compute`` /
   ``mp.cast_to_param`` and ``mp.module_kwargs(path)``.

@@ -20,7 +20,7 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``precision``: :func:`matmul_precision` (the recipe's float32 matmul precision for a block),
   :func:`current_matmul_precision`.
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`, :func:`keras_policy_name`.
-* ``overflow``: :func:`all_finite`, the replica re-sync warning.
+* ``overflow``: :func:`all_finite`, the gradients' global norm, the replica re-sync warning.
 * ``scaling``: the rule's array namespace over TF tensors, unscaling (dense and
   ``IndexedSlices``), the config fields a traced graph builds in.
 * ``optimizer``: :class:`LossScaleOptimizer` (a Keras optimizer holding the loss-scale state; a
@@ -29,7 +29,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   ``model.fit`` callback).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the layer-call
   recording a statistics step traces with (``train_step(..., stats_every=k)``).
-* ``step``: :class:`TrainStep`.
+* ``step``: :class:`TrainStep` and its ``StepOps``: the phases :func:`unimp.trainstep.run_step`
+  (the step's algorithm, written once in the core) runs while a ``tf.function`` traces.
 * ``overrides``: :func:`layer_paths` (layer names from the model down), :func:`apply_overrides`
   (each covered layer given its override's dtype policy), :func:`dtype_policy_map` (the same
   as a ``keras.dtype_policies.DTypePolicyMap``).

@@ -44,3 +44,15 @@ def all_finite(tree: Any) -> tf.Tensor:
 
 def _warn_resync() -> None:
     warn_replica_desync("Restore the loss-scale state on every worker (or under strategy.scope())")
+
+
+def _global_norm(grads: list[Any]) -> tf.Tensor:
+    """Global L2 norm (float32) of the gradients (``None`` skipped); 0 for no gradients."""
+    squares = [
+        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
+        for g in grads
+        if g is not None
+    ]
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.sqrt(tf.add_n(squares))

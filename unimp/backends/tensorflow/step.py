@@ -15,7 +15,7 @@ import tensorflow as tf
 from unimp.backends.tensorflow.casting import to_dtype
 from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
-from unimp.backends.tensorflow.overflow import all_finite
+from unimp.backends.tensorflow.overflow import _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
@@ -97,17 +97,6 @@ def _strategy_of(variables: list[Any]) -> Any:
     if isinstance(value, tf.distribute.DistributedValues):
         return value.distribute_strategy
     return None
-
-
-def _global_norm(grads: list[Any]) -> tf.Tensor:
-    squares = [
-        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
-        for g in grads
-        if g is not None
-    ]
-    if not squares:
-        return tf.constant(0.0, tf.float32)
-    return tf.sqrt(tf.add_n(squares))
 
 
 def _forward_state(model: Any) -> list[Any]:

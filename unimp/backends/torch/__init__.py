@@ -14,8 +14,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   :func:`current_matmul_precision`.
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`, module mode's float32 master weights and
   their checkpoints, :func:`master_params`.
-* ``overflow``: :func:`all_finite`, the step's overflow flags, and the replicas' agreement over
-  torch.distributed (re-exported by :mod:`unimp.distributed.torch`).
+* ``overflow``: :func:`all_finite`, the gradients' global norm, the step's overflow flags, and
+  the replicas' agreement over torch.distributed (re-exported by :mod:`unimp.distributed.torch`).
 * ``scaling``: :class:`GradScaler` (drop-in for ``torch.amp.GradScaler``).
 * ``_update`` (torch only): the rule's array namespace over device tensors (``LossScaleOps``)
   and the fused path ``GradScaler.update`` runs it through. torch runs eagerly, one kernel
@@ -26,7 +26,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   state bitwise unchanged, no host sync).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the forward hooks of
   a statistics step (``train_step(..., stats_every=k)``).
-* ``step``: :class:`TrainStep`.
+* ``step``: :class:`TrainStep` and its ``StepOps``: the phases :func:`unimp.trainstep.run_step`
+  (the step's algorithm, written once in the core) runs, eagerly.
 * ``overrides``: :func:`layer_paths` (module names), :func:`apply_overrides` (each covered
   module under its override policy: autocast to its dtype or off, or held in it in module mode).
 * ``mixed_precision``: :class:`MixedPrecision`.

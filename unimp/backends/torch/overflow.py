@@ -188,3 +188,11 @@ def broadcast_state(scaler: Any, src: int = 0, group: Any = None) -> None:
     dist.broadcast_object_list(box, src=src, group=group)
     scaler.load_state_dict(box[0])
     scaler._replicas_checked = True  # equal by construction
+
+
+def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Global L2 norm (float32) of the gradients, on ``device``; 0 for no gradients."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+    return torch.linalg.vector_norm(torch.stack([_to(n, device) for n in norms]))

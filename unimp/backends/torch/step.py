@@ -15,7 +15,14 @@ from unimp.backends.torch._update import fused_rule
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
-from unimp.backends.torch.overflow import _check_loss, _scratch, all_finite, skip_flags, step_flags
+from unimp.backends.torch.overflow import (
+    _check_loss,
+    _global_norm,
+    _scratch,
+    all_finite,
+    skip_flags,
+    step_flags,
+)
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.stats import (
@@ -352,13 +359,6 @@ def _accumulate(
         sums[id(p)] = (p, g if entry is None else entry[1] + g)
         p.grad = None
 
-
-def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Global L2 norm (float32) of the gradients, on ``device``; 0 for no gradients."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-    return torch.linalg.vector_norm(torch.stack([_to(n, device) for n in norms]))
 
 # --------------------------------------------------------------------------- the report
 # On the fused path the step's report is one packed int32 snapshot taken after the flags are
