@@ -12,7 +12,9 @@ from unimp import DynamicLossScale, NoLossScale, Policy, Recipe, StaticLossScale
         ("16-mixed", "dynamic"),
         ("fp16", "dynamic"),
         ("c=f16", "dynamic"),
-        ("float16", "dynamic"),
+        ("float16", "none"),  # pure float16: float16 gradients cannot be unscaled safely
+        ("16-true", "none"),  # Lightning's HalfPrecision runs no GradScaler
+        ("half", "none"),
         ("mixed_bfloat16", "none"),
         ("bf16-mixed", "none"),
         ("bf16", "none"),

@@ -34,7 +34,11 @@ _RECIPE_KEYS = ("policy", "loss_scale", "cast_mode", "fp8")
 def _default_loss_scale(policy: Policy) -> LossScaleConfig:
     # float16 has a narrow exponent range: small gradients flush to zero without scaling.
     # bfloat16 has float32's exponent range, so it needs none (it may still be asked for).
-    if policy.compute_dtype == "float16":
+    # Pure float16 (float16 parameters, so float16 gradients: Lightning's "16-true", a bare
+    # "float16" / "half") gets none, as its origin gives it: Lightning's HalfPrecision runs no
+    # GradScaler, and a scaled float16 gradient of a float16 parameter cannot be unscaled
+    # safely (every backend refuses that pairing).
+    if policy.compute_dtype == "float16" and policy.param_dtype != "float16":
         return DynamicLossScale()
     return NoLossScale()
 
@@ -48,7 +52,9 @@ class Recipe:
         loss_scale: a loss-scale config (:class:`~unimp.NoLossScale`,
             :class:`~unimp.StaticLossScale`, :class:`~unimp.DynamicLossScale`), ``"dynamic"``,
             ``"none"``, a number (static), or a dict from ``to_dict()``. ``None`` picks the
-            default for the policy: dynamic for float16 compute, none otherwise.
+            default for the policy: dynamic for float16 compute with wider (float32)
+            parameters, none otherwise (bfloat16, float32, and pure float16: Lightning's
+            ``16-true`` runs no GradScaler).
         cast_mode: ``"auto"``, ``"autocast"`` or ``"module"`` (see :data:`CAST_MODES`).
         fp8: ``None`` (no float8), or a :class:`unimp.fp8.recipe.FP8Recipe` (or its
             ``to_dict()``): float8 matmuls for Dense/Linear/Conv layers (see ``get_recipe("fp8")``).
@@ -305,8 +311,11 @@ FP8_RECIPES = {
 def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
     """Builds a recipe from any policy name, a recipe file path, or a Policy.
 
-    The loss scale defaults to dynamic (unimp's defaults) for float16 compute and to none
-    for bfloat16 and float32 (bfloat16 has float32's exponent range). Apex opt levels set
+    The loss scale defaults to dynamic (unimp's defaults) for float16 compute with float32
+    parameters (``mixed_float16``, ``16-mixed``) and to none for bfloat16 and float32
+    (bfloat16 has float32's exponent range) and for pure float16 (``16-true``, ``float16``,
+    ``half``: float16 parameters, whose float16 gradients cannot be unscaled safely; Lightning's
+    ``16-true`` runs no GradScaler). Apex opt levels set
     the cast mode and loss scale as Apex did: O1 autocast + dynamic, O2 module (float16 model,
     float32 master weights) + dynamic, O3 pure float16 with scale 1.
 

@@ -40,3 +40,19 @@ def test_prepare_returns_the_model_alone_or_the_pair(backend):
     pair = mp.prepare(model, opt)
     assert isinstance(pair, tuple) and len(pair) == 2
     assert backend == "jax" or pair[0] is model
+
+
+def test_every_half_precision_name_prepares_as_written(backend):
+    """The pure-half names come with the loss scale their origin gives them (none for
+    Lightning's ``16-true`` and a bare dtype, Apex ``O3`` static 1.0), so ``prepare`` takes
+    them without a ``loss_scale=`` option; the mixed names keep their dynamic scale."""
+    kinds = {"16-true": "none", "float16": "none", "half": "none", "O3": "static",
+             "mixed_float16": "dynamic", "16-mixed": "dynamic", "bf16-true": "none"}  # fmt: skip
+    for name, kind in kinds.items():
+        recipe = unimp.get_recipe(name)
+        assert recipe.loss_scale.kind == kind, name
+        assert kind != "static" or recipe.loss_scale.scale == 1.0
+        mp = unimp.mixed_precision(recipe, backend=backend)
+        model, opt = _native(backend, mp)
+        pair = mp.prepare(model, opt)  # raised for the pure float16 names before
+        assert isinstance(pair, tuple) and len(pair) == 2, name

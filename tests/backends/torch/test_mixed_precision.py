@@ -95,7 +95,9 @@ def test_prepare_refuses_float16_params_with_loss_scaling(recipe):
     forward = model.forward
     dtypes = [p.dtype for p in model.parameters()]
     with pytest.raises(ValueError, match=r"0\.weight.*loss_scale='none'"):
-        ut.MixedPrecision(recipe, device=DEV).prepare(model, opt)
+        # pure float16 comes without a loss scale (Lightning's 16-true): asked for here
+        scaled = unimp.get_recipe(recipe, loss_scale="dynamic")
+        ut.MixedPrecision(scaled, device=DEV).prepare(model, opt)
     assert model.forward == forward and [p.dtype for p in model.parameters()] == dtypes
     assert not peek(model, "prepared", False)
 
