@@ -84,7 +84,9 @@ def test_micro_batches_is_one_rule_for_every_backend():
     from unimp.step import micro_batches
 
     assert micro_batches({"x": 1}, 1) == [{"x": 1}]
-    assert micro_batches(("a", "b"), 2) == ["a", "b"]
+    assert micro_batches(["a", "b"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"got a tuple \(one batch, such as \(x, y\)\)"):
+        micro_batches(("a", "b"), 2)  # step((x, y)) is one batch, never two micro-batches
     with pytest.raises(ValueError, match=r"takes a list of 3 micro-batches, got list of length 2"):
         micro_batches(["a", "b"], 3)
     with pytest.raises(ValueError, match=r"takes a list of 2 micro-batches, got dict\."):

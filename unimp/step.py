@@ -346,7 +346,9 @@ def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:
     """The micro-batches of one optimizer step, by the rule every backend's ``step(batch)`` uses.
 
     With ``grad_accum_steps == 1`` the batch is the one micro-batch; with ``k > 1`` it must be a
-    list (or tuple) of ``k`` micro-batches.
+    list of ``k`` micro-batches. A tuple is refused: it is how a batch is written (``(x, y)``),
+    so ``step((x, y))`` with ``k == 2`` would take ``x`` and ``y`` as two micro-batches and
+    fail deep in the framework.
 
     Args:
         batch: what the user passed to ``step``.
@@ -356,18 +358,19 @@ def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:
         A list of ``k`` micro-batches (``[batch]`` for ``k == 1``).
 
     Raises:
-        ValueError: ``k > 1`` and ``batch`` is not a list or tuple of ``k`` items; the message
-            names what was passed.
+        ValueError: ``k > 1`` and ``batch`` is not a list of ``k`` items; the message names
+            what was passed.
     """
     k = grad_accum_steps
     if k == 1:
         return [batch]
-    if not isinstance(batch, (list, tuple)) or len(batch) != k:
-        got = (
-            f"{type(batch).__name__} of length {len(batch)}"
-            if isinstance(batch, (list, tuple))
-            else type(batch).__name__
+    if isinstance(batch, tuple):
+        raise ValueError(
+            f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got a "
+            f"tuple (one batch, such as (x, y)): pass [batch_0, ..., batch_{k - 1}]."
         )
+    if not isinstance(batch, list) or len(batch) != k:
+        got = f"list of length {len(batch)}" if isinstance(batch, list) else type(batch).__name__
         raise ValueError(
             f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got {got}."
         )

@@ -185,3 +185,18 @@ def test_bad_train_step_options(backend, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         kits.build(backend, "mixed_float16", w=w, **kwargs)
     np.testing.assert_array_equal(w["w1"], kits.weights()["w1"])
+
+
+def test_a_tuple_is_one_batch_never_a_window_of_micro_batches(backend):
+    """``step((x, y))`` with ``grad_accum_steps=2`` took ``x`` and ``y`` as two micro-batches
+    and failed deep in the framework (torch: ``mat1 and mat2 shapes cannot be multiplied``):
+    a window is a list; a tuple gets one line saying so, and nothing changes."""
+    run = kits.build(backend, "mixed_float16", grad_accum_steps=2)
+    b = run._convert(kits.batch(0))
+    before_state, before_params = run.loss_scale_state(), run.params()
+    with pytest.raises(ValueError, match=r"takes a list of 2 micro-batches, got a tuple \(one batch"):
+        run._step_fn((b, run._convert(kits.batch(1))))
+    assert run.loss_scale_state() == before_state
+    for k, v in run.params().items():
+        np.testing.assert_array_equal(v, before_params[k])
+    assert run._step_fn([b, run._convert(kits.batch(1))]).applied  # the list form runs
