@@ -300,3 +300,35 @@ def test_no_scheduler_before_optimizer_warning_when_the_first_step_is_skipped(co
                              schedule_counts=counts)
         assert step(inf).applied is False and step(torch.full((4, 2), 0.1)).applied is True
     assert sched.get_last_lr() == [0.5 if counts == "applied" else 0.25]
+
+
+@pytest.mark.parametrize("recipe", ["mixed_bfloat16", "fp8"])
+def test_steps_inside_the_users_autocast_block_train_as_outside_it(recipe):
+    """torch's autocast keeps its low-precision copy of each weight for the life of the
+    outermost autocast block (NVIDIA/apex#132): four steps inside one ``with mp.autocast():``
+    gave the first step's loss four times. The step knows it changed the weights: inside the
+    block it trains exactly as outside it (the float8 layers' backward too, which ran its
+    float32 GEMMs in bfloat16 when called inside the block)."""
+
+    def run(inside):
+        torch.manual_seed(0)
+        mp = ut.MixedPrecision(recipe, device=DEV)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+            torch.nn.Linear(16, 2),
+        ).to(DEV)  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, opt = mp.prepare(model, opt)
+        step = mp.train_step(model, opt, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).float(), b[1]))
+        g = torch.Generator().manual_seed(1)
+        b = (torch.randn(16, 4, generator=g).to(DEV), torch.randint(0, 2, (16,), generator=g).to(DEV))
+        with mp.autocast() if inside else torch.autocast(DEV.split(":")[0], enabled=False):
+            losses = [step(b).loss for _ in range(4)]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", unimp.fp8.FP8EmulationWarning)
+        (outside, w_out), (inside, w_in) = run(False), run(True)
+    assert len(set(outside)) == 4  # the loss moves from step to step
+    assert inside == outside
+    assert all(torch.equal(a, b) for a, b in zip(w_in, w_out, strict=True))

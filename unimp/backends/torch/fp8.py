@@ -231,6 +231,14 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
+        # outside autocast, as the forward's matmul ran (torch.amp.custom_bwd's rule): a
+        # backward called inside the user's own autocast block would otherwise run these
+        # float32 GEMMs of the float8 values in the autocast dtype
+        with torch.autocast(g.device.type, enabled=False):
+            return _Fp8Matmul._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         qx, qw, sinv_x, sinv_w = ctx.saved_tensors
         layer = ctx.layer
         (sg, sinv_g), new = layer._step("grad", fp8_amax(g), "backward")

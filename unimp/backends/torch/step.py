@@ -180,6 +180,11 @@ class TrainStep(LoggedStep):
         micro = self.options.micro_batches(batch)
         raw = run_step(StepOps(self, recorder), micro, self.options)
         stats, grad_flags = raw.pop("stats", None), raw.pop("grad_flags", None)
+        # the weights changed: autocast keeps its low-precision copies of them for the life of
+        # the outermost autocast block, so a step called inside the user's own `with
+        # mp.autocast():` would be served the old ones on every later call (NVIDIA/apex#132);
+        # outside such a block the cache is already empty (each micro-batch's block cleared it)
+        torch.clear_autocast_cache()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(raw["applied"])):
             self.scheduler.step()
