@@ -275,7 +275,8 @@ def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, 
 
     Args:
         grad_accum_steps: micro-batches per optimizer step: an int >= 1.
-        max_grad_norm: ``None``, or a finite number > 0 (the global norm the unscaled gradients
+        max_grad_norm: ``None``, or a real number in float32's positive normal range, about
+            1.2e-38 to 3.4e38 (the global norm the unscaled gradients
             are clipped to).
 
     Returns:
@@ -293,17 +294,26 @@ def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, 
     ):
         raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}.")
     if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(
-            max_grad_norm, (int, float, np.number)
+        bad = ValueError(
+            f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}; the "
+            "norm is float32 in every backend, so it must lie in float32's positive range "
+            "(about 1.2e-38 to 3.4e38)."
+        )
+        if (
+            isinstance(max_grad_norm, (bool, np.bool_, np.complexfloating))
+            or not isinstance(max_grad_norm, (int, float, np.integer, np.floating))
         ):
-            raise ValueError(
-                f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}."
-            )
-        if not (math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0):
-            raise ValueError(
-                f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}."
-            )
-        max_grad_norm = float(max_grad_norm)
+            raise bad
+        try:
+            value = float(max_grad_norm)
+        except OverflowError:  # an int beyond float64 (10**400)
+            raise bad from None
+        # the backends clip in float32: a value that is inf there makes inf / inf = NaN
+        # gradients, one that rounds to 0 makes 0 / 0 on zero gradients
+        tiny, top = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+        if not (math.isfinite(value) and tiny <= value <= top):
+            raise bad
+        max_grad_norm = value
     return int(grad_accum_steps), max_grad_norm
 
 

@@ -105,7 +105,9 @@ class StepPrimitives(Protocol):
         the mean unscaled loss (float32) and whether every micro-batch's loss was finite."""
 
     def abort(self, saved: Any) -> None:
-        """Undoes a window that raised: no partial gradients, the forward state restored."""
+        """Undoes a step that raised before its update (in the window, the unscale, the
+        checks or the optimizer's own step): no gradients left, the forward state restored,
+        the scaler ready for the next step."""
 
     def unscale(self, grads: Any, scale: Any) -> Any:
         """The gradients divided by ``scale`` (once, for the whole window)."""
@@ -164,19 +166,19 @@ def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dic
     """
     scale = ops.begin()
     saved = ops.save_forward_state()
-    try:
+    try:  # anything that raises before the update leaves nothing behind (ops.abort)
         grads, loss, loss_finite = ops.gradients(micro, scale)
+        grads = ops.unscale(grads, scale)
+        observed = ops.observe(grads, scale)
+        grads, grads_finite = ops.finite(grads, scale)
+        grad_norm = None
+        if options.max_grad_norm is not None:
+            grad_norm = ops.global_norm(grads)
+            grads = ops.clip(grads, grad_norm, options.max_grad_norm)
+        applied = ops.apply(grads, grads_finite, loss_finite)
     except BaseException:
         ops.abort(saved)
         raise
-    grads = ops.unscale(grads, scale)
-    observed = ops.observe(grads, scale)
-    grads, grads_finite = ops.finite(grads, scale)
-    grad_norm = None
-    if options.max_grad_norm is not None:
-        grad_norm = ops.global_norm(grads)
-        grads = ops.clip(grads, grad_norm, options.max_grad_norm)
-    applied = ops.apply(grads, grads_finite, loss_finite)
     ops.restore_forward_state(saved, applied)
     reported = ops.update_scale(grads_finite, loss_finite)
     raw = {

@@ -88,6 +88,12 @@ BAD_STEP_OPTIONS = [
     ({"max_grad_norm": float("nan")}, "max_grad_norm"),
     ({"max_grad_norm": float("inf")}, "max_grad_norm"),
     ({"max_grad_norm": "1"}, "max_grad_norm"),
+    # the norm is float32 everywhere: 1e39 was inf there (inf / inf: NaN weights, applied) and
+    # 1e-50 was 0 (0 / 0 on zero gradients); 10**400 raised OverflowError; complex passed as 1.0
+    ({"max_grad_norm": 1e39}, "float32's positive range"),
+    ({"max_grad_norm": 1e-50}, "float32's positive range"),
+    ({"max_grad_norm": 10**400}, "max_grad_norm"),
+    ({"max_grad_norm": np.complex128(1 + 5j)}, "max_grad_norm"),
 ]
 
 

@@ -332,3 +332,30 @@ def test_steps_inside_the_users_autocast_block_train_as_outside_it(recipe):
     assert len(set(outside)) == 4  # the loss moves from step to step
     assert inside == outside
     assert all(torch.equal(a, b) for a, b in zip(w_in, w_out, strict=True))
+
+
+def test_a_step_that_raises_after_the_backward_leaves_nothing_behind():
+    """An error in the unscale (float16 gradients) or in the optimizer's own step (Adam on a
+    sparse gradient) left the scaled ``.grad`` values and the BatchNorm buffers of the failed
+    step behind: the whole step before its update is undone, as a failing ``loss_fn`` is."""
+    mp = ut.MixedPrecision("mixed_float16", device=DEV)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2)).to(DEV).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = mp.train_step(model, opt, lambda m, b: m(b.half()).float().mean())
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    scale = step.state_dict()
+    for _ in range(2):  # the second call fails the same way: no half-done unscale_ is left
+        with pytest.raises(ValueError, match="float16"):
+            step(torch.randn(3, 4, device=DEV))
+        assert all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+        assert step.state_dict() == scale
+
+    emb = torch.nn.Embedding(5, 2, sparse=True).to(DEV)
+    adam = torch.optim.Adam(emb.parameters(), lr=0.1)
+    sparse = ut.MixedPrecision("mixed_bfloat16", device=DEV).train_step(
+        emb, adam, lambda m, b: m(b).float().sum()
+    )
+    with pytest.raises(RuntimeError, match="sparse"):
+        sparse(torch.tensor([1, 2], device=DEV))
+    assert emb.weight.grad is None

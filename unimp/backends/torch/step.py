@@ -235,10 +235,12 @@ class StepOps:
         return _forward_state(self.step.model)
 
     def abort(self, saved: Any) -> None:
-        # a failed window leaves nothing behind: no partial gradients, no stale loss flag
+        # a failed step leaves nothing behind: no partial gradients, no stale loss flag, no
+        # half-done unscale_ (the scaler's record of this iteration), the buffers as they were
         self.opt.zero_grad(set_to_none=True)
         self.step.model.zero_grad(set_to_none=True)
         self.sc._loss_finite = self.sc._ops.true
+        self.sc._per_opt.clear()
         _restore_forward_state(saved, None)
 
     def gradients(self, micro: list[Any], scale: Any) -> tuple[Any, Any, Any]:
