@@ -16,6 +16,7 @@ __all__ = [
     "floor_hits",
     "HalfOptimizerStateWarning",
     "StepResult",
+    "check_scaled_half_params",
     "check_stats_every",
     "check_step_options",
     "warn_half_optimizer_state",
@@ -375,9 +376,10 @@ def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:
     if k == 1:
         return [batch]
     if isinstance(batch, tuple):
+        example = "[batch_0, batch_1]" if k == 2 else f"[batch_0, ..., batch_{k - 1}]"
         raise ValueError(
             f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got a "
-            f"tuple (one batch, such as (x, y)): pass [batch_0, ..., batch_{k - 1}]."
+            f"tuple (one batch, such as (x, y)): pass {example}."
         )
     if not isinstance(batch, list) or len(batch) != k:
         got = f"list of length {len(batch)}" if isinstance(batch, list) else type(batch).__name__
@@ -385,6 +387,35 @@ def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:
             f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got {got}."
         )
     return list(batch)
+
+
+def check_scaled_half_params(names: Any, loss_scale: LossScaleConfig, keep: str) -> None:
+    """Refuses float16 parameters under a loss scale that is not always 1, one rule for every
+    backend (torch.amp's GradScaler refuses to unscale float16 gradients: "Attempting to
+    unscale FP16 gradients"): a float16 parameter gets a float16 gradient, whose scaled value
+    overflows where the float32 one would not and whose unscaled value loses the small
+    gradients the scale was there to keep. A pure-float16 recipe comes without a loss scale
+    (``16-true``) or with Apex O3's static 1.0, which are allowed.
+
+    Args:
+        names: the float16 parameters' names (as the framework names them), checked before
+            anything is changed.
+        loss_scale: the recipe's loss-scale config.
+        keep: how to keep a parameter float32 in this framework, for the message.
+
+    Raises:
+        ValueError: naming up to 8 of the parameters and the three fixes.
+    """
+    if loss_scale.unity:
+        return
+    bad = sorted(set(names))
+    if bad:
+        listed = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
+        raise ValueError(
+            f"loss scaling is on but these float16 parameters would get float16 gradients, which "
+            f"cannot be unscaled safely: {listed}. Keep them float32 ({keep}), use a recipe "
+            "with float32 parameters, or loss_scale='none'."
+        )
 
 
 class HalfOptimizerStateWarning(UserWarning):

@@ -5,6 +5,7 @@ model (JAX: the parameters) alone, ``prepare(model, optimizer)`` the pair, as Ap
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import unimp
 
@@ -56,3 +57,19 @@ def test_every_half_precision_name_prepares_as_written(backend):
         model, opt = _native(backend, mp)
         pair = mp.prepare(model, opt)  # raised for the pure float16 names before
         assert isinstance(pair, tuple) and len(pair) == 2, name
+
+
+def test_a_loss_scale_on_float16_parameters_is_refused_in_every_backend(backend):
+    """float16 parameters get float16 gradients, which cannot be unscaled safely: a recipe
+    that asks for a loss scale on them is refused by ``prepare`` in every backend (torch
+    alone refused it; Keras and JAX ran it), naming the parameters, with nothing changed; a
+    static 1.0 (Apex O3) is allowed."""
+    mp = unimp.mixed_precision(unimp.get_recipe("16-true", loss_scale="dynamic"), backend=backend)
+    model, opt = _native(backend, mp)
+    with pytest.raises(ValueError, match=r"float16 parameters would get float16 gradients.*loss_scale='none'"):
+        mp.prepare(model, opt)
+    if backend == "torch":
+        assert all(p.dtype.is_floating_point and str(p.dtype) == "torch.float32" for p in model.parameters())
+    o3 = unimp.mixed_precision(unimp.get_recipe("16-true", loss_scale=1.0), backend=backend)
+    model, opt = _native(backend, o3)
+    assert len(o3.prepare(model, opt)) == 2

@@ -18,7 +18,7 @@ from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import _as_device
 from unimp.backends.jax.fp8 import fp8_flax_dot_general_cls, fp8_initial_states, fp8_matmul
 from unimp.backends.jax.optimizer import loss_scaling
-from unimp.backends.jax.overrides import apply_overrides, cast_by_path
+from unimp.backends.jax.overrides import apply_overrides, cast_by_path, check_half_leaves
 from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
 from unimp.backends.jax.step import TrainStep
@@ -241,6 +241,7 @@ class MixedPrecision(MixedPrecisionBase):
             ``get_loss_scale(opt_state).scale``.
         """
         params = apply_overrides(self, params)
+        check_half_leaves(params, self.loss_scale)
         return params if optimizer is None else (params, loss_scaling(optimizer, self.loss_scale))
 
     def train_step(

@@ -25,10 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from unimp.backends.jax.casting import cast_tree
 from unimp.overrides import match_overrides, resolve_overrides
 from unimp.policy import Policy
+from unimp.step import check_scaled_half_params
 
 
 def _key_name(key: Any) -> str:
@@ -102,3 +104,14 @@ def apply_overrides(mp: Any, tree: Any, field: str = "param_dtype") -> Any:
     if mp.policy.overrides:
         resolve_overrides(mp.policy.overrides, layer_paths(tree), what="parameter")
     return cast_by_path(tree, mp.policy, field)
+
+
+def check_half_leaves(params: Any, loss_scale: Any) -> None:
+    """float16 parameter leaves under a loss scale: refused, named by their key paths (the
+    rule of every backend, :func:`unimp.step.check_scaled_half_params`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    check_scaled_half_params(
+        [key_path(p) for p, x in leaves if getattr(x, "dtype", None) == jnp.float16],
+        loss_scale,
+        "a recipe or override with param dtype float32",
+    )

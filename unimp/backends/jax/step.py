@@ -33,7 +33,7 @@ from unimp.backends.jax.overflow import (
     all_finite,
     sync_loss_scale,
 )
-from unimp.backends.jax.overrides import apply_overrides
+from unimp.backends.jax.overrides import apply_overrides, check_half_leaves
 from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import (
     LossScale,
@@ -198,6 +198,7 @@ class TrainStep(LoggedStep):
             )
         # cast per path; an unmatched override pattern warns, a conflict fails, here
         params = jax.tree_util.tree_map(_device_leaf, apply_overrides(mp, params))
+        check_half_leaves(params, mp.loss_scale)
         if mp.device is not None:  # committed there: the rest of the state follows it
             params = jax.device_put(params, mp.device)
         if donate:  # the first call must not delete the caller's own arrays

@@ -23,6 +23,7 @@ from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
+from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
 
@@ -226,6 +227,7 @@ class MixedPrecision(MixedPrecisionBase):
             raise TypeError(
                 "pass the optimizer as prepare(model, optimizer, ...), not in compile arguments."
             )
+        _check_half_variables(model, self.loss_scale)
         if compile_kwargs and optimizer is None:
             raise ValueError(
                 "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
@@ -396,13 +398,23 @@ class MixedPrecision(MixedPrecisionBase):
                 "the model has no trainable variables yet: build it first (keras.Input in the "
                 "model, model.build(input_shape), or call it on one batch)."
             )
-        if self.policy.overrides and not peek(model, "overrides", False):
-            apply_overrides(self, model)  # a model not prepared still runs its overrides
         if isinstance(optimizer, LossScaleOptimizer):
             lso = optimizer
         else:
             lso = self.loss_scale_optimizer(optimizer)
+        _check_half_variables(model, lso.loss_scale_config)
+        if self.policy.overrides and not peek(model, "overrides", False):
+            apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(
             model, lso, loss_fn, options, bool(jit_compile), device=self._device, policy=self.policy
         )
         return with_log(step, self, log, options.log_every, step.optimizer.loss_scale_config, _to_host)
+
+
+def _check_half_variables(model: Any, loss_scale: Any) -> None:
+    """float16 trainable variables under a loss scale: refused (the rule of every backend)."""
+    check_scaled_half_params(
+        [v.path for v in model.trainable_variables if str(v.dtype) == "float16"],
+        loss_scale,
+        "build those layers under a float32 or mixed dtype policy",
+    )

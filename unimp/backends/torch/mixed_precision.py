@@ -27,6 +27,7 @@ from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
 from unimp.backends.torch.step import TrainStep, _to_host
 from unimp.registry import resolve_cast_mode
+from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
 
@@ -221,14 +222,7 @@ class MixedPrecision(MixedPrecisionBase):
                 [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else list(model.parameters())
             )
             f16 = [names.get(id(p), "?") for p in held if p.requires_grad and p.dtype == torch.float16]
-            bad = sorted(set(f16) | set(will_be_f16))
-            if bad:
-                listed = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
-                raise ValueError(
-                    f"loss scaling is on but these float16 parameters would get float16 gradients, which "
-                    f"cannot be unscaled safely: {listed}. Keep them float32 (model.float()), use a recipe "
-                    "with float32 parameters, or loss_scale='none'."
-                )
+            check_scaled_half_params([*f16, *will_be_f16], self.loss_scale, "model.float()")
         if self._recipe.fp8 is not None:
             fp8_swap(model, self._recipe.fp8)
         if module_masters:
