@@ -9,8 +9,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import unimp.backends.torch as ut
-from unimp.backends.torch._update import fused_rule, update_in_place
 from unimp.backends.torch.overflow import flags_from_bools
+from unimp.backends.torch.scaling import fused_rule, update_in_place
 from unimp.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, update
 
 F32_MAX = float(np.finfo(np.float32).max)

@@ -6,8 +6,8 @@ immutable pytree whose update is :func:`unimp.loss_scale.update_arrays` run on `
 so it traces under ``jit``, ``vmap``, ``lax.scan`` and ``shard_map`` and matches the NumPy
 reference bit for bit.
 
-No ``_update`` module, unlike torch: torch runs eagerly, one kernel launch per op, so its
-GradScaler.update runs the rule through a fused kernel (``torch/_update.py``); here
+No fused loss-scale update, unlike torch: torch runs eagerly, one kernel launch per op, so its
+GradScaler.update runs the rule through a fused kernel (in ``torch/scaling.py``); here
 :func:`~unimp.loss_scale.update_arrays` runs inside one XLA program, which fuses the rule's small ops already.
 
 Pieces:

@@ -5,8 +5,8 @@ here: :class:`LossScaleOptimizer` runs :func:`unimp.loss_scale.update_arrays` on
 (``tf.where`` and friends), so it traces under ``tf.function``, compiles under ``jit_compile`` and
 matches the NumPy reference bit for bit.
 
-No ``_update`` module, unlike torch: torch runs eagerly, one kernel launch per op, so its
-GradScaler.update runs the rule through a fused kernel (``torch/_update.py``); here
+No fused loss-scale update, unlike torch: torch runs eagerly, one kernel launch per op, so its
+GradScaler.update runs the rule through a fused kernel (in ``torch/scaling.py``); here
 :func:`~unimp.loss_scale.update_arrays` runs inside the traced graph, which fuses the rule's small ops already.
 
 Importing this module imports TensorFlow and Keras and checks that Keras runs on TensorFlow.

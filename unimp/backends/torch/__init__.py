@@ -16,12 +16,11 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   their checkpoints, :func:`master_params`.
 * ``overflow``: :func:`all_finite`, the gradients' global norm, the step's overflow flags, and
   the replicas' agreement over torch.distributed (re-exported by :mod:`unimp.distributed.torch`).
-* ``scaling``: :class:`GradScaler` (drop-in for ``torch.amp.GradScaler``).
-* ``_update`` (torch only): the rule's array namespace over device tensors (``LossScaleOps``)
-  and the fused path ``GradScaler.update`` runs it through. torch runs eagerly, one kernel
-  launch per op, so the rule's ~17 small ops need a fused kernel; TensorFlow and JAX run
-  :func:`unimp.loss_scale.update_arrays` inside a traced graph / one XLA program, which fuses
-  them already, so they have no such module (their ``LossScaleOps`` is in ``scaling``).
+* ``scaling``: :class:`GradScaler` (drop-in for ``torch.amp.GradScaler``), the rule's array
+  namespace over device tensors (``LossScaleOps``), and the fused path ``GradScaler.update``
+  runs it through (torch only: torch runs eagerly, one kernel launch per op, so the rule's ~17
+  small ops need a fused kernel; TensorFlow and JAX run :func:`unimp.loss_scale.update_arrays`
+  inside a traced graph / one XLA program, which fuses them already).
 * ``optimizer``: the skip-safe ``optimizer.step`` (a skipped step leaves parameters and optimizer
   state bitwise unchanged, no host sync).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the forward hooks of

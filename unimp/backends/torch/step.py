@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from unimp.backends._base import MixedPrecisionBase
-from unimp.backends.torch._update import fused_rule
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
@@ -24,7 +23,7 @@ from unimp.backends.torch.overflow import (
     step_flags,
 )
 from unimp.backends.torch.precision import matmul_precision
-from unimp.backends.torch.scaling import GradScaler
+from unimp.backends.torch.scaling import GradScaler, fused_rule
 from unimp.backends.torch.stats import (
     _grad_flags,
     _gradient_stats,
