@@ -49,7 +49,7 @@ from unimp.backends.jax.stats import (
     _pending,
 )
 from unimp.loss_scale import FloorWatch
-from unimp.step import StepResult, floor_hits, micro_batches, warn_half_optimizer_state
+from unimp.step import StepResult, floor_hits, warn_half_optimizer_state
 from unimp.steprecorder import LoggedStep
 from unimp.trainstep import StepOptions, run_step
 
@@ -309,7 +309,7 @@ class TrainStep(LoggedStep):
     def _check_batch(self, batch: Any) -> None:
         if self._k == 1:
             return
-        batch = micro_batches(batch, self._k)
+        batch = self._options.micro_batches(batch)
         first = jax.tree_util.tree_structure(batch[0])
         shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(batch[0])]
         for i, mb in enumerate(batch[1:], 1):
