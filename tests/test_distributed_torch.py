@@ -232,8 +232,10 @@ def _fsdp2(rank, process_group=None, fp16_reduce=False, poison=True, mpp=None):
         if poison and i == 0 and rank == 1:
             with torch.no_grad():
                 w.to_local().view(-1)[0] = float("inf")
-        applied = sc.step(opt)
+        skips = int(sc.state.total_skips)
+        sc.step(opt)
         sc.update()
+        applied = int(sc.state.total_skips) == skips
         opt.zero_grad(set_to_none=True)
         out["steps"].append({"applied": bool(applied), "scale_after": sc.get_scale(),
                              "state": sc.state.to_dict(), "params": full()})

@@ -230,6 +230,6 @@ def amp_step(optimizer: Any, scaler: _TorchGradScaler, max_grad_norm: float | No
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     ctx = optimizer.skip_synchronize() if hasattr(optimizer, "skip_synchronize") else contextlib.nullcontext()
     with ctx:
-        applied = scaler.step(optimizer)
+        applied = scaler._step(optimizer, (), {})[1]
     scaler.update()
     return applied

@@ -95,9 +95,9 @@ def test_forward_overflow_skips_without_backoff():
     w = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([w], lr=0.1)
     scaler.scale((w * float("inf")).sum()).backward()
-    applied = scaler.step(opt)
+    assert scaler.step(opt) is None  # skipped (SGD returns None either way)
     scaler.update()
-    assert not bool(applied) and torch.equal(w.detach(), torch.ones(2))
+    assert torch.equal(w.detach(), torch.ones(2))
     s = scaler.state
     assert (float(s.scale), int(s.consecutive_skips), int(s.total_skips)) == (1024.0, 1, 1)
 
@@ -110,7 +110,7 @@ def test_unscale_twice_is_harmless():
     scaler.unscale_(opt)
     scaler.unscale_(opt)
     assert torch.equal(w.grad, torch.tensor([3.0, 4.0]))
-    assert bool(scaler.step(opt))
+    assert scaler.step(opt) is None  # what SGD.step() returns
     scaler.update()
     assert torch.equal(w.detach(), torch.tensor([-2.0, -2.0]))
 
@@ -121,9 +121,8 @@ def test_two_optimizers_share_one_scaler():
     oa, ob = torch.optim.SGD([a], lr=0.5), torch.optim.SGD([b], lr=0.5)
     scaler.scale(a.sum() + b.sum()).backward()
     a.grad[0] = float("inf")
-    ra, rb = scaler.step(oa), scaler.step(ob)
+    assert scaler.step(oa) is None and scaler.step(ob) is None
     scaler.update()
-    assert not bool(ra) and bool(rb)
     assert torch.equal(a.detach(), torch.ones(2)) and torch.equal(b.detach(), torch.full((2,), 0.5))
     assert scaler.get_scale() == 128.0 and int(scaler.state.total_skips) == 1  # one update
 
@@ -336,3 +335,64 @@ def test_static_scale_cannot_be_moved():
     s.step(opt)
     with pytest.raises(ValueError, match="cannot change"):
         s.update(4.0)
+
+
+class _Returning(torch.optim.SGD):
+    """An SGD whose step returns a value without a closure (unlike torch's optimizers)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        return "stepped"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ut.GradScaler(device=DEV), lambda: torch.amp.GradScaler("cpu", init_scale=1024.0)],
+    ids=["unimp", "torch.amp"],
+)
+def test_step_returns_what_the_optimizers_step_returns_or_none_when_skipped(make):
+    # torch.amp.GradScaler.step: retval = optimizer.step(*args, **kwargs), None on a skipped
+    # step; a closure passed positionally runs on an applied step only (LBFGS's loss comes
+    # back), and closure= is refused. The same code runs on both classes.
+    scaler = make()
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.LBFGS([w], lr=0.1, max_iter=1)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = (w * w).sum()
+        loss.backward()
+        return loss
+
+    scaler.scale((w * w).sum()).backward()
+    ret = scaler.step(opt, closure)
+    scaler.update()
+    assert isinstance(ret, torch.Tensor) and float(ret.detach()) == 5.0 and calls == [1]
+    opt.zero_grad()
+    scaler.scale((w * float("inf")).sum()).backward()
+    assert scaler.step(opt, closure) is None and calls == [1]  # skipped: no closure call
+    scaler.update()
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported if GradScaler is enabled"):
+        scaler.step(opt, closure=closure)
+    r = _Returning([w], lr=0.1)
+    r.zero_grad()
+    scaler.scale(w.sum()).backward()
+    assert scaler.step(r) == "stepped"
+    scaler.update()
+    r.zero_grad()
+    scaler.scale(w.sum() * float("inf")).backward()
+    assert scaler.step(r) is None
+
+
+def test_a_parameter_listed_twice_is_unscaled_once():
+    # torch's optimizers warn about a duplicated parameter and allow it; unscaling it twice
+    # (torch.amp's GradScaler does) would divide its gradient by scale**2
+    scaler = ut.GradScaler(StaticLossScale(8.0), device=DEV)
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = torch.optim.SGD([w, w], lr=0.1)
+    scaler.scale((w * torch.tensor([3.0, 4.0])).sum()).backward()
+    scaler.unscale_(opt)
+    assert torch.equal(w.grad, torch.tensor([3.0, 4.0]))

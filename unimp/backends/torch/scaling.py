@@ -483,11 +483,15 @@ class GradScaler:
         return _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
 
     def _grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        out = []
+        """``(parameter, gradient)`` for each parameter with a gradient, each ONCE: a parameter
+        listed twice in the parameter groups (torch's optimizers warn and allow it) is
+        unscaled, checked and clipped once (torch.amp's GradScaler unscales it twice)."""
+        out, seen = [], set()
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or id(p) in seen:
                     continue
+                seen.add(id(p))
                 if p.grad.is_sparse:
                     if p.grad.dtype is torch.float16:
                         p.grad = p.grad.coalesce()
@@ -574,29 +578,49 @@ class GradScaler:
         the parameters and the whole optimizer state (moments, ``step``) bitwise unchanged and
         needs no host sync: fused optimizers take ``found_inf`` natively, others are restored
         with ``torch.where`` (details in the module's ``_guarded_step``). ``*args``/``**kwargs``
-        go to ``optimizer.step``.
+        go to ``optimizer.step``; with positional arguments (a closure, as LBFGS takes it) the
+        skip is decided on the host first and ``optimizer.step`` is not called on a skipped
+        step, as torch.amp's GradScaler does (one sync).
 
         Returns:
-            A 0-d bool tensor on the scaler's device: the step was applied (reading it syncs).
-            With ``enabled=False``, whatever ``optimizer.step`` returns.
+            What ``optimizer.step(*args, **kwargs)`` returned, or ``None`` when the step was
+            skipped (matches torch.amp.GradScaler: ``loss = scaler.step(optimizer, closure)``);
+            telling the two apart syncs only when the optimizer returned something (``SGD``,
+            ``Adam`` & co return ``None`` without a closure). With ``enabled=False``, whatever
+            ``optimizer.step`` returns.
 
         Raises:
-            RuntimeError: a ``closure`` argument (unsupported, as in torch), or a second
-                ``step`` before :meth:`update`.
+            RuntimeError: a ``closure=`` keyword argument ("Closure use is not currently
+                supported if GradScaler is enabled", as in torch.amp), or a second ``step``
+                before :meth:`update`.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs or args:
-            raise RuntimeError("closure use is not supported with GradScaler (as in torch.amp).")
+        if "closure" in kwargs:
+            raise RuntimeError(
+                "Closure use is not currently supported if GradScaler is enabled (as in "
+                "torch.amp); pass the closure positionally, scaler.step(optimizer, closure), to "
+                "run it on an applied step only."
+            )
+        return self._step(optimizer, args, kwargs)[0]
+
+    def _step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor]:
+        """:meth:`step`'s work: ``(what optimizer.step returned or None, applied)``, ``applied``
+        a 0-d bool device tensor (the train step's report reads it without a sync)."""
         st = self._opt_state(optimizer)
         if st["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if st["stage"] == _READY:
             self.unscale_(optimizer)
         bad = torch.where(self._loss_finite, st["found_inf"], self._ops.f32(1.0))
-        _guarded_step(optimizer, bad, args, kwargs)
+        if args:  # a closure runs on an applied step only: decided on the host, as torch does
+            ret = None if bool(bad != 0) else optimizer.step(*args, **kwargs)
+        else:
+            ret = _guarded_step(optimizer, bad, args, kwargs)
+            if ret is not None and bool(bad != 0):
+                ret = None
         st["stage"] = _STEPPED
-        return bad == 0
+        return ret, bad == 0
 
     def _combined(self) -> tuple[torch.Tensor, torch.Tensor]:
         found = [st["found_inf"] for st in self._per_opt.values() if st["found_inf"] is not None]
