@@ -24,6 +24,7 @@ class Recording:
 
     def __init__(self, grads, loss=2.0, fail=False, skip=False):
         self.log, self.grads, self.loss, self.fail, self.skip = [], grads, loss, fail, skip
+        self.norm_limit = float("inf")
 
     def _note(self, name, *args):
         self.log.append((name, *args))
@@ -57,9 +58,10 @@ class Recording:
         self._note("finite")
         return grads, not self.skip
 
-    def global_norm(self, grads):
-        self._note("global_norm", list(grads))
-        return sum(g * g for g in grads) ** 0.5
+    def global_norm(self, grads, grads_finite):
+        self._note("global_norm", list(grads), grads_finite)
+        norm = sum(g * g for g in grads) ** 0.5
+        return norm, grads_finite and norm < self.norm_limit
 
     def clip(self, grads, norm, max_norm):
         self._note("clip", norm, max_norm)
@@ -87,7 +89,7 @@ def test_the_phases_run_in_the_algorithms_order_and_clipping_acts_on_unscaled_gr
     ]  # fmt: skip
     by_name = {entry[0]: entry[1:] for entry in ops.log}
     assert by_name["gradients"] == (2, 8.0)  # both micro-batches, at the step's scale
-    assert by_name["global_norm"] == ([3.0, 4.0],)  # unscaled, before clipping
+    assert by_name["global_norm"] == ([3.0, 4.0], True)  # unscaled, before clipping
     clipped, grads_finite, loss_finite = by_name["apply"]
     assert clipped == pytest.approx([0.6, 0.8]) and grads_finite and loss_finite  # norm 1
     assert raw["grad_norm"] == 5.0 and raw["scale"] == 8.0 and raw["loss"] == 2.0
@@ -101,6 +103,14 @@ def test_without_max_grad_norm_no_norm_is_taken_and_a_skipped_step_is_reported()
     assert raw["applied"] is False and raw["grads_finite"] is False
     assert raw["consecutive_skips"] == raw["total_skips"] == 1
     assert ("restore_forward_state", "saved", False) in ops.log
+
+
+def test_a_norm_beyond_the_range_skips_the_step_as_a_non_finite_gradient():
+    ops = Recording([3.0, 4.0])
+    ops.norm_limit = 4.0  # the backend's norm overflowed: its flag says so
+    raw = run_step(ops, ["mb"], StepOptions(max_grad_norm=1.0))
+    assert raw["applied"] is False and raw["grads_finite"] is False
+    assert ("update_scale", False, True) in ops.log  # the scale backs off, as on an overflow
 
 
 def test_a_window_that_raises_is_aborted_and_nothing_after_it_runs():

@@ -19,7 +19,16 @@ from typing import Any, Protocol
 from unimp.step import check_schedule_counts, check_stats_every, check_step_options, micro_batches
 from unimp.steprecorder import check_log_every
 
-__all__ = ["StepOptions", "StepPrimitives", "run_step"]
+__all__ = ["NORM_RESCALE_ABOVE", "StepOptions", "StepPrimitives", "run_step"]
+
+#: The global norm's rescaling, one rule in every backend. With ``amax`` the largest magnitude
+#: of the unscaled gradients (float32), the norm is ``sqrt(sum((g * s)**2)) / s`` with
+#: ``s = NORM_RESCALE_ABOVE / 2**floor(log2(amax))`` where ``amax`` is finite and above
+#: ``NORM_RESCALE_ABOVE``, else ``s = 1``. ``s`` is a power of two taken from ``amax``'s
+#: exponent bits (exact: no rounding of ``g * s`` in float32's normal range), so the scaled
+#: elements are below 2**33 and their squares sum without overflow for up to 2**62
+#: elements; below the threshold the norm is the plain ``sqrt(sum(g**2))``, bit for bit.
+NORM_RESCALE_ABOVE = 2.0**32
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,11 @@ class StepOptions:
             a finite number > 0: the global L2 norm the UNSCALED gradients are clipped to
             (``g * min(1, max_norm / norm)``, as ``torch.nn.utils.clip_grad_norm_``,
             ``optax.clip_by_global_norm`` and ``tf.clip_by_global_norm``); ``grad_norm`` is
-            the norm before clipping.
+            the norm before clipping, taken so that finite gradients never overflow it
+            (:data:`NORM_RESCALE_ABOVE`: 1e20 in each of 100 elements has the norm 1e21,
+            where ``sqrt(sum(g**2))`` in float32 is inf and the clip a silent no-op,
+            pytorch/pytorch#46849). A norm that is itself beyond float32 counts as a
+            non-finite gradient: the step is skipped and reports ``grads_finite=False``.
         stats_every: ``None`` (default) or ``k >= 1``: tensor statistics
             (:mod:`unimp.stats`) in the results of calls 0, k, 2k, ... (counted by the step;
             a call that raises is not counted); the other calls run the plain step.
@@ -122,8 +135,10 @@ class StepPrimitives(Protocol):
         every replica; a backend that all-reduces the gradients here returns the reduced ones
         (and the flag covers them too)."""
 
-    def global_norm(self, grads: Any) -> Any:
-        """The global L2 norm (float32) of the unscaled gradients, over all replicas."""
+    def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
+        """``(norm, grads_finite)``: the global L2 norm (float32) of the unscaled gradients,
+        over all replicas, rescaled by :data:`NORM_RESCALE_ABOVE`'s rule; and the gradients'
+        finite flag, false too where the norm is not finite."""
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
         """The gradients times ``min(1, max_norm / norm)``."""
@@ -173,7 +188,7 @@ def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dic
         grads, grads_finite = ops.finite(grads, scale)
         grad_norm = None
         if options.max_grad_norm is not None:
-            grad_norm = ops.global_norm(grads)
+            grad_norm, grads_finite = ops.global_norm(grads, grads_finite)
             grads = ops.clip(grads, grad_norm, options.max_grad_norm)
         applied = ops.apply(grads, grads_finite, loss_finite)
     except BaseException:

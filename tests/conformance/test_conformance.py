@@ -277,6 +277,22 @@ def test_grad_norm_of_half_gradients_is_accumulated_in_float32(backend):
     assert run.w().tolist() == [0.39990234375]
 
 
+def test_clipping_finite_gradients_whose_squares_overflow_float32(backend):
+    # pytorch/pytorch#46849, ray-project/ray#45055: 1e20 in each of 100 elements has the norm
+    # 1e21, but the sum of squares (1e42) overflows float32, so a plain norm is inf and the
+    # clip factor 1 / inf makes the update silently 0. Right value: the norm 1e21, w = 0.9.
+    run = kits.build_linear(backend, get_recipe("float32"), w=[1.0] * 100, lr=1.0, max_grad_norm=1.0)
+    r = run.step(kits.linear_batch([1e20] * 100))
+    assert r.applied and r.grads_finite
+    assert r.grad_norm == pytest.approx(1e21, rel=1e-6)
+    np.testing.assert_allclose(run.w(), np.full(100, 0.9, np.float32), rtol=1e-6)
+    # a norm really beyond float32 (1e38 in 100 elements: 1e39; the loss 9e37) skips the step
+    r = run.step(kits.linear_batch([1e36] * 100, poison=100.0))
+    assert r.applied is False and r.grads_finite is False and r.loss_finite
+    assert r.grad_norm == INF
+    np.testing.assert_allclose(run.w(), np.full(100, 0.9, np.float32), rtol=1e-6)
+
+
 def test_accumulation_is_mean_with_whole_window_skip(backend):
     recipe = get_recipe("mixed_float16", loss_scale=StaticLossScale(1024.0))
     run = kits.build_linear(backend, recipe, w=[0.0, 0.0], lr=1.0, grad_accum_steps=2)

@@ -13,6 +13,7 @@ from jax import lax
 
 from unimp.backends.jax.casting import _is_floating_array
 from unimp.loss_scale import warn_replica_desync
+from unimp.trainstep import NORM_RESCALE_ABOVE
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
@@ -185,21 +186,48 @@ def _reduce_in(grads: Any, axis_name: Any, dtype: Any, replicated: Any = None) -
     )
 
 
+def _norm_rescale(amax: jax.Array) -> jax.Array:
+    """The global norm's factor ``s`` for ``amax`` (float32 0-d), as
+    :data:`unimp.trainstep.NORM_RESCALE_ABOVE` defines it: a power of two from ``amax``'s
+    exponent bits where ``amax`` is finite and above the threshold, else 1."""
+    bits = lax.bitcast_convert_type(amax, jnp.int32) & jnp.int32(0x7F800000)
+    power = lax.bitcast_convert_type(bits, jnp.float32)  # 2**floor(log2 amax)
+    big = jnp.isfinite(amax) & (amax > NORM_RESCALE_ABOVE)
+    return jnp.where(big, jnp.float32(NORM_RESCALE_ABOVE) / jnp.where(big, power, 1.0), jnp.float32(1.0))
+
+
 def _global_norm(grads: Any, axis_name: Any = None) -> jax.Array:
     """Global L2 norm of the gradients, accumulated in float32 whatever their dtype (a float16
-    norm overflows at 256; ``optax.tree.norm`` sums in the leaves' dtype). The rule of every
-    backend (torch and TensorFlow cast each gradient to float32 too).
+    norm overflows at 256; ``optax.tree.norm`` sums in the leaves' dtype) and rescaled by
+    :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rule, so that finite gradients never
+    overflow it. The rule of every backend (torch and TensorFlow cast each gradient to
+    float32 too).
 
     Under shard_map (``axis_name``): squares of gradients that vary over the axis (local shards)
-    are summed over it; replicated (already all-reduced) ones are not."""
+    are summed over it, and their largest magnitude is taken over it (one ``s`` everywhere);
+    replicated (already all-reduced) ones are not."""
+    leaves = jax.tree_util.tree_leaves(grads)
+    varying = [axis_name is not None and axis_name in _varying_axes(g) for g in leaves]
+    wide = [g.astype(jnp.promote_types(g.dtype, jnp.float32)) for g in leaves]
+    local_max, shared_max = jnp.float32(0.0), jnp.float32(0.0)
+    for g, v in zip(wide, varying, strict=True):
+        m = jnp.max(jnp.abs(g), initial=0.0).astype(jnp.float32)
+        if v:
+            local_max = jnp.maximum(local_max, m)
+        else:
+            shared_max = jnp.maximum(shared_max, m)
+    if any(varying):
+        shared_max = jnp.maximum(shared_max, lax.pmax(local_max, axis_name))
+    s = _norm_rescale(shared_max)
     local, shared = jnp.float32(0.0), jnp.float32(0.0)
-    for g in jax.tree_util.tree_leaves(grads):
-        sq = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-        if axis_name is not None and axis_name in _varying_axes(g):
+    for g, v in zip(wide, varying, strict=True):
+        sq = jnp.sum(jnp.square(g * s.astype(g.dtype)))
+        if v:
             local = local + sq
         else:
             shared = shared + sq
-    return jnp.sqrt(shared if axis_name is None else shared + lax.psum(local, axis_name))
+    total = shared if axis_name is None else shared + lax.psum(local, axis_name)
+    return jnp.sqrt(total) / s
 
 
 def _clip(g: jax.Array, clip: jax.Array, factor: jax.Array) -> jax.Array:

@@ -584,8 +584,9 @@ class StepOps:
     def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
         return grads, all_finite(grads, self.axis)
 
-    def global_norm(self, grads: Any) -> Any:
-        return _global_norm(grads, self.axis)
+    def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
+        norm = _global_norm(grads, self.axis)
+        return norm, grads_finite & jnp.isfinite(norm)
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
         limit = jnp.float32(max_norm)

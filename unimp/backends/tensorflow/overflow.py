@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from unimp.backends.tensorflow.casting import _is_floating_array
 from unimp.loss_scale import warn_replica_desync
+from unimp.trainstep import NORM_RESCALE_ABOVE
 
 
 def _finite_leaf(x: Any) -> tf.Tensor:
@@ -46,13 +47,23 @@ def _warn_resync() -> None:
     warn_replica_desync("Restore the loss-scale state on every worker (or under strategy.scope())")
 
 
+def _norm_rescale(amax: tf.Tensor) -> tf.Tensor:
+    """The global norm's factor ``s`` for ``amax`` (float32 0-d), as
+    :data:`unimp.trainstep.NORM_RESCALE_ABOVE` defines it: a power of two from ``amax``'s
+    exponent bits where ``amax`` is finite and above the threshold, else 1."""
+    bits = tf.bitwise.bitwise_and(tf.bitcast(amax, tf.int32), tf.constant(0x7F800000, tf.int32))
+    power = tf.bitcast(bits, tf.float32)  # 2**floor(log2 amax)
+    big = tf.logical_and(tf.math.is_finite(amax), amax > NORM_RESCALE_ABOVE)
+    return tf.where(big, tf.math.divide_no_nan(tf.constant(NORM_RESCALE_ABOVE, tf.float32), power), 1.0)
+
+
 def _global_norm(grads: list[Any]) -> tf.Tensor:
-    """Global L2 norm (float32) of the gradients (``None`` skipped); 0 for no gradients."""
-    squares = [
-        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
-        for g in grads
-        if g is not None
-    ]
-    if not squares:
+    """Global L2 norm (float32) of the gradients (``None`` skipped); 0 for no gradients;
+    rescaled by :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rule so that finite gradients
+    never overflow it."""
+    wide = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads if g is not None]
+    if not wide:
         return tf.constant(0.0, tf.float32)
-    return tf.sqrt(tf.add_n(squares))
+    amax = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(g)) for g in wide]))
+    s = _norm_rescale(amax)
+    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g * s)) for g in wide])) / s

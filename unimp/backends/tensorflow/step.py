@@ -441,13 +441,15 @@ class StepOps:
                 self.reduced = True
         return grads, grads_finite
 
-    def global_norm(self, grads: Any) -> Any:
+    def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
         # Under a strategy it is the norm of the all-reduced gradient, the same on every
         # replica (clipping each replica by its own norm would not be clip(mean)).
         replica = self.replica
         if replica is None or replica.num_replicas_in_sync == 1 or self.reduced:
-            return _global_norm(grads)
-        return _global_norm(replica.all_reduce("sum", [g for g in grads if g is not None]))
+            norm = _global_norm(grads)
+        else:
+            norm = _global_norm(replica.all_reduce("sum", [g for g in grads if g is not None]))
+        return norm, tf.logical_and(grads_finite, tf.math.is_finite(norm))
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
         limit = tf.constant(max_norm, tf.float32)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from unimp.backends.torch.casting import _leaves
 from unimp.backends.torch.devices import _to
 from unimp.loss_scale import EXTRA_FIELDS, warn_replica_desync
+from unimp.trainstep import NORM_RESCALE_ABOVE
 
 
 def all_finite(tree: Any) -> torch.Tensor:
@@ -188,6 +189,33 @@ def broadcast_state(scaler: Any, src: int = 0, group: Any = None) -> None:
     dist.broadcast_object_list(box, src=src, group=group)
     scaler.load_state_dict(box[0])
     scaler._replicas_checked = True  # equal by construction
+
+
+def _norm_rescale(amax: torch.Tensor) -> torch.Tensor:
+    """The global norm's factor ``s`` for ``amax`` (float32 0-d), as
+    :data:`unimp.trainstep.NORM_RESCALE_ABOVE` defines it: a power of two from ``amax``'s
+    exponent bits where ``amax`` is finite and above the threshold, else 1."""
+    power = (amax.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 amax)
+    big = torch.isfinite(amax) & (amax > NORM_RESCALE_ABOVE)
+    return torch.where(big, NORM_RESCALE_ABOVE / power, torch.ones_like(amax))
+
+
+def _rescale_(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Multiplies the gradients IN PLACE by the global norm's factor ``s`` (float32 0-d, on
+    ``device``) and returns it: :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rule, from their
+    largest magnitude. In place, so that no copy of the gradients is made; ``s`` is a power of
+    two (exact), and the caller multiplies by ``1 / s`` again (the clip does, in its own
+    multiply)."""
+    if not grads:
+        return torch.ones((), dtype=torch.float32, device=device)
+    amax = torch.stack([_to(n.float(), device) for n in torch._foreach_norm(grads, float("inf"))]).amax()
+    s = _norm_rescale(amax)
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device, []).append(g)
+    for dev, gs in groups.items():
+        torch._foreach_mul_(gs, _to(s, dev))
+    return s
 
 
 def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -17,6 +17,7 @@ from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
 from unimp.backends.torch.overflow import (
     _check_loss,
     _global_norm,
+    _rescale_,
     _scratch,
     all_finite,
     skip_flags,
@@ -295,16 +296,20 @@ class StepOps:
         # computed by unscale_'s kernel; the fused path's flag is reported by the update
         return grads, (self.found_inf == 0 if self.flags is None else None)
 
-    def global_norm(self, grads: Any) -> Any:
+    def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
+        sc = self.sc
+        pairs = sc._grads(grads)
+        self.rescale = _rescale_([g for _, g in pairs], sc.device)  # exact; the clip undoes it
         # a sparse gradient's norm is that of its coalesced values (duplicate indices add
         # up first: pytorch/pytorch#35810 kind); scaling the uncoalesced values is the same
-        return _global_norm(
-            [p.grad.coalesce()._values() if p.grad.is_sparse else g for p, g in self.sc._grads(grads)],
-            self.sc.device,
-        )
+        values = [p.grad.coalesce()._values() if p.grad.is_sparse else g for p, g in pairs]
+        norm = _global_norm(values, sc.device) / self.rescale
+        # a norm beyond float32 is a non-finite gradient: the flag the update and report read
+        torch.maximum(self.found_inf, torch.isfinite(norm).logical_not().float(), out=self.found_inf)
+        return norm, (None if grads_finite is None else self.found_inf == 0)
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
-        coef = torch.clamp(max_norm / norm, max=1.0)
+        coef = torch.clamp(max_norm / norm, max=1.0) / self.rescale
         groups: dict[torch.device, list[torch.Tensor]] = {}
         for _, g in self.sc._grads(grads):
             groups.setdefault(g.device, []).append(g)
@@ -315,7 +320,7 @@ class StepOps:
     def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
         sc = self.sc
         if self.flags is None:
-            return sc.step(grads)
+            return sc._step(grads, (), {})[1]
         loss_inf, grads_inf, skip, overflow = self.flags  # sc.step() with the loss flag as found_inf
         if self.found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
             grads_inf.copy_(self.found_inf)
