@@ -192,15 +192,37 @@ def test_accepts_and_refuses_what_keras_does(cls, kwargs, ok):
             lso_cls(keras.optimizers.SGD(0.1), **kwargs)
 
 
-def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match=r"set weight_decay on the inner optimizer"):
-        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), weight_decay=0.1)
-    with pytest.raises(ValueError, match=r"loss_scale=1024.0"):
-        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic=False)
-    # an inner optimizer with its own static factor: refused (Keras's would scale the loss by
-    # its dynamic scale only and divide the gradients by both)
-    with pytest.raises(ValueError, match=r"loss_scale_factor=None"):
-        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1, loss_scale_factor=128.0))
+@pytest.mark.parametrize(
+    "kwargs", [{"weight_decay": 0.1}, {"clipnorm": 1.0}, {"dynamic": False}, {"foo": 1, "bar": 2}]
+)
+def test_refusals_carry_keras_words_and_name_the_fix(kwargs):
+    # code that catches Keras's errors matches on their words: unimp's message holds Keras's
+    # whole message, then the fix
+    with pytest.raises(ValueError) as keras_error:
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+    with pytest.raises(ValueError) as unimp_error:
+        utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+    assert str(keras_error.value).rstrip(".") in str(unimp_error.value)
+    fix = "loss_scale=1024.0" if "dynamic" in kwargs else "inner optimizer"
+    assert fix in str(unimp_error.value).replace("`inner_optimizer`", "inner optimizer")
+
+
+def test_an_inner_loss_scale_factor_is_cleared_with_a_warning_as_keras_clears_it():
+    # Keras 3 sets inner_optimizer.loss_scale_factor = None silently (kept, the gradients
+    # would be divided by both scales); unimp does the same and says so
+    keras_inner, inner = keras.optimizers.SGD(0.1, loss_scale_factor=128.0), keras.optimizers.SGD(
+        0.1, loss_scale_factor=128.0
+    )
+    keras.optimizers.LossScaleOptimizer(keras_inner)
+    with pytest.warns(UserWarning, match=r"loss_scale_factor=128.0.*loss_scale=128.0"):
+        opt = utf.LossScaleOptimizer(inner)
+    assert keras_inner.loss_scale_factor is None and inner.loss_scale_factor is None
+    assert opt.loss_scale_config == DynamicLossScale()
+    # a call that fails on another argument leaves the inner optimizer as it was
+    failed = keras.optimizers.SGD(0.1, loss_scale_factor=8.0)
+    with pytest.raises(ValueError):
+        utf.LossScaleOptimizer(failed, loss_scale="sometimes")
+    assert failed.loss_scale_factor == 8.0
 
 
 def test_config_carries_keras_keys_and_reads_configs_keras_wrote():

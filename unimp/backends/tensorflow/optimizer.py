@@ -6,6 +6,7 @@ inner optimizer's state unchanged), with tf.keras 2's ``get_scaled_loss`` / ``ge
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +71,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     :class:`ReplicaDesyncWarning`.
 
     Args:
-        inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap; its ``loss_scale_factor``
-            must be ``None``.
+        inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap; a ``loss_scale_factor``
+            it has is cleared with a warning (Keras 3 clears it silently).
         loss_scale: a loss-scale config, ``"dynamic"``, a number (static; by keyword only, since
             Keras reads a positional number as ``initial_scale``), ``"none"``, or a
             ``to_dict()`` dict; ``None`` is unimp's ``DynamicLossScale()``.
@@ -86,9 +87,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     ``get_config()`` holds Keras's keys (``name``, ``inner_optimizer``, ``initial_scale``,
     ``dynamic_growth_steps``) and unimp's ``loss_scale`` (the whole rule; it wins on load), so
-    :meth:`from_config` reads what unimp and Keras 3.0-3.15 wrote. An inner optimizer with
-    ``loss_scale_factor`` set is refused: Keras's LossScaleOptimizer would scale the loss by
-    its own scale but divide the gradients by both (and tf.keras's had no such argument).
+    :meth:`from_config` reads what unimp and Keras 3.0-3.15 wrote. An inner optimizer's
+    ``loss_scale_factor`` is set to ``None``, with a ``UserWarning`` (Keras 3 clears it
+    silently): kept, the gradients would be divided by both scales.
 
     Attributes:
         dynamic_scale: float32 ``keras.Variable``, the scale of the next step (as Keras).
@@ -97,10 +98,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras optimizer.
-        ValueError: ``inner_optimizer`` is already loss-scaled or has ``loss_scale_factor``
-            set, a bad loss-scale config, ``loss_scale`` together with Keras's arguments, an
-            argument Keras's LossScaleOptimizer does not take either (named, with the fix), or
-            ``dynamic=False`` (as Keras).
+        ValueError: ``inner_optimizer`` is already loss-scaled, a bad loss-scale config, ``loss_scale`` together with Keras's arguments, an
+            argument Keras's LossScaleOptimizer does not take either (named in Keras's words:
+            "set `clipnorm` on the `inner_optimizer`", with the fix), or ``dynamic=False``.
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=1024.0)
@@ -134,14 +134,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "inner_optimizer is already a LossScaleOptimizer (the loss would be scaled twice); "
                 "pass its .inner_optimizer instead."
             )
-        if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
-            raise ValueError(
-                f"inner_optimizer has loss_scale_factor={inner_optimizer.loss_scale_factor!r}: the "
-                "gradients would be unscaled twice. Create it with loss_scale_factor=None and give "
-                "the scale to LossScaleOptimizer(loss_scale=...)."
-            )
         config = _resolve_loss_scale(loss_scale, initial_scale, dynamic_growth_steps)
         # Everything is validated: from here on nothing can fail on the user's input.
+        factor = getattr(inner_optimizer, "loss_scale_factor", None)
+        if factor is not None:  # Keras 3 clears it silently: the loss would be scaled twice
+            warnings.warn(
+                f"inner_optimizer has loss_scale_factor={factor!r}: LossScaleOptimizer clears it "
+                "(as Keras 3's does), or the gradients would be unscaled twice. For a static "
+                f"scale give LossScaleOptimizer(opt, loss_scale={factor!r}) instead.",
+                UserWarning,
+                stacklevel=2,
+            )
+            inner_optimizer.loss_scale_factor = None
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self._loss_scale_config = config

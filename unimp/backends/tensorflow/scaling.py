@@ -119,21 +119,25 @@ def _check_keras_arguments(kwargs: dict[str, Any]) -> None:
     """Keras's LossScaleOptimizer's extra arguments, by its rules: ``dynamic=True`` and
     base-optimizer arguments at their defaults pass; the rest is a ValueError naming the fix."""
     kwargs = dict(kwargs)
+    # Keras's own words come first (code that catches its errors matches on them), unimp's fix
+    # after them
     if not kwargs.pop("dynamic", True):
         raise ValueError(
-            "LossScaleOptimizer(dynamic=False) is not supported (nor by Keras 3): give a static "
-            "scale instead, e.g. LossScaleOptimizer(opt, loss_scale=1024.0), or loss_scale='none'."
+            "LossScaleOptimizer no longer supports `dynamic=False`. Instead, simply set "
+            "`loss_scale_factor` directly on the `inner_optimizer` (as Keras 3 says); with unimp "
+            "give a static scale instead, e.g. LossScaleOptimizer(opt, loss_scale=1024.0), or "
+            "loss_scale='none'."
         )
     for arg, default in _KERAS_BASE_DEFAULTS.items():
         if arg in kwargs and kwargs.pop(arg) != default:
             raise ValueError(
-                f"LossScaleOptimizer does not take {arg}; set {arg} on the inner optimizer "
-                f"(e.g. keras.optimizers.Adam(..., {arg}=...))."
+                f"LossScaleOptimizer does not support `{arg}`. Instead, set `{arg}` on the "
+                f"`inner_optimizer` (e.g. keras.optimizers.Adam(..., {arg}=...))."
             )
     if kwargs:
         raise ValueError(
-            f"LossScaleOptimizer does not take {', '.join(sorted(kwargs))}; set options such as "
-            "learning_rate or clipnorm on the inner optimizer."
+            f"LossScaleOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. Set "
+            "options such as learning_rate or clipnorm on the inner optimizer."
         )
 
 
