@@ -89,6 +89,27 @@ def test_scaling_step_matches_reference(backend, name, role):
         assert step._cache_size() == 1  # compiled once for every step
 
 
+@pytest.mark.parametrize("name", ["transformer_engine", "transformer_engine_current", "keras", "flax", "unimp_delayed"])
+def test_amax_ignores_nan_elements_under_transformer_engine_only(backend, name):
+    # TE's cast kernels reduce the amax with fmaxf: NaN elements are ignored and an all-NaN
+    # tensor records 0 (a step not recorded); Keras, flax and torchao take max(abs(x)).
+    mod = require_backend(backend)
+    config = CONFIGS[name]
+    te = config.rule == "transformer_engine"
+    some, every = [1.0, NAN, -2.0, 0.5], [NAN, NAN]
+    got = [float(np.asarray(mod.fp8_amax(_native(backend, x), config))) for x in (some, every)]
+    assert got[0] == 2.0 if te else math.isnan(got[0])
+    assert got[1] == 0.0 if te else math.isnan(got[1])
+    ref = [float(fp8.amax_of(fp8.NumpyOps, np.asarray(x, np.float32), config)) for x in (some, every)]
+    assert _bits(got).tolist() == _bits(ref).tolist()
+    assert math.isnan(float(np.asarray(mod.fp8_amax(_native(backend, some)))))  # no config: max(abs)
+    if name == "transformer_engine":  # the history records 2.0, then nothing for the all-NaN step
+        state = mod.fp8_initial_state(config)
+        for x in (some, every):
+            _, state = mod.fp8_step(config, state, mod.fp8_amax(_native(backend, x), config))
+        assert mod.fp8_state_to_numpy(state).amax_history.tolist() == [2.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 def test_quantize_dequantize_matches_reference(backend, dtype, x_dtype):

@@ -233,11 +233,19 @@ def quantize_arrays(ops: Any, x: Any, scale: Any, dtype: str, fmax: float) -> An
     return ops.to_f32(ops.to_fp8(ops.clip(ops.to_f32(x) * scale, -fmax, fmax), dtype))
 
 
-def amax_of(ops: Any, x: Any) -> Any:
-    """``max(abs(x))`` in float32 (NaN-propagating), the amax every implementation records;
-    0 for an empty ``x`` (the rule then treats it as any amax 0, per preset)."""
+def amax_of(ops: Any, x: Any, config: FP8Config | None = None) -> Any:
+    """``max(abs(x))`` in float32, the amax the ``config``'s implementation records; 0 for an
+    empty ``x`` (the rule then treats it as any amax 0, per preset).
+
+    NaN-propagating (Keras, flax and torchao take ``max(abs(x))``), except under the
+    ``transformer_engine`` rule: Transformer Engine's cast kernels reduce the amax with
+    ``fmaxf``, which ignores NaN elements, so an all-NaN ``x`` records 0 (and its step is then
+    not recorded, as every amax of 0). ``config=None`` is NaN-propagating."""
     with _scope(ops, "fp8_amax"):
-        return ops.amax(ops.abs(ops.to_f32(x)))
+        a = ops.abs(ops.to_f32(x))
+        if config is not None and config.rule == "transformer_engine":
+            a = ops.where(ops.isnan(a), ops.f32(0.0), a)
+        return ops.amax(a)
 
 
 def step(config: FP8Config, state: FP8State, amax: float, role: str = "forward") -> tuple[Any, FP8State]:

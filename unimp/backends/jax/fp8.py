@@ -96,9 +96,9 @@ def fp8_state_to_numpy(state: FP8State) -> FP8State:
     return FP8State(*(np.asarray(v, np.float32) for v in (state.scale, state.scale_inv, state.amax_history)))
 
 
-def fp8_amax(x: jax.Array) -> jax.Array:
-    """``max(abs(x))`` as a float32 0-d array (NaN-propagating)."""
-    return _fp8.amax_of(FP8Ops, x)
+def fp8_amax(x: jax.Array, config: _fp8.FP8Config | None = None) -> jax.Array:
+    """``max(abs(x))`` as a float32 0-d array (NaN-propagating; NaN elements ignored under the ``transformer_engine`` rule of ``config``, as :func:`unimp.fp8.amax_of`)."""
+    return _fp8.amax_of(FP8Ops, x, config)
 
 
 def fp8_step(
@@ -261,8 +261,8 @@ def _dot8(a: jax.Array, a_fmt: str, b: jax.Array, b_fmt: str, dn: Any) -> jax.Ar
 def _fwd(config, dn, native, out, lhs, rhs, si, sk, sg):
     dtype = config.dtype("forward")
     fmax = _fp8.FP8_MAX[dtype]
-    (sx, ix), new_i = fp8_step(config, si, fp8_amax(lhs), "forward")
-    (sw, iw), new_k = fp8_step(config, sk, fp8_amax(rhs), "forward")
+    (sx, ix), new_i = fp8_step(config, si, fp8_amax(lhs, config), "forward")
+    (sw, iw), new_k = fp8_step(config, sk, fp8_amax(rhs, config), "forward")
     qx = _fp8.quantize_arrays(FP8Ops, lhs, sx, dtype, fmax)
     qw = _fp8.quantize_arrays(FP8Ops, rhs, sw, dtype, fmax)
     if native:  # (M, K) @ (K, N): the one product shape the rewriter takes
@@ -278,7 +278,7 @@ def _fwd(config, dn, native, out, lhs, rhs, si, sk, sg):
 def _bwd(config, dn, native, out, res, g):
     qx, qw, ix, iw, new_i, new_k, sg, (lmark, rmark) = res
     dtype = config.dtype("backward")
-    (sgs, ig), new_g = fp8_step(config, sg, fp8_amax(g), "backward")
+    (sgs, ig), new_g = fp8_step(config, sg, fp8_amax(g, config), "backward")
     qg = _fp8.quantize_arrays(FP8Ops, g, sgs, dtype, _fp8.FP8_MAX[dtype])
     if native:  # the gradient first, as JAX's own transpose of dot_general puts it
         fwd = config.dtype("forward")

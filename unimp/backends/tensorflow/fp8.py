@@ -98,9 +98,9 @@ def fp8_state_to_numpy(state: FP8State) -> FP8State:
                       (state.scale, state.scale_inv, state.amax_history)))
 
 
-def fp8_amax(x: tf.Tensor) -> tf.Tensor:
-    """``max(abs(x))`` as a float32 0-d tensor (NaN-propagating)."""
-    return _fp8.amax_of(FP8Ops, tf.convert_to_tensor(x))
+def fp8_amax(x: tf.Tensor, config: _fp8.FP8Config | None = None) -> tf.Tensor:
+    """``max(abs(x))`` as a float32 0-d tensor (NaN-propagating; NaN elements ignored under the ``transformer_engine`` rule of ``config``, as :func:`unimp.fp8.amax_of`)."""
+    return _fp8.amax_of(FP8Ops, tf.convert_to_tensor(x), config)
 
 
 def fp8_step(
@@ -374,8 +374,8 @@ def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, tr
     native = _use_native(layer, int(w.shape[0]), units)
     dtype = config.dtype("forward")
     fmax = _fp8.FP8_MAX[dtype]
-    sx, sinv_x = _step(layer, config, "input", fp8_amax(x), "forward", training)
-    sw, sinv_w = _step(layer, config, "kernel", fp8_amax(w), "forward", training)
+    sx, sinv_x = _step(layer, config, "input", fp8_amax(x, config), "forward", training)
+    sw, sinv_w = _step(layer, config, "kernel", fp8_amax(w, config), "forward", training)
     qx = tf.reshape(_fp8.quantize_arrays(FP8Ops, x, sx, dtype, fmax), [-1, x.shape[-1]])
     qw = _fp8.quantize_arrays(FP8Ops, w, sw, dtype, fmax)
     out_shape = tf.concat([tf.shape(x)[:-1], [units]], 0)
@@ -392,7 +392,7 @@ def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, tr
 
         def grad(g):
             g2 = tf.reshape(g, [-1, units])
-            sg, sinv_g = _step(layer, config, "grad", fp8_amax(g2), "backward", training)
+            sg, sinv_g = _step(layer, config, "grad", fp8_amax(g2, config), "backward", training)
             qg = _fp8.quantize_arrays(FP8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
             dx = mm(qg, bdt, qw, dtype, tb=True) * (sinv_g * sinv_w)
             dw = mm(qx, dtype, qg, bdt, ta=True) * (sinv_x * sinv_g)

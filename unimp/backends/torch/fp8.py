@@ -121,9 +121,9 @@ def fp8_state_to_numpy(state: FP8State) -> FP8State:
                       (state.scale, state.scale_inv, state.amax_history)))
 
 
-def fp8_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max(abs(x))`` as a float32 0-d tensor (NaN-propagating), on ``x``'s device."""
-    return _fp8.amax_of(_ops(x.device), x)
+def fp8_amax(x: torch.Tensor, config: _fp8.FP8Config | None = None) -> torch.Tensor:
+    """``max(abs(x))`` as a float32 0-d tensor (NaN-propagating; NaN elements ignored under the ``transformer_engine`` rule of ``config``, as :func:`unimp.fp8.amax_of`), on ``x``'s device."""
+    return _fp8.amax_of(_ops(x.device), x, config)
 
 
 def fp8_step(
@@ -241,7 +241,7 @@ class _Fp8Matmul(torch.autograd.Function):
     def _backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         qx, qw, sinv_x, sinv_w = ctx.saved_tensors
         layer = ctx.layer
-        (sg, sinv_g), new = layer._step("grad", fp8_amax(g), "backward")
+        (sg, sinv_g), new = layer._step("grad", fp8_amax(g, layer.config), "backward")
         dtype = layer.config.dtype("backward")
         fwd = layer.config.dtype("forward")
         qg = _fp8.quantize_arrays(_ops(g.device), g, sg, dtype, _fp8.FP8_MAX[dtype])
@@ -438,8 +438,8 @@ class FP8Dense(torch.nn.Linear):
         fmax = _fp8.FP8_MAX[dtype]
         ops = _ops(x.device)
         with torch.no_grad():
-            (sx, sinv_x), _ = self._step("input", fp8_amax(x), "forward")
-            (sw, sinv_w), _ = self._step("kernel", fp8_amax(self.weight), "forward")
+            (sx, sinv_x), _ = self._step("input", fp8_amax(x, self.config), "forward")
+            (sw, sinv_w), _ = self._step("kernel", fp8_amax(self.weight, self.config), "forward")
             qx = _fp8.quantize_arrays(ops, x, sx, dtype, fmax)
             qw = _fp8.quantize_arrays(ops, self.weight, sw, dtype, fmax)
         native = self._use_native(x.device)
