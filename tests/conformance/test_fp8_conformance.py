@@ -89,6 +89,52 @@ def test_scaling_step_matches_reference(backend, name, role):
         assert step._cache_size() == 1  # compiled once for every step
 
 
+def _namespace(backend):
+    require_backend(backend)
+    import importlib
+
+    ops = importlib.import_module(f"unimp.backends.{backend}.fp8").FP8Ops
+    return ops("cpu") if backend == "torch" else ops
+
+
+def test_the_scale_reciprocal_is_ieee_rounded_with_subnormals_kept(backend):
+    # XLA and TensorFlow flush subnormals: their plain 1 / x of a scale above 2**126 is 0.
+    # Every namespace's reciprocal equals NumPy's IEEE 1 / x bit for bit, over random bit
+    # patterns of the ranges where it matters and the special values.
+    ops = _namespace(backend)
+    rng = np.random.default_rng(0)
+    lo, hi = np.float32(2.0**126).view(np.int32), np.float32(np.finfo(np.float32).max).view(np.int32)
+    patterns = np.concatenate([
+        rng.integers(lo, hi, 20000, endpoint=True),  # results below the normal range
+        rng.integers(1, 2**23, 5000),  # subnormal scales
+        rng.integers(2**23, lo, 5000),  # everything else
+        np.array([0, 1, 2**23 - 1, 2**23, lo, lo + 1, hi, 0x7F800000, 0x7FC00000], np.int64),
+    ]).astype(np.int32)
+    x = patterns.view(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        want = np.float32(1.0) / x
+    got = np.asarray(ops.reciprocal(_native(backend, x)))
+    assert _bits(got).tolist() == _bits(want).tolist()
+
+
+@pytest.mark.parametrize(
+    ("name", "want"),
+    [("transformer_engine", (3.4028235e38, 2.938736e-39)), ("unimp_delayed", (2.0**126, 2.0**-126))],
+)
+def test_a_tiny_amax_gives_the_same_loadable_state_everywhere(backend, name, want):
+    # TE caps an infinite scale at FLT_MAX and takes its IEEE reciprocal, a subnormal; unimp's
+    # rule caps the scale at 2**126. The saved state loads (it was refused with scale_inv 0).
+    mod = require_backend(backend)
+    config = fp8.DelayedScaling(amax_history_len=3) if name == "unimp_delayed" else CONFIGS[name]
+    _, state = _compiled_step(backend, mod, config, "forward")(
+        mod.fp8_initial_state(config), _native(backend, np.float32(1e-37))
+    )
+    got = mod.fp8_state_to_numpy(state)
+    assert (float(got.scale), float(got.scale_inv)) == (np.float32(want[0]), np.float32(want[1]))
+    _, loaded = fp8.from_state_dict(fp8.state_dict(config, {"kernel": got}))
+    assert _bits(loaded["kernel"].scale_inv) == _bits(got.scale_inv)
+
+
 @pytest.mark.parametrize("name", ["transformer_engine", "transformer_engine_current", "keras", "flax", "unimp_delayed"])
 def test_amax_ignores_nan_elements_under_transformer_engine_only(backend, name):
     # TE's cast kernels reduce the amax with fmaxf: NaN elements are ignored and an all-NaN

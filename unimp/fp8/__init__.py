@@ -59,6 +59,7 @@ from unimp.fp8.portable import STATE_FORMAT, from_state_dict, state_dict
 from unimp.fp8.rule import (
     NumpyOps,
     amax_of,
+    ieee_reciprocal,
     qdq_arrays,
     quantize_arrays,
     quantize_dequantize,
@@ -85,6 +86,7 @@ __all__ = [
     "FP8NativeFallbackWarning",
     "NumpyOps",
     "amax_of",
+    "ieee_reciprocal",
     "check_state",
     "check_tensor",
     "fp8_from_dict",

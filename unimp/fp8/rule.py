@@ -47,6 +47,14 @@ class NumpyOps:
         return np.asarray(x, np.float32) if isinstance(x, np.ndarray) else np.float32(x)
 
     @staticmethod
+    def reciprocal(x: Any) -> Any:
+        """``1 / x`` in float32, IEEE-rounded, subnormals kept (NumPy does not flush them).
+        Namespaces whose framework flushes subnormals to 0 (XLA and TensorFlow on CPU and
+        GPU) use :func:`ieee_reciprocal` instead: the same bits."""
+        with np.errstate(divide="ignore", over="ignore"):
+            return np.float32(1.0) / np.asarray(x, np.float32)[()]
+
+    @staticmethod
     def amax(x: Any) -> Any:
         """Max over every element, NaN-propagating (as np.max, torch.max, tf.reduce_max); 0
         over no element (an empty batch: amax is max(abs(x)) with initial 0), in every backend."""
@@ -78,8 +86,64 @@ class NumpyOps:
         return np.asarray(x).astype(np.float32)
 
     @staticmethod
+    def bits(x: Any) -> Any:
+        return np.asarray(x, np.float32).view(np.int32)
+
+    @staticmethod
+    def from_bits(b: Any) -> Any:
+        return np.asarray(b, np.int32).view(np.float32)
+
+    @staticmethod
+    def to_i32(x: Any) -> Any:
+        return np.asarray(x).astype(np.int32)
+
+    @staticmethod
     def cast_like(x: Any, like: Any) -> Any:
         return np.asarray(x).astype(np.asarray(like).dtype)
+
+
+def ieee_reciprocal(ops: Any, x: Any) -> Any:
+    """``1 / x`` for float32 ``x`` (any shape), rounded as IEEE 754 division rounds it, also
+    where ``x`` or the result is subnormal, with no subnormal value going through arithmetic.
+
+    XLA and TensorFlow flush subnormal results and operands to 0 (FTZ / DAZ) on CPU and GPU,
+    so their ``1 / x`` of a scale above 2**126 is 0 where NumPy and torch give a subnormal
+    (Transformer Engine caps an infinite scale at FLT_MAX and takes ``1 / FLT_MAX`` =
+    2.938736e-39); a state saved that way is refused on load. Here a subnormal result is built
+    from its bit pattern ``k = round_half_even(2**149 / x)``, found with normal-range float32
+    and int32 arithmetic only (a float32 quotient, then the exact remainder through 12-bit
+    halves, no product above 2**24), and a subnormal ``x`` is read through its bits ``b``:
+    ``1 / x = (2**23 / b) * 2**126``. Elsewhere it is ``1 / x``. The namespace needs ``bits``
+    (float32 -> int32 bit pattern), ``from_bits`` and ``to_i32`` besides the usual names.
+    """
+    f, i = ops.f32, ops.to_i32
+    plain = f(1.0) / x
+    # a subnormal result, x in (2**126, 2**128): y = x / 2**126 in (1, 4), m its 24-bit
+    # significand as an integer; the result's bit pattern is 2**s / m, s = 46 (y < 2) or 45
+    big = ops.isfinite(x) & (x > f(2.0**126))
+    y = ops.where(big, x, f(2.0**127)) * f(2.0**-126)
+    high = y >= f(2.0)
+    m = ops.where(high, y * f(2.0**22), y * f(2.0**23))
+    q = ops.where(high, f(2.0**45), f(2.0**46)) / m  # in (2**21, 2**23], within 1/4 of 2**s / m
+    k0 = ops.floor(q)
+    kh = ops.floor(k0 * f(2.0**-12))
+    kl = k0 - kh * f(4096.0)
+    mh = ops.floor(m * f(2.0**-12))
+    ml = m - mh * f(4096.0)
+    # r = 2**s - k0 * m exactly, |r| < 2**25: 2**s = 2**(s - 24) * 2**24, the product in halves
+    top = ops.where(high, i(f(2.0**21)), i(f(2.0**22)))
+    part = (top - i(kh) * i(mh)) * 4096 - (i(kh) * i(ml) + i(kl) * i(mh))
+    r2 = (part * 4096 - i(kl) * i(ml)) * 2
+    mi = i(m)
+    odd = (k0 - f(2.0) * ops.floor(k0 * f(0.5))) == f(1.0)
+    up = (r2 > mi) | ((r2 == mi) & odd)  # round half to even
+    k = ops.where(up, i(k0) + 1, i(k0))
+    below = ops.from_bits(ops.where(big, k, 0))
+    # a subnormal x (bit pattern b in 1 .. 2**23 - 1): 1 / (b * 2**-149)
+    b = ops.bits(x)
+    small = (b > 0) & (b < 2**23)
+    above = f(2.0**23) / ops.to_f32(ops.where(small, b, 1)) * f(2.0**126)
+    return ops.where(small, above, ops.where(big, below, plain))
 
 
 def _valid(ops: Any, amax: Any) -> Any:
@@ -95,8 +159,8 @@ def _delayed(ops: Any, cfg: DelayedScaling, scale: Any, scale_inv: Any, hist: An
         sf = ops.f32(fmax) / window / ops.f32(2.0**cfg.margin)
         sf = ops.where(window > ops.f32(0.0), sf, scale)
         sf = ops.where(ops.isfinite(window), sf, scale)
-        new_inv = ops.f32(1.0) / sf
-        new_scale = ops.f32(1.0) / new_inv
+        new_inv = ops.reciprocal(sf)
+        new_scale = ops.reciprocal(new_inv)
         new_hist = ops.push(hist, amax)
         if cfg.rule == "flax":  # updated before use: quantizes with the new scale
             return (new_scale, new_inv), (new_scale, new_inv, new_hist)
@@ -121,7 +185,7 @@ def _delayed(ops: Any, cfg: DelayedScaling, scale: Any, scale_inv: Any, hist: An
         new_scale = ops.where(ops.isinf(new_scale), f32max, new_scale)
     else:
         new_scale = ops.where(new_scale > ops.f32(MAX_SCALE), ops.f32(MAX_SCALE), new_scale)
-    return (scale, scale_inv), (new_scale, ops.f32(1.0) / new_scale, new_hist)
+    return (scale, scale_inv), (new_scale, ops.reciprocal(new_scale), new_hist)
 
 
 def _current(ops: Any, cfg: CurrentScaling, amax: Any, fmax: float) -> Any:
@@ -183,7 +247,7 @@ def step_arrays(
     with _scope(ops, "fp8_scale_update"):
         if isinstance(config, CurrentScaling):
             s = _current(ops, config, amax, fmax)
-            inv = ops.f32(1.0) / s
+            inv = ops.reciprocal(s)
             return (s, inv), (s, inv, ops.push(amax_history, amax))
         return _delayed(ops, config, scale, scale_inv, amax_history, amax, fmax)
 

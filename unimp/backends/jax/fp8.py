@@ -47,6 +47,23 @@ class FP8Ops:
         return jnp.asarray(x, jnp.float32)
 
     @staticmethod
+    def reciprocal(x: jax.Array) -> jax.Array:
+        # XLA flushes subnormals (FTZ / DAZ): the exact rule, from bits (unimp.fp8.rule)
+        return _fp8.ieee_reciprocal(FP8Ops, x)
+
+    @staticmethod
+    def bits(x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+
+    @staticmethod
+    def from_bits(b: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(jnp.asarray(b, jnp.int32), jnp.float32)
+
+    @staticmethod
+    def to_i32(x: jax.Array) -> jax.Array:
+        return jnp.asarray(x).astype(jnp.int32)
+
+    @staticmethod
     def amax(x: jax.Array) -> jax.Array:
         # NaN-propagating; 0 over no element, as the reference (jnp.max raises there; the
         # size is static under jit)

@@ -45,6 +45,23 @@ class FP8Ops:
         return tf.cast(x, tf.float32)
 
     @staticmethod
+    def reciprocal(x: tf.Tensor) -> tf.Tensor:
+        # TensorFlow flushes subnormals (FTZ / DAZ): the exact rule, from bits (unimp.fp8.rule)
+        return _fp8.ieee_reciprocal(FP8Ops, x)
+
+    @staticmethod
+    def bits(x: tf.Tensor) -> tf.Tensor:
+        return tf.bitcast(tf.cast(x, tf.float32), tf.int32)
+
+    @staticmethod
+    def from_bits(b: tf.Tensor) -> tf.Tensor:
+        return tf.bitcast(tf.cast(b, tf.int32), tf.float32)
+
+    @staticmethod
+    def to_i32(x: tf.Tensor) -> tf.Tensor:
+        return tf.cast(x, tf.int32)
+
+    @staticmethod
     def amax(x: tf.Tensor) -> tf.Tensor:
         # NaN-propagating (observed on CPU, tf 2.21); 0 over no element, as the reference
         # (tf.reduce_max gives -inf there). The size is usually static (a traced batch of known

@@ -61,6 +61,22 @@ class FP8Ops:
             self._cache[x] = torch.tensor(x, dtype=torch.float32, device=self.device)
         return self._cache[x]
 
+    def reciprocal(self, x: torch.Tensor) -> torch.Tensor:
+        # torch keeps subnormals (unless torch.set_flush_denormal(True)): IEEE 1 / x
+        return self.f32(1.0) / x
+
+    @staticmethod
+    def bits(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32).view(torch.int32)
+
+    @staticmethod
+    def from_bits(b: torch.Tensor) -> torch.Tensor:
+        return b.to(torch.int32).view(torch.float32)
+
+    @staticmethod
+    def to_i32(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.int32)
+
     @staticmethod
     def amax(x: torch.Tensor) -> torch.Tensor:
         # NaN-propagating; 0 over no element, as the reference (torch.max raises on an empty
