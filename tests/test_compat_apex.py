@@ -224,3 +224,106 @@ def test_scale_loss_refuses_an_optimizer_not_initialized():
         with amp.scale_loss(model(_data()[0]).sum(), stranger):
             pass
     assert all(p.grad is None for p in model.parameters())
+
+
+def _scalar_model(opt_level, **kw):
+    model = torch.nn.Module()
+    model.p = torch.nn.Parameter(torch.ones(()))
+    return amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level, **kw)
+
+
+def _master(opt):
+    return next(iter(amp.master_params(opt)))
+
+
+# Apex's amp.scale_loss (apex/amp/handle.py, _process_optimizer.py): the gradients present when a
+# block starts are stashed, the block's own gradients unscaled and the stash added back
+@pytest.mark.parametrize("opt_level, loss_scale", [("O1", None), ("O2", 1024.0)])
+def test_two_backward_passes_sum_into_one_step(opt_level, loss_scale):
+    model, opt = _scalar_model(opt_level, loss_scale=loss_scale)
+    opt.zero_grad()
+    for k in (3.0, 5.0):
+        with amp.scale_loss(k * model.p, opt) as scaled:
+            scaled.backward()
+    assert torch.equal(_master(opt).grad, torch.tensor(8.0))  # 3 + 5, not 5.0000458
+    opt.step()
+    torch.testing.assert_close(_master(opt).detach(), torch.tensor(0.2))  # not 0.4999954
+    assert amp.state_dict()["state"]["total_skips"] == 0
+
+
+def test_overflow_in_the_second_pass_skips_the_step_and_halves_once():
+    model, opt = _scalar_model("O1")
+    opt.zero_grad()
+    with amp.scale_loss(3.0 * model.p, opt) as scaled:
+        scaled.backward()
+    with amp.scale_loss(5e34 * model.p, opt) as scaled:  # finite loss, 5e34 * 2**16 overflows
+        scaled.backward()
+    with amp.scale_loss(2.0 * model.p, opt) as scaled:  # a clean pass after it checks 2 only
+        scaled.backward()
+    opt.step()
+    assert torch.equal(model.p.detach(), torch.tensor(1.0))
+    state = amp.state_dict()["state"]
+    assert (state["scale"], state["total_skips"]) == (32768.0, 1)
+
+
+def test_overflow_in_the_first_pass_skips_the_step_and_halves_once():
+    model, opt = _scalar_model("O1")
+    opt.zero_grad()
+    with amp.scale_loss(5e34 * model.p, opt) as scaled:
+        scaled.backward()
+    with amp.scale_loss(5.0 * model.p, opt) as scaled:  # its own gradient is finite
+        scaled.backward()
+    opt.step()
+    assert torch.equal(model.p.detach(), torch.tensor(1.0))
+    assert amp.state_dict()["state"]["scale"] == 32768.0  # the second pass checks 5 only
+    opt.zero_grad()
+    with amp.scale_loss(5.0 * model.p, opt) as scaled:
+        scaled.backward()
+    opt.step()  # the skip lasts one step only
+    torch.testing.assert_close(model.p.detach(), torch.tensor(0.5))
+
+
+def test_apex_gradient_accumulation_over_iterations():
+    # Apex's "Gradient accumulation across iterations": loss / iters_to_accumulate in each
+    model, opt = _scalar_model("O1")
+    opt.zero_grad()
+    for _ in range(2):
+        loss = 4.0 * model.p
+        with amp.scale_loss(loss / 2, opt) as scaled:
+            scaled.backward()
+    assert torch.equal(model.p.grad, torch.tensor(4.0))  # not 2.5000229
+    opt.step()
+    torch.testing.assert_close(model.p.detach(), torch.tensor(0.6))
+
+
+def test_delay_unscale_after_an_unscaled_pass():
+    model, opt = _scalar_model("O1")
+    opt.zero_grad()
+    for k, delay in ((3.0, False), (5.0, True), (2.0, False)):
+        with amp.scale_loss(k * model.p, opt, delay_unscale=delay) as scaled:
+            scaled.backward()
+    assert torch.equal(model.p.grad, torch.tensor(10.0))  # 3 is not unscaled a second time
+
+def test_a_failed_block_leaves_the_gradients_as_they_were():
+    model, opt = _scalar_model("O1")
+    opt.zero_grad()
+    with amp.scale_loss(3.0 * model.p, opt) as scaled:
+        scaled.backward()
+    with pytest.raises(KeyError):
+        with amp.scale_loss(5.0 * model.p, opt) as scaled:
+            scaled.backward()
+            raise KeyError("in the user's block")
+    assert torch.equal(model.p.grad, torch.tensor(3.0))
+    with amp.scale_loss(5.0 * model.p, opt) as scaled:
+        scaled.backward()
+    assert torch.equal(model.p.grad, torch.tensor(8.0))
+
+
+
+def test_scale_loss_doctest():
+    import doctest
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(apex_mod.scale_loss, "scale_loss", globs=vars(apex_mod).copy()):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 7)

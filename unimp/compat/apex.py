@@ -16,9 +16,11 @@ and ``amp.initialize``, ``amp.scale_loss``, ``amp.master_params``, ``amp.state_d
 * The dynamic scale is Apex's (``DynamicLossScale.preset("apex")``: init 2**16, x2 every 2000
   clean steps, /2 on overflow, ``max_loss_scale`` 2**24, ``min_loss_scale``), computed by
   unimp's rule on the device.
-* Leaving ``scale_loss`` unscales the gradients (into the float32 masters in O2), checks them
-  and updates the scale, as Apex did; the next ``optimizer.step()`` is skipped when they
-  overflowed, on the device, leaving parameters and optimizer state bitwise unchanged.
+* Leaving ``scale_loss`` unscales the gradients the block produced (into the float32 masters in
+  O2), checks them, adds back those held before it and updates the scale, as Apex did, so
+  several blocks (several losses, or accumulation over iterations) sum into one step; the next
+  ``optimizer.step()`` is skipped when any of them overflowed, on the device, leaving
+  parameters and optimizer state bitwise unchanged.
 
 Unlike Apex, it runs on any device torch.autocast supports (the model's device is used), and
 needs no CUDA extension.
@@ -181,13 +183,53 @@ def scale_loss(
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
 ) -> Iterator[torch.Tensor]:
-    """Apex's ``amp.scale_loss``: yields ``loss.float() * scale``; on exit unscales the
-    optimizers' gradients, checks them and updates the scale (unless ``delay_unscale``, used
-    for gradient accumulation: the gradients stay scaled until a later ``scale_loss``).
+    """Apex's ``amp.scale_loss``: yields ``loss.float() * scale`` and, on exit, unscales only the
+    gradients the block produced.
+
+    Follows Apex (apex/amp/handle.py, ``_prepare_amp_backward`` / ``_post_amp_backward`` in
+    apex/amp/_process_optimizer.py): the gradients the optimizers' parameters hold on entry are
+    set aside and their ``.grad`` set to None, so the block's backward writes its own gradients
+    alone; on exit these are unscaled (into the float32 masters in O2) and checked, the set-aside
+    gradients are added back (``scaler.unscale_with_stashed``: ``new / scale + stashed``, only
+    ``new`` checked), and the scale is updated (Apex's ``update_scale``, at each block's exit).
+    So several blocks before one ``optimizer.step()`` sum their gradients, as Apex's gradient
+    accumulation does (``loss / iters_to_accumulate`` in each block), and an overflow in any of
+    them skips that step, once.
+
+    ``delay_unscale=True`` (Apex's accumulation without unscaling) leaves the block's gradients
+    scaled, added to those of earlier delayed blocks, and updates nothing; the next block without
+    it unscales them all with its own. The unscaled gradients held before such a run are set
+    aside until then, so they are never unscaled twice.
+
+    Args:
+        loss: the loss tensor (float16 under autocast is fine: it is scaled in float32).
+        optimizers: the optimizer, or a list of them, passed to :func:`initialize`.
+        loss_id, model, delay_overflow_check: accepted and ignored, as one scaler serves every
+            loss (``delay_overflow_check`` was for Apex's fused optimizers).
+        delay_unscale: keep this block's gradients scaled (see above).
+
+    Yields:
+        The float32 scaled loss, to call ``.backward()`` on.
 
     Raises:
         RuntimeError: :func:`initialize` was not called.
         ValueError: an optimizer that was not passed to :func:`initialize`.
+
+    A block that raises (in its body or on exit) leaves the gradients as they were on entry.
+
+    Example:
+        >>> model = torch.nn.Module()
+        >>> model.p = torch.nn.Parameter(torch.ones(()))
+        >>> model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> for k in (3.0, 5.0):  # two backward passes into one step
+        ...     with amp.scale_loss(k * model.p, opt) as scaled:
+        ...         scaled.backward()
+        >>> model.p.grad  # 3 + 5, each unscaled once
+        tensor(8.)
+        >>> opt.step()
+        >>> model.p
+        Parameter containing:
+        tensor(0.2000, requires_grad=True)
     """
     scaler = _STATE["scaler"]
     if scaler is None:
@@ -199,16 +241,72 @@ def scale_loss(
             "scale_loss got an optimizer that was not passed to amp.initialize; its step could not "
             "be skipped on overflow. Pass every optimizer to amp.initialize."
         )
-    yield scaler.scale(loss.float())
-    if delay_unscale:
-        return
-    for o in opts:
-        scaler.unscale_(o)
-    for o in opts:
-        st = scaler._opt_state(o)
-        bad = torch.where(scaler._loss_finite, st["found_inf"], torch.ones_like(st["found_inf"]))
-        attach(o).apex_bad = bad
-    scaler.update()
+    scaled = scaler.scale(loss.float())
+    entry = [_set_aside(o) for o in opts]  # each optimizer's (parameter, gradient) on entry
+    try:
+        yield scaled
+        held, carried = [], []  # unscaled gradients from before the run; scaled ones of delayed blocks
+        for o, before in zip(opts, entry, strict=True):
+            run = peek(o, "apex_held", None)
+            held.append(before if run is None else run)
+            carried.append([] if run is None else before)
+            _add_back(carried[-1])
+        if delay_unscale:
+            for o, h in zip(opts, held, strict=True):
+                attach(o).apex_held = h
+            return
+        for o in opts:
+            scaler.unscale_(o)
+        bads = []
+        for o in opts:
+            found_inf = scaler._opt_state(o)["found_inf"]  # the block's own gradients only
+            bads.append(torch.where(scaler._loss_finite, found_inf, torch.ones_like(found_inf)))
+        for h in held:
+            _add_back(h)
+        scaler.update()
+    except BaseException:
+        for before in entry:
+            for p, g in before:
+                p.grad = g
+        raise
+    for o, bad in zip(opts, bads, strict=True):
+        pending = peek(o, "apex_bad", None)  # an earlier block's overflow still skips the step
+        attach(o).apex_bad = bad if pending is None else torch.maximum(pending, bad)
+        attach(o).apex_held = None
+
+
+def _set_aside(optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    """Apex's ``_prepare_amp_backward``: sets the ``.grad`` of the optimizer's parameters (and,
+    in O2, of the half model parameters behind its masters) to None and returns what they held."""
+    params = list(_ut.master_params(optimizer))
+    master = peek(optimizer, "master", None)
+    if master is not None:
+        params += [model_p for model_p, _ in master.pairs]
+    out, seen = [], set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((p, p.grad))
+            p.grad = None
+    return out
+
+
+@torch.no_grad()
+def _add_back(held: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    """Adds set-aside gradients to the parameters' ``.grad`` (in place where both are dense)."""
+    new, old = [], []
+    for p, g in held:
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        elif p.grad.layout == g.layout == torch.strided:
+            new.append(p.grad)
+            old.append(g)
+        else:
+            p.grad = p.grad + g
+    if new:
+        torch._foreach_add_(new, old)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
