@@ -63,9 +63,11 @@ from unimp.fp8.rule import (
     qdq_arrays,
     quantize_arrays,
     quantize_dequantize,
+    recorded_amax,
     simulate,
     step,
     step_arrays,
+    window_merge,
 )
 
 __all__ = [
@@ -87,6 +89,8 @@ __all__ = [
     "NumpyOps",
     "amax_of",
     "ieee_reciprocal",
+    "recorded_amax",
+    "window_merge",
     "check_state",
     "check_tensor",
     "fp8_from_dict",

@@ -11,6 +11,7 @@ import numpy as np
 from unimp.fp8.config import (
     _F32_MAX,
     MAX_SCALE,
+    STATE_FIELDS,
     CurrentScaling,
     DelayedScaling,
     FP8Config,
@@ -310,6 +311,42 @@ def amax_of(ops: Any, x: Any, config: FP8Config | None = None) -> Any:
         if config is not None and config.rule == "transformer_engine":
             a = ops.where(ops.isnan(a), ops.f32(0.0), a)
         return ops.amax(a)
+
+
+def window_merge(ops: Any, best: tuple[FP8State, Any] | None, new: FP8State, amax: Any) -> tuple[FP8State, Any]:
+    """One micro-batch of a gradient-accumulation window, folded into the window's result.
+
+    The convention of every backend: under ``grad_accum_steps = k`` a float8 tensor's scaling
+    takes ONE step per optimizer step. Every micro-batch of the window quantizes with the
+    state the window started from (delayed scaling: its stored scale; current scaling: the
+    micro-batch's own amax), and the state after the window is the rule run once on the
+    largest amax of the window's micro-batches, each micro-batch's own (a gradient's: that
+    micro-batch's own output gradient at the loss scale, not 1/k of it). All micro-batches
+    start from the same state, so that state is the one of the micro-batch with the largest
+    amax, which this keeps: ``best`` is ``(state, key)`` so far (``None`` before the first),
+    ``new`` this micro-batch's state after the rule, ``amax`` its amax (a NaN counts as the
+    largest, an inf-sized key; a tie keeps the earlier). Returns the new ``(state, key)``.
+    """
+    key = ops.where(ops.isnan(amax), ops.f32(float("inf")), ops.f32(amax))
+    if best is None:
+        return new, key
+    state, best_key = best
+    take = key > best_key
+    merged = FP8State(*(ops.where(take, getattr(new, f), getattr(state, f)) for f in STATE_FIELDS))
+    return merged, ops.where(take, key, best_key)
+
+
+def recorded_amax(ops: Any, before: FP8State, after: FP8State) -> Any:
+    """The amax a step recorded, read from the states around it (for :func:`window_merge`
+    where only the states are seen, as JAX's train step sees the ``model_state``): the
+    newest history entry where the history changed, else ``-1`` (below every amax: an amax
+    of 0 that the ``transformer_engine`` rule did not record, or a history equal to its own
+    shift). A state whose scale is 0 (a layer that did not run: its state's "gradient" is
+    0) gives ``-inf``."""
+    diff = ops.amax(ops.abs(after.amax_history - before.amax_history))
+    changed = ops.isnan(diff) | (diff > ops.f32(0.0))
+    key = ops.where(changed, after.amax_history[0], ops.f32(-1.0))
+    return ops.where(after.scale == ops.f32(0.0), ops.f32(float("-inf")), key)
 
 
 def step(config: FP8Config, state: FP8State, amax: float, role: str = "forward") -> tuple[Any, FP8State]:

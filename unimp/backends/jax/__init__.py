@@ -58,6 +58,7 @@ from unimp.backends.jax.fp8 import (
     fp8_state_from_numpy,
     fp8_state_to_numpy,
     fp8_step,
+    fp8_update,
 )
 from unimp.backends.jax.mixed_precision import MixedPrecision
 from unimp.backends.jax.optimizer import LossScaleOptState, MultiSteps, get_loss_scale, loss_scaling
@@ -80,6 +81,7 @@ from unimp.step import StepResult
 __all__ = [
     "FP8Ops",
     "fp8_dot_general",
+    "fp8_update",
     "fp8_amax",
     "fp8_initial_state",
     "fp8_quantize_dequantize",

@@ -371,6 +371,66 @@ def fp8_initial_states(config: _fp8.FP8Config, paths: Any) -> dict[str, tuple[FP
     return {p: tuple(fp8_initial_state(config) for _ in range(3)) for p in paths}
 
 
+def _is_state(x: Any) -> bool:
+    return isinstance(x, FP8State)
+
+
+def fp8_update(states: Any, new_states: Any) -> Any:
+    """The float8 states after a step: ``new_states`` (the "gradients" of ``states``, as
+    :func:`fp8_dot_general` returns them), except for a layer that did not run in the
+    differentiated function (skipped by ``lax.cond``, or run only under ``stop_gradient``):
+    its "gradient" is 0, which no state is (a scale is never 0), so its states are kept
+    bitwise as they were. Every :class:`unimp.fp8.FP8State` node of ``states`` is taken; the
+    rest of ``new_states`` is returned as it is. The train step applies it to its
+    ``model_state``; a loop of one's own should too (``states = mp.fp8_update(states, g)``)."""
+
+    if not fp8_window_states(states):  # nothing to keep (and the structure is the user's)
+        return new_states
+
+    def keep(old: Any, new: Any) -> Any:
+        if not _is_state(old):
+            return new
+        ran = jnp.asarray(new.scale) != 0
+        return FP8State(*(jnp.where(ran, getattr(new, f), getattr(old, f)) for f in STATE_FIELDS))
+
+    return jax.tree_util.tree_map(keep, states, new_states, is_leaf=_is_state)
+
+
+def fp8_window_carry(start: Any, new: Any) -> Any:
+    """Gradient accumulation: the model state the next micro-batch of a window starts from,
+    ``new`` with its float8 states put back to the window's ``start`` (every micro-batch
+    quantizes with the states the window started from: :func:`unimp.fp8.window_merge`)."""
+    if not fp8_window_states(start):
+        return new
+    return jax.tree_util.tree_map(lambda s, n: s if _is_state(s) else n, start, new, is_leaf=_is_state)
+
+
+def fp8_window_states(new: Any) -> list[FP8State]:
+    """The float8 states of one micro-batch's new model state, in tree order."""
+    return [x for x in jax.tree_util.tree_leaves(new, is_leaf=_is_state) if _is_state(x)]
+
+
+def fp8_window_result(start: Any, carried: Any, stacked: list[FP8State]) -> Any:
+    """The model state after a window: ``carried`` (the last micro-batch's, float8 states put
+    back), with each float8 state the one of the micro-batch with the largest recorded amax
+    (``stacked``: per state, the window's micro-batches along axis 0; the amax read from the
+    states, :func:`unimp.fp8.recorded_amax`), then :func:`fp8_update` against ``start``."""
+    olds = fp8_window_states(start)
+    if not olds:
+        return carried
+    merged = []
+    for old, cand in zip(olds, stacked, strict=True):
+        best = None
+        for i in range(int(jnp.shape(cand.scale)[0])):
+            new = FP8State(*(getattr(cand, f)[i] for f in STATE_FIELDS))
+            best = _fp8.window_merge(FP8Ops, best, new, _fp8.recorded_amax(FP8Ops, old, new))
+        merged.append(best[0])
+    leaves, treedef = jax.tree_util.tree_flatten(carried, is_leaf=_is_state)
+    it = iter(merged)
+    leaves = [next(it) if _is_state(x) else x for x in leaves]
+    return fp8_update(start, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
 def fp8_matmul(config: _fp8.FP8Config, states: Any, path: str, x: jax.Array, w: jax.Array,
                native: bool | None = None) -> jax.Array:
     """Plain JAX: ``x @ w`` (``w`` of shape ``(in, out)``) as :func:`fp8_dot_general` with

@@ -16,7 +16,12 @@ import optax
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import _as_device
-from unimp.backends.jax.fp8 import fp8_flax_dot_general_cls, fp8_initial_states, fp8_matmul
+from unimp.backends.jax.fp8 import (
+    fp8_flax_dot_general_cls,
+    fp8_initial_states,
+    fp8_matmul,
+    fp8_update,
+)
 from unimp.backends.jax.optimizer import loss_scaling
 from unimp.backends.jax.overrides import apply_overrides, cast_by_path, check_half_leaves
 from unimp.backends.jax.precision import matmul_precision
@@ -221,6 +226,13 @@ class MixedPrecision(MixedPrecisionBase):
         if self._recipe.fp8 is None:
             return x @ w
         return fp8_matmul(self._recipe.fp8.scaling, states, path, x, w, native=native)
+
+    def fp8_update(self, states: Any, new_states: Any) -> Any:
+        """Plain JAX: the states after a step from their "gradients"
+        (:func:`unimp.backends.jax.fp8.fp8_update`): a layer that did not run in the step
+        (``lax.cond``, ``stop_gradient``) keeps its states, where taking the gradients as
+        they are would give it zeros. ``mp.train_step(..., model_state=states)`` applies it."""
+        return fp8_update(states, new_states)
 
     def init_loss_scale(self) -> LossScale:
         """The recipe's loss scale as a pytree in its initial state."""

@@ -16,6 +16,12 @@ from jax import lax
 
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.jax.devices import _commit_like, _device_leaf
+from unimp.backends.jax.fp8 import (
+    fp8_update,
+    fp8_window_carry,
+    fp8_window_result,
+    fp8_window_states,
+)
 from unimp.backends.jax.optimizer import (
     _contains_loss_scaling,
     _count_skipped,
@@ -523,6 +529,7 @@ class StepOps:
         explicit, gparams = _own_gradients(params, axis) if reduce and tracked else (None, params)
         if k == 1:
             scaled_grads, (loss, new_model_state, *observed) = grad_fn(gparams, micro[0], self.model_state)
+            new_model_state = fp8_update(self.model_state, new_model_state)
             loss_finite = jnp.isfinite(loss)
             if self.with_stats:
                 self.activations = observed[0]
@@ -539,17 +546,22 @@ class StepOps:
                 params,
             )
 
+            start = self.model_state
+
             def body(carry: Any, mb: Any) -> Any:
-                acc, st = carry  # the model state threads through the micro-batches in order
-                g, (micro_loss, st, *observed) = grad_fn(gparams, mb, st)
+                acc, st = carry  # the model state threads through the micro-batches in order,
+                g, (micro_loss, new, *observed) = grad_fn(gparams, mb, st)
+                # but float8 states do not: each micro-batch quantizes with the window's start
+                # and the window takes one step (unimp.fp8.window_merge)
                 return (
                     jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g),
-                    st,
-                ), (micro_loss, *observed)
+                    fp8_window_carry(start, new),
+                ), (micro_loss, fp8_window_states(new), *observed)
 
-            (summed, new_model_state), (losses, *observed) = lax.scan(
-                body, (zeros, self.model_state), stacked
+            (summed, carried), (losses, fp8_new, *observed) = lax.scan(
+                body, (zeros, start), stacked
             )
+            new_model_state = fp8_window_result(start, carried, fp8_new)
             if self.with_stats:  # one entry per micro-batch: taken together
                 self.activations = {n: _merge_stacked(e) for n, e in observed[0].items()}
             scaled_grads = jax.tree_util.tree_map(

@@ -14,6 +14,15 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops.control_flow_v2_func_graphs import (
+    ControlFlowFuncGraph as _ControlFlowFuncGraph,
+)
+from tensorflow.python.ops.gen_resource_variable_ops import (
+    assign_variable_op as _assign_variable,
+)
+from tensorflow.python.ops.gen_resource_variable_ops import (
+    read_variable_op as _read_variable,
+)
 
 from unimp import fp8 as _fp8
 from unimp.attached import attach, peek
@@ -321,15 +330,68 @@ def _state(layer: Any, name: str) -> FP8State:
     return FP8State(*(tf.convert_to_tensor(getattr(layer, f"{name}_{f}")) for f in _FIELDS))
 
 
-def _step(layer: Any, config: _fp8.FP8Config, name: str, amax: tf.Tensor, role: str, training: bool) -> Any:
-    state = _state(layer, name)
+def _branch_handles(layer: Any, name: str) -> list[tf.Tensor] | None:
+    """The resource handles of ``layer``'s ``name`` state variables as captured by the current
+    control-flow branch graph (``tf.cond`` / ``tf.while_loop`` inside a ``tf.function``), or
+    ``None`` outside one. The output gradient's state is read and assigned in the backward
+    function, whose graph may not capture a variable of the eager context itself (cond_v2's
+    gradient then fails with "Tensor.graph is undefined when eager execution is enabled"):
+    it uses the branch's captures, which cond_v2 maps back to the outer graph."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    branch = graph
+    while branch is not None and not isinstance(branch, _ControlFlowFuncGraph):
+        branch = getattr(branch, "outer_graph", None)
+    if branch is None:
+        return None
+    return [graph.capture(getattr(layer, f"{name}_{f}").handle) for f in _FIELDS]
+
+
+def _step(layer: Any, config: _fp8.FP8Config, name: str, amax: tf.Tensor, role: str, training: bool,
+          handles: list[tf.Tensor] | None = None) -> Any:
+    if handles is not None:  # inside a control-flow branch: through the branch's captures
+        state = FP8State(*(_read_variable(h, tf.float32) for h in handles))
+    else:
+        state = _state(layer, name)
     if not training and isinstance(config, _fp8.DelayedScaling):
         return state.scale, state.scale_inv
     used, new = fp8_step(config, state, amax, role)
-    if training:
+    if training and handles is not None:  # (a window's merge would leave the branch's graph)
+        for h, f in zip(handles, _FIELDS, strict=True):
+            _assign_variable(h, getattr(new, f))
+    elif training and _WINDOWS:  # accumulating: one step per window (fp8_window)
+        window, key = _WINDOWS[-1], (id(layer), name)
+        best = window[key][1] if key in window else None
+        window[key] = (layer, _fp8.window_merge(FP8Ops, best, new, amax))
+    elif training:
         for f in _FIELDS:
             getattr(layer, f"{name}_{f}").assign(getattr(new, f))
     return used
+
+
+#: The open gradient-accumulation windows (innermost last): ``{(id(layer), tensor): (layer,
+#: (state after the window so far, key))}``, filled while the window's micro-batches run or
+#: are traced.
+_WINDOWS: list[dict[tuple[int, str], tuple[Any, Any]]] = []
+
+
+@contextlib.contextmanager
+def fp8_window() -> Any:
+    """A gradient-accumulation window over the float8 layers run inside it: every micro-batch
+    quantizes with the states as they are, and on leaving (without an error) each tensor's
+    state takes one step, the rule run on the window's largest amax
+    (:func:`unimp.fp8.window_merge`, the convention of every backend). On an error the
+    states stay as they were. The train step opens one around its micro-batches."""
+    window: dict[tuple[int, str], tuple[Any, Any]] = {}
+    _WINDOWS.append(window)
+    try:
+        yield
+    finally:
+        _WINDOWS.pop()
+    for (_, name), (layer, (state, _)) in window.items():
+        for f in _FIELDS:
+            getattr(layer, f"{name}_{f}").assign(getattr(state, f))
 
 
 def native_fp8_supported() -> bool:
@@ -403,13 +465,15 @@ def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, tr
             return _xla_matmul(FP8Ops.to_fp8(a, a_fmt), FP8Ops.to_fp8(b, b_fmt), ta, tb)
         return tf.matmul(a, b, transpose_a=ta, transpose_b=tb)
 
+    handles = _branch_handles(layer, "grad")
+
     @tf.custom_gradient
     def matmul(x_, w_):
         y = tf.cast(mm(qx, dtype, qw, dtype) * (sinv_x * sinv_w), x_.dtype)
 
         def grad(g):
             g2 = tf.reshape(g, [-1, units])
-            sg, sinv_g = _step(layer, config, "grad", fp8_amax(g2, config), "backward", training)
+            sg, sinv_g = _step(layer, config, "grad", fp8_amax(g2, config), "backward", training, handles)
             qg = _fp8.quantize_arrays(FP8Ops, g2, sg, bdt, _fp8.FP8_MAX[bdt])
             dx = mm(qg, bdt, qw, dtype, tb=True) * (sinv_g * sinv_w)
             dw = mm(qx, dtype, qg, bdt, ta=True) * (sinv_x * sinv_g)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from unimp.backends.tensorflow.casting import to_dtype
 from unimp.backends.tensorflow.devices import _check_placed
+from unimp.backends.tensorflow.fp8 import fp8_window
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
@@ -386,13 +387,14 @@ class StepOps:
         accum = to_dtype(self.step.policy.accum_dtype or "float32")
         total: list[Any] = [None] * len(self.variables)
         losses = []
-        for mb in micro:
-            grads, loss32 = self._scaled_grads(mb, scale)
-            losses.append(loss32)
-            for i, g in enumerate(grads):
-                if g is not None:
-                    g = tf.cast(tf.convert_to_tensor(g), accum)
-                    total[i] = g if total[i] is None else _add_rounded(total[i], g)
+        with fp8_window():  # a float8 layer's scaling takes one step per window
+            for mb in micro:
+                grads, loss32 = self._scaled_grads(mb, scale)
+                losses.append(loss32)
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        g = tf.cast(tf.convert_to_tensor(g), accum)
+                        total[i] = g if total[i] is None else _add_rounded(total[i], g)
         kf = tf.constant(float(self.k), tf.float32)
         mean = [None if t is None else tf.cast(t, tf.float32) / kf for t in total]
         stacked = tf.stack(losses)

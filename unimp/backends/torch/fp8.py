@@ -396,11 +396,30 @@ class FP8Dense(torch.nn.Linear):
             return (state.scale, state.scale_inv), state
         used, new = fp8_step(self.config, state, amax, role)
         used = (used[0].clone(), used[1].clone())  # may be the buffers, overwritten next
-        if self.training:
+        window = self.__dict__.get("_window")
+        if self.training and window is not None:  # accumulating: one step per window
+            window[name] = _fp8.window_merge(_ops(amax.device), window.get(name), new, amax)
+        elif self.training:
             with torch.no_grad():
                 for f in _FIELDS:
                     getattr(self, f"{name}_{f}").copy_(getattr(new, f))
         return used, new
+
+    def _open_window(self) -> None:
+        """Starts a gradient-accumulation window: until :meth:`_close_window` every call
+        quantizes with the states as they are and the states after the window are kept
+        aside (:func:`unimp.fp8.window_merge`, the convention of every backend)."""
+        self.__dict__["_window"] = {}
+
+    def _close_window(self, commit: bool) -> None:
+        """Ends the window: ``commit`` writes each tensor's state after the window (the rule
+        run once on the window's largest amax); otherwise the states stay as they were."""
+        window = self.__dict__.pop("_window", None)
+        if commit and window:
+            with torch.no_grad():
+                for name, (state, _) in window.items():
+                    for f in _FIELDS:
+                        getattr(self, f"{name}_{f}").copy_(getattr(state, f))
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: _fp8.FP8Config, native: bool | None = None,

@@ -13,6 +13,7 @@ import torch
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
+from unimp.backends.torch.fp8 import FP8Dense
 from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
 from unimp.backends.torch.overflow import (
     _check_loss,
@@ -220,13 +221,12 @@ class StepOps:
         self.k = step.options.grad_accum_steps
 
     def begin(self) -> Any:
-        sc, k = self.sc, self.k
+        sc = self.sc
         sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
         self.flags = step_flags(sc) if fused_rule(sc.config) and sc._group() is None else None
         # the scale this step uses (the update changes the state in place): a static scale never
         # changes, so the state tensor is it; on the fused path the report's snapshot holds it
         self.scale_used = sc._scale.clone() if sc.config.dynamic and self.flags is None else sc._scale
-        self.factor = sc._scale if k == 1 else sc._scale / k  # read before the update
         return self.scale_used
 
     def save_forward_state(self) -> Any:
@@ -237,6 +237,8 @@ class StepOps:
     def abort(self, saved: Any) -> None:
         # a failed step leaves nothing behind: no partial gradients, no stale loss flag, no
         # half-done unscale_ (the scaler's record of this iteration), the buffers as they were
+        for m in _fp8_layers(self.step.model) if self.k > 1 else ():
+            m._close_window(commit=False)
         self.opt.zero_grad(set_to_none=True)
         self.step.model.zero_grad(set_to_none=True)
         self.sc._loss_finite = self.sc._ops.true
@@ -245,7 +247,14 @@ class StepOps:
 
     def gradients(self, micro: list[Any], scale: Any) -> tuple[Any, Any, Any]:
         sc, step, flags = self.sc, self.step, self.flags
-        unscaled = sc.config.unity and self.k == 1  # loss * 1 is the loss: backward on it directly
+        unscaled = sc.config.unity  # loss * 1 is the loss: backward on it directly
+        # a window sums each micro-batch's scaled gradient and divides the sum by k once, as
+        # TensorFlow's and JAX's steps do, so a float8 layer's output gradient is the
+        # micro-batch's own (at the loss scale) in every backend; its scaling takes one step
+        # per window (unimp.fp8.window_merge)
+        fp8_layers = _fp8_layers(step.model) if self.k > 1 else []
+        for m in fp8_layers:
+            m._open_window()
         losses = []
         accum = step.mp.policy.accum_dtype if self.k > 1 else None
         sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
@@ -264,14 +273,17 @@ class StepOps:
                 # the flag starts as the cached True, and True & x is x: one op fewer a step
                 start = sc._loss_finite is sc._ops.true
                 sc._loss_finite = finite if start else sc._loss_finite & finite
-            (loss if unscaled else loss * _to(self.factor, loss.device)).backward()
+            (loss if unscaled else loss * _to(sc._scale, loss.device)).backward()
             if flags is not None:  # after backward: the check multiplies the loss by 1 in place
                 _check_loss(detached, flags[0], sc._ops.f32(1.0))
             losses.append(_to(detached.float(), sc.device))
             if accum is not None:
                 _accumulate(step.model, sums, to_dtype(accum))
-        for param, total in sums.values():  # the window's sum, back in the gradient's dtype
-            param.grad = total.to(param.dtype)
+        for m in fp8_layers:
+            m._close_window(commit=True)
+        if self.k > 1:
+            _window_mean(sums, self.k)
+            _divide(self.sc._grads(self.opt), {id(p) for p, _ in sums.values()}, self.k)
         mean_loss = losses[0] if self.k == 1 else torch.stack(losses).mean()
         # the loss flag: the scaler's (the fused path's is in its scratch, reported by update)
         return self.opt, mean_loss, sc._loss_finite if flags is None else None
@@ -352,6 +364,30 @@ class StepOps:
             "total_skips": report["total_skips"],
             **floor_hits(sc.config, extra, self.step.calls),
         }
+
+
+def _fp8_layers(model: torch.nn.Module) -> list[Any]:
+    """The float8 layers of ``model`` (:class:`unimp.backends.torch.fp8.FP8Dense`)."""
+    return [m for m in model.modules() if isinstance(m, FP8Dense)]
+
+
+def _window_mean(sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]], k: int) -> None:
+    """The window's running sums in the policy's ``accum_dtype``, divided by ``k`` in float32
+    and put back in each gradient's dtype (TensorFlow and JAX take the mean of their sums in
+    float32 too)."""
+    for param, total in sums.values():
+        param.grad = (total.float() / k).to(param.dtype)
+
+
+def _divide(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]], done: set[int], k: int) -> None:
+    """The gradients autograd summed over the window (in the parameters' dtype), divided by
+    ``k`` in place, once per device and dtype; those in ``done`` already were."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p, g in pairs:
+        if id(p) not in done:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for grads in groups.values():
+        torch._foreach_div_(grads, float(k))
 
 
 def _accumulate(
