@@ -3,7 +3,7 @@
 For each backend and model (the seeds' MLP 784->512->10 with batch 128, 4 layers of 1024
 with batch 256, and a tiny 16->32->4 MLP whose step is almost all fixed cost), two trainers of the same model from the same init are built in one worker
 process: A = unimp's ``train_step``, B = the native loop (torch.autocast + torch.amp.GradScaler
-with fused Adam; Keras LossScaleOptimizer in a tf.function GradientTape step; a jitted JAX step
+with fused Adam, or with each optimizer of ``--optimizers``; Keras LossScaleOptimizer in a tf.function GradientTape step; a jitted JAX step
 with jmp-style casts and an inline dynamic scale). After a warm-up they run interleaved,
 A B A B ..., the same number of steps per trial; the figure is the median of the per-pair ratio
 ``time(A) / time(B)`` with its min and max, and the median per-pair difference in
@@ -16,6 +16,7 @@ device the headline ratio uses process CPU time and the recipe defaults to ``flo
 Target: <= 1.02.
 
     python -m benchmarks.overhead [--quick] [--device cuda] [--recipe mixed_float16]
+        [--optimizers adam-fused,adam,sgd-momentum]
 """
 
 from __future__ import annotations
@@ -39,16 +40,18 @@ def worker(cfg: dict) -> dict:
     k = kit(backend)
     target, pairs, warmup = cfg["schedule"]
     rows = []
-    for name in cfg["models"]:
+    optimizers = (cfg.get("optimizers") or ["adam-fused"]) if backend == "torch" else [None]
+    for name, opt_name in [(m, o) for m in cfg["models"] for o in optimizers]:
         spec = h.MODELS[name]
+        extra = {} if opt_name is None else {"optimizer": opt_name}
         # two instances of each side, built in both orders (unimp first, then native first),
         # with half the pairs each: where a tensor lands in memory can make one instance a few
         # percent faster than another, whichever loop it runs
         parts = []
         for first in ("unimp", "native"):
-            built = {first: k.Trainer(first, spec, cfg["recipe"], cfg["device"])}
+            built = {first: k.Trainer(first, spec, cfg["recipe"], cfg["device"], **extra)}
             other = "native" if first == "unimp" else "unimp"
-            built[other] = k.Trainer(other, spec, cfg["recipe"], cfg["device"])
+            built[other] = k.Trainer(other, spec, cfg["recipe"], cfg["device"], **extra)
             parts.append(
                 h.interleaved(
                     built["unimp"].run,
@@ -68,6 +71,7 @@ def worker(cfg: dict) -> dict:
         r.update(model=name, model_desc=spec.describe())
         if backend == "torch":
             r["fused_optimizer"] = fused
+            r["optimizer"] = opt_name
         rows.append(r)
     return {"backend": backend, "framework": k.framework_version(), "rows": rows}
 
@@ -86,6 +90,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="comma-separated: mlp, wide, tiny (16->32->4: the fixed cost per step)",
     )
     p.add_argument(
+        "--optimizers",
+        default="adam-fused",
+        help="torch only, comma-separated: adam-fused (default), adam (foreach, torch's default), "
+        "adam-forloop, adamw, sgd-momentum, rmsprop, adagrad; both loops run the same one "
+        "(unimp's GradScaler against torch.amp's)",
+    )
+    p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
         default=None,
@@ -102,7 +113,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return {}
     mode = h.run_mode(args)
     models = ["tiny"] if args.tiny else [m.strip() for m in args.models.split(",") if m.strip()]
-    config = {"recipe": args.recipe, "models": models, "clock": args.clock, "schedule": SETTINGS[mode]}
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    known = ("adam-fused", "adam", "adam-forloop", "adamw", "sgd-momentum", "rmsprop", "adagrad")
+    if not optimizers or set(optimizers) - set(known):
+        p.error(f"--optimizers: choose from {', '.join(known)}; got {args.optimizers!r}")
+    config = {"recipe": args.recipe, "models": models, "clock": args.clock, "schedule": SETTINGS[mode],
+              "optimizers": optimizers}
     results = h.run_backends("overhead", args, config, summary=_summary)
     target, pairs, warmup = SETTINGS[mode]
     payload = {
@@ -130,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 [
                     backend,
                     res["framework"],
-                    r["model_desc"],
+                    r["model_desc"] + (f", {r['optimizer']}" if r.get("optimizer") else ""),
                     h.fmt_ratio(r),
                     h.fmt_ratio(r["wall" if r["clock"] == "cpu" else "cpu"]),
                     f"{r['diff_us_median']:+.0f}",

@@ -168,7 +168,8 @@ def _patch_step(optimizer: torch.optim.Optimizer, scaler: _ut.GradScaler) -> Non
         if pending is None:
             return original(*args, **kwargs)
         attach(optimizer).apex_bad = None
-        return _ut_optimizer._guarded_step(optimizer, pending, args, kwargs, step_fn=original)
+        # decided on the host, as Apex's patched step reads its overflow flag
+        return _ut_optimizer._guarded_step(optimizer, pending, args, kwargs, step_fn=original, sync=True)
 
     optimizer.step = step  # type: ignore[method-assign]
     attach(optimizer).apex_bad = None

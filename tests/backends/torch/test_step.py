@@ -177,22 +177,57 @@ def test_scheduler_advances_only_on_applied_steps():
     assert all(int(s["step"]) == 2 for s in opt.state.values())
 
 
-@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused", "sgd_plain"])
-def test_step_does_not_sync(opt_name, monkeypatch):
+@pytest.mark.parametrize(
+    ("opt_name", "skip", "syncs"),
+    [
+        ("adamw_fused", "auto", 0),  # torch's native found_inf path: never a sync
+        ("sgd_momentum", "guard", 0),  # the copy-and-select guard: never a sync
+        ("sgd_plain", "guard", 0),
+        ("sgd_momentum", "auto", 1),  # one host read before optimizer.step(), as torch.amp
+        ("sgd_plain", "auto", 1),
+    ],
+)
+def test_step_syncs_as_its_skip_mode_says(opt_name, skip, syncs, monkeypatch):
     mp = ut.MixedPrecision("mixed_float16", device=DEV)
     model = _mlp()
     opt = SKIP_OPTS[opt_name](model.parameters())
-    step = mp.train_step(model, opt, _loss, max_grad_norm=1.0)
+    step = mp.train_step(model, opt, _loss, max_grad_norm=1.0, skip=skip)
     step(_batch(0))  # creates the optimizer state (the one step that may sync)
+    reads = []
+    real_bool = torch.Tensor.__bool__
+
+    def counted(t):
+        reads.append(1)
+        return real_bool(t)
 
     def no_sync(*a, **k):
         raise AssertionError("host sync during a step")
 
-    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
+    for name in ("item", "__float__", "__int__", "tolist", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, no_sync)
+    monkeypatch.setattr(torch.Tensor, "__bool__", counted)
     results = [step(_batch(i, bad=(i == 2))) for i in range(1, 4)]
     monkeypatch.undo()
+    assert len(reads) == 3 * syncs
     assert [r.applied for r in results] == [True, False, True]
+
+
+def test_skip_modes_give_bitwise_the_same_training():
+    # the host-decided skip and the sync-free guard: the same parameters and optimizer state
+    mp = ut.MixedPrecision("mixed_float16", device=DEV)
+    out = {}
+    for skip in ("auto", "guard"):
+        torch.manual_seed(0)
+        model = _mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        step = mp.train_step(model, opt, _loss, skip=skip)
+        for i in range(4):
+            step(_batch(i, bad=(i == 1)))
+        out[skip] = [p.detach().clone() for p in model.parameters()] + [
+            v.clone() for st in opt.state.values() for v in st.values()]
+    assert all(torch.equal(a, b) for a, b in zip(out["auto"], out["guard"], strict=True))
+    with pytest.raises(ValueError, match="skip must be 'auto'.*or 'guard'"):
+        mp.train_step(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), _loss, skip="never")
 
 
 def test_train_step_state_dict_round_trip():
@@ -275,7 +310,8 @@ def test_skip_guard_covers_persistent_buffers_not_caches():
 @pytest.mark.parametrize("counts", ["applied", "attempted"])
 def test_no_scheduler_before_optimizer_warning_when_the_first_step_is_skipped(counts):
     # pytorch/pytorch#44511: torch.amp.GradScaler skips optimizer.step() on an overflow, so a
-    # scheduler stepped after a skipped first step warns; unimp skips on the device instead
+    # scheduler stepped after a skipped first step warns; unimp's skip (on the host, or on the
+    # device with skip="guard") counts as the step taken
     def loop(scaler, x):
         model = torch.nn.Linear(2, 1)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -147,9 +147,10 @@ class MixedPrecision(MixedPrecisionBase):
             return torch.autocast(self._device.type, dtype=self.compute_dtype)
         return _both(matmul_precision(precision), torch.autocast(self._device.type, dtype=self.compute_dtype))
 
-    def grad_scaler(self) -> GradScaler:
-        """A :class:`GradScaler` for the recipe's loss scale on the bound device."""
-        return GradScaler(self.loss_scale, device=self._device)
+    def grad_scaler(self, skip: str = "auto") -> GradScaler:
+        """A :class:`GradScaler` for the recipe's loss scale on the bound device (``skip`` as
+        there: how an optimizer without torch's native amp path skips a step)."""
+        return GradScaler(self.loss_scale, device=self._device, skip=skip)
 
     # -- prepare
 
@@ -342,8 +343,14 @@ class MixedPrecision(MixedPrecisionBase):
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
+        skip: str = "auto",
     ) -> TrainStep:
         """A training step following unimp's rules; see :class:`TrainStep`.
+
+        ``skip``: how a skipped step is made for an optimizer without torch's native amp path
+        (:class:`GradScaler`): ``"auto"``, one host read of the overflow flag before
+        ``optimizer.step()`` as torch.amp does (torch's fused optimizers never sync), or
+        ``"guard"``, no sync, at the cost of a copy of the parameters and optimizer state.
 
         ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``
         and ``log_every`` are the options every backend takes, validated and documented once
@@ -356,5 +363,5 @@ class MixedPrecision(MixedPrecisionBase):
         options = StepOptions(grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every)
         if self.policy.overrides and self._mode != "none" and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
-        step = TrainStep(self, model, optimizer, loss_fn, options=options, scheduler=scheduler)
+        step = TrainStep(self, model, optimizer, loss_fn, options=options, scheduler=scheduler, skip=skip)
         return with_log(step, self, log, options.log_every, step.scaler.config, _to_host)

@@ -40,27 +40,37 @@ def _guarded_step(
     args: tuple,
     kwargs: dict,
     step_fn: Callable[..., Any] | None = None,
+    sync: bool = False,
 ) -> Any:
     """Runs ``optimizer.step`` so that, where ``bad`` (float32 0-d, nonzero = skip) is set, the
-    parameters and the whole optimizer state stay bitwise as they were, without a host sync.
+    parameters and the whole optimizer state stay bitwise as they were.
 
     * Optimizers with torch's native amp path (``_step_supports_amp_scaling``: fused
       Adam/AdamW/SGD/Adagrad) get ``found_inf=bad``: their kernels leave parameters and
-      moments alone and undo the ``step`` increment. No extra memory.
-    * Any other optimizer: the parameters with gradients and the state tensors are copied
-      before the step and selected back with ``torch.where(bad, old, new)`` after it (one extra
-      copy of parameters and state; the values of an applied step are the optimizer's own).
+      moments alone and undo the ``step`` increment. No extra memory, no host sync.
+    * Any other optimizer with ``sync=True`` (the GradScaler's default ``skip="auto"``): the
+      host reads ``bad`` once and ``optimizer.step`` runs only on an applied step, as
+      torch.amp's GradScaler decides every step. One sync, no copy. (An amp-aware optimizer
+      of one's own, ``_step_supports_amp_scaling`` without torch's fused kernel, is stepped
+      every time with ``found_inf`` set, as torch.amp steps it, and guarded as below.)
+    * Any other optimizer with ``sync=False`` (``skip="guard"``): the parameters with gradients
+      and the state tensors are copied before the step and selected back with
+      ``torch.where(bad, old, new)`` after it, with no host sync (one extra copy of parameters
+      and state, and the optimizer's work on a skipped step; the values of an applied step
+      are the optimizer's own).
 
-    Host syncs happen only where the decision cannot stay on the device: for sparse
+    Without ``sync``, host syncs happen only where the decision cannot stay on the device: for sparse
     parameters (``torch.where`` has no sparse kernel; the step is run or not, as torch does), on the step that
     creates an optimizer's lazy per-parameter state (to drop it when the step is skipped, so a
     skipped first step leaves ``optimizer.state`` empty, as never stepping would), and for state
     that is not a tensor on the flag's device (e.g. non-capturable Adam's CPU ``step`` with CUDA
     parameters; use ``fused=True`` or ``capturable=True`` to avoid it).
 
-    Cost, measured on CPU (Adam, 4.2M parameters, torch 2.13): fused 3.2 ms per step with or
-    without the guard; foreach 28.8 -> 54.1 ms; for-loop 40.2 -> 109.3 ms, plus one copy of
-    the parameters and moments. Prefer ``fused=True`` where torch has it.
+    Cost of the copy-and-select guard, measured on CPU (Adam, 4.2M parameters, torch 2.13):
+    fused 3.2 ms per step with or without it; foreach 28.8 -> 54.1 ms; for-loop 40.2 -> 109.3
+    ms, plus one copy of the parameters and moments; the host-decided step costs what
+    torch.amp's does (``benchmarks.overhead``'s optimizer rows). Prefer ``fused=True`` where
+    torch has it: no copy and no sync.
 
     ``step_fn`` replaces ``optimizer.step`` (the Apex shim passes the original bound method).
     """
@@ -75,11 +85,20 @@ def _guarded_step(
     if master is not None:
         master.in_guard = True
     try:
-        if any(p.layout != torch.strided for p in params):
-            # sparse parameters: torch.where has no sparse kernel, so the skip is decided on the
-            # host, as torch.amp.GradScaler decides every step (one sync, sparse steps only)
+        if (sync and not amp_aware) or any(p.layout != torch.strided for p in params):
+            # decided on the host, as torch.amp.GradScaler decides every step (one sync): asked
+            # for, or sparse parameters (torch.where has no sparse kernel). An amp-aware
+            # optimizer of one's own is stepped on every call, as torch.amp steps it (it reads
+            # found_inf), and guarded below
             with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
-                ret = None if bool(bad != 0) else step_fn(*args, **kwargs)
+                if bool(bad != 0):
+                    ret = None
+                    # the step was taken, and skipped: an LR scheduler stepped after it must
+                    # not warn that it ran before optimizer.step() (torch.amp's skip makes it
+                    # warn: pytorch/pytorch#44511); the flag its step wrapper sets
+                    optimizer._opt_called = True  # type: ignore[attr-defined]
+                else:
+                    ret = step_fn(*args, **kwargs)
         elif native:
             with _amp_attributes(optimizer, bad):
                 ret = step_fn(*args, **kwargs)

@@ -232,6 +232,24 @@ def check_new_scale(config: LossScaleConfig, new_scale: float | torch.Tensor) ->
 
 _TORCH_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
+#: How a step of an optimizer without torch's native amp path is skipped (see GradScaler).
+SKIP_MODES = ("auto", "guard")
+
+
+def check_skip(skip: Any) -> str:
+    """``skip`` if it is one of :data:`SKIP_MODES`.
+
+    Raises:
+        ValueError: anything else, naming the two and what each costs.
+    """
+    if not isinstance(skip, str) or skip not in SKIP_MODES:
+        raise ValueError(
+            f"skip must be 'auto' (a host read of the overflow flag before optimizer.step(), as "
+            f"torch.amp) or 'guard' (no sync: the parameters and optimizer state are copied and "
+            f"selected back), got {skip!r}."
+        )
+    return skip
+
 
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "meta", "privateuseone")
 
@@ -250,14 +268,21 @@ class GradScaler:
     reducing the scale). With ``DynamicLossScale.preset("torch")`` the scale sequence and the
     parameters match ``torch.amp.GradScaler`` exactly (tested).
 
-    Nothing here waits for the device: the non-finite check and unscale are
-    ``torch._amp_foreach_non_finite_check_and_unscale_`` (as torch), and a step with
-    non-finite gradients is skipped on the device (see :meth:`step`) instead of torch's
-    ``found_inf.item()``.
+    How a step with non-finite gradients is skipped (``skip``), per optimizer, by what it
+    costs: torch's fused optimizers (``fused=True``) take the overflow flag natively and skip
+    in their kernel, with no host sync and no copy; any other optimizer, with the default
+    ``skip="auto"``, is skipped as torch.amp skips it: the host reads the flag once before
+    ``optimizer.step()`` (one device-to-host sync per step, no copy, the same time and memory
+    as torch.amp's GradScaler). ``skip="guard"`` keeps every step free of syncs for those
+    optimizers too: the parameters and optimizer state are copied before the step and
+    selected back on the device after it (one extra copy of them, and the optimizer's work on
+    a skipped step). The non-finite check and unscale are
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` (as torch), and the scale update
+    never waits for the device.
 
     Differences from torch, on purpose: calling :meth:`unscale_` twice before :meth:`update`
-    is harmless (gradients are divided once; torch raises); :meth:`step` returns a 0-d bool
-    tensor, whether the step was applied; :meth:`state_dict` is unimp's portable format and
+    is harmless (gradients are divided once; torch raises); a parameter listed twice in an
+    optimizer's groups is unscaled once; :meth:`state_dict` is unimp's portable format and
     round-trips for a disabled scaler too (torch's disabled scaler saves ``{}``).
 
     Args:
@@ -277,11 +302,14 @@ class GradScaler:
             :meth:`unscale_` after construction or :meth:`load_state_dict` also checks once
             that every rank holds the same loss-scale state and raises if not (see
             :func:`unimp.backends.torch.overflow.check_replicas_agree`).
+        skip: ``"auto"`` (default) or ``"guard"``: how an optimizer without torch's native
+            amp path skips a step (above); fused optimizers always skip natively.
         init_scale, growth_factor, backoff_factor, growth_interval: torch's keywords, only
             with ``loss_scale=None``.
 
     Raises:
-        ValueError: a bad loss scale or device, or torch keywords with a ``loss_scale``.
+        ValueError: a bad loss scale, device or ``skip``, or torch keywords with a
+            ``loss_scale``.
 
     Example:
         >>> scaler = GradScaler(DynamicLossScale.preset("torch"), device="cpu")
@@ -296,8 +324,10 @@ class GradScaler:
         *,
         enabled: bool = True,
         process_group: Any = None,
+        skip: str = "auto",
         **torch_options: Any,
     ) -> None:
+        self._skip_mode = check_skip(skip)
         if process_group is not None and process_group is not False:
             dist = getattr(torch, "distributed", None)
             if dist is None or not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
@@ -616,7 +646,7 @@ class GradScaler:
         if args:  # a closure runs on an applied step only: decided on the host, as torch does
             ret = None if bool(bad != 0) else optimizer.step(*args, **kwargs)
         else:
-            ret = _guarded_step(optimizer, bad, args, kwargs)
+            ret = _guarded_step(optimizer, bad, args, kwargs, sync=self._skip_mode == "auto")
             if ret is not None and bool(bad != 0):
                 ret = None
         st["stage"] = _STEPPED

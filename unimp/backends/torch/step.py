@@ -25,7 +25,7 @@ from unimp.backends.torch.overflow import (
     step_flags,
 )
 from unimp.backends.torch.precision import matmul_precision
-from unimp.backends.torch.scaling import GradScaler, fused_rule
+from unimp.backends.torch.scaling import GradScaler, check_skip, fused_rule
 from unimp.backends.torch.stats import (
     _grad_flags,
     _gradient_stats,
@@ -76,9 +76,10 @@ class TrainStep(LoggedStep):
     module's :class:`StepOps`, under the policy's ``matmul_precision`` (set with
     :func:`unimp.backends.torch.matmul_precision` for the call, restored after it) and runs
     ``loss_fn(model, micro_batch)`` under the recipe's autocast, backpropagates
-    ``loss * scale / grad_accum_steps`` for each micro-batch, unscales once, computes the
+    ``loss * scale`` for each micro-batch, divides the window's sum by ``grad_accum_steps``
+    and unscales once (as TensorFlow's and JAX's steps take the mean), computes the
     global gradient norm and clips on the UNSCALED gradients (``g * min(1, max_norm / norm)``),
-    steps (skipped on the device when the loss or a gradient is non-finite: parameters,
+    steps (skipped when the loss or a gradient is non-finite: parameters,
     optimizer state and the model's buffers, e.g. BatchNorm's running statistics and
     ``num_batches_tracked``, stay bitwise unchanged), updates the loss scale with unimp's rule, and
     resets the gradients (to None, i.e. exact zeros, never by subtracting them).
@@ -111,13 +112,18 @@ class TrainStep(LoggedStep):
             steps run exactly the code they run without the option. Under DDP the gradients
             are the all-reduced ones (the same on every rank), the layer outputs each rank's
             own.
-        scheduler: a torch LR scheduler, stepped as ``options.schedule_counts`` says; without
-            one a step never syncs.
+        scheduler: a torch LR scheduler, stepped as ``options.schedule_counts`` says.
+        skip: how a step is skipped for an optimizer without torch's native amp path
+            (:class:`GradScaler`): ``"auto"`` (default) reads the overflow flag on the host
+            once before ``optimizer.step()``, as torch.amp does; ``"guard"`` never syncs (a
+            copy of the parameters and optimizer state, selected back on the device).
+            torch's fused optimizers skip in their kernel either way: with one, and without
+            a scheduler on ``"applied"``, a step never syncs.
 
     Raises:
         ValueError: a model on another device type than the bound one, a ``batch`` that is
-            not a sequence of ``grad_accum_steps`` micro-batches, or a loss that is not a
-            scalar.
+            not a sequence of ``grad_accum_steps`` micro-batches, a loss that is not a
+            scalar, or a ``skip`` other than ``"auto"`` / ``"guard"``.
     """
 
     def __init__(
@@ -129,8 +135,10 @@ class TrainStep(LoggedStep):
         *,
         options: StepOptions | None = None,
         scheduler: Any = None,
+        skip: str = "auto",
     ) -> None:
         options = StepOptions() if options is None else options
+        check_skip(skip)  # before anything else is checked or built
         self.options = options
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
@@ -145,7 +153,7 @@ class TrainStep(LoggedStep):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler
-        self.scaler = GradScaler(mp.loss_scale, device=mp.device)
+        self.scaler = GradScaler(mp.loss_scale, device=mp.device, skip=skip)
         self.calls = 0  # steps taken: decides the statistics steps, never read from the device
         _check_half_state(optimizer)
 
@@ -337,7 +345,7 @@ class StepOps:
         if self.found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
             grads_inf.copy_(self.found_inf)
         skip_flags(sc)  # skip (exactly 1 or 0) and the backoff flag, one op
-        _guarded_step(grads, skip, (), {})
+        _guarded_step(grads, skip, (), {}, sync=sc._skip_mode == "auto")
         # the report: one snapshot, every field derived when read (below)
         self.report, (loss_bad, skipped, skipped_one) = snapshot(sc)
         self.fused = (overflow, skipped, loss_bad, skipped_one)
