@@ -27,7 +27,11 @@ __all__ = ["NORM_RESCALE_ABOVE", "StepOptions", "StepPrimitives", "run_step"]
 #: ``NORM_RESCALE_ABOVE``, else ``s = 1``. ``s`` is a power of two taken from ``amax``'s
 #: exponent bits (exact: no rounding of ``g * s`` in float32's normal range), so the scaled
 #: elements are below 2**33 and their squares sum without overflow for up to 2**62
-#: elements; below the threshold the norm is the plain ``sqrt(sum(g**2))``, bit for bit.
+#: elements; below the threshold the norm is the plain ``sqrt(sum(g**2))``, bit for bit. The
+#: clip multiplies in the same rescaled domain, ``(g * s) * (max_norm / (norm * s))``, in
+#: float32 (at least) and rounded once to the gradient's dtype, so that the factor never leaves
+#: float32's normal range (``max_norm / norm`` would, for a norm above 2**126 * max_norm, and
+#: XLA and TensorFlow flush it to 0: a silent no-op update).
 NORM_RESCALE_ABOVE = 2.0**32
 
 

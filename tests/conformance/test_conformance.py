@@ -293,6 +293,25 @@ def test_clipping_finite_gradients_whose_squares_overflow_float32(backend):
     np.testing.assert_allclose(run.w(), np.full(100, 0.9, np.float32), rtol=1e-6)
 
 
+def test_the_clip_factor_of_a_huge_finite_norm_is_not_flushed(backend):
+    # [1e38, 1e38]: the norm 1.414e38 is finite, max_norm / norm (7e-39) is subnormal and XLA
+    # and TensorFlow flush it to 0 (a silent no-op update); the rescaled clip keeps it normal
+    run = kits.build_linear(backend, get_recipe("float32"), w=[0.0, 0.0], lr=1.0, max_grad_norm=1.0)
+    r = run.step(kits.linear_batch([1e38, 1e38]))
+    assert r.applied and r.grad_norm == pytest.approx(1.4142135e38, rel=1e-6)
+    np.testing.assert_allclose(run.w(), [-0.70710677, -0.70710677], rtol=1e-6)
+
+
+def test_clipping_half_gradients_multiplies_in_float32_and_rounds_once(backend):
+    # torch multiplies a float16 gradient by the float32 factor and rounds once; TensorFlow
+    # cast the factor to float16 first (w[0] was -0.5996...): g * 0.2 for g = [3, 4, 1e-3]
+    run = kits.build_linear(backend, get_recipe("float16", loss_scale="none"), w=[0.0, 0.0, 0.0],
+                            lr=1.0, max_grad_norm=1.0)
+    r = run.step(kits.linear_batch([3.0, 4.0, 1e-3]))
+    assert r.applied and r.grad_norm == pytest.approx(5.0, rel=1e-3)
+    assert run.w().tolist() == [-0.60009765625, -0.7998046875, -0.00020003318786621094]
+
+
 def test_accumulation_is_mean_with_whole_window_skip(backend):
     recipe = get_recipe("mixed_float16", loss_scale=StaticLossScale(1024.0))
     run = kits.build_linear(backend, recipe, w=[0.0, 0.0], lr=1.0, grad_accum_steps=2)

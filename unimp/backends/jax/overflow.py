@@ -196,8 +196,8 @@ def _norm_rescale(amax: jax.Array) -> jax.Array:
     return jnp.where(big, jnp.float32(NORM_RESCALE_ABOVE) / jnp.where(big, power, 1.0), jnp.float32(1.0))
 
 
-def _global_norm(grads: Any, axis_name: Any = None) -> jax.Array:
-    """Global L2 norm of the gradients, accumulated in float32 whatever their dtype (a float16
+def _global_norm(grads: Any, axis_name: Any = None) -> tuple[jax.Array, jax.Array]:
+    """``(norm, s)``: the global L2 norm of the gradients, accumulated in float32 whatever their dtype (a float16
     norm overflows at 256; ``optax.tree.norm`` sums in the leaves' dtype) and rescaled by
     :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rule, so that finite gradients never
     overflow it. The rule of every backend (torch and TensorFlow cast each gradient to
@@ -227,11 +227,12 @@ def _global_norm(grads: Any, axis_name: Any = None) -> jax.Array:
         else:
             shared = shared + sq
     total = shared if axis_name is None else shared + lax.psum(local, axis_name)
-    return jnp.sqrt(total) / s
+    return jnp.sqrt(total) / s, s
 
 
-def _clip(g: jax.Array, clip: jax.Array, factor: jax.Array) -> jax.Array:
-    """``g * factor`` where ``clip``, multiplied in float32 (at least) and rounded once to
-    ``g``'s dtype, as torch's in-place multiply of a half tensor by a float32 scalar."""
+def _clip(g: jax.Array, clip: jax.Array, s: jax.Array, factor: jax.Array) -> jax.Array:
+    """``(g * s) * factor`` where ``clip``, multiplied in float32 (at least) and rounded once
+    to ``g``'s dtype, as torch's in-place multiply of a half tensor by a float32 scalar
+    (``s`` and ``factor``: :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rescaled clip)."""
     wide = jnp.promote_types(g.dtype, jnp.float32)
-    return jnp.where(clip, (g.astype(wide) * factor).astype(g.dtype), g)
+    return jnp.where(clip, (g.astype(wide) * s * factor).astype(g.dtype), g)

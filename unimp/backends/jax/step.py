@@ -597,13 +597,14 @@ class StepOps:
         return grads, all_finite(grads, self.axis)
 
     def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
-        norm = _global_norm(grads, self.axis)
+        norm, self.rescale = _global_norm(grads, self.axis)
         return norm, grads_finite & jnp.isfinite(norm)
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
-        limit = jnp.float32(max_norm)
-        clip, factor = norm > limit, limit / norm
-        return jax.tree_util.tree_map(lambda g: _clip(g, clip, factor), grads)
+        # (g * s) * (max_norm / (norm * s)): the factor stays normal (NORM_RESCALE_ABOVE)
+        limit, s = jnp.float32(max_norm), self.rescale
+        clip, factor = norm > limit, limit / (norm * s)
+        return jax.tree_util.tree_map(lambda g: _clip(g, clip, s, factor), grads)
 
     def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
         params, opt_state = self.params, self.opt_state

@@ -57,13 +57,13 @@ def _norm_rescale(amax: tf.Tensor) -> tf.Tensor:
     return tf.where(big, tf.math.divide_no_nan(tf.constant(NORM_RESCALE_ABOVE, tf.float32), power), 1.0)
 
 
-def _global_norm(grads: list[Any]) -> tf.Tensor:
-    """Global L2 norm (float32) of the gradients (``None`` skipped); 0 for no gradients;
-    rescaled by :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rule so that finite gradients
-    never overflow it."""
+def _global_norm(grads: list[Any]) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(norm, s)``: the global L2 norm (float32) of the gradients (``None`` skipped; 0 for
+    no gradients), rescaled by :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rule so that
+    finite gradients never overflow it, and the rule's factor ``s`` (for the clip)."""
     wide = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads if g is not None]
     if not wide:
-        return tf.constant(0.0, tf.float32)
+        return tf.constant(0.0, tf.float32), tf.constant(1.0, tf.float32)
     amax = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(g)) for g in wide]))
     s = _norm_rescale(amax)
-    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g * s)) for g in wide])) / s
+    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g * s)) for g in wide])) / s, s

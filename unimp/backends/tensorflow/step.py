@@ -53,6 +53,18 @@ def _times(g: Any, factor: tf.Tensor) -> Any:
     return g * tf.cast(factor, g.dtype)
 
 
+def _clipped(g: Any, clip: tf.Tensor, s: tf.Tensor, factor: tf.Tensor) -> Any:
+    """``(g * s) * factor`` multiplied in float32 and rounded once to ``g``'s dtype where
+    ``clip``, else ``g`` (``None`` and ``tf.IndexedSlices`` handled), as torch's in-place
+    multiply of a half tensor by a float32 scalar rounds."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(_clipped(g.values, clip, s, factor), g.indices, g.dense_shape)
+    product = tf.cast(tf.cast(g, tf.float32) * s * factor, g.dtype)
+    return tf.where(clip, product, g)
+
+
 def _all_reduce_in(replica: Any, grads: list[Any], dtype: tf.DType, scale: tf.Tensor) -> list[Any]:
     """The sum over the replicas of each (unscaled) gradient, computed in ``dtype``: cast to
     it, one all-reduce (SUM), cast back to the gradient's dtype. A half ``dtype`` carries the
@@ -448,15 +460,17 @@ class StepOps:
         # replica (clipping each replica by its own norm would not be clip(mean)).
         replica = self.replica
         if replica is None or replica.num_replicas_in_sync == 1 or self.reduced:
-            norm = _global_norm(grads)
+            norm, self.rescale = _global_norm(grads)
         else:
-            norm = _global_norm(replica.all_reduce("sum", [g for g in grads if g is not None]))
+            norm, self.rescale = _global_norm(replica.all_reduce("sum", [g for g in grads if g is not None]))
         return norm, tf.logical_and(grads_finite, tf.math.is_finite(norm))
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
+        # (g * s) * (max_norm / (norm * s)) where clipping, in float32 and rounded once to g's
+        # dtype (unimp.trainstep.NORM_RESCALE_ABOVE); g itself elsewhere
         limit = tf.constant(max_norm, tf.float32)
-        factor = limit / tf.maximum(norm, limit)
-        return [_times(g, factor) for g in grads]
+        s = self.rescale
+        return [_clipped(g, norm > limit, s, limit / (norm * s)) for g in grads]
 
     def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
         # the guarded apply and the loss-scale update, in one merge_call under a strategy

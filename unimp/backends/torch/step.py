@@ -323,13 +323,16 @@ class StepOps:
         # a sparse gradient's norm is that of its coalesced values (duplicate indices add
         # up first: pytorch/pytorch#35810 kind); scaling the uncoalesced values is the same
         values = [p.grad.coalesce()._values() if p.grad.is_sparse else g for p, g in pairs]
-        norm = _global_norm(values, sc.device) / self.rescale
+        self.scaled_norm = _global_norm(values, sc.device)  # of g * s
+        norm = self.scaled_norm / self.rescale
         # a norm beyond float32 is a non-finite gradient: the flag the update and report read
         torch.maximum(self.found_inf, torch.isfinite(norm).logical_not().float(), out=self.found_inf)
         return norm, (None if grads_finite is None else self.found_inf == 0)
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
-        coef = torch.clamp(max_norm / norm, max=1.0) / self.rescale
+        # (g * s) * (max_norm / (norm * s)) where clipping, (g * s) / s (exact) elsewhere:
+        # the factor stays in float32's normal range (unimp.trainstep.NORM_RESCALE_ABOVE)
+        coef = torch.where(norm > max_norm, max_norm / self.scaled_norm, 1.0 / self.rescale)
         groups: dict[torch.device, list[torch.Tensor]] = {}
         for _, g in self.sc._grads(grads):
             groups.setdefault(g.device, []).append(g)
