@@ -104,7 +104,7 @@ class NumpyOps:
 
 
 def ieee_reciprocal(ops: Any, x: Any) -> Any:
-    """``1 / x`` for float32 ``x`` (any shape), rounded as IEEE 754 division rounds it, also
+    """``1 / x`` for float32 ``x`` (the rule's 0-d scales), rounded as IEEE 754 division rounds it, also
     where ``x`` or the result is subnormal, with no subnormal value going through arithmetic.
 
     XLA and TensorFlow flush subnormal results and operands to 0 (FTZ / DAZ) on CPU and GPU,
@@ -114,7 +114,9 @@ def ieee_reciprocal(ops: Any, x: Any) -> Any:
     from its bit pattern ``k = round_half_even(2**149 / x)``, found with normal-range float32
     and int32 arithmetic only (a float32 quotient, then the exact remainder through 12-bit
     halves, no product above 2**24), and a subnormal ``x`` is read through its bits ``b``:
-    ``1 / x = (2**23 / b) * 2**126``. Elsewhere it is ``1 / x``. The namespace needs ``bits``
+    ``1 / x = (2**23 / b) * 2**126``. Elsewhere it is ``1 / x``, the framework's division:
+    inside a ``tf.function`` TensorFlow's CPU kernels may divide a vector of 8 or more elements
+    by an approximate reciprocal, an ulp off (0-d values are exact). The namespace needs ``bits``
     (float32 -> int32 bit pattern), ``from_bits`` and ``to_i32`` besides the usual names.
     """
     f, i = ops.f32, ops.to_i32
@@ -337,15 +339,15 @@ def window_merge(ops: Any, best: tuple[FP8State, Any] | None, new: FP8State, ama
 
 
 def recorded_amax(ops: Any, before: FP8State, after: FP8State) -> Any:
-    """The amax a step recorded, read from the states around it (for :func:`window_merge`
-    where only the states are seen, as JAX's train step sees the ``model_state``): the
-    newest history entry where the history changed, else ``-1`` (below every amax: an amax
-    of 0 that the ``transformer_engine`` rule did not record, or a history equal to its own
-    shift). A state whose scale is 0 (a layer that did not run: its state's "gradient" is
-    0) gives ``-inf``."""
-    diff = ops.amax(ops.abs(after.amax_history - before.amax_history))
-    changed = ops.isnan(diff) | (diff > ops.f32(0.0))
-    key = ops.where(changed, after.amax_history[0], ops.f32(-1.0))
+    """The amax a step recorded, read from the state after it (for :func:`window_merge` where
+    only the states are seen, as JAX's train step sees the ``model_state``): the newest
+    history entry. Exact wherever the rule records every amax; under the
+    ``transformer_engine`` rule an amax of 0, which it does not record, reads as the newest
+    entry already there (the step left the state as it was, and a window whose other
+    micro-batches are all below that entry keeps it so). A state whose scale is 0 (a layer
+    that did not run: its state's "gradient" is 0) gives ``-inf``. ``before`` is the state
+    the step started from (kept for the signature every caller uses)."""
+    key = ops.f32(after.amax_history[0])
     return ops.where(after.scale == ops.f32(0.0), ops.f32(float("-inf")), key)
 
 
