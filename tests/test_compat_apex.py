@@ -319,6 +319,19 @@ def test_a_failed_block_leaves_the_gradients_as_they_were():
     assert torch.equal(model.p.grad, torch.tensor(8.0))
 
 
+def test_a_failed_block_with_a_non_finite_loss_does_not_skip_the_next_step():
+    # the user bails out of a block whose loss is inf: scale() had recorded the loss check,
+    # which the failed block takes back (Apex keeps nothing of it)
+    model, opt = _scalar_model("O1")
+    opt.zero_grad()
+    with pytest.raises(RuntimeError):
+        with amp.scale_loss(float("inf") * model.p, opt):
+            raise RuntimeError("non-finite loss: skip this batch")
+    with amp.scale_loss(3.0 * model.p, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert torch.allclose(model.p.detach(), torch.tensor(0.7)) and amp.state_dict()["state"]["total_skips"] == 0
+
 
 def test_scale_loss_doctest():
     import doctest

@@ -242,6 +242,7 @@ def scale_loss(
             "scale_loss got an optimizer that was not passed to amp.initialize; its step could not "
             "be skipped on overflow. Pass every optimizer to amp.initialize."
         )
+    loss_flag = scaler._loss_finite  # scale() records the loss check: a failed block takes it back
     scaled = scaler.scale(loss.float())
     entry = [_set_aside(o) for o in opts]  # each optimizer's (parameter, gradient) on entry
     try:
@@ -269,6 +270,7 @@ def scale_loss(
         for before in entry:
             for p, g in before:
                 p.grad = g
+        scaler._loss_finite = loss_flag
         raise
     for o, bad in zip(opts, bads, strict=True):
         pending = peek(o, "apex_bad", None)  # an earlier block's overflow still skips the step
