@@ -428,3 +428,21 @@ def test_backoff_by_a_non_power_of_two_factor_is_within_ulps_of_jmps():
     for _ in range(9):
         a, b = a.adjust(jnp.array(False)), b.adjust(jnp.array(False))
         np.testing.assert_allclose(float(b.loss_scale), float(a.loss_scale), rtol=8 * 2.0**-24)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["bf16", "bfloat16", "f16", "half", "full", "f32", "c=f16", "o=bf16", "p=bf16",
+     "params=float16,compute=float16", "p=f32,c=bf16,o=f32", "16", "float", "mixed_bfloat16",
+     "x=f16", "c=f8"],
+)
+def test_get_policy_reads_names_by_jmps_grammar(name):
+    # a bare dtype is all three dtypes in jmp ("bf16": params bfloat16 too), not unimp's
+    # named policy of that name; names jmp refuses are refused
+    try:
+        want = str(real.get_policy(name))
+    except ValueError:
+        with pytest.raises(ValueError, match="jmp"):
+            shim.get_policy(name)
+        return
+    assert str(shim.get_policy(name)) == want

@@ -61,7 +61,6 @@ from unimp.backends.jax.overflow import select_tree as _select_tree
 from unimp.backends.jax.scaling import STATIC_FIELDS, LossScaleOps, replace_unchecked
 from unimp.dtypes import canonical_dtype
 from unimp.loss_scale.config import positive_int
-from unimp.policy import get_policy as _get_policy
 
 __all__ = [
     "DynamicLossScale",
@@ -127,16 +126,58 @@ class Policy:
         return "p={},c={},o={}".format(*names)
 
 
+#: jmp's dtype names (``parse_dtype``); ``"half"`` is :func:`half_dtype`.
+_JMP_DTYPES = {
+    "full": jnp.float32, "f32": jnp.float32, "float32": jnp.float32,
+    "f16": jnp.float16, "float16": jnp.float16,
+    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
+    "f64": jnp.float64, "float64": jnp.float64,
+}  # fmt: skip
+_JMP_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
+             "o": "output", "output": "output"}
+
+
+def _jmp_dtype(value: str, name: str) -> Any:
+    if value == "half":
+        return half_dtype()
+    if value not in _JMP_DTYPES:
+        raise ValueError(
+            f"Unknown dtype {value!r} in {name!r}: jmp takes full, half, float16, bfloat16, "
+            f"float32, float64 or their contractions ({', '.join(sorted(_JMP_DTYPES))}); for "
+            "unimp's named policies (mixed_bfloat16, ...) use unimp.get_policy."
+        )
+    return _JMP_DTYPES[value]
+
+
 def get_policy(policy_name: str) -> Policy:
-    """jmp's ``get_policy``: ``"params=float32,compute=float16,output=float32"``, ``"c=f16"``
-    (params float32, output follows compute), ``"half"``, a dtype name ... by jmp's defaulting
-    rules (read by :func:`unimp.get_policy`).
+    """jmp's ``get_policy``, by jmp's grammar (matches jmp 0.0.4): a dtype name (``"bf16"``,
+    ``"half"``, ``"full"``) is all three dtypes; ``"p=f32,c=bf16,o=f32"`` (keys ``p`` /
+    ``params``, ``c`` / ``compute``, ``o`` / ``output``) sets them, params defaulting to
+    float32, compute following params and output following compute (``"c=f16"`` is
+    ``p=f32,c=f16,o=f16``). unimp's own policy names are :func:`unimp.get_policy`'s.
 
     Raises:
-        ValueError: an unknown key or dtype (names the accepted ones).
+        ValueError: an unknown key or dtype, as jmp (naming the accepted ones).
     """
-    p = _get_policy(policy_name)
-    return Policy(p.param_dtype, p.compute_dtype, p.output_dtype)
+    if isinstance(policy_name, Policy):
+        return policy_name
+    if not isinstance(policy_name, str):
+        raise TypeError(f"get_policy takes a policy string such as 'p=f32,c=bf16', got {policy_name!r}.")
+    if "=" not in policy_name:
+        dtype = _jmp_dtype(policy_name, policy_name)
+        return Policy(dtype, dtype, dtype)
+    found: dict[str, Any] = {}
+    for part in policy_name.split(","):
+        key, _, value = part.partition("=")
+        if key not in _JMP_KEYS:
+            raise ValueError(
+                f"Unknown key {key!r} in {policy_name!r} should be 'params', 'compute' or "
+                "'output' (or p, c, o), as jmp's."
+            )
+        found[_JMP_KEYS[key]] = _jmp_dtype(value, policy_name)
+    param = found.get("param", jnp.float32)
+    compute = found.get("compute", param)
+    return Policy(param, compute, found.get("output", compute))
 
 
 def half_dtype() -> Any:
