@@ -55,3 +55,26 @@ def test_fp8_dense_runs_inside_tf_cond_in_a_tf_function_as_keras_float8_dense_do
     assert all(skipped[k].tobytes() == ran[k].tobytes() for k in ran)
     step(layer, tf.constant(True), x)
     assert _states(layer)["grad_amax_history"].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_accumulating_through_a_cond_branch_runs_with_a_step_per_micro_batch():
+    # the window's result cannot leave the branch's graph (InaccessibleTensorError before):
+    # inside a branch each micro-batch takes its own step, as docs/fp8.md says
+    import unimp
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = utf.FP8Dense(2, use_bias=False, config=fp8.DelayedScaling(amax_history_len=4))
+
+        def call(self, x, training=False):
+            return tf.cond(tf.reduce_sum(x) > 0, lambda: self.a(x, training=training),
+                           lambda: tf.zeros((tf.shape(x)[0], 2), x.dtype))
+
+    mp = unimp.mixed_precision("float32", backend="tensorflow", loss_scale="none")
+    model = Net()
+    model(np.zeros((1, 2), np.float32))
+    step = mp.train_step(model, keras.optimizers.SGD(0.0),
+                         lambda m, b: tf.reduce_sum(m(b, training=True)), grad_accum_steps=3)
+    assert step([np.full((1, 2), c, np.float32) for c in (3.0, 1.0, 2.0)]).applied
+    assert model.a.input_amax_history.numpy().tolist() == [2.0, 1.0, 3.0, 0.0]

@@ -202,9 +202,9 @@ def test_refusals_carry_keras_words_and_name_the_fix(kwargs):
         keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
     with pytest.raises(ValueError) as unimp_error:
         utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
-    assert str(keras_error.value).rstrip(".") in str(unimp_error.value)
-    fix = "loss_scale=1024.0" if "dynamic" in kwargs else "inner optimizer"
-    assert fix in str(unimp_error.value).replace("`inner_optimizer`", "inner optimizer")
+    assert str(unimp_error.value).startswith(str(keras_error.value))  # re.escape(keras) matches
+    fix = {"dynamic": "loss_scale=1024.0", "foo": "on the inner optimizer"}.get(next(iter(kwargs)), "Adam(...")
+    assert fix in str(unimp_error.value)
 
 
 def test_an_inner_loss_scale_factor_is_cleared_with_a_warning_as_keras_clears_it():

@@ -337,15 +337,20 @@ def _branch_handles(layer: Any, name: str) -> list[tf.Tensor] | None:
     function, whose graph may not capture a variable of the eager context itself (cond_v2's
     gradient then fails with "Tensor.graph is undefined when eager execution is enabled"):
     it uses the branch's captures, which cond_v2 maps back to the outer graph."""
-    if tf.executing_eagerly():
+    if not _in_branch():
         return None
     graph = tf.compat.v1.get_default_graph()
-    branch = graph
-    while branch is not None and not isinstance(branch, _ControlFlowFuncGraph):
-        branch = getattr(branch, "outer_graph", None)
-    if branch is None:
-        return None
     return [graph.capture(getattr(layer, f"{name}_{f}").handle) for f in _FIELDS]
+
+
+def _in_branch() -> bool:
+    """Whether the current graph is (inside) a control-flow branch of a ``tf.function``."""
+    if tf.executing_eagerly():
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and not isinstance(graph, _ControlFlowFuncGraph):
+        graph = getattr(graph, "outer_graph", None)
+    return graph is not None
 
 
 def _step(layer: Any, config: _fp8.FP8Config, name: str, amax: tf.Tensor, role: str, training: bool,
@@ -360,7 +365,9 @@ def _step(layer: Any, config: _fp8.FP8Config, name: str, amax: tf.Tensor, role: 
     if training and handles is not None:  # (a window's merge would leave the branch's graph)
         for h, f in zip(handles, _FIELDS, strict=True):
             _assign_variable(h, getattr(new, f))
-    elif training and _WINDOWS:  # accumulating: one step per window (fp8_window)
+    elif training and _WINDOWS and not _in_branch():  # accumulating: one step per window
+        # (inside a tf.cond / while branch the window's result could not leave the branch's
+        # graph: there each micro-batch takes its own step, as without accumulation)
         window, key = _WINDOWS[-1], (id(layer), name)
         best = window[key][1] if key in window else None
         window[key] = (layer, _fp8.window_merge(FP8Ops, best, new, amax))

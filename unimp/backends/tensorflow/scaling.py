@@ -124,15 +124,15 @@ def _check_keras_arguments(kwargs: dict[str, Any]) -> None:
     if not kwargs.pop("dynamic", True):
         raise ValueError(
             "LossScaleOptimizer no longer supports `dynamic=False`. Instead, simply set "
-            "`loss_scale_factor` directly on the `inner_optimizer` (as Keras 3 says); with unimp "
-            "give a static scale instead, e.g. LossScaleOptimizer(opt, loss_scale=1024.0), or "
+            "`loss_scale_factor` directly on the `inner_optimizer`. With unimp, give a static "
+            "scale instead, e.g. LossScaleOptimizer(opt, loss_scale=1024.0), or "
             "loss_scale='none'."
         )
     for arg, default in _KERAS_BASE_DEFAULTS.items():
         if arg in kwargs and kwargs.pop(arg) != default:
             raise ValueError(
                 f"LossScaleOptimizer does not support `{arg}`. Instead, set `{arg}` on the "
-                f"`inner_optimizer` (e.g. keras.optimizers.Adam(..., {arg}=...))."
+                f"`inner_optimizer`. E.g. keras.optimizers.Adam(..., {arg}=...)."
             )
     if kwargs:
         raise ValueError(
