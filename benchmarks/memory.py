@@ -32,7 +32,8 @@ def worker(cfg: dict) -> dict:
     spec = h.ModelSpec(**cfg["spec"])
     rss_import = h.current_rss_mib()
     try:
-        t = k.Trainer(cfg["impl"], spec, cfg["recipe"], cfg["device"])
+        extra = {"optimizer": cfg["optimizer"]} if cfg.get("optimizer") else {}
+        t = k.Trainer(cfg["impl"], spec, cfg["recipe"], cfg["device"], **extra)
     except Exception as e:  # a recipe the device cannot run is a result, not a crash
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     k.reset_peak(t.device)
@@ -57,6 +58,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument(
         "--loops", default=None, help="comma-separated: unimp, native (default: both; --quick: unimp)"
     )
+    p.add_argument(
+        "--optimizers",
+        default="adam-fused",
+        help="torch only, comma-separated (as benchmarks.overhead): adam-fused (default), adam, "
+        "adam-forloop, adamw, sgd-momentum, rmsprop, adagrad; a row per optimizer",
+    )
     args = h.parse(p, argv)
     if h.served_as_worker(args, worker):
         return {}
@@ -70,24 +77,31 @@ def main(argv: Sequence[str] | None = None) -> dict:
         impls = tuple(x.strip() for x in args.loops.split(",") if x.strip())
         if set(impls) - {"unimp", "native"}:
             p.error(f"--loops: choose from unimp, native; got {args.loops!r}")
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    known = ("adam-fused", "adam", "adam-forloop", "adamw", "sgd-momentum", "rmsprop", "adagrad")
+    if not optimizers or set(optimizers) - set(known):
+        p.error(f"--optimizers: choose from {', '.join(known)}; got {args.optimizers!r}")
     results = []
-    for backend in args.backends:
-        for recipe in recipes:
-            for impl in impls:
-                cfg = {
-                    "backend": backend,
-                    "recipe": recipe,
-                    "impl": impl,
-                    "device": args.device,
-                    "threads": args.threads,
-                    "spec": {**spec.__dict__},
-                    "steps": STEPS[mode],
-                }
-                res = h.run_worker("benchmarks.memory", cfg, args.threads, in_process=args.in_process)
-                results.append({"backend": backend, "recipe": recipe, "impl": impl, **res})
-                print(f"memory {backend} {recipe} {impl}: {'error' if 'error' in res else 'done'}", file=sys.stderr)
-                # after every configuration: a run stopped by a time limit keeps what it measured
-                payload, table = _report(args, spec, mode, results)
+    for backend, recipe, opt, impl in [
+        (b, r, o, i) for b in args.backends for r in recipes
+        for o in (optimizers if b == "torch" else [None]) for i in impls
+    ]:
+        label = recipe if opt in (None, "adam-fused") else f"{recipe} / {opt}"
+        cfg = {
+            "backend": backend,
+            "recipe": recipe,
+            "optimizer": opt,
+            "impl": impl,
+            "device": args.device,
+            "threads": args.threads,
+            "spec": {**spec.__dict__},
+            "steps": STEPS[mode],
+        }
+        res = h.run_worker("benchmarks.memory", cfg, args.threads, in_process=args.in_process)
+        results.append({"backend": backend, "recipe": label, "impl": impl, **res})
+        print(f"memory {backend} {label} {impl}: {'error' if 'error' in res else 'done'}", file=sys.stderr)
+        # after every configuration: a run stopped by a time limit keeps what it measured
+        payload, table = _report(args, spec, mode, results)
     print(table)
     return payload
 
