@@ -7,6 +7,8 @@ import importlib
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -427,3 +429,16 @@ def test_bad_loss_scale_is_one_line(spec, tmp_path, capsys):
     assert main(["compare", "--loss-scale", spec, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("unimp compare: error: --loss-scale") and "\n" not in err
+
+
+def test_a_missing_data_file_fails_before_any_framework_is_imported():
+    # the data was checked after resolving the backends, which imports each framework: a
+    # missing file took 39 s to fail
+    code = (
+        "import sys\n"
+        "from unimp.cli import main\n"
+        "rc = main(['compare', '--data', '/nonexistent/mnist.npz'])\n"
+        "print(rc, sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "2 []", out.stdout + out.stderr

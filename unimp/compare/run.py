@@ -229,6 +229,13 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
         raise ValueError(f"--seed must be >= 0, got {cfg.seed}.")
     if cfg.threads is not None:
         check_threads(cfg.threads)
+    # the data before the backends: resolving a backend imports its framework (seconds each),
+    # and a missing file should fail at once (it took 39 s)
+    ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
+    if cfg.batch_size < 1 or cfg.batch_size > len(ds.x_train):
+        raise ValueError(
+            f"--batch-size must be in [1, {len(ds.x_train)}] for this data, got {cfg.batch_size}."
+        )
     backends = _resolve_backends(cfg.backends)
     for b in backends:  # a device or cast mode a backend cannot use fails here, before any trains
         why = registry.cast_mode_refusal(recipe, b)
@@ -238,11 +245,6 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
                 f"--recipe '{recipe.policy}' (the same dtypes, each framework casting its own way)."
             )
         device_for(b, cfg.device)
-    ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
-    if cfg.batch_size < 1 or cfg.batch_size > len(ds.x_train):
-        raise ValueError(
-            f"--batch-size must be in [1, {len(ds.x_train)}] for this data, got {cfg.batch_size}."
-        )
     return recipe, backends, ds
 
 
