@@ -22,6 +22,21 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+
+def _arguments():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+# the arguments before TensorFlow is imported (about 10 s): --help and a bad option answer at once
+ARGS = _arguments() if __name__ == "__main__" else None
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -82,12 +97,4 @@ def main(samples: int = 1024, epochs: int = 2, batch_size: int = 128, seed: int 
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--samples", type=int, default=1024)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    main(args.samples, args.epochs, args.batch_size, args.seed)
+    main(ARGS.samples, ARGS.epochs, ARGS.batch_size, ARGS.seed)

@@ -90,3 +90,19 @@ def test_every_example_takes_help(script):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage:") and "step 0" not in out.stdout
+
+
+@pytest.mark.parametrize("script", ["keras_mlp_fit.py", "tf_keras2_custom_loop.py"])
+def test_tensorflow_examples_parse_their_arguments_before_importing_tensorflow(script):
+    # --help took 33-36 s on a new user's machine: TensorFlow was imported first
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{script!r}, '--help']\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'examples' / script)!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('imported:', sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "imported: []", out.stdout + out.stderr
