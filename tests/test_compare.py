@@ -217,7 +217,7 @@ BAD = [
     (["--batch-size", "100000"], "--batch-size"),
     (["--data", "/nonexistent/mnist.npz"], "does not exist"),
     (["--data", "digits.csv"], ".npz"),
-    (["--threads", "0"], "--threads must be an integer >= 1"),
+    (["--threads", "-1"], "--threads must be 0 (each framework's own) or an integer from 1"),
 ]
 
 

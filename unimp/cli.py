@@ -375,9 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch and TensorFlow, 1 to 1024 (default: each framework's own); "
-        "on a busy machine torch is far slower with one thread per core, so 1 makes step times "
-        "comparable",
+        help="CPU threads for torch and TensorFlow, 1 to 1024, or 0 for each framework's own "
+        "(default: 1 when every framework runs on the CPU, so that step times compare the "
+        "frameworks, not the machine's load; each framework's own on a GPU)",
     )
     cmp_.add_argument(
         "--dropout", type=float, default=0.2, help="dropout rate; masks are drawn once in NumPy"

@@ -18,7 +18,7 @@ from unimp import registry
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
-from unimp.compare.threads import check_threads, threads
+from unimp.compare.threads import MAX_THREADS, check_threads, threads
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
@@ -227,8 +227,14 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout}.")
     if cfg.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {cfg.seed}.")
-    if cfg.threads is not None:
-        check_threads(cfg.threads)
+    if cfg.threads is not None and cfg.threads != 0:
+        try:
+            check_threads(cfg.threads)
+        except ValueError:
+            raise ValueError(
+                f"--threads must be 0 (each framework's own) or an integer from 1 to "
+                f"{MAX_THREADS}, got {cfg.threads!r}."
+            ) from None
     # the data before the backends: resolving a backend imports its framework (seconds each),
     # and a missing file should fail at once (it took 39 s)
     ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
@@ -312,10 +318,14 @@ def run_compare(
             spec.progress = lambda i: bar.advance()
             return runner.run(spec)
 
+    # one thread per framework on a CPU unless asked otherwise (the benchmarks' choice): with
+    # a thread per core, torch on a shared CPU ran 20-50x slower than JAX, and the step-time row
+    # compared the machine's load, not the frameworks
+    n = cfg.threads
+    if n is None:
+        n = 1 if all(devices[b].startswith("cpu") for b in backends) else 0
     with contextlib.ExitStack() as stack:
-        thread_info = (
-            {} if cfg.threads is None else stack.enter_context(threads(backends, cfg.threads))
-        )
+        thread_info = {} if n == 0 else stack.enter_context(threads(backends, n))
         runs = {b: one(b, recipe, b) for b in backends}
         report: dict[str, Any] = {
             "unimp": unimp.__version__,
