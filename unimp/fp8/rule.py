@@ -338,15 +338,14 @@ def window_merge(ops: Any, best: tuple[FP8State, Any] | None, new: FP8State, ama
     return merged, ops.where(take, key, best_key)
 
 
-def recorded_amax(ops: Any, before: FP8State, after: FP8State) -> Any:
+def recorded_amax(ops: Any, after: FP8State) -> Any:
     """The amax a step recorded, read from the state after it (for :func:`window_merge` where
     only the states are seen, as JAX's train step sees the ``model_state``): the newest
     history entry. Exact wherever the rule records every amax; under the
     ``transformer_engine`` rule an amax of 0, which it does not record, reads as the newest
     entry already there (the step left the state as it was, and a window whose other
     micro-batches are all below that entry keeps it so). A state whose scale is 0 (a layer
-    that did not run: its state's "gradient" is 0) gives ``-inf``. ``before`` is the state
-    the step started from (kept for the signature every caller uses)."""
+    that did not run: its state's "gradient" is 0) gives ``-inf``."""
     key = ops.f32(after.amax_history[0])
     return ops.where(after.scale == ops.f32(0.0), ops.f32(float("-inf")), key)
 

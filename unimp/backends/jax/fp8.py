@@ -415,15 +415,14 @@ def fp8_window_result(start: Any, carried: Any, stacked: list[FP8State]) -> Any:
     back), with each float8 state the one of the micro-batch with the largest recorded amax
     (``stacked``: per state, the window's micro-batches along axis 0; the amax read from the
     states, :func:`unimp.fp8.recorded_amax`), then :func:`fp8_update` against ``start``."""
-    olds = fp8_window_states(start)
-    if not olds:
+    if not stacked:
         return carried
     merged = []
-    for old, cand in zip(olds, stacked, strict=True):
+    for cand in stacked:
         best = None
         for i in range(int(jnp.shape(cand.scale)[0])):
             new = FP8State(*(getattr(cand, f)[i] for f in STATE_FIELDS))
-            best = _fp8.window_merge(FP8Ops, best, new, _fp8.recorded_amax(FP8Ops, old, new))
+            best = _fp8.window_merge(FP8Ops, best, new, _fp8.recorded_amax(FP8Ops, new))
         merged.append(best[0])
     leaves, treedef = jax.tree_util.tree_flatten(carried, is_leaf=_is_state)
     it = iter(merged)
