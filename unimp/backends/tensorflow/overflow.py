@@ -67,3 +67,16 @@ def _global_norm(grads: list[Any]) -> tuple[tf.Tensor, tf.Tensor]:
     amax = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(g)) for g in wide]))
     s = _norm_rescale(amax)
     return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g * s)) for g in wide])) / s, s
+
+
+def _clip(g: Any, clip: tf.Tensor, s: tf.Tensor, factor: tf.Tensor) -> Any:
+    """``(g * s) * factor`` multiplied in float32 and rounded once to ``g``'s dtype where
+    ``clip``, else ``g`` (``None`` and ``tf.IndexedSlices`` handled), as torch's in-place
+    multiply of a half tensor by a float32 scalar rounds (``s`` and ``factor``:
+    :data:`unimp.trainstep.NORM_RESCALE_ABOVE`'s rescaled clip; JAX's ``_clip`` is the same)."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(_clip(g.values, clip, s, factor), g.indices, g.dense_shape)
+    product = tf.cast(tf.cast(g, tf.float32) * s * factor, g.dtype)
+    return tf.where(clip, product, g)

@@ -16,7 +16,7 @@ from unimp.backends.tensorflow.casting import to_dtype
 from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.fp8 import fp8_window
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
-from unimp.backends.tensorflow.overflow import _global_norm, all_finite
+from unimp.backends.tensorflow.overflow import _clip, _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
@@ -51,18 +51,6 @@ def _times(g: Any, factor: tf.Tensor) -> Any:
             g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
         )
     return g * tf.cast(factor, g.dtype)
-
-
-def _clipped(g: Any, clip: tf.Tensor, s: tf.Tensor, factor: tf.Tensor) -> Any:
-    """``(g * s) * factor`` multiplied in float32 and rounded once to ``g``'s dtype where
-    ``clip``, else ``g`` (``None`` and ``tf.IndexedSlices`` handled), as torch's in-place
-    multiply of a half tensor by a float32 scalar rounds."""
-    if g is None:
-        return None
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(_clipped(g.values, clip, s, factor), g.indices, g.dense_shape)
-    product = tf.cast(tf.cast(g, tf.float32) * s * factor, g.dtype)
-    return tf.where(clip, product, g)
 
 
 def _all_reduce_in(replica: Any, grads: list[Any], dtype: tf.DType, scale: tf.Tensor) -> list[Any]:
@@ -470,7 +458,7 @@ class StepOps:
         # dtype (unimp.trainstep.NORM_RESCALE_ABOVE); g itself elsewhere
         limit = tf.constant(max_norm, tf.float32)
         s = self.rescale
-        return [_clipped(g, norm > limit, s, limit / (norm * s)) for g in grads]
+        return [_clip(g, norm > limit, s, limit / (norm * s)) for g in grads]
 
     def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
         # the guarded apply and the loss-scale update, in one merge_call under a strategy
