@@ -397,29 +397,13 @@ class FP8Dense(torch.nn.Linear):
         used, new = fp8_step(self.config, state, amax, role)
         used = (used[0].clone(), used[1].clone())  # may be the buffers, overwritten next
         window = self.__dict__.get("_window")
-        if self.training and window is not None:  # accumulating: one step per window
+        if self.training and window is not None:  # accumulating: one step per window (fp8_window)
             window[name] = _fp8.window_merge(_ops(amax.device), window.get(name), new, amax)
         elif self.training:
             with torch.no_grad():
                 for f in _FIELDS:
                     getattr(self, f"{name}_{f}").copy_(getattr(new, f))
         return used, new
-
-    def _open_window(self) -> None:
-        """Starts a gradient-accumulation window: until :meth:`_close_window` every call
-        quantizes with the states as they are and the states after the window are kept
-        aside (:func:`unimp.fp8.window_merge`, the convention of every backend)."""
-        self.__dict__["_window"] = {}
-
-    def _close_window(self, commit: bool) -> None:
-        """Ends the window: ``commit`` writes each tensor's state after the window (the rule
-        run once on the window's largest amax); otherwise the states stay as they were."""
-        window = self.__dict__.pop("_window", None)
-        if commit and window:
-            with torch.no_grad():
-                for name, (state, _) in window.items():
-                    for f in _FIELDS:
-                        getattr(self, f"{name}_{f}").copy_(getattr(state, f))
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: _fp8.FP8Config, native: bool | None = None,
@@ -542,3 +526,27 @@ def fp8_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
             warnings.warn(f"layer {path!r} ({type(layer).__name__}): float8 convolutions are not built; "
                           "it runs in the recipe's compute dtype.", UserWarning, stacklevel=3)
     return tuple(done)
+
+
+@contextlib.contextmanager
+def fp8_window(model: torch.nn.Module) -> Any:
+    """A gradient-accumulation window over the :class:`FP8Dense` layers of ``model``: every
+    micro-batch run inside quantizes with the states as they are, and on leaving (without an
+    error) each tensor's state takes one step, the rule run on the window's largest amax
+    (:func:`unimp.fp8.window_merge`, the convention of every backend; TensorFlow's
+    ``fp8_window`` is the same). On an error the states stay as they were. The train step
+    opens one around its micro-batches."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Dense)]
+    for m in layers:
+        m.__dict__["_window"] = {}
+    try:
+        yield
+        windows = [(m, m.__dict__.get("_window") or {}) for m in layers]
+    finally:
+        for m in layers:
+            m.__dict__.pop("_window", None)
+    with torch.no_grad():
+        for m, window in windows:
+            for name, (state, _) in window.items():
+                for f in _FIELDS:
+                    getattr(m, f"{name}_{f}").copy_(getattr(state, f))

@@ -4,6 +4,7 @@ gradient accumulation, the guarded optimizer step and the loss-scale update).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
-from unimp.backends.torch.fp8 import FP8Dense
+from unimp.backends.torch.fp8 import fp8_window
 from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
 from unimp.backends.torch.overflow import (
     _check_loss,
@@ -245,8 +246,6 @@ class StepOps:
     def abort(self, saved: Any) -> None:
         # a failed step leaves nothing behind: no partial gradients, no stale loss flag, no
         # half-done unscale_ (the scaler's record of this iteration), the buffers as they were
-        for m in _fp8_layers(self.step.model) if self.k > 1 else ():
-            m._close_window(commit=False)
         self.opt.zero_grad(set_to_none=True)
         self.step.model.zero_grad(set_to_none=True)
         self.sc._loss_finite = self.sc._ops.true
@@ -260,35 +259,32 @@ class StepOps:
         # TensorFlow's and JAX's steps do, so a float8 layer's output gradient is the
         # micro-batch's own (at the loss scale) in every backend; its scaling takes one step
         # per window (unimp.fp8.window_merge)
-        fp8_layers = _fp8_layers(step.model) if self.k > 1 else []
-        for m in fp8_layers:
-            m._open_window()
         losses = []
         accum = step.mp.policy.accum_dtype if self.k > 1 else None
         sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
-        for mb in micro:
-            with step.mp.autocast():
-                loss = step.loss_fn(step.model, mb)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError(
-                    f"loss_fn must return a 0-d (scalar) tensor, got "
-                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
-                    "reduce it, e.g. loss.mean()."
-                )
-            detached = loss.detach()
-            if flags is None:
-                finite = _to(torch.isfinite(detached), sc.device)
-                # the flag starts as the cached True, and True & x is x: one op fewer a step
-                start = sc._loss_finite is sc._ops.true
-                sc._loss_finite = finite if start else sc._loss_finite & finite
-            (loss if unscaled else loss * _to(sc._scale, loss.device)).backward()
-            if flags is not None:  # after backward: the check multiplies the loss by 1 in place
-                _check_loss(detached, flags[0], sc._ops.f32(1.0))
-            losses.append(_to(detached.float(), sc.device))
-            if accum is not None:
-                _accumulate(step.model, sums, to_dtype(accum))
-        for m in fp8_layers:
-            m._close_window(commit=True)
+        # (a window that raises leaves the float8 states as they were)
+        with fp8_window(step.model) if self.k > 1 else contextlib.nullcontext():
+            for mb in micro:
+                with step.mp.autocast():
+                    loss = step.loss_fn(step.model, mb)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(
+                        f"loss_fn must return a 0-d (scalar) tensor, got "
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
+                        "reduce it, e.g. loss.mean()."
+                    )
+                detached = loss.detach()
+                if flags is None:
+                    finite = _to(torch.isfinite(detached), sc.device)
+                    # the flag starts as the cached True, and True & x is x: one op fewer a step
+                    start = sc._loss_finite is sc._ops.true
+                    sc._loss_finite = finite if start else sc._loss_finite & finite
+                (loss if unscaled else loss * _to(sc._scale, loss.device)).backward()
+                if flags is not None:  # after backward: the check multiplies the loss by 1 in place
+                    _check_loss(detached, flags[0], sc._ops.f32(1.0))
+                losses.append(_to(detached.float(), sc.device))
+                if accum is not None:
+                    _accumulate(step.model, sums, to_dtype(accum))
         if self.k > 1:
             _window_mean(sums, self.k)
             _divide(self.sc._grads(self.opt), {id(p) for p, _ in sums.values()}, self.k)
@@ -375,11 +371,6 @@ class StepOps:
             "total_skips": report["total_skips"],
             **floor_hits(sc.config, extra, self.step.calls),
         }
-
-
-def _fp8_layers(model: torch.nn.Module) -> list[Any]:
-    """The float8 layers of ``model`` (:class:`unimp.backends.torch.fp8.FP8Dense`)."""
-    return [m for m in model.modules() if isinstance(m, FP8Dense)]
 
 
 def _window_mean(sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]], k: int) -> None:
