@@ -84,6 +84,7 @@ def _guarded_step(
     master = peek(optimizer, "master", None)
     if master is not None:
         master.in_guard = True
+    host_skip: bool | None = None
     try:
         if (sync and not amp_aware) or any(p.layout != torch.strided for p in params):
             # decided on the host, as torch.amp.GradScaler decides every step (one sync): asked
@@ -91,7 +92,8 @@ def _guarded_step(
             # optimizer of one's own is stepped on every call, as torch.amp steps it (it reads
             # found_inf), and guarded below
             with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
-                if bool(bad != 0):
+                host_skip = bool(bad != 0)
+                if host_skip:
                     ret = None
                     # the step was taken, and skipped: an LR scheduler stepped after it must
                     # not warn that it ran before optimizer.step() (torch.amp's skip makes it
@@ -133,7 +135,9 @@ def _guarded_step(
                     for state, k, old in changed_host:
                         state[k] = old
         created = [p for p in fresh if optimizer.state.get(p)]
-        if created and bool(bad != 0):  # once per parameter: the step that creates its lazy state
+        # once per parameter: the step that creates its lazy state (decided on the host already
+        # where the step was)
+        if created and (host_skip if host_skip is not None else bool(bad != 0)):
             for p in created:
                 optimizer.state.pop(p, None)
         if master is not None:
