@@ -281,8 +281,12 @@ class StepStats:
 
 
 class _Named(dict):
-    """A ``{name: TensorStats}`` dict whose missing key names the ones there are (the names
-    differ by framework: ``l1.weight`` in torch, ``sequential/l1/kernel`` in Keras)."""
+    """A ``{name: TensorStats}`` dict, indexed by the names of one rule in every backend: from
+    the model down, without the model's own name (``l1.weight`` in torch, ``l1/kernel`` in
+    Keras and JAX; the layer ``l1`` everywhere). A key that is not a name resolves when exactly
+    one name matches it part for part, ``.`` and ``/`` alike: its trailing parts (a bare layer
+    or weight name, ``"fc1"`` for ``"mlp/fc1"``), or with a prefix (``"sequential/l1"``, a
+    Keras ``layer.path``). A missing or ambiguous key names the ones there are."""
 
     __slots__ = ("kind",)
 
@@ -291,7 +295,24 @@ class _Named(dict):
         self.kind = kind
 
     def __missing__(self, key: Any) -> Any:
+        want = tuple(re.split(r"[./]", str(key)))
+        n = len(want)
+        found = [
+            name for name in self
+            if (parts := tuple(re.split(r"[./]", name)))[-n:] == want or want[-len(parts):] == parts
+        ]
+        if len(found) == 1:
+            return self[found[0]]
+        if found:
+            raise KeyError(f"{self.kind} name {key!r} is ambiguous: write one of {', '.join(found)}.")
+        # closest first, by whole names and by any run of as many parts as the key has
+        tails: dict[str, str] = {}
+        for name in self:
+            parts = re.split(r"[./]", name)
+            for i in range(max(len(parts) - n + 1, 1)):
+                tails.setdefault("/".join(parts[i:i + n]), name)
         close = difflib.get_close_matches(str(key), list(self), n=1, cutoff=0.3)
+        close = close or [tails[t] for t in difflib.get_close_matches("/".join(want), tails, n=1, cutoff=0.3)]
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise KeyError(f"no {self.kind} named {key!r}.{hint} Names: {', '.join(self) or 'none'}.")
 

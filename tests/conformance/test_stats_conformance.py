@@ -239,8 +239,11 @@ def _tensorflow_step(recipe, w, stats_every):
         return tf.reduce_mean(tf.reduce_sum(m(b[0]) * b[1], axis=1))
 
     step = mp.train_step(model, keras.optimizers.SGD(0.0), loss_fn, stats_every=stats_every)
-    names = {v.path: v.path.split("/", 1)[1] for v in model.trainable_variables}
-    return step, names, {f"mlp/{n}": n for n in ("l1", "act", "l2")}
+    # one naming rule: from the model down without the model's own name ("mlp/l1/kernel" is
+    # Keras's variable.path), the names JAX gives the same tensors
+    assert model.trainable_variables[0].path == "mlp/l1/kernel"
+    names = {n: n for n in ("l1/kernel", "l1/bias", "l2/kernel", "l2/bias")}
+    return step, names, {n: n for n in ("l1", "act", "l2")}
 
 
 def _jax_step(recipe, w, stats_every):

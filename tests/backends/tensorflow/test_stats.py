@@ -70,14 +70,26 @@ def test_statistics_steps_run_their_own_function_traced_once():
 
 
 def test_names_and_scales():
+    # one naming rule in every backend: from the model down, without the model's own name
+    # (Keras puts "net/" first in a Sequential's paths, not in a functional model's)
     step, model = _step(stats_every=1)
     r = step(X)
     s = r.stats
-    assert list(s.gradients) == [v.path for v in model.trainable_variables]
-    assert list(s.gradients) == ["net/l1/kernel", "net/l1/bias", "net/l2/kernel", "net/l2/bias"]
-    assert list(s.activations) == ["net/l1", "net/l2"]
-    assert s.activations["net/l1"].size == 6 * 8 and s.activations["net/l1"].scale == 1.0
-    assert s.gradients["net/l2/bias"].scale == r.scale == 32768.0
+    assert [v.path for v in model.trainable_variables][0] == "net/l1/kernel"
+    assert list(s.gradients) == ["l1/kernel", "l1/bias", "l2/kernel", "l2/bias"]
+    assert list(s.activations) == ["l1", "l2"]
+    assert s.activations["l1"].size == 6 * 8 and s.activations["l1"].scale == 1.0
+    assert s.gradients["l2/bias"].scale == r.scale == 32768.0
+    # the README's lookups: torch's spelling and Keras's layer.path resolve too
+    assert s.gradients["l1.kernel"] is s.gradients["l1/kernel"] and s.activations["net/l1"] is s.activations["l1"]
+    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
+    with mp.autocast():
+        x = keras.Input((4,))
+        out = keras.layers.Dense(3, name="l2")(keras.layers.Dense(8, activation="relu", name="l1")(x))
+        functional = keras.Model(x, out, name="net")
+    functional, opt = mp.prepare(functional, keras.optimizers.SGD(0.1))
+    f = mp.train_step(functional, opt, _loss, stats_every=1)(X).stats
+    assert list(f.gradients) == list(s.gradients) and list(f.activations) == list(s.activations)
 
 
 def test_layer_calls_are_restored_and_compose_with_prepare():
@@ -120,7 +132,7 @@ def test_accumulation_takes_every_micro_batch_and_xla_agrees():
     xla, other = _step(stats_every=1, grad_accum_steps=2, jit_compile=True)
     other.set_weights(model.get_weights())
     a, b = step([X, X]).stats, xla([X, X]).stats
-    assert a.activations["net/l1"].size == 2 * 6 * 8
+    assert a.activations["l1"].size == 2 * 6 * 8
     for name in a.activations:
         assert dict(a.activations[name].counts) == dict(b.activations[name].counts)
         assert a.activations[name].amax == pytest.approx(b.activations[name].amax, rel=1e-6)

@@ -366,11 +366,10 @@ class MixedPrecision(MixedPrecisionBase):
             stats_every: ``None`` (default) or ``k >= 1``: on calls 0, k, 2k, ... (counted by
                 the step; a call that raises is not counted) the result's ``stats`` holds
                 :class:`unimp.stats.StepStats`: each trainable variable's gradient (named by
-                ``variable.path``), unscaled and before clipping, at the step's loss scale; and
-                the floating outputs of every leaf layer (named by the layer names from the
-                model down, as its weights are: ``"sequential/dense"`` beside
-                ``"sequential/dense/kernel"``; ``name.0`` / ``name.key`` for tuple and dict
-                outputs) at scale 1, every call of a layer (every micro-batch) taken together. Those steps run a second ``tf.function``
+                ``variable.path`` from the model down, without the model's own name:
+                ``"dense/kernel"``), unscaled and before clipping, at the step's loss scale; and
+                the floating outputs of every leaf layer (named as its weights are:
+                ``"dense"``; ``name.0`` / ``name.key`` for tuple and dict outputs) at scale 1, every call of a layer (every micro-batch) taken together. Those steps run a second ``tf.function``
                 (:attr:`TrainStep.stats_function`, traced on its first call), which while
                 tracing wraps each leaf layer's ``call`` to record its output (a layer in a
                 quantized mode is not seen); the others call the plain one, whose graph is

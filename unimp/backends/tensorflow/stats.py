@@ -99,19 +99,31 @@ def _floating_leaves(out: Any, name: str) -> Iterator[tuple[str, Any]]:
     return output_leaves(out, name, lambda t: tf.is_tensor(t) and not isinstance(t, tf.SparseTensor) and t.dtype.is_floating)
 
 
+def relative_path(model: Any, path: str) -> str:
+    """A ``variable.path`` or ``layer.path`` relative to ``model``: without the model's own
+    name, which Keras puts first in a Sequential's and a subclassed model's paths but not in a
+    functional model's (``"sequential/l1/kernel"`` -> ``"l1/kernel"``). Statistics and step logs
+    name Keras tensors so, as torch names them from the model down (``"l1.weight"``).
+
+    Example:
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="l1")])
+        >>> [relative_path(m, v.path) for v in m.weights]
+        ['l1/kernel', 'l1/bias']
+    """
+    head = f"{model.name}/"
+    return path[len(head):] if path.startswith(head) else path
+
+
 def _leaf_layers(model: Any) -> list[tuple[str, Any]]:
     """``(path, layer)`` for every layer of ``model`` without sublayers (the model itself when
     it has none), each once, in the model's order.
 
-    The path joins the layer names from the model down, so a layer's outputs are named as its
-    weights are (``variable.path`` without the weight's name): it starts with the model's name
-    where the model's variables do (a Sequential or subclassed model: ``"sequential/dense"``)
-    and without it where they do not (a functional model's layers: ``"dense"``,
-    ``"inner/dense"`` in a nested model).
+    The path joins the layer names from the model down, without the model's own name, so a
+    layer's outputs are named as its weights are by :func:`relative_path` (``"dense"``,
+    ``"inner/dense"`` in a nested model), in a Sequential, a subclassed and a functional model
+    alike, as torch's module names and JAX's pytree paths are.
     """
     out, seen = [], set()
-    weights = [v.path for v in model.weights]
-    prefixed = not weights or any(p.startswith(model.name + "/") for p in weights)
 
     def walk(layer: Any, path: str) -> None:
         if id(layer) in seen:
@@ -123,7 +135,7 @@ def _leaf_layers(model: Any) -> list[tuple[str, Any]]:
         for sub in subs:
             walk(sub, f"{path}/{sub.name}" if path else sub.name)
 
-    walk(model, model.name if prefixed else "")
+    walk(model, "")
     return out
 
 

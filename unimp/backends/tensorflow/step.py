@@ -19,7 +19,7 @@ from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import _clip, _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
-from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending
+from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending, relative_path
 from unimp.loss_scale import FloorWatch, from_state_dict
 from unimp.policy import Policy
 from unimp.step import StepResult, floor_hits
@@ -412,7 +412,12 @@ class StepOps:
         ]
 
     def _named(self, grads: Any) -> list[tuple[str, Any]]:
-        return [(v.path, g) for v, g in zip(self.variables, grads, strict=True) if g is not None]
+        model = self.step.model
+        return [
+            (relative_path(model, v.path), g)
+            for v, g in zip(self.variables, grads, strict=True)
+            if g is not None
+        ]
 
     def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
         step = self.step
