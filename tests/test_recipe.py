@@ -1,8 +1,17 @@
 import json
 
 import pytest
+from conftest import require_backend
 
-from unimp import DynamicLossScale, NoLossScale, Policy, Recipe, StaticLossScale, get_recipe
+from unimp import (
+    DynamicLossScale,
+    NoLossScale,
+    Policy,
+    Recipe,
+    StaticLossScale,
+    get_policy,
+    get_recipe,
+)
 
 
 @pytest.mark.parametrize(
@@ -125,3 +134,58 @@ def test_the_readme_recipe_file_loads(tmp_path):
     assert str(r.policy) == "params=float32,compute=float16,output=float32"
     assert r.loss_scale.kind == "dynamic" and r.loss_scale.init_scale == 65536.0
     assert r.loss_scale.min_scale == 1.0 and r.cast_mode == "auto"
+
+
+def _framework_objects(backend):
+    """``(framework object, the name it stands for)`` for each backend's policy objects."""
+    if backend == "tensorflow":
+        import keras
+        import tensorflow as tf
+
+        return [
+            (keras.mixed_precision.Policy("mixed_float16"), "mixed_float16"),
+            (keras.DTypePolicy("mixed_bfloat16"), "mixed_bfloat16"),
+            (keras.dtype_policies.DTypePolicyMap(default_policy="mixed_float16"), "mixed_float16"),
+            (keras.DTypePolicy("float32"), "float32"),
+            (tf.bfloat16, "bfloat16"),
+        ]
+    if backend == "jax":
+        import jax.numpy as jnp
+        import jmp
+
+        return [
+            (jmp.get_policy("params=float32,compute=float16,output=float32"), "mixed_float16"),
+            (jmp.get_policy("half"), "float16"),
+            (jnp.bfloat16, "bfloat16"),
+        ]
+    import torch
+
+    return [(torch.float16, "float16"), (torch.bfloat16, "bfloat16"), (torch.float32, "float32")]
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow", "jax"])
+def test_a_frameworks_own_policy_object_or_dtype_is_the_recipe_its_name_is(backend):
+    require_backend(backend)
+    for obj, name in _framework_objects(backend):
+        assert get_recipe(obj) == get_recipe(name), obj
+        assert get_policy(obj) == get_policy(name), obj
+    if backend == "tensorflow":  # the issue's call: it raised TypeError ... got DTypePolicy
+        import keras
+
+        assert get_recipe(keras.mixed_precision.Policy("mixed_float16")).loss_scale.kind == "dynamic"
+
+
+def test_framework_objects_that_name_no_policy_are_refused_with_the_fix():
+    require_backend("tensorflow")
+    import keras
+    import numpy as np
+
+    per_layer = keras.dtype_policies.DTypePolicyMap(default_policy="mixed_float16")
+    per_layer["head"] = "float32"
+    with pytest.raises(ValueError, match=r"gives 1 layer\(s\) their own policy: write them as unimp overrides"):
+        get_recipe(per_layer)
+    with pytest.raises(ValueError, match="quantizes weights for inference"):
+        get_policy(keras.dtype_policies.get("int8_from_mixed_bfloat16"))
+    for bad in (None, 3, np.zeros(3), object()):
+        with pytest.raises(TypeError, match="get_policy takes a policy name"):
+            get_recipe(bad)

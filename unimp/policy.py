@@ -253,7 +253,46 @@ def _is_dtype(text: str, platform: str | None, name: str) -> bool:
     return True
 
 
-def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
+_ACCEPTED_OBJECTS = (
+    "a policy name (str), unimp.Policy, a Keras DTypePolicy, a jmp Policy or a dtype "
+    "(torch.float16, tf.bfloat16, jnp.float16, numpy.float16)"
+)
+
+
+def _framework_policy(obj: Any, platform: str | None) -> Policy:
+    """A framework's policy object or dtype as a :class:`Policy` (see :func:`get_policy`)."""
+    kind = type(obj).__name__
+    if getattr(obj, "quantization_mode", None) is not None:  # Keras QuantizedDTypePolicy
+        raise ValueError(
+            f"Keras policy {obj.name!r} quantizes weights for inference ({obj.quantization_mode}), "
+            "which unimp does not train; for float8 training use unimp.get_recipe('fp8')."
+        )
+    if hasattr(obj, "default_policy") and hasattr(obj, "variable_dtype"):  # DTypePolicyMap
+        if len(obj):
+            raise ValueError(
+                f"this DTypePolicyMap gives {len(obj)} layer(s) their own policy: write them as "
+                f"unimp overrides on its default, e.g. get_policy('{obj.default_policy.name};"
+                "head:float32') (patterns match layer names from the model down)."
+            )
+        return _framework_policy(obj.default_policy, platform)
+    if hasattr(obj, "variable_dtype") and isinstance(getattr(obj, "name", None), str):
+        return get_policy(obj.name, platform=platform)  # Keras DTypePolicy, tf.keras 2 Policy
+    if all(hasattr(obj, f) for f in ("param_dtype", "compute_dtype", "output_dtype")):  # jmp
+        try:
+            dtypes = [canonical_dtype(getattr(obj, f)) for f in ("param_dtype", "compute_dtype", "output_dtype")]
+        except ValueError as e:
+            raise ValueError(f"{kind} {obj!r}: {e}") from None
+        return Policy(*dtypes)
+    if not isinstance(obj, type) and hasattr(type(obj), "__array__") or obj is None or isinstance(obj, (bool, int, float)):
+        raise TypeError(f"get_policy takes {_ACCEPTED_OBJECTS}; got {kind}.")
+    try:
+        dtype = canonical_dtype(obj)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"get_policy takes {_ACCEPTED_OBJECTS}; got {kind} {obj!r}: {e}") from None
+    return get_policy(dtype, platform=platform)
+
+
+def get_policy(name: Any, *, platform: str | None = None) -> Policy:
     """Parses a policy name into a :class:`Policy`.
 
     Accepted forms:
@@ -271,6 +310,10 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     * PyTorch Lightning precision: ``16-mixed``, ``bf16-mixed``, ``32-true``, ``16-true``,
       ``bf16-true``, ``64-true`` and the legacy ``16``, ``bf16``, ``32``, ``64``.
     * Hugging Face Accelerate: ``no``, ``fp16``, ``bf16``.
+    * The frameworks' own objects, read without importing a framework: a Keras
+      ``DTypePolicy`` (``keras.mixed_precision.Policy("mixed_float16")``, tf.keras 2's
+      ``Policy``) by its name; a jmp ``Policy`` by its three dtypes; a dtype (``torch.float16``,
+      ``tf.bfloat16``, ``jnp.float16``, a NumPy dtype) as the dtype's name.
     * Per-layer overrides, as ``str(policy)`` writes them: any of the above followed by
       ``;pattern:value`` clauses, ``"mixed_float16;head:float32;*norm*:float32"``, where a value
       is a dtype or a policy in jmp's grammar (see :mod:`unimp.overrides`).
@@ -280,7 +323,8 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     or ``"p=bf16"`` for pure half precision.
 
     Args:
-        name: the policy name, or a :class:`Policy` (returned unchanged).
+        name: the policy name, a :class:`Policy` (returned unchanged), or a framework's
+            policy object or dtype.
         platform: ``"tpu"`` makes ``"half"`` mean bfloat16; otherwise it means float16.
 
     Returns:
@@ -289,7 +333,9 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     Raises:
         ValueError: unknown name or dtype; the message names the closest valid name. For
             ``fp8`` and the other FP8 recipe names, says to use :func:`unimp.get_recipe`.
-        TypeError: ``name`` is neither a string nor a Policy.
+        TypeError: ``name`` is none of those (an array, ``None``, ...).
+        ValueError: a Keras ``DTypePolicyMap`` with per-layer entries or a quantized Keras
+            policy (the message names what to write instead).
 
     Example:
         >>> get_policy("c=f16")
@@ -300,7 +346,7 @@ def get_policy(name: str | Policy, *, platform: str | None = None) -> Policy:
     if isinstance(name, Policy):
         return name
     if not isinstance(name, str):
-        raise TypeError(f"policy name must be a str or unimp.Policy, got {type(name).__name__}")
+        return _framework_policy(name, platform)
     text = name.strip()
     if not text:
         raise ValueError(f"empty policy name.{_suggestions('')}")

@@ -308,7 +308,7 @@ FP8_RECIPES = {
 }
 
 
-def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
+def get_recipe(name: Any, **overrides: Any) -> Recipe:
     """Builds a recipe from any policy name, a recipe file path, or a Policy.
 
     The loss scale defaults to dynamic (unimp's defaults) for float16 compute with float32
@@ -321,7 +321,10 @@ def get_recipe(name: str | Recipe | Policy, **overrides: Any) -> Recipe:
 
     Args:
         name: a policy name (see :func:`~unimp.get_policy`), a path ending in ``.toml`` /
-            ``.json``, a :class:`Policy` or a :class:`Recipe`.
+            ``.json``, a :class:`Policy`, a :class:`Recipe`, or a framework's policy object
+            or dtype as :func:`~unimp.get_policy` reads them (a Keras ``DTypePolicy``, a jmp
+            ``Policy``, ``torch.float16``): ``get_recipe(keras.mixed_precision.Policy(
+            "mixed_float16"))`` is ``get_recipe("mixed_float16")``.
         **overrides: ``loss_scale=`` and ``cast_mode=`` replace the defaults (``None`` keeps
             the default, as ``Recipe(loss_scale=None)``: write ``loss_scale="none"`` to turn
             loss scaling off); ``platform=`` resolves ``"half"`` (see :func:`get_policy`);
