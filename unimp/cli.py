@@ -18,6 +18,7 @@ from unimp._stderr import native_stderr_filtered as _native_stderr_filtered
 from unimp.compare.commands import UsageError, backends_arg
 from unimp.dtypes import float8_line
 from unimp.loss_scale import LossScaleError
+from unimp.loss_scale.presets import PRESETS
 from unimp.precision import describe_matmul_precision
 
 
@@ -391,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument(
         "--loss-scale",
         default=None,
-        help="override the recipe's loss scale: none, dynamic, static:N or a framework's preset "
-        "(torch, keras, tf_keras, jmp, flax, apex)",
+        help="override the recipe's loss scale: none, dynamic, static:N or a framework's or "
+        f"trainer's preset ({', '.join(PRESETS)})",
     )
     cmp_.add_argument(
         "--log-dir",
