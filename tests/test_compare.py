@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -442,3 +443,26 @@ def test_a_missing_data_file_fails_before_any_framework_is_imported():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "2 []", out.stdout + out.stderr
+
+
+def test_each_frameworks_warnings_are_shown_once_named_by_the_framework():
+    from unimp.compare.run import WARNING_SOURCE, framework_warnings
+    from unimp.step import HalfOptimizerStateWarning
+
+    def run():
+        for _ in range(3):  # a warning raised at every step is shown once
+            warnings.warn("Adam keeps its moments in float16", HalfOptimizerStateWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        for label in ("torch", "tensorflow"):  # the same text from two frameworks: shown twice
+            with framework_warnings(label) as seen:
+                run()
+            assert seen == ["HalfOptimizerStateWarning: Adam keeps its moments in float16"]
+        with pytest.raises(RuntimeError), framework_warnings("jax"):
+            run()
+            raise RuntimeError("the run failed")  # what it warned of before is still shown
+    assert [str(w.message) for w in shown] == [
+        f"{label}: Adam keeps its moments in float16" for label in ("torch", "tensorflow", "jax")
+    ]
+    assert {(w.filename, w.category) for w in shown} == {(WARNING_SOURCE, HalfOptimizerStateWarning)}

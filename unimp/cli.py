@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -225,7 +226,7 @@ def _check_out_dir(out_dir: str, given: str) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from unimp.compare.report import COLUMNS, summary_rows, write_report
-    from unimp.compare.run import CompareConfig, run_compare, validate
+    from unimp.compare.run import WARNING_SOURCE, CompareConfig, run_compare, validate
 
     out_dir = os.path.abspath(args.out)
     _check_out_dir(out_dir, args.out)
@@ -275,8 +276,19 @@ def _compare(args: argparse.Namespace) -> int:
         def advance(self):
             progress.advance(self.task)
 
-    with progress:
-        report = run_compare(cfg, progress_factory=_Bar)
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if filename != WARNING_SOURCE:
+            return shown(message, category, filename, lineno, file, line)
+        console.print(f"warning: {category.__name__}: {message}", markup=False, highlight=False, soft_wrap=True)
+
+    warnings.showwarning = show
+    try:
+        with progress:
+            report = run_compare(cfg, progress_factory=_Bar)
+    finally:
+        warnings.showwarning = shown
     try:
         written = write_report(report, out_dir)
     except OSError as e:  # the folder changed during training: name the user's path, not ours

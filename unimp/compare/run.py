@@ -7,6 +7,7 @@ import importlib
 import math
 import os
 import platform
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,6 +269,35 @@ def device_for(backend: str, wanted: str) -> str:
     return wanted
 
 
+#: the file name compare's re-emitted warnings carry (the CLI prints them without it)
+WARNING_SOURCE = "unimp compare"
+
+
+@contextlib.contextmanager
+def framework_warnings(label: str) -> Any:
+    """Collects the warnings one framework's run raises and re-emits each once, its message
+    prefixed with the run's label (``"torch: ..."``) and attributed to :data:`WARNING_SOURCE`:
+    raised inside compare they pointed at the ``unimp`` script's last line, and the same text
+    from two frameworks (a ``HalfOptimizerStateWarning``) was shown once for both.
+
+    Yields:
+        The list the run's unique warnings go into, as ``"Category: message"`` strings (the
+        report keeps them per run).
+    """
+    seen: list[str] = []
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield seen
+    finally:  # a run that raised still shows what it warned of
+        for w in caught:
+            text = f"{w.category.__name__}: {w.message}"
+            if text not in seen:
+                seen.append(text)
+                warnings.warn_explicit(f"{label}: {w.message}", w.category, WARNING_SOURCE, 0)
+
+
 def run_compare(
     cfg: CompareConfig,
     progress_factory: Callable[[str, int], Any] | None = None,
@@ -312,11 +342,15 @@ def run_compare(
             trace=True,
             log=None if cfg.log_dir is None else os.path.join(cfg.log_dir, f"{label_file(label)}.jsonl"),
         )
-        if progress_factory is None:
-            return runner.run(spec)
-        with progress_factory(label, len(steps)) as bar:
-            spec.progress = lambda i: bar.advance()
-            return runner.run(spec)
+        with framework_warnings(label) as seen:
+            if progress_factory is None:
+                run = runner.run(spec)
+            else:
+                with progress_factory(label, len(steps)) as bar:
+                    spec.progress = lambda i: bar.advance()
+                    run = runner.run(spec)
+        run["warnings"] = seen
+        return run
 
     # one thread per framework on a CPU unless asked otherwise (the benchmarks' choice): with
     # a thread per core, torch on a shared CPU ran 20-50x slower than JAX, and the step-time row
