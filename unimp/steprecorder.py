@@ -27,6 +27,7 @@ from typing import Any
 from unimp.stats import first_nonfinite, first_nonfinite_gradient
 from unimp.step import _KIND, STEP_FIELDS, StepResult
 from unimp.steplog import StepLogWriter
+from unimp.steplog.ending import track
 
 __all__ = ["LoggedStep", "StepRecorder", "check_log_every", "with_log"]
 
@@ -130,6 +131,7 @@ class StepRecorder:
         self._pending: list = []
         self._warned = False
         self._finalizer = weakref.finalize(self, _drain, self._pending, self.writer, to_host, owned)
+        track(recorder=self)  # SIGTERM reads and writes the buffered steps
 
     def add(
         self,

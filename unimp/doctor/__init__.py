@@ -46,6 +46,9 @@ ranks after a rise of the learning rate, whose symptom it then probably is):
     or in the first :data:`CALIBRATION_STEPS` steps of a run from step 0, they are the dynamic
     scale probing upward: info, normal, no fix (``details["spike"]`` false). Without one they
     are spikes: warning, with the first non-finite layer named (``details["spike"]`` true).
+``run_ended_early`` (warning)
+    the end line says the run stopped on an exception (its type) or was interrupted
+    (``KeyboardInterrupt``, ``SIGTERM``), after its last step.
 ``nothing_wrong`` (info)
     none of the above.
 

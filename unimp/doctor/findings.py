@@ -26,6 +26,7 @@ FLUSH_WARN = 0.01
 DIAGNOSIS_FORMAT = "unimp.doctor/1"
 #: The finding classes, root causes first: the order findings are ranked in.
 CLASSES = (
+    "run_ended_early",
     "nonfinite_input",
     "recurring_layer",
     "lr_change_before_overflow",
@@ -129,6 +130,7 @@ class LogDiagnosis:
         backend: the header's backend.
         steps: step records read; ``first_step`` and ``last_step`` (None when none).
         ended: the log had its end line (the run was closed).
+        end: the end line (``status``, ``exception`` / ``signal``, ``last_step``), or None.
         warnings: the reader's warnings (a cut-off line, no end line).
         findings: the :class:`Finding` s, ranked.
     """
@@ -142,6 +144,19 @@ class LogDiagnosis:
     ended: bool
     warnings: list[str]
     findings: list[Finding]
+    end: dict[str, Any] | None = None
+
+    @property
+    def how_ended(self) -> str:
+        """``"completed"``, ``"crashed (ValueError)"``, ``"interrupted (SIGTERM)"``, or
+        ``"NOT closed (killed?)"`` for a log without an end line."""
+        if not self.ended:
+            return "NOT closed (killed?)"
+        end = self.end or {}
+        status = end.get("status", "completed")
+        why = end.get("exception") or end.get("signal")
+        word = "crashed" if status == "exception" else status
+        return f"{word} ({why})" if why and status != "completed" else word
 
     @property
     def ok(self) -> bool:
@@ -153,6 +168,7 @@ class LogDiagnosis:
             k: getattr(self, k)
             for k in ("path", "name", "backend", "steps", "first_step", "last_step", "ended")
         }
+        out["how_ended"] = self.how_ended
         out["warnings"] = list(self.warnings)
         out["ok"] = self.ok
         out["findings"] = [f.to_dict() for f in self.findings]
@@ -215,7 +231,7 @@ class Diagnosis:
         """Plain text for a terminal: per log its findings, then the comparison and the fixes."""
         out: list[str] = []
         for d in self.logs:
-            closed = "closed" if d.ended else "NOT closed (crashed or killed?)"
+            closed = d.how_ended
             span = f" ({d.first_step}-{d.last_step})" if d.steps else ""
             out.append(f"{d.name}: {d.path}: {d.steps} steps{span}, {closed}")
             if not d.steps:

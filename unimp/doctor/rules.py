@@ -422,6 +422,7 @@ def diagnose_log(log: StepLog, name: str) -> LogDiagnosis:
         log.ended,
         list(log.warnings),
         [],
+        log.end,
     )
     if not recs:
         return d
@@ -435,6 +436,16 @@ def diagnose_log(log: StepLog, name: str) -> LogDiagnosis:
     after_lr = rules.lr_changes()
     rules.recurring_layer(after_lr)
     found = rules.found
+    end = log.end or {}
+    if end.get("status") in ("exception", "interrupted"):  # the run stopped before its end
+        last = end.get("last_step")
+        last = last if isinstance(last, int) and not isinstance(last, bool) else recs[-1]["step"]
+        found.append(Finding(
+            "run_ended_early", "warning",
+            f"the run {d.how_ended.replace('crashed', 'crashed on an exception')} after step "
+            f"{last}: the log ends there, whatever the rest of the run would have done",
+            [last], details={k: end.get(k) for k in ("status", "exception", "signal")},
+        ))  # fmt: skip
     if not found:
         skipped = sum(not r["applied"] for r in recs)
         text = (

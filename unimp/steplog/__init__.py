@@ -8,8 +8,11 @@ A step log is a UTF-8 text file, one JSON object per line, every object tagged
 * one ``"step"`` record per training step, in step order: loss, scale, applied, the finiteness
   flags, grad norm, skip counters, learning rate, the first layer that went non-finite and the
   tensor statistics (:mod:`unimp.stats`) where they were taken;
-* last, ``"end"``, written by :meth:`StepLogWriter.close`. A log without it was not closed (the
-  run crashed or was killed): ``unimp doctor`` warns and diagnoses what is there.
+* last, ``"end"``, written by :meth:`StepLogWriter.close`, at interpreter exit or on
+  ``SIGTERM``: how the run ended (``"status"``: ``"completed"``, ``"exception"`` with the
+  exception's type, ``"interrupted"``; :mod:`unimp.steplog.ending`) and its last step. A log
+  without it was not closed (the run was killed): ``unimp doctor`` warns and diagnoses what is
+  there.
 
 Non-finite floats are never written (``NaN`` and ``Infinity`` are not JSON): they are ``null``,
 and the flags say what happened. ``pandas.read_json(path, lines=True)`` reads a log (one row

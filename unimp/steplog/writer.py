@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from unimp.steplog.ending import ending_of, track
 from unimp.steplog.records import (
     STEPLOG_FORMAT,
     _json_value,
@@ -70,10 +71,13 @@ class StepLogWriter:
 
     Records are buffered and written every ``flush_every`` records (and by :meth:`flush`).
     Nothing buffered is lost: :meth:`close` (and leaving a ``with`` block, also on an
-    exception) writes the rest and the end line; a writer never closed is flushed when it is
-    garbage collected and at interpreter exit (``weakref.finalize``, which holds no reference
-    to the writer), without an end line, so ``unimp doctor`` says the run was not closed. Only
-    a killed process (``SIGKILL``, ``os._exit``) loses the records still buffered.
+    exception) writes the rest and the end line, which says how the run ended
+    (``"status"``: ``"completed"``, ``"exception"`` with its type, ``"interrupted"``; see
+    :mod:`unimp.steplog.ending`); a writer never closed is flushed when it is garbage
+    collected and at interpreter exit (``weakref.finalize``, which holds no reference to the
+    writer), without an end line, so ``unimp doctor`` says the run was not closed. ``SIGTERM``
+    flushes every open log and writes its end line (``"interrupted"``). Only a killed process
+    (``SIGKILL``, ``os._exit``) loses the records still buffered.
 
     An existing file is replaced (``overwrite=True``, the default), as a log file of a new
     run; ``overwrite=False`` refuses it with ``FileExistsError``. Every argument is checked
@@ -169,6 +173,7 @@ class StepLogWriter:
         self._finalizer = weakref.finalize(self, _Sink.release, sink)
         sink.lines.append(line)
         sink.flush()  # the header is on disk before the first step: a crash still leaves a log
+        track(writer=self)  # after the finalizer: SIGTERM and an uncaught exception are seen
 
     @property
     def closed(self) -> bool:
@@ -213,21 +218,32 @@ class StepLogWriter:
         if not self._closed:
             self._sink.flush()
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         """Writes the buffered records and the end line, and closes a file it opened.
-        Idempotent."""
+        Idempotent.
+
+        Args:
+            error: the exception that ended the run, if one did: the end line's ``status``
+                is then ``"exception"`` with its type (``"interrupted"`` for a
+                ``KeyboardInterrupt``). ``None``: ``"completed"``, unless the process is
+                ending on an uncaught exception or ``SIGTERM`` (see
+                :mod:`unimp.steplog.ending`).
+        """
         if self._closed:
             return
         self._closed = True
-        end = {"format": STEPLOG_FORMAT, "kind": "end", "steps": self._steps, "ended": _now()}
+        end = {
+            "format": STEPLOG_FORMAT, "kind": "end", "steps": self._steps, "ended": _now(),
+            **ending_of(error), "last_step": self._last_step,
+        }  # fmt: skip
         self._sink.lines.append(json.dumps(end) + "\n")
         self._finalizer()  # flush, close the file if owned; runs once, never again at exit
 
     def __enter__(self) -> StepLogWriter:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(exc)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
