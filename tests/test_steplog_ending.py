@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -95,3 +96,32 @@ def test_a_with_block_left_by_an_exception_ends_the_log_so(tmp_path):
     w2 = StepLogWriter(tmp_path / "c.jsonl", backend="jax", framework_version="0")
     w2.close()
     assert read_steplog(tmp_path / "c.jsonl").end["status"] == "completed"
+
+
+def test_ctrl_c_of_compare_says_where_in_one_line_exits_130_and_its_log_says_interrupted(tmp_path):
+    require_backend("torch")
+    import time
+
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unimp.cli", "compare", "--backends", "torch", "--epochs", "200",
+         "--quiet", "--log-dir", str(logs), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    log = logs / "torch.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) > 1):
+        time.sleep(0.2)  # the first 100 steps are on disk: training runs
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.fullmatch(
+        r"unimp compare: interrupted at torch step \d+; nothing written to --out; the step logs "
+        r"in --log-dir end there", lines[0]
+    ), stderr[-2000:]
+    step = int(re.search(r"step (\d+)", lines[0])[1])
+    assert not out.exists()
+    end = read_steplog(log).end
+    assert (end["status"], end["exception"]) == ("interrupted", "KeyboardInterrupt")
+    assert end["last_step"] in (step - 1, step)  # step, if Ctrl-C came as it returned

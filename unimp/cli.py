@@ -226,7 +226,7 @@ def _check_out_dir(out_dir: str, given: str) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from unimp.compare.report import COLUMNS, summary_rows, write_report
-    from unimp.compare.run import WARNING_SOURCE, CompareConfig, run_compare, validate
+    from unimp.compare.run import WARNING_SOURCE, CompareConfig, Interrupted, run_compare, validate
 
     out_dir = os.path.abspath(args.out)
     _check_out_dir(out_dir, args.out)
@@ -287,6 +287,13 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         with progress:
             report = run_compare(cfg, progress_factory=_Bar)
+    except Interrupted as e:  # Ctrl-C: one line, not the traceback of whatever was running
+        logs = "; the step logs in --log-dir end there" if args.log_dir else ""
+        print(
+            f"unimp compare: interrupted at {e.label} step {e.step}; nothing written to --out{logs}",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         warnings.showwarning = shown
     try:

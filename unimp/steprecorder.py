@@ -172,10 +172,19 @@ class StepRecorder:
         """Reads the buffered steps from the device and writes them."""
         _drain(self._pending, self.writer, self._to_host, close=False)
 
-    def close(self) -> None:
-        """Writes what is buffered and the end line (a writer passed in is left open)."""
-        if self._finalizer.alive:
-            self._finalizer()
+    def close(self, error: BaseException | None = None) -> None:
+        """Writes what is buffered and the end line (a writer passed in is left open).
+
+        Args:
+            error: the exception that ended the run, if one did (the end line says so; see
+                :meth:`StepLogWriter.close`).
+        """
+        if self._finalizer.detach() is not None:
+            try:
+                _drain(self._pending, self.writer, self._to_host, close=False)
+            finally:
+                if self._owned:
+                    self.writer.close(error)
 
 
 class LoggedStep:
@@ -184,10 +193,15 @@ class LoggedStep:
 
     _recorder: StepRecorder | None = None
 
-    def close(self) -> None:
-        """Writes what the step log (``log=``) still holds, and its end line."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Writes what the step log (``log=``) still holds, and its end line.
+
+        Args:
+            error: the exception that ended the run, if one did: the end line records it
+                (``"exception"`` with its type, ``"interrupted"`` for a ``KeyboardInterrupt``).
+        """
         if self._recorder is not None:
-            self._recorder.close()
+            self._recorder.close(error)
 
 
 def with_log(step: Any, mp: Any, log: Any, log_every: int, config: Any, to_host: Callable[[Any], Any]) -> Any:

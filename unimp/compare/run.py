@@ -99,6 +99,15 @@ def label_file(label: str) -> str:
     return label.replace(" (", "-").replace(")", "").replace(" ", "-")
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run of :func:`run_compare`: the framework (``label``, set by the run)
+    and the step it stopped at, for a one-line message."""
+
+    def __init__(self, step: int, label: str | None = None) -> None:
+        super().__init__(step, label)
+        self.step, self.label = step, label
+
+
 def train_loop(
     step: Callable[[Any], Any], spec: RunSpec, convert: Callable[[dict], Any]
 ) -> dict[str, list]:
@@ -122,6 +131,7 @@ def train_loop(
         k: [] for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "step_time")
     }
     rss0 = peak = proc.memory_info().rss
+    error = None
     try:
         for i, b in enumerate(spec.batches):
             batch = convert(b)
@@ -136,9 +146,15 @@ def train_loop(
             if spec.stats_every is not None and r.stats is not None:  # read back every k steps
                 out.setdefault("stats", {})[str(i)] = r.stats.to_dict()
             spec.progress(i)
+    except KeyboardInterrupt as e:  # Ctrl-C: the CLI says where, in one line
+        error = e
+        raise Interrupted(len(out["loss"])) from None  # the step that was running
+    except BaseException as e:
+        error = e
+        raise
     finally:
         if spec.log is not None:
-            step.close()  # the step log's last records and its end line
+            step.close(error)  # the step log's last records and its end line: how it ended
     out["rss_growth_bytes"] = int(peak - rss0)
     return out
 
@@ -343,12 +359,17 @@ def run_compare(
             log=None if cfg.log_dir is None else os.path.join(cfg.log_dir, f"{label_file(label)}.jsonl"),
         )
         with framework_warnings(label) as seen:
-            if progress_factory is None:
-                run = runner.run(spec)
-            else:
-                with progress_factory(label, len(steps)) as bar:
-                    spec.progress = lambda i: bar.advance()
+            try:
+                if progress_factory is None:
                     run = runner.run(spec)
+                else:
+                    with progress_factory(label, len(steps)) as bar:
+                        spec.progress = lambda i: bar.advance()
+                        run = runner.run(spec)
+            except Interrupted as e:
+                raise Interrupted(e.step, label) from None
+            except KeyboardInterrupt:  # before the first step (building the model, compiling)
+                raise Interrupted(0, label) from None
         run["warnings"] = seen
         return run
 
