@@ -30,7 +30,18 @@ def test_compare_one_backend_writes_the_report(backend, tmp_path):
     code, out = _run(tmp_path, "--backends", backend)
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "report.png"]
-    rep = json.loads((out / "report.json").read_text())
+    def refuse(constant):
+        raise ValueError(f"{constant} is not standard JSON")
+
+    # standard JSON, as strict parsers read it: no NaN / Infinity literals; each non-finite
+    # value is null, and "nonfinite" says what it was (a one-framework run has no loss diff)
+    rep = json.loads((out / "report.json").read_text(), parse_constant=refuse)
+    assert rep["nonfinite"], "a one-framework run has non-finite fields to name"
+    for pointer, what in rep["nonfinite"].items():
+        node = rep
+        for key in pointer.split("/")[1:]:
+            node = node[int(key)] if isinstance(node, list) else node[key.replace("~1", "/").replace("~0", "~")]
+        assert node is None and what in ("nan", "inf", "-inf"), pointer
     run = rep["runs"][backend]
     assert rep["steps"] == len(run["loss"]) == 22  # 1438 training digits // 64
     assert all(math.isfinite(x) for x in run["loss"])

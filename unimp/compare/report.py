@@ -293,6 +293,33 @@ def _plot(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def strict_json(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` as standard JSON holds it: every non-finite float (a NaN loss, the loss
+    difference of a one-framework run, an infinite headroom) is ``null``, and the top-level
+    ``"nonfinite"`` says what each was, by JSON Pointer (RFC 6901): ``{"/runs/torch/loss/3":
+    "inf"}``. Python's ``json`` would write ``NaN`` / ``Infinity``, which strict parsers
+    (JavaScript's ``JSON.parse``, most JSON tools) refuse.
+
+    Returns:
+        A new dict; ``report`` is not changed.
+    """
+    found: dict[str, str] = {}
+
+    def walk(x: Any, path: str) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            found[path] = "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+            return None
+        if isinstance(x, dict):
+            return {k: walk(v, f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(x)]
+        return x
+
+    out = walk(report, "")
+    out["nonfinite"] = found
+    return out
+
+
 def write_report(report: dict[str, Any], out_dir: str) -> list[str]:
     """Writes the three files into ``out_dir`` all at once: they are built in a temporary
     folder beside it and moved in only when all three exist, so a failure leaves nothing
@@ -307,7 +334,7 @@ def write_report(report: dict[str, Any], out_dir: str) -> list[str]:
     tmp = tempfile.mkdtemp(prefix=".unimp-report-", dir=parent)
     try:
         with open(os.path.join(tmp, "report.json"), "w") as f:
-            json.dump(report, f, indent=1, allow_nan=True)
+            json.dump(strict_json(report), f, indent=1, allow_nan=False)
         with open(os.path.join(tmp, "report.md"), "w") as f:
             f.write(_markdown(report))
         _plot(report, os.path.join(tmp, "report.png"))
