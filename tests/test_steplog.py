@@ -716,3 +716,29 @@ def test_train_step_log_options_as_stats_every_takes_them():
     assert check_log_every(None, np.int64(5)) == 5 and type(check_log_every(None, np.int64(5))) is int
     with pytest.raises(ValueError, match="log must be None, a file path"):
         check_log_every("", 5)
+
+
+def test_a_log_in_use_is_not_opened_a_second_time_and_nothing_is_lost(tmp_path):
+    from unimp.steplog import StepLogBusyError
+
+    path = tmp_path / "shared.jsonl"
+    record = {"loss": 1.0, "scale": 1.0, "applied": True, "loss_finite": True,
+              "grads_finite": True, "grad_norm": None, "consecutive_skips": 0, "total_skips": 0}
+    first = StepLogWriter(path, backend="jax", framework_version="0", flush_every=1)
+    first.write({"step": 0, **record})
+    with pytest.raises(StepLogBusyError, match="is being written by another run; give each run its own file"):
+        StepLogWriter(path, backend="torch", framework_version="0")
+    # another process: the same refusal, the file as it was
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; from unimp.steplog import StepLogWriter\n"
+         "try:\n    StepLogWriter(sys.argv[1], backend='tensorflow', framework_version='0')\n"
+         "except OSError as e:\n    print(type(e).__name__)", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.stdout.strip() == "StepLogBusyError", child.stderr
+    first.write({"step": 1, **record})
+    first.close()
+    log = read_steplog(path)
+    assert log.run["backend"] == "jax" and [r["step"] for r in log.steps] == [0, 1] and log.ended
+    StepLogWriter(path, backend="torch", framework_version="0").close()  # closed: free again
+    assert read_steplog(path).run["backend"] == "torch"

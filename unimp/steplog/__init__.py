@@ -22,12 +22,13 @@ are documented in ``docs/steplog.md``; ``unimp doctor`` (:mod:`unimp.doctor`) di
 
 from unimp.steplog.reader import StepLog, read_steplog
 from unimp.steplog.records import STEP_KEYS, STEPLOG_FORMAT, StepLogWarning, check_step_record  # noqa: F401
-from unimp.steplog.writer import StepLogWriter
+from unimp.steplog.writer import StepLogBusyError, StepLogWriter
 
 __all__ = [
     "STEPLOG_FORMAT",
     "STEP_KEYS",
     "StepLog",
+    "StepLogBusyError",
     "StepLogWarning",
     "StepLogWriter",
     "read_steplog",

@@ -11,6 +11,11 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+try:  # POSIX: a log in use is locked (on other systems it is not)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 from unimp.steplog.ending import ending_of, track
 from unimp.steplog.records import (
     STEPLOG_FORMAT,
@@ -66,6 +71,32 @@ class _Sink:
                 self.file.close()
 
 
+class StepLogBusyError(OSError):
+    """The log file is open in another :class:`StepLogWriter` (this process or another)."""
+
+
+def _open_locked(path: str, overwrite: bool) -> Any:
+    """Opens ``path`` for a new log under an exclusive lock (``flock``, POSIX), taken before
+    the file is emptied: a log another run is writing is refused and left as it is. The lock
+    goes with the file when it is closed (or the process ends)."""
+    flags = os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_EXCL)
+    fd = os.open(path, flags, 0o666)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StepLogBusyError(
+                    f"step log {path!r} is being written by another run; give each run its own "
+                    "file (unimp compare: its own --log-dir)"
+                ) from None
+        os.ftruncate(fd, 0)
+        return os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class StepLogWriter:
     """Writes a step log: the run header now, step records as they come, the end line on close.
 
@@ -80,7 +111,10 @@ class StepLogWriter:
     (``SIGKILL``, ``os._exit``) loses the records still buffered.
 
     An existing file is replaced (``overwrite=True``, the default), as a log file of a new
-    run; ``overwrite=False`` refuses it with ``FileExistsError``. Every argument is checked
+    run; ``overwrite=False`` refuses it with ``FileExistsError``. A file another writer has
+    open (another run, or this one) is refused with :class:`StepLogBusyError` and left as it
+    is: the writer holds an exclusive ``flock`` lock on its file while it is open (POSIX; on
+    Windows there is no lock). Every argument is checked
     before the file is opened, so a bad call or a failed open leaves an existing file as it was.
 
     Args:
@@ -97,7 +131,8 @@ class StepLogWriter:
         overwrite: replace an existing file (default), else ``FileExistsError``.
 
     Raises:
-        ValueError: a bad argument, naming it; ``OSError`` when the file cannot be opened.
+        ValueError: a bad argument, naming it; ``OSError`` when the file cannot be opened
+        (:class:`StepLogBusyError` when another writer has it open).
 
     Example:
         >>> import io
@@ -162,7 +197,7 @@ class StepLogWriter:
             self.path = getattr(path_or_file, "name", None)
         else:
             path = os.fspath(path_or_file)
-            file = open(path, "w" if overwrite else "x", encoding="utf-8", newline="\n")
+            file = _open_locked(path, overwrite)
             sink = _Sink(file, owned=True, binary=False)
             self.path = path
         self._sink = sink
