@@ -62,6 +62,14 @@ BAD_STATE_DICTS = [
         None,
     ),
     ("keras-checkpoint", {"dynamic_scale": 1024.0, "step_counter": 3}, "format"),
+    # a mixed_bfloat16 run's state ({"kind": "none"}) would turn a float16 step's scaling off,
+    # silently (torch.amp.GradScaler refuses a disabled scaler's state as well)
+    (
+        "no-loss-scaling",
+        unimp.loss_scale.state_dict(get_recipe("mixed_bfloat16").loss_scale),
+        r"saved by a run without loss scaling \(kind 'none'.*this step scales its loss \(dynamic.*"
+        r"Nothing was changed",
+    ),
     ("future-format", _sd(format="unimp.loss_scale/3"), "one state format, 'unimp.loss_scale/1'"),
     ("config-a-name", _sd(config="dynamic"), "'config' must be a dict"),
     ("kind-a-list", _sd(config__kind=["dynamic"]), "'kind' must be one of"),

@@ -53,13 +53,24 @@ def state_dict(config: LossScaleConfig, state: LossScaleState | None = None) -> 
     return {"format": STATE_FORMAT, "config": config.to_dict(), "state": s.to_dict()}
 
 
-def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleState]:
+def from_state_dict(
+    d: Mapping[str, Any], current: LossScaleConfig | None = None
+) -> tuple[LossScaleConfig, LossScaleState]:
     """Inverse of :func:`state_dict`: validates everything before returning.
+
+    Args:
+        d: the portable state dict.
+        current: the config of the scaler that loads it (every backend's ``load_state_dict``
+            passes its own): a state without loss scaling (``kind: "none"``, saved by a
+            bfloat16 or float32 run) is refused for a scaler that scales, as
+            ``torch.amp.GradScaler.load_state_dict`` refuses the empty state of a disabled
+            scaler: loading it would run float16 unscaled from then on, silently.
 
     Raises:
         ValueError: not a dict, a missing or foreign ``format`` (e.g. a torch GradScaler
-            state_dict, which has ``"scale"`` and ``"_growth_tracker"`` keys), or a bad config or
-            state; the message names the key.
+            state_dict, which has ``"scale"`` and ``"_growth_tracker"`` keys), a bad config or
+            state, or a state without loss scaling for a scaler that scales; the message names
+            the key or the fix.
     """
     if not isinstance(d, Mapping):
         raise ValueError(f"a loss-scale state_dict must be a dict, got {type(d).__name__}.")
@@ -114,4 +125,13 @@ def from_state_dict(d: Mapping[str, Any]) -> tuple[LossScaleConfig, LossScaleSta
         )
     if state.consecutive_skips > state.total_skips:
         raise ValueError("loss-scale state 'consecutive_skips' cannot exceed 'total_skips'.")
+    if current is not None and config.kind == "none" and current.kind != "none":
+        raise ValueError(
+            f"this loss-scale state_dict was saved by a run without loss scaling (kind 'none': "
+            f"a bfloat16 or float32 recipe such as mixed_bfloat16, or loss_scale='none'), and "
+            f"this step scales its loss ({current.kind}: a float16 recipe such as "
+            f"mixed_float16); loading it would turn loss scaling off. Load a state saved by a "
+            f"loss-scaled run, or build the step with loss_scale='none' to train without it. "
+            f"Nothing was changed."
+        )
     return config, state

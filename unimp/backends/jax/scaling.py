@@ -503,13 +503,19 @@ def loss_scale_from_config(
     return _PYTREE_FOR[type(cfg)].from_config(cfg, state)
 
 
-def loss_scale_from_state_dict(d: Mapping[str, Any]) -> LossScale:
+def loss_scale_from_state_dict(d: Mapping[str, Any], current: Any = None) -> LossScale:
     """The loss-scale pytree of the right kind for a portable state dict (from any backend).
+
+    Args:
+        d: the portable state dict.
+        current: the config of the scaler it replaces, if any (see
+            :func:`unimp.loss_scale.from_state_dict`: a state without loss scaling is refused
+            for one that scales).
 
     Raises:
         ValueError: a bad or foreign state dict; the message names the key.
     """
-    config, state = core.from_state_dict(d)
+    config, state = core.from_state_dict(d, current)
     return _PYTREE_FOR[type(config)].from_config(config, state)
 
 

@@ -457,7 +457,9 @@ class TrainStep(LoggedStep):
         Raises:
             ValueError: a bad or foreign state dict; nothing is changed.
         """
-        self._loss_scale = _commit_like(loss_scale_from_state_dict(d), self._params)
+        self._loss_scale = _commit_like(
+            loss_scale_from_state_dict(d, self._loss_scale.config), self._params
+        )
 
 
 class StepOps:

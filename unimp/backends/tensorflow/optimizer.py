@@ -530,7 +530,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 loss-scale config after a ``tf.function`` traced this optimizer (the message
                 shows both configs and the fix).
         """
-        config, state = from_state_dict(state_dict)
+        config, state = from_state_dict(state_dict, current=self._loss_scale_config)
         self._check_retrace(config, self._traced_by, "TrainStep.load_state_dict (which retraces)")
         self._adopt(config, state)
 

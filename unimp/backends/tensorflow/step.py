@@ -261,7 +261,7 @@ class TrainStep(LoggedStep):
             ValueError: a bad or foreign state dict; nothing is changed.
         """
         opt = self.optimizer
-        config, state = from_state_dict(state_dict)
+        config, state = from_state_dict(state_dict, current=opt.loss_scale_config)
         # this step retraces; a tf.function of anyone else (model.fit) would keep the old rule
         others = opt._traced_by - {id(self)}
         opt._check_retrace(config, others, "a new optimizer (that function keeps the old config)")

@@ -785,7 +785,7 @@ class GradScaler:
                 "nothing to load (unimp's scalers always save the portable format)."
             )
         else:
-            config, state = _ls.from_state_dict(state_dict)
+            config, state = _ls.from_state_dict(state_dict, current=self._config)
         self._config = config
         self._set_state(state)
         self._replicas_checked = False  # a checkpoint loaded on some ranks only is caught next step
