@@ -65,6 +65,9 @@ def test_the_command_prints_the_findings_and_json(capsys, tmp_path):
         (["audit", "--to", "float16", "--plant", "l9=10"], "its layers are l1, l2"),
         (["audit", "--to", "float16", "--plant", "l1=-1"], "finite number > 0"),
         (["audit", "--to", "float16", "--plant", "l1=inf"], "finite number > 0"),
+        # the weights are float32: 1e40 is inf there and 1e-46 is 0 (l1=0 was refused, these not)
+        (["audit", "--to", "float16", "--plant", "l1=1e40"], "FACTOR overflows float32 (max 3.4e38)"),
+        (["audit", "--to", "float16", "--plant", "l1=1e-46"], "FACTOR rounds to 0 in float32"),
         (["audit", "--to", "float16", "--underflow-tolerance", "1.5"], "[0, 1)"),
         (["audit", "--to", "float16", "--model", "rnn"], "mlp, cnn, vit"),
         (["audit", "--to", "float16", "--backends", "mxnet"], "torch"),
@@ -79,3 +82,11 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_run_already_non_finite_in_float32_is_not_clean(backend):
+    # l1 x 1e35 keeps the factor finite in float32, but the float32 run itself goes inf / NaN
+    r = run_audit(CompareConfig(model="mlp", backends=(backend,)), to="float16", steps=1, plant="l1=1e35")
+    first = r["findings"][backend][0]
+    assert r["clean"] == {backend: False}
+    assert first["kind"].endswith("non-finite") and "already non-finite in float32" in first["fix"]

@@ -77,3 +77,18 @@ def test_a_gradient_overflow_downstream_of_an_activation_overflow_points_at_it()
     by_layer = {f.layer: f.fix for f in grads}
     assert by_layer["l2"].startswith("it follows from the activation overflow in l1: fix that first")
     assert by_layer["l0"].startswith("start the loss scale at 8192")  # before l1: its own
+
+
+def test_values_already_non_finite_in_float32_are_findings_named_first():
+    # a run broken before any cast (issue 28 item 6): the audit said "clean" on it, because an
+    # inf overflows no dtype's range by a countable fraction and NaN overflows nothing
+    ok = np.ones(8)
+    bad = np.array([1.0, np.inf, np.nan, 1.0])
+    steps = [_step(0, {"l1": bad, "l2": np.full(8, np.nan)}, {"l1.weight": ok, "l2.weight": np.full(4, np.nan)})]
+    for target in ("float16", "bfloat16"):  # whatever the target, float32 itself is broken
+        found = audit_stats(steps, target)
+        kinds = [(f.layer, f.kind) for f in found]
+        assert kinds[:3] == [("l1", "activation non-finite"), ("l2", "activation non-finite"),
+                             ("l2", "gradient non-finite")], kinds
+        assert found[0].fraction == 0.5 and "already non-finite in float32" in found[0].fix
+    assert audit_stats([_step(0, {"l1": ok}, {"l1.weight": ok * 1e-3})], "float16") == []

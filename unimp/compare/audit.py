@@ -48,8 +48,9 @@ class Finding:
 
     Attributes:
         layer: the layer name (a parameter's layer for gradients).
-        kind: ``activation overflow``, ``gradient overflow``, ``activation underflow`` or
-            ``gradient underflow``.
+        kind: ``activation non-finite`` or ``gradient non-finite`` (inf or NaN already in
+            float32: listed first), ``activation overflow``, ``gradient overflow``,
+            ``activation underflow`` or ``gradient underflow``.
         tensor: the tensor that showed it (the layer output, or the parameter).
         step: the first audited step (0-based) it showed at.
         fraction: the largest fraction of elements affected, over the audited steps.
@@ -76,6 +77,11 @@ class Finding:
 
 def _fix(kind: str, layer: str, target: str, scale: float, s: TensorStats) -> str:
     room = s.headroom(target)
+    if kind.endswith("non-finite"):
+        return (
+            f"already non-finite in float32: no half dtype can fix it; find what makes {layer} "
+            "inf or NaN (its weights, its input data, the learning rate) first"
+        )
     if kind == "activation overflow":
         return (
             f"keep {layer} in float32 (torch: run it under torch.autocast(..., enabled=False); "
@@ -141,6 +147,9 @@ def audit_stats(
         for kind_of, tensors in (("activation", st.activations), ("gradient", st.gradients)):
             for name, s in tensors.items():
                 layer = name if kind_of == "activation" else layer_of(name)
+                bad = s.fraction("nonfinite")
+                if bad > 0:  # inf / NaN in float32 itself: the run is broken before any cast
+                    note(f"{kind_of} non-finite", layer, name, bad, st.step, s)
                 over = s.fraction(f"{target}_overflow")
                 if over > 0:
                     note(f"{kind_of} overflow", layer, name, over, st.step, s)
@@ -148,6 +157,13 @@ def audit_stats(
                 if flush > underflow_tolerance:
                     note(f"{kind_of} underflow", layer, name, flush, st.step, s)
     out: list[Finding] = []
+    # non-finite in float32 first: the root cause of everything after it
+    for (kind, layer, tensor), (frac, step, s) in sorted(
+        ((k, v) for k, v in worst.items() if k[0].endswith("non-finite")),
+        key=lambda kv: (kv[1][1], kv[0][0].startswith("gradient"), order.index(kv[0][1]) if kv[0][1] in order else 0),
+    ):
+        out.append(Finding(layer, kind, tensor, step, frac, s.headroom(target), _fix(kind, layer, target, s.scale, s)))
+    first = len(out)
     # activation overflows: flagged where they start, in forward order
     overflowing = [n for n in order if ("activation overflow", n, n) in worst]
     origin = None
@@ -156,7 +172,7 @@ def audit_stats(
             origin = None
             continue
         frac, step, s = worst[("activation overflow", name, name)]
-        if origin is not None and order[i - 1] in overflowing:
+        if origin is not None and order[i - 1] in overflowing and origin >= first:
             out[origin] = _with_downstream(out[origin], name)
             continue
         out.append(
@@ -173,7 +189,7 @@ def audit_stats(
     for (kind, layer, tensor), (frac, step, s) in sorted(
         worst.items(), key=lambda kv: (kv[0][0].startswith("gradient"), kv[0][1], kv[0][0])
     ):
-        if kind == "activation overflow":
+        if kind == "activation overflow" or kind.endswith("non-finite"):
             continue
         fix = _fix(kind, layer, target, s.scale, s)
         origin = carried.get(layer)
@@ -248,6 +264,11 @@ def _plant_form(spec: str) -> tuple[str, float]:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"--plant {spec!r}: FACTOR must be a finite number > 0, e.g. 1e5.")
+    # the weights are float32: a factor that is inf or 0 there plants no fault a run can show
+    if not np.isfinite(np.float32(value)):
+        raise ValueError(f"--plant {spec!r}: FACTOR overflows float32 (max 3.4e38); use at most 1e38.")
+    if np.float32(value) == 0:
+        raise ValueError(f"--plant {spec!r}: FACTOR rounds to 0 in float32 (min 1.4e-45); use at least 1e-44.")
     return layer.strip(), value
 
 
