@@ -386,7 +386,48 @@ def micro_batches(batch: Any, grad_accum_steps: int) -> list[Any]:
         raise ValueError(
             f"with grad_accum_steps={k}, step(batch) takes a list of {k} micro-batches, got {got}."
         )
+    sizes = [_leading_sizes(b) for b in batch]
+    for i, got in enumerate(sizes[1:], start=1):
+        if _differ(sizes[0], got):
+            raise ValueError(
+                f"with grad_accum_steps={k}, micro-batch {i} has {_size_text(got)} rows where "
+                f"micro-batch 0 has {_size_text(sizes[0])}: every micro-batch's mean loss weighs "
+                "the same in the window's mean, so uneven micro-batches would not step as their "
+                "full batch does. Split the batch evenly (a DataLoader's drop_last=True, a "
+                "batch size divisible by grad_accum_steps)."
+            )
     return list(batch)
+
+
+def _leading_sizes(batch: Any) -> list[int | None]:
+    """The first dimension of every array in ``batch`` (lists, tuples and dicts walked, in
+    order; an array is anything with a ``shape`` of at least one dimension, in any framework;
+    ``None`` where it is unknown, as in a traced TensorFlow shape)."""
+    if isinstance(batch, Mapping):
+        return [n for key in batch for n in _leading_sizes(batch[key])]
+    if isinstance(batch, (list, tuple)):
+        return [n for item in batch for n in _leading_sizes(item)]
+    shape = getattr(batch, "shape", None)
+    try:
+        first = shape[0] if shape is not None and len(shape) > 0 else None
+    except TypeError:  # an unknown rank
+        return []
+    if shape is None or len(shape) == 0:
+        return []
+    return [first if isinstance(first, int) else None]
+
+
+def _differ(a: list[int | None], b: list[int | None]) -> bool:
+    """Two micro-batches of one structure differ in size where both sizes are known (a
+    different structure is the framework's to refuse, or to take)."""
+    return len(a) == len(b) and any(
+        x is not None and y is not None and x != y for x, y in zip(a, b, strict=True)
+    )
+
+
+def _size_text(sizes: list[int | None]) -> str:
+    known = sorted({n for n in sizes if n is not None})
+    return "/".join(map(str, known)) or "no known"
 
 
 def check_scaled_half_params(names: Any, loss_scale: LossScaleConfig, keep: str) -> None:

@@ -214,3 +214,23 @@ def test_a_tuple_is_one_batch_never_a_window_of_micro_batches(backend):
     for k, v in run.params().items():
         np.testing.assert_array_equal(v, before_params[k])
     assert run._step_fn([b, run._convert(kits.batch(1))]).applied  # the list form runs
+
+
+def test_uneven_micro_batches_are_refused_alike_in_every_backend(backend):
+    """Micro-batches of 5 and 3 rows: torch and TensorFlow averaged the two means with equal
+    weights (2e-3 off the full batch's parameters after two Adam steps), JAX refused with a
+    message of its own. One rule: refused in every backend with one message, nothing changed
+    (issue 28 item 11)."""
+    run = kits.build(backend, "mixed_float16", grad_accum_steps=2)
+    before_state, before_params = run.loss_scale_state(), run.params()
+    uneven = [run._convert(kits.batch(0, size=5)), run._convert(kits.batch(1, size=3))]
+    with pytest.raises(
+        ValueError, match=r"^with grad_accum_steps=2, micro-batch 1 has 3 rows where micro-batch 0 "
+        r"has 5: every micro-batch's mean loss weighs the same.*Split the batch evenly"
+    ):
+        run._step_fn(uneven)
+    assert run.loss_scale_state() == before_state
+    for k, v in run.params().items():
+        np.testing.assert_array_equal(v, before_params[k])
+    even = [run._convert(kits.batch(0, size=4)), run._convert(kits.batch(1, size=4))]
+    assert run._step_fn(even).applied

@@ -248,7 +248,7 @@ def test_train_step_errors(kwargs, exc, match):
     [
         ({"x": jnp.ones((6, 3)), "y": jnp.zeros(6)}, "list of 3 micro-batches"),
         ([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2, "list of 3 micro-batches, got list of length 2"),
-        ([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2 + [{"x": jnp.ones((3, 3)), "y": jnp.zeros(3)}], "micro-batch 2 differs"),
+        ([{"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}] * 2 + [{"x": jnp.ones((3, 3)), "y": jnp.zeros(3)}], "micro-batch 2 has 3 rows where micro-batch 0 has 2"),
     ],
     ids=["not-a-list", "wrong-length", "ragged"],
 )
