@@ -135,3 +135,19 @@ def test_fp8_recipe_takes_a_numpy_bool_as_a_bool():
 
     r = FP8Recipe(exclude_first_last=np.bool_(False))
     assert r.exclude_first_last is False and r == FP8Recipe(exclude_first_last=False)
+
+
+def test_float8_with_float16_compute_is_refused_by_name_and_in_a_recipe_alike(tmp_path):
+    # one rule (issue 28 item 9): a recipe file with a mixed_float16 policy and an [fp8] table
+    # ran, and its report called the float16 reference run "bfloat16", while the name was refused
+    path = tmp_path / "fp8_f16.toml"
+    path.write_text('[policy]\nname = "mixed_float16"\n\n[fp8]\n')
+    for make in (
+        lambda: unimp.get_recipe("transformer-engine-float16"),
+        lambda: unimp.Recipe("mixed_float16", fp8=FP8Recipe()),
+        lambda: unimp.get_recipe("16-mixed", fp8=FP8Recipe()),
+        lambda: unimp.get_recipe(str(path)),
+    ):
+        with pytest.raises(ValueError, match=r"FP8 with float16 compute .* is not supported"):
+            make()
+    assert unimp.Recipe("mixed_bfloat16", fp8=FP8Recipe()).fp8 is not None

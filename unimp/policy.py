@@ -190,12 +190,21 @@ _NAMED: dict[str, Policy] = {
     "fp16": Policy(_F32, _F16, _F32),
 }
 
+#: why float8 with float16 compute is refused, by name (``transformer-engine-float16``) and in a
+#: recipe (a file's ``mixed_float16`` policy with an ``[fp8]`` table) alike: one rule
+FP8_FLOAT16 = (
+    "FP8 with float16 compute ('transformer-engine-float16', or a recipe with a float16 policy "
+    "and fp8) is not supported: unimp's float8 recipes compute in bfloat16 outside the float8 "
+    "matmuls, with no loss scale; use get_recipe('transformer-engine') (bfloat16) or a float16 "
+    "recipe without fp8 ('16-mixed')."
+)
+
 _UNSUPPORTED = {
     "fp8": "'fp8' is a recipe, not a dtype policy: use unimp.get_recipe('fp8') (its policy is mixed_bfloat16).",
     "fp8-delayed": "'fp8-delayed' is a recipe, not a dtype policy: use unimp.get_recipe('fp8-delayed').",
     "fp8-current": "'fp8-current' is a recipe, not a dtype policy: use unimp.get_recipe('fp8-current').",
     "transformer-engine": "'transformer-engine' is a recipe, not a dtype policy: use unimp.get_recipe('transformer-engine').",
-    "transformer-engine-float16": "FP8 with float16 weights ('transformer-engine-float16') is not supported; use get_recipe('transformer-engine') (bfloat16) or '16-mixed'.",
+    "transformer-engine-float16": FP8_FLOAT16,
 }
 
 _KEYS = {

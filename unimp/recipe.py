@@ -19,7 +19,7 @@ from unimp.loss_scale import (
     loss_scale_from_dict,
 )
 from unimp.policy import _KEYS as _POLICY_KEYS
-from unimp.policy import Policy, get_policy
+from unimp.policy import FP8_FLOAT16, Policy, get_policy
 
 __all__ = ["CAST_MODES", "Recipe", "get_recipe"]
 
@@ -99,6 +99,8 @@ class Recipe:
                     f"Recipe.fp8 must be None or an unimp.fp8.recipe.FP8Recipe, got {type(self.fp8).__name__}{hint}."
                 )
             object.__setattr__(self, "fp8", FP8Recipe.from_dict(self.fp8))
+        if self.fp8 is not None and policy.compute_dtype == "float16":
+            raise ValueError(FP8_FLOAT16)  # one rule for the name and for a recipe file
         if self.fp8 is not None:  # a layer the policy overrides keeps its dtypes: no float8 there
             object.__setattr__(self, "fp8", self.fp8.with_kept_out([p for p, _ in policy.overrides]))
 

@@ -22,7 +22,7 @@ BAD_BACKENDS = [
 BAD_POLICIES = [
     ("mixed_float61", "Did you mean 'mixed_float16'"),
     ("bf16-mixd", "Did you mean 'bf16-mixed'"),
-    ("transformer-engine-float16", "FP8 with float16 weights"),  # "fp8" itself is a recipe now
+    ("transformer-engine-float16", "FP8 with float16 compute"),  # "fp8" itself is a recipe now
     ("transformer_engine", "Did you mean the FP8 recipe 'transformer-engine'"),  # TE's package name
     ("fp8-delayd", "Did you mean the FP8 recipe 'fp8-delayed'"),
     ("c=f17", "c=f17 is not a dtype. Did you mean 'f16'"),

@@ -412,10 +412,11 @@ def run_compare(
                 )
                 for b in backends
             }
-        if recipe.fp8 is not None:  # float8 against the same recipe without it: bfloat16
+        if recipe.fp8 is not None:  # float8 against the same recipe without it (bfloat16)
             from unimp.compare.fp8_scales import fp8_section
 
-            bf16 = {b: one(b, recipe.replace(fp8=None), f"{b} (bfloat16)") for b in backends}
+            plain = recipe.replace(fp8=None)
+            bf16 = {b: one(b, plain, f"{b} ({plain.policy.compute_dtype})") for b in backends}
             report["fp8"] = fp8_section(runs, bf16)
         _add_trace_diff(report)
         report["layer_stats"] = {b: layer_stats(run) for b, run in runs.items()}
