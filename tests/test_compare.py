@@ -385,6 +385,11 @@ def test_a_divergence_is_reported_not_hidden():
     }
     row = dict(zip(COLUMNS, summary_rows(report)[0], strict=True))
     assert (row["max loss diff"], row["disagree at"]) == ("inf", "1")
+    # one framework: nothing to compare against, written n/a (it showed "nan")
+    one = {**report, "runs": {"torch": report["runs"]["torch"]},
+           "cross_framework_max_rel_loss_diff": cross_framework_difference({"torch": runs["torch"]})}
+    row = dict(zip(COLUMNS, summary_rows(one)[0], strict=True))
+    assert (row["max loss diff"], row["disagree at"]) == ("n/a", "n/a")
 
 
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="needs two backends under test to compare")

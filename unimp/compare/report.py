@@ -137,7 +137,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
                 _fmt(float(np.median(run["step_time"])) * 1e3 if run["step_time"] else None, ".2f"),
                 _memory(mem, run.get("rss_growth_bytes")),
                 _fmt(base, ".2e"),
-                _fmt(diffs.get(name), ".2e"),
+                _fmt(diffs.get(name), ".2e") if len(report["runs"]) > 1 else "n/a",
                 _steps(split.get(name)) if len(report["runs"]) > 1 else "n/a",
             ]
         )
@@ -258,7 +258,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
     runs = report["runs"]
     first = next(iter(runs))
     for i, (name, run) in enumerate(runs.items()):
-        steps = np.arange(1, len(run["loss"]) + 1)
+        steps = np.arange(len(run["loss"]))  # from 0, as report.md and unimp doctor count
         style = styles[i % len(styles)]
         line = ax_loss.plot(steps, run["loss"], style, label=name, linewidth=1.2)[0]
         skipped = [j for j, a in enumerate(run["applied"]) if not a]
@@ -276,7 +276,9 @@ def _plot(report: dict[str, Any], path: str) -> None:
             )
         ax_scale.step(steps, run["scale"], where="post", linestyle=style, label=name, linewidth=1.2)
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title(f"unimp compare: {report['recipe_name']}")
+    ax_loss.set_title(
+        f"unimp compare: {report['recipe_name']}, model {report['config']['model']}, data {report['data']}"
+    )
     ax_loss.legend(fontsize="small")
     ax_diff.set_ylabel("relative loss difference")
     if len(runs) > 1:
