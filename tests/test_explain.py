@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -20,13 +21,32 @@ def test_explain_apex_o2_is_module_mode(capsys):
     assert "master weights" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(
-    ("recipe", "row"), [("bf16-mixed", "no loss scaling final 1"), ("O3", "static scale 1 final 1")]
-)
-def test_scalers_text_for_a_recipe_without_a_dynamic_scale(capsys, recipe, row):
+def _scaler_table(text):
+    """``{scaler: {column: cell}}`` of explain --scalers' table, cut at its dashes line, and
+    checking that no cell spills out of its column (long values misaligned the old text)."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if re.fullmatch(r"\s*-+(\s+-+)+", line))
+    spans = [(m.start(), m.end()) for m in re.finditer(r"-+", lines[at])]
+    header = [lines[at - 1][a:b].strip() for a, b in spans]
+    rows = {}
+    for line in lines[at + 1:]:
+        if not line.startswith("  ") or line.startswith("  -"):
+            break
+        assert all(line[a - 1:a] in (" ", "") for a, _ in spans[1:]), line  # nothing spills
+        cells = [line[a:b].strip() for a, b in spans[:-1]] + [line[spans[-1][0]:].strip()]
+        rows[cells[0]] = dict(zip(header, cells, strict=True))
+    return rows
+
+
+@pytest.mark.parametrize(("recipe", "init"), [("bf16-mixed", "no loss scaling"), ("O3", "static 1")])
+def test_scalers_table_for_a_recipe_without_a_dynamic_scale_and_long_values(capsys, recipe, init):
     # the recipe's own row was printed with the dynamic fields: KeyError 'init_scale'
     assert main(["explain", recipe, "--scalers", "--steps", "5"]) == 0
-    assert row in capsys.readouterr().out
+    rows = _scaler_table(capsys.readouterr().out)
+    assert (rows[recipe]["init"], rows[recipe]["final"]) == (init, "1")
+    # values as long as megatron's init and fairseq's floor stay in their columns
+    assert rows["megatron"]["init"] == "4.29497e+09" and rows["fairseq"]["min"] == "0.00012207"
+    assert rows["torch"]["min"] == "2**-126" and rows["deepspeed"]["hysteresis"] == "2"
 
 
 def test_scalers_show_framework_differences(capsys):

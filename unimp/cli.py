@@ -129,18 +129,24 @@ def _explain(args: argparse.Namespace) -> int:
                 f"  (growth intervals shortened to {args.growth_interval}, flax {args.growth_interval + 1}, "
                 f"for this demo: the frameworks' own 2000 would not show in {args.steps} steps)"
             )
+        from tabulate import tabulate  # columns that stay aligned whatever a value's length
+
+        rows = []
         for name, row in table["scalers"].items():
             cfg = row["config"]
-            stop = "" if row["stops_at"] is None else f" (stops at step {row['stops_at']})"
+            stop = "" if row["stops_at"] is None else f"step {row['stops_at']}"
             if cfg["kind"] != "dynamic":  # the recipe's own row: a static scale, or none
-                rule = f"static scale {cfg['scale']:g}" if cfg["kind"] == "static" else "no loss scaling"
-                print(f"  {name:<9} {row['native']:<48} {rule} final {row['scale'][-1]:g}{stop}")
+                rule = f"static {cfg['scale']:g}" if cfg["kind"] == "static" else "no loss scaling"
+                rows.append([name, row["native"], rule, "", "", "", "", f"{row['scale'][-1]:g}", stop])
                 continue
-            print(
-                f"  {name:<9} {row['native']:<48} init {cfg['init_scale']:<8g} interval {cfg['growth_interval']:<5} "
-                f"min {_g(cfg['min_scale'], '2**-126'):<8} max {_g(cfg['max_scale']):<11} "
-                f"hysteresis {cfg.get('hysteresis', 1)} final {row['scale'][-1]:g}{stop}"
-            )
+            rows.append([
+                name, row["native"], f"{cfg['init_scale']:g}", cfg["growth_interval"],
+                _g(cfg["min_scale"], "2**-126"), _g(cfg["max_scale"]), cfg.get("hysteresis", 1),
+                f"{row['scale'][-1]:g}", stop,
+            ])  # fmt: skip
+        headers = ["scaler", "native", "init", "interval", "min", "max", "hysteresis", "final", "stops at"]
+        text = tabulate(rows, headers, tablefmt="simple", disable_numparse=True)
+        print("\n".join("  " + line for line in text.splitlines()))
         print("Differences (scale index 0 is the initial scale):")
         for line in table["differences"]:
             print(f"  - {line}")
