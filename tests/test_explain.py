@@ -134,7 +134,25 @@ def test_explain_fp8_shows_where_the_four_differ(capsys):
     # current scaling: step t's own amax; torchao turns 0 into 448/1e-12 and inf into 0
     assert s["transformer_engine_current"][2] == 1.0 and s["torchao"][2] == pytest.approx(4.48e14)
     assert s["torchao"][5] == 0.0 and s["transformer_engine_current"][5] == 1.0
-    assert t["differences"][0].startswith("transformer_engine: differs at step(s) 6")
+    assert t["differences"][0].startswith("transformer_engine: differs from unimp_delayed at step(s) 6")
+
+
+def test_explain_fp8_compares_each_preset_with_unimps_rule_of_its_kind(capsys):
+    # current scaling was compared with unimp's delayed rule ("differ at every step", 149.3 vs
+    # 1 at step 1) and unimp's own current rule had no row (issue 28 item 7)
+    assert main(["explain", "--fp8", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)
+    assert "unimp_current" in t["presets"]
+    diffs = {d.split(":")[0]: d for d in t["differences"]}
+    # the one real difference on current scaling: a tiny amax (step 13, 1e-40), TE's scale
+    # the largest float32, unimp's capped at 2**126
+    assert diffs["transformer_engine_current"] == (
+        "transformer_engine_current: differs from unimp_current at step(s) 13; first at step 13 "
+        "(amax 1e-40): 3.40282347e+38 vs 8.50705917e+37"
+    )
+    assert t["presets"]["unimp_current"]["scale"][12] == 2.0**126
+    assert diffs["torchao"].startswith("torchao: differs from unimp_current at step(s) 3, 6, 13;")
+    assert diffs["keras"].startswith("keras: differs from unimp_delayed")
 
 
 def test_explain_fp8_table_text(capsys):

@@ -10,8 +10,9 @@ from unimp import fp8
 
 __all__ = ["DEFAULT_AMAXES", "FP8_PRESETS", "fp8_table", "parse_amaxes"]
 
-#: A sequence with a zero (step 3) and an inf (step 6) in it, and a rise after the inf.
-DEFAULT_AMAXES = (3.0, 5.0, 0.0, 4.0, 2.0, math.inf, 2.0, 2.0, 8.0, 1.0, 1.0, 1.0)
+#: A sequence with a zero (step 3) and an inf (step 6) in it, a rise after the inf, and a tiny
+#: amax at the end (step 13: where current-scaling rules differ, a scale past 2**126).
+DEFAULT_AMAXES = (3.0, 5.0, 0.0, 4.0, 2.0, math.inf, 2.0, 2.0, 8.0, 1.0, 1.0, 1.0, 1e-40)
 
 #: The presets compared, with what each stands for and its rule in a few words.
 FP8_PRESETS = {
@@ -19,6 +20,7 @@ FP8_PRESETS = {
     "transformer_engine": ("TE DelayedScaling", "steps t-L..t-1; a 0 amax is not recorded; NaN skipped"),
     "flax": ("flax fp8_ops", "steps t-L..t-1; stores a divisor: 1/(1/s) on 0/inf/NaN"),
     "keras": ('Keras quantize("float8")', "steps t-L-1..t-2 (two late); stores a divisor"),
+    "unimp_current": ("unimp CurrentScaling", "step t; 0/inf/NaN: scale 1; at most 2**126"),
     "transformer_engine_current": ("TE Float8CurrentScaling", "step t; 0/inf/NaN: scale 1"),
     "torchao": ("torchao Float8Linear", "step t; 0: max/1e-12, inf: 0, NaN: NaN"),
 }
@@ -54,8 +56,10 @@ def fp8_table(amaxes: list[float], history_len: int = 3, role: str = "forward") 
 
     Returns:
         ``{"amaxes": [...], "history_len": L, "format": dtype, "presets": {name: {"native": str,
-        "rule": str, "scale": [float per step]}}, "differences": [str, ...]}`` (differences
-        against ``unimp_delayed``, naming the first step, counted from 1, and the values).
+        "rule": str, "scale": [float per step]}}, "differences": [str, ...]}``: each preset
+        against unimp's rule of its kind (delayed scaling against ``unimp_delayed``, current
+        scaling against ``unimp_current``), naming the first step, counted from 1, and the
+        values.
     """
     out: dict[str, Any] = {"amaxes": list(amaxes), "history_len": history_len, "presets": {}, "differences": []}
     for name, (native, rule) in FP8_PRESETS.items():
@@ -64,19 +68,20 @@ def fp8_table(amaxes: list[float], history_len: int = 3, role: str = "forward") 
         out["format"] = cfg.dtype(role)
         scales = [float(s) for s, _, _ in fp8.simulate(cfg, amaxes, role)]
         out["presets"][name] = {"native": native, "rule": rule, "scale": scales}
-    base = out["presets"]["unimp_delayed"]["scale"]
     for name, row in out["presets"].items():
-        if name == "unimp_delayed":
+        ours = "unimp_delayed" if fp8.PRESETS[name][0] is fp8.DelayedScaling else "unimp_current"
+        if name == ours:
             continue
+        base = out["presets"][ours]["scale"]
         diff = [i for i, (a, b) in enumerate(zip(base, row["scale"], strict=True)) if not _same(a, b)]
         if not diff:
-            out["differences"].append(f"{name}: same scale as unimp_delayed at every step")
+            out["differences"].append(f"{name}: same scale as {ours} at every step")
             continue
         steps = ", ".join(str(i + 1) for i in diff[:8]) + (" ..." if len(diff) > 8 else "")
         i = diff[0]
         out["differences"].append(
-            f"{name}: differs at step(s) {steps}; first at step {i + 1} (amax {amaxes[i]:g}): "
-            f"{row['scale'][i]:.9g} vs {base[i]:.9g}"
+            f"{name}: differs from {ours} at step(s) {steps}; first at step {i + 1} (amax "
+            f"{amaxes[i]:g}): {row['scale'][i]:.9g} vs {base[i]:.9g}"
         )
     return out
 
