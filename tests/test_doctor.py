@@ -176,6 +176,21 @@ def test_an_lr_rise_is_tied_to_the_episodes_after_it(tmp_path):
     assert (second.step, fix_ids(second)) == (205, ["lower_lr", "hysteresis", "bfloat16"])
 
 
+def test_an_lr_rise_before_a_later_spike_is_found_behind_an_earlier_one(tmp_path):
+    # a 10x rise at step 290 and spikes at 50 and 300: the rise was reported only when the
+    # spike at 300 was the only one (the spikes were one episode, checked from step 50)
+    def fault(s, _):
+        out = {"lr": 1e-2 if s >= 290 else 1e-3}
+        return {**out, "grads_finite": False} if s in (50, 300) else out
+
+    (d,) = diagnose([make_log(tmp_path / "late.jsonl", 400, fault)]).logs
+    lr = one(d, "lr_change_before_overflow")
+    assert lr.steps == [290, 300] and "rose 10x at step 290" in lr.summary
+    assert "the gradient overflows started at step 300" in lr.summary
+    spike = one(d, "isolated_overflow", spike=True)
+    assert spike.steps == [50, 300] and fix_ids(spike)[0] == "lower_lr"
+
+
 def test_a_spike_says_how_long_the_scale_held(tmp_path):
     fault = lambda s, _: {"grads_finite": s not in (40, 90)}  # noqa: E731
     (d,) = diagnose([make_log(tmp_path / "h.jsonl", 100, fault)]).logs

@@ -281,7 +281,11 @@ class _Rules:
     def spikes(self, idx: list[int]) -> None:
         recs = self.recs
         self.problem += idx
-        self.episodes.append(("isolated_overflow", idx[0]))
+        # one finding, but an episode per cluster: each is checked for a learning-rate rise
+        # before it (a rise before a later cluster was missed behind the first one's window)
+        for k, i in enumerate(idx):
+            if k == 0 or recs[i]["step"] - recs[idx[k - 1]]["step"] > CLUSTER_GAP:
+                self.episodes.append(("isolated_overflow", i))
         layer, tensor, phase, layers = _where([recs[i] for i in idx])
         j = idx[0]
         since = max([0] + [i for i in range(1, j + 1) if recs[i]["scale"] != recs[i - 1]["scale"]])
@@ -374,7 +378,7 @@ class _Rules:
                 f"the {what} started at step {first}"
             )
             for f in self.found:
-                if (f.cls, f.step) in after:
+                if any((f.cls, s) in after for s in f.steps):
                     f.fixes.insert(0, fix)
             details = {"lr_from": a, "lr_to": b, "before": sorted({c for c, _ in after})}
             self.found.append(
