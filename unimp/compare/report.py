@@ -200,11 +200,16 @@ def _layer_stats_markdown(report: dict[str, Any]) -> list[str]:
     for label in ("first", "last"):
         rows = []
         step = None
+        seen = {b: set(s[label]["layers"]) for b, s in per.items() if label in s}
+        shared = set.intersection(*seen.values()) if len(seen) > 1 else set().union(*seen.values())
+        only = {b: sorted(names - shared) for b, names in seen.items() if names - shared}
         for backend, s in per.items():
             if label not in s:
                 continue
             step = s[label]["step"]
             for layer, d in s[label]["layers"].items():
+                if layer not in shared:  # a framework's own helper layer (Keras's Flatten, ...)
+                    continue
                 rows.append(
                     [
                         layer,
@@ -231,6 +236,12 @@ def _layer_stats_markdown(report: dict[str, Any]) -> list[str]:
             ),
             "",
         ]  # fmt: skip
+        if only:
+            lines += [
+                "Layers one framework has and the others do not (not compared): "
+                + "; ".join(f"{b}: {', '.join(names)}" for b, names in only.items()) + ".",
+                "",
+            ]
     lines += [
         "Gradients at the step's loss scale, activations (layer outputs) at 1; headroom: powers "
         "of two between the largest value and float16's largest (negative: it overflows); "

@@ -50,7 +50,8 @@ def _vit_model(spec: RunSpec, mp: Any) -> keras.Model:
         y = keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPS, name="ln2")(z)
         mlp = keras.Sequential(
             [
-                keras.layers.Dense(w["mlp_fc1_w"].shape[1], activation="relu", name="fc1"),
+                keras.layers.Dense(w["mlp_fc1_w"].shape[1], name="fc1"),
+                keras.layers.ReLU(name="relu"),
                 keras.layers.Dense(d, name="fc2"),
             ],
             name="mlp",
@@ -85,15 +86,15 @@ def _model(spec: RunSpec, mp: Any) -> keras.Model:
     with mp.autocast():
         x_in = keras.Input((h, wd, c), name="x")
         m_in = keras.Input((hidden,), name="mask")
+        # the ReLU is a layer of its own, so that l1's (conv's) output is taken before it, the
+        # point torch's module hook and JAX's observe see (Dense(activation="relu") gave the
+        # audit 0.21 % overflowing where torch and JAX said 0.41 %)
         if spec.model == "mlp":
-            feat = keras.layers.Dense(w["w1"].shape[1], activation="relu", name="l1")(
-                keras.layers.Flatten()(x_in)
-            )
+            l1 = keras.layers.Dense(w["w1"].shape[1], name="l1")
+            feat = keras.layers.ReLU(name="relu")(l1(keras.layers.Flatten()(x_in)))
         else:
-            conv = keras.layers.Conv2D(
-                w["k"].shape[3], w["k"].shape[:2], padding="same", activation="relu", name="conv"
-            )
-            feat = keras.layers.Flatten()(conv(x_in))
+            conv = keras.layers.Conv2D(w["k"].shape[3], w["k"].shape[:2], padding="same", name="conv")
+            feat = keras.layers.Flatten()(keras.layers.ReLU(name="relu")(conv(x_in)))
         dropped = keras.layers.Multiply()([feat, m_in])
         logits = keras.layers.Dense(w["w2"].shape[1], name="l2")(dropped)
         model = keras.Model([x_in, m_in], logits)
