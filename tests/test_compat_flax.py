@@ -122,3 +122,18 @@ def test_a_train_state_holding_it_checkpoints_like_flaxs():
         restored = flax.serialization.from_bytes(make(ds_cls), blob)
         assert (float(restored.dynamic_scale.scale), int(restored.dynamic_scale.fin_steps)) == (512.0, 3)
         assert flax.serialization.to_state_dict(saved)["dynamic_scale"].keys() == {"fin_steps", "scale"}
+
+
+def test_a_finite_loss_whose_scaled_copy_overflows_backs_off_as_flaxs():
+    # 1e34 is finite; 65536 * 1e34 overflows float32, 32768 * 1e34 does not (issue 28 item 12)
+    def scales(ds):
+        out = []
+        for _ in range(3):
+            res = ds.value_and_grad(lambda p: p * 1e34)(jnp.float32(1.0))
+            ds = res.dynamic_scale
+            out.append((float(ds.scale), int(ds.fin_steps), bool(res.finite)))
+        return out
+
+    theirs, ours = scales(flax_ds.DynamicScale()), scales(shim.DynamicScale())
+    assert theirs[0] == (32768.0, 0, False)
+    assert ours == theirs

@@ -17,7 +17,9 @@ growth is clamped at the largest float32. The scale and counter follow flax's st
 (tested against flax). Differences, where flax is unsafe:
 
 * a non-finite loss (a forward overflow, not fixable by loss scaling) gives ``finite=False``
-  but leaves the scale alone (flax backs off on the inf/NaN gradients it brings);
+  but leaves the scale alone (flax backs off on the inf/NaN gradients it brings); the loss
+  is judged before it is scaled, so a finite loss whose scaled copy overflows backs off as
+  flax does;
 * ``minimum_scale=None`` floors at the smallest normal float32 (2**-126): flax then has no
   floor, and repeated overflows drive its scale to 0 (gradients ``g / 0``);
 * the scale is held in float32 and the counter in int32 whatever they are given as (a float16
@@ -129,21 +131,22 @@ class DynamicScale:
         @functools.wraps(fun)
         def scaled(*args: Any) -> Any:
             out = fun(*args)
-            if has_aux:
-                return self.scale * out[0], out[1]
-            return self.scale * out
+            loss, aux = out if has_aux else (out, None)
+            return self.scale * loss, (loss, aux)  # the loss as computed, before the scale
 
-        grad_fn = jax.value_and_grad(scaled, argnums, has_aux)
+        grad_fn = jax.value_and_grad(scaled, argnums, has_aux=True)
 
         def wrapped(*args: Any) -> DynamicScaleResult:
-            out, grad = grad_fn(*args)
-            value = (out[0] if has_aux else out) / self.scale
-            aux = (value, out[1]) if has_aux else value
+            (out, (loss, fun_aux)), grad = grad_fn(*args)
+            value = out / self.scale
+            aux = (value, fun_aux) if has_aux else value
             grad = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grad)
             if axis_name is not None:
                 grad = lax.pmean(grad, axis_name)
             grads_finite = all_finite(grad, axis_name)
-            loss_finite = all_finite(value, axis_name)
+            # a forward overflow is judged on the loss as ``fun`` computed it: a finite loss
+            # whose scaled copy overflows is a gradient overflow, and the scale backs off
+            loss_finite = all_finite(loss, axis_name)
             zero = jnp.int32(0)
             scale, counter, _, _ = core.update_arrays(
                 LossScaleOps, self.config, self.scale, self.fin_steps, zero, zero,
