@@ -260,13 +260,19 @@ def test_a_cast_mode_a_backend_lacks_is_refused_up_front(tmp_path, capsys, backe
         ({"x": np.zeros((20, 8, 8)), "y": np.linspace(0, 1, 20)}, "must be integers"),
         ({"x": np.zeros((20, 8, 8)), "y": np.zeros(19, int)}, "'y' must have shape"),
         ({"x": np.full((20, 8, 8), np.nan), "y": np.zeros(20, int)}, "NaN"),
+        # issue 28 item 14: each trained (or was called NaN) before
+        ({"x": np.zeros((20, 0)), "y": np.zeros(20, int)}, "'x' has no features per example (shape (20, 0))"),
+        ({"x": np.ones((20, 8, 8)) * (1 + 1j), "y": np.zeros(20, int)}, "'x' is complex (complex128)"),
+        ({"x": np.full((20, 8, 8), 1e39), "y": np.zeros(20, int)},
+         "'x' holds values beyond float32's range (largest magnitude 1e+39"),
     ],
-    ids=["no-y", "negative-labels", "float-labels", "short-y", "nan-x"],
+    ids=["no-y", "negative-labels", "float-labels", "short-y", "nan-x", "no-features", "complex-x", "past-float32"],
 )
 def test_malformed_data_file(tmp_path, capsys, arrays, needle):
     path = _npz(tmp_path, "bad.npz", **arrays)
     code, out = _run(tmp_path, "--data", path)
-    assert code == 2 and needle in capsys.readouterr().err and not out.exists()
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
 
 
 @pytest.mark.parametrize("content", [b"not a zip file", b"x,y\n1,2\n"])

@@ -42,6 +42,10 @@ class Dataset:
 
 def _as_images(x: np.ndarray, source: str) -> np.ndarray:
     x = np.asarray(x)
+    if x.ndim >= 2 and 0 in x.shape[1:]:  # a model with no input features trains on nothing
+        raise ValueError(f"{source}: 'x' has no features per example (shape {x.shape}); give each example at least one value.")
+    if np.iscomplexobj(x):  # the cast to float32 would drop the imaginary part, silently
+        raise ValueError(f"{source}: 'x' is complex ({x.dtype}); give real values (e.g. np.abs(x) or the real and imaginary parts as features).")
     if x.ndim == 2:  # flat features: a square image if possible, else 1 x n
         n = x.shape[1]
         side = int(round(n**0.5))
@@ -54,8 +58,17 @@ def _as_images(x: np.ndarray, source: str) -> np.ndarray:
         )
     if not np.issubdtype(x.dtype, np.number):
         raise ValueError(f"{source}: 'x' must be numeric, got dtype {x.dtype}.")
-    x = x.astype(np.float32)
-    if not np.isfinite(x).all():
+    if not np.issubdtype(x.dtype, np.floating) or np.isfinite(x).all():
+        with np.errstate(over="ignore"):
+            x32 = x.astype(np.float32)
+        if not np.isfinite(x32).all():  # finite float64 values past float32's largest
+            big = float(np.abs(x.astype(np.float64)).max())
+            raise ValueError(
+                f"{source}: 'x' holds values beyond float32's range (largest magnitude {big:.3g}, "
+                "float32's 3.4e38); rescale the data first."
+            )
+        x = x32
+    else:
         raise ValueError(f"{source}: 'x' contains NaN or inf; clean the data first.")
     hi = float(x.max()) if x.size else 1.0
     return x / hi if hi > 1.0 else x
