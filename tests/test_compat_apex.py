@@ -340,3 +340,17 @@ def test_scale_loss_doctest():
     for test in doctest.DocTestFinder().find(apex_mod.scale_loss, "scale_loss", globs=vars(apex_mod).copy()):
         runner.run(test)
     assert runner.summarize(verbose=False) == (0, 7)
+
+
+def test_o3_with_adam_warns_of_half_optimizer_state():
+    # issue 28 item 13: the shim passes the optimizer to the check, as mp.prepare(model, adam) does
+    model = _net()
+    with pytest.warns(unimp.HalfOptimizerStateWarning):
+        amp.initialize(model, torch.optim.Adam(model.parameters()), opt_level="O3")
+
+
+def test_o3_with_adam_over_two_models_warns_of_half_optimizer_state():
+    a, b = _net(0), _net(1)
+    opt = torch.optim.Adam([*a.parameters(), *b.parameters()])
+    with pytest.warns(unimp.HalfOptimizerStateWarning):
+        amp.initialize([a, b], opt, opt_level="O3")

@@ -147,8 +147,12 @@ def initialize(
     if opt_level == "O2":
         mp.prepare(model_list[0], opt_list[0])
     else:
-        for m in model_list:
-            mp.prepare(m)
+        # the last model is prepared with the optimizer once every model is cast, so the
+        # half-optimizer-state check (O3 with Adam) sees its float16 parameters, as
+        # mp.prepare(model, adam) does
+        last_opt = opt_list[0] if len(opt_list) == 1 else None
+        for i, m in enumerate(model_list):
+            mp.prepare(m, last_opt if i == len(model_list) - 1 else None)
     scaler = _ut.GradScaler(config, device=device)
     for o in opt_list:
         _patch_step(o, scaler)
