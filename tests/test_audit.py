@@ -44,7 +44,17 @@ def test_the_command_prints_the_findings_and_json(capsys, tmp_path):
     assert main([*argv, "--log-dir", str(tmp_path / "logs"), "--json"]) == 0
     capsys.readouterr()
     log = read_steplog(tmp_path / "logs" / f"{backend}.jsonl")  # float32 steps, statistics on
-    assert log.ended and log.steps[0]["stats"]["activations"]["l1"]["counts"]["float16_overflow"] > 0
+    overflows = log.steps[0]["stats"]["activations"]["l1"]["counts"]["float16_overflow"]
+    assert log.ended and overflows > 0
+    # the doctor reads the recorded float16 overflows (it said "nothing wrong" on these logs)
+    from unimp.doctor import diagnose
+
+    (d,) = diagnose([log]).logs
+    (f,) = [f for f in d.findings if f.cls == "half_overflow_recorded"]
+    assert f.layer == "l1" and f.summary.startswith(
+        f"the statistics record values that would overflow float16: l1 {overflows} element(s) over 1 step(s)"
+    )
+    assert [x.id for x in f.fixes] == ["keep_float32", "bfloat16"] and not d.ok
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "planted: l1 weights x 100000" in out

@@ -41,6 +41,10 @@ ranks after a rise of the learning rate, whose symptom it then probably is):
     the scale sat at ``max_scale`` for ``growth_interval`` steps or more (a growth was
     blocked); a warning, fix raise ``max_scale``, when the statistics show more than
     :data:`FLUSH_WARN` of a gradient flushing to zero in float16 there.
+``half_overflow_recorded`` (warning)
+    in a run that does not compute in float16 (``unimp audit``'s float32 steps), the
+    statistics record elements that would overflow float16: per layer, how many and on how
+    many steps, with the fixes for a float16 run.
 ``isolated_overflow``
     the other gradient overflows. After a growth of the scale since the previous overflow,
     or in the first :data:`CALIBRATION_STEPS` steps of a run from step 0, they are the dynamic

@@ -34,6 +34,7 @@ CLASSES = (
     "scale_collapse",
     "overflow_burst",
     "scale_at_cap",
+    "half_overflow_recorded",
     "isolated_overflow",
     "nothing_wrong",
 )

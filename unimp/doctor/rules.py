@@ -24,6 +24,7 @@ from unimp.doctor.findings import (
     ranges,
 )
 from unimp.stats import first_nonfinite as stats_first_nonfinite
+from unimp.stats import layer_of
 from unimp.steplog import StepLog
 
 _F32_TINY = 2.0**-126  # the floor of a DynamicLossScale with min_scale=None
@@ -350,6 +351,40 @@ class _Rules:
         details = {"steps_at_cap": len(longest), "max_flush": flush}
         self.add("scale_at_cap", severity, text, longest[:1], fixes, details)
 
+    def half_overflow_recorded(self) -> None:
+        """Float16 overflows the statistics record in a run that does not compute in float16
+        (``unimp audit``'s float32 steps): they trained, a float16 run would not have."""
+        if self.advice.float16 and self.advice.compute is not None:
+            return  # a float16 run's overflows are its non-finite values, found above
+        per: dict[str, list[Any]] = {}  # layer -> [elements, record indices]
+        for i, r in enumerate(self.recs):
+            stats = r.get("stats") or {}
+            for kind in ("activations", "gradients"):
+                for name, t in (stats.get(kind) or {}).items():
+                    n = (t.get("counts") or {}).get("float16_overflow") or 0
+                    if n:
+                        entry = per.setdefault(name if kind == "activations" else layer_of(name), [0, []])
+                        entry[0] += n
+                        entry[1].append(i)
+        if not per:
+            return
+        first = next(iter(per))
+        idx = sorted(set(per[first][1]))
+        parts = [f"{layer} {n} element(s) over {len(set(ix))} step(s)" for layer, (n, ix) in per.items()]
+        text = (
+            f"the statistics record values that would overflow float16: {'; '.join(parts)}, "
+            f"first at step {self.recs[idx[0]]['step']}; this {self.advice.compute or 'run'} run "
+            "holds them, a float16 run would overflow there"
+        )
+        fixes = [
+            Fix("keep_float32", f"to train in float16, keep layer {first} in float32", first),
+            Fix("bfloat16", "or train in bfloat16, whose range is float32's"),
+        ]
+        self.add(
+            "half_overflow_recorded", "warning", text, idx, fixes,
+            {"elements": {layer: n for layer, (n, _) in per.items()}}, (first, None, "forward"),
+        )  # fmt: skip
+
     def lr_changes(self) -> bool:
         """Adds a finding per rise of the learning rate before an episode, and puts its fix
         first in those episodes' findings; True when there was one."""
@@ -437,6 +472,7 @@ def diagnose_log(log: StepLog, name: str) -> LogDiagnosis:
     rules.gradient_overflows()
     rules.forward_overflow()
     rules.scale_at_cap()
+    rules.half_overflow_recorded()
     after_lr = rules.lr_changes()
     rules.recurring_layer(after_lr)
     found = rules.found
