@@ -191,6 +191,22 @@ def test_an_lr_rise_before_a_later_spike_is_found_behind_an_earlier_one(tmp_path
     assert spike.steps == [50, 300] and fix_ids(spike)[0] == "lower_lr"
 
 
+def test_megatrons_calibration_under_hysteresis_ends_where_the_scale_settles(tmp_path):
+    # Megatron-LM's preset (2**32, hysteresis 2) on gradients whose size varies: one clean step
+    # at 524288, then an overflow there: the end of the same descent, not a spike (it read as
+    # "settled at 524288" plus a spike) (issue 35 item 4)
+    from unimp import DynamicLossScale
+
+    size = lambda s: 0.1 * (1.0 + 0.9 * ((s * 7919) % 13) / 13)  # noqa: E731
+    fault = lambda s, scale: {"grads_finite": scale * size(s) < 65504}  # noqa: E731
+    log = make_log(tmp_path / "m.jsonl", 200, fault, cfg=DynamicLossScale.preset("megatron"))
+    assert [r["step"] for r in log.steps if not r["grads_finite"]][-2:] == [13, 15]
+    (d,) = diagnose([log]).logs
+    burst = one(d, "overflow_burst")
+    assert classes(d) == ["overflow_burst"] and burst.severity == "info"
+    assert "settled at 262144" in burst.summary and burst.steps[-1] == 15
+
+
 def test_a_spike_says_how_long_the_scale_held(tmp_path):
     fault = lambda s, _: {"grads_finite": s not in (40, 90)}  # noqa: E731
     (d,) = diagnose([make_log(tmp_path / "h.jsonl", 100, fault)]).logs

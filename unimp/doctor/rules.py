@@ -145,8 +145,12 @@ class _Rules:
         self.found.append(Finding("nonfinite_input", "error", text, s, fixes=[fix]))
 
     def calibration(self) -> None:
-        """Overflows in a row from step 0 that end with the scale above its floor."""
-        recs, runs = self.recs, _runs(self.gov, self.recs, 0)
+        """Overflows in a row from step 0 that end with the scale above its floor. Under
+        hysteresis h (DeepSpeed's, Megatron-LM's 2) up to h - 1 clean steps may fall between
+        two of them: the scale still descends (Megatron-LM from 2**32 overflowed at 524288
+        after one clean step there and settled at 262144, which read as a spike)."""
+        gap = int((self.cfg or {}).get("hysteresis") or 1) - 1
+        recs, runs = self.recs, _runs(self.gov, self.recs, gap)
         if runs and recs[0]["step"] == 0 and runs[0][0] == 0 and runs[0][-1] + 1 < len(recs):
             if not self.at_floor(runs[0][-1] + 1):
                 self.calib = runs[0]
@@ -228,7 +232,10 @@ class _Rules:
         normal: list[int] = []
         spikes: list[int] = []
         prev = -1
-        for run in _runs(self.gov, recs, 0):
+        calib = set(self.calib)  # one run, though hysteresis may leave clean steps inside it
+        runs = [self.calib] if self.calib else []
+        runs += [r for r in _runs(self.gov, recs, 0) if not calib.intersection(r)]
+        for run in runs:
             grown = any(prev < g <= run[0] for g in self.growth)
             prev = run[-1]
             run = [i for i in run if i not in self.collapse]
