@@ -409,12 +409,11 @@ def _leading_sizes(batch: Any) -> list[int | None]:
         return [n for item in batch for n in _leading_sizes(item)]
     shape = getattr(batch, "shape", None)
     try:
-        first = shape[0] if shape is not None and len(shape) > 0 else None
-    except TypeError:  # an unknown rank
+        if shape is None or len(shape) == 0:
+            return []
+    except TypeError:  # an unknown rank (a traced TensorFlow shape)
         return []
-    if shape is None or len(shape) == 0:
-        return []
-    return [first if isinstance(first, int) else None]
+    return [shape[0] if isinstance(shape[0], int) else None]
 
 
 def _differ(a: list[int | None], b: list[int | None]) -> bool:
