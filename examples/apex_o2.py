@@ -56,4 +56,4 @@ for step in range(args.steps):
 
 checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}
 amp.load_state_dict(checkpoint["amp"])
-print(f"final loss {loss.item():.4f}; amp state {checkpoint['amp']['state']}")
+print(f"final loss {loss.item():.4f}; amp state {checkpoint['amp']['loss_scaler0']['state']}")

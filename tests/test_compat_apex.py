@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def fresh_amp(monkeypatch):
-    monkeypatch.setattr(apex_mod, "_STATE", {"scaler": None, "mp": None, "optimizers": []})
+    monkeypatch.setattr(apex_mod, "_STATE", {"scalers": [], "mp": None, "optimizers": []})
 
 
 def _net(seed=0):
@@ -109,7 +109,7 @@ def test_overflow_skips_the_next_step_bitwise(opt_level):
         assert torch.equal(a.detach(), b)
     for p, s in opt.state.items():
         assert torch.equal(s["momentum_buffer"], bufs[id(p)])
-    assert amp.state_dict()["state"] == {"scale": 32768.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1, "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0}
+    assert amp.state_dict()["loss_scaler0"]["state"] == {"scale": 32768.0, "counter": 0, "consecutive_skips": 1, "total_skips": 1, "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0}
     _iteration(model, opt, seed=2)
     opt.step()  # the skip lasts one step only
     assert not torch.equal(model[0].weight.detach(), params[0])
@@ -121,12 +121,13 @@ def test_apex_scale_sequence_matches_reference(opt_level):
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = amp.initialize(model, opt, opt_level=opt_level, min_loss_scale=2.0**14, max_loss_scale=2.0**17)
-    apex_mod._STATE["scaler"]._config = apex_mod._STATE["scaler"].config.replace(growth_interval=2)
+    scaler = apex_mod._STATE["scalers"][0]
+    scaler._config = scaler.config.replace(growth_interval=2)
     scales = []
     for i, ok in enumerate(flags):
         _iteration(model, opt, seed=i, overflow=not ok)
         opt.step()
-        scales.append(amp.state_dict()["state"]["scale"])
+        scales.append(amp.state_dict()["loss_scaler0"]["state"]["scale"])
     cfg = unimp.DynamicLossScale.preset("apex", min_scale=2.0**14, max_scale=2.0**17, growth_interval=2)
     assert scales == [float(s.scale) for s in unimp.simulate(cfg, flags)]
     assert scales == [32768.0, 32768.0, 65536.0, 32768.0, 16384.0, 16384.0, 32768.0, 32768.0]
@@ -153,11 +154,11 @@ def test_state_dict_round_trip_and_apex_format():
     _iteration(model, opt, overflow=True)
     opt.step()
     sd = json.loads(json.dumps(amp.state_dict()))
-    assert sd["state"]["total_skips"] == 1
+    assert list(sd) == ["loss_scaler0"] and sd["loss_scaler0"]["state"]["total_skips"] == 1
     amp.load_state_dict(sd)
     assert amp.state_dict() == sd
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2005}})
-    assert amp.state_dict()["state"] == {"scale": 1024.0, "counter": 5, "consecutive_skips": 0, "total_skips": 0, "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0}
+    assert amp.state_dict()["loss_scaler0"]["state"] == {"scale": 1024.0, "counter": 5, "consecutive_skips": 0, "total_skips": 0, "hysteresis_used": 0, "overflows_since_rescale": 0, "steps_since_rescale": 0, "floor_hits": 0}
 
 
 @pytest.mark.parametrize(
@@ -168,14 +169,15 @@ def test_state_dict_round_trip_and_apex_format():
         (dict(opt_level="O2", master_weights=False), ValueError, "master_weights"),
         (dict(opt_level="O1", loss_scale="auto"), ValueError, "dynamic"),
         (dict(opt_level="O1", cast_model_type=torch.float16), TypeError, "cast_model_type"),
-        (dict(opt_level="O1", num_losses=2), ValueError, "num_losses"),
+        (dict(opt_level="O1", num_losses=0), ValueError, "num_losses must be an int >= 1"),
+        (dict(opt_level="O1", num_losses=True), ValueError, "num_losses must be an int >= 1"),
     ],
 )
 def test_initialize_bad_input(kwargs, exc, match):
     model = _net()
     with pytest.raises(exc, match=match):
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
-    assert apex_mod._STATE["scaler"] is None and model[0].weight.dtype == torch.float32
+    assert apex_mod._STATE["scalers"] == [] and model[0].weight.dtype == torch.float32
 
 
 def test_o2_needs_the_optimizer():
@@ -248,7 +250,7 @@ def test_two_backward_passes_sum_into_one_step(opt_level, loss_scale):
     assert torch.equal(_master(opt).grad, torch.tensor(8.0))  # 3 + 5, not 5.0000458
     opt.step()
     torch.testing.assert_close(_master(opt).detach(), torch.tensor(0.2))  # not 0.4999954
-    assert amp.state_dict()["state"]["total_skips"] == 0
+    assert amp.state_dict()["loss_scaler0"]["state"]["total_skips"] == 0
 
 
 def test_overflow_in_the_second_pass_skips_the_step_and_halves_once():
@@ -262,7 +264,7 @@ def test_overflow_in_the_second_pass_skips_the_step_and_halves_once():
         scaled.backward()
     opt.step()
     assert torch.equal(model.p.detach(), torch.tensor(1.0))
-    state = amp.state_dict()["state"]
+    state = amp.state_dict()["loss_scaler0"]["state"]
     assert (state["scale"], state["total_skips"]) == (32768.0, 1)
 
 
@@ -275,7 +277,7 @@ def test_overflow_in_the_first_pass_skips_the_step_and_halves_once():
         scaled.backward()
     opt.step()
     assert torch.equal(model.p.detach(), torch.tensor(1.0))
-    assert amp.state_dict()["state"]["scale"] == 32768.0  # the second pass checks 5 only
+    assert amp.state_dict()["loss_scaler0"]["state"]["scale"] == 32768.0  # the second pass checks 5 only
     opt.zero_grad()
     with amp.scale_loss(5.0 * model.p, opt) as scaled:
         scaled.backward()
@@ -330,7 +332,7 @@ def test_a_failed_block_with_a_non_finite_loss_does_not_skip_the_next_step():
     with amp.scale_loss(3.0 * model.p, opt) as scaled:
         scaled.backward()
     opt.step()
-    assert torch.allclose(model.p.detach(), torch.tensor(0.7)) and amp.state_dict()["state"]["total_skips"] == 0
+    assert torch.allclose(model.p.detach(), torch.tensor(0.7)) and amp.state_dict()["loss_scaler0"]["state"]["total_skips"] == 0
 
 
 def test_scale_loss_doctest():
@@ -354,3 +356,112 @@ def test_o3_with_adam_over_two_models_warns_of_half_optimizer_state():
     opt = torch.optim.Adam([*a.parameters(), *b.parameters()])
     with pytest.warns(unimp.HalfOptimizerStateWarning):
         amp.initialize([a, b], opt, opt_level="O3")
+
+
+# --- several losses, models and optimizers (issue 35 item 4: as Apex supports them)
+
+
+def _two_losses(bad_loss_id=None):
+    """Two models, two optimizers, two losses (Apex's "Multiple models/optimizers/losses"):
+    loss 0 trains ``a`` with ``opt_a``, loss 1 trains ``b`` with ``opt_b``; the loss named by
+    ``bad_loss_id`` overflows."""
+    a, b = _net(0), _net(1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    [a, b], [opt_a, opt_b] = amp.initialize([a, b], [opt_a, opt_b], opt_level="O1", num_losses=2)
+    x, y = _data()
+    for loss_id, (model, opt) in enumerate([(a, opt_a), (b, opt_b)]):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+            scaled.backward()
+            if loss_id == bad_loss_id:
+                model[3].weight.grad[0, 0] = float("inf")
+    before = [[p.detach().clone() for p in m.parameters()] for m in (a, b)]
+    opt_a.step()
+    opt_b.step()
+    moved = [any(not torch.equal(p, q) for p, q in zip(m.parameters(), old, strict=True)) for m, old in zip((a, b), before, strict=True)]
+    return moved, amp.state_dict()
+
+
+def test_num_losses_keeps_one_scaler_per_loss():
+    moved, sd = _two_losses(bad_loss_id=1)
+    assert list(sd) == ["loss_scaler0", "loss_scaler1"]
+    assert moved == [True, False]  # loss 1 overflowed: only its optimizer skips
+    assert sd["loss_scaler0"]["state"]["scale"] == 65536.0 and sd["loss_scaler0"]["state"]["total_skips"] == 0
+    assert sd["loss_scaler1"]["state"]["scale"] == 32768.0 and sd["loss_scaler1"]["state"]["total_skips"] == 1
+    moved, sd = _two_losses()
+    assert moved == [True, True] and sd["loss_scaler1"]["state"]["scale"] == 65536.0
+
+
+def test_two_losses_through_one_optimizer_sum_and_skip_once():
+    # one model, two losses with their own scalers, one step: an overflow in loss 1 skips it
+    model = _net()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", num_losses=2)
+    x, y = _data()
+    for bad in (None, 1):
+        opt.zero_grad()
+        for loss_id in (0, 1):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            with amp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                scaled.backward()
+                if loss_id == bad:
+                    model[3].weight.grad[0, 0] = float("inf")
+        if bad is None:  # the sum of the two unscaled gradients, each the same loss's
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            single = model[0].weight.grad.clone()
+            opt.zero_grad()
+            for loss_id in (0, 1):
+                with amp.scale_loss(torch.nn.functional.cross_entropy(model(x), y), opt, loss_id=loss_id) as s:
+                    s.backward()
+            torch.testing.assert_close(model[0].weight.grad, 2 * single)
+        before = model[0].weight.detach().clone()
+        opt.step()
+        assert torch.equal(model[0].weight, before) == (bad == 1)
+    sd = amp.state_dict()
+    assert [sd[k]["state"]["total_skips"] for k in sd] == [0, 1]
+
+
+@pytest.mark.parametrize("loss_id", [2, -1, True, "0"])
+def test_scale_loss_refuses_a_loss_id_out_of_range(loss_id):
+    model, opt = _model_opt("O1", num_losses=2)
+    loss = torch.nn.functional.cross_entropy(model(_data()[0]), _data()[1])
+    with pytest.raises(ValueError, match=r"loss_id must be an int in \[0, 2\)"):
+        with amp.scale_loss(loss, opt, loss_id=loss_id):
+            pass
+    assert model[0].weight.grad is None
+
+
+def test_load_state_dict_by_loss_scaler_as_apex():
+    _model_opt("O1", num_losses=2)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}, "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
+    sd = amp.state_dict()
+    assert (sd["loss_scaler0"]["state"]["scale"], sd["loss_scaler0"]["state"]["counter"]) == (512.0, 3)
+    assert sd["loss_scaler1"]["state"]["scale"] == 8.0
+    with pytest.warns(UserWarning, match="holds 1 loss scaler"):  # fewer entries: loaded in order
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}})
+    assert amp.state_dict()["loss_scaler0"]["state"]["scale"] == 4.0
+    assert amp.state_dict()["loss_scaler1"]["state"]["scale"] == 8.0
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match="unexpected key"):
+        amp.load_state_dict({"loss_scaler0": before["loss_scaler0"], "scaler": {}})
+    with pytest.raises(ValueError, match="loss_scale' and 'unskipped'"):  # the second is bad: the first is not loaded
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 2.0}})
+    assert amp.state_dict() == before
+
+
+def test_o2_refuses_two_models_naming_o1():
+    a, b = _net(0), _net(1)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="several models or optimizers run in O1"):
+        amp.initialize([a, b], opt, opt_level="O2")
+    assert a[0].weight.dtype == torch.float32 and apex_mod._STATE["scalers"] == []
+
+
+def test_o3_with_two_adam_optimizers_warns_for_each():
+    a, b = _net(0), _net(1)
+    opts = [torch.optim.Adam(a.parameters()), torch.optim.Adam(b.parameters())]
+    with pytest.warns(unimp.HalfOptimizerStateWarning) as record:
+        amp.initialize([a, b], opts, opt_level="O3")
+    assert len([w for w in record if issubclass(w.category, unimp.HalfOptimizerStateWarning)]) == 2

@@ -21,6 +21,15 @@ and ``amp.initialize``, ``amp.scale_loss``, ``amp.master_params``, ``amp.state_d
   several blocks (several losses, or accumulation over iterations) sum into one step; the next
   ``optimizer.step()`` is skipped when any of them overflowed, on the device, leaving
   parameters and optimizer state bitwise unchanged.
+* ``num_losses=N`` keeps one loss scaler per loss, as Apex does: ``scale_loss(...,
+  loss_id=i)`` scales, checks and updates with scaler ``i`` alone, an overflow in any loss
+  skips the step of the optimizers its block names, and ``state_dict()`` holds one entry per
+  scaler (``loss_scaler0``, ``loss_scaler1``, ...).
+* Several models with one or several optimizers run in O0, O1 and O3. Not supported, and
+  refused in one line by :func:`initialize`: O2 with more than one model or more than one
+  optimizer (unimp keeps float32 master weights for one model's optimizer), and Apex's
+  ``cast_model_type``, ``patch_torch_functions``, ``keep_batchnorm_fp32`` / ``master_weights``
+  values other than the level's own.
 
 Unlike Apex, it runs on any device torch.autocast supports (the model's device is used), and
 needs no CUDA extension.
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -48,7 +58,7 @@ _OPT_LEVELS = ("O0", "O1", "O2", "O3")
 # Apex's per-level defaults: (keep_batchnorm_fp32, master_weights)
 _DEFAULTS = {"O0": (None, False), "O1": (None, None), "O2": (True, True), "O3": (False, False)}
 
-_STATE: dict[str, Any] = {"scaler": None, "mp": None, "optimizers": []}
+_STATE: dict[str, Any] = {"scalers": [], "mp": None, "optimizers": []}
 
 _STRANGER = object()  # peek's default for an optimizer amp.initialize never saw
 
@@ -98,7 +108,9 @@ def initialize(
         keep_batchnorm_fp32, master_weights: accepted where they equal what the level does
             (O2: True, True; O3: False, False).
         min_loss_scale, max_loss_scale: bounds of the dynamic scale (Apex's defaults).
-        **apex_options: ``verbosity`` and ``num_losses=1`` are accepted and ignored.
+        **apex_options: ``num_losses``, an int >= 1 (default 1): one loss scaler per loss,
+            chosen by ``scale_loss(..., loss_id=)``, as Apex keeps. ``verbosity`` is accepted
+            and ignored.
 
     Returns:
         ``models`` (and ``optimizers``, when given), in the structure they were passed.
@@ -113,8 +125,9 @@ def initialize(
     unknown = sorted(set(apex_options) - {"verbosity", "num_losses"})
     if unknown:
         raise TypeError(f"unimp.compat.apex.initialize does not support {unknown}.")
-    if apex_options.get("num_losses", 1) != 1:
-        raise ValueError("num_losses > 1 is not supported: one loss scaler serves every loss.")
+    num_losses = apex_options.get("num_losses", 1)
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"num_losses must be an int >= 1 (one loss scaler per loss), got {num_losses!r}.")
     bn_default, mw_default = _DEFAULTS[opt_level]
     if keep_batchnorm_fp32 is not None and keep_batchnorm_fp32 != bool(bn_default) and opt_level in ("O2", "O3"):
         raise ValueError(
@@ -137,7 +150,8 @@ def initialize(
     if opt_level == "O2" and (len(model_list) != 1 or len(opt_list) != 1):
         raise ValueError(
             "O2 keeps float32 master weights in the optimizer: pass one model and its one optimizer "
-            f"(got {len(model_list)} model(s), {len(opt_list)} optimizer(s))."
+            f"(got {len(model_list)} model(s), {len(opt_list)} optimizer(s)); several models or "
+            "optimizers run in O1 (autocast), which keeps float32 weights and needs no masters."
         )
     config = _loss_scale_config(opt_level, loss_scale, min_loss_scale, max_loss_scale)
     params = [p for m in model_list for p in m.parameters()]
@@ -153,17 +167,20 @@ def initialize(
         last_opt = opt_list[0] if len(opt_list) == 1 else None
         for i, m in enumerate(model_list):
             mp.prepare(m, last_opt if i == len(model_list) - 1 else None)
-    scaler = _ut.GradScaler(config, device=device)
+        if len(opt_list) > 1:  # each optimizer gets the check mp.prepare(model, opt) runs
+            for o in opt_list:
+                _ut_optimizer._check_half_state(o)
+    scalers = [_ut.GradScaler(config, device=device) for _ in range(num_losses)]
     for o in opt_list:
-        _patch_step(o, scaler)
-    _STATE.update(scaler=scaler, mp=mp, optimizers=opt_list)
+        _patch_step(o)
+    _STATE.update(scalers=scalers, mp=mp, optimizers=opt_list)
     out_models = model_list if models_listed else model_list[0]
     if optimizers is None:
         return out_models
     return out_models, (opt_list if opts_listed else opt_list[0])
 
 
-def _patch_step(optimizer: torch.optim.Optimizer, scaler: _ut.GradScaler) -> None:
+def _patch_step(optimizer: torch.optim.Optimizer) -> None:
     """Makes ``optimizer.step()`` skip on the device after an overflowing ``scale_loss``."""
     original = optimizer.step
 
@@ -209,8 +226,10 @@ def scale_loss(
     Args:
         loss: the loss tensor (float16 under autocast is fine: it is scaled in float32).
         optimizers: the optimizer, or a list of them, passed to :func:`initialize`.
-        loss_id, model, delay_overflow_check: accepted and ignored, as one scaler serves every
-            loss (``delay_overflow_check`` was for Apex's fused optimizers).
+        loss_id: which loss scaler, in ``[0, num_losses)`` (:func:`initialize`'s
+            ``num_losses``): the block is scaled, checked and updated by that scaler alone.
+        model, delay_overflow_check: accepted and ignored, as Apex ignores ``model``
+            (``delay_overflow_check`` was for Apex's fused optimizers).
         delay_unscale: keep this block's gradients scaled (see above).
 
     Yields:
@@ -218,7 +237,8 @@ def scale_loss(
 
     Raises:
         RuntimeError: :func:`initialize` was not called.
-        ValueError: an optimizer that was not passed to :func:`initialize`.
+        ValueError: an optimizer that was not passed to :func:`initialize`, or a ``loss_id``
+            outside ``[0, num_losses)``.
 
     A block that raises (in its body or on exit) leaves the gradients as they were on entry.
 
@@ -236,9 +256,15 @@ def scale_loss(
         Parameter containing:
         tensor(0.2000, requires_grad=True)
     """
-    scaler = _STATE["scaler"]
-    if scaler is None:
+    scalers = _STATE["scalers"]
+    if not scalers:
         raise RuntimeError("call amp.initialize(model, optimizer, opt_level=...) before amp.scale_loss.")
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
+        raise ValueError(
+            f"loss_id must be an int in [0, {len(scalers)}) (amp.initialize(..., num_losses="
+            f"{len(scalers)})), got {loss_id!r}; pass num_losses=N to amp.initialize for N losses."
+        )
+    scaler = scalers[loss_id]
     opts, _ = _as_list(optimizers)
     strangers = [o for o in opts if peek(o, "apex_bad", _STRANGER) is _STRANGER]
     if strangers:
@@ -322,39 +348,82 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Paramet
 
 
 def state_dict(destination: Any = None) -> dict[str, Any]:
-    """The loss scaler's state in unimp's portable format (JSON-able)."""
-    scaler = _STATE["scaler"]
-    if scaler is None:
+    """The loss scalers' states, as Apex keys them: ``{"loss_scaler0": ..., "loss_scaler1": ...}``
+    (one per loss, :func:`initialize`'s ``num_losses``), each in unimp's portable format
+    (JSON-able: the config and ``state``, :func:`unimp.loss_scale.state_dict`).
+
+    Args:
+        destination: a dict to fill and return (Apex's argument); a new one when None.
+
+    Raises:
+        RuntimeError: :func:`initialize` was not called.
+    """
+    scalers = _STATE["scalers"]
+    if not scalers:
         raise RuntimeError("call amp.initialize(...) before amp.state_dict().")
-    return scaler.state_dict()
+    out = {} if destination is None else destination
+    for i, scaler in enumerate(scalers):
+        out[f"loss_scaler{i}"] = scaler.state_dict()
+    return out
+
+
+def _portable(scaler: _ut.GradScaler, key: str, value: Any) -> Mapping[str, Any]:
+    """One entry of a state dict as the portable state ``scaler`` loads: unimp's own, or an
+    Apex checkpoint's ``{"loss_scale": ..., "unskipped": ...}`` (the scale and the clean-step
+    count carry over, the count modulo the growth interval)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"amp.load_state_dict: {key!r} must be a dict, got {type(value).__name__}.")
+    if "loss_scale" not in value and "unskipped" not in value:
+        return value  # unimp's portable state: the scaler checks it
+    if "loss_scale" not in value or "unskipped" not in value:
+        raise ValueError(f"Apex {key!r} needs 'loss_scale' and 'unskipped'.")
+    cfg = scaler.config
+    counter = int(value["unskipped"])
+    if cfg.dynamic:
+        counter %= cfg.growth_interval
+    return portable_state_dict(cfg, LossScaleState(float(value["loss_scale"]), counter, 0, 0))
 
 
 def load_state_dict(state_dict: Mapping[str, Any]) -> None:
     """Loads :func:`state_dict` output, or an Apex checkpoint's ``{"loss_scaler0":
-    {"loss_scale": ..., "unskipped": ...}}`` (the scale and the clean-step count carry over).
+    {"loss_scale": ..., "unskipped": ...}, ...}`` (the scale and the clean-step count carry
+    over). As Apex: entries are matched to the loss scalers in order, a count that differs
+    from ``num_losses`` warns, and entries beyond ``num_losses`` are skipped.
 
     Raises:
         RuntimeError: :func:`initialize` was not called.
-        ValueError: a malformed dict; nothing is changed.
+        ValueError: a malformed dict, or a key that is not ``loss_scalerN``; nothing is
+            changed (every entry is checked before any scaler loads).
     """
-    scaler = _STATE["scaler"]
-    if scaler is None:
+    scalers = _STATE["scalers"]
+    if not scalers:
         raise RuntimeError("call amp.initialize(...) before amp.load_state_dict().")
-    if isinstance(state_dict, Mapping) and "loss_scaler0" in state_dict:
-        extra = sorted(k for k in state_dict if k != "loss_scaler0")
-        if extra:
-            raise ValueError(f"Apex state_dict with several loss scalers ({extra}) is not supported.")
-        old = state_dict["loss_scaler0"]
-        if not isinstance(old, Mapping) or "loss_scale" not in old or "unskipped" not in old:
-            raise ValueError("Apex 'loss_scaler0' needs 'loss_scale' and 'unskipped'.")
-        cfg = scaler.config
-        counter = int(old["unskipped"])
-        if cfg.dynamic:
-            counter %= cfg.growth_interval
-        state = LossScaleState(float(old["loss_scale"]), counter, 0, 0)
-        scaler.load_state_dict(portable_state_dict(cfg, state))
-        return
-    scaler.load_state_dict(state_dict)
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"amp.load_state_dict takes a dict, got {type(state_dict).__name__}.")
+    unexpected = [k for k in state_dict if not (isinstance(k, str) and k.startswith("loss_scaler"))]
+    if unexpected:
+        raise ValueError(
+            f"amp.load_state_dict: unexpected key(s) {unexpected}; expected 'loss_scaler0', ... "
+            "(amp.state_dict()'s output, or an Apex checkpoint's)."
+        )
+    if len(state_dict) != len(scalers):
+        warnings.warn(
+            f"amp.load_state_dict: the state dict holds {len(state_dict)} loss scaler(s) while "
+            f"amp.initialize(num_losses={len(scalers)}) keeps {len(scalers)}; loading the first "
+            f"{min(len(state_dict), len(scalers))} in order, as Apex does.",
+            UserWarning,
+            stacklevel=2,
+        )
+    pairs = list(zip(scalers, state_dict.items(), strict=False))
+    before = [scaler.state_dict() for scaler, _ in pairs]
+    portable = [_portable(scaler, key, value) for scaler, (key, value) in pairs]
+    try:
+        for scaler, d in zip([s for s, _ in pairs], portable, strict=True):
+            scaler.load_state_dict(d)
+    except BaseException:
+        for (scaler, _), d in zip(pairs, before, strict=True):
+            scaler.load_state_dict(d)
+        raise
 
 
 #: ``from unimp.compat.apex import amp`` gives this module, as ``from apex import amp`` did.
