@@ -361,11 +361,16 @@ def linear_batch(c: list[float], poison: float = 1.0) -> dict[str, np.ndarray]:
 
 
 class LinearRun:
-    def __init__(self, backend, recipe, w, lr, quadratic=False, **step_kwargs):
+    """``loss = sum(c * w) (+ 0.5 * |w|**2 when quadratic)``: the gradient is ``c`` (``+ w``).
+    ``optimizer``: ``"sgd"`` or ``"adam"`` (eps 1e-8; in JAX built as users build it to read
+    the learning rate, ``optax.inject_hyperparams(optax.adam)``)."""
+
+    def __init__(self, backend, recipe, w, lr, quadratic=False, optimizer="sgd", **step_kwargs):
         self.backend = backend
         self.mp = mixed_precision(recipe, backend=backend)
         w = np.asarray(w, np.float32)
         q = 1.0 if quadratic else 0.0
+        self._optimizer = optimizer
         getattr(self, f"_build_{backend}")(w, lr, q, step_kwargs)
 
     def _build_torch(self, w, lr, q, step_kwargs):
@@ -374,7 +379,10 @@ class LinearRun:
         model = torch.nn.Linear(len(w), 1, bias=False)
         with torch.no_grad():
             model.weight.copy_(torch.from_numpy(w[None, :]))
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        if self._optimizer == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-8)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
         if self.mp.policy.param_dtype != "float32":  # pure half recipes: module mode
             model, opt = self.mp.prepare(model, opt)
 
@@ -398,7 +406,11 @@ class LinearRun:
             return {k: torch.as_tensor(v) for k, v in b.items()}
 
         self._convert = convert
-        self.w = lambda: model.weight.detach()[0].cpu().numpy().copy()
+        def read():  # NumPy has no bfloat16: read it as float32 (exact)
+            v = model.weight.detach()[0].cpu()
+            return (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy()
+
+        self.w = read
         self._step = self.mp.train_step(model, opt, loss_fn, **step_kwargs)
 
     def _build_tensorflow(self, w, lr, q, step_kwargs):
@@ -421,7 +433,8 @@ class LinearRun:
 
         self._convert = lambda b: b
         self.w = lambda: model.layers[0].get_weights()[0][:, 0].copy()
-        self._step = self.mp.train_step(model, keras.optimizers.SGD(lr), loss_fn, **step_kwargs)
+        opt = keras.optimizers.Adam(lr, epsilon=1e-8) if self._optimizer == "adam" else keras.optimizers.SGD(lr)
+        self._step = self.mp.train_step(model, opt, loss_fn, **step_kwargs)
 
     def _build_jax(self, w, lr, q, step_kwargs):
         import jax
@@ -439,9 +452,11 @@ class LinearRun:
             return poison(jnp.sum(b["c"] * v) + 0.5 * q * jnp.sum(v * v), b["poison"])
 
         self._convert = lambda b: b
-        self._step = self.mp.train_step(
-            loss_fn, optax.sgd(lr), {"w": jnp.asarray(w)}, **step_kwargs
-        )
+        if self._optimizer == "adam":
+            opt = optax.inject_hyperparams(optax.adam)(learning_rate=lr, eps=1e-8)
+        else:
+            opt = optax.sgd(lr)
+        self._step = self.mp.train_step(loss_fn, opt, {"w": jnp.asarray(w)}, **step_kwargs)
         self.w = lambda: np.array(self._step.params["w"])
 
     def step(self, b):

@@ -177,14 +177,12 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
             options["model_state"] = fp8_states
 
         # the learning rate as a hyperparameter in the state: the step log reads it from there.
-        # In float32 whatever the parameters' dtype (as torch's Adam keeps its scalars): optax
-        # infers it from bfloat16 parameters otherwise, where b2 = 0.999 rounds to 1, Adam's
-        # bias correction 1 - b2**t is 0 and the first step writes NaN parameters
-        hyper = {"hyperparam_dtype": jnp.float32}
+        # Built as a user builds it: with bfloat16 parameters the train step keeps the injected
+        # hyperparameters in float32 (unimp.backends.jax._float32_update)
         if spec.optimizer == "adam":
-            opt = optax.inject_hyperparams(optax.adam, **hyper)(learning_rate=spec.lr, eps=1e-8)
+            opt = optax.inject_hyperparams(optax.adam)(learning_rate=spec.lr, eps=1e-8)
         else:
-            opt = optax.inject_hyperparams(optax.sgd, **hyper)(learning_rate=spec.lr)
+            opt = optax.inject_hyperparams(optax.sgd)(learning_rate=spec.lr)
         params: dict[str, dict[str, jax.Array]] = {}
         for k, v in spec.weights.items():
             params.setdefault(weight_layer(k), {})[k] = jnp.asarray(v)

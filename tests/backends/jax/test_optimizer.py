@@ -155,5 +155,29 @@ def test_half_state_check_reads_injected_eps_and_never_raises():
         optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, eps=1e-4),
         optax.inject_hyperparams(optax.rmsprop)(learning_rate=1e-3, eps=1e-8),
     )
-    with pytest.warns(unimp.HalfOptimizerStateWarning, match="epsilon is 0 in float16"):
+    with pytest.warns(unimp.HalfOptimizerStateWarning, match="epsilon=1e-08 becomes 0 in float16"):
         mp.train_step(lambda p, b: jnp.sum(p["w"] * b), two, params)  # the smallest eps counts
+
+
+def test_injected_hyperparameters_stay_float32_for_bfloat16_params():
+    # issue 32: optax.inject_hyperparams casts its hyperparameters to the params' dtype, where
+    # b2 = 0.999 is 1.0 in bfloat16, Adam's bias correction 1 - b2**t is 0 and the first step
+    # writes NaN. loss_scaling (and the train step) run the inner update in float32 for half
+    # params: the moments stay bfloat16, the hyperparameters float32, the weight moves by lr.
+    params = {"w": jnp.ones((2,), jnp.bfloat16)}
+    opt = ujax.loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=0.1), "none")
+    state = opt.init(params)
+    for _ in range(3):
+        updates, state = jax.jit(opt.update)({"w": jnp.array([1.0, -1.0], jnp.bfloat16)}, state, params)
+        params = optax.apply_updates(params, updates)
+    assert params["w"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(params["w"], np.float32), [0.7, 1.3], rtol=0, atol=2.0**-6)
+    inner = state.inner_state
+    assert {k: v.dtype for k, v in inner.hyperparams.items()}["b2"] == jnp.float32
+    assert float(inner.hyperparams["b2"]) == np.float32(0.999)
+    adam = inner.inner_state[0]
+    assert adam.mu["w"].dtype == adam.nu["w"].dtype == jnp.bfloat16  # as optax keeps them
+    # float32 params: the optimizer runs as it is, its state as optax makes it
+    plain = ujax.loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=0.1), "none")
+    s32 = plain.init({"w": jnp.ones((2,), jnp.float32)})
+    assert s32.inner_state.inner_state[0].mu["w"].dtype == jnp.float32

@@ -1,6 +1,7 @@
 """JAX optimizer: :func:`loss_scaling`, an optax transformation carrying the loss scale in its
 state (a skipped step leaves params and the inner state unchanged), :func:`get_loss_scale`,
-:class:`MultiSteps`, and the half-optimizer-state check for optax states.
+:class:`MultiSteps`, :func:`_float32_update` (an optimizer's scalars in float32 for half
+parameters), and the half-optimizer-state check for optax states.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def loss_scaling(
             f"loss_scaling needs an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(inner).__name__}."
         )
     initial = loss_scale_from_config(loss_scale)
-    inner = optax.with_extra_args_support(inner)
+    inner = _float32_update(inner)
 
     def init_fn(params: Any) -> LossScaleOptState:
         return LossScaleOptState(initial, inner.init(params))
@@ -117,6 +118,75 @@ def get_loss_scale(opt_state: Any) -> LossScale:
             "wrap the optimizer once with unimp.backends.jax.loss_scaling."
         )
     return found[0]
+
+
+def _is_half(x: Any) -> bool:
+    return getattr(x, "dtype", None) in (jnp.bfloat16, jnp.float16)
+
+
+def _widen(tree: Any) -> Any:
+    """``tree`` with its half-precision leaves as float32 (exact); other leaves as they are."""
+    return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _is_half(x) else x, tree)
+
+
+def _injected(path: Any) -> bool:
+    """A leaf of an ``optax.inject_hyperparams`` state's ``hyperparams`` dict."""
+    return any(getattr(k, "name", None) == "hyperparams" for k in path)
+
+
+def _float32_update(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Runs an optax optimizer's arithmetic in float32 for half-precision parameters, keeping its
+    state in the dtypes it holds them (pure ``bfloat16`` / ``float16`` training).
+
+    optax computes in the dtypes it is given, and ``optax.inject_hyperparams`` casts its
+    hyperparameters to the parameters' dtype: with bfloat16 parameters Adam's ``b2 = 0.999``
+    becomes 1.0, the bias correction ``1 - b2**t`` is 0, and the first step writes NaN
+    parameters. torch's optimizers compute their scalars (step counts, bias corrections,
+    hyperparameters) in float32 or wider whatever the parameters' dtype, and so does this:
+    ``update`` sees float32 copies of half parameters and gradients, the new state is cast back
+    to the dtypes the state had (moments stay bfloat16, as optax and torch keep them), the
+    injected hyperparameters are held in float32 from ``init`` on, and the updates come back in
+    the parameters' dtype. Without half parameters ``inner`` runs unchanged (no cost).
+
+    :class:`TrainStep` and :func:`loss_scaling` apply it to the optimizer they are given.
+
+    Args:
+        inner: an optax ``GradientTransformation``.
+
+    Returns:
+        A ``GradientTransformationExtraArgs`` with ``inner``'s state structure.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def has_half(params: Any) -> bool:
+        return params is not None and any(_is_half(x) for x in jax.tree_util.tree_leaves(params))
+
+    def init_fn(params: Any) -> Any:
+        held = inner.init(params)
+        if not has_half(params):
+            return held
+        wide = inner.init(_widen(params))  # the hyperparameters' true values, in float32
+        return jax.tree_util.tree_map_with_path(
+            lambda path, h, w: w if _injected(path) and _is_half(h) else h, held, wide
+        )
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        if not has_half(params):
+            return inner.update(updates, state, params, **extra_args)
+        new_updates, new_state = inner.update(_widen(updates), state, _widen(params), **extra_args)
+        new_state = jax.tree_util.tree_map(
+            lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") and hasattr(new, "astype") else new,
+            new_state,
+            state,
+        )
+        new_updates = jax.tree_util.tree_map(
+            lambda u, p: u.astype(p.dtype) if hasattr(p, "dtype") and hasattr(u, "astype") else u,
+            new_updates,
+            params,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class MultiSteps(optax.MultiSteps):

@@ -25,6 +25,7 @@ from unimp.backends.jax.fp8 import (
 from unimp.backends.jax.optimizer import (
     _contains_loss_scaling,
     _count_skipped,
+    _float32_update,
     _half_second_moments,
     _injected_eps,
     _learning_rate,
@@ -195,6 +196,7 @@ class TrainStep(LoggedStep):
             raise TypeError(
                 f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
             )
+        optimizer = _float32_update(optimizer)  # its scalars in float32 for half parameters
         # Host leaves (NumPy arrays, Python floats) become device arrays of a fixed dtype now, so
         # the first call's signature equals every later one's and nothing recompiles.
         if mp.device is not None and mesh is not None:

@@ -6,8 +6,9 @@ inner optimizer's state unchanged), with tf.keras 2's ``get_scaled_loss`` / ``ge
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -40,7 +41,7 @@ from unimp.loss_scale import (
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
 from unimp.loss_scale.config import positive_int
-from unimp.step import lost_decays, warn_half_optimizer_state, warn_lost_decays
+from unimp.step import warn_half_optimizer_state
 
 
 @keras.saving.register_keras_serializable(package="unimp")
@@ -229,16 +230,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 eps = None
             if eps is not None:
                 warn_half_optimizer_state(type(self.inner_optimizer).__name__, eps)
-        # Keras computes beta**t in the variable's dtype: in bfloat16 beta_2=0.999 is 1.0
-        decays = {
-            n: getattr(self.inner_optimizer, n) for n in ("beta_1", "beta_2")
-            if hasattr(self.inner_optimizer, n)
-        }
-        for dtype in sorted({keras.backend.standardize_dtype(v.dtype) for v in var_list if v.trainable}):
-            lost = lost_decays(dtype, decays)
-            if lost:
-                warn_lost_decays(type(self.inner_optimizer).__name__, dtype, lost, decays)
-                break
+        # (Keras computes beta**t in the variable's dtype, where bfloat16's beta_2=0.999 is 1.0:
+        # apply runs the inner update_step in float32 for half variables, _float32_update)
         keras.optimizers.Optimizer.build(self, var_list)
 
     def _ensure_built(self, trainable_variables: list[Any] | None) -> None:
@@ -430,11 +423,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         tf.cond(first(differ)[0], warn, lambda: None)
 
         def apply_inner() -> None:
-            distribution.extended.call_for_each_replica(
-                self.inner_optimizer.apply,
-                args=(unscaled,),
-                kwargs={"trainable_variables": variables},
-            )
+            with _float32_update(self.inner_optimizer):
+                distribution.extended.call_for_each_replica(
+                    self.inner_optimizer.apply,
+                    args=(unscaled,),
+                    kwargs={"trainable_variables": variables},
+                )
 
         return self._update_state(first(grads_finite)[0], first(loss_finite)[0], apply_inner)
 
@@ -460,7 +454,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
 
         def apply_inner() -> None:
-            self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+            with _float32_update(self.inner_optimizer):
+                self.inner_optimizer.apply(unscaled, trainable_variables=variables)
 
         return self._update_state(grads_finite, loss_finite, apply_inner)
 
@@ -587,6 +582,87 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("initial_scale", None)
             config.pop("dynamic_growth_steps", None)
         return cls(inner, **config)
+
+
+_HALF = (tf.float16, tf.bfloat16)
+
+
+class _Float32View:
+    """A half-precision variable as an inner optimizer's ``update_step`` sees it: float32.
+
+    Keras's optimizers compute in ``variable.dtype`` (``ops.cast(self.beta_2,
+    variable.dtype)``): with bfloat16 variables Adam's ``beta_2 = 0.999`` is 1.0, the bias
+    correction ``1 - beta_2**t`` is 0 and nothing is learned. Seen through this view, the
+    hyperparameters, the step count and the bias corrections are float32 and the update is
+    computed in float32 and rounded once into the variable, as torch's optimizers do; the
+    optimizer's own state (moments) stays in the dtype it keeps it. Everything else (the
+    variable's key in the optimizer, its shape, its distributed container) is the variable's.
+    """
+
+    __slots__ = ("_var",)
+    dtype = tf.float32
+
+    def __init__(self, var: Any) -> None:
+        self._var = var
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._var, name)
+
+    def _wide(self) -> tf.Tensor:
+        return tf.cast(self._var, tf.float32)
+
+    def _narrow(self, value: Any) -> Any:
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(value.values, self._var.dtype), value.indices, value.dense_shape)
+        return tf.cast(value, self._var.dtype)
+
+    def assign(self, value: Any) -> Any:
+        return self._var.assign(self._narrow(value))
+
+    def assign_add(self, delta: Any) -> Any:  # computed in float32, rounded once
+        return self._var.assign(self._narrow(self._wide() + delta))
+
+    def assign_sub(self, delta: Any) -> Any:
+        return self._var.assign(self._narrow(self._wide() - delta))
+
+    def scatter_update(self, value: Any) -> Any:
+        return self._var.scatter_update(self._narrow(value))
+
+    def scatter_add(self, value: Any) -> Any:
+        return self._var.scatter_add(self._narrow(value))
+
+    def scatter_sub(self, value: Any) -> Any:
+        return self._var.scatter_sub(self._narrow(value))
+
+
+tf.register_tensor_conversion_function(
+    _Float32View, lambda view, dtype=None, name=None, as_ref=False: view._wide()
+)
+
+
+@contextlib.contextmanager
+def _float32_update(optimizer: Any) -> Iterator[None]:
+    """While applying: ``optimizer.update_step`` sees half-precision variables as float32
+    (:class:`_Float32View`) and their gradients cast to float32 (exact); float32 variables
+    are updated as the optimizer does. Decided per variable while tracing: no cost in a
+    compiled step, none at all without half variables. The instance attribute that routes
+    ``update_step`` is removed on exit."""
+    if "update_step" in vars(optimizer):  # already routed (a nested apply)
+        yield
+        return
+    plain = optimizer.update_step
+
+    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        dtype = getattr(variable, "dtype", None)  # a tf.DType, or a Keras variable's name
+        if gradient is not None and dtype is not None and tf.as_dtype(dtype) in _HALF:
+            return plain(tf.cast(gradient, tf.float32), _Float32View(variable), learning_rate)
+        return plain(gradient, variable, learning_rate)
+
+    optimizer.update_step = update_step
+    try:
+        yield
+    finally:
+        del optimizer.update_step
 
 
 def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimizer:
