@@ -461,9 +461,7 @@ def check_scaled_half_params(names: Any, loss_scale: LossScaleConfig, keep: str)
 class HalfOptimizerStateWarning(UserWarning):
     """An adaptive optimizer (Adam, RMSprop, Adagrad, ...) keeps its moments in float16
     because the parameters are float16 (a pure-float16 recipe such as ``"float16"``,
-    ``"16-true"`` or Apex ``O3``): see :func:`warn_half_optimizer_state`; or it computes its
-    update in a half dtype where its decay rate is 1.0 (Keras's Adam on pure bfloat16
-    parameters): see :func:`warn_lost_decays`."""
+    ``"16-true"`` or Apex ``O3``): see :func:`warn_half_optimizer_state`."""
 
 
 #: float16's smallest normal number, 2**-14; below it float16 has only subnormals (down to
