@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import BACKENDS, require_backend
 
 from unimp import fp8
 from unimp.cli import main
@@ -54,9 +55,18 @@ def test_a_model_with_no_float8_layer_says_so_on_the_terminal():
     assert lines[-1].startswith("note: no layer of model 'mlp' ran in float8") and "--model vit" in lines[-1]
 
 
+#: delayed scaling end to end in every framework; current scaling in torch only (under 5 s, where
+#: TensorFlow takes 29 s and JAX 51 s on 2 cores): its rule is checked bit for bit in every
+#: framework by the conformance suite (test_fp8_conformance.py::
+#: test_scaling_step_matches_reference, ``transformer_engine_current``), so running the ViT again
+#: there would only repeat that
+VIT_CASES = [(b, "fp8-delayed") for b in BACKENDS] + [("torch", "fp8-current")]
+
+
 @pytest.mark.slow  # 20-60 s per framework on 2 CPU cores: an fp8 and a bfloat16 ViT run
-@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current"])
+@pytest.mark.parametrize("backend, recipe", VIT_CASES, ids=[f"{b}-{r}" for b, r in VIT_CASES])
 def test_compare_fp8_vit(backend, recipe, tmp_path):
+    require_backend(backend)
     out = tmp_path / "rep"
     code = main(["compare", "--recipe", recipe, "--model", "vit", "--epochs", "1", "--batch-size", "512",
                  "--backends", backend, "--quiet", "--out", str(out)])
