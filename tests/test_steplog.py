@@ -120,6 +120,7 @@ def test_round_trip_with_header(tmp_path):
         "batch_finite": None,
         "lr": None,
         "nonfinite": {"phase": "backward", "layer": "l1", "tensor": "l1/kernel"},
+        "params_finite": None,
         "stats": None,
     }
     assert all(x["format"] == STEPLOG_FORMAT for x in lines(path))

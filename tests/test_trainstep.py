@@ -22,9 +22,10 @@ PHASES = [
 class Recording:
     """Primitives over Python floats: the gradients are a list, ``log`` the calls in order."""
 
-    def __init__(self, grads, loss=2.0, fail=False, skip=False):
+    def __init__(self, grads, loss=2.0, fail=False, skip=False, half=None):
         self.log, self.grads, self.loss, self.fail, self.skip = [], grads, loss, fail, skip
         self.norm_limit = float("inf")
+        self.half = half  # the half parameters' finite flag after the update; None: none
 
     def _note(self, name, *args):
         self.log.append((name, *args))
@@ -74,6 +75,10 @@ class Recording:
     def restore_forward_state(self, saved, applied):
         self._note("restore_forward_state", saved, applied)
 
+    def params_finite(self):
+        self._note("params_finite")
+        return self.half
+
     def update_scale(self, grads_finite, loss_finite):
         self._note("update_scale", grads_finite, loss_finite)
         skipped = int(not (grads_finite and loss_finite))
@@ -85,7 +90,7 @@ def test_the_phases_run_in_the_algorithms_order_and_clipping_acts_on_unscaled_gr
     raw = run_step(ops, ["mb0", "mb1"], StepOptions(grad_accum_steps=2, max_grad_norm=1.0))
     assert [entry[0] for entry in ops.log] == [
         "begin", "save_forward_state", "gradients", "unscale", "observe", "finite",
-        "global_norm", "clip", "apply", "restore_forward_state", "update_scale",
+        "global_norm", "clip", "apply", "restore_forward_state", "params_finite", "update_scale",
     ]  # fmt: skip
     by_name = {entry[0]: entry[1:] for entry in ops.log}
     assert by_name["gradients"] == (2, 8.0)  # both micro-batches, at the step's scale
@@ -94,6 +99,12 @@ def test_the_phases_run_in_the_algorithms_order_and_clipping_acts_on_unscaled_gr
     assert clipped == pytest.approx([0.6, 0.8]) and grads_finite and loss_finite  # norm 1
     assert raw["grad_norm"] == 5.0 and raw["scale"] == 8.0 and raw["loss"] == 2.0
     assert set(STEP_FIELDS) <= set(raw) and raw["grad_flags"] == "flags"
+    assert "params_finite" not in raw  # float32 parameters: not checked, not reported
+
+
+def test_half_parameters_that_went_non_finite_are_reported():
+    raw = run_step(Recording([1.0], half=False), ["mb"], StepOptions())
+    assert raw["applied"] is True and raw["params_finite"] is False
 
 
 def test_without_max_grad_norm_no_norm_is_taken_and_a_skipped_step_is_reported():

@@ -130,6 +130,11 @@ class StepResult:
             None when not computed (no ``max_grad_norm``).
         consecutive_skips: int, skipped steps in a row, this one included.
         total_skips: int, skipped steps since the start.
+        params_finite: bool or None: every half-precision (float16 / bfloat16) trainable
+            parameter is finite after the step; None where the parameters are all float32
+            (not checked). False after an applied step with finite gradients means the update
+            itself overflowed: the optimizer computes in the half dtype (see the step log's
+            doctor). Not one of :data:`STEP_FIELDS` (:meth:`as_dict` leaves it out).
         stats: :class:`unimp.stats.StepStats` or None: the tensor statistics of a step taken
             with ``train_step(..., stats_every=k)`` on steps 0, k, 2k, ...; None on the others
             (and without the option). Not one of :data:`STEP_FIELDS`: :meth:`as_dict` and the
@@ -195,6 +200,15 @@ class StepResult:
         lambda self: self._get("consecutive_skips"), doc="int, skips in a row."
     )
     total_skips = property(lambda self: self._get("total_skips"), doc="int, skips since the start.")
+
+    @property
+    def params_finite(self) -> bool | None:
+        """bool or None: the half-precision parameters are finite after the step (see the
+        class); None where there are none (not checked)."""
+        if "params_finite" not in self._values:
+            raw = self._raw.get("params_finite")
+            self._values["params_finite"] = None if raw is None else bool(self._to_host(raw))
+        return self._values["params_finite"]
 
     @property
     def stats(self) -> Any:

@@ -74,6 +74,7 @@ def _drain(pending: list, writer: StepLogWriter, to_host: Callable[[Any], Any], 
             stats = result.stats
             rec["stats"] = stats
             rec["nonfinite"] = None
+            rec["params_finite"] = result.params_finite
             finite = rec["loss_finite"] and rec["grads_finite"]
             found = None
             if not finite and stats is not None:

@@ -155,6 +155,13 @@ class StepPrimitives(Protocol):
     def restore_forward_state(self, saved: Any, applied: Any) -> None:
         """Selects the saved forward state back where the step was skipped."""
 
+    def params_finite(self) -> Any:
+        """Whether every half-precision trainable parameter is finite after the update (a
+        device bool), or None where the parameters are all float32 (not checked: no op is
+        added to those steps). An applied step whose gradients were finite can still write
+        inf / NaN into half parameters (an optimizer computing in the parameters' dtype);
+        :attr:`unimp.StepResult.params_finite`, the step log and the doctor report it."""
+
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
         """Runs the loss-scale rule (:func:`unimp.loss_scale.update_arrays`) and returns the
         report's fields it decides: ``consecutive_skips``, ``total_skips`` and, where the
@@ -180,8 +187,8 @@ def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dic
 
     Returns:
         The step's raw device values: one per name of :data:`unimp.step.STEP_FIELDS`, the
-        floor fields where the config needs them, and what :meth:`StepPrimitives.observe`
-        added; a backend builds its :class:`unimp.StepResult` from them.
+        floor fields where the config needs them, ``params_finite`` where the parameters
+        include half-precision ones, and what :meth:`StepPrimitives.observe` added; a backend builds its :class:`unimp.StepResult` from them.
     """
     scale = ops.begin()
     saved = ops.save_forward_state()
@@ -199,6 +206,7 @@ def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dic
         ops.abort(saved)
         raise
     ops.restore_forward_state(saved, applied)
+    params_finite = ops.params_finite()
     reported = ops.update_scale(grads_finite, loss_finite)
     raw = {
         "loss": loss,
@@ -208,6 +216,8 @@ def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dic
         "grads_finite": grads_finite,
         "grad_norm": grad_norm,
     }
+    if params_finite is not None:
+        raw["params_finite"] = params_finite
     raw.update(reported)
     raw.update(observed)
     return raw

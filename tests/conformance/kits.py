@@ -362,15 +362,15 @@ def linear_batch(c: list[float], poison: float = 1.0) -> dict[str, np.ndarray]:
 
 class LinearRun:
     """``loss = sum(c * w) (+ 0.5 * |w|**2 when quadratic)``: the gradient is ``c`` (``+ w``).
-    ``optimizer``: ``"sgd"`` or ``"adam"`` (eps 1e-8; in JAX built as users build it to read
-    the learning rate, ``optax.inject_hyperparams(optax.adam)``)."""
+    ``optimizer``: ``"sgd"`` or ``"adam"`` (epsilon ``eps``; in JAX built as users build it to
+    read the learning rate, ``optax.inject_hyperparams(optax.adam)``)."""
 
-    def __init__(self, backend, recipe, w, lr, quadratic=False, optimizer="sgd", **step_kwargs):
+    def __init__(self, backend, recipe, w, lr, quadratic=False, optimizer="sgd", eps=1e-8, **step_kwargs):
         self.backend = backend
         self.mp = mixed_precision(recipe, backend=backend)
         w = np.asarray(w, np.float32)
         q = 1.0 if quadratic else 0.0
-        self._optimizer = optimizer
+        self._optimizer, self._eps = optimizer, eps
         getattr(self, f"_build_{backend}")(w, lr, q, step_kwargs)
 
     def _build_torch(self, w, lr, q, step_kwargs):
@@ -380,7 +380,7 @@ class LinearRun:
         with torch.no_grad():
             model.weight.copy_(torch.from_numpy(w[None, :]))
         if self._optimizer == "adam":
-            opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-8)
+            opt = torch.optim.Adam(model.parameters(), lr=lr, eps=self._eps)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=lr)
         if self.mp.policy.param_dtype != "float32":  # pure half recipes: module mode
@@ -433,7 +433,7 @@ class LinearRun:
 
         self._convert = lambda b: b
         self.w = lambda: model.layers[0].get_weights()[0][:, 0].copy()
-        opt = keras.optimizers.Adam(lr, epsilon=1e-8) if self._optimizer == "adam" else keras.optimizers.SGD(lr)
+        opt = keras.optimizers.Adam(lr, epsilon=self._eps) if self._optimizer == "adam" else keras.optimizers.SGD(lr)
         self._step = self.mp.train_step(model, opt, loss_fn, **step_kwargs)
 
     def _build_jax(self, w, lr, q, step_kwargs):
@@ -453,7 +453,7 @@ class LinearRun:
 
         self._convert = lambda b: b
         if self._optimizer == "adam":
-            opt = optax.inject_hyperparams(optax.adam)(learning_rate=lr, eps=1e-8)
+            opt = optax.inject_hyperparams(optax.adam)(learning_rate=lr, eps=self._eps)
         else:
             opt = optax.sgd(lr)
         self._step = self.mp.train_step(loss_fn, opt, {"w": jnp.asarray(w)}, **step_kwargs)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import kits
 import numpy as np
 
+from unimp.doctor import diagnose
+from unimp.steplog import read_steplog
+
 # bfloat16's spacing: 2**-8 in [0.5, 1), 2**-7 in [1, 2)
 TWO_SPACINGS = 2.0**-6
 
@@ -40,3 +43,34 @@ def test_round_to_nearest_leaves_a_bfloat16_weight_of_one_where_it_is(backend):
         full.step(b)
     assert np.asarray(half.w(), np.float32).tolist() == [1.0]
     np.testing.assert_allclose(full.w(), [0.0], rtol=0, atol=1e-4)
+
+
+def test_an_applied_step_that_writes_non_finite_half_params_is_reported(backend, tmp_path):
+    # Adam with eps=0 and a gradient of exactly 0 for the second weight: m / (sqrt(v) + eps) is
+    # 0 / 0, so the applied step (finite loss, finite gradients) writes NaN into it: the result,
+    # the step log and the doctor say so
+    path = tmp_path / "run.jsonl"
+    run = kits.build_linear(backend, "bfloat16", w=[1.0, 1.0], lr=0.1, optimizer="adam", eps=0.0, log=path)
+    r = run.step(kits.linear_batch([1.0, 0.0]))
+    assert (r.applied, r.grads_finite, r.loss_finite) == (True, True, True)
+    assert r.params_finite is False
+    assert np.isnan(np.asarray(run.w(), np.float32)[1])
+    run.step(kits.linear_batch([1.0, 0.0]))  # NaN parameters: a NaN loss, skipped
+    run._step.close()
+    log = read_steplog(path)
+    assert [s["params_finite"] for s in log.steps] == [False, False]
+    (d,) = diagnose([log]).logs
+    first = d.findings[0]
+    assert first.cls == "params_non_finite" and first.steps == [0]
+    assert first.summary.startswith(
+        "the bfloat16 parameters went non-finite at step 0, an applied step, with a finite loss "
+        "and finite gradients"
+    )
+    assert [f.id for f in first.fixes] == ["master_weights", "optimizer_epsilon"]
+    assert "'mixed_bfloat16'" in first.fixes[0].text
+    # float32 parameters are not checked: no op is added to their steps
+    full = kits.build_linear(backend, "float32", w=[1.0, 1.0], lr=0.1, optimizer="adam")
+    f = full.step(kits.linear_batch([1.0, 0.5]))
+    assert f.params_finite is None and "params_finite" not in f.raw
+    good = kits.build_linear(backend, "bfloat16", w=[1.0, 1.0], lr=0.1, optimizer="adam")
+    assert good.step(kits.linear_batch([1.0, 0.5])).params_finite is True

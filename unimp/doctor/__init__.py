@@ -41,6 +41,11 @@ ranks after a rise of the learning rate, whose symptom it then probably is):
     the scale sat at ``max_scale`` for ``growth_interval`` steps or more (a growth was
     blocked); a warning, fix raise ``max_scale``, when the statistics show more than
     :data:`FLUSH_WARN` of a gradient flushing to zero in float16 there.
+``params_non_finite`` (error)
+    the half-precision parameters held inf / NaN after a step (the record's
+    ``params_finite``; :attr:`unimp.StepResult.params_finite`), typically an applied step
+    with finite gradients whose update went non-finite in the parameters' dtype. Names the
+    dtype; fixes: float32 master weights (a mixed recipe), an epsilon the dtype holds.
 ``half_overflow_recorded`` (warning)
     in a run that does not compute in float16 (``unimp audit``'s float32 steps), the
     statistics record elements that would overflow float16: per layer, how many and on how

@@ -40,11 +40,12 @@ class Advice:
 
     def __init__(self, loss_scale: dict[str, Any] | None, recipe: dict[str, Any] | None) -> None:
         self.cfg = loss_scale
-        self.compute = None
+        self.compute = self.param = None
         if recipe is not None:
             from unimp.policy import get_policy
 
-            self.compute = get_policy(recipe["policy"]).compute_dtype
+            policy = get_policy(recipe["policy"])
+            self.compute, self.param = policy.compute_dtype, policy.param_dtype
 
     @property
     def float16(self) -> bool:

@@ -28,6 +28,7 @@ DIAGNOSIS_FORMAT = "unimp.doctor/1"
 CLASSES = (
     "run_ended_early",
     "nonfinite_input",
+    "params_non_finite",
     "recurring_layer",
     "lr_change_before_overflow",
     "forward_overflow",
@@ -41,6 +42,8 @@ CLASSES = (
 #: The fix ids, each said in plain words by :attr:`Fix.text`.
 FIXES = (
     "check_data",
+    "master_weights",
+    "optimizer_epsilon",
     "lower_lr",
     "keep_float32",
     "check_layer",

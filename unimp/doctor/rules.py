@@ -358,6 +358,33 @@ class _Rules:
         details = {"steps_at_cap": len(longest), "max_flush": flush}
         self.add("scale_at_cap", severity, text, longest[:1], fixes, details)
 
+    def params_non_finite(self) -> None:
+        """An applied step (finite loss and gradients) after which the half-precision
+        parameters held inf / NaN (the record's ``params_finite`` false): the update itself
+        went non-finite, computed in the parameters' dtype."""
+        idx = [i for i, r in enumerate(self.recs) if r.get("params_finite") is False]
+        if not idx:
+            return
+        first = self.recs[idx[0]]
+        dtype = self.advice.param or "half-precision"
+        how = "an applied step, with a finite loss and finite gradients" if first["applied"] else "a step"
+        text = (
+            f"the {dtype} parameters went non-finite at step {first['step']}, {how}: the "
+            f"optimizer's update overflowed or divided 0 by 0 in {dtype} (it keeps its state and "
+            "computes in the parameters' dtype: an epsilon that rounds to 0, a moment that "
+            f"flushes); {len(idx)} step(s) ended with non-finite parameters, and every later "
+            "gradient is non-finite"
+        )
+        fixes = [
+            Fix(
+                "master_weights",
+                f"keep float32 master weights and optimizer state: a mixed recipe "
+                f"('mixed_{'bfloat16' if dtype == 'bfloat16' else 'float16'}') instead of pure {dtype}",
+            ),
+            Fix("optimizer_epsilon", "or give the optimizer an epsilon the dtype holds (1e-4 in float16)"),
+        ]
+        self.add("params_non_finite", "error", text, idx[:1], fixes, {"steps": len(idx)})
+
     def half_overflow_recorded(self) -> None:
         """Float16 overflows the statistics record in a run that does not compute in float16
         (``unimp audit``'s float32 steps): they trained, a float16 run would not have."""
@@ -474,6 +501,7 @@ def diagnose_log(log: StepLog, name: str) -> LogDiagnosis:
         return d
     rules = _Rules(log)
     rules.data()
+    rules.params_non_finite()
     rules.calibration()
     rules.scale_collapse()
     rules.gradient_overflows()

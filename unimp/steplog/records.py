@@ -15,11 +15,12 @@ STEPLOG_FORMAT = "unimp.steplog/1"
 _FAMILY = "unimp.steplog/"
 
 #: The keys of a step record, in the order written. The first nine are required by
-#: :meth:`StepLogWriter.write` (``step`` and :data:`unimp.step.STEP_FIELDS`); the last four
-#: default to ``null`` when left out.
+#: :meth:`StepLogWriter.write` (``step`` and :data:`unimp.step.STEP_FIELDS`); the last five
+#: default to ``null`` when left out (``params_finite``: the half-precision parameters were
+#: finite after the step, :attr:`unimp.StepResult.params_finite`; null: none to check).
 STEP_KEYS = (
     *("step", "loss", "scale", "applied", "loss_finite", "grads_finite", "grad_norm"),
-    *("consecutive_skips", "total_skips", "batch_finite", "lr", "nonfinite", "stats"),
+    *("consecutive_skips", "total_skips", "batch_finite", "lr", "nonfinite", "params_finite", "stats"),
 )
 _REQUIRED = STEP_KEYS[:9]  # "step" and unimp.step.STEP_FIELDS (a test checks they match)
 _PHASES = ("forward", "backward")
@@ -168,6 +169,7 @@ def check_step_record(record: Mapping[str, Any]) -> dict[str, Any]:
         "batch_finite": _bool("batch_finite", record.get("batch_finite"), True),
         "lr": _float("lr", record.get("lr"), True),
         "nonfinite": _nonfinite(record.get("nonfinite")),
+        "params_finite": _bool("params_finite", record.get("params_finite"), True),
         "stats": _stats(record.get("stats")),
     }
     _check_consistent(out)

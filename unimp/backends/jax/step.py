@@ -28,6 +28,7 @@ from unimp.backends.jax.optimizer import (
     _float32_update,
     _half_second_moments,
     _injected_eps,
+    _is_half,
     _learning_rate,
 )
 from unimp.backends.jax.overflow import (
@@ -624,6 +625,12 @@ class StepOps:
     def restore_forward_state(self, saved: Any, applied: Any) -> None:
         if self.step._stateful:  # what the forward pass changed is kept only if applied
             self.model_state = _keep_unless(applied, self.new_model_state, saved)
+
+    def params_finite(self) -> Any:
+        # decided while tracing: float32 parameters add no op (the params are the same on
+        # every replica, so no reduction over the mesh axis)
+        half = [x for x in jax.tree_util.tree_leaves(self.params) if _is_half(x)]
+        return all_finite(half) if half else None
 
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
         self.ls = new = self.ls.adjust(grads_finite, loss_finite)

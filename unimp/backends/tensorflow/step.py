@@ -484,5 +484,10 @@ class StepOps:
         for v, old in saved:
             v.assign(tf.where(applied, v.value, old))
 
+    def params_finite(self) -> Any:
+        # decided while tracing: float32 variables add no op
+        half = [v for v in self.variables if tf.as_dtype(v.dtype) in (tf.float16, tf.bfloat16)]
+        return all_finite([tf.convert_to_tensor(v) for v in half]) if half else None
+
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
         return self.reported  # updated by apply, with the agreed flags

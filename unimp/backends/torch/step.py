@@ -354,6 +354,18 @@ class StepOps:
         fused = self.flags is not None and saved
         _restore_forward_state(saved, torch.eq(self.flags[2], 0) if fused else applied)
 
+    def params_finite(self) -> Any:
+        # the optimizer's half-precision parameters (float32 masters are not): none, no op
+        half = [
+            p for g in self.opt.param_groups for p in g["params"]
+            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)
+        ]  # fmt: skip
+        if not half:
+            return None
+        # the largest magnitude per tensor (NaN and inf stay themselves), one finite test
+        peaks = torch._foreach_norm(half, float("inf"))
+        return torch.isfinite(torch.stack([_to(x.float(), peaks[0].device) for x in peaks])).all()
+
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
         sc = self.sc
         if self.flags is None:
