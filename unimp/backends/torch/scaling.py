@@ -45,11 +45,14 @@ cuda/AmpKernels.cu, ``amp_update_scale_cuda_kernel``) equals the reference for t
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from unimp import loss_scale as _ls
 from unimp.attached import peek
@@ -79,6 +82,93 @@ _F32 = finfo("float32")
 
 
 _READY, _UNSCALED, _STEPPED = 0, 1, 2
+
+# ---------------------------------------------------------------------- misuse, named at run time
+# The mistakes of seed 000's loop and their silent variants (issue 30): stepping an optimizer
+# on gradients still multiplied by the scale, a scaled backward through a graph already freed.
+
+#: scalers whose scaled loss was backpropagated since their last update()
+_PENDING: weakref.WeakSet = weakref.WeakSet()
+_IN_STEP = threading.local()  # GradScaler.step is calling optimizer.step: not the user's call
+_HOOK: list[Any] = []  # the global optimizer step pre-hook, registered at the first scale()
+
+
+def _check_unscaled_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's global optimizer step pre-hook: refuses ``optimizer.step()`` on gradients a
+    scaled backward produced and nobody unscaled (the step would apply them times the scale,
+    65536 by default). One set lookup per step while no scaled backward is pending."""
+    if not _PENDING or getattr(_IN_STEP, "active", False):
+        return
+    for sc in list(_PENDING):
+        st = sc._per_opt.get(id(optimizer))
+        if st is not None and st["stage"] != _READY:
+            continue  # unscaled (or stepped) by this scaler since its last update
+        if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(
+                f"optimizer.step() on gradients still multiplied by the loss scale "
+                f"({float(sc._scale.item()):g}): scaler.scale(loss).backward() produced them. Call "
+                "scaler.step(optimizer) (it unscales, skips on inf/NaN and steps), then "
+                "scaler.update(); or scaler.unscale_(optimizer) before optimizer.step(). (An "
+                "optimizer whose gradients do not come from the scaled loss: step it after "
+                "scaler.update().)"
+            )
+
+
+def _mark_pending(scaler: GradScaler, scaled: Any) -> None:
+    """Marks ``scaler`` pending when the backward pass reaches one of its scaled losses."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_unscaled_step))
+    ref = weakref.ref(scaler)
+
+    def reached(grad: torch.Tensor) -> None:
+        sc = ref()
+        if sc is not None:
+            _PENDING.add(sc)
+
+    for t in _leaves(scaled):
+        if t.requires_grad:
+            t.register_hook(reached)
+
+
+#: per autograd node type: the names of its saved tensors (looked up once per type)
+_SAVED: dict[type, tuple[str, ...]] = {}
+
+
+def _freed_graph(loss: torch.Tensor) -> str | None:
+    """autograd's own message when ``loss``'s graph was already backpropagated (its saved
+    tensors freed: ``loss.backward()`` ran on it), else None.
+
+    Looks at the first few nodes that save tensors, through ``_raw_saved_*``'s ``data``, which
+    is the stored tensor (None once freed) and never runs a saved-tensor unpack hook (CPU
+    offloading, checkpointing): a live graph costs a few attribute reads and no copy."""
+    node, seen = loss.grad_fn, 0
+    while node is not None and seen < 4:
+        seen += 1
+        names = _SAVED.get(type(node))
+        if names is None:
+            names = _SAVED[type(node)] = tuple(
+                n[len("_raw_saved_"):] for n in dir(node) if n.startswith("_raw_saved_")
+            )
+        empty = None
+        for name in names:
+            try:
+                raw = getattr(node, "_raw_saved_" + name)
+                data = raw.data if hasattr(raw, "data") else None
+            except RuntimeError:
+                return None  # not a tensor slot this version can read: assume alive
+            if data is not None:
+                return None  # a saved tensor still held: the graph is alive
+            empty = empty or name
+        if empty is not None:
+            try:  # None everywhere: freed, or optional tensors that were None (alive, no unpack)
+                getattr(node, "_saved_" + empty)
+            except RuntimeError as e:
+                return str(e).split("\n")[0]
+            return None
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        node = nxt[0] if nxt else None
+    return None
+
 
 
 # ------------------------------------------------------------------ the rule and the fused update
@@ -508,9 +598,19 @@ class GradScaler:
             return outputs
         if not any(True for _ in _leaves(outputs)):
             raise TypeError(f"scale() needs a tensor or a structure of tensors, got {type(outputs).__name__}.")
+        for t in _leaves(outputs):
+            freed = _freed_graph(t) if t.grad_fn is not None else None
+            if freed is not None:
+                raise RuntimeError(
+                    f"{freed} scaler.scale(loss) got a loss whose graph loss.backward() already "
+                    "ran through: call only scaler.scale(loss).backward() (it replaces "
+                    "loss.backward()), then scaler.step(optimizer) and scaler.update()."
+                )
         self._loss_finite = self._loss_finite & _to(all_finite(outputs), self._device)
         self._check_replicas()  # replicas must agree on the scale before the loss is scaled
-        return _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
+        scaled = _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
+        _mark_pending(self, scaled)
+        return scaled
 
     def _grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """``(parameter, gradient)`` for each parameter with a gradient, each ONCE: a parameter
@@ -600,7 +700,7 @@ class GradScaler:
         st["found_inf"] = self._reduce_flags(found_inf)
         st["stage"] = _UNSCALED
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self, optimizer: torch.optim.Optimizer | None = None, *args: Any, **kwargs: Any) -> Any:
         """Unscales (unless :meth:`unscale_` was called) and steps, skipping on the device.
 
         Each optimizer skips on its own non-finite gradients or on a non-finite loss given to
@@ -624,6 +724,12 @@ class GradScaler:
                 supported if GradScaler is enabled", as in torch.amp), or a second ``step``
                 before :meth:`update`.
         """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            got = "no optimizer" if optimizer is None else f"a {type(optimizer).__name__}"
+            raise TypeError(
+                f"GradScaler.step() takes the optimizer to step, got {got}: call "
+                "scaler.step(optimizer), then scaler.update()."
+            )
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -639,16 +745,23 @@ class GradScaler:
         a 0-d bool device tensor (the train step's report reads it without a sync)."""
         st = self._opt_state(optimizer)
         if st["stage"] == _STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise RuntimeError(
+                "step() has already been called since the last update(): call scaler.update() "
+                "once per iteration, after scaler.step(optimizer), so the loss scale moves."
+            )
         if st["stage"] == _READY:
             self.unscale_(optimizer)
         bad = torch.where(self._loss_finite, st["found_inf"], self._ops.f32(1.0))
-        if args:  # a closure runs on an applied step only: decided on the host, as torch does
-            ret = None if bool(bad != 0) else optimizer.step(*args, **kwargs)
-        else:
-            ret = _guarded_step(optimizer, bad, args, kwargs, sync=self._skip_mode == "auto")
-            if ret is not None and bool(bad != 0):
-                ret = None
+        _IN_STEP.active = True
+        try:
+            if args:  # a closure runs on an applied step only: decided on the host, as torch does
+                ret = None if bool(bad != 0) else optimizer.step(*args, **kwargs)
+            else:
+                ret = _guarded_step(optimizer, bad, args, kwargs, sync=self._skip_mode == "auto")
+                if ret is not None and bool(bad != 0):
+                    ret = None
+        finally:
+            _IN_STEP.active = False
         st["stage"] = _STEPPED
         return ret, bad == 0
 
@@ -692,6 +805,7 @@ class GradScaler:
             for held, old in zip((self._counter, *self._extra), kept, strict=True):
                 held.copy_(old)
         self._per_opt.clear()
+        _PENDING.discard(self)
         self._loss_finite = self._ops.true
         self._scale.copy_(value)
 
@@ -700,6 +814,7 @@ class GradScaler:
         per-optimizer stages reset; returns the rule's results."""
         out = self._apply_update(grads_finite, loss_finite, flags)
         self._per_opt.clear()
+        _PENDING.discard(self)
         return out
 
     def _buffer(self, name: str, shape: tuple[int, ...] = ()) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""torch backend, ``scaling``: the GradScaler's misuse named at run time, in one line that names
+the fix (issue 30 item 3), and nothing stepped by the call that is refused. Seed 000's loop as
+written (``loss.backward(); optimizer.step(); policy.scale(loss).backward(); policy.step()``) and
+the silent variants of its mistakes."""
+
+import pytest
+import torch
+
+import unimp.backends.torch as ut
+
+
+def _seed_000():
+    """Seed 000's model, optimizer and loss, with one batch of its shapes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(512, 10)
+    )
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(16, 784, generator=g), torch.randint(0, 10, (16,), generator=g))
+    return model, torch.optim.Adam(model.parameters()), torch.nn.CrossEntropyLoss(), batch
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_seeds_loop_as_written_is_named_at_its_first_mistake():
+    model, optimizer, criterion, (images, labels) = _seed_000()
+    policy = ut.GradScaler(device="cpu")
+    optimizer.zero_grad()
+    outputs = model(images)
+    loss = criterion(outputs, labels)
+    loss.backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError) as e:
+        policy.scale(loss).backward()
+    msg = str(e.value)
+    assert msg.startswith("Trying to backward through the graph a second time")  # autograd's, kept
+    assert "call only scaler.scale(loss).backward() (it replaces loss.backward())" in msg
+    assert "\n" not in msg
+    with pytest.raises(TypeError, match=r"got no optimizer: call scaler.step\(optimizer\), then scaler.update\(\)"):
+        policy.step()
+    with pytest.raises(TypeError, match=r"got a Tensor: call scaler.step\(optimizer\)"):
+        policy.step(loss)
+
+
+def test_stepping_the_optimizer_on_scaled_gradients_is_refused_before_the_step():
+    model, optimizer, criterion, (images, labels) = _seed_000()
+    scaler = ut.GradScaler(device="cpu")
+    before = _weights(model)
+    scaler.scale(criterion(model(images), labels)).backward()
+    with pytest.raises(RuntimeError, match=r"still multiplied by the loss scale \(65536\).*scaler.step\(optimizer\)"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not optimizer.state  # Adam took no step
+    scaler.step(optimizer)  # the right call, then the loop goes on
+    scaler.update()
+    optimizer.step()  # nothing pending after update(): stepping by hand is the user's call
+
+
+@pytest.mark.parametrize("how", ["step", "unscale_", "update_only"])
+@pytest.mark.parametrize("make", [lambda: ut.GradScaler(device="cpu"), lambda: torch.amp.GradScaler("cpu")], ids=["unimp", "torch.amp"])
+def test_the_loops_torch_amp_allows_still_run(how, make):
+    model, optimizer, criterion, (images, labels) = _seed_000()
+    scaler = make()
+    for _ in range(3):
+        optimizer.zero_grad()
+        scaler.scale(criterion(model(images), labels)).backward()
+        if how == "step":
+            scaler.step(optimizer)
+        elif how == "unscale_":  # unscaled, then stepped (and clipped) by hand
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        scaler.update(None if how != "update_only" else 1024.0)
+    scaler.scale(criterion(model(images), labels))  # scaled, never backpropagated: nothing pending
+    optimizer.step()
+    assert scaler.get_scale() == (65536.0 if how != "update_only" else 1024.0)
+
+
+def test_a_second_step_before_update_names_update():
+    model, optimizer, criterion, (images, labels) = _seed_000()
+    scaler = ut.GradScaler(device="cpu")
+    scaler.scale(criterion(model(images), labels)).backward()
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match=r"call scaler.update\(\) once per iteration"):
+        scaler.step(optimizer)
+
+
+def test_the_freed_graph_check_never_unpacks_saved_tensors():
+    # saved-tensor hooks (CPU offloading, checkpointing): reading a saved tensor would run the
+    # unpack hook (a copy); the check reads the stored tensor only
+    model, _, criterion, (images, labels) = _seed_000()
+    calls = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: calls.append(1) or t):
+        loss = criterion(model(images), labels)
+    scaler = ut.GradScaler(device="cpu")
+    scaled = scaler.scale(loss)
+    assert calls == []
+    scaled.backward()
+    assert calls  # the backward pass itself unpacks them
