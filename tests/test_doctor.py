@@ -662,3 +662,14 @@ def test_hysteresis_fix_names_the_field_that_exists():
     from unimp.doctor.advice import _HYST
 
     assert "hysteresis=2" in _HYST and "calls it hysteresis" not in _HYST
+
+
+def test_a_burst_at_a_static_scale_says_it_never_backs_off_and_names_the_scale(tmp_path):
+    # the fresh-user trial: `--loss-scale static:1e9` read "the scale fell from 1e+09 to 1e+09"
+    # and suggested only float32 layers and bfloat16, never the scale itself
+    cfg = StaticLossScale(1e9)
+    log = make_log(tmp_path / "static.jsonl", 40, lambda s, sc: {"grads_finite": not 20 <= s < 30}, cfg=cfg)
+    (d,) = diagnose([log]).logs
+    f = one(d, "overflow_burst")
+    assert f.summary.startswith("10 gradient overflows in a row from step 20: at the static loss scale 1e+09, which never backs off")
+    assert fix_ids(f)[0] == "dynamic_scale" and "below 1e+09" in f.fixes[0].text

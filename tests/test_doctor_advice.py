@@ -86,7 +86,7 @@ def test_a_config_with_every_gentle_knob_turned_gets_no_gentler_backoff(tmp_path
 def test_a_static_scale_is_not_told_to_back_off_more_gently(tmp_path):
     cfg = StaticLossScale(128.0)
     f = finding(make_log(tmp_path / "st.jsonl", 44, burst, cfg=cfg), "overflow_burst")
-    assert list(fixes(f)) == ["bfloat16"]
+    assert list(fixes(f)) == ["dynamic_scale", "bfloat16"]  # the scale itself first, no gentler backoff
 
 
 def test_an_unknown_config_gets_the_generic_advice(tmp_path):

@@ -52,6 +52,7 @@ FIXES = (
     "stop_early",
     "initial_scale",
     "raise_max_scale",
+    "dynamic_scale",
 )
 SEVERITIES = ("error", "warning", "info")
 _SHOWN = 8  # step ranges shown in the text

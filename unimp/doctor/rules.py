@@ -257,12 +257,23 @@ class _Rules:
                 self.problem += run
                 self.episodes.append(("overflow_burst", run[0]))
                 layer, tensor, phase, layers = _where([recs[i] for i in run])
+                first, last = recs[run[0]]["scale"], recs[run[-1]]["scale"]
+                static = (self.advice.cfg or {}).get("kind") == "static" and first == last
+                if static:  # a static scale never backs off: each of these steps is lost
+                    moved = f"at the static loss scale {_g(first)}, which never backs off"
+                else:
+                    moved = f"the scale fell from {_g(first)} to {_g(last)}"
                 text = (
                     f"{len(run)} gradient overflows in a row from step {recs[run[0]]['step']}: "
-                    f"the scale fell from {_g(recs[run[0]]['scale'])} to "
-                    f"{_g(recs[run[-1]]['scale'])}" + _nonfinite_text(layer, tensor, phase)
+                    f"{moved}" + _nonfinite_text(layer, tensor, phase)
                 )
                 fixes = self.advice.gentler() + self.advice.bfloat16()
+                if static:
+                    fixes.insert(0, Fix(
+                        "dynamic_scale",
+                        f"lower the static loss scale (below {_g(first)}) or use a dynamic one "
+                        "(loss_scale='dynamic' backs off on overflow)",
+                    ))  # fmt: skip
                 details = {"length": len(run), "layers": layers}
                 self.add(
                     "overflow_burst", "warning", text, run, fixes, details, (layer, tensor, phase)
