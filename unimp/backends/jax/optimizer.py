@@ -1,7 +1,8 @@
 """JAX optimizer: :func:`loss_scaling`, an optax transformation carrying the loss scale in its
 state (a skipped step leaves params and the inner state unchanged), :func:`get_loss_scale`,
 :class:`MultiSteps`, :func:`_float32_update` (an optimizer's scalars in float32 for half
-parameters), and the half-optimizer-state check for optax states.
+parameters), the half-optimizer-state check for optax states, and :class:`UpdateOps`, the array
+namespace of :mod:`unimp.rounding` (how a half parameter takes its update).
 """
 
 from __future__ import annotations
@@ -269,3 +270,50 @@ def _learning_rate(opt_state: Any) -> Any:
         if isinstance(hp, dict) and "learning_rate" in hp:
             return hp["learning_rate"]
     return None
+
+
+class UpdateOps:
+    """:mod:`unimp.rounding`'s array namespace over ``jnp`` arrays (traces under ``jit``): bit
+    patterns by ``lax.bitcast_convert_type``, int32 arithmetic wrapping as NumPy's."""
+
+    where = staticmethod(jnp.where)
+    isfinite = staticmethod(jnp.isfinite)
+
+    @staticmethod
+    def f32(x: Any) -> jax.Array:
+        return jnp.asarray(x, jnp.float32)
+
+    @staticmethod
+    def i32(x: Any) -> jax.Array:
+        return jnp.asarray(x, jnp.int32)
+
+    @staticmethod
+    def to_dtype(x: Any, dtype: str) -> jax.Array:
+        return jnp.asarray(x).astype(jnp.dtype(dtype))
+
+    @staticmethod
+    def bits(x: Any) -> jax.Array:
+        return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+
+    @staticmethod
+    def from_bits(b: Any) -> jax.Array:
+        return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+    @staticmethod
+    def iota(shape: tuple[int, ...]) -> jax.Array:
+        return jnp.arange(int(np.prod(shape, dtype=np.int64)), dtype=jnp.int32).reshape(shape)
+
+    xor = staticmethod(jnp.bitwise_xor)
+    and_ = staticmethod(jnp.bitwise_and)
+
+    @staticmethod
+    def shr(x: Any, k: int) -> jax.Array:
+        return jax.lax.shift_right_logical(x, jnp.int32(k))
+
+    @staticmethod
+    def add(a: Any, b: Any) -> jax.Array:
+        return a + b
+
+    @staticmethod
+    def mul(a: Any, b: Any) -> jax.Array:
+        return a * b  # int32 wraps modulo 2**32

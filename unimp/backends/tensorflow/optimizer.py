@@ -1,7 +1,9 @@
 """TensorFlow optimizer: :class:`LossScaleOptimizer`, a Keras 3 optimizer that holds the loss-scale
 state and applies a step only when it is finite (a skipped step leaves the variables and the
-inner optimizer's state unchanged), with tf.keras 2's ``get_scaled_loss`` / ``get_unscaled_gradients``, and :class:`LossScaleCheck`, the
-``model.fit`` callback that acts on its ``max_consecutive_skips`` and ``floor_action``.
+inner optimizer's state unchanged), with tf.keras 2's ``get_scaled_loss`` / ``get_unscaled_gradients``, :class:`LossScaleCheck`, the
+``model.fit`` callback that acts on its ``max_consecutive_skips`` and ``floor_action``, and
+:class:`UpdateOps`, the array namespace of :mod:`unimp.rounding` (how a half parameter takes
+its update).
 """
 
 from __future__ import annotations
@@ -726,3 +728,51 @@ class LossScaleCheck(keras.callbacks.Callback):
         if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
             return  # nothing to act on: no device read (as a step result's first read)
         self._watch.check(config, opt._state(), step=self._batches - 1)
+
+
+class UpdateOps:
+    """:mod:`unimp.rounding`'s array namespace over TF tensors (eager and in ``tf.function``):
+    bit patterns by ``tf.bitcast``, int32 arithmetic wrapping as NumPy's."""
+
+    where = staticmethod(tf.where)
+    isfinite = staticmethod(tf.math.is_finite)
+
+    @staticmethod
+    def f32(x: Any) -> tf.Tensor:
+        return tf.cast(x, tf.float32) if tf.is_tensor(x) or isinstance(x, tf.Variable) else tf.constant(x, tf.float32)
+
+    @staticmethod
+    def i32(x: Any) -> tf.Tensor:
+        return tf.cast(x, tf.int32) if tf.is_tensor(x) else tf.constant(x, tf.int32)
+
+    @staticmethod
+    def to_dtype(x: Any, dtype: str) -> tf.Tensor:
+        return tf.cast(x, tf.as_dtype(dtype))
+
+    @staticmethod
+    def bits(x: Any) -> tf.Tensor:
+        return tf.bitcast(tf.cast(x, tf.float32), tf.int32)
+
+    @staticmethod
+    def from_bits(b: Any) -> tf.Tensor:
+        return tf.bitcast(b, tf.float32)
+
+    @staticmethod
+    def iota(shape: tuple[int, ...]) -> tf.Tensor:
+        return tf.reshape(tf.range(int(np.prod(shape, dtype=np.int64)), dtype=tf.int32), shape)
+
+    xor = staticmethod(tf.bitwise.bitwise_xor)
+    and_ = staticmethod(tf.bitwise.bitwise_and)
+
+    @staticmethod
+    def shr(x: Any, k: int) -> tf.Tensor:
+        """Logical right shift (TF's ``right_shift`` on int32 is arithmetic: masked)."""
+        return tf.bitwise.bitwise_and(tf.bitwise.right_shift(x, k), (1 << (32 - k)) - 1)
+
+    @staticmethod
+    def add(a: Any, b: Any) -> tf.Tensor:
+        return a + b
+
+    @staticmethod
+    def mul(a: Any, b: Any) -> tf.Tensor:
+        return a * b  # int32 wraps modulo 2**32

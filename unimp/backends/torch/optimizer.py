@@ -1,10 +1,13 @@
 """torch optimizer: ``optimizer.step`` guarded so that a skipped step leaves parameters and the
-whole optimizer state bitwise unchanged without a host sync, and the half-optimizer-state check.
+whole optimizer state bitwise unchanged without a host sync, the half-optimizer-state check, and
+:class:`UpdateOps`, the array namespace of :mod:`unimp.rounding` (how a half parameter takes
+its update).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -177,3 +180,55 @@ def _param_names(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.P
         for pi, p in enumerate(group["params"]):
             out.append((names.get(id(p), f"param_groups[{gi}]['params'][{pi}]"), p))
     return out
+
+
+class UpdateOps:
+    """:mod:`unimp.rounding`'s array namespace over torch tensors on one device: float32 /
+    int32 tensors, bit patterns by ``view`` (exact), int32 arithmetic wrapping as NumPy's."""
+
+    where = staticmethod(torch.where)
+    isfinite = staticmethod(torch.isfinite)
+
+    def __init__(self, device: Any = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def f32(self, x: Any) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.to(torch.float32)
+        return torch.tensor(x, dtype=torch.float32, device=self.device)
+
+    def i32(self, x: Any) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.to(torch.int32)
+        return torch.tensor(x, dtype=torch.int32, device=self.device)
+
+    @staticmethod
+    def to_dtype(x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(getattr(torch, dtype))
+
+    @staticmethod
+    def bits(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32).view(torch.int32)
+
+    @staticmethod
+    def from_bits(b: torch.Tensor) -> torch.Tensor:
+        return b.view(torch.float32)
+
+    def iota(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.arange(math.prod(shape), dtype=torch.int32, device=self.device).reshape(shape)
+
+    xor = staticmethod(torch.bitwise_xor)
+    and_ = staticmethod(torch.bitwise_and)
+
+    @staticmethod
+    def shr(x: torch.Tensor, k: int) -> torch.Tensor:
+        """Logical right shift (torch's ``>>`` on int32 is arithmetic: masked)."""
+        return torch.bitwise_and(torch.bitwise_right_shift(x, k), (1 << (32 - k)) - 1)
+
+    @staticmethod
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    @staticmethod
+    def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b  # int32 wraps modulo 2**32

@@ -1,0 +1,208 @@
+"""How a half-precision parameter takes its update: rounded to nearest, Kahan-compensated, or
+stochastically rounded. The rule is written once over an array namespace, as the loss-scale
+rule is; :class:`NumpyOps` is its reference, and each backend's ``optimizer.py`` has an
+``UpdateOps`` with the same names on its own tensors.
+
+Pure bfloat16 training (bfloat16 parameters, no float32 master weights) rounds every update
+into the parameter. With round to nearest a bfloat16 weight cannot take a step below half its
+spacing (2**-8 at 1.0): a weight of 1.0 given 1,000 steps of -1e-3 stays exactly 1.0. Two
+known fixes, each from one framework until now:
+
+* ``"kahan"``: Kahan-compensated summation (the ``optimi`` optimizers for torch). A
+  compensation buffer ``c`` in the parameter's dtype (2 bytes per bfloat16 parameter) keeps
+  what rounding lost; each update adds it back: ``y = delta + c``, ``p' = round(p + y)``,
+  ``c' = round(y - (p' - p))``, computed in float32 and rounded once each.
+* ``"stochastic"``: stochastic rounding (torchao's ``bf16_stochastic_round``): ``p + delta``
+  in float32 is rounded down or up to a bfloat16 neighbour with probabilities given by its
+  distance to each, so the rounding is unbiased on average. The random bits come from a
+  counter-based hash of ``(seed, step, parameter index, element index)`` (:func:`random_bits`)
+  in int32 arithmetic every framework computes the same way, so one seed gives the same bits,
+  hence the same parameters, in torch, TensorFlow and JAX; no generator state, no host sync.
+
+Both take the update ``delta`` in float32 (the inner optimizer's, computed from the half
+parameter as in :mod:`unimp.backends` for pure half precision) and leave the rest of the
+optimizer as the framework keeps it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from unimp.dtypes import canonical_dtype
+
+__all__ = [
+    "UPDATE_MODES",
+    "NumpyOps",
+    "apply_update",
+    "check_update_mode",
+    "random_bits",
+    "stochastic_round",
+]
+
+#: The ways a half-precision parameter takes its update (a policy's ``update`` field).
+UPDATE_MODES = ("nearest", "kahan", "stochastic")
+
+# lowbias32, a 32-bit integer hash (Chris Wellons, "hash-prospector": x ^= x >> 16;
+# x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16), in int32 two's complement
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B - (1 << 32)
+#: The low 16 bits of a float32: what rounding to bfloat16 drops.
+_LOW16 = 0xFFFF
+_HIGH16 = -0x10000  # 0xFFFF0000 as int32
+
+
+def check_update_mode(mode: Any, param_dtype: str | None = None) -> str:
+    """``mode`` checked: one of :data:`UPDATE_MODES`; ``"stochastic"`` needs bfloat16
+    parameters (it rounds float32 to its top 16 bits).
+
+    Raises:
+        ValueError: an unknown mode, or stochastic rounding for another dtype (named).
+    """
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"update must be one of {UPDATE_MODES}, got {mode!r}.")
+    if mode == "stochastic" and param_dtype is not None and param_dtype != "bfloat16":
+        raise ValueError(
+            f"update='stochastic' rounds float32 to bfloat16 (its top 16 bits); the parameters are "
+            f"{param_dtype}: use update='kahan' for them, or bfloat16 parameters."
+        )
+    return mode
+
+
+class NumpyOps:
+    """The array namespace of the reference: NumPy float32 / int32 arrays, ml_dtypes bfloat16.
+
+    A backend provides the same names on its own tensors (``unimp/backends/*/optimizer.py``).
+    """
+
+    where = staticmethod(np.where)
+    isfinite = staticmethod(np.isfinite)
+
+    @staticmethod
+    def f32(x: Any) -> Any:
+        return np.asarray(x, np.float32)
+
+    @staticmethod
+    def i32(x: Any) -> Any:
+        return np.asarray(x, np.int32)
+
+    @staticmethod
+    def to_dtype(x: Any, dtype: str) -> Any:
+        import ml_dtypes
+
+        return np.asarray(x).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+
+    @staticmethod
+    def bits(x: Any) -> Any:
+        """A float32 array's bit patterns as int32 (a view: exact)."""
+        return np.asarray(x, np.float32).view(np.int32)
+
+    @staticmethod
+    def from_bits(b: Any) -> Any:
+        return np.asarray(b, np.int32).view(np.float32)
+
+    @staticmethod
+    def iota(shape: tuple[int, ...]) -> Any:
+        """Each element's index in row-major order, int32, of ``shape``."""
+        return np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
+
+    @staticmethod
+    def xor(a: Any, b: Any) -> Any:
+        return np.bitwise_xor(np.asarray(a, np.int32), np.asarray(b, np.int32))
+
+    @staticmethod
+    def and_(a: Any, b: Any) -> Any:
+        return np.bitwise_and(np.asarray(a, np.int32), np.asarray(b, np.int32))
+
+    @staticmethod
+    def shr(x: Any, k: int) -> Any:
+        """Logical right shift of int32 (zeros in from the left)."""
+        return np.bitwise_and(np.right_shift(np.asarray(x, np.int32), k), np.int32((1 << (32 - k)) - 1))
+
+    @staticmethod
+    def add(a: Any, b: Any) -> Any:
+        with np.errstate(over="ignore"):
+            return np.add(np.asarray(a, np.int32), np.asarray(b, np.int32), dtype=np.int32)
+
+    @staticmethod
+    def mul(a: Any, b: Any) -> Any:
+        """int32 multiplication modulo 2**32 (two's complement wrap-around)."""
+        with np.errstate(over="ignore"):
+            return np.multiply(np.asarray(a, np.int32), np.asarray(b, np.int32), dtype=np.int32)
+
+
+def _mix(ops: Any, x: Any) -> Any:
+    """lowbias32 over int32 arrays (see the module's constants)."""
+    x = ops.xor(x, ops.shr(x, 16))
+    x = ops.mul(x, ops.i32(_M1))
+    x = ops.xor(x, ops.shr(x, 15))
+    x = ops.mul(x, ops.i32(_M2))
+    return ops.xor(x, ops.shr(x, 16))
+
+
+def random_bits(ops: Any, seed: Any, step: Any, index: Any, shape: tuple[int, ...]) -> Any:
+    """32 random bits per element (int32 of ``shape``), a pure function of ``(seed, step,
+    index, element index)``: ``mix(mix(mix(mix(seed) ^ step) ^ index) ^ element)`` with
+    ``mix`` lowbias32. ``seed``, ``step`` and ``index`` are int32 scalars (a device counter in
+    a compiled step is fine); the same in every framework, bit for bit."""
+    key = _mix(ops, ops.xor(_mix(ops, ops.xor(_mix(ops, ops.i32(seed)), ops.i32(step))), ops.i32(index)))
+    return _mix(ops, ops.xor(ops.iota(shape), key))
+
+
+def stochastic_round(ops: Any, x: Any, bits: Any) -> Any:
+    """float32 ``x`` rounded to bfloat16 stochastically: the 16 bits bfloat16 drops, read as a
+    fraction of its spacing, round up with that probability (``(bits(x) + r) & 0xFFFF0000``
+    for 16 random bits ``r`` from ``bits``, on the magnitude, so negatives round the same
+    way). inf and NaN are kept; a value past bfloat16's largest may round to inf, as round to
+    nearest does. Returns a bfloat16 array (the conversion is exact)."""
+    x = ops.f32(x)
+    r = ops.and_(bits, ops.i32(_LOW16))
+    up = ops.from_bits(ops.and_(ops.add(ops.bits(x), r), ops.i32(_HIGH16)))
+    return ops.to_dtype(ops.where(ops.isfinite(x), up, x), "bfloat16")
+
+
+def apply_update(
+    ops: Any,
+    mode: str,
+    param: Any,
+    delta: Any,
+    compensation: Any = None,
+    bits: Any = None,
+) -> tuple[Any, Any]:
+    """A half parameter after its update ``delta``, by ``mode`` (:data:`UPDATE_MODES`).
+
+    Args:
+        ops: the array namespace (:class:`NumpyOps` or a backend's ``UpdateOps``).
+        mode: ``"nearest"`` (``round(p + delta)``), ``"kahan"`` or ``"stochastic"`` (see the
+            module docstring).
+        param: the parameter, in its half dtype.
+        delta: the update to add, float32, ``param``'s shape (``-lr * g`` for SGD).
+        compensation: ``"kahan"``: the compensation buffer, ``param``'s dtype and shape.
+        bits: ``"stochastic"``: :func:`random_bits` for this parameter and step.
+
+    Returns:
+        ``(new_param, new_compensation)``, ``new_param`` in ``param``'s dtype;
+        ``new_compensation`` is None except for ``"kahan"``.
+
+    Raises:
+        ValueError: an unknown mode, or a mode's buffer missing.
+    """
+    dtype = canonical_dtype(param.dtype)
+    wide = ops.f32(param)
+    if mode == "nearest":
+        return ops.to_dtype(wide + ops.f32(delta), dtype), None
+    if mode == "kahan":
+        if compensation is None:
+            raise ValueError("update='kahan' needs the parameter's compensation buffer.")
+        y = ops.f32(delta) + ops.f32(compensation)
+        new = ops.to_dtype(wide + y, dtype)
+        return new, ops.to_dtype(y - (ops.f32(new) - wide), dtype)
+    if mode == "stochastic":
+        if bits is None:
+            raise ValueError("update='stochastic' needs the parameter's random bits (random_bits).")
+        check_update_mode(mode, dtype)
+        return stochastic_round(ops, wide + ops.f32(delta), bits), None
+    check_update_mode(mode)
+    raise AssertionError("unreachable")
