@@ -6,6 +6,7 @@ the silent variants of its mistakes."""
 import pytest
 import torch
 
+import unimp
 import unimp.backends.torch as ut
 
 
@@ -99,3 +100,17 @@ def test_the_freed_graph_check_never_unpacks_saved_tensors():
     assert calls == []
     scaled.backward()
     assert calls  # the backward pass itself unpacks them
+
+
+def test_unimps_own_steps_are_not_the_users_optimizer_step():
+    # a user's scaler with a scaled backward pending does not stop unimp's train step (its
+    # guarded optimizer.step is unimp's call, not the user's)
+    model, optimizer, criterion, (images, labels) = _seed_000()
+    users = ut.GradScaler(device="cpu")
+    users.scale(criterion(model(images), labels)).backward()  # left pending
+    mp = ut.MixedPrecision(unimp.get_recipe("mixed_float16"), device="cpu")
+    other, opt, _, _ = _seed_000()
+    step = mp.train_step(other, opt, lambda m, b: criterion(m(b[0]), b[1]))
+    assert step((images, labels)).applied
+    with pytest.raises(RuntimeError, match="still multiplied"):  # the user's own call still is
+        optimizer.step()

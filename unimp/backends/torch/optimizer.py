@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +38,28 @@ def _amp_attributes(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> Iter
         del optimizer.found_inf  # type: ignore[attr-defined]
 
 
-def _guarded_step(
+#: set while unimp itself calls ``optimizer.step`` (a guarded step, GradScaler.step): the
+#: GradScaler's check for a user's ``optimizer.step()`` on scaled gradients stays out of it
+_IN_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def _stepping() -> Iterator[None]:
+    before = getattr(_IN_STEP, "active", False)
+    _IN_STEP.active = True
+    try:
+        yield
+    finally:
+        _IN_STEP.active = before
+
+
+def _guarded_step(*args: Any, **kwargs: Any) -> Any:
+    """:func:`_guarded_step_unmarked` with :data:`_IN_STEP` set (see it for the arguments)."""
+    with _stepping():
+        return _guarded_step_unmarked(*args, **kwargs)
+
+
+def _guarded_step_unmarked(
     optimizer: torch.optim.Optimizer,
     bad: torch.Tensor,
     args: tuple,

@@ -45,7 +45,6 @@ cuda/AmpKernels.cu, ``amp_update_scale_cuda_kernel``) equals the reference for t
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -58,7 +57,7 @@ from unimp import loss_scale as _ls
 from unimp.attached import peek
 from unimp.backends.torch.casting import _leaves, _map_tree
 from unimp.backends.torch.devices import _as_device, _to
-from unimp.backends.torch.optimizer import _guarded_step, _param_names
+from unimp.backends.torch.optimizer import _IN_STEP, _guarded_step, _param_names, _stepping
 from unimp.backends.torch.overflow import (
     all_finite,
     check_replicas_agree,
@@ -89,7 +88,6 @@ _READY, _UNSCALED, _STEPPED = 0, 1, 2
 
 #: scalers whose scaled loss was backpropagated since their last update()
 _PENDING: weakref.WeakSet = weakref.WeakSet()
-_IN_STEP = threading.local()  # GradScaler.step is calling optimizer.step: not the user's call
 _HOOK: list[Any] = []  # the global optimizer step pre-hook, registered at the first scale()
 
 
@@ -752,16 +750,13 @@ class GradScaler:
         if st["stage"] == _READY:
             self.unscale_(optimizer)
         bad = torch.where(self._loss_finite, st["found_inf"], self._ops.f32(1.0))
-        _IN_STEP.active = True
-        try:
+        with _stepping():
             if args:  # a closure runs on an applied step only: decided on the host, as torch does
                 ret = None if bool(bad != 0) else optimizer.step(*args, **kwargs)
             else:
                 ret = _guarded_step(optimizer, bad, args, kwargs, sync=self._skip_mode == "auto")
                 if ret is not None and bool(bad != 0):
                     ret = None
-        finally:
-            _IN_STEP.active = False
         st["stage"] = _STEPPED
         return ret, bad == 0
 
