@@ -180,5 +180,16 @@ out["reduce_overflow"] = {"applied": bool(r.applied), "grads_finite": bool(r.gra
                           "scale_next": per_replica(ost.optimizer.dynamic_scale),
                           "w": per_replica(om.trainable_variables[0])}
 
+# 9. pure bfloat16 (issue 32): Adam's update of a half variable runs on a float32 view, which
+#    must still find the replica's slots (Keras keys them by the distributed container)
+bmp = unimp.mixed_precision("bfloat16", backend="tensorflow")
+with strategy.scope():
+    with bmp.autocast():
+        bm = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1, kernel_initializer="ones")])
+    bm, _ = bmp.prepare(bm, keras.optimizers.Adam(0.1), loss="mse")
+hist = bm.fit(rx, ry, epochs=2, batch_size=8, verbose=0)
+out["bfloat16_fit"] = {"loss": hist.history["loss"], "dtype": bm.weights[0].dtype,
+                       "w": per_replica(bm.trainable_variables[0])}
+
 out["errors"] = errors
 print(json.dumps(out))

@@ -423,7 +423,7 @@ def test_two_losses_through_one_optimizer_sum_and_skip_once():
     assert [sd[k]["state"]["total_skips"] for k in sd] == [0, 1]
 
 
-@pytest.mark.parametrize("loss_id", [2, -1, True, "0"])
+@pytest.mark.parametrize("loss_id", [2, -1, True, "0", 1.0])
 def test_scale_loss_refuses_a_loss_id_out_of_range(loss_id):
     model, opt = _model_opt("O1", num_losses=2)
     loss = torch.nn.functional.cross_entropy(model(_data()[0]), _data()[1])
@@ -465,3 +465,15 @@ def test_o3_with_two_adam_optimizers_warns_for_each():
     with pytest.warns(unimp.HalfOptimizerStateWarning) as record:
         amp.initialize([a, b], opts, opt_level="O3")
     assert len([w for w in record if issubclass(w.category, unimp.HalfOptimizerStateWarning)]) == 2
+
+
+def test_loss_id_may_be_any_integer_type():
+    # Apex indexes a list with it: a NumPy integer works there
+    import numpy as np
+
+    model, opt = _model_opt("O1", num_losses=2)
+    x, y = _data()
+    with amp.scale_loss(torch.nn.functional.cross_entropy(model(x), y), opt, loss_id=np.int64(1)) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.state_dict()["loss_scaler1"]["state"]["total_skips"] == 0

@@ -77,7 +77,8 @@ def test_policy_loss_scale_and_compile_follow_tensorflow_2(name, loss_scale, kin
     assert (None if policy.loss_scale is None else policy.loss_scale.kind) == kind
     assert policy.compute_dtype == name.replace("mixed_", "") and policy.variable_dtype == "float32"
     mixed_precision.set_policy(policy)
-    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+    model = tf.keras.models.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])  # the same class
+    assert tf.keras.models.Sequential is tf.keras.Sequential
     model.compile(optimizer="sgd", loss="mse")
     wrapped = getattr(model.optimizer, "loss_scale_config", None)
     if kind is None:  # TF 2.3's compile wrapped only a policy with a loss scale

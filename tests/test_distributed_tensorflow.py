@@ -13,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -159,3 +160,12 @@ def test_float16_reduce_overflow_skips_on_both_replicas(run):
     assert r["applied"] is False and r["grads_finite"] is False
     assert r["scale_next"] == [524288.0, 524288.0]
     assert r["w"] == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_pure_bfloat16_fit_updates_the_replicas_alike(run):
+    # issue 32: the float32 view of a bfloat16 variable still finds the replica's Adam slots
+    # (a KeyError 'sequential/dense/kernel/replica_1_...' before); Adam lr 0.1 moved the ones
+    r = run["bfloat16_fit"]
+    assert r["dtype"] == "bfloat16" and all(map(math.isfinite, r["loss"]))
+    w0, w1 = r["w"]
+    assert w0 == w1 and all(abs(v - 1.0) > 0.05 for v in sum(w0, []))

@@ -63,3 +63,15 @@ def test_the_modes_refuse_what_they_cannot_do():
         rounding.apply_update(ops, "kahan", np.ones(1, ml_dtypes.bfloat16), np.float32([1e-3]))
     with pytest.raises(ValueError, match="needs the parameter's random bits"):
         rounding.apply_update(ops, "stochastic", np.ones(1, ml_dtypes.bfloat16), np.float32([1e-3]))
+
+
+def test_host_seeds_are_their_low_32_bits_and_floats_are_refused():
+    # the breaker's case: 2**31, np.int64(2**40) and 1.7 meant different seeds (or errors) in
+    # different frameworks; a host integer is taken modulo 2**32 here, once, for all of them
+    bits = lambda seed: rounding.random_bits(ops, seed, 0, 0, (4,)).tolist()  # noqa: E731
+    assert bits(2**31) == bits(-(2**31)) and bits(np.int64(2**40)) == bits(0) and bits(2**32 + 5) == bits(5)
+    for bad in (1.7, np.float32(2.0), True):
+        with pytest.raises(TypeError, match="seed must be an integer"):
+            rounding.random_bits(ops, bad, 0, 0, (1,))
+    assert rounding.check_update_mode("stochastic", "bf16") == "stochastic"
+    assert rounding.check_update_mode("stochastic", ml_dtypes.bfloat16) == "stochastic"

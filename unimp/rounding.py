@@ -63,6 +63,8 @@ def check_update_mode(mode: Any, param_dtype: str | None = None) -> str:
     """
     if mode not in UPDATE_MODES:
         raise ValueError(f"update must be one of {UPDATE_MODES}, got {mode!r}.")
+    if param_dtype is not None:
+        param_dtype = canonical_dtype(param_dtype)
     if mode == "stochastic" and param_dtype is not None and param_dtype != "bfloat16":
         raise ValueError(
             f"update='stochastic' rounds float32 to bfloat16 (its top 16 bits); the parameters are "
@@ -147,8 +149,20 @@ def random_bits(ops: Any, seed: Any, step: Any, index: Any, shape: tuple[int, ..
     index, element index)``: ``mix(mix(mix(mix(seed) ^ step) ^ index) ^ element)`` with
     ``mix`` lowbias32. ``seed``, ``step`` and ``index`` are int32 scalars (a device counter in
     a compiled step is fine); the same in every framework, bit for bit."""
+    seed, step, index = (_int32(x, n) for x, n in ((seed, "seed"), (step, "step"), (index, "index")))
     key = _mix(ops, ops.xor(_mix(ops, ops.xor(_mix(ops, ops.i32(seed)), ops.i32(step))), ops.i32(index)))
     return _mix(ops, ops.xor(ops.iota(shape), key))
+
+
+def _int32(x: Any, name: str) -> Any:
+    """A host integer as the int32 with its low 32 bits (every framework alike: 2**31 is
+    -2**31, 2**40 is 0); an array is taken as it is (an int32 device counter). Raises
+    ``TypeError`` for a float or bool, which frameworks truncate or refuse differently."""
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, (float, np.floating)):
+        raise TypeError(f"random_bits: {name} must be an integer, got {x!r}.")
+    if isinstance(x, (int, np.integer)):
+        return ((int(x) + 2**31) % 2**32) - 2**31
+    return x
 
 
 def stochastic_round(ops: Any, x: Any, bits: Any) -> Any:

@@ -38,6 +38,7 @@ needs no CUDA extension.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -259,12 +260,12 @@ def scale_loss(
     scalers = _STATE["scalers"]
     if not scalers:
         raise RuntimeError("call amp.initialize(model, optimizer, opt_level=...) before amp.scale_loss.")
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
+    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral) or not 0 <= loss_id < len(scalers):
         raise ValueError(
             f"loss_id must be an int in [0, {len(scalers)}) (amp.initialize(..., num_losses="
             f"{len(scalers)})), got {loss_id!r}; pass num_losses=N to amp.initialize for N losses."
         )
-    scaler = scalers[loss_id]
+    scaler = scalers[int(loss_id)]
     opts, _ = _as_list(optimizers)
     strangers = [o for o in opts if peek(o, "apex_bad", _STRANGER) is _STRANGER]
     if strangers:

@@ -29,7 +29,8 @@ calls map onto unimp:
 * :class:`DynamicLossScale` ``(initial_loss_scale=2**15, increment_period=2000,
   multiplier=2.0)`` and :class:`FixedLossScale` ``(loss_scale_value)`` are the same rules.
 
-* ``tf.keras.Sequential`` (:class:`Sequential`) compiles as TensorFlow 2.1-2.3 did: under a
+* ``tf.keras.Sequential`` and ``tf.keras.models.Sequential`` (:class:`Sequential`) compile as
+  TensorFlow 2.1-2.3 did: under a
   :class:`Policy` with a loss scale, ``model.compile(optimizer="adam", ...)`` wraps the
   optimizer in unimp's LossScaleOptimizer with the policy's loss scale (seed 004's code). A
   functional or subclassed ``tf.keras.Model`` is Keras 3's own: its ``compile`` wraps only
@@ -261,9 +262,13 @@ experimental = sys.modules[__name__]
 tf = _Namespace(
     "tensorflow",
     _tf,
-    keras=_Namespace("tensorflow.keras", _tf.keras, Sequential=Sequential, mixed_precision=_Namespace(
-        "tensorflow.keras.mixed_precision", _tf.keras.mixed_precision, experimental=experimental,
-    )),
+    keras=_Namespace(
+        "tensorflow.keras", _tf.keras, Sequential=Sequential,
+        models=_Namespace("tensorflow.keras.models", _tf.keras.models, Sequential=Sequential),
+        mixed_precision=_Namespace(
+            "tensorflow.keras.mixed_precision", _tf.keras.mixed_precision, experimental=experimental,
+        ),
+    ),
     mixed_precision=_Namespace("tensorflow.mixed_precision", types.SimpleNamespace(), experimental=experimental),
     train=_Namespace("tensorflow.train", _tf.train, experimental=_Namespace(
         "tensorflow.train.experimental", _tf.train.experimental,

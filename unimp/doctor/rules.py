@@ -95,7 +95,10 @@ class _Rules:
         self.floor = (self.cfg.get("min_scale") or _F32_TINY) if self.cfg else None
         self.advice = Advice(log.loss_scale, log.recipe)
         self.bad = [i for i, r in enumerate(recs) if r["batch_finite"] is False]
-        ok_data = [i for i, r in enumerate(recs) if r["batch_finite"] is not False]
+        # once the half parameters held inf / NaN every later loss and gradient follows from it
+        # (params_non_finite says so): those steps are not overflows of their own
+        broken = next((i for i, r in enumerate(recs) if r.get("params_finite") is False), len(recs))
+        ok_data = [i for i, r in enumerate(recs[: broken + 1]) if r["batch_finite"] is not False]
         self.fwd = [i for i in ok_data if not recs[i]["loss_finite"]]
         self.gov = [i for i in ok_data if recs[i]["loss_finite"] and not recs[i]["grads_finite"]]
         self.growth = [i for i in range(1, len(recs)) if recs[i]["scale"] > recs[i - 1]["scale"]]

@@ -181,3 +181,16 @@ def test_injected_hyperparameters_stay_float32_for_bfloat16_params():
     plain = ujax.loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=0.1), "none")
     s32 = plain.init({"w": jnp.ones((2,), jnp.float32)})
     assert s32.inner_state.inner_state[0].mu["w"].dtype == jnp.float32
+
+
+def test_transformations_that_cond_over_their_state_keep_working_on_bfloat16_params():
+    # the breaker's case: optax.apply_if_finite lax.cond's over its inner state; widening
+    # optax.adam (Python-float hyperparameters, float32 bias correction already) made the two
+    # branches' dtypes differ. Only injected hyperparameters are widened.
+    mp = unimp.mixed_precision("bfloat16", backend="jax")
+    params = {"w": jnp.ones((4, 1))}
+    loss = lambda p, x: jnp.sum((x @ p["w"].astype(jnp.float32)) ** 2)  # noqa: E731
+    for opt in (optax.apply_if_finite(optax.adam(0.1), 5), optax.conditionally_transform(optax.adam(0.1), lambda c: True)):
+        step = mp.train_step(loss, opt, params)
+        assert bool(step(jnp.ones((2, 4))).applied)
+        assert step.params["w"].dtype == jnp.bfloat16 and float(step.params["w"][0, 0]) < 1.0

@@ -41,8 +41,6 @@ def test_the_seeds_loop_as_written_is_named_at_its_first_mistake():
     assert "\n" not in msg
     with pytest.raises(TypeError, match=r"got no optimizer: call scaler.step\(optimizer\), then scaler.update\(\)"):
         policy.step()
-    with pytest.raises(TypeError, match=r"got a Tensor: call scaler.step\(optimizer\)"):
-        policy.step(loss)
 
 
 def test_stepping_the_optimizer_on_scaled_gradients_is_refused_before_the_step():
@@ -114,3 +112,66 @@ def test_unimps_own_steps_are_not_the_users_optimizer_step():
     assert step((images, labels)).applied
     with pytest.raises(RuntimeError, match="still multiplied"):  # the user's own call still is
         optimizer.step()
+
+
+def test_optimizers_the_scaled_loss_does_not_reach_are_stepped_as_torch_amp_steps_them():
+    # the breaker's cases, each run by torch.amp's GradScaler too: another model's optimizer
+    # stepped while a scaled backward is pending; two scalers interleaved, each unscale_-then-
+    # step; a wrapper optimizer stepping the one that was unscaled through it
+    for make in (lambda: ut.GradScaler(device="cpu"), lambda: torch.amp.GradScaler("cpu")):
+        a, opt_a, criterion, (images, labels) = _seed_000()
+        b, opt_b, _, _ = _seed_000()
+        s = make()
+        s.scale(criterion(a(images), labels)).backward()
+        criterion(b(images), labels).backward()  # plain, unscaled
+        opt_b.step()  # b's gradients are not the scaled loss's
+        s.step(opt_a)
+        s.update()
+        s1, s2 = make(), make()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        s1.scale(criterion(a(images), labels)).backward()
+        s2.scale(criterion(b(images), labels)).backward()
+        s2.unscale_(opt_b)
+        opt_b.step()
+        s1.unscale_(opt_a)
+        opt_a.step()
+        s1.update()
+        s2.update()
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, base):
+            self.base = base
+            super().__init__(base.param_groups, {})
+
+        def step(self, closure=None):
+            return self.base.step()
+
+    model, opt, criterion, (images, labels) = _seed_000()
+    look = Wrapper(opt)
+    s = ut.GradScaler(device="cpu")
+    s.scale(criterion(model(images), labels)).backward()
+    s.unscale_(look)
+    look.step()  # the base optimizer's parameters were unscaled through the wrapper
+    s.update()
+
+
+def test_an_optimizer_like_object_is_stepped():
+    # torch.amp steps anything with param_groups and step(); only a missing optimizer is refused
+    model, opt, criterion, (images, labels) = _seed_000()
+
+    class Duck:
+        def __init__(self, inner):
+            self.inner = inner
+            self.param_groups = inner.param_groups
+            self.state = inner.state
+
+        def step(self, *a, **k):
+            return self.inner.step(*a, **k)
+
+    s = ut.GradScaler(device="cpu")
+    s.scale(criterion(model(images), labels)).backward()
+    s.step(Duck(opt))
+    s.update()
+    assert opt.state  # Adam stepped
+    ut.GradScaler(device="cpu", enabled=False).step(Duck(opt))

@@ -395,3 +395,17 @@ def test_a_step_that_raises_after_the_backward_leaves_nothing_behind():
     with pytest.raises(RuntimeError, match="sparse"):
         sparse(torch.tensor([1, 2], device=DEV))
     assert emb.weight.grad is None
+
+
+def test_an_empty_half_parameter_is_finite_and_checks_nothing():
+    # the breaker's case: _foreach_norm refuses an empty tensor, after the optimizer had stepped
+    import unimp
+
+    model = torch.nn.Linear(4, 1)
+    model.extra = torch.nn.Parameter(torch.zeros(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = unimp.mixed_precision("bfloat16", backend="torch", device="cpu")
+    model, opt = mp.prepare(model, opt)
+    step = mp.train_step(model, opt, lambda m, b: m(b).float().pow(2).mean() + m.extra.float().sum())
+    r = step(torch.ones(2, 4))
+    assert r.applied and r.params_finite is True

@@ -147,7 +147,13 @@ def _float32_update(inner: optax.GradientTransformation) -> optax.GradientTransf
     ``update`` sees float32 copies of half parameters and gradients, the new state is cast back
     to the dtypes the state had (moments stay bfloat16, as optax and torch keep them), the
     injected hyperparameters are held in float32 from ``init`` on, and the updates come back in
-    the parameters' dtype. Without half parameters ``inner`` runs unchanged (no cost).
+    the parameters' dtype. Only an optimizer whose state holds injected hyperparameters is
+    changed: without half parameters, or with optax's own Python-float hyperparameters (which
+    stay weakly typed, so ``optax.adam`` computes its bias correction in float32 already),
+    ``inner`` runs unchanged (no cost; transformations that ``lax.cond`` over their state, as
+    ``optax.apply_if_finite``, keep their dtypes). Such a transformation around an injected
+    optimizer fails in optax's own ``cond`` when widened, as it does with
+    ``hyperparam_dtype=jnp.float32``: keep ``inject_hyperparams`` outermost.
 
     :class:`TrainStep` and :func:`loss_scaling` apply it to the optimizer they are given.
 
@@ -162,9 +168,18 @@ def _float32_update(inner: optax.GradientTransformation) -> optax.GradientTransf
     def has_half(params: Any) -> bool:
         return params is not None and any(_is_half(x) for x in jax.tree_util.tree_leaves(params))
 
+    def injected(state: Any) -> list[Any]:
+        return [x for path, x in jax.tree_util.tree_flatten_with_path(state)[0] if _injected(path)]
+
+    def injected_half(state: Any) -> bool:
+        return any(_is_half(x) for x in injected(state))
+
+    def injected_float32(state: Any) -> bool:  # init_fn held them in float32: widen the update
+        return any(getattr(x, "dtype", None) == jnp.float32 for x in injected(state))
+
     def init_fn(params: Any) -> Any:
         held = inner.init(params)
-        if not has_half(params):
+        if not has_half(params) or not injected_half(held):
             return held
         wide = inner.init(_widen(params))  # the hyperparameters' true values, in float32
         return jax.tree_util.tree_map_with_path(
@@ -172,7 +187,7 @@ def _float32_update(inner: optax.GradientTransformation) -> optax.GradientTransf
         )
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        if not has_half(params):
+        if not has_half(params) or not injected_float32(state):
             return inner.update(updates, state, params, **extra_args)
         new_updates, new_state = inner.update(_widen(updates), state, _widen(params), **extra_args)
         new_state = jax.tree_util.tree_map(

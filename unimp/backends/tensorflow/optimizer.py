@@ -608,6 +608,12 @@ class _Float32View:
         self._var = var
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_distributed_container" and not hasattr(self._var, name):
+            # Keras finds a replica's variable in its slots through its distributed container,
+            # read from the handle of a CompositeTensor; the view is none: hand it out directly
+            handle = getattr(self._var, "handle", None)
+            if handle is not None and hasattr(handle, name):
+                return getattr(handle, name)
         return getattr(self._var, name)
 
     def _wide(self) -> tf.Tensor:

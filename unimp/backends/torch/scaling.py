@@ -86,46 +86,85 @@ _READY, _UNSCALED, _STEPPED = 0, 1, 2
 # The mistakes of seed 000's loop and their silent variants (issue 30): stepping an optimizer
 # on gradients still multiplied by the scale, a scaled backward through a graph already freed.
 
+class _Pending:
+    """A scaler's scaled backward passes since its last ``update()``: the roots of their graphs
+    (kept until then; their saved tensors are already freed), the leaves they reach (walked
+    once, when a step needs them) and the parameters the scaler has unscaled since."""
+
+    __slots__ = ("roots", "reached", "unscaled")
+
+    def __init__(self) -> None:
+        self.roots: list[Any] = []
+        self.reached: set[int] | None = None
+        self.unscaled: set[int] = set()
+
+    def reached_ids(self) -> set[int]:
+        """``id`` of every leaf tensor (parameter) the pending scaled losses reach."""
+        if self.reached is None:
+            seen, out, stack = set(), set(), list(self.roots)
+            while stack:
+                node = stack.pop()
+                if node is None or id(node) in seen:
+                    continue
+                seen.add(id(node))
+                var = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+                if var is not None:
+                    out.add(id(var))
+                stack.extend(f for f, _ in node.next_functions)
+            self.reached = out
+        return self.reached
+
+
 #: scalers whose scaled loss was backpropagated since their last update()
-_PENDING: weakref.WeakSet = weakref.WeakSet()
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOK: list[Any] = []  # the global optimizer step pre-hook, registered at the first scale()
 
 
 def _check_unscaled_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch's global optimizer step pre-hook: refuses ``optimizer.step()`` on gradients a
     scaled backward produced and nobody unscaled (the step would apply them times the scale,
-    65536 by default). One set lookup per step while no scaled backward is pending."""
+    65536 by default): parameters of this optimizer that a pending scaled loss reaches, that
+    hold a gradient, and that the scaler has not unscaled since. One dict lookup per step
+    while no scaled backward is pending; an optimizer whose parameters the scaled losses do
+    not reach (another model's, a GAN's other half) is never refused."""
     if not _PENDING or getattr(_IN_STEP, "active", False):
         return
-    for sc in list(_PENDING):
+    for sc, pending in list(_PENDING.items()):
         st = sc._per_opt.get(id(optimizer))
         if st is not None and st["stage"] != _READY:
             continue  # unscaled (or stepped) by this scaler since its last update
-        if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        held = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not held or all(id(p) in pending.unscaled for p in held):
+            continue  # nothing to step, or unscaled through another optimizer (a wrapper's)
+        reached = pending.reached_ids()
+        if any(id(p) in reached and id(p) not in pending.unscaled for p in held):
             raise RuntimeError(
                 f"optimizer.step() on gradients still multiplied by the loss scale "
                 f"({float(sc._scale.item()):g}): scaler.scale(loss).backward() produced them. Call "
                 "scaler.step(optimizer) (it unscales, skips on inf/NaN and steps), then "
-                "scaler.update(); or scaler.unscale_(optimizer) before optimizer.step(). (An "
-                "optimizer whose gradients do not come from the scaled loss: step it after "
-                "scaler.update().)"
+                "scaler.update(); or scaler.unscale_(optimizer) before optimizer.step(). (A scaled "
+                "backward stays pending until scaler.update(): call it to drop one left behind.)"
             )
 
 
 def _mark_pending(scaler: GradScaler, scaled: Any) -> None:
-    """Marks ``scaler`` pending when the backward pass reaches one of its scaled losses."""
+    """Records the graph of each scaled loss once the backward pass reaches it."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_check_unscaled_step))
     ref = weakref.ref(scaler)
-
-    def reached(grad: torch.Tensor) -> None:
-        sc = ref()
-        if sc is not None:
-            _PENDING.add(sc)
-
     for t in _leaves(scaled):
-        if t.requires_grad:
-            t.register_hook(reached)
+        if not t.requires_grad:
+            continue
+        root = t.grad_fn
+
+        def reached(grad: torch.Tensor, root: Any = root) -> None:
+            sc = ref()
+            if sc is not None:
+                pending = _PENDING.setdefault(sc, _Pending())
+                pending.roots.append(root)
+                pending.reached = None
+
+        t.register_hook(reached)
 
 
 #: per autograd node type: the names of its saved tensors (looked up once per type)
@@ -697,6 +736,9 @@ class GradScaler:
                 found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         st["found_inf"] = self._reduce_flags(found_inf)
         st["stage"] = _UNSCALED
+        pending = _PENDING.get(self)
+        if pending is not None:  # these gradients are unscaled now, whichever optimizer steps them
+            pending.unscaled.update(id(p) for p, _ in self._grads(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer | None = None, *args: Any, **kwargs: Any) -> Any:
         """Unscales (unless :meth:`unscale_` was called) and steps, skipping on the device.
@@ -722,10 +764,9 @@ class GradScaler:
                 supported if GradScaler is enabled", as in torch.amp), or a second ``step``
                 before :meth:`update`.
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            got = "no optimizer" if optimizer is None else f"a {type(optimizer).__name__}"
+        if optimizer is None:
             raise TypeError(
-                f"GradScaler.step() takes the optimizer to step, got {got}: call "
+                "GradScaler.step() takes the optimizer to step, got no optimizer: call "
                 "scaler.step(optimizer), then scaler.update()."
             )
         if not self._enabled:
@@ -800,7 +841,7 @@ class GradScaler:
             for held, old in zip((self._counter, *self._extra), kept, strict=True):
                 held.copy_(old)
         self._per_opt.clear()
-        _PENDING.discard(self)
+        _PENDING.pop(self, None)
         self._loss_finite = self._ops.true
         self._scale.copy_(value)
 
@@ -809,7 +850,7 @@ class GradScaler:
         per-optimizer stages reset; returns the rule's results."""
         out = self._apply_update(grads_finite, loss_finite, flags)
         self._per_opt.clear()
-        _PENDING.discard(self)
+        _PENDING.pop(self, None)
         return out
 
     def _buffer(self, name: str, shape: tuple[int, ...] = ()) -> torch.Tensor:

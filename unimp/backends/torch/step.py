@@ -358,8 +358,8 @@ class StepOps:
         # the optimizer's half-precision parameters (float32 masters are not): none, no op
         half = [
             p for g in self.opt.param_groups for p in g["params"]
-            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)
-        ]  # fmt: skip
+            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) and p.numel()
+        ]  # fmt: skip (an empty parameter is finite, and _foreach_norm refuses it)
         if not half:
             return None
         # the largest magnitude per tensor (NaN and inf stay themselves), one finite test
