@@ -142,3 +142,20 @@ def test_the_example_runs():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "unimp.backends.tensorflow.LossScaleOptimizer around Adam" in out.stdout
     assert "TensorFlow 2.x's rule" in out.stdout and "DeprecationWarning" not in out.stderr
+
+
+def test_a_saved_model_loads_compiled_with_its_loss_scale(tmp_path):
+    import keras
+
+    from unimp.backends.tensorflow import LossScaleOptimizer
+    from unimp.compat.tf_experimental import tf
+
+    tf.keras.mixed_precision.experimental.set_policy(tf.keras.mixed_precision.experimental.Policy("mixed_float16", loss_scale=128))
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    path = tmp_path / "m.keras"
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Keras warned that compile() was not called on load
+        loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, LossScaleOptimizer) and loaded.optimizer.loss_scale_config == model.optimizer.loss_scale_config

@@ -240,6 +240,14 @@ class Sequential(keras.Sequential):
             optimizer = LossScaleOptimizer(optimizer, config)
         super().compile(optimizer, *args, **kwargs)
 
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compiles a loaded model as it was saved (Keras skips a custom ``compile``)."""
+        from keras.src.saving import serialization_lib
+
+        self.compile(**serialization_lib.deserialize_keras_object(config))
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
 
 class _Namespace(types.ModuleType):
     """A module that reads as ``real`` with some names replaced."""
