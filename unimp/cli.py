@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import tempfile
@@ -153,17 +152,6 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finite_json(x: Any) -> Any:
-    """``x`` with every non-finite float as its name (``"inf"``, ``"-inf"``, ``"nan"``)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return repr(x)
-    if isinstance(x, dict):
-        return {k: _finite_json(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite_json(v) for v in x]
-    return x
-
-
 def _explain_fp8(args: argparse.Namespace) -> int:
     from unimp.compare.explain_fp8 import DEFAULT_AMAXES, fp8_table, parse_amaxes
 
@@ -174,8 +162,10 @@ def _explain_fp8(args: argparse.Namespace) -> int:
     if not 1 <= args.history_len <= 1024:
         raise UsageError(f"--history-len must be in [1, 1024], got {args.history_len}")
     table = fp8_table(amaxes, args.history_len)
-    if args.json:  # valid JSON: a non-finite amax or scale is written as the string "inf" / "nan"
-        print(json.dumps(_finite_json(table), indent=2, allow_nan=False))
+    if args.json:  # standard JSON, as report.json: non-finite numbers null, named in "nonfinite"
+        from unimp.compare.report import strict_json
+
+        print(json.dumps(strict_json(table), indent=2, allow_nan=False))
         return 0
     print(f"FP8 scale used at each step ({table['format']}, delayed presets with L={args.history_len}):")
     print("  " + f"{'step':<28}" + "".join(f"{i + 1:>10}" for i in range(len(amaxes))))
