@@ -236,7 +236,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # apply runs the inner update_step in float32 for half variables, _float32_update)
         keras.optimizers.Optimizer.build(self, var_list)
 
-    def _ensure_built(self, trainable_variables: list[Any] | None) -> None:
+    def ensure_built(self, trainable_variables: list[Any] | None) -> None:
+        """Builds the optimizer (and its inner optimizer) for ``trainable_variables`` unless it
+        is built.
+
+        Raises:
+            ValueError: not built and no variables given.
+        """
         if self.built:
             return
         if trainable_variables is None:
@@ -339,7 +345,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 f"got {len(grads)} gradients for {len(known)} variables; pass one gradient per variable."
             )
-        self._ensure_built(variables)
+        self.ensure_built(variables)
         known = variables if variables is not None else self._trainable_variables
         scale = tf.convert_to_tensor(self.dynamic_scale)
         already, self._gradients_unscaled = self._gradients_unscaled, False
@@ -348,12 +354,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ]
         grads_finite = all_finite([g for g in unscaled if g is not None])
         loss_finite = tf.equal(tf.convert_to_tensor(self._bad_losses), 0.0)
-        self._apply_step(unscaled, variables, grads_finite, loss_finite)
+        self.apply_unscaled(unscaled, variables, grads_finite, loss_finite)
 
-    def _apply_step(
+    def apply_unscaled(
         self, unscaled: list[Any], variables: list[Any] | None, grads_finite: Any, loss_finite: Any
     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-        """The step after unscaling, on one replica or in a ``merge_call`` strategy's replica.
+        """The guarded update and the loss-scale update, for gradients already unscaled and
+        checked: what :meth:`apply` does after its unscale, and what unimp's train step calls
+        (its public face: the step reads no private member of the optimizer). On one replica,
+        or in a ``merge_call`` strategy's replica, where the finite flags are reduced over every
+        replica first. Traces under ``tf.function``; no host read.
+
+        Args:
+            unscaled: one unscaled gradient (or None) per variable.
+            variables: the variables, or None for the ones the optimizer was built with.
+            grads_finite, loss_finite: boolean scalar tensors (this replica's).
 
         Returns:
             ``(applied, consecutive_skips, total_skips, grads_finite, loss_finite)``, the flags

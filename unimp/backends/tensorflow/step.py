@@ -171,7 +171,7 @@ class TrainStep(LoggedStep):
                 "statistics you need with unimp.backends.tensorflow.tensor_stats(x, scale) "
                 "inside your own replica function."
             )
-        optimizer._ensure_built(variables)
+        optimizer.ensure_built(variables)
         self._variables = variables
         self.strategy = _strategy_of(variables)
         if self.strategy is not None and device is not None:
@@ -468,7 +468,7 @@ class StepOps:
     def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
         # the guarded apply and the loss-scale update, in one merge_call under a strategy
         # (where the flags are reduced over the replicas first): update_scale reports them
-        applied, consecutive, total, grads_finite, loss_finite = self.optimizer._apply_step(
+        applied, consecutive, total, grads_finite, loss_finite = self.optimizer.apply_unscaled(
             grads, self.variables, grads_finite, loss_finite
         )
         self.reported = {
