@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from unimp.backends.jax.overflow import _keep_unless, all_finite, sync_loss_scale
-from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
+from unimp.backends.jax.scaling import LossScale, LossScaleOps, loss_scale_from_config
 
 
 class LossScaleOptState(NamedTuple):
@@ -287,20 +287,10 @@ def _learning_rate(opt_state: Any) -> Any:
     return None
 
 
-class UpdateOps:
-    """:mod:`unimp.rounding`'s array namespace over ``jnp`` arrays (traces under ``jit``): bit
-    patterns by ``lax.bitcast_convert_type``, int32 arithmetic wrapping as NumPy's."""
-
-    where = staticmethod(jnp.where)
-    isfinite = staticmethod(jnp.isfinite)
-
-    @staticmethod
-    def f32(x: Any) -> jax.Array:
-        return jnp.asarray(x, jnp.float32)
-
-    @staticmethod
-    def i32(x: Any) -> jax.Array:
-        return jnp.asarray(x, jnp.int32)
+class UpdateOps(LossScaleOps):
+    """:mod:`unimp.rounding`'s array namespace over ``jnp`` arrays (traces under ``jit``): the
+    loss-scale rule's namespace (``where``, ``isfinite``, ``f32``, ``i32``) plus bit patterns
+    by ``lax.bitcast_convert_type`` and int32 arithmetic wrapping as NumPy's."""
 
     @staticmethod
     def to_dtype(x: Any, dtype: str) -> jax.Array:

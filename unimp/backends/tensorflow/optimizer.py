@@ -751,20 +751,10 @@ class LossScaleCheck(keras.callbacks.Callback):
         self._watch.check(config, opt._state(), step=self._batches - 1)
 
 
-class UpdateOps:
+class UpdateOps(LossScaleOps):
     """:mod:`unimp.rounding`'s array namespace over TF tensors (eager and in ``tf.function``):
-    bit patterns by ``tf.bitcast``, int32 arithmetic wrapping as NumPy's."""
-
-    where = staticmethod(tf.where)
-    isfinite = staticmethod(tf.math.is_finite)
-
-    @staticmethod
-    def f32(x: Any) -> tf.Tensor:
-        return tf.cast(x, tf.float32) if tf.is_tensor(x) or isinstance(x, tf.Variable) else tf.constant(x, tf.float32)
-
-    @staticmethod
-    def i32(x: Any) -> tf.Tensor:
-        return tf.cast(x, tf.int32) if tf.is_tensor(x) else tf.constant(x, tf.int32)
+    the loss-scale rule's namespace (``where``, ``isfinite``, ``f32``, ``i32``) plus bit
+    patterns by ``tf.bitcast`` and int32 arithmetic wrapping as NumPy's."""
 
     @staticmethod
     def to_dtype(x: Any, dtype: str) -> tf.Tensor:

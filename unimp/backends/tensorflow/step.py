@@ -15,7 +15,7 @@ import tensorflow as tf
 from unimp.backends.tensorflow.casting import to_dtype
 from unimp.backends.tensorflow.devices import _check_placed
 from unimp.backends.tensorflow.fp8 import fp8_window
-from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
+from unimp.backends.tensorflow.optimizer import _HALF, LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import _clip, _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
@@ -486,7 +486,7 @@ class StepOps:
 
     def params_finite(self) -> Any:
         # decided while tracing: float32 variables add no op
-        half = [v for v in self.variables if tf.as_dtype(v.dtype) in (tf.float16, tf.bfloat16)]
+        half = [v for v in self.variables if tf.as_dtype(v.dtype) in _HALF]
         return all_finite([tf.convert_to_tensor(v) for v in half]) if half else None
 
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:

@@ -362,9 +362,13 @@ class StepOps:
         ]  # fmt: skip (an empty parameter is finite, and _foreach_norm refuses it)
         if not half:
             return None
-        # the largest magnitude per tensor (NaN and inf stay themselves), one finite test
-        peaks = torch._foreach_norm(half, float("inf"))
-        return torch.isfinite(torch.stack([_to(x.float(), peaks[0].device) for x in peaks])).all()
+        # the largest magnitude per tensor (NaN and inf stay themselves, one fused op), then
+        # one finite test per device and dtype: a constant number of ops, not one per tensor
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for peak in torch._foreach_norm(half, float("inf")):
+            groups.setdefault((peak.device, peak.dtype), []).append(peak)
+        flags = [torch.isfinite(torch.stack(g)).all() for g in groups.values()]
+        return flags[0] if len(flags) == 1 else torch.stack([_to(f, flags[0].device) for f in flags]).all()
 
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
         sc = self.sc
