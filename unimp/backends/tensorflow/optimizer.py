@@ -611,7 +611,8 @@ class _Float32View:
     variable.dtype)``): with bfloat16 variables Adam's ``beta_2 = 0.999`` is 1.0, the bias
     correction ``1 - beta_2**t`` is 0 and nothing is learned. Seen through this view, the
     hyperparameters, the step count and the bias corrections are float32 and the update is
-    computed in float32 and rounded once into the variable, as torch's optimizers do; the
+    computed in float32 and rounded once into the variable (torch keeps its scalars in float32
+    too, but rounds after each op in the variable's dtype); the
     optimizer's own state (moments) stays in the dtype it keeps it. Everything else (the
     variable's key in the optimizer, its shape, its distributed container) is the variable's.
     """
