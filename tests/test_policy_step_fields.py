@@ -164,3 +164,57 @@ def test_policy_strings_spell_none_take_a_dtype_head_and_name_recipes():
     # 'fp8' is a recipe, with or without fields after it (was: "Did you mean 'fp64'?")
     with pytest.raises(ValueError, match="'fp8' is a recipe, not a dtype policy"):
         get_policy("fp8,matmul=high")
+
+
+# -- update: how half parameters take their updates (issue 32) ------------------------------
+
+
+@given(
+    st.sampled_from(("bfloat16", "float16")), st.sampled_from(DTYPES),
+    st.sampled_from(("nearest", "kahan", "stochastic")), st.sampled_from((None, "bfloat16")),
+)
+def test_update_is_printed_when_set_and_parses_back(param, compute, update, accum):
+    if update == "stochastic" and param == "float16":
+        with pytest.raises(ValueError, match="use update='kahan' for them, or bfloat16 parameters"):
+            Policy(param, compute, compute, accum_dtype=accum, update=update)
+        return
+    p = Policy(param, compute, compute, accum_dtype=accum, update=update)
+    assert (f",update={update}" in str(p)) == (update != "nearest")
+    assert get_policy(str(p)) == p and Recipe.from_dict(Recipe(p).to_dict()).policy == p
+
+
+def test_update_in_strings_names_and_recipe_files(tmp_path):
+    assert get_policy("bf16-true,update=Kahan") == Policy("bfloat16", "bfloat16", "bfloat16", update="kahan")
+    assert get_policy("p=bf16,update=stochastic").update == "stochastic"
+    for name, mode in (("bf16-kahan", "kahan"), ("bf16-stochastic", "stochastic")):
+        r = get_recipe(name)
+        assert (r.policy.param_dtype, r.policy.compute_dtype, r.policy.update) == ("bfloat16", "bfloat16", mode)
+        assert r.loss_scale.kind == "none"
+    assert get_policy("bf16-true").update == "nearest"
+    path = tmp_path / "r.toml"
+    path.write_text('[policy]\nname = "bf16-true"\nupdate = "kahan"\n')
+    assert Recipe.from_file(path).policy == get_policy("bf16-kahan")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("mixed_bfloat16,update=kahan", "these parameters are float32 \\(master weights\\).*no compensation"),
+        ("float32,update=stochastic", "these parameters are float32"),
+        ("float16,update=stochastic", "rounds float32 to bfloat16"),
+        ("bf16-true,update=round", "update must be one of \\('nearest', 'kahan', 'stochastic'\\)"),
+        ("bf16-true;head:params=bfloat16,update=kahan", "update='kahan' applies to the whole step"),
+    ],
+)
+def test_update_refusals_say_why(text, message):
+    with pytest.raises(ValueError, match=message):
+        get_policy(text)
+
+
+def test_the_rounding_seed_is_an_integer():
+    from unimp.trainstep import StepOptions
+
+    assert StepOptions(rounding_seed=2**40).rounding_seed == 2**40
+    for bad in (1.5, True, "0"):
+        with pytest.raises(TypeError, match="rounding_seed must be an integer"):
+            StepOptions(rounding_seed=bad)

@@ -14,6 +14,7 @@ from typing import Any
 from unimp.dtypes import DTYPE_ALIASES, HALF_DTYPES, canonical_dtype
 from unimp.overrides import match_overrides, normalize_overrides
 from unimp.precision import check_matmul_precision
+from unimp.rounding import check_update_mode
 
 __all__ = ["Policy", "get_policy", "policy_names"]
 
@@ -47,6 +48,14 @@ class Policy:
             gradients' own dtype, as before.
         accum_dtype: dtype ``grad_accum_steps`` sums the micro-batch gradients in, or
             ``None`` (default): float32, or the parameters' dtype when wider, as before.
+        update: how a half-precision parameter takes its update (:mod:`unimp.rounding`):
+            ``"nearest"`` (default: rounded to nearest, as every framework does),
+            ``"kahan"`` (Kahan-compensated, a compensation buffer in the parameter's dtype,
+            as the ``optimi`` optimizers for torch) or ``"stochastic"`` (stochastic rounding
+            from a counter-based hash, bfloat16 parameters only, as torchao's
+            ``bf16_stochastic_round``). Only for half parameters (pure ``bf16-true``
+            training): float32 master weights take every update as float32 rounds it, so
+            the other modes are refused there.
 
     The dtype fields hold canonical dtype names (``"float64"``, ``"float32"``, ``"float16"``,
     ``"bfloat16"``); any spelling :func:`unimp.dtypes.canonical_dtype` accepts is normalised
@@ -54,8 +63,9 @@ class Policy:
     (the optional fields appear only when set: ``...,matmul=highest,reduce=bfloat16,accum=float32``).
 
     Raises:
-        ValueError: a field is not a supported floating dtype, or ``matmul_precision`` is
-            not one of the names (the message lists them).
+        ValueError: a field is not a supported floating dtype, ``matmul_precision`` or
+            ``update`` is not one of the names (the message lists them), or ``update`` is
+            not ``"nearest"`` with parameters that are not half precision.
 
     Example:
         >>> p = Policy("f32", "bf16", "f32")
@@ -71,6 +81,7 @@ class Policy:
     matmul_precision: str | None = None
     reduce_dtype: str | None = None
     accum_dtype: str | None = None
+    update: str = "nearest"
     overrides: tuple[tuple[str, Policy], ...] = ()
 
     def __post_init__(self) -> None:
@@ -85,6 +96,7 @@ class Policy:
             object.__setattr__(self, field, canonical)
         precision = check_matmul_precision(self.matmul_precision, "Policy.matmul_precision")
         object.__setattr__(self, "matmul_precision", precision)
+        object.__setattr__(self, "update", _check_update(self.update, self.param_dtype))
         object.__setattr__(self, "overrides", normalize_overrides(
             self.overrides, lambda pattern, value: _override_policy(pattern, value, self.param_dtype)
         ))
@@ -94,7 +106,7 @@ class Policy:
         base += "".join(
             f",{key}={getattr(self, field)}"
             for field, key in _OPTIONAL.items()
-            if getattr(self, field) is not None
+            if getattr(self, field) != _OPTIONAL_DEFAULTS.get(field)
         )
         return base + "".join(f";{p}:{_override_text(self, v)}" for p, v in self.overrides)
 
@@ -151,8 +163,33 @@ class Policy:
         return Policy(**values)
 
 
-#: The optional fields (``None``: as before) and their keys in ``str(policy)``.
-_OPTIONAL = {"matmul_precision": "matmul", "reduce_dtype": "reduce", "accum_dtype": "accum"}
+#: The optional fields and their keys in ``str(policy)``, written there only when they differ
+#: from their default (``None``: as before; ``update``: ``"nearest"``).
+_OPTIONAL = {
+    "matmul_precision": "matmul",
+    "reduce_dtype": "reduce",
+    "accum_dtype": "accum",
+    "update": "update",
+}
+_OPTIONAL_DEFAULTS = {"update": "nearest"}
+
+
+def _check_update(mode: Any, param_dtype: str) -> str:
+    """``Policy.update`` checked against the parameters' dtype (see :class:`Policy`)."""
+    if isinstance(mode, str):
+        mode = mode.strip().lower()
+    try:
+        mode = check_update_mode(mode, param_dtype if param_dtype in HALF_DTYPES else None)
+    except ValueError as e:
+        raise ValueError(f"Policy.update: {e}") from None
+    if mode != "nearest" and param_dtype not in HALF_DTYPES:
+        raise ValueError(
+            f"Policy.update={mode!r} is for half-precision parameters (pure bfloat16 training, "
+            f"'bf16-true,update={mode}'); these parameters are {param_dtype} (master weights), "
+            "which take every update as float32 rounds it, so no compensation or stochastic "
+            "rounding is needed: drop update=, or use the recipe 'bf16-kahan' / 'bf16-stochastic'."
+        )
+    return mode
 
 
 _F32 = "float32"
@@ -178,6 +215,9 @@ _NAMED: dict[str, Policy] = {
     "32-true": Policy(_F32, _F32, _F32),
     "16-true": Policy(_F16, _F16, _F16),
     "bf16-true": Policy(_BF16, _BF16, _BF16),
+    # unimp: pure bfloat16 whose updates are Kahan-compensated / stochastically rounded
+    "bf16-kahan": Policy(_BF16, _BF16, _BF16, update="kahan"),
+    "bf16-stochastic": Policy(_BF16, _BF16, _BF16, update="stochastic"),
     "64-true": Policy(_F64, _F64, _F64),
     "16": Policy(_F32, _F16, _F32),
     # Lightning's legacy "bf16" and Accelerate's "fp16"/"bf16" are mixed (float32 params),
@@ -221,8 +261,9 @@ _KEYS = {
     "reduce_dtype": "reduce_dtype",
     "accum": "accum_dtype",
     "accum_dtype": "accum_dtype",
+    "update": "update",
 }
-_KEYS_TEXT = "p|params, c|compute, o|output, matmul, reduce, accum"
+_KEYS_TEXT = "p|params, c|compute, o|output, matmul, reduce, accum, update"
 
 
 def policy_names() -> list[str]:
@@ -420,6 +461,8 @@ def get_policy(name: Any, *, platform: str | None = None) -> Policy:
             values[field] = None  # the string spelling of None: the framework's own setting
         elif field == "matmul_precision":
             values[field] = check_matmul_precision(value, f"policy {name!r}: matmul")
+        elif field == "update":
+            values[field] = value.strip().lower()  # checked with the params' dtype by Policy
         else:
             try:
                 values[field] = _dtype(value, platform, name)
@@ -436,7 +479,7 @@ def get_policy(name: Any, *, platform: str | None = None) -> Policy:
     param = values.get("param_dtype", _F32)
     compute = values.get("compute_dtype", param)
     output = values.get("output_dtype", compute)
-    return Policy(param, compute, output, *(values.get(f) for f in _OPTIONAL))
+    return Policy(param, compute, output, **{f: values[f] for f in _OPTIONAL if f in values})
 
 
 def _override_text(parent: Policy, value: Policy) -> str:
@@ -464,9 +507,10 @@ def _parse_overrides(text: str, platform: str | None) -> Policy:
     return parent.with_(overrides=pairs)
 
 
-#: Policy fields that apply to the whole step (the matmul precision switch, the all-reduce and
-#: the gradient accumulation), never to one layer: an override that sets one is refused.
-_WHOLE_MODEL = ("matmul_precision", "reduce_dtype", "accum_dtype")
+#: Policy fields that apply to the whole step (the matmul precision switch, the all-reduce, the
+#: gradient accumulation and the optimizer's update), never to one layer: an override that sets
+#: one is refused.
+_WHOLE_MODEL = ("matmul_precision", "reduce_dtype", "accum_dtype", "update")
 
 
 def _override_policy(pattern: str, value: Any, parent_param_dtype: str) -> Policy:
@@ -496,7 +540,9 @@ def _override_policy(pattern: str, value: Any, parent_param_dtype: str) -> Polic
             f"Policy.overrides[{pattern!r}]: an override's policy cannot have overrides of its "
             "own; write each pattern at the top level."
         )
-    whole = {f: getattr(policy, f) for f in _WHOLE_MODEL if getattr(policy, f) is not None}
+    whole = {
+        f: getattr(policy, f) for f in _WHOLE_MODEL if getattr(policy, f) != _OPTIONAL_DEFAULTS.get(f)
+    }
     if whole:
         given = ", ".join(f"{f}={v!r}" for f, v in whole.items())
         raise ValueError(

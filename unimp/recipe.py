@@ -227,13 +227,13 @@ class Recipe:
 
 
 #: The whole-step Policy fields a recipe file's ``[policy]`` table may set beside ``name``.
-_POLICY_TABLE_FIELDS = ("matmul_precision", "reduce_dtype", "accum_dtype")
+_POLICY_TABLE_FIELDS = ("matmul_precision", "reduce_dtype", "accum_dtype", "update")
 
 
 def _policy_from_value(value: Any) -> Policy:
     """A recipe file's ``policy``: a name, or a table ``{"name": ..., "overrides": {pattern:
-    value}}`` that may also set the whole-step fields ``matmul_precision``, ``reduce_dtype`` and
-    ``accum_dtype`` (as :class:`Policy`'s fields of the same name)."""
+    value}}`` that may also set the whole-step fields ``matmul_precision``, ``reduce_dtype``,
+    ``accum_dtype`` and ``update`` (as :class:`Policy`'s fields of the same name)."""
     if not isinstance(value, Mapping):
         return get_policy(value)
     allowed = ("name", *_POLICY_TABLE_FIELDS, "overrides")

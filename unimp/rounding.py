@@ -40,6 +40,7 @@ __all__ = [
     "check_update_mode",
     "random_bits",
     "stochastic_round",
+    "update_half",
 ]
 
 #: The ways a half-precision parameter takes its update (a policy's ``update`` field).
@@ -220,3 +221,40 @@ def apply_update(
         return stochastic_round(ops, wide + ops.f32(delta), bits), None
     check_update_mode(mode)
     raise AssertionError("unreachable")
+
+
+def update_half(
+    ops: Any,
+    mode: str,
+    param: Any,
+    target: Any,
+    compensation: Any = None,
+    *,
+    seed: Any = 0,
+    step: Any = 0,
+    index: Any = 0,
+) -> tuple[Any, Any]:
+    """One half parameter's update as every backend's optimizer wrapper applies it.
+
+    The inner optimizer runs in float32 on a float32 copy of the half parameter (its state as
+    it keeps it), and its float32 result ``target`` is what the parameter would become with
+    float32 master weights. The update is ``delta = target - param`` in float32 (exact
+    wherever ``target`` is within a factor of two of ``param``), applied by ``mode``
+    (:func:`apply_update`); stochastic rounding draws :func:`random_bits` ``(seed, step,
+    index)``, where ``step`` counts the parameter's applied updates before this one (0 on the
+    first) and ``index`` is its position in the optimizer's parameter list.
+
+    Args:
+        ops: the array namespace (:class:`NumpyOps` or a backend's ``UpdateOps``).
+        mode: one of :data:`UPDATE_MODES`.
+        param: the parameter, bfloat16 or float16.
+        target: float32, ``param``'s shape: the inner optimizer's float32 result.
+        compensation: ``"kahan"``: the compensation buffer (``param``'s dtype and shape).
+        seed, step, index: int32 scalars (host integers or device counters).
+
+    Returns:
+        ``(new_param, new_compensation)`` as :func:`apply_update`.
+    """
+    delta = ops.f32(target) - ops.f32(param)
+    bits = random_bits(ops, seed, step, index, tuple(param.shape)) if mode == "stochastic" else None
+    return apply_update(ops, mode, param, delta, compensation, bits)

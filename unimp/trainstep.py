@@ -13,6 +13,7 @@ The step's options are validated and documented once, by :class:`StepOptions`.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,9 +70,13 @@ class StepOptions:
             ``stats_every`` the records carry the statistics, and a non-finite step's first
             non-finite layer.
         log_every: steps between two writes of the step log, an int >= 1 (default 100).
+        rounding_seed: the seed of stochastic rounding (a policy with
+            ``update="stochastic"``, :mod:`unimp.rounding`), an integer (default 0; its low
+            32 bits are used): one seed gives the same random bits in every framework.
 
     Raises:
         ValueError: any option out of its range, naming the option and the accepted values.
+        TypeError: ``rounding_seed`` is not an integer.
     """
 
     grad_accum_steps: int = 1
@@ -80,6 +85,7 @@ class StepOptions:
     schedule_counts: str = "applied"
     log: Any = None
     log_every: int = 100
+    rounding_seed: int = 0
 
     def __post_init__(self) -> None:
         k, norm = check_step_options(self.grad_accum_steps, self.max_grad_norm)
@@ -89,6 +95,11 @@ class StepOptions:
         set_(self, "max_grad_norm", norm)
         set_(self, "schedule_counts", check_schedule_counts(self.schedule_counts))
         set_(self, "log_every", check_log_every(self.log, self.log_every))
+        if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, numbers.Integral):
+            raise TypeError(
+                f"StepOptions.rounding_seed must be an integer (e.g. 0), got {self.rounding_seed!r}."
+            )
+        set_(self, "rounding_seed", int(self.rounding_seed))
 
     def stats_step(self, calls: int) -> bool:
         """Whether the call with 0-based index ``calls`` takes statistics."""
