@@ -33,6 +33,9 @@ __all__ = ["BACKEND_MODULES", "COMMON_API", "FP8_API", "MixedPrecisionBase", "ex
 #: * ``matmul_precision(name)``: a context manager setting the framework's float32 matmul /
 #:   convolution precision from :data:`unimp.precision.MATMUL_PRECISION_TABLE`, restored after.
 #: * ``current_matmul_precision()``: the framework's current setting, a dict (``unimp info``).
+#: * ``half_update(optimizer, update, seed=0)``: the framework's optimizer applying its updates
+#:   to half-precision parameters by :func:`unimp.rounding.update_half` (``"kahan"``,
+#:   ``"stochastic"``): torch's in place, Keras's and optax's as a wrapper.
 COMMON_API = (
     "MixedPrecision",
     "StepResult",
@@ -43,6 +46,7 @@ COMMON_API = (
     "matmul_precision",
     "device_info",
     "framework_version",
+    "half_update",
     "layer_paths",
     "tensor_stats",
     "to_dtype",

@@ -194,3 +194,47 @@ def test_transformations_that_cond_over_their_state_keep_working_on_bfloat16_par
         step = mp.train_step(loss, opt, params)
         assert bool(step(jnp.ones((2, 4))).applied)
         assert step.params["w"].dtype == jnp.bfloat16 and float(step.params["w"][0, 0]) < 1.0
+
+
+# -- half_update (issue 32) ------------------------------------------------------------------
+
+
+def test_half_update_leaves_float32_leaves_to_the_inner_optimizer_and_composes_with_loss_scaling():
+    from unimp.backends.jax import get_loss_scale, half_update, loss_scaling
+
+    params = {"h": jnp.ones(3, jnp.bfloat16), "f": jnp.ones(3, jnp.float32)}
+    grads = {"h": jnp.full(3, 1e-3, jnp.bfloat16), "f": jnp.full(3, 1e-3, jnp.float32)}
+    plain = optax.sgd(1.0)
+    opt = loss_scaling(half_update(optax.sgd(1.0), "kahan"), 4.0)
+    state = opt.init(params)
+    scaled = jax.tree_util.tree_map(lambda g: g * 4, grads)
+    u, state = jax.jit(opt.update)(scaled, state, params)
+    want, _ = plain.update(grads, plain.init(params), params)
+    assert jnp.array_equal(u["f"], want["f"])  # float32 leaves: the inner optimizer's update
+    new = optax.apply_updates(params, u)
+    assert new["h"].dtype == jnp.bfloat16 and bool((new["h"] == 1.0).all())  # below half a spacing
+    comp = state.inner_state.compensation
+    assert comp["f"].shape == (0,) and float(comp["h"][0]) != 0.0  # the lost 1e-3 is kept
+    before = state
+    bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.inf), scaled)
+    u, state = opt.update(bad, state, new)
+    assert all(bool((x == 0).all()) for x in jax.tree_util.tree_leaves(u))
+    assert jnp.array_equal(state.inner_state.compensation["h"], before.inner_state.compensation["h"])
+    assert int(state.inner_state.count) == int(before.inner_state.count) == 1
+    assert int(get_loss_scale(state).total_skips) == 1
+
+
+def test_half_update_bad_input():
+    from unimp.backends.jax import half_update
+
+    with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
+        half_update(object())
+    with pytest.raises(ValueError, match="update must be one of"):
+        half_update(optax.sgd(1.0), "fast")
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        half_update(optax.sgd(1.0), "kahan", seed=1.0)
+    with pytest.raises(ValueError, match="rounds float32 to bfloat16"):
+        half_update(optax.sgd(1.0), "stochastic").init(jnp.ones(2, jnp.float16))
+    opt = half_update(optax.sgd(1.0))
+    with pytest.raises(ValueError, match="call update\\(grads, state, params\\)"):
+        opt.update(jnp.ones(2, jnp.bfloat16), opt.init(jnp.ones(2, jnp.bfloat16)))

@@ -290,3 +290,40 @@ def test_a_positional_number_is_refused_not_read_as_another_rule():
         assert float(opt.dynamic_scale.numpy()) == 512.0 and float(w.numpy()) == 1.0
     # a config object positionally stays unimp's loss_scale (Keras has no such argument)
     assert utf.LossScaleOptimizer(keras.optimizers.SGD(0.1), StaticLossScale(8.0)).loss_scale_config == StaticLossScale(8.0)
+
+
+# -- update= (issue 32) ----------------------------------------------------------------------
+
+
+def test_fit_with_a_kahan_recipe_learns_and_saves_its_rule(tmp_path):
+    mp = utf.MixedPrecision("bf16-kahan")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    mp.prepare(model, keras.optimizers.AdamW(1e-2, weight_decay=0.1), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    first = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, epochs=20, batch_size=16, verbose=0)
+    assert model.evaluate(x, y, verbose=0) < 0.2 * first
+    opt = model.optimizer
+    comps = [v for v in opt.variables if v.path.endswith("_compensation")]
+    assert len(comps) == 4 and {str(v.dtype) for v in comps} == {"bfloat16"}
+    assert any(bool(tf.reduce_any(tf.not_equal(tf.cast(v, tf.float32), 0.0))) for v in comps)
+    again = utf.LossScaleOptimizer.from_config(opt.get_config())
+    assert (again._update_mode, again._update_seed) == ("kahan", 0)
+
+
+def test_half_update_wraps_a_plain_keras_optimizer_only():
+    opt = utf.half_update("sgd", "stochastic", seed=3)
+    assert isinstance(opt, utf.LossScaleOptimizer) and not opt.loss_scale_config.enabled
+    assert (opt._update_mode, opt._update_seed) == ("stochastic", 3)
+    with pytest.raises(TypeError, match="takes the plain Keras optimizer"):
+        utf.half_update(opt, "kahan")
+    with pytest.raises(ValueError, match="update must be one of"):
+        utf.LossScaleOptimizer(keras.optimizers.SGD(), update="fast")
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        utf.LossScaleOptimizer(keras.optimizers.SGD(), update="kahan", seed="1")
+    w = keras.Variable(np.ones(2, np.float32), dtype="float16")
+    with pytest.raises(ValueError, match="rounds float32 to bfloat16"):
+        utf.half_update(keras.optimizers.SGD(), "stochastic").build([w])

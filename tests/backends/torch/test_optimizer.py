@@ -195,3 +195,86 @@ def test_sparse_coo_parameter_steps_like_torch_amp(scaler_kind, overflow):
         assert got == [0.0, 1.0, 2.0, 0.0] and scaler.get_scale() == s / 2
     else:  # entries 1 and 2 with gradients 4 and 8, lr 0.1
         assert got == pytest.approx([0.0, 0.6, 1.2, 0.0], abs=1e-7)
+
+
+# -- half_update (issue 32) ------------------------------------------------------------------
+
+
+def _bf16_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+
+
+def _steps(model, opt, batches):
+    for x in batches:
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+])
+def test_half_update_resumes_bit_for_bit_from_its_state_dict(mode, make):
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 6, generator=gen).to(torch.bfloat16) for _ in range(8)]
+    ref = _bf16_model()
+    ref_opt = ut.half_update(make(ref.parameters()), mode, seed=5)
+    _steps(ref, ref_opt, batches)
+    first = _bf16_model()
+    opt = ut.half_update(make(first.parameters()), mode, seed=5)
+    _steps(first, opt, batches[:4])
+    model_state, opt_state = first.state_dict(), opt.state_dict()
+    resumed = _bf16_model()
+    resumed.load_state_dict(model_state)
+    opt2 = ut.half_update(make(resumed.parameters()), mode, seed=5)
+    opt2.load_state_dict(opt_state)
+    _steps(resumed, opt2, batches[4:])
+    for a, b in zip(ref.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    state = opt2.state[resumed[0].weight]
+    key = "compensation" if mode == "kahan" else "update_step"
+    assert state[key].dtype == (torch.bfloat16 if mode == "kahan" else torch.int32)
+    if mode == "stochastic":
+        assert int(state[key]) == 8
+    assert state.get("exp_avg", state.get("momentum_buffer")).dtype == torch.bfloat16
+
+
+def test_half_update_refuses_a_closure_and_survives_a_step_that_raises():
+    model = _bf16_model()
+    opt = ut.half_update(torch.optim.Adam(model.parameters(), lr=1e-2), "kahan")
+    model(torch.ones(2, 6, dtype=torch.bfloat16)).float().sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match="takes no closure"):
+        opt.step(lambda: None)
+    assert all(p.dtype == torch.bfloat16 for g in opt.param_groups for p in g["params"])
+    # a step that raises inside the optimizer leaves the model's parameters as they were, and
+    # the next step puts the optimizer's own parameters back first
+    opt.param_groups[0]["betas"] = "broken"
+    with pytest.raises(Exception):  # noqa: B017 (whatever Adam raises on bad betas)
+        opt.step()
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b) and p.dtype == torch.bfloat16
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    opt.step()
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_half_update_bad_input():
+    model = _bf16_model()
+    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer"):
+        ut.half_update(model, "kahan")
+    with pytest.raises(ValueError, match="update must be one of"):
+        ut.half_update(torch.optim.SGD(model.parameters(), lr=1.0), "fast")
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        ut.half_update(torch.optim.SGD(model.parameters(), lr=1.0), "kahan", seed=0.5)
+    half16 = torch.nn.Linear(2, 2).half()
+    with pytest.raises(ValueError, match="rounds float32 to bfloat16"):
+        ut.half_update(torch.optim.SGD(half16.parameters(), lr=1.0), "stochastic")
+    opt = ut.half_update(torch.optim.SGD(model.parameters(), lr=1.0), "kahan")
+    with pytest.raises(TypeError, match="installed on this optimizer already"):
+        ut.half_update(opt, "kahan")

@@ -32,7 +32,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``overflow``: :func:`all_finite` (optionally reduced over a mesh axis), the gradients' global
   norm, :func:`select_tree`, :func:`sync_loss_scale`.
 * ``scaling``: the loss-scale pytrees and the rule's array namespace over ``jnp`` arrays.
-* ``optimizer``: :func:`loss_scaling` (optax), :func:`get_loss_scale`, :class:`MultiSteps`.
+* ``optimizer``: :func:`loss_scaling` (optax), :func:`get_loss_scale`, :class:`MultiSteps`,
+  :func:`half_update` (Kahan-compensated or stochastically rounded updates of half parameters).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device), :func:`observe` (names
   an activation for a statistics step, ``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep` and its ``StepOps``: the phases :func:`unimp.trainstep.run_step`
@@ -61,7 +62,14 @@ from unimp.backends.jax.fp8 import (
     fp8_update,
 )
 from unimp.backends.jax.mixed_precision import MixedPrecision
-from unimp.backends.jax.optimizer import LossScaleOptState, MultiSteps, get_loss_scale, loss_scaling
+from unimp.backends.jax.optimizer import (
+    HalfUpdateState,
+    LossScaleOptState,
+    MultiSteps,
+    get_loss_scale,
+    half_update,
+    loss_scaling,
+)
 from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
 from unimp.backends.jax.overrides import apply_overrides, layer_paths
 from unimp.backends.jax.precision import current_matmul_precision, matmul_precision
@@ -91,6 +99,7 @@ __all__ = [
     "current_matmul_precision",
     "matmul_precision",
     "DynamicLossScale",
+    "HalfUpdateState",
     "LossScale",
     "LossScaleOptState",
     "MixedPrecision",
@@ -106,6 +115,7 @@ __all__ = [
     "device_info",
     "framework_version",
     "get_loss_scale",
+    "half_update",
     "layer_paths",
     "loss_scale_from_config",
     "loss_scale_from_state_dict",

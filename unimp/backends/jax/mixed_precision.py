@@ -22,7 +22,7 @@ from unimp.backends.jax.fp8 import (
     fp8_matmul,
     fp8_update,
 )
-from unimp.backends.jax.optimizer import loss_scaling
+from unimp.backends.jax.optimizer import half_update, loss_scaling
 from unimp.backends.jax.overrides import apply_overrides, cast_by_path, check_half_leaves
 from unimp.backends.jax.precision import matmul_precision
 from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
@@ -245,7 +245,9 @@ class MixedPrecision(MixedPrecisionBase):
             params: a pytree; floating leaves are cast to the param dtype of their path
                 (:func:`apply_overrides`: an unmatched override pattern warns here).
             optimizer: an optax optimizer, wrapped with :func:`loss_scaling` using the recipe's
-                loss scale; ``None`` to skip.
+                loss scale (and first with :func:`half_update` when the policy's ``update``
+                is ``"kahan"`` or ``"stochastic"``, seed 0; wrap it yourself for another
+                seed); ``None`` to skip.
 
         Returns:
             The parameters alone when no optimizer is given, else ``(params, optimizer)``: the
@@ -254,7 +256,11 @@ class MixedPrecision(MixedPrecisionBase):
         """
         params = apply_overrides(self, params)
         check_half_leaves(params, self.loss_scale)
-        return params if optimizer is None else (params, loss_scaling(optimizer, self.loss_scale))
+        if optimizer is None:
+            return params
+        if self.policy.update != "nearest":
+            optimizer = half_update(optimizer, self.policy.update)
+        return params, loss_scaling(optimizer, self.loss_scale)
 
     def train_step(
         self,
@@ -271,13 +277,14 @@ class MixedPrecision(MixedPrecisionBase):
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
+        rounding_seed: int = 0,
         schedule_counts: str = "applied",
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
         See :class:`TrainStep` (``axis_name`` / ``mesh``: data parallelism under ``shard_map``)
         and, for the options every backend takes (``grad_accum_steps``, ``max_grad_norm``,
-        ``stats_every``, ``schedule_counts``, ``log``, ``log_every``),
+        ``stats_every``, ``schedule_counts``, ``log``, ``log_every``, ``rounding_seed``),
         :class:`unimp.trainstep.StepOptions`. ``loss_fn(params, batch)`` returns a scalar
         loss; make it run in the compute dtype with :meth:`apply` or flax modules built with
         :meth:`module_kwargs`. ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`)
@@ -290,7 +297,9 @@ class MixedPrecision(MixedPrecisionBase):
         rest on ``step.close()``, garbage collection or exit. With ``stats_every`` the records
         carry the statistics, and a non-finite step's first non-finite layer.
         """
-        options = StepOptions(grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every)
+        options = StepOptions(
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed
+        )
         step = TrainStep(
             self, loss_fn, optimizer, params, options=options, axis_name=axis_name, mesh=mesh,
             donate=donate, model_state=model_state,

@@ -2,7 +2,8 @@
 state (a skipped step leaves params and the inner state unchanged), :func:`get_loss_scale`,
 :class:`MultiSteps`, :func:`_float32_update` (an optimizer's scalars in float32 for half
 parameters), the half-optimizer-state check for optax states, and :class:`UpdateOps`, the array
-namespace of :mod:`unimp.rounding` (how a half parameter takes its update).
+namespace of :mod:`unimp.rounding` (how a half parameter takes its update), and
+:func:`half_update`, which applies that rule to an optax optimizer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import optax
 
 from unimp.backends.jax.overflow import _keep_unless, all_finite, sync_loss_scale
 from unimp.backends.jax.scaling import LossScale, LossScaleOps, loss_scale_from_config
+from unimp.rounding import check_update_mode, update_half
 
 
 class LossScaleOptState(NamedTuple):
@@ -322,3 +324,125 @@ class UpdateOps(LossScaleOps):
     @staticmethod
     def mul(a: Any, b: Any) -> jax.Array:
         return a * b  # int32 wraps modulo 2**32
+
+
+class HalfUpdateState(NamedTuple):
+    """State of :func:`half_update`: the inner optimizer's state, the Kahan compensation
+    buffers (a pytree like the params: the half leaves' buffers in their dtype, an empty array
+    for every other leaf and for a mode without them) and ``count``, the applied updates so far
+    (int32; the ``step`` of stochastic rounding)."""
+
+    inner_state: Any
+    compensation: Any
+    count: Any
+
+
+def half_update(
+    inner: optax.GradientTransformation, update: str = "kahan", *, seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+    """An optax optimizer whose updates to half-precision parameters are Kahan-compensated or
+    stochastically rounded (:mod:`unimp.rounding`; pure bfloat16 training that learns).
+
+    The inner optimizer runs in float32 (parameters, gradients and its half state leaves seen
+    as float32; its state stored back in the dtypes it keeps it, so moments of bfloat16
+    parameters stay bfloat16), and its float32 result is applied to each half parameter by the
+    rule :func:`unimp.rounding.update_half`, the same in torch and TensorFlow: with
+    ``"stochastic"``, the random bits of parameter ``i`` (its position in
+    ``jax.tree_util.tree_leaves(params)``) at applied update ``count`` are
+    ``random_bits(seed, count, i)``, so one seed gives the same parameters in every framework
+    whose parameter order is the same. Float32 leaves take the inner optimizer's updates
+    unchanged.
+
+    The updates returned are ``new - param`` in float32, so ``optax.apply_updates(params,
+    updates)`` (float32 sum, cast to the parameter's dtype) writes the rule's value; it is
+    exact unless an update takes a weight below about 2**-16 of its magnitude, where the
+    float32 sum can differ from the rule by one unit in the last place of the new, tiny, value.
+    Under :func:`loss_scaling` or unimp's train step a skipped step keeps this state (the
+    compensation and the count) bitwise as it was. No host sync; traces once.
+
+    Args:
+        inner: an optax ``GradientTransformation``.
+        update: ``"kahan"``, ``"stochastic"`` (bfloat16 parameters) or ``"nearest"`` (rounded
+            to nearest from the float32 result: the inner optimizer computed in float32).
+        seed: the stochastic-rounding seed, an integer (its low 32 bits are used).
+
+    Returns:
+        A ``GradientTransformationExtraArgs`` whose state is a :class:`HalfUpdateState`;
+        ``update`` needs ``params``.
+
+    Raises:
+        TypeError: ``inner`` is not an optax optimizer, or ``seed`` is not an integer.
+        ValueError: an unknown ``update``; ``update(...)`` without ``params``; stochastic
+            rounding of float16 parameters.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> opt = half_update(optax.sgd(1.0), "kahan")
+        >>> p = jnp.ones(1, jnp.bfloat16)
+        >>> state = opt.init(p)
+        >>> for _ in range(1000):
+        ...     u, state = opt.update(jnp.full(1, 1e-3, jnp.bfloat16), state, p)
+        ...     p = optax.apply_updates(p, u)
+        >>> abs(float(p[0])) < 1e-2
+        True
+    """
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"half_update needs an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(inner).__name__}."
+        )
+    if isinstance(update, str):
+        update = update.strip().lower()
+    mode = check_update_mode(update)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"half_update: seed must be an integer, got {seed!r}.")
+    inner = _float32_update(inner)  # injected hyperparameters held in float32
+    ops = UpdateOps()
+
+    def buffers(params: Any) -> Any:
+        def one(p: Any) -> Any:
+            if mode == "stochastic":
+                check_update_mode(mode, str(jnp.dtype(p.dtype)) if _is_half(p) else None)
+            if mode == "kahan" and _is_half(p):
+                return jnp.zeros_like(p)
+            return jnp.zeros((0,), getattr(p, "dtype", jnp.float32))
+
+        return jax.tree_util.tree_map(one, params)
+
+    def init_fn(params: Any) -> HalfUpdateState:
+        return HalfUpdateState(inner.init(params), buffers(params), jnp.zeros((), jnp.int32))
+
+    def update_fn(updates: Any, state: HalfUpdateState, params: Any = None, **extra_args: Any) -> Any:
+        if params is None:
+            raise ValueError(
+                "half_update applies its rule to the parameters: call update(grads, state, params)."
+            )
+        wide = _widen(params)
+        new_updates, new_inner = inner.update(_widen(updates), _widen(state.inner_state), wide, **extra_args)
+        new_inner = jax.tree_util.tree_map(
+            lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") and hasattr(new, "astype") else new,
+            new_inner,
+            state.inner_state,
+        )
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        u_leaves = treedef.flatten_up_to(new_updates)
+        c_leaves = treedef.flatten_up_to(state.compensation)
+        out_u, out_c = [], []
+        for i, (p, u, c) in enumerate(zip(leaves, u_leaves, c_leaves, strict=True)):
+            if not _is_half(p) or u is None:
+                out_u.append(u)
+                out_c.append(c)
+                continue
+            p32 = p.astype(jnp.float32)
+            target = p32 + u.astype(jnp.float32)  # what optax.apply_updates would write in float32
+            new, comp = update_half(
+                ops, mode, p, target, c if mode == "kahan" else None,
+                seed=int(seed), step=state.count, index=i,
+            )
+            out_u.append(new.astype(jnp.float32) - p32)
+            out_c.append(comp if comp is not None else c)
+        return (
+            jax.tree_util.tree_unflatten(treedef, out_u),
+            HalfUpdateState(new_inner, jax.tree_util.tree_unflatten(treedef, out_c), state.count + 1),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -30,6 +30,7 @@ from unimp.backends.jax.optimizer import (
     _injected_eps,
     _is_half,
     _learning_rate,
+    half_update,
 )
 from unimp.backends.jax.overflow import (
     _clip,
@@ -197,7 +198,10 @@ class TrainStep(LoggedStep):
             raise TypeError(
                 f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
             )
-        optimizer = _float32_update(optimizer)  # its scalars in float32 for half parameters
+        if mp.policy.update != "nearest":  # Kahan / stochastic updates of half parameters
+            optimizer = half_update(optimizer, mp.policy.update, seed=options.rounding_seed)
+        else:
+            optimizer = _float32_update(optimizer)  # its scalars in float32 for half parameters
         # Host leaves (NumPy arrays, Python floats) become device arrays of a fixed dtype now, so
         # the first call's signature equals every later one's and nothing recompiles.
         if mp.device is not None and mesh is not None:

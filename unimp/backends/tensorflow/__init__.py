@@ -26,7 +26,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``optimizer``: :class:`LossScaleOptimizer` (a Keras optimizer holding the loss-scale state; a
   skipped step leaves the variables and the inner optimizer's state unchanged), and
   :class:`LossScaleCheck` (its ``max_consecutive_skips`` / ``floor_action`` checks as a
-  ``model.fit`` callback).
+  ``model.fit`` callback), and :func:`half_update` (Kahan-compensated or stochastically rounded
+  updates of half variables: a :class:`LossScaleOptimizer` with ``update=``).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the layer-call
   recording a statistics step traces with (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep` and its ``StepOps``: the phases :func:`unimp.trainstep.run_step`
@@ -64,7 +65,7 @@ from unimp.backends.tensorflow.fp8 import (
     fp8_step,
 )
 from unimp.backends.tensorflow.mixed_precision import MixedPrecision
-from unimp.backends.tensorflow.optimizer import LossScaleCheck, LossScaleOptimizer
+from unimp.backends.tensorflow.optimizer import LossScaleCheck, LossScaleOptimizer, half_update
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.overrides import apply_overrides, dtype_policy_map, layer_paths
 from unimp.backends.tensorflow.precision import current_matmul_precision, matmul_precision
@@ -96,6 +97,7 @@ __all__ = [
     "device_info",
     "dtype_policy_map",
     "framework_version",
+    "half_update",
     "keras_policy_name",
     "layer_paths",
     "tensor_stats",

@@ -156,11 +156,12 @@ class MixedPrecision(MixedPrecisionBase):
         finally:
             keras.config.set_dtype_policy(previous)
 
-    def loss_scale_optimizer(self, optimizer: Any) -> LossScaleOptimizer:
-        """Wraps ``optimizer`` in unimp's :class:`LossScaleOptimizer` with the recipe's loss scale.
+    def loss_scale_optimizer(self, optimizer: Any, *, seed: int = 0) -> LossScaleOptimizer:
+        """Wraps ``optimizer`` in unimp's :class:`LossScaleOptimizer` with the recipe's loss scale
+        and the policy's ``update`` rule (``seed``: its stochastic-rounding seed).
 
         A Keras ``LossScaleOptimizer`` is unwrapped first; an unimp one with the recipe's loss
-        scale is returned as is.
+        scale and update rule is returned as is.
 
         Raises:
             TypeError: not a Keras optimizer or optimizer name.
@@ -171,7 +172,7 @@ class MixedPrecision(MixedPrecisionBase):
                 f"optimizer must be a keras.optimizers.Optimizer or a name like 'adam', got "
                 f"{type(optimizer).__name__}."
             )
-        return _wrap_optimizer(optimizer, self.loss_scale)
+        return _wrap_optimizer(optimizer, self.loss_scale, self.policy.update, seed)
 
     def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> Any:
         """Applies the recipe to a Keras model and optimizer.
@@ -319,6 +320,7 @@ class MixedPrecision(MixedPrecisionBase):
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
+        rounding_seed: int = 0,
         schedule_counts: str = "applied",
     ) -> TrainStep:
         """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
@@ -356,8 +358,8 @@ class MixedPrecision(MixedPrecisionBase):
             optimizer: a Keras optimizer (wrapped in :class:`LossScaleOptimizer` with the
                 recipe's loss scale) or an unimp :class:`LossScaleOptimizer` (used as is).
             loss_fn: ``loss_fn(model, batch) -> scalar loss``.
-            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every: the
-                options every backend takes, validated and documented once by
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every,
+                rounding_seed: the options every backend takes, validated and documented once by
                 :class:`unimp.trainstep.StepOptions`; below, what they mean in Keras.
             jit_compile: compile the step with XLA.
             schedule_counts: ``"applied"`` (default: a skipped step leaves ``iterations``, hence
@@ -385,7 +387,9 @@ class MixedPrecision(MixedPrecisionBase):
             ValueError: bad ``grad_accum_steps``, ``max_grad_norm`` or ``stats_every`` (before
                 anything is built), an unbuilt model, or ``stats_every`` under a strategy.
         """
-        options = StepOptions(grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every)
+        options = StepOptions(
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed
+        )
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
         if not callable(loss_fn):
@@ -399,8 +403,9 @@ class MixedPrecision(MixedPrecisionBase):
             )
         if isinstance(optimizer, LossScaleOptimizer):
             lso = optimizer
+            _check_update_rule(lso, self.policy.update, options.rounding_seed)
         else:
-            lso = self.loss_scale_optimizer(optimizer)
+            lso = self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
         _check_half_variables(model, lso.loss_scale_config)
         if self.policy.overrides and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
@@ -408,6 +413,24 @@ class MixedPrecision(MixedPrecisionBase):
             model, lso, loss_fn, options, bool(jit_compile), device=self._device, policy=self.policy
         )
         return with_log(step, self, log, options.log_every, step.optimizer.loss_scale_config, _to_host)
+
+
+def _check_update_rule(lso: LossScaleOptimizer, mode: str, seed: int) -> None:
+    """An unimp optimizer given to ``train_step`` applies the policy's ``update``; one that
+    ``prepare`` made (seed 0) takes the step's seed until it is built."""
+    if lso._update_mode != mode:
+        raise ValueError(
+            f"the optimizer applies update={lso._update_mode!r}, the recipe's policy says "
+            f"update={mode!r}: give the step its .inner_optimizer, or a recipe with "
+            f"update={lso._update_mode!r}."
+        )
+    if mode != "nearest" and lso._update_seed != seed:
+        if lso.built:
+            raise ValueError(
+                f"the optimizer has stepped with rounding seed {lso._update_seed}; the step asks for "
+                f"rounding_seed={seed}: pass rounding_seed={lso._update_seed} to keep its random bits."
+            )
+        lso._update_seed = seed
 
 
 def _check_half_variables(model: Any, loss_scale: Any) -> None:

@@ -43,6 +43,7 @@ from unimp.loss_scale import (
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
 from unimp.loss_scale.config import positive_int
+from unimp.rounding import check_update_mode, update_half
 from unimp.step import warn_half_optimizer_state
 
 
@@ -83,6 +84,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use: they mean
             ``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``; not
             together with ``loss_scale``.
+        update: how half-precision variables take their updates (a policy's ``update``,
+            :mod:`unimp.rounding`): ``"nearest"`` (default), ``"kahan"`` (a compensation
+            variable per half variable, in its dtype, made at ``build`` and saved with the
+            optimizer's variables) or ``"stochastic"`` (bfloat16 variables; the random bits
+            of variable ``i`` at the inner optimizer's ``iterations`` ``t`` are
+            ``random_bits(seed, t, i)``, as in torch and JAX). The inner optimizer computes in
+            float32 either way; sparse (``IndexedSlices``) updates round to nearest.
+        seed: the stochastic-rounding seed, an integer (its low 32 bits are used).
         **kwargs: what Keras's LossScaleOptimizer also takes: ``dynamic=True`` (Keras 3 and
             tf.keras; ``False`` is refused, as Keras does: use ``loss_scale=`` with a number),
             and the base-optimizer arguments older Keras configs hold (``weight_decay``,
@@ -123,10 +132,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name: str | None = None,
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
+        update: str = "nearest",
+        seed: int = 0,
         **kwargs: Any,
     ) -> None:
         loss_scale, name = _positional(args, loss_scale, name)
         _check_keras_arguments(kwargs)
+        update = check_update_mode(update.strip().lower() if isinstance(update, str) else update)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"LossScaleOptimizer: seed must be an integer, got {seed!r}.")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "LossScaleOptimizer needs a keras.optimizers.Optimizer instance, got "
@@ -165,6 +179,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.total_skips = self.add_variable(shape=(), dtype="int32", name="total_skips")
         _ensure_extra(self, config)
         self._create_untracked_state()
+        self._update_mode, self._update_seed = update, int(seed)
 
     @tracking.no_automatic_dependency_tracking
     def _create_untracked_state(self) -> None:
@@ -187,6 +202,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # swap the parts of it the update uses (see there).
         self._traced_by: set[int | None] = set()
         self._tracer: int | None = None
+        # the update rule's compensation variables by the inner optimizer's variable index
+        self._compensations: dict[int, Any] = {}
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -234,7 +251,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 warn_half_optimizer_state(type(self.inner_optimizer).__name__, eps)
         # (Keras computes beta**t in the variable's dtype, where bfloat16's beta_2=0.999 is 1.0:
         # apply runs the inner update_step in float32 for half variables, _float32_update)
+        half = [v for v in var_list if _is_half_var(v) and v.trainable]
+        if self._update_mode == "stochastic":
+            for v in half:
+                check_update_mode("stochastic", keras.backend.standardize_dtype(v.dtype))
         keras.optimizers.Optimizer.build(self, var_list)
+        if self._update_mode == "kahan":
+            for v in half:
+                self._compensations[self.inner_optimizer._get_variable_index(v)] = (
+                    self.add_variable_from_reference(v, "compensation")
+                )
+
+    def _rule(self) -> _UpdateRule | None:
+        if self._update_mode == "nearest":
+            return None
+        return _UpdateRule(self._update_mode, self._update_seed, self.inner_optimizer, self._compensations)
 
     def ensure_built(self, trainable_variables: list[Any] | None) -> None:
         """Builds the optimizer (and its inner optimizer) for ``trainable_variables`` unless it
@@ -440,7 +471,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         tf.cond(first(differ)[0], warn, lambda: None)
 
         def apply_inner() -> None:
-            with _float32_update(self.inner_optimizer):
+            with _float32_update(self.inner_optimizer, self._rule()):
                 distribution.extended.call_for_each_replica(
                     self.inner_optimizer.apply,
                     args=(unscaled,),
@@ -471,7 +502,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
 
         def apply_inner() -> None:
-            with _float32_update(self.inner_optimizer):
+            with _float32_update(self.inner_optimizer, self._rule()):
                 self.inner_optimizer.apply(unscaled, trainable_variables=variables)
 
         return self._update_state(grads_finite, loss_finite, apply_inner)
@@ -575,13 +606,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         cannot express) and unimp's ``loss_scale`` (the whole rule)."""
         cfg = self._loss_scale_config
         dynamic = isinstance(cfg, DynamicLossScale)
-        return {
+        out = {
             "name": self.name,
             "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
             "initial_scale": float(cfg.initial_scale()),
             "dynamic_growth_steps": cfg.growth_interval if dynamic else None,
             "loss_scale": cfg.to_dict(),
         }
+        if self._update_mode != "nearest":  # unimp's: how half variables take their updates
+            out.update(update=self._update_mode, seed=self._update_seed)
+        return out
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
@@ -615,13 +649,19 @@ class _Float32View:
     too, but rounds after each op in the variable's dtype); the
     optimizer's own state (moments) stays in the dtype it keeps it. Everything else (the
     variable's key in the optimizer, its shape, its distributed container) is the variable's.
+
+    With a ``rule`` (:class:`_UpdateRule`, a policy's ``update``), a dense write's float32
+    result is applied by :func:`unimp.rounding.update_half` instead of rounded to nearest;
+    ``start`` is the float32 value the update starts from (the weight-decayed weight).
     """
 
-    __slots__ = ("_var",)
+    __slots__ = ("_var", "_rule", "_start")
     dtype = tf.float32
 
-    def __init__(self, var: Any) -> None:
+    def __init__(self, var: Any, rule: Any = None, start: Any = None) -> None:
         self._var = var
+        self._rule = rule
+        self._start = start
 
     def __getattr__(self, name: str) -> Any:
         if name == "_distributed_container" and not hasattr(self._var, name):
@@ -633,29 +673,44 @@ class _Float32View:
         return getattr(self._var, name)
 
     def _wide(self) -> tf.Tensor:
-        return tf.cast(self._var, tf.float32)
+        return tf.cast(self._var, tf.float32) if self._start is None else self._start
 
     def _narrow(self, value: Any) -> Any:
         if isinstance(value, tf.IndexedSlices):
             return tf.IndexedSlices(tf.cast(value.values, self._var.dtype), value.indices, value.dense_shape)
         return tf.cast(value, self._var.dtype)
 
+    def _write(self, target: Any) -> Any:
+        self._start = None  # written: later reads see the variable
+        if self._rule is None:
+            return self._var.assign(self._narrow(target))
+        return self._rule.write(self._var, tf.cast(target, tf.float32))
+
+    def _flush(self) -> None:
+        """The weight decay of an update step that never wrote the variable."""
+        if self._start is not None:
+            self._write(self._start)
+
     def assign(self, value: Any) -> Any:
-        return self._var.assign(self._narrow(value))
+        return self._write(value)
 
     def assign_add(self, delta: Any) -> Any:  # computed in float32, rounded once
-        return self._var.assign(self._narrow(self._wide() + delta))
+        return self._write(self._wide() + delta)
 
     def assign_sub(self, delta: Any) -> Any:
-        return self._var.assign(self._narrow(self._wide() - delta))
+        return self._write(self._wide() - delta)
 
+    # sparse updates (embedding rows) are rounded to nearest
     def scatter_update(self, value: Any) -> Any:
+        self._flush()
         return self._var.scatter_update(self._narrow(value))
 
     def scatter_add(self, value: Any) -> Any:
+        self._flush()
         return self._var.scatter_add(self._narrow(value))
 
     def scatter_sub(self, value: Any) -> Any:
+        self._flush()
         return self._var.scatter_sub(self._narrow(value))
 
 
@@ -664,33 +719,113 @@ tf.register_tensor_conversion_function(
 )
 
 
+class _UpdateRule:
+    """A policy's ``update`` rule as :class:`LossScaleOptimizer` applies it to half variables:
+    the compensation buffer of each (``"kahan"``, an optimizer variable in its dtype), the
+    random bits' ``(seed, step, index)`` (``"stochastic"``: ``step`` is the inner optimizer's
+    ``iterations`` before the update, ``index`` the variable's position in its list)."""
+
+    def __init__(self, mode: str, seed: int, inner: Any, compensations: dict[int, Any]) -> None:
+        self.mode, self.seed, self.inner, self.compensations = mode, seed, inner, compensations
+
+    def write(self, var: Any, target: tf.Tensor) -> Any:
+        index = self.inner._get_variable_index(var)
+        comp = self.compensations.get(index)
+        new, new_comp = update_half(
+            UpdateOps, self.mode, tf.convert_to_tensor(var), target,
+            None if comp is None else tf.convert_to_tensor(comp),
+            seed=self.seed, step=tf.cast(self.inner.iterations, tf.int32), index=index,
+        )
+        if comp is not None and new_comp is not None:
+            self.inner.assign(comp, new_comp)
+        return var.assign(new)
+
+
+def _is_half_var(variable: Any) -> bool:
+    dtype = getattr(variable, "dtype", None)  # a tf.DType, or a Keras variable's name
+    return dtype is not None and tf.as_dtype(dtype) in _HALF
+
+
 @contextlib.contextmanager
-def _float32_update(optimizer: Any) -> Iterator[None]:
+def _float32_update(optimizer: Any, rule: _UpdateRule | None = None) -> Iterator[None]:
     """While applying: ``optimizer.update_step`` sees half-precision variables as float32
     (:class:`_Float32View`) and their gradients cast to float32 (exact); float32 variables
-    are updated as the optimizer does. Decided per variable while tracing: no cost in a
-    compiled step, none at all without half variables. The instance attribute that routes
-    ``update_step`` is removed on exit."""
+    are updated as the optimizer does. The decoupled weight decay of half variables (AdamW,
+    ``weight_decay=``) is computed in float32 too, as part of the same update (Keras casts
+    the learning rate and the decay to the variable's dtype and rounds the decayed weight
+    before the update). With ``rule``, the update is applied by it (a policy's ``update``).
+    Decided per variable while tracing: no cost in a compiled step, none at all without half
+    variables. The instance attributes that route ``update_step`` and the weight decay are
+    removed on exit."""
     if "update_step" in vars(optimizer):  # already routed (a nested apply)
         yield
         return
     plain = optimizer.update_step
+    plain_decay = optimizer._apply_weight_decay
+
+    def decays(variable: Any) -> bool:
+        return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
 
     def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
-        dtype = getattr(variable, "dtype", None)  # a tf.DType, or a Keras variable's name
-        if gradient is not None and dtype is not None and tf.as_dtype(dtype) in _HALF:
-            return plain(tf.cast(gradient, tf.float32), _Float32View(variable), learning_rate)
-        return plain(gradient, variable, learning_rate)
+        if gradient is None or not _is_half_var(variable):
+            return plain(gradient, variable, learning_rate)
+        start = None
+        if decays(variable):  # Keras's `variable - variable * wd * lr`, in float32
+            w = tf.cast(variable, tf.float32)
+            lr = tf.cast(learning_rate, tf.float32)
+            start = w - w * tf.cast(optimizer.weight_decay, tf.float32) * lr
+        view = _Float32View(variable, rule, start)
+        out = plain(tf.cast(gradient, tf.float32), view, learning_rate)
+        view._flush()
+        return out
+
+    def apply_weight_decay(variables: Any) -> Any:
+        return plain_decay([v for v in variables if not _is_half_var(v)])
 
     optimizer.update_step = update_step
+    optimizer._apply_weight_decay = apply_weight_decay
     try:
         yield
     finally:
         del optimizer.update_step
+        del optimizer._apply_weight_decay
 
 
-def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimizer:
-    """unimp's LossScaleOptimizer around ``optimizer`` (unwrapping a Keras one)."""
+def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> LossScaleOptimizer:
+    """A Keras optimizer whose updates to half-precision variables are Kahan-compensated or
+    stochastically rounded (:mod:`unimp.rounding`; pure bfloat16 training that learns): unimp's
+    :class:`LossScaleOptimizer` around it with no loss scale and ``update=`` (see there), for
+    ``model.compile`` and custom loops alike; give ``LossScaleOptimizer(opt, loss_scale=...,
+    update=...)`` for both.
+
+    Args:
+        optimizer: a ``keras.optimizers.Optimizer`` or a name like ``"adam"``.
+        update: ``"kahan"``, ``"stochastic"`` (bfloat16 variables) or ``"nearest"``.
+        seed: the stochastic-rounding seed, an integer (its low 32 bits are used).
+
+    Returns:
+        A :class:`LossScaleOptimizer` (``loss_scale="none"``).
+
+    Raises:
+        TypeError: not a Keras optimizer, or one already loss-scaled (give it ``update=``), or a
+            seed that is not an integer.
+        ValueError: an unknown ``update``.
+    """
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError(
+            "half_update takes the plain Keras optimizer; for a loss-scaled one build "
+            "LossScaleOptimizer(inner, loss_scale=..., update=...) in one go."
+        )
+    return LossScaleOptimizer(optimizer, loss_scale="none", update=update, seed=seed)
+
+
+def _wrap_optimizer(
+    optimizer: Any, config: LossScaleConfig, update: str = "nearest", seed: int = 0
+) -> LossScaleOptimizer:
+    """unimp's LossScaleOptimizer around ``optimizer`` (unwrapping a Keras one), with the
+    recipe's loss scale and update rule."""
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, LossScaleOptimizer):
@@ -699,10 +834,16 @@ def _wrap_optimizer(optimizer: Any, config: LossScaleConfig) -> LossScaleOptimiz
                 f"the optimizer's loss scale {optimizer.loss_scale_config.to_dict()} differs from the "
                 f"recipe's {config.to_dict()}; pass its .inner_optimizer to let the recipe wrap it."
             )
+        if (optimizer._update_mode, optimizer._update_seed) != (update, seed):
+            raise ValueError(
+                f"the optimizer applies update={optimizer._update_mode!r} with seed "
+                f"{optimizer._update_seed}, the recipe asks for update={update!r} with seed {seed}; "
+                "pass its .inner_optimizer to let the recipe wrap it."
+            )
         return optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    return LossScaleOptimizer(optimizer, config)
+    return LossScaleOptimizer(optimizer, loss_scale=config, update=update, seed=seed)
 
 
 class LossScaleCheck(keras.callbacks.Callback):

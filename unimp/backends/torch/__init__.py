@@ -22,7 +22,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   small ops need a fused kernel; TensorFlow and JAX run :func:`unimp.loss_scale.update_arrays`
   inside a traced graph / one XLA program, which fuses them already).
 * ``optimizer``: the skip-safe ``optimizer.step`` (a skipped step leaves parameters and optimizer
-  state bitwise unchanged, no host sync).
+  state bitwise unchanged, no host sync) and :func:`half_update` (Kahan-compensated or
+  stochastically rounded updates of half parameters, on any ``torch.optim`` optimizer).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device) and the forward hooks of
   a statistics step (``train_step(..., stats_every=k)``).
 * ``step``: :class:`TrainStep` and its ``StepOps``: the phases :func:`unimp.trainstep.run_step`
@@ -57,6 +58,7 @@ from unimp.backends.torch.fp8 import (
     fp8_step,
 )
 from unimp.backends.torch.mixed_precision import MixedPrecision
+from unimp.backends.torch.optimizer import half_update
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.overrides import apply_overrides, layer_paths
 from unimp.backends.torch.precision import current_matmul_precision, matmul_precision
@@ -83,6 +85,7 @@ __all__ = [
     "cast_tree",
     "device_info",
     "framework_version",
+    "half_update",
     "layer_paths",
     "tensor_stats",
     "to_dtype",

@@ -21,7 +21,7 @@ from unimp.backends.torch.casting import (
 )
 from unimp.backends.torch.devices import _as_device, _dtype_ok
 from unimp.backends.torch.fp8 import FP8Dense, fp8_select, fp8_swap
-from unimp.backends.torch.optimizer import _check_half_state
+from unimp.backends.torch.optimizer import _check_half_state, half_update
 from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler
@@ -263,6 +263,8 @@ class MixedPrecision(MixedPrecisionBase):
         attach(model).prepared = True
         if optimizer is not None:
             _check_half_state(optimizer)
+            if self.policy.update != "nearest":  # Kahan / stochastic updates of half parameters
+                half_update(optimizer, self.policy.update)
         return out
 
     def fp8_layers(self, model: torch.nn.Module) -> tuple[str, ...]:
@@ -343,6 +345,7 @@ class MixedPrecision(MixedPrecisionBase):
         stats_every: int | None = None,
         log: Any = None,
         log_every: int = 100,
+        rounding_seed: int = 0,
         skip: str = "auto",
     ) -> TrainStep:
         """A training step following unimp's rules; see :class:`TrainStep`.
@@ -352,15 +355,17 @@ class MixedPrecision(MixedPrecisionBase):
         ``optimizer.step()`` as torch.amp does (torch's fused optimizers never sync), or
         ``"guard"``, no sync, at the cost of a copy of the parameters and optimizer state.
 
-        ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``
-        and ``log_every`` are the options every backend takes, validated and documented once
-        by :class:`unimp.trainstep.StepOptions` (``stats_every=k``: tensor statistics of the
-        gradients and layer outputs in the results of steps 0, k, 2k, ...; ``log=path``: a
-        step log, ``docs/steplog.md``). ``schedule_counts``: what a skipped step does to
+        ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``,
+        ``log_every`` and ``rounding_seed`` are the options every backend takes, validated and
+        documented once by :class:`unimp.trainstep.StepOptions` (``stats_every=k``: tensor
+        statistics of the gradients and layer outputs in the results of steps 0, k, 2k, ...;
+        ``log=path``: a step log, ``docs/steplog.md``). ``schedule_counts``: what a skipped step does to
         ``scheduler``. The policy's ``overrides`` are applied to a model that :meth:`prepare`
         did not see.
         """
-        options = StepOptions(grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every)
+        options = StepOptions(
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed
+        )
         if self.policy.overrides and self._mode != "none" and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(self, model, optimizer, loss_fn, options=options, scheduler=scheduler, skip=skip)

@@ -1,7 +1,7 @@
 """torch optimizer: ``optimizer.step`` guarded so that a skipped step leaves parameters and the
-whole optimizer state bitwise unchanged without a host sync, the half-optimizer-state check, and
+whole optimizer state bitwise unchanged without a host sync, the half-optimizer-state check,
 :class:`UpdateOps`, the array namespace of :mod:`unimp.rounding` (how a half parameter takes
-its update).
+its update), and :func:`half_update`, which applies that rule to any ``torch.optim`` optimizer.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from unimp.attached import attach, peek
 from unimp.backends.torch.devices import _to
+from unimp.rounding import check_update_mode, update_half
 from unimp.step import warn_half_optimizer_state
 
 
@@ -254,3 +255,197 @@ class UpdateOps:
     @staticmethod
     def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a * b  # int32 wraps modulo 2**32
+
+
+_HALF = (torch.float16, torch.bfloat16)
+#: the keys :func:`half_update` keeps in a half parameter's optimizer state
+_COMPENSATION = "compensation"
+_UPDATE_STEP = "update_step"
+
+
+class _HalfUpdate:
+    """The hooks :func:`half_update` installs on one optimizer (see it)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, mode: str, seed: int) -> None:
+        self.mode = mode
+        self.seed = seed
+        self.started = False  # a step has run: the seed is part of the parameters now
+        self.pending: list[tuple[int, int, torch.nn.Parameter, torch.Tensor, dict]] | None = None
+        self.loaded: dict[int, torch.Tensor] = {}
+        optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
+        optimizer.register_load_state_dict_pre_hook(self._load_pre)
+        optimizer.register_load_state_dict_post_hook(self._load_post)
+
+    @torch.no_grad()
+    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        # torch hands the hook the step's arguments with the optimizer first
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
+            raise TypeError(
+                "an optimizer with unimp's half_update takes no closure (its float32 step runs on "
+                "copies of the parameters, so a closure would not see them): compute the loss and "
+                "call loss.backward() before optimizer.step(), as with torch.amp's GradScaler."
+            )
+        self._restore(optimizer)  # a step that raised left its float32 copies in the groups
+        pending = []
+        index = 0
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                here, index = index, index + 1
+                if p.grad is None or p.dtype not in _HALF or p.layout != torch.strided:
+                    continue
+                if p.grad.is_sparse:
+                    continue
+                wide = p.detach().to(torch.float32).requires_grad_(p.requires_grad)
+                wide.grad = p.grad.to(torch.float32)
+                held = optimizer.state.pop(p, None)
+                if held is not None:
+                    optimizer.state[wide] = {
+                        k: (v.to(torch.float32) if isinstance(v, torch.Tensor) and v.dtype == p.dtype
+                            and k != _COMPENSATION else v)
+                        for k, v in held.items()
+                        if k not in (_COMPENSATION, _UPDATE_STEP)
+                    }
+                group["params"][pi] = wide
+                pending.append((gi, pi, p, wide, here, held))
+        self.pending = pending
+
+    @torch.no_grad()
+    def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        pending, self.pending = self.pending, None
+        if not pending:
+            return
+        self.started = True
+        found_inf = getattr(optimizer, "found_inf", None)  # set by unimp's guard / GradScaler
+        for gi, pi, p, wide, index, held in pending:
+            optimizer.param_groups[gi]["params"][pi] = p
+            state = optimizer.state.pop(wide, {})
+            held = {} if held is None else held
+            ops = UpdateOps(p.device)
+            comp = held.get(_COMPENSATION)
+            if self.mode == "kahan" and comp is None:
+                comp = torch.zeros_like(p)
+            count = held.get(_UPDATE_STEP)
+            if self.mode == "stochastic" and count is None:
+                count = torch.zeros((), dtype=torch.int32, device=p.device)
+            new, new_comp = update_half(
+                ops, self.mode, p.detach(), wide.detach(), comp,
+                seed=self.seed, step=count if count is not None else 0, index=index,
+            )
+            skip = None if found_inf is None else _to(found_inf != 0, p.device)
+            if skip is not None:
+                new = torch.where(skip, p, new)
+            p.copy_(new)
+            out = {}
+            for k, v in state.items():  # the inner optimizer's state, in the dtypes it had
+                old = held.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.dtype == p.dtype:
+                    old.copy_(v.to(p.dtype))
+                    out[k] = old
+                elif (old is None and isinstance(v, torch.Tensor) and v.dtype == torch.float32
+                      and k != "step" and v.shape == p.shape):
+                    out[k] = v.to(p.dtype)  # created by this step: as it would be for p
+                else:
+                    out[k] = v
+            if self.mode == "kahan":
+                out[_COMPENSATION] = new_comp if skip is None else torch.where(skip, comp, new_comp)
+            if self.mode == "stochastic":
+                out[_UPDATE_STEP] = count + 1 if skip is None else torch.where(skip, count, count + 1)
+            if out:
+                optimizer.state[p] = out
+
+    @torch.no_grad()
+    def _restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """Puts back the parameters and state of a step that raised (nothing applied)."""
+        pending, self.pending = self.pending, None
+        for gi, pi, p, wide, _, held in pending or ():
+            optimizer.param_groups[gi]["params"][pi] = p
+            optimizer.state.pop(wide, None)
+            if held is not None:
+                optimizer.state[p] = held
+
+    def _load_pre(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        # torch casts every floating param's state tensor to the param's dtype (the counter
+        # is int32): kept aside and put back after the load
+        self._restore(optimizer)
+        self.loaded = {}
+        state = dict(state_dict.get("state", {}))
+        for key, entry in state.items():
+            if isinstance(entry, dict) and _UPDATE_STEP in entry:
+                entry = dict(entry)
+                self.loaded[key] = entry.pop(_UPDATE_STEP)
+                state[key] = entry
+        return {**state_dict, "state": state}
+
+    def _load_post(self, optimizer: torch.optim.Optimizer) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for key, count in self.loaded.items():
+            if isinstance(key, int) and 0 <= key < len(params):
+                p = params[key]
+                optimizer.state[p][_UPDATE_STEP] = torch.as_tensor(count).to(torch.int32).to(p.device)
+        self.loaded = {}
+
+
+def half_update(
+    optimizer: torch.optim.Optimizer, update: str = "kahan", *, seed: int = 0
+) -> torch.optim.Optimizer:
+    """Makes ``optimizer`` (any ``torch.optim`` optimizer) apply its updates to half-precision
+    parameters Kahan-compensated or stochastically rounded (:mod:`unimp.rounding`; pure
+    bfloat16 training that learns), in place.
+
+    Each step runs the optimizer in float32 on float32 copies of the half parameters and
+    gradients that have one (its half state tensors seen as float32 and stored back in the
+    dtype it keeps them, so Adam's moments of bfloat16 parameters stay bfloat16), and writes
+    each half parameter by the rule :func:`unimp.rounding.update_half`, the same in
+    TensorFlow and JAX. The copies are made per step: the optimizer's persistent state is
+    what it keeps plus, for ``"kahan"``, a compensation buffer per half parameter in its dtype
+    (``optimizer.state[p]["compensation"]``: 2 bytes per bfloat16 parameter) and, for
+    ``"stochastic"``, an int32 count of the parameter's applied updates
+    (``state[p]["update_step"]``, the ``step`` of its random bits; the parameter's ``index``
+    is its position in ``param_groups``). Both are in ``state_dict()`` and load back exactly.
+    Float32 parameters step as the optimizer steps them.
+
+    Under unimp's guard (``mp.train_step``, unimp's ``GradScaler.step``) a skipped step leaves
+    parameters, state, compensation and count bitwise as they were, with no host sync; torch's
+    own ``GradScaler`` steps only clean steps. ``step`` takes no closure.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``.
+        update: ``"kahan"``, ``"stochastic"`` (bfloat16 parameters) or ``"nearest"``
+            (rounded to nearest from the float32 result).
+        seed: the stochastic-rounding seed, an integer (its low 32 bits are used).
+
+    Returns:
+        ``optimizer`` itself.
+
+    Raises:
+        TypeError: not a torch optimizer, a seed that is not an integer, or the rule installed
+            on it already.
+        ValueError: an unknown ``update``; stochastic rounding of float16 parameters.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+        >>> opt = half_update(torch.optim.SGD([w], lr=1.0), "kahan")
+        >>> for _ in range(1000):
+        ...     w.grad = torch.full_like(w, 1e-3)
+        ...     opt.step()
+        >>> abs(float(w)) < 1e-2
+        True
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"half_update needs a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if isinstance(update, str):
+        update = update.strip().lower()
+    mode = check_update_mode(update)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"half_update: seed must be an integer, got {seed!r}.")
+    if mode == "stochastic":
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.dtype == torch.float16:
+                    check_update_mode(mode, "float16")
+    if peek(optimizer, "half_update", None) is not None:
+        raise TypeError("half_update is installed on this optimizer already.")
+    attach(optimizer).half_update = _HalfUpdate(optimizer, mode, seed)
+    return optimizer

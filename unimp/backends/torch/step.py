@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from unimp.attached import peek
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.fp8 import fp8_window
-from unimp.backends.torch.optimizer import _check_half_state, _guarded_step
+from unimp.backends.torch.optimizer import _check_half_state, _guarded_step, half_update
 from unimp.backends.torch.overflow import (
     _check_loss,
     _global_norm,
@@ -70,6 +71,26 @@ def _restore_forward_state(
                 b.copy_(torch.where(_to(applied, b.device), b, old))
 
 
+def _install_half_update(optimizer: torch.optim.Optimizer, mode: str, seed: int) -> None:
+    """The policy's ``update`` rule on ``optimizer`` (:func:`half_update`), once. One that
+    ``mp.prepare`` installed (seed 0) takes the step's seed until its first step."""
+    held = peek(optimizer, "half_update", None)
+    if held is None:
+        if mode != "nearest":
+            half_update(optimizer, mode, seed=seed)
+        return
+    if held.mode != mode:
+        raise ValueError(
+            f"the optimizer applies update={held.mode!r} (half_update), the recipe's policy says "
+            f"update={mode!r}: give the step a plain optimizer, or a recipe with update={held.mode!r}."
+        )
+    if held.seed != seed:
+        if held.started:
+            raise ValueError(
+                f"the optimizer has stepped with rounding seed {held.seed}; the step asks for "
+                f"rounding_seed={seed}: pass rounding_seed={held.seed} to keep its random bits."
+            )
+        held.seed = seed
 class TrainStep(LoggedStep):
     """``step(batch) -> StepResult``: one optimizer step (one accumulation window) per call.
 
@@ -157,6 +178,7 @@ class TrainStep(LoggedStep):
         self.scaler = GradScaler(mp.loss_scale, device=mp.device, skip=skip)
         self.calls = 0  # steps taken: decides the statistics steps, never read from the device
         _check_half_state(optimizer)
+        _install_half_update(optimizer, mp.policy.update, options.rounding_seed)
 
     # the step's options, read from the one checked record (StepOptions)
     grad_accum_steps = property(lambda self: self.options.grad_accum_steps)
