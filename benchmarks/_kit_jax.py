@@ -159,6 +159,15 @@ class Trainer:
         else:
             raise ValueError(f"impl must be 'unimp' or 'native', got {impl!r}.")
 
+    def state_bytes_per_param(self) -> float:
+        """Bytes per model parameter of what training holds between steps: the parameters and
+        the optimizer state (moments, a compensation buffer, its counters)."""
+        params, state = (self.step.params, self.step.opt_state) if self.impl == "unimp" else (
+            self.params, self.opt_state
+        )
+        size = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
+        return (size(params) + size(state)) / sum(x.size for x in jax.tree_util.tree_leaves(params))
+
     def _fp8_trainer(self, spec: ModelSpec, rec: Any, optimizer: Any, params: Any, dev: Any,
                      fp8_on: bool = True) -> None:
         """An FP8 recipe: unimp's float8 ``dot_general`` for the layers it selects (first and

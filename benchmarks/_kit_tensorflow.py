@@ -96,6 +96,14 @@ class Trainer:
                 raise ValueError(f"impl must be 'unimp' or 'native', got {impl!r}.")
         self.model = model
 
+    def state_bytes_per_param(self) -> float:
+        """Bytes per model parameter of what training holds between steps: the model's
+        variables and the optimizer's (moments, a compensation buffer, its counters)."""
+        opt = self.step.optimizer if self.impl == "unimp" else self.optimizer
+        seen = {id(v): v for v in [*self.model.variables, *opt.variables]}
+        nbytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in seen.values())
+        return nbytes / sum(int(np.prod(v.shape)) for v in self.model.trainable_variables)
+
     @staticmethod
     def _native_step(model: keras.Model, optimizer: keras.optimizers.Optimizer):
         variables = model.trainable_variables

@@ -119,6 +119,28 @@ class Trainer:
     def one(self) -> None:
         self._one()
 
+    def state_bytes_per_param(self) -> float:
+        """Bytes per model parameter of what training holds between steps: the model's
+        parameters, float32 master copies the optimizer holds, and the optimizer state
+        (moments, a compensation buffer), each storage counted once."""
+        seen: dict[int, int] = {}
+
+        def add(t: torch.Tensor) -> None:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+
+        opt = self.step.optimizer if self.impl == "unimp" else self.optimizer
+        for p in self.model.parameters():
+            add(p)
+        for g in opt.param_groups:
+            for p in g["params"]:
+                add(p)
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    add(v)
+        return sum(seen.values()) / sum(p.numel() for p in self.model.parameters())
+
     def sync(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -9,6 +9,9 @@ training steps, and the tensors alive after the steps (torch: every tensor the g
 collector tracks, each storage once; JAX: ``jax.live_arrays()``; TensorFlow keeps no such
 list), the figure that allocator caching and compilation do not blur: RSS also holds what
 XLA's compiler and the C allocator keep. The model is the speedup benchmark's matmul-heavy MLP.
+The last column is what training holds between steps, counted from the tensors themselves:
+parameters (and master copies) plus optimizer state, in bytes per model parameter, with Adam
+(pure bfloat16 recipes: ``--recipes mixed_bfloat16,bfloat16,bf16-kahan,bf16-stochastic``).
 
     python -m benchmarks.memory [--quick] [--device cuda]
 """
@@ -41,7 +44,9 @@ def worker(cfg: dict) -> dict:
     live_built = k.live_mib()
     t.run(cfg["steps"])
     live = k.live_mib()
+    held = getattr(t, "state_bytes_per_param", None)
     return {
+        "state_bytes_per_param": None if held is None else round(float(held()), 3),
         "live_after_build_mib": live_built,
         "live_after_steps_mib": live,
         "framework": k.framework_version(),
@@ -126,7 +131,7 @@ def _report(args, spec: h.ModelSpec, mode: str, results: list[dict]) -> tuple[di
     }
     for r in results:
         if "error" in r:
-            rows.append([r["backend"], r["recipe"], r["impl"], "", "", "", "error: " + r["error"][-200:]])
+            rows.append([r["backend"], r["recipe"], r["impl"], "", "", "", "error: " + r["error"][-200:], "", ""])
             continue
         peak = r["framework_peak_mib"]
         native = above.get((r["backend"], r["recipe"], "native"))
@@ -146,6 +151,7 @@ def _report(args, spec: h.ModelSpec, mode: str, results: list[dict]) -> tuple[di
                 "not reported"
                 if live is None
                 else f"{live:.1f} ({live - r['live_after_build_mib']:+.1f})",
+                "" if r.get("state_bytes_per_param") is None else f"{r['state_bytes_per_param']:.2f}",
             ]
         )
     table = h.markdown_table(
@@ -159,6 +165,7 @@ def _report(args, spec: h.ModelSpec, mode: str, results: list[dict]) -> tuple[di
             "peak - build MiB",
             "unimp - native, peak - build MiB",
             "live tensors after the steps MiB (since build)",
+            "params + optimizer state, bytes per parameter",
         ],
         rows,
     )

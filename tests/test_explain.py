@@ -186,3 +186,25 @@ def test_explain_says_which_frameworks_refuse_the_recipes_cast_mode():
     # torch's "auto" casts modules for a policy that is not mixed (float16 parameters)
     assert rows["torch"] != dict(explain_recipe(get_recipe("float16")))["torch"]
     assert dict(explain_recipe(get_recipe("float16")))["torch"][0].startswith("model.to(torch.float16)")
+
+
+@pytest.mark.parametrize(
+    "recipe, torch_bytes, other_bytes",
+    [("mixed_bfloat16", 12, 12), ("O2", 14, 12), ("bfloat16", 6, 6), ("bf16-kahan", 8, 8), ("bf16-stochastic", 6, 6)],
+)
+def test_explain_states_bytes_per_parameter_with_adam_per_framework(recipe, torch_bytes, other_bytes):
+    # benchmarks.memory measures the same figures (tests/conformance/test_half_update.py)
+    lines = dict(explain_recipe(get_recipe(recipe)))
+    for fw, want in (("torch", torch_bytes), ("tensorflow", other_bytes), ("jax", other_bytes)):
+        (line,) = [x for x in lines[fw] if x.startswith("with Adam, ")]
+        assert line.startswith(f"with Adam, {want} bytes per parameter")
+        parts = [int(n) for n in re.findall(r"(?:: | \+ )(\d+) \(", line)]
+        assert sum(parts) == want
+
+
+def test_explain_names_each_frameworks_update_rule():
+    lines = dict(explain_recipe(get_recipe("bf16-stochastic")))
+    assert any("unimp.backends.torch.half_update(optimizer, 'stochastic')" in x for x in lines["torch"])
+    assert any("LossScaleOptimizer(inner_optimizer, update='stochastic')" in x for x in lines["tensorflow"])
+    assert any("unimp.backends.jax.half_update(optimizer, 'stochastic')" in x for x in lines["jax"])
+    assert not any("half_update" in x for x in dict(explain_recipe(get_recipe("bfloat16")))["torch"])

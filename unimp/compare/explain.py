@@ -128,6 +128,8 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         jax_lines.append(f"mp.fp8_layers(paths); flax mp.module_kwargs(path) adds dot_general_cls, "
                          f"plain JAX mp.fp8_matmul(states, path, x, w): {what}")
     extra = _policy_v2_lines(p)
+    for fw, lines in extra.items():
+        lines.append(_adam_bytes(recipe, fw))
     out = [
         ("torch", torch_lines + extra["torch"]),
         ("tensorflow", keras_lines + extra["tensorflow"]),
@@ -137,8 +139,38 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
     return [(fw, [f"refused: {why}"] if (why := cast_mode_refusal(recipe, fw)) else lines) for fw, lines in out]
 
 
+_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _adam_bytes(recipe: Recipe, framework: str) -> str:
+    """What training with Adam holds between steps, per parameter, as ``framework`` holds it
+    (``benchmarks.memory`` measures the same figure: its last column)."""
+    p = recipe.policy
+    size = _BYTES[p.param_dtype]
+    parts = []
+    masters = (
+        framework == "torch"
+        and resolve_cast_mode(recipe, "torch") == "module"
+        and p.param_dtype != p.compute_dtype
+    )
+    if masters:  # Apex O2: a half model, float32 masters in the optimizer
+        parts += [(f"model {p.compute_dtype}", _BYTES[p.compute_dtype]), (f"master weights {p.param_dtype}", size)]
+    else:
+        parts.append((f"parameters {p.param_dtype}", size))
+    parts.append((f"Adam moments {p.param_dtype}", 2 * size))  # kept in the parameters' dtype
+    if p.update == "kahan":
+        parts.append((f"compensation {p.param_dtype}", size))
+    total = sum(n for _, n in parts)
+    text = " + ".join(f"{n} ({what})" for what, n in parts)
+    tail = "; stochastic rounding adds an int32 counter per " + (
+        "parameter tensor" if framework == "torch" else "optimizer"
+    ) if p.update == "stochastic" else ""
+    return f"with Adam, {total} bytes per parameter between steps: {text}{tail}"
+
+
 def _policy_v2_lines(p: Any) -> dict[str, list[str]]:
-    """The lines of the optional policy fields (matmul precision, reduce and accum dtypes)."""
+    """The lines of the optional policy fields (matmul precision, reduce and accum dtypes, the
+    update rule)."""
     from unimp.precision import MATMUL_PRECISION_TABLE
 
     out: dict[str, list[str]] = {"torch": [], "tensorflow": [], "jax": []}
@@ -166,6 +198,24 @@ def _policy_v2_lines(p: Any) -> dict[str, list[str]]:
     if p.accum_dtype is not None:
         for lines in out.values():
             lines.append(f"grad_accum_steps sums the micro-batch gradients in {p.accum_dtype}")
+    if p.update != "nearest":
+        how = (
+            f"each update Kahan-compensated (a {p.param_dtype} compensation buffer per parameter)"
+            if p.update == "kahan"
+            else "each update stochastically rounded (random bits hashed from the seed, the step, "
+            "the parameter's index and the element's: the same in every framework)"
+        )
+        f32 = f"the optimizer computes in float32 from the {p.param_dtype} parameters, {how}"
+        out["torch"].append(
+            f"unimp.backends.torch.half_update(optimizer, {p.update!r}) by mp.prepare / train_step "
+            f"(hooks on optimizer.step): {f32}"
+        )
+        out["tensorflow"].append(
+            f"unimp.backends.tensorflow.LossScaleOptimizer(inner_optimizer, update={p.update!r}): {f32}"
+        )
+        out["jax"].append(
+            f"unimp.backends.jax.half_update(optimizer, {p.update!r}) inside the optax chain: {f32}"
+        )
     return out
 
 
