@@ -109,7 +109,7 @@ def test_the_issues_right_values_through_each_wrapper(backend):
     np.testing.assert_array_equal(sr1, _reference("stochastic", grads, seed=1))
 
 
-def _train_step_run(backend, recipe, batches, seed=0):
+def _train_step_run(backend, recipe, batches, seed=0, **options):
     """The weight after each call of ``mp.train_step`` (SGD, learning rate 1, loss ``w * x``:
     the gradient is the batch, an inf one skips the step), and the optimizer's extra state."""
     mp = unimp.mixed_precision(recipe, backend)
@@ -122,10 +122,10 @@ def _train_step_run(backend, recipe, batches, seed=0):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         model, opt = mp.prepare(model, opt)
         step = mp.train_step(
-            model, opt, lambda m, x: (m.weight.float() * x).sum(), rounding_seed=seed, skip="guard"
+            model, opt, lambda m, x: (m.weight.float() * x).sum(), rounding_seed=seed, skip="guard", **options
         )
         for x in batches:
-            step(torch.tensor(x, dtype=torch.float32))
+            step(_micro(x, lambda v: torch.tensor(v, dtype=torch.float32)))
             out.append(float(model.weight.detach().flatten()[0]))
         extra = {k: v.clone() for k, v in opt.state[model.weight].items()}
         return np.array(out, np.float32), {k: v.float().numpy().tolist() for k, v in extra.items()}
@@ -141,9 +141,9 @@ def _train_step_run(backend, recipe, batches, seed=0):
         def loss_fn(m, x):
             return tf.reduce_sum(tf.cast(m.trainable_variables[0], tf.float32) * x)
 
-        step = mp.train_step(model, keras.optimizers.SGD(1.0), loss_fn, rounding_seed=seed)
+        step = mp.train_step(model, keras.optimizers.SGD(1.0), loss_fn, rounding_seed=seed, **options)
         for x in batches:
-            step(np.float32(x))
+            step(_micro(x, np.float32))
             out.append(float(tf.cast(model.trainable_variables[0], tf.float32).numpy().ravel()[0]))
         extra = {
             "compensation": [
@@ -159,16 +159,36 @@ def _train_step_run(backend, recipe, batches, seed=0):
 
     step = mp.train_step(
         lambda p, x: jnp.sum(p["w"].astype(jnp.float32) * x), optax.sgd(1.0),
-        {"w": jnp.ones(1, jnp.float32)}, rounding_seed=seed,
+        {"w": jnp.ones(1, jnp.float32)}, rounding_seed=seed, **options,
     )
     for x in batches:
-        step(jnp.float32(x))
+        step(_micro(x, jnp.float32))
         out.append(float(step.params["w"][0]))
     state = step.opt_state
     return np.array(out, np.float32), {
         "compensation": np.asarray(state.compensation["w"], np.float32).tolist(),
         "count": int(state.count),
     }
+
+
+def _micro(x, to):
+    return [to(v) for v in x] if isinstance(x, list) else to(x)
+
+
+def test_accumulation_clipping_and_the_step_log_run_with_it(backend, tmp_path):
+    # two equal micro-batches average to the same gradient; the clip (1.0) is above it: the
+    # weights are the reference's, and the step log has every step
+    log = tmp_path / "steps.jsonl"
+    got, _ = _train_step_run(
+        backend, "bf16-stochastic", [[1e-3, 1e-3]] * 6, seed=2,
+        grad_accum_steps=2, max_grad_norm=1.0, log=str(log), log_every=2,
+    )
+    np.testing.assert_array_equal(got, _reference("stochastic", [GRAD] * 6, seed=2))
+    import gc
+
+    gc.collect()  # the step's log is written on close / collection
+    records = [line for line in log.read_text().splitlines() if '"step"' in line]
+    assert len(records) >= 6
 
 
 @pytest.mark.parametrize("recipe", ["bf16-kahan", "bf16-stochastic"])
@@ -249,3 +269,26 @@ def test_bytes_per_parameter_with_adam(backend):
     assert held["bf16-stochastic"] <= 0.6 * held["mixed_bfloat16"]
     # the issue asks for at most 60 % for Kahan too; 2 + 2 + 2 + 2 of 4 + 4 + 4 is two thirds
     assert held["bf16-kahan"] == pytest.approx(held["mixed_bfloat16"] * 2 / 3, abs=0.02)
+
+
+@pytest.mark.slow
+def test_the_digits_mlp_with_compensated_updates_learns_as_mixed_bfloat16(tmp_path):
+    # issue 32's right value: compare's defaults (MLP, digits, Adam lr 1e-3, 10 epochs); each
+    # framework's test accuracy with Kahan and with stochastic rounding within 0.5 points of
+    # its mixed_bfloat16 run (measured: 0.9749 everywhere but JAX stochastic, 0.9721)
+    import json
+
+    from conftest import BACKENDS
+
+    from unimp.cli import main
+
+    acc = {}
+    for recipe in ("mixed_bfloat16", "bf16-kahan", "bf16-stochastic"):
+        out = tmp_path / recipe
+        code = main(["compare", "--recipe", recipe, "--quiet", "--out", str(out), "--backends", ",".join(BACKENDS)])
+        assert code == 0
+        runs = json.loads((out / "report.json").read_text())["runs"]
+        acc[recipe] = {b: runs[b]["test_accuracy"] for b in BACKENDS}
+    for b in BACKENDS:
+        for recipe in ("bf16-kahan", "bf16-stochastic"):
+            assert abs(acc[recipe][b] - acc["mixed_bfloat16"][b]) <= 0.005, (b, recipe, acc)
