@@ -38,6 +38,7 @@ __all__ = [
     "NumpyOps",
     "apply_update",
     "check_update_mode",
+    "check_update_state",
     "random_bits",
     "stochastic_round",
     "update_half",
@@ -258,3 +259,67 @@ def update_half(
     delta = ops.f32(target) - ops.f32(param)
     bits = random_bits(ops, seed, step, index, tuple(param.shape)) if mode == "stochastic" else None
     return apply_update(ops, mode, param, delta, compensation, bits)
+
+
+def check_update_state(state: Any, mode: str | None = None, count: int | None = None) -> dict[str, Any]:
+    """A portable update-rule state checked: what each backend's ``export_update_state``
+    writes and ``import_update_state`` reads, so a run can continue in another framework.
+
+    ``{"update": mode, "seed": int, "params": [entry or None, ...]}``, one entry per parameter
+    in the rule's index order (the optimizer's parameter list; ``None`` for a parameter the
+    rule does not touch: float32, or not stepped yet), each ``{"step": int, "compensation":
+    float32 NumPy array or None}``: the parameter's applied updates (stochastic rounding's
+    counter) and its Kahan compensation buffer, in the parameter's own layout (a framework
+    that lays a weight out transposed, Keras's ``Dense`` kernel against torch's ``Linear``,
+    needs the buffer transposed too, and stochastic rounding then draws other bits per
+    element).
+
+    Args:
+        state: the dict.
+        mode: the importing rule's mode, which must be the state's.
+        count: the number of parameters the importing optimizer has, which must be the state's.
+
+    Returns:
+        The state with NumPy float32 compensation arrays and int steps.
+
+    Raises:
+        ValueError: not such a dict, another mode or parameter count (named).
+    """
+    if not isinstance(state, dict) or set(state) != {"update", "seed", "params"}:
+        raise ValueError(
+            "an update-rule state is a dict with 'update', 'seed' and 'params' (what "
+            f"export_update_state writes), got {type(state).__name__} "
+            f"{sorted(state) if isinstance(state, dict) else ''}."
+        )
+    check_update_mode(state["update"])
+    if mode is not None and state["update"] != mode:
+        raise ValueError(
+            f"the state is of update={state['update']!r}; this optimizer applies update={mode!r}."
+        )
+    seed = state["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"the state's seed must be an integer, got {seed!r}.")
+    params = state["params"]
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"the state's 'params' must be a list, got {type(params).__name__}.")
+    if count is not None and len(params) != count:
+        raise ValueError(
+            f"the state has {len(params)} parameters, this optimizer {count}: export and import "
+            "the same model's parameters, in the same order."
+        )
+    out = []
+    for i, entry in enumerate(params):
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"step", "compensation"}:
+            raise ValueError(f"the state's params[{i}] must be None or {{'step', 'compensation'}}, got {entry!r}.")
+        step = entry["step"]
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"the state's params[{i}]['step'] must be an integer >= 0, got {step!r}.")
+        comp = entry["compensation"]
+        out.append({
+            "step": int(step),
+            "compensation": None if comp is None else np.asarray(comp, np.float32),
+        })
+    return {"update": state["update"], "seed": int(seed), "params": out}

@@ -292,3 +292,97 @@ def test_the_digits_mlp_with_compensated_updates_learns_as_mixed_bfloat16(tmp_pa
     for b in BACKENDS:
         for recipe in ("bf16-kahan", "bf16-stochastic"):
             assert abs(acc[recipe][b] - acc["mixed_bfloat16"][b]) <= 0.005, (b, recipe, acc)
+
+
+def _continue(backend, mode, seed, p0, state, n):
+    """``n`` SGD steps (lr 1, gradient 1e-3) of the bfloat16 weights ``p0`` through the
+    backend's wrapper, starting from the portable update-rule ``state`` (or fresh); returns the
+    weights after the steps (float32 NumPy) and the exported state."""
+    if backend == "torch":
+        import torch
+
+        from unimp.backends.torch import export_update_state, half_update, import_update_state
+
+        w = torch.nn.Parameter(torch.from_numpy(p0).to(torch.bfloat16))
+        opt = half_update(torch.optim.SGD([w], lr=1.0), mode, seed=seed)
+        if state is not None:
+            import_update_state(opt, state)
+        for _ in range(n):
+            w.grad = torch.full_like(w, 1e-3)
+            opt.step()
+        return w.detach().float().numpy(), export_update_state(opt)
+    if backend == "tensorflow":
+        import keras
+        import tensorflow as tf
+
+        from unimp.backends.tensorflow import export_update_state, half_update, import_update_state
+
+        w = keras.Variable(p0, dtype="bfloat16")
+        opt = half_update(keras.optimizers.SGD(1.0), mode, seed=seed)
+        opt.build([w])
+        if state is not None:
+            steps = {e["step"] for e in state.get("params", []) if isinstance(e, dict) and "step" in e}
+            if steps:
+                opt.inner_optimizer.iterations.assign(max(steps))  # Keras counts iterations
+            import_update_state(opt, state)
+        g = tf.fill(w.shape, tf.constant(1e-3, tf.bfloat16))
+
+        @tf.function
+        def run():
+            for _ in tf.range(n):
+                opt.apply([g], [w])
+
+        run()
+        return np.asarray(tf.cast(w.value, tf.float32)), export_update_state(opt)
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from unimp.backends.jax import export_update_state, half_update, import_update_state
+
+    opt = half_update(optax.sgd(1.0), mode, seed=seed)
+    p = jnp.asarray(p0, jnp.bfloat16)
+    st = opt.init(p)
+    if state is not None:
+        st = import_update_state(st, p, state, mode)
+
+    def body(carry, _):
+        p, s = carry
+        u, s = opt.update(jnp.full(p.shape, 1e-3, jnp.bfloat16), s, p)
+        return (optax.apply_updates(p, u), s), None
+
+    (p, st), _ = jax.lax.scan(body, (p, st), None, length=n)
+    return np.asarray(p, np.float32), export_update_state(st, p, mode, seed)
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_a_run_continues_bit_for_bit_in_another_framework(mode):
+    # 300 steps in one framework, its exported rule state (and the weights) into the next, 300
+    # more: the weights equal 600 steps in the first framework, and the reference's
+    from conftest import BACKENDS
+
+    p0 = np.linspace(0.5, 2.0, 6, dtype=np.float32).astype(BF16).astype(np.float32)
+    first = BACKENDS[0]
+    whole, _ = _continue(first, mode, 11, p0, None, 600)
+    for a, b in zip(BACKENDS, [*BACKENDS[1:], BACKENDS[0]], strict=True):
+        half, state = _continue(a, mode, 11, p0, None, 300)
+        assert state["update"] == mode and state["seed"] == 11
+        got, after = _continue(b, mode, 11, half, state, 300)
+        np.testing.assert_array_equal(got, whole, err_msg=f"{a} -> {b}")
+        if mode == "stochastic":
+            assert after["params"][0]["step"] == 600
+    assert not np.array_equal(whole, p0)
+
+
+def test_a_mismatched_state_is_refused_naming_why(backend):
+    p0 = np.ones(3, np.float32)
+    _, state = _continue(backend, "kahan", 0, p0, None, 5)
+    bad = [
+        ({**state, "update": "stochastic"}, "this optimizer applies update='kahan'"),
+        ({**state, "params": state["params"] * 2}, "the state has 2 parameters, this optimizer 1"),
+        ({**state, "params": [{"step": 0, "compensation": np.zeros(4, np.float32)}]}, "shape \\(4,\\)"),
+        ({"update": "kahan"}, "a dict with 'update', 'seed' and 'params'"),
+    ]
+    for wrong, message in bad:
+        with pytest.raises(ValueError, match=message):
+            _continue(backend, "kahan", 0, p0, wrong, 0)

@@ -278,3 +278,22 @@ def test_half_update_bad_input():
     opt = ut.half_update(torch.optim.SGD(model.parameters(), lr=1.0), "kahan")
     with pytest.raises(TypeError, match="installed on this optimizer already"):
         ut.half_update(opt, "kahan")
+
+
+@pytest.mark.parametrize("skip", ["guard", "auto"])
+def test_an_imported_state_survives_a_skipped_first_step(skip):
+    mp = unimp.mixed_precision("bf16-kahan", "torch")
+    model = torch.nn.Linear(3, 2, bias=False).to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = mp.prepare(model, opt)
+    comp = np.full((2, 3), 2.0**-12, np.float32)
+    ut.import_update_state(opt, {"update": "kahan", "seed": 0, "params": [{"step": 0, "compensation": comp}]})
+    step = mp.train_step(model, opt, lambda m, x: m(x).float().sum(), skip=skip)
+    before = model.weight.detach().clone()
+    step(torch.full((1, 3), float("inf")))
+    assert torch.equal(model.weight, before)
+    assert set(opt.state[model.weight]) == {"compensation"}  # Adam's lazy state dropped, ours kept
+    np.testing.assert_array_equal(opt.state[model.weight]["compensation"].float().numpy(), comp)
+    step(torch.ones(1, 3))
+    assert {"exp_avg", "compensation"} <= set(opt.state[model.weight])
+    assert ut.export_update_state(opt)["params"][0]["compensation"].shape == (2, 3)

@@ -66,8 +66,10 @@ from unimp.backends.jax.optimizer import (
     HalfUpdateState,
     LossScaleOptState,
     MultiSteps,
+    export_update_state,
     get_loss_scale,
     half_update,
+    import_update_state,
     loss_scaling,
 )
 from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
@@ -115,7 +117,9 @@ __all__ = [
     "device_info",
     "framework_version",
     "get_loss_scale",
+    "export_update_state",
     "half_update",
+    "import_update_state",
     "layer_paths",
     "loss_scale_from_config",
     "loss_scale_from_state_dict",

@@ -17,7 +17,7 @@ import optax
 
 from unimp.backends.jax.overflow import _keep_unless, all_finite, sync_loss_scale
 from unimp.backends.jax.scaling import LossScale, LossScaleOps, loss_scale_from_config
-from unimp.rounding import check_update_mode, update_half
+from unimp.rounding import check_update_mode, check_update_state, update_half
 
 
 class LossScaleOptState(NamedTuple):
@@ -446,3 +446,84 @@ def half_update(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _half_update_state(opt_state: Any) -> HalfUpdateState:
+    found = [
+        x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, HalfUpdateState))
+        if isinstance(x, HalfUpdateState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one half_update(...) state in the optimizer state, found {len(found)}; wrap "
+            "the optimizer once with unimp.backends.jax.half_update (mp.train_step does for a "
+            "policy with update=)."
+        )
+    return found[0]
+
+
+def export_update_state(opt_state: Any, params: Any, update: str, seed: int = 0) -> dict[str, Any]:
+    """The update-rule state inside ``opt_state`` (:func:`half_update`'s, also nested in
+    :func:`loss_scaling` or a chain) in the portable format of
+    :func:`unimp.rounding.check_update_state` (parameter order of
+    ``jax.tree_util.tree_leaves(params)``), for :func:`import_update_state` in any backend.
+    optax keeps the mode and the seed in the transformation, not the state: give them.
+
+    Raises:
+        ValueError: no or several :class:`HalfUpdateState`, an unknown ``update``.
+    """
+    mode = check_update_mode(update)
+    st = _half_update_state(opt_state)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    comps = treedef.flatten_up_to(st.compensation)
+    out = []
+    for p, c in zip(leaves, comps, strict=True):
+        if not _is_half(p):
+            out.append(None)
+            continue
+        out.append({
+            "step": int(st.count) if mode == "stochastic" else 0,
+            "compensation": np.asarray(c, np.float32) if mode == "kahan" else None,
+        })
+    return {"update": mode, "seed": int(seed), "params": out}
+
+
+def import_update_state(opt_state: Any, params: Any, state: dict[str, Any], update: str) -> Any:
+    """``opt_state`` with its :func:`half_update` state (compensation buffers, the count) taken
+    from :func:`export_update_state`'s dict of any backend; returns the new optimizer state
+    (build the transformation with the state's ``"seed"``). optax counts the applied updates once
+    for the whole tree: every half parameter's ``step`` must be the same.
+
+    Raises:
+        ValueError: another mode or number of parameters, a buffer whose shape is not its
+            parameter's, or steps that differ (a torch parameter left without a gradient).
+    """
+    mode = check_update_mode(update)
+    st = _half_update_state(opt_state)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    checked = check_update_state(state, mode, len(leaves))
+    comps = treedef.flatten_up_to(st.compensation)
+    steps = {e["step"] for p, e in zip(leaves, checked["params"], strict=True) if e is not None and _is_half(p)}
+    if mode == "stochastic" and len(steps) > 1:
+        raise ValueError(
+            f"the state's parameters have taken different numbers of updates {sorted(steps)}; "
+            "optax's half_update counts them once for the whole tree."
+        )
+    new = []
+    for i, (p, c, e) in enumerate(zip(leaves, comps, checked["params"], strict=True)):
+        comp = None if e is None else e["compensation"]
+        if mode != "kahan" or not _is_half(p):
+            new.append(c)
+            continue
+        if comp is not None and tuple(comp.shape) != tuple(p.shape):
+            raise ValueError(
+                f"params[{i}]: a compensation buffer of shape {tuple(comp.shape)} for a parameter "
+                f"of shape {tuple(p.shape)}: export and import the same model (a transposed "
+                "layout needs the buffer transposed too)."
+            )
+        new.append(jnp.zeros_like(c) if comp is None else jnp.asarray(comp).astype(c.dtype))
+    count = jnp.asarray(steps.pop() if mode == "stochastic" and steps else st.count, jnp.int32)
+    replaced = st._replace(compensation=jax.tree_util.tree_unflatten(treedef, new), count=count)
+    return jax.tree_util.tree_map(
+        lambda x: replaced if x is st else x, opt_state, is_leaf=lambda x: x is st
+    )

@@ -65,7 +65,13 @@ from unimp.backends.tensorflow.fp8 import (
     fp8_step,
 )
 from unimp.backends.tensorflow.mixed_precision import MixedPrecision
-from unimp.backends.tensorflow.optimizer import LossScaleCheck, LossScaleOptimizer, half_update
+from unimp.backends.tensorflow.optimizer import (
+    LossScaleCheck,
+    LossScaleOptimizer,
+    export_update_state,
+    half_update,
+    import_update_state,
+)
 from unimp.backends.tensorflow.overflow import all_finite
 from unimp.backends.tensorflow.overrides import apply_overrides, dtype_policy_map, layer_paths
 from unimp.backends.tensorflow.precision import current_matmul_precision, matmul_precision
@@ -97,7 +103,9 @@ __all__ = [
     "device_info",
     "dtype_policy_map",
     "framework_version",
+    "export_update_state",
     "half_update",
+    "import_update_state",
     "keras_policy_name",
     "layer_paths",
     "tensor_stats",

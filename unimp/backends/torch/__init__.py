@@ -58,7 +58,7 @@ from unimp.backends.torch.fp8 import (
     fp8_step,
 )
 from unimp.backends.torch.mixed_precision import MixedPrecision
-from unimp.backends.torch.optimizer import half_update
+from unimp.backends.torch.optimizer import export_update_state, half_update, import_update_state
 from unimp.backends.torch.overflow import all_finite
 from unimp.backends.torch.overrides import apply_overrides, layer_paths
 from unimp.backends.torch.precision import current_matmul_precision, matmul_precision
@@ -85,7 +85,9 @@ __all__ = [
     "cast_tree",
     "device_info",
     "framework_version",
+    "export_update_state",
     "half_update",
+    "import_update_state",
     "layer_paths",
     "tensor_stats",
     "to_dtype",

@@ -16,7 +16,7 @@ import torch
 
 from unimp.attached import attach, peek
 from unimp.backends.torch.devices import _to
-from unimp.rounding import check_update_mode, update_half
+from unimp.rounding import check_update_mode, check_update_state, update_half
 from unimp.step import warn_half_optimizer_state
 
 
@@ -102,7 +102,9 @@ def _guarded_step_unmarked(
     """
     step_fn = optimizer.step if step_fn is None else step_fn
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    fresh = [p for p in params if not optimizer.state.get(p)]
+    # the optimizer's own lazy state (half_update's keys may be there before it: imported)
+    fresh = [p for p in params if not _own_state(optimizer, p)]
+    imported = {id(p): set(optimizer.state.get(p, {})) & set(_RULE_KEYS) for p in fresh}
     amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
     # torch's fused kernels are known to honour found_inf; any other amp-aware optimizer gets
     # the attributes too (its step may read them) and the copy-and-select guard as well
@@ -160,18 +162,26 @@ def _guarded_step_unmarked(
                 if changed_host and bool(skip):
                     for state, k, old in changed_host:
                         state[k] = old
-        created = [p for p in fresh if optimizer.state.get(p)]
+        created = [p for p in fresh if _own_state(optimizer, p)]
         # once per parameter: the step that creates its lazy state (decided on the host already
         # where the step was)
         if created and (host_skip if host_skip is not None else bool(bad != 0)):
             for p in created:
-                optimizer.state.pop(p, None)
+                # half_update's state that was there before (restored by the guard above) stays
+                kept = {k: v for k, v in optimizer.state.pop(p, {}).items() if k in imported[id(p)]}
+                if kept:
+                    optimizer.state[p] = kept
         if master is not None:
             master.to_model()
     finally:
         if master is not None:
             master.in_guard = False
     return ret
+
+
+def _own_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    """Whether ``p`` has optimizer state besides :func:`half_update`'s keys."""
+    return any(k not in _RULE_KEYS for k in optimizer.state.get(p, {}))
 
 
 def _check_half_state(optimizer: torch.optim.Optimizer) -> None:
@@ -261,6 +271,7 @@ _HALF = (torch.float16, torch.bfloat16)
 #: the keys :func:`half_update` keeps in a half parameter's optimizer state
 _COMPENSATION = "compensation"
 _UPDATE_STEP = "update_step"
+_RULE_KEYS = (_COMPENSATION, _UPDATE_STEP)
 
 
 class _HalfUpdate:
@@ -449,3 +460,80 @@ def half_update(
         raise TypeError("half_update is installed on this optimizer already.")
     attach(optimizer).half_update = _HalfUpdate(optimizer, mode, seed)
     return optimizer
+
+
+def _rule_of(optimizer: torch.optim.Optimizer) -> _HalfUpdate:
+    held = peek(optimizer, "half_update", None) if isinstance(optimizer, torch.optim.Optimizer) else None
+    if held is None:
+        raise ValueError(
+            "this optimizer applies no update rule: install one with "
+            "unimp.backends.torch.half_update(optimizer, 'kahan') (mp.prepare does for a policy "
+            "with update=)."
+        )
+    return held
+
+
+def export_update_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's update-rule state in the portable format of
+    :func:`unimp.rounding.check_update_state` (NumPy arrays, parameter order of
+    ``param_groups``), for :func:`import_update_state` in any backend.
+
+    Raises:
+        ValueError: the optimizer has no :func:`half_update`.
+    """
+    held = _rule_of(optimizer)
+    held._restore(optimizer)
+    params = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            state = optimizer.state.get(p, {})
+            comp, step = state.get(_COMPENSATION), state.get(_UPDATE_STEP)
+            if comp is None and step is None:
+                params.append(None)
+                continue
+            params.append({
+                "step": 0 if step is None else int(step),
+                "compensation": None if comp is None else comp.detach().float().cpu().numpy(),
+            })
+    return {"update": held.mode, "seed": held.seed, "params": params}
+
+
+def import_update_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Sets the optimizer's update-rule state (compensation buffers, stochastic rounding's
+    counters, the seed) from :func:`export_update_state`'s dict of any backend, so the run
+    continues where that one stopped. All is checked before anything changes.
+
+    Raises:
+        ValueError: no :func:`half_update`, another mode, another number of parameters, or a
+            compensation buffer whose shape is not its parameter's.
+    """
+    held = _rule_of(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    checked = check_update_state(state, held.mode, len(params))
+    for i, (p, entry) in enumerate(zip(params, checked["params"], strict=True)):
+        comp = None if entry is None else entry["compensation"]
+        if comp is not None and (p.dtype not in _HALF or tuple(comp.shape) != tuple(p.shape)):
+            raise ValueError(
+                f"params[{i}]: a compensation buffer of shape {tuple(comp.shape)} for a {p.dtype} "
+                f"parameter of shape {tuple(p.shape)}: export and import the same model (a "
+                "transposed layout needs the buffer transposed too)."
+            )
+    held._restore(optimizer)
+    with torch.no_grad():
+        for p, entry in zip(params, checked["params"], strict=True):
+            st = optimizer.state.get(p)
+            if entry is None:
+                if st is not None:
+                    st.pop(_COMPENSATION, None)
+                    st.pop(_UPDATE_STEP, None)
+                continue
+            st = optimizer.state[p]  # a defaultdict: created when missing
+            if held.mode == "kahan":
+                comp = entry["compensation"]
+                st[_COMPENSATION] = (
+                    torch.zeros_like(p) if comp is None else torch.from_numpy(comp).to(p.device, p.dtype)
+                )
+            if held.mode == "stochastic":
+                st[_UPDATE_STEP] = torch.tensor(entry["step"], dtype=torch.int32, device=p.device)
+    held.seed = checked["seed"]
+    held.started = True
