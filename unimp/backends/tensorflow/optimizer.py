@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -180,6 +181,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _ensure_extra(self, config)
         self._create_untracked_state()
         self._update_mode, self._update_seed = update, int(seed)
+        inner_optimizer.apply = _GuardedApply(inner_optimizer.apply, self)
 
     @tracking.no_automatic_dependency_tracking
     def _create_untracked_state(self) -> None:
@@ -197,6 +199,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Set by get_unscaled_gradients (Python state, so it is read when a tf.function is
         # traced): the next apply takes its gradients as already unscaled (tf.keras 2's contract).
         self._gradients_unscaled = False
+        # Set by scale_loss while a scale other than 1 may be in the gradients, cleared when
+        # they are unscaled (apply, get_unscaled_gradients): the inner optimizer applied
+        # directly meanwhile would step on gradients times the scale (_guard_inner)
+        self._scaled_pending = False
+        self._inner_ok = 0  # > 0 while this optimizer applies its inner one
         # Who traced the update (a TrainStep's id, or None for any other tf.function / fit):
         # the config is baked into those graphs as constants, so load_state_dict may no longer
         # swap the parts of it the update uses (see there).
@@ -306,6 +313,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if callable(loss) and not tf.is_tensor(loss):
             return lambda: self.scale_loss(loss())
+        if not self._loss_scale_config.unity:
+            self._scaled_pending = True
         loss = tf.convert_to_tensor(loss)
         if not loss.dtype.is_floating:
             raise TypeError(f"scale_loss needs a floating loss, got {loss.dtype.name}.")
@@ -342,6 +351,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 continue
             out.append(_unscale(g, scale))
         self._gradients_unscaled = True
+        self._scaled_pending = False
         return out
 
     def _unscale_for(self, g: Any, v: Any, scale: tf.Tensor, already: bool) -> Any:
@@ -405,6 +415,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ``(applied, consecutive_skips, total_skips, grads_finite, loss_finite)``, the flags
             reduced across replicas under a strategy.
         """
+        self._scaled_pending = False
+        self._inner_ok += 1
+        try:
+            return self._apply_unscaled_here(unscaled, variables, grads_finite, loss_finite)
+        finally:
+            self._inner_ok -= 1
+
+    def _apply_unscaled_here(
+        self, unscaled: list[Any], variables: list[Any] | None, grads_finite: Any, loss_finite: Any
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         replica = tf.distribute.get_replica_context()
         if (
             tf.distribute.has_strategy()
@@ -636,6 +656,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 
 _HALF = (tf.float16, tf.bfloat16)
+
+
+class _GuardedApply:
+    """The inner optimizer's ``apply`` while an unimp :class:`LossScaleOptimizer` wraps it:
+    applied directly (``inner.apply_gradients(...)``, ``opt.inner_optimizer.apply(...)``) after
+    ``scale_loss`` and before the gradients were unscaled, it would step on gradients times the
+    loss scale (65536 by default in torch, 32768 in Keras): refused with the fix, before anything
+    changes (the same rule as torch's GradScaler's check on ``optimizer.step()``)."""
+
+    def __init__(self, apply: Callable[..., Any], owner: LossScaleOptimizer) -> None:
+        self._apply = apply
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner()
+        if owner is not None and owner._scaled_pending and owner._inner_ok == 0:
+            raise RuntimeError(
+                "the inner optimizer is applying gradients of a scaled loss (scale_loss) that were "
+                "never unscaled, so the step would be the loss scale times too large: apply them "
+                "through the LossScaleOptimizer (optimizer.apply_gradients(...), which unscales), "
+                "or unscale first with optimizer.get_unscaled_gradients(grads)."
+            )
+        return self._apply(*args, **kwargs)
 
 
 class _Float32View:
