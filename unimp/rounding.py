@@ -291,6 +291,8 @@ def check_update_state(state: Any, mode: str | None = None, count: int | None = 
             f"export_update_state writes), got {type(state).__name__} "
             f"{sorted(state) if isinstance(state, dict) else ''}."
         )
+    if isinstance(state["update"], str):
+        state = {**state, "update": state["update"].strip().lower()}
     check_update_mode(state["update"])
     if mode is not None and state["update"] != mode:
         raise ValueError(
@@ -315,8 +317,11 @@ def check_update_state(state: Any, mode: str | None = None, count: int | None = 
         if not isinstance(entry, dict) or set(entry) != {"step", "compensation"}:
             raise ValueError(f"the state's params[{i}] must be None or {{'step', 'compensation'}}, got {entry!r}.")
         step = entry["step"]
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"the state's params[{i}]['step'] must be an integer >= 0, got {step!r}.")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 2**31:
+            raise ValueError(
+                f"the state's params[{i}]['step'] must be an integer in [0, 2**31) (every backend "
+                f"counts in int32), got {step!r}."
+            )
         comp = entry["compensation"]
         out.append({
             "step": int(step),

@@ -238,3 +238,25 @@ def test_half_update_bad_input():
     opt = half_update(optax.sgd(1.0))
     with pytest.raises(ValueError, match="call update\\(grads, state, params\\)"):
         opt.update(jnp.ones(2, jnp.bfloat16), opt.init(jnp.ones(2, jnp.bfloat16)))
+
+
+def test_export_and_import_check_the_mode_against_the_state():
+    from unimp.backends.jax import export_update_state, half_update, import_update_state
+
+    p = jnp.ones(3, jnp.bfloat16)
+    opt = half_update(optax.sgd(1e-3), "stochastic")
+    s = opt.init(p)
+    _, s = opt.update(jnp.ones(3, jnp.bfloat16), s, p)
+    with pytest.raises(ValueError, match="the optimizer state is of half_update\\(..., 'stochastic or nearest'\\)"):
+        export_update_state(s, p, "kahan")
+    state = export_update_state(s, p, " Stochastic")  # spelled as half_update takes it
+    assert state["params"][0]["step"] == 1
+    k = half_update(optax.sgd(1e-3), "kahan")
+    ks = k.init(p)
+    with pytest.raises(ValueError, match="the optimizer state is of half_update\\(..., 'kahan'\\)"):
+        import_update_state(ks, p, state, "stochastic")
+    f = {"w": jnp.ones(2, jnp.float32)}
+    kf = k.init(f)
+    wrong = {"update": "kahan", "seed": 0, "params": [{"step": 0, "compensation": np.zeros(2, np.float32)}]}
+    with pytest.raises(ValueError, match="buffers for half parameters only"):
+        import_update_state(kf, f, wrong, "kahan")

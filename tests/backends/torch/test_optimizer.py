@@ -297,3 +297,48 @@ def test_an_imported_state_survives_a_skipped_first_step(skip):
     step(torch.ones(1, 3))
     assert {"exp_avg", "compensation"} <= set(opt.state[model.weight])
     assert ut.export_update_state(opt)["params"][0]["compensation"].shape == (2, 3)
+
+
+def test_half_update_breakers_found():
+    # a float16 group added after install: refused before any parameter is written
+    a = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    opt = ut.half_update(torch.optim.SGD([a], lr=0.5), "stochastic", seed=np.int64(3))
+    assert peek_seed(opt) == 3  # NumPy integers are seeds, as in TensorFlow and JAX
+    opt.add_param_group({"params": [b]})
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    with pytest.raises(ValueError, match="rounds float32 to bfloat16"):
+        opt.step()
+    assert a.tolist() == [1.0, 1.0] and not opt.state[a]
+    # a counter out of int32's range: refused by the check, nothing written
+    x, y = (torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16)) for _ in range(2))
+    opt = ut.half_update(torch.optim.SGD([x, y], lr=1e-3), "stochastic", seed=1)
+    bad = {"update": "stochastic", "seed": 5, "params": [{"step": 7, "compensation": None}, {"step": 2**31, "compensation": None}]}
+    with pytest.raises(ValueError, match="in \\[0, 2\\*\\*31\\)"):
+        ut.import_update_state(opt, bad)
+    assert ut.export_update_state(opt)["params"] == [None, None]
+    # a sparse gradient is not taken by the rule: said once
+    emb = torch.nn.Embedding(4, 2, sparse=True).to(torch.bfloat16)
+    opt = ut.half_update(torch.optim.SGD(emb.parameters(), lr=1e-3), "kahan")
+    emb(torch.tensor([0])).sum().backward()
+    with pytest.warns(UserWarning, match="sparse gradient .* rounded to nearest"):
+        opt.step()
+
+
+def peek_seed(opt):
+    from unimp.attached import peek
+
+    return peek(opt, "half_update").seed
+
+
+def test_a_state_dict_loaded_before_installing_keeps_an_int32_counter():
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = ut.half_update(torch.optim.SGD([w], lr=1e-3), "stochastic")
+    for _ in range(5):
+        w.grad = torch.full_like(w, 1e-3)
+        opt.step()
+    w2 = torch.nn.Parameter(w.detach().clone())
+    plain = torch.optim.SGD([w2], lr=1e-3)
+    plain.load_state_dict(opt.state_dict())  # torch casts the counter to bfloat16 here
+    ut.half_update(plain, "stochastic")
+    assert plain.state[w2]["update_step"].dtype == torch.int32 and int(plain.state[w2]["update_step"]) == 5

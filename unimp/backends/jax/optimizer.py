@@ -462,6 +462,21 @@ def _half_update_state(opt_state: Any) -> HalfUpdateState:
     return found[0]
 
 
+def _mode_of_state(update: Any, leaves: list[Any], comps: list[Any]) -> str:
+    """``update`` checked against what the state holds: Kahan keeps a buffer of each half
+    parameter's shape, the other modes an empty one."""
+    mode = check_update_mode(update.strip().lower() if isinstance(update, str) else update)
+    half = [(p, c) for p, c in zip(leaves, comps, strict=True) if _is_half(p)]
+    kahan = bool(half) and all(tuple(c.shape) == tuple(p.shape) for p, c in half)
+    if half and kahan != (mode == "kahan"):
+        held = "kahan" if kahan else "stochastic or nearest"
+        raise ValueError(
+            f"update={mode!r}, but the optimizer state is of half_update(..., {held!r}): give the "
+            "mode the transformation was built with."
+        )
+    return mode
+
+
 def export_update_state(opt_state: Any, params: Any, update: str, seed: int = 0) -> dict[str, Any]:
     """The update-rule state inside ``opt_state`` (:func:`half_update`'s, also nested in
     :func:`loss_scaling` or a chain) in the portable format of
@@ -472,10 +487,10 @@ def export_update_state(opt_state: Any, params: Any, update: str, seed: int = 0)
     Raises:
         ValueError: no or several :class:`HalfUpdateState`, an unknown ``update``.
     """
-    mode = check_update_mode(update)
     st = _half_update_state(opt_state)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     comps = treedef.flatten_up_to(st.compensation)
+    mode = _mode_of_state(update, leaves, comps)
     out = []
     for p, c in zip(leaves, comps, strict=True):
         if not _is_half(p):
@@ -498,11 +513,17 @@ def import_update_state(opt_state: Any, params: Any, state: dict[str, Any], upda
         ValueError: another mode or number of parameters, a buffer whose shape is not its
             parameter's, or steps that differ (a torch parameter left without a gradient).
     """
-    mode = check_update_mode(update)
     st = _half_update_state(opt_state)
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    checked = check_update_state(state, mode, len(leaves))
     comps = treedef.flatten_up_to(st.compensation)
+    mode = _mode_of_state(update, leaves, comps)
+    checked = check_update_state(state, mode, len(leaves))
+    for i, (p, e) in enumerate(zip(leaves, checked["params"], strict=True)):
+        if e is not None and e["compensation"] is not None and not _is_half(p):
+            raise ValueError(
+                f"params[{i}]: a compensation buffer for a {jnp.dtype(p.dtype)} parameter: the rule "
+                "keeps buffers for half parameters only; export and import the same model."
+            )
     steps = {e["step"] for p, e in zip(leaves, checked["params"], strict=True) if e is not None and _is_half(p)}
     if mode == "stochastic" and len(steps) > 1:
         raise ValueError(

@@ -743,17 +743,28 @@ class _Float32View:
     def assign_sub(self, delta: Any) -> Any:
         return self._write(self._wide() - delta)
 
-    # sparse updates (embedding rows) are rounded to nearest
-    def scatter_update(self, value: Any) -> Any:
+    # sparse updates (embedding rows) are rounded to nearest, with a warning under a rule
+    def _sparse(self) -> None:
         self._flush()
+        if self._rule is not None and not self._rule.warned_sparse:
+            self._rule.warned_sparse = True
+            warnings.warn(
+                f"update={self._rule.mode!r}: a sparse (IndexedSlices) update, an Embedding's, is "
+                "rounded to nearest by the optimizer itself, not by the rule.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def scatter_update(self, value: Any) -> Any:
+        self._sparse()
         return self._var.scatter_update(self._narrow(value))
 
     def scatter_add(self, value: Any) -> Any:
-        self._flush()
+        self._sparse()
         return self._var.scatter_add(self._narrow(value))
 
     def scatter_sub(self, value: Any) -> Any:
-        self._flush()
+        self._sparse()
         return self._var.scatter_sub(self._narrow(value))
 
 
@@ -770,6 +781,7 @@ class _UpdateRule:
 
     def __init__(self, mode: str, seed: int, inner: Any, compensations: dict[int, Any]) -> None:
         self.mode, self.seed, self.inner, self.compensations = mode, seed, inner, compensations
+        self.warned_sparse = False
 
     def write(self, var: Any, target: tf.Tensor) -> Any:
         index = self.inner._get_variable_index(var)
@@ -892,6 +904,12 @@ def import_update_state(optimizer: Any, state: dict[str, Any]) -> None:
         if e is None:
             continue
         comp = e["compensation"]
+        if comp is not None and not _is_half_var(v):
+            raise ValueError(
+                f"params[{i}]: a compensation buffer for a {keras.backend.standardize_dtype(v.dtype)} "
+                "variable: the rule keeps buffers for half variables only; export and import the "
+                "same model."
+            )
         if comp is not None and tuple(comp.shape) != tuple(v.shape):
             raise ValueError(
                 f"params[{i}]: a compensation buffer of shape {tuple(comp.shape)} for a variable of "

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -281,6 +283,7 @@ class _HalfUpdate:
         self.mode = mode
         self.seed = seed
         self.started = False  # a step has run: the seed is part of the parameters now
+        self.warned_sparse = False
         self.pending: list[tuple[int, int, torch.nn.Parameter, torch.Tensor, dict]] | None = None
         self.loaded: dict[int, torch.Tensor] = {}
         optimizer.register_step_pre_hook(self._pre)
@@ -298,6 +301,11 @@ class _HalfUpdate:
                 "call loss.backward() before optimizer.step(), as with torch.amp's GradScaler."
             )
         self._restore(optimizer)  # a step that raised left its float32 copies in the groups
+        if self.mode == "stochastic":  # a float16 group added since: refused before any write
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if p.dtype == torch.float16 and p.grad is not None:
+                        check_update_mode("stochastic", "float16")
         pending = []
         index = 0
         for gi, group in enumerate(optimizer.param_groups):
@@ -306,6 +314,15 @@ class _HalfUpdate:
                 if p.grad is None or p.dtype not in _HALF or p.layout != torch.strided:
                     continue
                 if p.grad.is_sparse:
+                    if not self.warned_sparse:
+                        self.warned_sparse = True
+                        warnings.warn(
+                            f"half_update: a sparse gradient (a torch.nn.Embedding(sparse=True)) is "
+                            f"applied by the optimizer itself, rounded to nearest, not by "
+                            f"update={self.mode!r}; use dense gradients (sparse=False) for the rule.",
+                            UserWarning,
+                            stacklevel=4,
+                        )
                     continue
                 wide = p.detach().to(torch.float32).requires_grad_(p.requires_grad)
                 wide.grad = p.grad.to(torch.float32)
@@ -449,7 +466,7 @@ def half_update(
     if isinstance(update, str):
         update = update.strip().lower()
     mode = check_update_mode(update)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"half_update: seed must be an integer, got {seed!r}.")
     if mode == "stochastic":
         for g in optimizer.param_groups:
@@ -458,7 +475,14 @@ def half_update(
                     check_update_mode(mode, "float16")
     if peek(optimizer, "half_update", None) is not None:
         raise TypeError("half_update is installed on this optimizer already.")
-    attach(optimizer).half_update = _HalfUpdate(optimizer, mode, seed)
+    # a state_dict loaded before the rule was installed had its int32 counters cast to the
+    # parameters' dtype by torch: back to int32 (exact below 2**8 in bfloat16; load after
+    # installing, as mp.prepare does, to keep larger counts)
+    for state in optimizer.state.values():
+        count = state.get(_UPDATE_STEP)
+        if isinstance(count, torch.Tensor) and count.dtype != torch.int32:
+            state[_UPDATE_STEP] = count.round().to(torch.int32)
+    attach(optimizer).half_update = _HalfUpdate(optimizer, mode, int(seed))
     return optimizer
 
 
