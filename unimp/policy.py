@@ -176,8 +176,6 @@ _OPTIONAL_DEFAULTS = {"update": "nearest"}
 
 def _check_update(mode: Any, param_dtype: str) -> str:
     """``Policy.update`` checked against the parameters' dtype (see :class:`Policy`)."""
-    if isinstance(mode, str):
-        mode = mode.strip().lower()
     try:
         mode = check_update_mode(mode, param_dtype if param_dtype in HALF_DTYPES else None)
     except ValueError as e:
@@ -462,7 +460,7 @@ def get_policy(name: Any, *, platform: str | None = None) -> Policy:
         elif field == "matmul_precision":
             values[field] = check_matmul_precision(value, f"policy {name!r}: matmul")
         elif field == "update":
-            values[field] = value.strip().lower()  # checked with the params' dtype by Policy
+            values[field] = value  # checked (and normalized) with the params' dtype by Policy
         else:
             try:
                 values[field] = _dtype(value, platform, name)

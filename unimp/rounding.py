@@ -27,6 +27,7 @@ optimizer as the framework keeps it.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ __all__ = [
     "UPDATE_MODES",
     "NumpyOps",
     "apply_update",
+    "check_seed",
     "check_update_mode",
     "check_update_state",
     "random_bits",
@@ -56,13 +58,27 @@ _LOW16 = 0xFFFF
 _HIGH16 = -0x10000  # 0xFFFF0000 as int32
 
 
+def check_seed(seed: Any, what: str) -> int:
+    """A stochastic-rounding seed checked: any integer (Python, NumPy), its low 32 bits used
+    by :func:`random_bits`; one rule for every backend's ``half_update`` and the step option.
+
+    Raises:
+        TypeError: a bool, float or anything else, naming ``what``.
+    """
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{what} must be an integer (e.g. 0), got {seed!r}.")
+    return int(seed)
+
+
 def check_update_mode(mode: Any, param_dtype: str | None = None) -> str:
-    """``mode`` checked: one of :data:`UPDATE_MODES`; ``"stochastic"`` needs bfloat16
-    parameters (it rounds float32 to its top 16 bits).
+    """``mode`` checked (case and surrounding spaces ignored): one of :data:`UPDATE_MODES`;
+    ``"stochastic"`` needs bfloat16 parameters (it rounds float32 to its top 16 bits).
 
     Raises:
         ValueError: an unknown mode, or stochastic rounding for another dtype (named).
     """
+    if isinstance(mode, str):
+        mode = mode.strip().lower()  # "Kahan", " stochastic": as policy strings are read
     if mode not in UPDATE_MODES:
         raise ValueError(f"update must be one of {UPDATE_MODES}, got {mode!r}.")
     if param_dtype is not None:
@@ -291,16 +307,16 @@ def check_update_state(state: Any, mode: str | None = None, count: int | None = 
             f"export_update_state writes), got {type(state).__name__} "
             f"{sorted(state) if isinstance(state, dict) else ''}."
         )
-    if isinstance(state["update"], str):
-        state = {**state, "update": state["update"].strip().lower()}
-    check_update_mode(state["update"])
+    state = {**state, "update": check_update_mode(state["update"])}
     if mode is not None and state["update"] != mode:
         raise ValueError(
             f"the state is of update={state['update']!r}; this optimizer applies update={mode!r}."
         )
     seed = state["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"the state's seed must be an integer, got {seed!r}.")
+    try:
+        seed = check_seed(seed, "the state's seed")
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     params = state["params"]
     if not isinstance(params, (list, tuple)):
         raise ValueError(f"the state's 'params' must be a list, got {type(params).__name__}.")

@@ -13,10 +13,10 @@ The step's options are validated and documented once, by :class:`StepOptions`.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from unimp.rounding import check_seed
 from unimp.step import check_schedule_counts, check_stats_every, check_step_options, micro_batches
 from unimp.steprecorder import check_log_every
 
@@ -95,11 +95,7 @@ class StepOptions:
         set_(self, "max_grad_norm", norm)
         set_(self, "schedule_counts", check_schedule_counts(self.schedule_counts))
         set_(self, "log_every", check_log_every(self.log, self.log_every))
-        if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, numbers.Integral):
-            raise TypeError(
-                f"StepOptions.rounding_seed must be an integer (e.g. 0), got {self.rounding_seed!r}."
-            )
-        set_(self, "rounding_seed", int(self.rounding_seed))
+        set_(self, "rounding_seed", check_seed(self.rounding_seed, "StepOptions.rounding_seed"))
 
     def stats_step(self, calls: int) -> bool:
         """Whether the call with 0-based index ``calls`` takes statistics."""

@@ -17,7 +17,7 @@ import optax
 
 from unimp.backends.jax.overflow import _keep_unless, all_finite, sync_loss_scale
 from unimp.backends.jax.scaling import LossScale, LossScaleOps, loss_scale_from_config
-from unimp.rounding import check_update_mode, check_update_state, update_half
+from unimp.rounding import check_seed, check_update_mode, check_update_state, update_half
 
 
 class LossScaleOptState(NamedTuple):
@@ -390,11 +390,8 @@ def half_update(
         raise TypeError(
             f"half_update needs an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(inner).__name__}."
         )
-    if isinstance(update, str):
-        update = update.strip().lower()
     mode = check_update_mode(update)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"half_update: seed must be an integer, got {seed!r}.")
+    seed = check_seed(seed, "half_update: seed")
     inner = _float32_update(inner)  # injected hyperparameters held in float32
     ops = UpdateOps()
 
@@ -465,7 +462,7 @@ def _half_update_state(opt_state: Any) -> HalfUpdateState:
 def _mode_of_state(update: Any, leaves: list[Any], comps: list[Any]) -> str:
     """``update`` checked against what the state holds: Kahan keeps a buffer of each half
     parameter's shape, the other modes an empty one."""
-    mode = check_update_mode(update.strip().lower() if isinstance(update, str) else update)
+    mode = check_update_mode(update)
     half = [(p, c) for p, c in zip(leaves, comps, strict=True) if _is_half(p)]
     kahan = bool(half) and all(tuple(c.shape) == tuple(p.shape) for p, c in half)
     if half and kahan != (mode == "kahan"):

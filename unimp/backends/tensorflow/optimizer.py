@@ -44,7 +44,7 @@ from unimp.loss_scale import (
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
 from unimp.loss_scale.config import positive_int
-from unimp.rounding import check_update_mode, check_update_state, update_half
+from unimp.rounding import check_seed, check_update_mode, check_update_state, update_half
 from unimp.step import warn_half_optimizer_state
 
 
@@ -139,9 +139,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     ) -> None:
         loss_scale, name = _positional(args, loss_scale, name)
         _check_keras_arguments(kwargs)
-        update = check_update_mode(update.strip().lower() if isinstance(update, str) else update)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"LossScaleOptimizer: seed must be an integer, got {seed!r}.")
+        update = check_update_mode(update)
+        seed = check_seed(seed, "LossScaleOptimizer: seed")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "LossScaleOptimizer needs a keras.optimizers.Optimizer instance, got "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ import torch
 
 from unimp.attached import attach, peek
 from unimp.backends.torch.devices import _to
-from unimp.rounding import check_update_mode, check_update_state, update_half
+from unimp.rounding import check_seed, check_update_mode, check_update_state, update_half
 from unimp.step import warn_half_optimizer_state
 
 
@@ -463,11 +462,8 @@ def half_update(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"half_update needs a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    if isinstance(update, str):
-        update = update.strip().lower()
     mode = check_update_mode(update)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"half_update: seed must be an integer, got {seed!r}.")
+    seed = check_seed(seed, "half_update: seed")
     if mode == "stochastic":
         for g in optimizer.param_groups:
             for p in g["params"]:
@@ -482,7 +478,7 @@ def half_update(
         count = state.get(_UPDATE_STEP)
         if isinstance(count, torch.Tensor) and count.dtype != torch.int32:
             state[_UPDATE_STEP] = count.round().to(torch.int32)
-    attach(optimizer).half_update = _HalfUpdate(optimizer, mode, int(seed))
+    attach(optimizer).half_update = _HalfUpdate(optimizer, mode, seed)
     return optimizer
 
 
