@@ -75,3 +75,14 @@ def test_host_seeds_are_their_low_32_bits_and_floats_are_refused():
             rounding.random_bits(ops, bad, 0, 0, (1,))
     assert rounding.check_update_mode("stochastic", "bf16") == "stochastic"
     assert rounding.check_update_mode("stochastic", ml_dtypes.bfloat16) == "stochastic"
+
+
+def test_step_seed_takes_the_steps_seed_until_the_optimizer_has_stepped():
+    from unimp.rounding import step_seed
+
+    assert step_seed("kahan", 0, False, "kahan", 7, "x") == 7
+    assert step_seed("kahan", 7, True, "kahan", 7, "x") == 7
+    with pytest.raises(ValueError, match="pass rounding_seed=0 to keep its random bits"):
+        step_seed("stochastic", 0, True, "stochastic", 7, "x")
+    with pytest.raises(ValueError, match="give the step its plain optimizer, or a recipe with update='kahan'"):
+        step_seed("kahan", 0, False, "nearest", 0, "its plain optimizer")

@@ -42,6 +42,7 @@ __all__ = [
     "check_update_mode",
     "check_update_state",
     "random_bits",
+    "step_seed",
     "stochastic_round",
     "update_half",
 ]
@@ -68,6 +69,29 @@ def check_seed(seed: Any, what: str) -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"{what} must be an integer (e.g. 0), got {seed!r}.")
     return int(seed)
+
+
+def step_seed(held_mode: str, held_seed: int, started: bool, mode: str, seed: int, fix: str) -> int:
+    """The seed an optimizer that already applies a rule (``held_mode``, ``held_seed``; one
+    ``mp.prepare`` installed with seed 0) runs under a train step asking for ``mode`` and
+    ``seed``: the step's seed until the optimizer has stepped (``started``), then its own.
+    One rule for every backend's ``train_step``.
+
+    Raises:
+        ValueError: another mode (``fix`` names the plain optimizer to pass instead), or another
+            seed after the optimizer has stepped.
+    """
+    if held_mode != mode:
+        raise ValueError(
+            f"the optimizer applies update={held_mode!r}, the recipe's policy says update={mode!r}: "
+            f"give the step {fix}, or a recipe with update={held_mode!r}."
+        )
+    if mode != "nearest" and held_seed != seed and started:
+        raise ValueError(
+            f"the optimizer has stepped with rounding seed {held_seed}; the step asks for "
+            f"rounding_seed={seed}: pass rounding_seed={held_seed} to keep its random bits."
+        )
+    return seed if mode != "nearest" else held_seed
 
 
 def check_update_mode(mode: Any, param_dtype: str | None = None) -> str:

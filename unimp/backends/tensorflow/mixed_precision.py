@@ -23,6 +23,7 @@ from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
+from unimp.rounding import step_seed
 from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
@@ -418,19 +419,9 @@ class MixedPrecision(MixedPrecisionBase):
 def _check_update_rule(lso: LossScaleOptimizer, mode: str, seed: int) -> None:
     """An unimp optimizer given to ``train_step`` applies the policy's ``update``; one that
     ``prepare`` made (seed 0) takes the step's seed until it is built."""
-    if lso._update_mode != mode:
-        raise ValueError(
-            f"the optimizer applies update={lso._update_mode!r}, the recipe's policy says "
-            f"update={mode!r}: give the step its .inner_optimizer, or a recipe with "
-            f"update={lso._update_mode!r}."
-        )
-    if mode != "nearest" and lso._update_seed != seed:
-        if lso.built:
-            raise ValueError(
-                f"the optimizer has stepped with rounding seed {lso._update_seed}; the step asks for "
-                f"rounding_seed={seed}: pass rounding_seed={lso._update_seed} to keep its random bits."
-            )
-        lso._update_seed = seed
+    lso._update_seed = step_seed(
+        lso._update_mode, lso._update_seed, lso.built, mode, seed, "its .inner_optimizer"
+    )
 
 
 def _check_half_variables(model: Any, loss_scale: Any) -> None:

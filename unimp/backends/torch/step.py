@@ -35,6 +35,7 @@ from unimp.backends.torch.stats import (
     _pending,
     _Recorder,
 )
+from unimp.rounding import step_seed
 from unimp.step import StepResult, floor_hits
 from unimp.steprecorder import LoggedStep
 from unimp.trainstep import StepOptions, run_step
@@ -79,18 +80,9 @@ def _install_half_update(optimizer: torch.optim.Optimizer, mode: str, seed: int)
         if mode != "nearest":
             half_update(optimizer, mode, seed=seed)
         return
-    if held.mode != mode:
-        raise ValueError(
-            f"the optimizer applies update={held.mode!r} (half_update), the recipe's policy says "
-            f"update={mode!r}: give the step a plain optimizer, or a recipe with update={held.mode!r}."
-        )
-    if held.seed != seed:
-        if held.started:
-            raise ValueError(
-                f"the optimizer has stepped with rounding seed {held.seed}; the step asks for "
-                f"rounding_seed={seed}: pass rounding_seed={held.seed} to keep its random bits."
-            )
-        held.seed = seed
+    held.seed = step_seed(held.mode, held.seed, held.started, mode, seed, "a plain optimizer")
+
+
 class TrainStep(LoggedStep):
     """``step(batch) -> StepResult``: one optimizer step (one accumulation window) per call.
 
