@@ -260,3 +260,11 @@ def test_export_and_import_check_the_mode_against_the_state():
     wrong = {"update": "kahan", "seed": 0, "params": [{"step": 0, "compensation": np.zeros(2, np.float32)}]}
     with pytest.raises(ValueError, match="buffers for half parameters only"):
         import_update_state(kf, f, wrong, "kahan")
+
+
+def test_train_step_refuses_an_optimizer_wrapped_with_half_update():
+    from unimp.backends.jax import half_update
+
+    mp = unimp.mixed_precision("bf16-kahan", "jax")
+    with pytest.raises(ValueError, match="not one wrapped with half_update\\(\\) \\(the rule would run twice\\)"):
+        mp.train_step(lambda p, b: jnp.sum(p["w"].astype(jnp.float32)), half_update(optax.sgd(1.0)), {"w": jnp.ones(2)})

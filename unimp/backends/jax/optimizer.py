@@ -445,11 +445,18 @@ def half_update(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _half_update_state(opt_state: Any) -> HalfUpdateState:
+def _half_update_states(opt_state: Any) -> list[HalfUpdateState]:
+    """Every :class:`HalfUpdateState` in ``opt_state``, nested ones (a wrapper of a wrapper)
+    included."""
     found = [
         x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, HalfUpdateState))
         if isinstance(x, HalfUpdateState)
     ]
+    return [y for x in found for y in (x, *_half_update_states(x.inner_state))]
+
+
+def _half_update_state(opt_state: Any) -> HalfUpdateState:
+    found = _half_update_states(opt_state)
     if len(found) != 1:
         raise ValueError(
             f"expected one half_update(...) state in the optimizer state, found {len(found)}; wrap "

@@ -27,6 +27,7 @@ from unimp.backends.jax.optimizer import (
     _count_skipped,
     _float32_update,
     _half_second_moments,
+    _half_update_states,
     _injected_eps,
     _is_half,
     _learning_rate,
@@ -219,6 +220,11 @@ class TrainStep(LoggedStep):
         opt_state = jax.tree_util.tree_map(_device_leaf, optimizer.init(params))
         if donate:  # a state leaf that aliases a param (or another leaf) cannot be donated twice
             opt_state = jax.tree_util.tree_map(jnp.copy, opt_state)
+        if len(_half_update_states(opt_state)) > (mp.policy.update != "nearest"):
+            raise ValueError(
+                "train_step applies the policy's update rule itself: pass the plain optax "
+                "optimizer, not one wrapped with half_update() (the rule would run twice)."
+            )
         if _contains_loss_scaling(opt_state):
             raise ValueError(
                 "train_step scales the loss itself: pass the plain optax optimizer, not one wrapped "
