@@ -12,7 +12,7 @@ scale 65536. With Horovod's own ``hvd.Compression.fp16`` the loss-scaled gradien
 With ``--compression fp16`` unimp's LossScaleCompression unscales and divides by the world size
 in float32 before the cast, so the first step applies and the scale stays 65536. The loop is
 Horovod's documented AMP pattern (synchronize, unscale_, step inside skip_synchronize, update),
-in unimp.distributed.horovod.amp_step; unimp's scaler reduces the overflow flag over the ranks.
+in unimp.distributed.horovod.torch.amp_step; unimp's scaler reduces the overflow flag over the ranks.
 """
 
 import argparse
@@ -35,7 +35,7 @@ def main() -> None:
     # imported after parsing, so --help works where Horovod is not built
     import horovod.torch as hvd
 
-    import unimp.distributed.horovod as uhvd
+    import unimp.distributed.horovod.torch as uhvd
 
     hvd.init()
     rank = hvd.rank()

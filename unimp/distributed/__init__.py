@@ -1,7 +1,8 @@
 """Scaling out: helpers for data-parallel engines. Framework-free at import.
 
 The engine integrations live in submodules, imported on first use:
-``unimp.distributed.torch`` (torch.distributed: DDP, FSDP) and ``unimp.distributed.horovod``.
+``unimp.distributed.torch`` (torch.distributed: DDP, FSDP) and ``unimp.distributed.horovod``
+(``.torch`` and ``.tensorflow``).
 
 This module holds the framework-free rule for averaging gradients that travel as float16
 (:func:`fp16_mean`), written once over NumPy and matched bit for bit by the torch DDP comm hook

@@ -1,4 +1,4 @@
-"""unimp with Horovod (torch): the documented AMP pattern, and float16 compression made safe.
+"""unimp with Horovod and torch: the documented AMP pattern, and float16 compression made safe.
 
 Horovod's AMP recipe for torch is::
 
@@ -53,7 +53,7 @@ try:
     import horovod.torch as hvd
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "unimp.distributed.horovod needs Horovod built for torch: run scripts/build_horovod.sh "
+        "unimp.distributed.horovod.torch needs Horovod built for torch: run scripts/build_horovod.sh "
         f"(Horovod 0.28.1 with a C++17 patch; Gloo, no MPI). ({e})"
     ) from e
 

@@ -18,7 +18,7 @@ import torch
 pytestmark = pytest.mark.backend("torch")
 
 # without Horovod the module skips with unimp's ImportError, which names the build script
-uhvd = pytest.importorskip("unimp.distributed.horovod", exc_type=ImportError)
+uhvd = pytest.importorskip("unimp.distributed.horovod.torch", exc_type=ImportError)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "distributed" / "horovod_torch.py"
