@@ -24,6 +24,7 @@ from unimp.loss_scale import (
     LossScaleState,
     check_state,
     loss_scale_from_dict,
+    skip_counts,
     update_arrays,
 )
 
@@ -461,3 +462,17 @@ def test_unchanged_fields_come_back_as_the_same_arrays(cfg, unchanged, g, lf):
     # the caller's own applied flag gives the same bits
     fused = update_arrays(*args, extra=extra, applied=np.bool_(g and lf))
     assert [np.asarray(x).tobytes() for x in fused] == [np.asarray(x).tobytes() for x in out]
+
+
+@given(
+    st.integers(0, 2**20), st.integers(0, 2**20), st.booleans(), st.booleans(),
+)  # fmt: skip
+def test_skip_counts_are_update_arrays_counters(consecutive, extra, grads_finite, loss_finite):
+    """The arithmetic form of the skip counters (torch's fused update and its report) is the
+    rule's own: equal to update_arrays' for any state and either flag."""
+    total = consecutive + extra  # a valid state: consecutive <= total
+    after = unimp.loss_scale.update(
+        DynamicLossScale(), LossScaleState(8.0, 0, consecutive, total), grads_finite, loss_finite
+    )
+    skipped = int(not (grads_finite and loss_finite))
+    assert skip_counts(consecutive, total, skipped) == (after.consecutive_skips, after.total_skips)

@@ -170,7 +170,7 @@ def initialize(
             mp.prepare(m, last_opt if i == len(model_list) - 1 else None)
         if len(opt_list) > 1:  # each optimizer gets the check mp.prepare(model, opt) runs
             for o in opt_list:
-                _ut_optimizer._check_half_state(o)
+                _ut_optimizer.check_half_state(o)
     scalers = [_ut.GradScaler(config, device=device) for _ in range(num_losses)]
     for o in opt_list:
         _patch_step(o)
@@ -191,7 +191,7 @@ def _patch_step(optimizer: torch.optim.Optimizer) -> None:
             return original(*args, **kwargs)
         attach(optimizer).apex_bad = None
         # decided on the host, as Apex's patched step reads its overflow flag
-        return _ut_optimizer._guarded_step(optimizer, pending, args, kwargs, step_fn=original, sync=True)
+        return _ut_optimizer.guarded_step(optimizer, pending, args, kwargs, step_fn=original, sync=True)
 
     optimizer.step = step  # type: ignore[method-assign]
     attach(optimizer).apex_bad = None
@@ -273,7 +273,7 @@ def scale_loss(
             "scale_loss got an optimizer that was not passed to amp.initialize; its step could not "
             "be skipped on overflow. Pass every optimizer to amp.initialize."
         )
-    loss_flag = scaler._loss_finite  # scale() records the loss check: a failed block takes it back
+    loss_flag = scaler.loss_finite  # scale() records the loss check: a failed block takes it back
     scaled = scaler.scale(loss.float())
     entry = [_set_aside(o) for o in opts]  # each optimizer's (parameter, gradient) on entry
     try:
@@ -292,8 +292,8 @@ def scale_loss(
             scaler.unscale_(o)
         bads = []
         for o in opts:
-            found_inf = scaler._opt_state(o)["found_inf"]  # the block's own gradients only
-            bads.append(torch.where(scaler._loss_finite, found_inf, torch.ones_like(found_inf)))
+            found_inf = scaler.found_inf(o)  # the block's own gradients only
+            bads.append(torch.where(scaler.loss_finite, found_inf, torch.ones_like(found_inf)))
         for h in held:
             _add_back(h)
         scaler.update()
@@ -301,7 +301,7 @@ def scale_loss(
         for before in entry:
             for p, g in before:
                 p.grad = g
-        scaler._loss_finite = loss_flag
+        scaler.loss_finite = loss_flag
         raise
     for o, bad in zip(opts, bads, strict=True):
         pending = peek(o, "apex_bad", None)  # an earlier block's overflow still skips the step

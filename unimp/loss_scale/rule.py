@@ -172,6 +172,19 @@ def update_arrays(
     return out if extra is None else (*out, *extra)
 
 
+def skip_counts(consecutive_skips: Any, total_skips: Any, skipped: Any) -> tuple[Any, Any]:
+    """The skip counters after a step, in arithmetic alone: ``((consecutive_skips + skipped) *
+    skipped, total_skips + skipped)`` with ``skipped`` 1 for a skipped step and 0 for an applied
+    one (any integer array, or Python ints).
+
+    The same counters as :func:`update_arrays` (``where(applied, 0, consecutive + 1)``,
+    ``where(applied, total, total + 1)``), for an engine that holds the skip flag as a number:
+    torch's fused update (``unimp.backends.torch.GradScaler``) counts with it in place, and its
+    train step derives its report from one snapshot with it, on the host or the device.
+    """
+    return (consecutive_skips + skipped) * skipped, total_skips + skipped
+
+
 def update(
     config: LossScaleConfig,
     state: LossScaleState,

@@ -396,3 +396,74 @@ def test_a_parameter_listed_twice_is_unscaled_once():
     scaler.scale((w * torch.tensor([3.0, 4.0])).sum()).backward()
     scaler.unscale_(opt)
     assert torch.equal(w.grad, torch.tensor([3.0, 4.0]))
+
+
+# the public step calls (begin_step .. end_step) an engine runs, fused and on the reference path
+STEP_CONFIGS = {
+    "fused": DynamicLossScale(init_scale=2.0**10, growth_interval=2),
+    "reference": DynamicLossScale(init_scale=2.0**10, growth_interval=2, hysteresis=2),
+}
+
+
+@pytest.mark.parametrize("cfg", list(STEP_CONFIGS))
+def test_the_public_step_calls_are_the_train_steps(cfg):
+    """An engine driving GradScaler's public step calls by hand gets the train step's results,
+    parameters and loss-scale state, bit for bit, through clean, overflowing and forward
+    overflowing steps (the train step calls nothing else of the scaler)."""
+    from backends.torch.helpers import _loss
+
+    config = STEP_CONFIGS[cfg]
+    assert ut.scaling.fused_rule(config) == (cfg == "fused")
+    events = ["ok", "grads", "ok", "loss", "ok", "ok"]
+    mp = ut.MixedPrecision(unimp.get_recipe("mixed_float16", loss_scale=config), device=DEV)
+    model, by_hand = _mlp(), _mlp()
+    step = mp.train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), _loss)
+    opt = torch.optim.Adam(by_hand.parameters(), lr=1e-2, fused=True)
+    sc = ut.GradScaler(config, device=DEV)
+    for i, event in enumerate(events):
+        x, y, _ = _batch(i)
+        if event == "loss":
+            x[0, 0] = float("nan")
+        r = step((x, y, event == "grads"))
+        scale = sc.begin_step()
+        with mp.autocast():
+            loss = _loss(by_hand, (x, y, event == "grads"))
+        (loss * scale).backward()
+        sc.record_loss(loss.detach())
+        sc.unscale_(opt)
+        grads_finite = None if sc.loss_finite is None else sc.found_inf(opt) == 0
+        loss_finite = sc.loss_finite
+        applied = sc.apply_step(opt)
+        fields, _ = sc.end_step(grads_finite, loss_finite)
+        opt.zero_grad(set_to_none=True)
+        raw = {"applied": applied, "loss_finite": loss_finite, "grads_finite": grads_finite, **fields}
+        for name in ("applied", "loss_finite", "grads_finite", "consecutive_skips", "total_skips"):
+            assert ut.scaling.to_host(raw[name]) == getattr(r, name), (i, name)
+        assert r.applied == (event == "ok")
+    assert sc.state == step.scaler.state
+    for a, b in zip(model.parameters(), by_hand.parameters(), strict=True):
+        _assert_bitwise(a.detach(), b.detach())
+
+
+def test_the_public_step_calls_refuse_misuse():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sc = ut.GradScaler(DynamicLossScale(), device=DEV)
+    with pytest.raises(RuntimeError, match=r"unscale_\(optimizer\) first"):
+        sc.found_inf(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(optimizer\) first"):
+        sc.mark_non_finite(opt, torch.tensor(True))
+    before = sc.loss_finite
+    with pytest.raises(TypeError, match="0-d bool tensor"):
+        sc.loss_finite = 1.0
+    with pytest.raises(TypeError, match="0-d bool tensor"):
+        sc.loss_finite = torch.tensor([True])
+    assert sc.loss_finite is before  # a refused value changes nothing
+    x, y, _ = _batch(0)
+    sc.begin_step()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    sc.unscale_(opt)
+    sc.abort_step()  # a step that raised: the half-done unscale_ is forgotten
+    with pytest.raises(RuntimeError, match=r"unscale_\(optimizer\) first"):
+        sc.found_inf(opt)
+    assert sc.loss_finite is not None and bool(sc.loss_finite)

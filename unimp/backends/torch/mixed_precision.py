@@ -21,11 +21,11 @@ from unimp.backends.torch.casting import (
 )
 from unimp.backends.torch.devices import _as_device, _dtype_ok
 from unimp.backends.torch.fp8 import FP8Dense, fp8_select, fp8_swap
-from unimp.backends.torch.optimizer import _check_half_state, half_update
+from unimp.backends.torch.optimizer import check_half_state, half_update
 from unimp.backends.torch.overrides import apply_overrides, cast_module, resolve
 from unimp.backends.torch.precision import matmul_precision
-from unimp.backends.torch.scaling import GradScaler
-from unimp.backends.torch.step import TrainStep, _to_host
+from unimp.backends.torch.scaling import GradScaler, to_host
+from unimp.backends.torch.step import TrainStep
 from unimp.registry import resolve_cast_mode
 from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
@@ -262,7 +262,7 @@ class MixedPrecision(MixedPrecisionBase):
         self._wrap_forward(model)
         attach(model).prepared = True
         if optimizer is not None:
-            _check_half_state(optimizer)
+            check_half_state(optimizer)
             if self.policy.update != "nearest":  # Kahan / stochastic updates of half parameters
                 half_update(optimizer, self.policy.update)
         return out
@@ -369,4 +369,4 @@ class MixedPrecision(MixedPrecisionBase):
         if self.policy.overrides and self._mode != "none" and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(self, model, optimizer, loss_fn, options=options, scheduler=scheduler, skip=skip)
-        return with_log(step, self, log, options.log_every, step.scaler.config, _to_host)
+        return with_log(step, self, log, options.log_every, step.scaler.config, to_host)

@@ -55,13 +55,7 @@ def _stepping() -> Iterator[None]:
         _IN_STEP.active = before
 
 
-def _guarded_step(*args: Any, **kwargs: Any) -> Any:
-    """:func:`_guarded_step_unmarked` with :data:`_IN_STEP` set (see it for the arguments)."""
-    with _stepping():
-        return _guarded_step_unmarked(*args, **kwargs)
-
-
-def _guarded_step_unmarked(
+def guarded_step(
     optimizer: torch.optim.Optimizer,
     bad: torch.Tensor,
     args: tuple,
@@ -100,7 +94,23 @@ def _guarded_step_unmarked(
     torch has it: no copy and no sync.
 
     ``step_fn`` replaces ``optimizer.step`` (the Apex shim passes the original bound method).
+
+    The call is marked as unimp's own: the GradScaler's check for a user's ``optimizer.step()``
+    on gradients still multiplied by the scale stays out of it.
     """
+    with _stepping():
+        return _guarded_step_unmarked(optimizer, bad, args, kwargs, step_fn, sync)
+
+
+def _guarded_step_unmarked(
+    optimizer: torch.optim.Optimizer,
+    bad: torch.Tensor,
+    args: tuple,
+    kwargs: dict,
+    step_fn: Callable[..., Any] | None = None,
+    sync: bool = False,
+) -> Any:
+    """:func:`guarded_step`'s work, unmarked."""
     step_fn = optimizer.step if step_fn is None else step_fn
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     # the optimizer's own lazy state (half_update's keys may be there before it: imported)
@@ -185,7 +195,7 @@ def _own_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
     return any(k not in _RULE_KEYS for k in optimizer.state.get(p, {}))
 
 
-def _check_half_state(optimizer: torch.optim.Optimizer) -> None:
+def check_half_state(optimizer: torch.optim.Optimizer) -> None:
     """Once per optimizer: :func:`unimp.step.warn_half_optimizer_state` when an adaptive
     optimizer (a numeric ``eps``) holds trainable float16 parameters, so torch keeps its
     moments in float16 too. Optimizers whose ``eps`` is not a number (Adafactor's pair) are
@@ -205,6 +215,26 @@ def _check_half_state(optimizer: torch.optim.Optimizer) -> None:
                 return
     if eps:
         warn_half_optimizer_state(type(optimizer).__name__, min(eps))
+
+
+def param_grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """``(parameter, gradient)`` for each parameter of ``optimizer`` with a gradient, each ONCE:
+    a parameter listed twice in the parameter groups (torch's optimizers warn and allow it) is
+    unscaled, checked and clipped once (torch.amp's GradScaler unscales it twice). A sparse
+    gradient is given as its values (a float16 one coalesced first, in place of ``p.grad``)."""
+    out, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.grad.is_sparse:
+                if p.grad.dtype is torch.float16:
+                    p.grad = p.grad.coalesce()
+                out.append((p, p.grad._values()))
+            else:
+                out.append((p, p.grad))
+    return out
 
 
 def _param_names(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:

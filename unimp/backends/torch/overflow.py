@@ -1,8 +1,6 @@
 """torch overflow detection, on the device, no host sync: ``all_finite`` over a nested structure,
-and the train step's overflow flags on its fused path: one reused float32 scratch
-``[loss_inf, grads_inf, skip, overflow]``, zeroed by one op, written by torch's check kernels
-(:func:`_check_loss` for the loss, ``unscale_`` for the gradients) and one ``lerp``
-(:func:`skip_flags`), as the step's report and the fused loss-scale update read them; and the
+the loss check of a fused step (:func:`_check_loss`, torch's check kernel writing into the
+scaler's flag scratch: ``GradScaler.begin_step``), the global norm; and the
 replicas' agreement over torch.distributed: the step's flags reduced over the group
 (:func:`reduce_step_flags`) and one loss-scale state on every rank (:func:`check_replicas_agree`),
 as :mod:`unimp.distributed.torch` documents them."""
@@ -33,33 +31,6 @@ def all_finite(tree: Any) -> torch.Tensor:
         return torch.tensor(True)
     dev = flags[0].device
     return torch.stack([_to(f, dev) for f in flags]).all()
-
-
-def _scratch(sc: Any) -> dict[str, Any]:
-    """The scaler's scratch dict (never pickled: see ``GradScaler.__getstate__``)."""
-    return sc.__dict__.setdefault("_scratch", {})
-
-
-def step_flags(sc: Any) -> tuple[torch.Tensor, ...]:
-    """``(loss_inf, grads_inf, skip, overflow)``: 0-d float32 views of the scaler's flag scratch,
-    zeroed (one op; the views are made once)."""
-    views = _scratch(sc).get("flag_views")
-    if views is None:
-        flags = sc._buffer("flags", (4,))
-        end = torch.tensor([1.0, 0.0], dtype=torch.float32, device=sc.device)
-        views = _scratch(sc)["flag_views"] = (*flags.unbind(), flags[:3], flags[2:], end)
-    sc._buffer("flags", (4,)).zero_()
-    return views[:4]
-
-
-def skip_flags(sc: Any) -> None:
-    """Writes ``skip = max(loss_inf, grads_inf)`` (exactly 1.0 or 0.0: torch's fused optimizers
-    skip on ``found_inf == 1`` only) and ``overflow = grads_inf and not loss_inf`` (the backoff
-    flag: finite loss, non-finite gradients) in one op: ``lerp(grads_inf, [1, 0], loss_inf)``
-    is ``[grads_inf, grads_inf]`` for a finite loss and ``[1, 0]`` for a non-finite one (a
-    weight of exactly 0 or 1 gives the start or the end exactly)."""
-    loss_inf, grads_inf, _, _, _, skip_overflow, end = _scratch(sc)["flag_views"]
-    torch.lerp(grads_inf, end, loss_inf, out=skip_overflow)
 
 
 def _check_loss(loss: torch.Tensor, loss_inf: torch.Tensor, one: torch.Tensor) -> None:
@@ -130,7 +101,7 @@ def state_fingerprint(scaler: Any) -> torch.Tensor:
     """A float64 vector ``[scale, counter, consecutive_skips, total_skips, <EXTRA_FIELDS>,
     config code]`` on the scaler's device (no host sync): equal on two ranks iff they hold the
     same loss-scale state and config (the config code is a CRC-32 of its JSON)."""
-    parts = [scaler._scale, scaler._counter, scaler._consecutive, scaler._total, *scaler._extra]
+    parts = list(scaler.state_tensors())
     code = torch.tensor(config_code(scaler.config), dtype=torch.float64, device=scaler.device)
     return torch.stack([t.to(torch.float64) for t in parts] + [code])
 
@@ -165,7 +136,7 @@ def check_replicas_agree(scaler: Any, group: Any = None) -> list[str]:
             "Load the same checkpoint (scaler.load_state_dict) on every rank "
             "('config' above is a code of the loss-scale config)",
             differ,
-            stacklevel=3,
+            stacklevel=4,
         )
     return differ
 
@@ -187,8 +158,7 @@ def broadcast_state(scaler: Any, src: int = 0, group: Any = None) -> None:
     group = _initialized_group(group)
     box = [scaler.state_dict() if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    scaler.load_state_dict(box[0])
-    scaler._replicas_checked = True  # equal by construction
+    scaler.load_state_dict(box[0])  # (the scaler checks the replicas again at its next step)
 
 
 def _norm_rescale(amax: torch.Tensor) -> torch.Tensor:

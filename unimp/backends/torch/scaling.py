@@ -57,8 +57,15 @@ from unimp import loss_scale as _ls
 from unimp.attached import peek
 from unimp.backends.torch.casting import _leaves, _map_tree
 from unimp.backends.torch.devices import _as_device, _to
-from unimp.backends.torch.optimizer import _IN_STEP, _guarded_step, _param_names, _stepping
+from unimp.backends.torch.optimizer import (
+    _IN_STEP,
+    _param_names,
+    _stepping,
+    guarded_step,
+    param_grads,
+)
 from unimp.backends.torch.overflow import (
+    _check_loss,
     all_finite,
     check_replicas_agree,
     flags_from_bools,
@@ -72,6 +79,7 @@ from unimp.loss_scale import (
     LossScaleConfig,
     LossScaleState,
     loss_scale_from_dict,
+    skip_counts,
     tracks_extra,
     update_arrays,
 )
@@ -498,6 +506,7 @@ class GradScaler:
         self._process_group = process_group
         self._replicas_checked = False
         self._floor_watch = FloorWatch()  # get_scale and the train step's results: once per hit
+        self._fused: tuple[torch.Tensor, ...] | None = None  # a fused step's flags (begin_step)
 
     # -- replicas
 
@@ -512,25 +521,36 @@ class GradScaler:
             return None
         return dist.group.WORLD if dist.get_world_size() > 1 else None
 
-    def _reduce_flags(self, found_inf: torch.Tensor) -> torch.Tensor:
-        """``found_inf`` and the loss-finite flag, reduced (MAX of "bad") over the replicas.
+    def _reduce_flags(
+        self, found_inf: torch.Tensor, loss_finite: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(found_inf, loss_finite)`` reduced (MAX of "bad") over the replicas.
 
         The reduction is :func:`~unimp.backends.torch.overflow.reduce_step_flags` (run only when a
-        group is active); subclasses for other engines (Horovod) override this method.
+        group is active); a subclass for another engine (Horovod) overrides this hook.
         """
         group = self._group()
         if group is None:
-            return found_inf
-        found_inf, self._loss_finite = reduce_step_flags(found_inf, self._loss_finite, group)
-        return found_inf
+            return found_inf, loss_finite
+        return reduce_step_flags(found_inf, loss_finite, group)
 
-    def _check_replicas(self) -> None:
-        """Once after construction or ``load_state_dict``: every replica holds the same state."""
-        if self._replicas_checked:
-            return
+    def _agree_replicas(self) -> None:
+        """Makes every replica hold the same state (:meth:`check_replicas`' collective):
+        :func:`~unimp.backends.torch.overflow.check_replicas_agree` where a group is active; a
+        subclass for another engine (Horovod) overrides this hook."""
         group = self._group()
         if group is not None:
             check_replicas_agree(self, group)
+
+    def check_replicas(self) -> None:
+        """Makes every replica hold the same loss-scale state, once after construction or
+        :meth:`load_state_dict` (later calls return at once): with a process group,
+        :func:`~unimp.backends.torch.overflow.check_replicas_agree` (one all-reduce; a mismatch is
+        re-synchronized from rank 0 with a :class:`unimp.ReplicaDesyncWarning`); without one,
+        nothing. :meth:`scale`, :meth:`unscale_` and :meth:`begin_step` call it."""
+        if self._replicas_checked:
+            return
+        self._agree_replicas()
         self._replicas_checked = True
 
     # -- state
@@ -556,10 +576,28 @@ class GradScaler:
         return self._device
 
     @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The loss scale as the float32 0-d tensor on :attr:`device` that holds it (no sync;
+        :meth:`update` changes it in place: clone it to keep a value)."""
+        return self._scale
+
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The loss-scale state as the tensors on :attr:`device` that hold it, in
+        :class:`unimp.LossScaleState` field order (float32 scale, int32 counters; no sync;
+        changed in place by :meth:`update`)."""
+        return (self._scale, self._counter, self._consecutive, self._total, *self._extra)
+
+    @property
     def state(self) -> LossScaleState:
         """The loss-scale state as host values (synchronizes)."""
-        held = (self._scale, self._counter, self._consecutive, self._total, *self._extra)
-        return LossScaleState(*(t.item() for t in held))
+        return LossScaleState(*(t.item() for t in self.state_tensors()))
+
+    @property
+    def floor_watch(self) -> FloorWatch:
+        """The run's :class:`unimp.loss_scale.FloorWatch`: a floor hit (``floor_action`` "warn"
+        / "raise") is reported once, at :meth:`get_scale` or the first train-step result read
+        after it."""
+        return self._floor_watch
 
     def is_enabled(self) -> bool:
         """False when built with ``enabled=False`` (then every method passes through)."""
@@ -644,28 +682,10 @@ class GradScaler:
                     "loss.backward()), then scaler.step(optimizer) and scaler.update()."
                 )
         self._loss_finite = self._loss_finite & _to(all_finite(outputs), self._device)
-        self._check_replicas()  # replicas must agree on the scale before the loss is scaled
+        self.check_replicas()  # replicas must agree on the scale before the loss is scaled
         scaled = _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
         _mark_pending(self, scaled)
         return scaled
-
-    def _grads(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """``(parameter, gradient)`` for each parameter with a gradient, each ONCE: a parameter
-        listed twice in the parameter groups (torch's optimizers warn and allow it) is
-        unscaled, checked and clipped once (torch.amp's GradScaler unscales it twice)."""
-        out, seen = [], set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if p.grad.is_sparse:
-                    if p.grad.dtype is torch.float16:
-                        p.grad = p.grad.coalesce()
-                    out.append((p, p.grad._values()))
-                else:
-                    out.append((p, p.grad))
-        return out
 
     def _check_fp16(self, optimizer: torch.optim.Optimizer) -> None:
         bad = [
@@ -681,7 +701,7 @@ class GradScaler:
                 "with mp.prepare(model, optimizer), which keeps float32 master weights."
             )
 
-    def unscale_(self, optimizer: torch.optim.Optimizer, *, _found_inf: Any = None) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale, in place, and checks them for inf/NaN.
 
         Matches torch.amp.GradScaler.unscale_: ``inv_scale`` is the float64 reciprocal of the
@@ -700,12 +720,12 @@ class GradScaler:
             return
         if st["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call update() first.")
-        self._check_replicas()  # before anything changes: raises on every rank on a mismatch
+        self.check_replicas()  # before anything changes: raises on every rank on a mismatch
         master = peek(optimizer, "master", None)
         if master is not None:
             master.to_master()
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for _, g in self._grads(optimizer):
+        for _, g in param_grads(optimizer):
             groups.setdefault((g.device, g.dtype), []).append(g)
         # a scale of exactly 1 unscales exactly: float16 is fine then
         if not self._config.unity and any(dt == torch.float16 for _, dt in groups):
@@ -716,12 +736,14 @@ class GradScaler:
             inv_scale = self._ops.f32(1.0)
         else:
             inv_scale = torch.div(self._ops.f64(1.0), self._scale, out=self._buffer("inv_scale"))
+        # in a fused step (begin_step) the flag is the step's scratch, which its report reads
+        into = None if self._fused is None else self._fused[1]
         with torch.no_grad():
             per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for (dev, _), grads in groups.items():
                 if dev not in per_device:
                     per_device[dev] = (
-                        _found_inf if _found_inf is not None and dev == _found_inf.device
+                        into if into is not None and dev == into.device
                         else torch.zeros((), dtype=torch.float32, device=dev),
                         _to(inv_scale, dev),
                     )  # fmt: skip
@@ -734,11 +756,11 @@ class GradScaler:
                 found_inf = torch.stack(flags).amax()  # 0 / 1: fused optimizers skip on == 1 only
             else:
                 found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
-        st["found_inf"] = self._reduce_flags(found_inf)
+        st["found_inf"], self._loss_finite = self._reduce_flags(found_inf, self._loss_finite)
         st["stage"] = _UNSCALED
         pending = _PENDING.get(self)
         if pending is not None:  # these gradients are unscaled now, whichever optimizer steps them
-            pending.unscaled.update(id(p) for p, _ in self._grads(optimizer))
+            pending.unscaled.update(id(p) for p, _ in param_grads(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer | None = None, *args: Any, **kwargs: Any) -> Any:
         """Unscales (unless :meth:`unscale_` was called) and steps, skipping on the device.
@@ -747,7 +769,7 @@ class GradScaler:
         :meth:`scale` (torch.amp semantics, plus the forward-overflow rule). A skipped step leaves
         the parameters and the whole optimizer state (moments, ``step``) bitwise unchanged and
         needs no host sync: fused optimizers take ``found_inf`` natively, others are restored
-        with ``torch.where`` (details in the module's ``_guarded_step``). ``*args``/``**kwargs``
+        with ``torch.where`` (details in the module's ``guarded_step``). ``*args``/``**kwargs``
         go to ``optimizer.step``; with positional arguments (a closure, as LBFGS takes it) the
         skip is decided on the host first and ``optimizer.step`` is not called on a skipped
         step, as torch.amp's GradScaler does (one sync).
@@ -795,7 +817,7 @@ class GradScaler:
             if args:  # a closure runs on an applied step only: decided on the host, as torch does
                 ret = None if bool(bad != 0) else optimizer.step(*args, **kwargs)
             else:
-                ret = _guarded_step(optimizer, bad, args, kwargs, sync=self._skip_mode == "auto")
+                ret = guarded_step(optimizer, bad, args, kwargs, sync=self._skip_mode == "auto")
                 if ret is not None and bool(bad != 0):
                     ret = None
         st["stage"] = _STEPPED
@@ -894,6 +916,165 @@ class GradScaler:
         self._loss_finite = self._ops.true  # never changed in place: every update rebinds it
         return out
 
+    # -- one training step as an engine runs it (unimp's train step)
+
+    def begin_step(self) -> torch.Tensor:
+        """Starts one training step as an engine runs it, in place of :meth:`scale`: checks
+        that the replicas agree (:meth:`check_replicas`) and returns the loss scale the step
+        uses, a float32 0-d tensor on the scaler's device whose value this step's
+        :meth:`end_step` does not change. The engine multiplies each loss by it itself.
+
+        The calls of one step, in order: ``begin_step``; for each micro-batch the backward
+        of ``loss * scale`` and :meth:`record_loss`; :meth:`unscale_`; optionally
+        :meth:`found_inf` and :meth:`mark_non_finite`; :meth:`apply_step`; :meth:`end_step`.
+        Where anything raises before ``end_step``, :meth:`abort_step`.
+
+        On one process, for a config :func:`fused_rule` accepts, the step is fused: its loss
+        and gradient overflow flags, skip flag and backoff flag are one scratch, zeroed here
+        (one op) and written by torch's check kernels; :meth:`apply_step` takes the step's
+        report as one packed snapshot (two ops) and :meth:`end_step` runs the fused update
+        on the same flags. A step costs no host sync either way.
+        """
+        self.check_replicas()  # replicas must agree on the scale before the loss is scaled
+        if fused_rule(self._config) and self._group() is None:
+            self._fused = self._zero_flags()
+            return self._scale  # unchanged until the update, after the report's snapshot
+        self._fused = None
+        # the update changes the state in place: a static scale never changes
+        return self._scale.clone() if self._config.dynamic else self._scale
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Records on the device whether ``loss`` (a step's unscaled loss, detached) is
+        finite: the forward-overflow rule's flag, as :meth:`scale` records it. Call it after
+        the loss's backward: in a fused step torch's check kernel multiplies ``loss`` by 1 in
+        place (no value changes)."""
+        if self._fused is not None:
+            _check_loss(loss, self._fused[0], self._ops.f32(1.0))
+            return
+        finite = _to(torch.isfinite(loss), self._device)
+        # the flag starts as the cached True, and True & x is x: one op fewer a step
+        start = self._loss_finite is self._ops.true
+        self._loss_finite = finite if start else self._loss_finite & finite
+
+    @property
+    def loss_finite(self) -> torch.Tensor | None:
+        """Whether every loss given to :meth:`scale` or :meth:`record_loss` since the last
+        update was finite: a 0-d bool tensor on the scaler's device (no sync). None inside a
+        fused step, whose flag is a field of the report :meth:`apply_step` takes."""
+        return None if self._fused is not None else self._loss_finite
+
+    @loss_finite.setter
+    def loss_finite(self, flag: torch.Tensor) -> None:
+        """Sets the flag back to one read earlier (an engine undoing a failed block, as
+        ``unimp.compat.apex.scale_loss`` does)."""
+        if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool or flag.dim() != 0:
+            raise TypeError("loss_finite must be a 0-d bool tensor (a value read from loss_finite).")
+        self._loss_finite = _to(flag, self._device)
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """The overflow flag :meth:`unscale_` found for ``optimizer``'s gradients: a float32
+        0-d tensor on the scaler's device, nonzero where a gradient was not finite (agreed
+        over the replicas); what :meth:`step` and :meth:`update` read.
+
+        Raises:
+            RuntimeError: ``optimizer`` was not unscaled since the last update.
+        """
+        flag = self._per_opt.get(id(optimizer), {}).get("found_inf")
+        if flag is None:
+            raise RuntimeError("found_inf(optimizer) needs scaler.unscale_(optimizer) first.")
+        return flag
+
+    def mark_non_finite(self, optimizer: torch.optim.Optimizer, non_finite: torch.Tensor) -> None:
+        """Marks ``optimizer``'s gradients non-finite where ``non_finite`` (a 0-d bool tensor,
+        e.g. a global norm beyond float32) is True: the step is skipped and the scale backs
+        off, as for an inf gradient. In place, on the device (one op).
+
+        Raises:
+            RuntimeError: ``optimizer`` was not unscaled since the last update.
+        """
+        flag = self.found_inf(optimizer)
+        torch.maximum(flag, _to(non_finite, flag.device).float(), out=flag)
+
+    def apply_step(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Steps ``optimizer`` as :meth:`step` does (unscaling first where needed), skipped on
+        the device where the loss or a gradient was not finite, and returns ``applied``: a
+        0-d bool on the scaler's device (in a fused step, a field of the step's report,
+        which stands for one). No host sync, except ``skip="auto"``'s one read for an
+        optimizer without torch's native amp path."""
+        if self._fused is None:
+            return self._step(optimizer, (), {})[1]
+        st = self._opt_state(optimizer)
+        if st["stage"] == _READY:
+            self.unscale_(optimizer)
+        loss_inf, grads_inf, skip, overflow = self._fused  # step() with the loss flag as found_inf
+        if st["found_inf"] is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
+            grads_inf.copy_(st["found_inf"])
+        self._skip_flags()  # skip (exactly 1 or 0) and the backoff flag, one op
+        guarded_step(optimizer, skip, (), {}, sync=self._skip_mode == "auto")
+        st["stage"] = _STEPPED
+        # the report: one snapshot, every field derived when read
+        self._report, (loss_bad, skipped, skipped_one) = _snapshot(self)
+        self._report_flags = (overflow, skipped, loss_bad, skipped_one)
+        return self._report["applied"]
+
+    def applied_tensor(self) -> torch.Tensor | None:
+        """In a fused step after :meth:`apply_step`, whether it applied, as a 0-d bool tensor
+        (one op; the report's ``applied`` field stands for one without being one); else None,
+        and ``apply_step``'s result is that tensor."""
+        return None if self._fused is None else torch.eq(self._fused[2], 0)
+
+    def end_step(self, grads_finite: Any, loss_finite: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """Ends the step: the loss-scale update (:meth:`update`'s rule; in a fused step the
+        fused update on the step's flags, which are then the ones reported).
+
+        Args:
+            grads_finite, loss_finite: the step's 0-d bool flags (ignored in a fused step:
+                its report holds them).
+
+        Returns:
+            ``(fields, extra)``: the report's fields the update decides, ``consecutive_skips``
+            and ``total_skips`` (after this step) and, in a fused step, ``scale``,
+            ``loss_finite`` and ``grads_finite`` too; and the state's extra fields
+            (:data:`unimp.loss_scale.EXTRA_FIELDS`) after the step, for ``floor_hits``.
+        """
+        if self._fused is None:
+            _, _, consecutive, total, *extra = self._update(grads_finite, loss_finite)
+            return {"consecutive_skips": consecutive, "total_skips": total}, tuple(extra)
+        report = self._report
+        _, _, _, _, *extra = self._update(report["grads_finite"], report["loss_finite"], self._report_flags)
+        self._fused = self._report = self._report_flags = None
+        return {f: report[f] for f in _REPORTED}, tuple(extra)
+
+    def abort_step(self) -> None:
+        """Forgets a step that raised before :meth:`end_step`: the loss flag, a half-done
+        :meth:`unscale_` (the optimizers' stages) and a fused step's flags; the loss-scale
+        state is as it was."""
+        self._loss_finite = self._ops.true
+        self._per_opt.clear()
+        self._fused = None
+
+    def _zero_flags(self) -> tuple[torch.Tensor, ...]:
+        """``(loss_inf, grads_inf, skip, overflow)``: 0-d float32 views of the fused step's flag
+        scratch, zeroed (one op; the views are made once)."""
+        scratch = self.__dict__.setdefault("_scratch", {})
+        views = scratch.get("flag_views")
+        if views is None:
+            flags = self._buffer("flags", (4,))
+            end = torch.tensor([1.0, 0.0], dtype=torch.float32, device=self._device)
+            views = scratch["flag_views"] = (*flags.unbind(), flags[:3], flags[2:], end)
+        self._buffer("flags", (4,)).zero_()
+        return views[:4]
+
+    def _skip_flags(self) -> None:
+        """Writes ``skip = max(loss_inf, grads_inf)`` (exactly 1.0 or 0.0: torch's fused
+        optimizers skip on ``found_inf == 1`` only) and ``overflow = grads_inf and not
+        loss_inf`` (the backoff flag: finite loss, non-finite gradients) in one op:
+        ``lerp(grads_inf, [1, 0], loss_inf)`` is ``[grads_inf, grads_inf]`` for a finite loss
+        and ``[1, 0]`` for a non-finite one (a weight of exactly 0 or 1 gives the start or the
+        end exactly)."""
+        loss_inf, grads_inf, _, _, _, skip_overflow, end = self._scratch["flag_views"]
+        torch.lerp(grads_inf, end, loss_inf, out=skip_overflow)
+
     # -- state dicts
 
     def __getstate__(self) -> dict[str, Any]:
@@ -902,6 +1083,7 @@ class GradScaler:
         d = self.__dict__.copy()
         d.pop("_ops", None)
         d.pop("_scratch", None)  # made again on first use
+        d["_fused"] = None  # a step in progress is not saved
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -974,3 +1156,115 @@ class GradScaler:
             raise ValueError(f"cannot convert torch GradScaler state_dict: {e}") from None
         sd = _ls.state_dict(config, LossScaleState(scale, int(d["_growth_tracker"]), 0, 0))
         return _ls.from_state_dict(sd)
+
+
+# ------------------------------------------------------------------- a fused step's report
+# A fused step's report is one packed int32 snapshot taken after the flags are written and
+# before the loss-scale update (``ne`` + ``cat``):
+# ``[scale bits, consecutive_skips, total_skips, loss_inf, grads_inf, skip]`` before the
+# update, the scale as its float32 bit pattern (a view: exact). The values after the update are
+# derived as the core's rule defines them: ``applied = not skip`` and the skip counters by
+# :func:`unimp.loss_scale.skip_counts`, on the host or on the device.
+
+
+def to_host(x: Any) -> Any:
+    """A step value on the host: a tensor's (or a fused report field's) ``item()``; else ``x``
+    (what :class:`unimp.StepResult` converts each raw value with)."""
+    return x.item() if isinstance(x, (torch.Tensor, _Field)) else x
+
+
+def _snapshot(sc: GradScaler) -> tuple[dict[str, _Field], tuple[torch.Tensor, ...]]:
+    """The step's report (two ops: ``ne`` and ``cat``), taken after the step's flags are
+    written and before the loss-scale update.
+
+    Returns:
+        ``(fields, (loss_inf, skip, skip_one))``: the report's fields (``scale``,
+        ``applied``, ``loss_finite``, ``grads_finite``, ``consecutive_skips``,
+        ``total_skips``), each a :class:`_Field` of one snapshot; and for ``update_in_place``
+        the int32 flags (0-d, 1: non-finite loss, 1: skipped) and ``[skip, 1]``.
+    """
+    s = sc.__dict__.setdefault("_scratch", {})
+    held = s.get("report")
+    if held is None or held[0] is not sc._scale or held[1] is not sc._skips:  # a new state
+        bits = torch.tensor([0, 0, 0, 1], dtype=torch.int32, device=sc.device)  # [.., .., .., 1]
+        parts = [sc._scale.view(torch.int32).reshape(1), sc._skips, bits[:3]]
+        held = s["report"] = (sc._scale, sc._skips, bits[:3], (*bits.unbind()[::2], bits[2:]), parts)
+    _, _, bits, (loss_bad, skip, skip_one), parts = held
+    torch.ne(s["flag_views"][4], 0, out=bits)
+    snap = _Snapshot(torch.cat(parts))
+    return {name: _Field(snap, name) for name in _DERIVE}, (loss_bad, skip, skip_one)
+
+
+def _scale_of(bits: int) -> float:
+    return float(np.array(bits, dtype=np.int32).view(np.float32))
+
+
+# name -> (dtype of the device value it stands for, its value from the packed values
+# [scale bits, consecutive, total, loss_inf, grads_inf, skip]: the host list, or the device
+# tensor itself, where the same indexing and arithmetic are torch ops)
+_DERIVE = {
+    "scale": (torch.float32, lambda v: _scale_of(v[0])),
+    "applied": (torch.bool, lambda v: v[5] == 0),
+    "loss_finite": (torch.bool, lambda v: v[3] == 0),
+    "grads_finite": (torch.bool, lambda v: v[4] == 0),
+    "consecutive_skips": (torch.int32, lambda v: skip_counts(v[1], v[2], v[5])[0]),
+    "total_skips": (torch.int32, lambda v: skip_counts(v[1], v[2], v[5])[1]),
+}
+
+#: the fields a fused step's :meth:`GradScaler.end_step` reports (all but ``applied``, which
+#: :meth:`GradScaler.apply_step` returns)
+_REPORTED = ("scale", "loss_finite", "grads_finite", "consecutive_skips", "total_skips")
+
+
+class _Snapshot:
+    """One step's packed int32 report on the device, read to the host once (on first need)."""
+
+    __slots__ = ("packed", "_host")
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+        self._host: list[int] | None = None
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.packed.tolist()  # the only sync, shared by every field
+        return self._host
+
+
+class _Field:
+    """A step's report field on the fused path: stands for a 0-d device value of ``dtype``,
+    derived from its step's :class:`_Snapshot` when read (``item()``, ``bool()``, ``int()``,
+    ``float()``: each waits for the device once per step)."""
+
+    __slots__ = ("_snap", "name")
+
+    def __init__(self, snap: _Snapshot, name: str) -> None:
+        self._snap = snap
+        self.name = name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DERIVE[self.name][0]
+
+    def item(self) -> Any:
+        return _DERIVE[self.name][1](self._snap.host())
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def device_value(self) -> torch.Tensor:
+        """The field as the 0-d device tensor it stands for, derived from the snapshot with
+        torch ops on its device (no host sync): what :attr:`unimp.StepResult.raw` hands out."""
+        p = self._snap.packed
+        if self.name == "scale":  # the bit pattern back as float32 (a view: exact)
+            return p[0].view(torch.float32)
+        return _DERIVE[self.name][1](p)  # the host rule, run on the packed device tensor
+
+    def __repr__(self) -> str:
+        return f"<unimp step {self.name}: {self.dtype}, read on access>"

@@ -8,7 +8,6 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from unimp.attached import peek
@@ -16,18 +15,10 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.fp8 import fp8_window
-from unimp.backends.torch.optimizer import _check_half_state, _guarded_step, half_update
-from unimp.backends.torch.overflow import (
-    _check_loss,
-    _global_norm,
-    _rescale_,
-    _scratch,
-    all_finite,
-    skip_flags,
-    step_flags,
-)
+from unimp.backends.torch.optimizer import check_half_state, half_update, param_grads
+from unimp.backends.torch.overflow import _global_norm, _rescale_, all_finite
 from unimp.backends.torch.precision import matmul_precision
-from unimp.backends.torch.scaling import GradScaler, check_skip, fused_rule
+from unimp.backends.torch.scaling import GradScaler, check_skip, to_host
 from unimp.backends.torch.stats import (
     _grad_flags,
     _gradient_stats,
@@ -98,10 +89,10 @@ class TrainStep(LoggedStep):
     ``num_batches_tracked``, stay bitwise unchanged), updates the loss scale with unimp's rule, and
     resets the gradients (to None, i.e. exact zeros, never by subtracting them).
 
-    The result costs one op a step (one process, a rule torch's fused update follows): its
+    The result costs two ops a step (one process, a rule torch's fused update follows): its
     ``scale``, flags and skip counters are one packed int32 snapshot, derived when read; in
     ``result.raw`` they stand for 0-d tensors (``item()``, ``bool()``, ``dtype``) and all read
-    the device once, together (the report section below).
+    the device once, together (:meth:`GradScaler.begin_step`).
 
     Args:
         mp: the bound :class:`MixedPrecision`.
@@ -169,7 +160,7 @@ class TrainStep(LoggedStep):
         self.scheduler = scheduler
         self.scaler = GradScaler(mp.loss_scale, device=mp.device, skip=skip)
         self.calls = 0  # steps taken: decides the statistics steps, never read from the device
-        _check_half_state(optimizer)
+        check_half_state(optimizer)
         _install_half_update(optimizer, mp.policy.update, options.rounding_seed)
 
     # the step's options, read from the one checked record (StepOptions)
@@ -213,7 +204,7 @@ class TrainStep(LoggedStep):
         if self.scheduler is not None and (self.schedule_counts == "attempted" or bool(raw["applied"])):
             self.scheduler.step()
         sc = self.scaler
-        return StepResult(raw, _to_host, sc.config, stats=stats, watch=sc._floor_watch), grad_flags
+        return StepResult(raw, to_host, sc.config, stats=stats, watch=sc.floor_watch), grad_flags
 
     def state_dict(self) -> dict[str, Any]:
         """unimp's loss-scale state in the portable format (see :meth:`GradScaler.state_dict`)."""
@@ -227,13 +218,9 @@ class TrainStep(LoggedStep):
 class StepOps:
     """The phases of one step (:class:`unimp.trainstep.StepPrimitives`) for a torch
     :class:`TrainStep`, run eagerly: the gradients live in the parameters' ``.grad`` fields,
-    so the handle passed between the phases is the optimizer.
-
-    The fused path (one process, a rule torch's kernel follows): the loss and gradient
-    overflow flags, the skip flag and the backoff flag live in one scratch, zeroed by one op,
-    written by torch's check kernels and one lerp (overflow.py); the report is one packed
-    snapshot taken after the step (:func:`snapshot`), and :meth:`update_scale` hands out its
-    fields.
+    so the handle passed between the phases is the optimizer. The loss scaling is the
+    :class:`GradScaler`'s, through its public step calls (``begin_step`` ... ``end_step``),
+    which decide whether the step is fused (one flag scratch, one report snapshot).
     """
 
     def __init__(self, step: TrainStep, recorder: _Recorder | None) -> None:
@@ -244,13 +231,7 @@ class StepOps:
         self.k = step.options.grad_accum_steps
 
     def begin(self) -> Any:
-        sc = self.sc
-        sc._check_replicas()  # replicas must agree on the scale before the loss is scaled
-        self.flags = step_flags(sc) if fused_rule(sc.config) and sc._group() is None else None
-        # the scale this step uses (the update changes the state in place): a static scale never
-        # changes, so the state tensor is it; on the fused path the report's snapshot holds it
-        self.scale_used = sc._scale.clone() if sc.config.dynamic and self.flags is None else sc._scale
-        return self.scale_used
+        return self.sc.begin_step()
 
     def save_forward_state(self) -> Any:
         # state the forward pass changes (norm running statistics, num_batches_tracked): kept
@@ -262,12 +243,11 @@ class StepOps:
         # half-done unscale_ (the scaler's record of this iteration), the buffers as they were
         self.opt.zero_grad(set_to_none=True)
         self.step.model.zero_grad(set_to_none=True)
-        self.sc._loss_finite = self.sc._ops.true
-        self.sc._per_opt.clear()
+        self.sc.abort_step()
         _restore_forward_state(saved, None)
 
     def gradients(self, micro: list[Any], scale: Any) -> tuple[Any, Any, Any]:
-        sc, step, flags = self.sc, self.step, self.flags
+        sc, step = self.sc, self.step
         unscaled = sc.config.unity  # loss * 1 is the loss: backward on it directly
         # a window sums each micro-batch's scaled gradient and divides the sum by k once, as
         # TensorFlow's and JAX's steps do, so a float8 layer's output gradient is the
@@ -288,47 +268,40 @@ class StepOps:
                         "reduce it, e.g. loss.mean()."
                     )
                 detached = loss.detach()
-                if flags is None:
-                    finite = _to(torch.isfinite(detached), sc.device)
-                    # the flag starts as the cached True, and True & x is x: one op fewer a step
-                    start = sc._loss_finite is sc._ops.true
-                    sc._loss_finite = finite if start else sc._loss_finite & finite
-                (loss if unscaled else loss * _to(sc._scale, loss.device)).backward()
-                if flags is not None:  # after backward: the check multiplies the loss by 1 in place
-                    _check_loss(detached, flags[0], sc._ops.f32(1.0))
+                (loss if unscaled else loss * _to(scale, loss.device)).backward()
+                sc.record_loss(detached)  # after backward (a fused step's check writes in place)
                 losses.append(_to(detached.float(), sc.device))
                 if accum is not None:
                     _accumulate(step.model, sums, to_dtype(accum))
         if self.k > 1:
             _window_mean(sums, self.k)
-            _divide(self.sc._grads(self.opt), {id(p) for p, _ in sums.values()}, self.k)
+            _divide(param_grads(self.opt), {id(p) for p, _ in sums.values()}, self.k)
         mean_loss = losses[0] if self.k == 1 else torch.stack(losses).mean()
-        # the loss flag: the scaler's (the fused path's is in its scratch, reported by update)
-        return self.opt, mean_loss, sc._loss_finite if flags is None else None
+        # the loss flag (a fused step's is in its report, from apply)
+        return self.opt, mean_loss, sc.loss_finite
 
     def unscale(self, grads: Any, scale: Any) -> Any:
-        sc = self.sc
-        sc.unscale_(grads, _found_inf=None if self.flags is None else self.flags[1])
-        self.found_inf = sc._opt_state(grads)["found_inf"]
+        self.sc.unscale_(grads)
         return grads
 
     def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
-        sc, step = self.sc, self.step
+        step = self.step
         if self.recorder is not None:  # unscaled, before clipping, at the step's scale
-            scale32 = sc._scale.clone() if scale is sc._scale else scale
+            scale32 = scale.clone()  # a fused step's scale is the state, which the update changes
             grad_stats = _gradient_stats(grads, _param_names(step.model, grads), scale32)
             return {"stats": _pending(step.calls, scale32, grad_stats, self.recorder.entries)}
         if step._recorder is not None:  # logged: which gradient went non-finite first
-            return {"grad_flags": _grad_flags(grads, _param_names(step.model, grads), sc.device)}
+            return {"grad_flags": _grad_flags(grads, _param_names(step.model, grads), self.sc.device)}
         return {}
 
     def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
-        # computed by unscale_'s kernel; the fused path's flag is reported by the update
-        return grads, (self.found_inf == 0 if self.flags is None else None)
+        # computed by unscale_'s kernel; a fused step's flag is reported by the update
+        fused = self.sc.loss_finite is None
+        return grads, (None if fused else self.sc.found_inf(grads) == 0)
 
     def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
         sc = self.sc
-        pairs = sc._grads(grads)
+        pairs = param_grads(grads)
         self.rescale = _rescale_([g for _, g in pairs], sc.device)  # exact; the clip undoes it
         # a sparse gradient's norm is that of its coalesced values (duplicate indices add
         # up first: pytorch/pytorch#35810 kind); scaling the uncoalesced values is the same
@@ -336,37 +309,27 @@ class StepOps:
         self.scaled_norm = _global_norm(values, sc.device)  # of g * s
         norm = self.scaled_norm / self.rescale
         # a norm beyond float32 is a non-finite gradient: the flag the update and report read
-        torch.maximum(self.found_inf, torch.isfinite(norm).logical_not().float(), out=self.found_inf)
-        return norm, (None if grads_finite is None else self.found_inf == 0)
+        sc.mark_non_finite(grads, torch.isfinite(norm).logical_not())
+        return norm, (None if grads_finite is None else sc.found_inf(grads) == 0)
 
     def clip(self, grads: Any, norm: Any, max_norm: float) -> Any:
         # (g * s) * (max_norm / (norm * s)) where clipping, (g * s) / s (exact) elsewhere:
         # the factor stays in float32's normal range (unimp.trainstep.NORM_RESCALE_ABOVE)
         coef = torch.where(norm > max_norm, max_norm / self.scaled_norm, 1.0 / self.rescale)
         groups: dict[torch.device, list[torch.Tensor]] = {}
-        for _, g in self.sc._grads(grads):
+        for _, g in param_grads(grads):
             groups.setdefault(g.device, []).append(g)
         for dev, gs in groups.items():
             torch._foreach_mul_(gs, _to(coef, dev))
         return grads
 
     def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
-        sc = self.sc
-        if self.flags is None:
-            return sc._step(grads, (), {})[1]
-        loss_inf, grads_inf, skip, overflow = self.flags  # sc.step() with the loss flag as found_inf
-        if self.found_inf is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
-            grads_inf.copy_(self.found_inf)
-        skip_flags(sc)  # skip (exactly 1 or 0) and the backoff flag, one op
-        _guarded_step(grads, skip, (), {}, sync=sc._skip_mode == "auto")
-        # the report: one snapshot, every field derived when read (below)
-        self.report, (loss_bad, skipped, skipped_one) = snapshot(sc)
-        self.fused = (overflow, skipped, loss_bad, skipped_one)
-        return self.report["applied"]
+        return self.sc.apply_step(grads)
 
     def restore_forward_state(self, saved: Any, applied: Any) -> None:
-        fused = self.flags is not None and saved
-        _restore_forward_state(saved, torch.eq(self.flags[2], 0) if fused else applied)
+        if saved and not isinstance(applied, torch.Tensor):  # a fused step's report field
+            applied = self.sc.applied_tensor()
+        _restore_forward_state(saved, applied)
 
     def params_finite(self) -> Any:
         # the optimizer's half-precision parameters (float32 masters are not): none, no op
@@ -385,22 +348,8 @@ class StepOps:
         return flags[0] if len(flags) == 1 else torch.stack([_to(f, flags[0].device) for f in flags]).all()
 
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
-        sc = self.sc
-        if self.flags is None:
-            _, _, consecutive, total, *extra = sc._update(grads_finite, loss_finite)  # sc.update()
-            return {
-                "consecutive_skips": consecutive,
-                "total_skips": total,
-                **floor_hits(sc.config, extra, self.step.calls),
-            }
-        report = self.report
-        _, _, _, _, *extra = sc._update(report["grads_finite"], report["loss_finite"], self.fused)
-        return {
-            **{f: report[f] for f in ("scale", "loss_finite", "grads_finite")},
-            "consecutive_skips": report["consecutive_skips"],
-            "total_skips": report["total_skips"],
-            **floor_hits(sc.config, extra, self.step.calls),
-        }
+        fields, extra = self.sc.end_step(grads_finite, loss_finite)
+        return {**fields, **floor_hits(self.sc.config, extra, self.step.calls)}
 
 
 def _window_mean(sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]], k: int) -> None:
@@ -437,110 +386,3 @@ def _accumulate(
         entry = sums.get(id(p))
         sums[id(p)] = (p, g if entry is None else entry[1] + g)
         p.grad = None
-
-
-# --------------------------------------------------------------------------- the report
-# On the fused path the step's report is one packed int32 snapshot taken after the flags are
-# written and before the loss-scale update (``ne`` + ``cat``):
-# ``[scale bits, consecutive_skips, total_skips, loss_inf, grads_inf, skip]`` before the
-# update, the scale as its float32 bit pattern (a view: exact). The values after the update are
-# derived on the host as the rule defines them (``unimp.loss_scale.update_arrays``): ``applied =
-# not skip``, ``consecutive_skips = (consecutive + skip) * skip``, ``total_skips = total + skip``.
-
-
-def _to_host(x: Any) -> Any:
-    """A step value on the host: a tensor's (or a :class:`_Field`'s) ``item()``; else ``x``."""
-    return x.item() if isinstance(x, (torch.Tensor, _Field)) else x
-
-
-def snapshot(sc: Any) -> tuple[dict[str, _Field], tuple[torch.Tensor, ...]]:
-    """The step's report (two ops: ``ne`` and ``cat``), taken after the step's flags are
-    written and before the loss-scale update.
-
-    Returns:
-        ``(fields, (loss_inf, skip, skip_one))``: the report's fields (``scale``,
-        ``applied``, ``loss_finite``, ``grads_finite``, ``consecutive_skips``,
-        ``total_skips``), each a :class:`_Field` of one snapshot; and for ``update_in_place``
-        the int32 flags (0-d, 1: non-finite loss, 1: skipped) and ``[skip, 1]``.
-    """
-    s = _scratch(sc)
-    held = s.get("report")
-    if held is None or held[0] is not sc._scale or held[1] is not sc._skips:  # a new state
-        bits = torch.tensor([0, 0, 0, 1], dtype=torch.int32, device=sc.device)  # [.., .., .., 1]
-        parts = [sc._scale.view(torch.int32).reshape(1), sc._skips, bits[:3]]
-        held = s["report"] = (sc._scale, sc._skips, bits[:3], (*bits.unbind()[::2], bits[2:]), parts)
-    _, _, bits, (loss_bad, skip, skip_one), parts = held
-    torch.ne(s["flag_views"][4], 0, out=bits)
-    snap = _Snapshot(torch.cat(parts))
-    return {name: _Field(snap, name) for name in _DERIVE}, (loss_bad, skip, skip_one)
-
-
-def _scale_of(bits: int) -> float:
-    return float(np.array(bits, dtype=np.int32).view(np.float32))
-
-
-# name -> (dtype of the device value it stands for, its value from the packed values
-# [scale bits, consecutive, total, loss_inf, grads_inf, skip]: the host list, or the device
-# tensor itself, where the same indexing and arithmetic are torch ops)
-_DERIVE = {
-    "scale": (torch.float32, lambda v: _scale_of(v[0])),
-    "applied": (torch.bool, lambda v: v[5] == 0),
-    "loss_finite": (torch.bool, lambda v: v[3] == 0),
-    "grads_finite": (torch.bool, lambda v: v[4] == 0),
-    "consecutive_skips": (torch.int32, lambda v: (v[1] + v[5]) * v[5]),
-    "total_skips": (torch.int32, lambda v: v[2] + v[5]),
-}
-
-
-class _Snapshot:
-    """One step's packed int32 report on the device, read to the host once (on first need)."""
-
-    __slots__ = ("packed", "_host")
-
-    def __init__(self, packed: torch.Tensor) -> None:
-        self.packed = packed
-        self._host: list[int] | None = None
-
-    def host(self) -> list[int]:
-        if self._host is None:
-            self._host = self.packed.tolist()  # the only sync, shared by every field
-        return self._host
-
-
-class _Field:
-    """A step's report field on the fused path: stands for a 0-d device value of ``dtype``,
-    derived from its step's :class:`_Snapshot` when read (``item()``, ``bool()``, ``int()``,
-    ``float()``: each waits for the device once per step)."""
-
-    __slots__ = ("_snap", "name")
-
-    def __init__(self, snap: _Snapshot, name: str) -> None:
-        self._snap = snap
-        self.name = name
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return _DERIVE[self.name][0]
-
-    def item(self) -> Any:
-        return _DERIVE[self.name][1](self._snap.host())
-
-    def __bool__(self) -> bool:
-        return bool(self.item())
-
-    def __int__(self) -> int:
-        return int(self.item())
-
-    def __float__(self) -> float:
-        return float(self.item())
-
-    def device_value(self) -> torch.Tensor:
-        """The field as the 0-d device tensor it stands for, derived from the snapshot with
-        torch ops on its device (no host sync): what :attr:`unimp.StepResult.raw` hands out."""
-        p = self._snap.packed
-        if self.name == "scale":  # the bit pattern back as float32 (a view: exact)
-            return p[0].view(torch.float32)
-        return _DERIVE[self.name][1](p)  # the host rule, run on the packed device tensor
-
-    def __repr__(self) -> str:
-        return f"<unimp step {self.name}: {self.dtype}, read on access>"

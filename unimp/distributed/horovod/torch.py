@@ -86,17 +86,16 @@ class GradScaler(_TorchGradScaler):
         kwargs["process_group"] = False  # never torch.distributed
         super().__init__(loss_scale, device, **kwargs)
 
-    def _reduce_flags(self, found_inf: torch.Tensor) -> torch.Tensor:
+    def _reduce_flags(
+        self, found_inf: torch.Tensor, loss_finite: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if hvd.size() == 1:
-            return found_inf
-        flags = torch.stack([found_inf.to(torch.float32).reshape(()), (~self._loss_finite).to(torch.float32)])
+            return found_inf, loss_finite
+        flags = torch.stack([found_inf.to(torch.float32).reshape(()), (~loss_finite).to(torch.float32)])
         flags = hvd.allreduce(flags, op=hvd.Max, name="unimp.step_flags")
-        self._loss_finite = flags[1] == 0
-        return flags[0]
+        return flags[0], flags[1] == 0
 
-    def _check_replicas(self) -> None:
-        if self._replicas_checked:
-            return
+    def _agree_replicas(self) -> None:
         if hvd.size() > 1:
             v = state_fingerprint(self)
             both = hvd.allreduce(torch.cat([v, -v]), op=hvd.Max, name="unimp.state_fingerprint")
@@ -104,15 +103,13 @@ class GradScaler(_TorchGradScaler):
             differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(FINGERPRINT_FIELDS, lo, hi, strict=True) if a != b]
             if differ:
                 broadcast_state(self, root_rank=0)
-                warn_replica_desync("Load the same checkpoint on every rank", differ, stacklevel=3)
-        self._replicas_checked = True
+                warn_replica_desync("Load the same checkpoint on every rank", differ, stacklevel=4)
 
 
 def broadcast_state(scaler: GradScaler, root_rank: int = 0) -> None:
     """Copies ``root_rank``'s loss-scale state and config to every rank (a collective)."""
     sd = hvd.broadcast_object(scaler.state_dict(), root_rank=root_rank, name="unimp.scaler_state")
-    scaler.load_state_dict(sd)
-    scaler._replicas_checked = True
+    scaler.load_state_dict(sd)  # (the scaler checks the replicas again at its next step)
 
 
 class LossScaleCompression:
@@ -152,7 +149,7 @@ class LossScaleCompression:
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if not tensor.is_floating_point():
             return tensor, None
-        scale = self.scaler._scale.to(tensor.device).clone()
+        scale = self.scaler.scale_tensor.to(tensor.device).clone()
         wire = (tensor.to(torch.float32) / (scale * self.world_size)).to(self.dtype)
         return wire, (tensor.dtype, scale)
 
@@ -230,6 +227,6 @@ def amp_step(optimizer: Any, scaler: _TorchGradScaler, max_grad_norm: float | No
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     ctx = optimizer.skip_synchronize() if hasattr(optimizer, "skip_synchronize") else contextlib.nullcontext()
     with ctx:
-        applied = scaler._step(optimizer, (), {})[1]
+        applied = scaler.apply_step(optimizer)
     scaler.update()
     return applied
