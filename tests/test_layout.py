@@ -182,3 +182,51 @@ def test_test_modules_outside_packages_have_unique_basenames():
             continue
         other = seen.setdefault(path.name, path)
         assert other == path, f"{other} and {path} share a basename; rename one"
+
+
+#: Each backend's loss scaler: (module, class). The train step and every other module reach it
+#: through its public face only (issue 26: "each scaler behind its public face").
+SCALERS = (
+    ("unimp.backends.torch.scaling", "GradScaler"),
+    ("unimp.backends.tensorflow.optimizer", "LossScaleOptimizer"),
+)
+
+
+def _own_private_names(path: pathlib.Path, cls: str | None) -> set[str]:
+    """The ``_names`` class ``cls`` of ``path`` defines (every class but the scalers' with
+    None): its methods and the attributes it assigns on ``self`` (dunders aside)."""
+    tree = ast.parse(path.read_text())
+    scalers = {c for m, c in SCALERS if ALL[m] == path}
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    if cls is not None:
+        return _class_private_names(next(n for n in classes if n.name == cls))
+    return set().union(*(_class_private_names(n) for n in classes if n.name not in scalers))
+
+
+def _class_private_names(body: ast.ClassDef) -> set[str]:
+    names = {n.name for n in body.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(body):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+@pytest.mark.parametrize(("module", "cls"), SCALERS, ids=[c for _, c in SCALERS])
+def test_other_modules_reach_a_scaler_through_its_public_face(module, cls):
+    """No other module reads or writes a private attribute or method of unimp's scaler on an
+    object (``scaler._scale``, ``opt._adopt(...)``); its own module and subclasses' ``self`` may."""
+    # a name another class of unimp defines too (a train step's own _step) is not the scaler's
+    others = set().union(*(_own_private_names(p, None) for p in ALL.values()))
+    private = _own_private_names(ALL[module], cls) - others
+    assert len(private) > 5  # the rule has something to check
+    found = []
+    for name, path in sorted(ALL.items()):
+        if name == module:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    found.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not found, "\n".join(found)

@@ -419,8 +419,8 @@ class MixedPrecision(MixedPrecisionBase):
 def _check_update_rule(lso: LossScaleOptimizer, mode: str, seed: int) -> None:
     """An unimp optimizer given to ``train_step`` applies the policy's ``update``; one that
     ``prepare`` made (seed 0) takes the step's seed until it is built."""
-    lso._update_seed = step_seed(
-        lso._update_mode, lso._update_seed, lso.built, mode, seed, "its .inner_optimizer"
+    lso.update_seed = step_seed(
+        lso.update_mode, lso.update_seed, lso.built, mode, seed, "its .inner_optimizer"
     )
 
 

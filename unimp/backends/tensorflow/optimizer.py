@@ -214,6 +214,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- configuration ---------------------------------------------------------------------
 
     @property
+    def update_mode(self) -> str:
+        """How half-precision variables take their updates: ``"nearest"``, ``"kahan"`` or
+        ``"stochastic"`` (the ``update=`` argument)."""
+        return self._update_mode
+
+    @property
+    def update_seed(self) -> int:
+        """The stochastic-rounding seed (the ``seed=`` argument; ``train_step`` sets the step's
+        ``rounding_seed`` here until the optimizer is built)."""
+        return self._update_seed
+
+    @update_seed.setter
+    def update_seed(self, seed: int) -> None:
+        self._update_seed = check_seed(seed, "LossScaleOptimizer.update_seed")
+
+    @property
     def loss_scale_config(self) -> LossScaleConfig:
         """The unimp loss-scale config (static)."""
         return self._loss_scale_config
@@ -577,7 +593,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         return _portable_state_dict(self._loss_scale_config, self._state())
 
-    def load_state_dict(self, state_dict: Any) -> None:
+    def load_state_dict(self, state_dict: Any, *, owner: int | None = None) -> bool:
         """Loads a portable loss-scale state: the saved config replaces this optimizer's, as in
         every unimp backend (and as torch.amp.GradScaler.load_state_dict takes the saved
         factors and interval). Validated before anything is assigned.
@@ -587,14 +603,44 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         resume: build, load, train). :meth:`TrainStep.load_state_dict` adopts it at any time
         and retraces its step.
 
+        Args:
+            state_dict: a portable loss-scale state (:func:`unimp.loss_scale.state_dict`).
+            owner: the id of a train step that retraces itself after the load (what
+                :meth:`TrainStep.load_state_dict` passes): the update it traced
+                (:meth:`tracing`) does not hold the old config back.
+
+        Returns:
+            True where the loaded config changes a field a traced update has built in: the
+            ``owner`` must retrace.
+
         Raises:
             ValueError: a malformed or foreign state_dict, or one saved with a different
-                loss-scale config after a ``tf.function`` traced this optimizer (the message
-                shows both configs and the fix).
+                loss-scale config after a ``tf.function`` (of anyone but ``owner``) traced this
+                optimizer (the message shows both configs and the fix).
         """
         config, state = from_state_dict(state_dict, current=self._loss_scale_config)
-        self._check_retrace(config, self._traced_by, "TrainStep.load_state_dict (which retraces)")
+        if owner is None:
+            self._check_retrace(config, self._traced_by, "TrainStep.load_state_dict (which retraces)")
+        else:  # the owner retraces; a tf.function of anyone else (model.fit) keeps the old rule
+            others = self._traced_by - {owner}
+            self._check_retrace(config, others, "a new optimizer (that function keeps the old config)")
+        retrace = _traced_fields(config) != _traced_fields(self._loss_scale_config)
         self._adopt(config, state)
+        if retrace and owner is not None:
+            self._traced_by.discard(owner)
+        return retrace
+
+    @contextlib.contextmanager
+    def tracing(self, owner: int) -> Iterator[None]:
+        """Marks the loss-scale updates traced inside the block as ``owner``'s (a train step's
+        id; nested blocks restore the outer owner), so that :meth:`load_state_dict` knows whose
+        graphs hold the current config. Host-side bookkeeping while tracing: nothing runs on
+        the device."""
+        outer, self._tracer = self._tracer, owner
+        try:
+            yield
+        finally:
+            self._tracer = outer
 
     def _check_retrace(self, config: LossScaleConfig, traced_by: set, fix: str) -> None:
         """Raises when ``config`` differs from the current one in a field the traced update

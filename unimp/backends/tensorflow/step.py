@@ -18,9 +18,9 @@ from unimp.backends.tensorflow.fp8 import fp8_window
 from unimp.backends.tensorflow.optimizer import _HALF, LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import _clip, _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
-from unimp.backends.tensorflow.scaling import _extra, _to_host, _traced_fields, _unscale
+from unimp.backends.tensorflow.scaling import _extra, _to_host, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending, relative_path
-from unimp.loss_scale import FloorWatch, from_state_dict
+from unimp.loss_scale import FloorWatch
 from unimp.policy import Policy
 from unimp.step import StepResult, floor_hits
 from unimp.steprecorder import LoggedStep
@@ -260,15 +260,7 @@ class TrainStep(LoggedStep):
         Raises:
             ValueError: a bad or foreign state dict; nothing is changed.
         """
-        opt = self.optimizer
-        config, state = from_state_dict(state_dict, current=opt.loss_scale_config)
-        # this step retraces; a tf.function of anyone else (model.fit) would keep the old rule
-        others = opt._traced_by - {id(self)}
-        opt._check_retrace(config, others, "a new optimizer (that function keeps the old config)")
-        retrace = _traced_fields(config) != _traced_fields(opt.loss_scale_config)
-        opt._adopt(config, state)
-        if retrace:
-            opt._traced_by.discard(id(self))
+        if self.optimizer.load_state_dict(state_dict, owner=id(self)):  # this step retraces
             self.function = self._make_function()
             if self.stats_function is not None:
                 self.stats_function = self._make_stats_function()
@@ -297,12 +289,9 @@ class TrainStep(LoggedStep):
 
     def _distributed_step(self, batch: Any) -> dict:
         opt = self.optimizer
-        outer, opt._tracer = opt._tracer, id(self)  # the update runs in merge_call, out of _step
-        try:
+        with opt.tracing(id(self)):  # the update runs in merge_call, out of _step
             with _keras_sum_off(opt.inner_optimizer, self.policy.reduce_dtype is not None):
                 per_replica = self.strategy.run(self._step, args=(batch,))
-        finally:
-            opt._tracer = outer
         first = self.strategy.experimental_local_results
         out = {k: None if v is None else first(v)[0] for k, v in per_replica.items()}
         # every field but the loss is the same on every replica; the loss is the mean
@@ -325,13 +314,9 @@ class TrainStep(LoggedStep):
         return out
 
     def _step(self, batch: Any) -> dict:
-        opt = self.optimizer
-        outer, opt._tracer = opt._tracer, id(self)  # runs while tracing: marks whose graph it is
-        try:
+        with self.optimizer.tracing(id(self)):  # runs while tracing: marks whose graph it is
             micro = [batch] if self.grad_accum_steps == 1 else list(batch)
             return run_step(StepOps(self), micro, self.options)
-        finally:
-            opt._tracer = outer
 
 
 class StepOps:
