@@ -99,95 +99,83 @@ def guarded_step(
     on gradients still multiplied by the scale stays out of it.
     """
     with _stepping():
-        return _guarded_step_unmarked(optimizer, bad, args, kwargs, step_fn, sync)
-
-
-def _guarded_step_unmarked(
-    optimizer: torch.optim.Optimizer,
-    bad: torch.Tensor,
-    args: tuple,
-    kwargs: dict,
-    step_fn: Callable[..., Any] | None = None,
-    sync: bool = False,
-) -> Any:
-    """:func:`guarded_step`'s work, unmarked."""
-    step_fn = optimizer.step if step_fn is None else step_fn
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    # the optimizer's own lazy state (half_update's keys may be there before it: imported)
-    fresh = [p for p in params if not _own_state(optimizer, p)]
-    imported = {id(p): set(optimizer.state.get(p, {})) & set(_RULE_KEYS) for p in fresh}
-    amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
-    # torch's fused kernels are known to honour found_inf; any other amp-aware optimizer gets
-    # the attributes too (its step may read them) and the copy-and-select guard as well
-    native = amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
-    master = peek(optimizer, "master", None)
-    if master is not None:
-        master.in_guard = True
-    host_skip: bool | None = None
-    try:
-        if (sync and not amp_aware) or any(p.layout != torch.strided for p in params):
-            # decided on the host, as torch.amp.GradScaler decides every step (one sync): asked
-            # for, or sparse parameters (torch.where has no sparse kernel). An amp-aware
-            # optimizer of one's own is stepped on every call, as torch.amp steps it (it reads
-            # found_inf), and guarded below
-            with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
-                host_skip = bool(bad != 0)
-                if host_skip:
-                    ret = None
-                    # the step was taken, and skipped: an LR scheduler stepped after it must
-                    # not warn that it ran before optimizer.step() (torch.amp's skip makes it
-                    # warn: pytorch/pytorch#44511); the flag its step wrapper sets
-                    optimizer._opt_called = True  # type: ignore[attr-defined]
-                else:
+        step_fn = optimizer.step if step_fn is None else step_fn
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        # the optimizer's own lazy state (half_update's keys may be there before it: imported)
+        fresh = [p for p in params if not _own_state(optimizer, p)]
+        imported = {id(p): set(optimizer.state.get(p, {})) & set(_RULE_KEYS) for p in fresh}
+        amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
+        # torch's fused kernels are known to honour found_inf; any other amp-aware optimizer gets
+        # the attributes too (its step may read them) and the copy-and-select guard as well
+        native = amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
+        master = peek(optimizer, "master", None)
+        if master is not None:
+            master.in_guard = True
+        host_skip: bool | None = None
+        try:
+            if (sync and not amp_aware) or any(p.layout != torch.strided for p in params):
+                # decided on the host, as torch.amp.GradScaler decides every step (one sync): asked
+                # for, or sparse parameters (torch.where has no sparse kernel). An amp-aware
+                # optimizer of one's own is stepped on every call, as torch.amp steps it (it reads
+                # found_inf), and guarded below
+                with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
+                    host_skip = bool(bad != 0)
+                    if host_skip:
+                        ret = None
+                        # the step was taken, and skipped: an LR scheduler stepped after it must
+                        # not warn that it ran before optimizer.step() (torch.amp's skip makes it
+                        # warn: pytorch/pytorch#44511); the flag its step wrapper sets
+                        optimizer._opt_called = True  # type: ignore[attr-defined]
+                    else:
+                        ret = step_fn(*args, **kwargs)
+            elif native:
+                with _amp_attributes(optimizer, bad):
                     ret = step_fn(*args, **kwargs)
-        elif native:
-            with _amp_attributes(optimizer, bad):
-                ret = step_fn(*args, **kwargs)
-        else:
-            skip = bad != 0
-            with torch.no_grad():
-                p_old = [p.detach().clone() for p in params]
-                s_old = {}
-                host = {}
-                for p in params:
-                    for k, v in optimizer.state.get(p, {}).items():
-                        if isinstance(v, torch.Tensor):
-                            s_old[(id(p), k)] = v.detach().clone()
-                        else:
-                            host[(id(p), k)] = v
-            with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
-                ret = step_fn(*args, **kwargs)
-            with torch.no_grad():
-                for p, old in zip(params, p_old, strict=True):
-                    p.copy_(torch.where(_to(skip, p.device), old, p))
-                changed_host = []
-                for p in params:
-                    state = optimizer.state.get(p, {})
-                    for k, v in state.items():
-                        key = (id(p), k)
-                        if key in s_old:
-                            # a sync only for state on the host while the flag is on a device
-                            v.copy_(torch.where(_to(skip, v.device), s_old[key], v))
-                        elif key in host and host[key] is not v and host[key] != v:
-                            changed_host.append((state, k, host[key]))
-                if changed_host and bool(skip):
-                    for state, k, old in changed_host:
-                        state[k] = old
-        created = [p for p in fresh if _own_state(optimizer, p)]
-        # once per parameter: the step that creates its lazy state (decided on the host already
-        # where the step was)
-        if created and (host_skip if host_skip is not None else bool(bad != 0)):
-            for p in created:
-                # half_update's state that was there before (restored by the guard above) stays
-                kept = {k: v for k, v in optimizer.state.pop(p, {}).items() if k in imported[id(p)]}
-                if kept:
-                    optimizer.state[p] = kept
-        if master is not None:
-            master.to_model()
-    finally:
-        if master is not None:
-            master.in_guard = False
-    return ret
+            else:
+                skip = bad != 0
+                with torch.no_grad():
+                    p_old = [p.detach().clone() for p in params]
+                    s_old = {}
+                    host = {}
+                    for p in params:
+                        for k, v in optimizer.state.get(p, {}).items():
+                            if isinstance(v, torch.Tensor):
+                                s_old[(id(p), k)] = v.detach().clone()
+                            else:
+                                host[(id(p), k)] = v
+                with _amp_attributes(optimizer, bad) if amp_aware else contextlib.nullcontext():
+                    ret = step_fn(*args, **kwargs)
+                with torch.no_grad():
+                    for p, old in zip(params, p_old, strict=True):
+                        p.copy_(torch.where(_to(skip, p.device), old, p))
+                    changed_host = []
+                    for p in params:
+                        state = optimizer.state.get(p, {})
+                        for k, v in state.items():
+                            key = (id(p), k)
+                            if key in s_old:
+                                # a sync only for state on the host while the flag is on a device
+                                v.copy_(torch.where(_to(skip, v.device), s_old[key], v))
+                            elif key in host and host[key] is not v and host[key] != v:
+                                changed_host.append((state, k, host[key]))
+                    if changed_host and bool(skip):
+                        for state, k, old in changed_host:
+                            state[k] = old
+            created = [p for p in fresh if _own_state(optimizer, p)]
+            # once per parameter: the step that creates its lazy state (decided on the host already
+            # where the step was)
+            if created and (host_skip if host_skip is not None else bool(bad != 0)):
+                for p in created:
+                    # half_update's state that was there before (restored by the guard above) stays
+                    kept = {k: v for k, v in optimizer.state.pop(p, {}).items() if k in imported[id(p)]}
+                    if kept:
+                        optimizer.state[p] = kept
+            if master is not None:
+                master.to_model()
+        finally:
+            if master is not None:
+                master.in_guard = False
+        return ret
 
 
 def _own_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
