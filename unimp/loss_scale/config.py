@@ -110,26 +110,45 @@ def positive_int(cls: str, field: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+#: A scalar of :class:`LossScaleState`: a NumPy scalar on the host, or a framework's 0-d array
+#: (a device array, a tracer) that the record holds as given.
+Array = Any
+
+
+def _held_as_given(value: Any) -> bool:
+    """A framework's array (it has a shape and a dtype and is not NumPy's): a jax array or
+    tracer, which the record keeps as given; reading it on the host would be a sync per step
+    (or impossible, under ``jit``)."""
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, (np.ndarray, np.generic))
+
+
 @dataclass(frozen=True)
 class LossScaleState:
-    """The loss scaler's state, the same in every backend.
+    """The loss scaler's state, one record in every backend, generic over arrays.
+
+    Host values (Python and NumPy numbers) are held as NumPy scalars, ``scale`` as
+    ``np.float32`` and the counters as ``np.int32``: what the reference rule, the torch and
+    TensorFlow scalers' host views and the portable format read. A framework's array (anything
+    with a shape and a dtype that is not NumPy's: a jax array, a tracer) is held as given and
+    never read on the host: the JAX backend registers this record as a pytree and carries it
+    through ``jit`` inside its loss scale.
 
     Attributes:
-        scale: float32 scalar, the loss scale used for the next step.
-        counter: int32 scalar, consecutive finite steps since the last growth or overflow,
+        scale: the loss scale used for the next step.
+        counter: consecutive finite steps since the last growth or overflow,
             always in ``[0, growth_interval)``.
-        consecutive_skips: int32 scalar, skipped steps in a row (reset by an applied step).
-        total_skips: int32 scalar, skipped steps since the start.
-        hysteresis_used: int32 scalar, overflows absorbed by ``hysteresis`` since it was last
+        consecutive_skips: skipped steps in a row (reset by an applied step).
+        total_skips: skipped steps since the start.
+        hysteresis_used: overflows absorbed by ``hysteresis`` since it was last
             refilled, in ``[0, hysteresis)`` (DeepSpeed's ``delayed_shift - cur_hysteresis``,
             Megatron's ``hysteresis - _hysteresis_tracker``). 0 unless ``hysteresis > 1``.
-        overflows_since_rescale: int32 scalar, overflows since the last backoff (fairseq's
+        overflows_since_rescale: overflows since the last backoff (fairseq's
             ``_overflows_since_rescale``; a growth does not reset it). 0 unless
             ``overflow_tolerance > 0``.
-        steps_since_rescale: int32 scalar, steps since the last growth or backoff, this one not
+        steps_since_rescale: steps since the last growth or backoff, this one not
             included (fairseq's ``_iter - _last_rescale_iter - 1``). 0 unless
             ``overflow_tolerance > 0``.
-        floor_hits: int32 scalar, overflows that asked to lower a scale already at its floor
+        floor_hits: overflows that asked to lower a scale already at its floor
             (DeepSpeed's "already at minimum", fairseq's FloatingPointError). Counted only with
             ``floor_action`` ``"warn"`` or ``"raise"``, else 0.
 
@@ -137,23 +156,26 @@ class LossScaleState:
     (hysteresis, an overflow tolerance, a floor action); every other rule keeps them at 0.
     """
 
-    scale: np.float32
-    counter: np.int32
-    consecutive_skips: np.int32
-    total_skips: np.int32
-    hysteresis_used: np.int32 = _extra(0)
-    overflows_since_rescale: np.int32 = _extra(0)
-    steps_since_rescale: np.int32 = _extra(0)
-    floor_hits: np.int32 = _extra(0)
+    scale: Array  # shape=(), dtype=float32
+    counter: Array  # shape=(), dtype=int32
+    consecutive_skips: Array  # shape=(), dtype=int32
+    total_skips: Array  # shape=(), dtype=int32
+    hysteresis_used: Array = _extra(0)  # shape=(), dtype=int32
+    overflows_since_rescale: Array = _extra(0)  # shape=(), dtype=int32
+    steps_since_rescale: Array = _extra(0)  # shape=(), dtype=int32
+    floor_hits: Array = _extra(0)  # shape=(), dtype=int32
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if _held_as_given(value):
+                continue
             cast = np.float32 if f.name == "scale" else np.int32
             object.__setattr__(self, f.name, cast(np.asarray(value).item()))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values: ``scale`` a float, the counters ints (every field)."""
+        """Plain JSON-able values: ``scale`` a float, the counters ints (every field; device
+        values are read on the host)."""
         return {
             f.name: (float if f.name == "scale" else int)(getattr(self, f.name))
             for f in dataclasses.fields(self)
