@@ -129,7 +129,7 @@ def main(steps: int = STEPS) -> None:
         params, opt_state, loss = own_step(params, opt_state, batch)
     ls = get_loss_scale(opt_state)
     print(
-        f"optax  loss {float(loss):.4f}  scale {float(ls.loss_scale):g}  skips {int(ls.total_skips)}"
+        f"optax  loss {float(loss):.4f}  scale {float(ls.loss_scale):g}  skips {int(ls.state.total_skips)}"
     )
 
 

@@ -1,6 +1,7 @@
 """Run by tests/test_distributed_jax.py in a fresh process: XLA_FLAGS must be set before jax
 is imported. Prints one JSON line of the results the tests check."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -151,7 +152,7 @@ op, ostate = ofn(op, ostate, put(g, "d"))
 out["optax_bad"] = {
     "params": np.asarray(op).tolist(),
     "scale_next": per_device(ujax.get_loss_scale(ostate).loss_scale),
-    "skips": int(ujax.get_loss_scale(ostate).total_skips),
+    "skips": int(ujax.get_loss_scale(ostate).state.total_skips),
 }
 op, ostate = ofn(op, ostate, put(np.full(N, 32768.0, np.float32), "d"))
 out["optax_clean"] = {"params": np.asarray(op).tolist()}
@@ -198,13 +199,7 @@ good = dp.loss_scale
 devices = list(mesh.devices.flat)
 local = [jax.device_put(jnp.float32(1024.0 if i == 1 else 65536.0), d) for i, d in enumerate(devices)]
 skewed_scale = jax.make_array_from_single_device_arrays((), NamedSharding(mesh, P()), local)
-dp._loss_scale = ujax.DynamicLossScale(
-    skewed_scale,
-    good.counter,
-    consecutive_skips=good.consecutive_skips,
-    total_skips=good.total_skips,
-    config=good.config,
-)
+dp._loss_scale = ujax.LossScale(good.config, dataclasses.replace(good.state, scale=skewed_scale))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     r = dp(x)

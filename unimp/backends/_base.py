@@ -2,7 +2,7 @@
 
 Each backend module (``unimp.backends.torch``, ``.tensorflow``, ``.jax``) exports at least
 :data:`COMMON_API` under the same names (a test checks it), plus its framework's own pieces
-(torch's ``GradScaler``, Keras's ``LossScaleOptimizer``, JAX's loss-scale pytrees).
+(torch's ``GradScaler``, Keras's ``LossScaleOptimizer``, JAX's ``LossScale`` pytree).
 """
 
 from __future__ import annotations

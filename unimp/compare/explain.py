@@ -107,7 +107,7 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         f"jmp-style policy: params {_JNP_DTYPE[p.param_dtype]}, compute {_JNP_DTYPE[p.compute_dtype]}, "
         f"output {_JNP_DTYPE[p.output_dtype]} (mp.apply(fn) / mp.cast_to_compute)",
         f"flax modules: dtype={_JNP_DTYPE[p.compute_dtype]}, param_dtype={_JNP_DTYPE[p.param_dtype]} (mp.module_kwargs())",
-        f"unimp.backends.jax loss-scale pytree + optax transformation: {scaler}",
+        f"unimp.backends.jax.LossScale (a pytree) + optax transformation: {scaler}",
     ]
     for pattern, v in p.overrides:
         torch_lines.append(

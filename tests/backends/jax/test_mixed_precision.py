@@ -150,7 +150,7 @@ def test_prepare_casts_params_and_wraps_optimizer():
     params, opt = mp.prepare({"w": jnp.ones(2, jnp.float16), "n": jnp.int32(1)}, optax.sgd(0.1))
     assert params["w"].dtype == jnp.float32 and params["n"].dtype == jnp.int32
     ls = ujax.get_loss_scale(opt.init(params))
-    assert isinstance(ls, ujax.DynamicLossScale) and ls.config == mp.loss_scale
+    assert isinstance(ls, ujax.LossScale) and ls.config == mp.loss_scale
 
 
 @pytest.mark.slow

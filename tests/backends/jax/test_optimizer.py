@@ -43,8 +43,8 @@ def _run_optax_sequence(n):
 def test_optax_right_values(step):
     params, ls = _run_optax_sequence(step)
     assert params.tolist() == PARAMS_AFTER[step]
-    assert int(ls.consecutive_skips) == CONSECUTIVE[step]
-    assert int(ls.total_skips) == TOTAL[step]
+    assert int(ls.state.consecutive_skips) == CONSECUTIVE[step]
+    assert int(ls.state.total_skips) == TOTAL[step]
     assert float(ls.loss_scale) == SCALES[step]
 
 
@@ -66,7 +66,7 @@ def test_optax_nonfinite_value_skips_without_backoff():
     state = opt.init(jnp.ones(2))
     updates, state = opt.update(jnp.ones(2), state, value=jnp.float32(jnp.inf))
     ls = ujax.get_loss_scale(state)
-    assert float(ls.loss_scale) == 2.0**15 and int(ls.total_skips) == 1
+    assert float(ls.loss_scale) == 2.0**15 and int(ls.state.total_skips) == 1
     assert jnp.all(updates == 0)
 
 
@@ -102,10 +102,10 @@ def test_multisteps_skips_a_bad_window_whole_and_resets_to_exact_zeros():
     assert params.tolist() == [1.0, 2.0]
     assert tree_bits(state.acc_grads) == tree_bits(jnp.zeros(2))  # +0.0, not NaN or -0.0
     ls = ujax.get_loss_scale(state)
-    assert (float(ls.loss_scale), int(ls.total_skips)) == (1.0, 1)
+    assert (float(ls.loss_scale), int(ls.state.total_skips)) == (1.0, 1)
     params, state = history[3]  # the next window applies the mean gradient [2, 2]
     assert params.tolist() == [-1.0, 0.0]
-    assert int(ujax.get_loss_scale(state).consecutive_skips) == 0
+    assert int(ujax.get_loss_scale(state).state.consecutive_skips) == 0
 
 
 def test_upstream_optax_multisteps_keeps_nan_after_a_bad_window():
@@ -221,7 +221,7 @@ def test_half_update_leaves_float32_leaves_to_the_inner_optimizer_and_composes_w
     assert all(bool((x == 0).all()) for x in jax.tree_util.tree_leaves(u))
     assert jnp.array_equal(state.inner_state.compensation["h"], before.inner_state.compensation["h"])
     assert int(state.inner_state.count) == int(before.inner_state.count) == 1
-    assert int(get_loss_scale(state).total_skips) == 1
+    assert int(get_loss_scale(state).state.total_skips) == 1
 
 
 def test_half_update_bad_input():

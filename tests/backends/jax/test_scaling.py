@@ -35,7 +35,7 @@ CONFIGS = {
 
 
 def _advanced(kind):
-    ls = ujax.loss_scale_from_config(CONFIGS[kind])
+    ls = ujax.LossScale(CONFIGS[kind])
     for flag in (True, False, True, (True, False)):
         g, lf = flag if isinstance(flag, tuple) else (flag, True)
         ls = ls.adjust(jnp.array(g), jnp.array(lf))
@@ -43,12 +43,11 @@ def _advanced(kind):
 
 
 def _same(a, b):
-    assert type(a) is type(b)
+    assert type(a) is type(b) and type(a.state) is type(b.state)
     assert a.config == b.config
-    for f in dataclasses.fields(a):
-        if f.name != "config":
-            x, y = getattr(a, f.name), getattr(b, f.name)
-            assert (x.dtype, bits(x)) == (y.dtype, bits(y)), f.name
+    for f in dataclasses.fields(a.state):
+        x, y = getattr(a.state, f.name), getattr(b.state, f.name)
+        assert (x.dtype, bits(x)) == (y.dtype, bits(y)), f.name
 
 
 ROUNDTRIPS = {
@@ -57,7 +56,7 @@ ROUNDTRIPS = {
     "tree_map": lambda ls: jax.tree_util.tree_map(lambda x: x, ls),
     "scan": lambda ls: jax.lax.scan(lambda c, _: (c, None), ls, None, length=2)[0],
     "state_dict": lambda ls: type(ls).from_state_dict(ls.state_dict()),
-    "state_dict_any": lambda ls: ujax.loss_scale_from_state_dict(ls.state_dict()),
+    "state_dict_any": lambda ls: ujax.LossScale.from_state_dict(ls.state_dict()),
 }
 
 
@@ -69,48 +68,67 @@ def test_every_field_survives(kind, how):
 
 
 def test_pytree_children_come_from_dataclass_fields():
-    ls = ujax.DynamicLossScale()
-    names = [k[0].name for k, _ in jax.tree_util.tree_leaves_with_path(ls)]
-    assert names == [f.name for f in dataclasses.fields(ls) if not f.metadata.get("static")]
-    assert names == ["loss_scale", "counter", "consecutive_skips", "total_skips", *core.EXTRA_FIELDS]
+    # the loss scale's one child is the core's state record, whose children are its fields
+    ls = ujax.LossScale(core.DynamicLossScale())
+    paths = [k for k, _ in jax.tree_util.tree_leaves_with_path(ls)]
+    assert {k[0].name for k in paths} == {
+        f.name for f in dataclasses.fields(ls) if not f.metadata.get("static")
+    } == {"state"}
+    names = [k[1].name for k in paths]
+    assert names == [f.name for f in dataclasses.fields(core.LossScaleState)]
+    assert names == ["scale", "counter", "consecutive_skips", "total_skips", *core.EXTRA_FIELDS]
+    assert [k[0].name for k, _ in jax.tree_util.tree_leaves_with_path(ls.state)] == names
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_loss_scale_hashes_and_compares_by_identity(kind):
-    ls = ujax.loss_scale_from_config(CONFIGS[kind])
-    assert ls == ls and ls != ujax.loss_scale_from_config(CONFIGS[kind])
+    ls = ujax.LossScale(CONFIGS[kind])
+    assert ls == ls and ls != ujax.LossScale(CONFIGS[kind])
     assert {ls: 1}[ls] == 1
 
 
 def test_right_value_min_scale_survives_jit():
-    ls = ujax.DynamicLossScale.from_config(core.DynamicLossScale(init_scale=4.0, min_scale=0.25))
+    ls = ujax.LossScale.from_config(core.DynamicLossScale(init_scale=4.0, min_scale=0.25))
     step = jax.jit(lambda s: s.adjust(jnp.array(False)))
     for _ in range(4):
         ls = step(ls)
     assert float(ls.loss_scale) == 0.25
-    assert ls.min_loss_scale == 0.25
+    assert ls.config.floor == 0.25
 
 
 @pytest.mark.parametrize(
     "init", [np.float16(2**15), jnp.float16(2**15), jnp.bfloat16(2**15), np.int32(2**15), 2**15]
 )
 def test_right_value_state_is_float32_whatever_dtype(init):
-    ls = ujax.DynamicLossScale(init, config=core.DynamicLossScale(growth_interval=1))
-    assert ls.loss_scale.dtype == jnp.float32 and ls.counter.dtype == jnp.int32
+    # a NumPy or Python value is cast by the core's record, a jax array by the loss scale
+    ls = ujax.LossScale(core.DynamicLossScale(growth_interval=1), core.LossScaleState(init, 0, 0, 0))
+    assert ls.loss_scale.dtype == jnp.float32 and ls.state.counter.dtype == jnp.int32
     grown, backed = ls.adjust(True), ls.adjust(False)
     assert grown.loss_scale.dtype == jnp.float32 and float(grown.loss_scale) == 65536.0
     assert backed.loss_scale.dtype == jnp.float32 and float(backed.loss_scale) == 16384.0
 
 
-def test_float16_init_without_config_becomes_init_scale():
-    ls = ujax.DynamicLossScale(jnp.float16(2**15))
+def test_core_record_holds_jax_arrays_and_tracers_as_given():
+    # generic over arrays: host values are cast as ever, a jax array or tracer is never read
+    x = jnp.float16(3.0)
+    assert core.LossScaleState(x, 0, 0, 0).scale is x
+    seen = []
+    jax.jit(lambda s: seen.append(core.LossScaleState(s, s, s, s).counter) or s)(jnp.int32(2))
+    assert isinstance(seen[0], jax.core.Tracer)
+    host = core.LossScaleState(np.float64(2.0), 1.0, jnp.int32(0), 0)
+    assert (type(host.scale), type(host.counter), type(host.total_skips)) == (np.float32, np.int32, np.int32)
+    assert isinstance(host.consecutive_skips, jax.Array)
+
+
+def test_float16_init_scale_becomes_float32():
+    ls = ujax.LossScale(core.DynamicLossScale(init_scale=jnp.float16(2**15)))
     assert ls.config.init_scale == 2.0**15 and ls.loss_scale.dtype == jnp.float32
 
 
 def _scan_adjust(ls, grads, losses):
     def body(s, flags):
         s = s.adjust(flags[0], flags[1])
-        return s, (s.loss_scale, s.counter, s.consecutive_skips, s.total_skips)
+        return s, (s.loss_scale, s.state.counter, s.state.consecutive_skips, s.state.total_skips)
 
     return jax.lax.scan(body, ls, (grads, losses))[1]
 
@@ -151,7 +169,7 @@ def test_matches_reference_bit_for_bit(config, flags):
     g = jnp.array([f[0] for f in flags])
     lf = jnp.array([f[1] for f in flags])
     scale, counter, consec, total = jax.device_get(
-        _scan_adjust_jit(ujax.loss_scale_from_config(config), g, lf)
+        _scan_adjust_jit(ujax.LossScale(config), g, lf)
     )
     assert bits(scale) == bits(np.array([s.scale for s in ref], np.float32))
     assert counter.tolist() == [int(s.counter) for s in ref]
@@ -178,7 +196,7 @@ def test_matches_jmp_dynamic_loss_scale(flags, period):
     f = jnp.array(flags)
     scale, counter = _jmp_run_jit(period, f)
     ours = _scan_adjust_jit(
-        ujax.DynamicLossScale.preset("jmp", growth_interval=period), f, jnp.ones(SEQ, bool)
+        ujax.LossScale.preset("jmp", growth_interval=period), f, jnp.ones(SEQ, bool)
     )
     assert bits(ours[0]) == bits(scale)
     assert ours[1].tolist() == counter.tolist()
@@ -202,7 +220,7 @@ def test_matches_flax_dynamic_scale(flags, interval):
     # flax checks fin_steps == growth_interval before counting: its interval n is unimp's n + 1.
     theirs = _flax_run(interval, jnp.array(flags))
     ours = _scan_adjust_jit(
-        ujax.DynamicLossScale.preset("flax", growth_interval=interval + 1),
+        ujax.LossScale.preset("flax", growth_interval=interval + 1),
         jnp.array(flags),
         jnp.ones(SEQ, bool),
     )[0]
@@ -212,96 +230,101 @@ def test_matches_flax_dynamic_scale(flags, interval):
 def test_flax_preset_grows_on_step_2001_like_flax():
     flags = jnp.ones(2002, bool)
     theirs = np.asarray(_flax_run(2000, flags))
-    ours = np.asarray(_scan_adjust(ujax.DynamicLossScale.preset("flax"), flags, flags)[0])
+    ours = np.asarray(_scan_adjust(ujax.LossScale.preset("flax"), flags, flags)[0])
     assert theirs[1999] == theirs[1998] == 2.0**16 and theirs[2000] == 2.0**17  # flax: step 2001
     assert bits(ours) == bits(theirs)
 
 
 @pytest.mark.parametrize("kind", ["static", "none"])
 def test_static_and_noop_keep_scale_and_count_skips(kind):
-    ls = ujax.loss_scale_from_config(CONFIGS[kind])
+    ls = ujax.LossScale(CONFIGS[kind])
     for _ in range(3):
         ls = ls.adjust(jnp.array(False))
     assert float(ls.loss_scale) == CONFIGS[kind].initial_scale()
-    assert (int(ls.consecutive_skips), int(ls.total_skips)) == (3, 3)
+    assert (int(ls.state.consecutive_skips), int(ls.state.total_skips)) == (3, 3)
 
 
 def test_forward_overflow_keeps_scale():
-    ls = ujax.DynamicLossScale().adjust(jnp.array(False), jnp.array(False))
-    assert float(ls.loss_scale) == 2.0**15 and int(ls.total_skips) == 1
+    ls = ujax.LossScale(core.DynamicLossScale()).adjust(jnp.array(False), jnp.array(False))
+    assert float(ls.loss_scale) == 2.0**15 and int(ls.state.total_skips) == 1
 
 
 def test_scale_unscale_dtypes():
-    ls = ujax.DynamicLossScale(2.0**16)
+    ls = ujax.LossScale(core.DynamicLossScale(init_scale=2.0**16))
     scaled = ls.scale({"loss": jnp.float16(1.0), "n": jnp.int32(2)})
     assert (
         scaled["loss"].dtype == jnp.float32 and float(scaled["loss"]) == 65536.0
     )  # no float16 inf
     assert scaled["n"].dtype == jnp.int32 and int(scaled["n"]) == 2
     assert float(ls.unscale(jnp.float32(65536.0 * 3))) == 3.0
-    noop = ujax.NoOpLossScale()
+    noop = ujax.LossScale(core.NoLossScale())
     x = jnp.float16(3.0)
     assert noop.scale(x) is x and noop.unscale(x) is x and float(noop.loss_scale) == 1.0
 
 
-def test_jmp_style_static_constructor():
-    ls = ujax.StaticLossScale(128.0)
+def test_static_loss_scale_from_a_number():
+    ls = ujax.LossScale.from_config(128.0)
     assert ls.config == core.StaticLossScale(128.0) and float(ls.scale(jnp.float32(1))) == 128.0
+
+
+def _state(scale, **counts):
+    return core.LossScaleState(scale, **{"counter": 0, "consecutive_skips": 0, "total_skips": 0, **counts})
+
+
+DYNAMIC = core.DynamicLossScale()
 
 
 @pytest.mark.parametrize(
     "make,exc,match",
     [
+        (lambda: ujax.LossScale(2.0), TypeError, "from_config"),
+        (lambda: ujax.LossScale(DYNAMIC, _state(jnp.ones(2))), ValueError, "scalar"),
+        (lambda: ujax.LossScale(DYNAMIC, _state(jnp.asarray(True))), TypeError, "bool"),
+        (lambda: ujax.LossScale(DYNAMIC, _state(0.5)), ValueError, "min_scale"),
+        (lambda: ujax.LossScale(DYNAMIC, _state(jnp.float32(0.5))), ValueError, "min_scale"),
         (
-            lambda: ujax.DynamicLossScale(config=core.StaticLossScale(2.0)),
-            TypeError,
-            "loss_scale_from_config",
-        ),
-        (lambda: ujax.DynamicLossScale(jnp.ones(2)), ValueError, "scalar"),
-        (lambda: ujax.DynamicLossScale(True), TypeError, "bool"),
-        (
-            lambda: ujax.DynamicLossScale(0.5, config=core.DynamicLossScale()),
+            lambda: ujax.LossScale(core.StaticLossScale(2.0), _state(4.0)),
             ValueError,
-            "min_scale",
+            r"equal the static scale \(2.0\)",
         ),
+        (lambda: ujax.LossScale(core.NoLossScale(), _state(2.0)), ValueError, "1.0"),
+        (lambda: ujax.LossScale(DYNAMIC).adjust(jnp.ones(2, bool)), ValueError, "bool scalar"),
+        (lambda: ujax.LossScale(DYNAMIC).adjust(jnp.float32(1)), ValueError, "bool scalar"),
         (
-            lambda: ujax.StaticLossScale(4.0, config=core.StaticLossScale(2.0)),
+            lambda: ujax.LossScale.from_state_dict(
+                ujax.LossScale(core.NoLossScale()).state_dict(), current=DYNAMIC
+            ),
             ValueError,
-            "config.scale",
-        ),
-        (lambda: ujax.NoOpLossScale(2.0), ValueError, "1.0"),
-        (lambda: ujax.DynamicLossScale().adjust(jnp.ones(2, bool)), ValueError, "bool scalar"),
-        (lambda: ujax.DynamicLossScale().adjust(jnp.float32(1)), ValueError, "bool scalar"),
-        (
-            lambda: ujax.StaticLossScale.from_state_dict(ujax.DynamicLossScale().state_dict()),
-            ValueError,
-            "DynamicLossScale.from_state_dict",
+            "without loss scaling",
         ),
         (
-            lambda: ujax.loss_scale_from_state_dict({"scale": 2.0, "_growth_tracker": 0}),
+            lambda: ujax.LossScale.from_state_dict({"scale": 2.0, "_growth_tracker": 0}),
             ValueError,
             "GradScaler",
         ),
         (
-            lambda: jax.jit(lambda s: s.state_dict())(ujax.DynamicLossScale()),
+            lambda: jax.jit(lambda s: s.state_dict())(ujax.LossScale(DYNAMIC)),
             TypeError,
             "outside jit",
         ),
-        (lambda: ujax.loss_scale_from_config("sometimes"), ValueError, "dynamic"),
+        (lambda: ujax.LossScale.from_config("sometimes"), ValueError, "dynamic"),
+        (lambda: ujax.LossScale(DYNAMIC, {"scale": 2.0}), TypeError, "LossScaleState"),
     ],
     ids=[
-        "wrong-config",
+        "not-a-config",
         "non-scalar",
         "bool",
         "below-floor",
+        "below-floor-device",
         "static-mismatch",
         "noop-not-1",
         "flag-shape",
         "flag-dtype",
-        "wrong-kind-load",
+        "unscaled-state-for-a-scaled-run",
         "torch-format",
         "state-dict-in-jit",
         "bad-spec",
+        "state-not-a-record",
     ],
 )
 def test_loss_scale_errors(make, exc, match):
@@ -311,19 +334,19 @@ def test_loss_scale_errors(make, exc, match):
 
 def test_state_dict_from_another_backend_resumes():
     d = core.state_dict(core.DynamicLossScale.preset("torch"), core.LossScaleState(1024.0, 7, 2, 5))
-    ls = ujax.loss_scale_from_state_dict(d)
-    assert isinstance(ls, ujax.DynamicLossScale)
+    ls = ujax.LossScale.from_state_dict(d)
+    assert isinstance(ls, ujax.LossScale) and ls.config == core.DynamicLossScale.preset("torch")
     assert (
         float(ls.loss_scale),
-        int(ls.counter),
-        int(ls.consecutive_skips),
-        int(ls.total_skips),
+        int(ls.state.counter),
+        int(ls.state.consecutive_skips),
+        int(ls.state.total_skips),
     ) == (1024.0, 7, 2, 5)
     assert ls.state_dict() == d
 
 
 def test_max_consecutive_skips_check():
-    ls = ujax.DynamicLossScale.from_config(core.DynamicLossScale(max_consecutive_skips=2))
+    ls = ujax.LossScale(core.DynamicLossScale(max_consecutive_skips=2))
     for _ in range(3):
         ls = ls.adjust(False)
     with pytest.raises(unimp.LossScaleError, match="stuck"):
@@ -333,7 +356,7 @@ def test_max_consecutive_skips_check():
 def test_adjust_under_vmap_matches_reference_per_row():
     flags = jnp.array([[True, False, True], [False, False, True]])
     cfg = core.DynamicLossScale(init_scale=8.0, growth_interval=1)
-    ls = jax.vmap(lambda _: ujax.DynamicLossScale.from_config(cfg))(jnp.arange(2))
+    ls = jax.vmap(lambda _: ujax.LossScale(cfg))(jnp.arange(2))
 
     def run(ls, row):
         for i in range(row.shape[0]):
@@ -353,8 +376,8 @@ def test_jmp_reference_bugs_that_unimp_avoids():
     assert float(jax.jit(lambda s: s)(theirs).min_loss_scale) == 1.0
     with pytest.raises(TypeError):
         jmp.DynamicLossScale(jnp.float16(2**15)).adjust(jnp.array(True))
-    ours = ujax.DynamicLossScale(4.0, config=core.DynamicLossScale(init_scale=4.0, min_scale=0.25))
-    assert jax.jit(lambda s: s)(ours).min_loss_scale == 0.25
+    ours = ujax.LossScale(core.DynamicLossScale(init_scale=4.0, min_scale=0.25))
+    assert jax.jit(lambda s: s)(ours).config.floor == 0.25
 
 
 @pytest.mark.parametrize(
@@ -369,28 +392,38 @@ def test_jmp_reference_bugs_that_unimp_avoids():
     ids=["counter-above-interval", "negative", "fractional", "skips", "beyond-int32"],
 )
 def test_pytree_refuses_states_its_own_loader_would_refuse(kwargs, needle):
-    # the same rules as loading a portable state_dict (the other backends' only way in)
+    # the same rules as loading a portable state_dict (the other backends' only way in): a
+    # record of host values is checked by them; a fractional or too long counter cannot reach
+    # a record as such (the core casts it to int32), so its wire form is the way in
+    cfg = core.DynamicLossScale()
+    wire = {"scale": 8.0, "counter": 0, "consecutive_skips": 0, "total_skips": 0, **kwargs}
     with pytest.raises(ValueError, match=needle):
-        ujax.DynamicLossScale(8.0, **kwargs)
-    ok = ujax.DynamicLossScale(8.0, counter=3)
-    assert ujax.loss_scale_from_state_dict(ok.state_dict()).state == ok.state
+        ujax.LossScale.from_state_dict({"format": core.STATE_FORMAT, "config": cfg.to_dict(), "state": wire})
+    if all(float(v).is_integer() and abs(v) < 2**31 for v in kwargs.values()):
+        with pytest.raises(ValueError, match=needle):
+            ujax.LossScale(cfg, core.LossScaleState(**wire))
+    ok = ujax.LossScale(cfg, _state(8.0, counter=3))
+    assert ujax.LossScale.from_state_dict(ok.state_dict()).state == ok.state
 
 
 def test_jmp_positional_order_is_refused_not_misread():
-    # jmp's positional order is (loss_scale, counter, period, factor, min_loss_scale); read by
-    # unimp's field order this ran with period 2000 and factor 2 while saying 100 and 4.
-    with pytest.raises(TypeError, match=r"at most 2 positional.*consecutive_skips=.*growth_interval=period"):
-        ujax.DynamicLossScale(jnp.float32(2**15), jnp.int32(0), 100, 4)
-    with pytest.raises(TypeError, match="at most 2 positional"):
-        ujax.StaticLossScale(jnp.float32(8.0), 0, 1)
-    # the two positional arguments jmp and unimp share still work, and the fix in the message runs
-    ls = ujax.DynamicLossScale(
-        jnp.float32(2**15),
-        jnp.int32(0),
-        config=unimp.DynamicLossScale.preset("jmp", growth_interval=100, growth_factor=4.0),
+    # jmp's positional order is (loss_scale, counter, period, factor, min_loss_scale): the loss
+    # scale takes a config first, so jmp's arguments are refused, and the message names the
+    # shim and the translation
+    with pytest.raises(TypeError, match="positional"):
+        ujax.LossScale(jnp.float32(2**15), jnp.int32(0), 100, 4)
+    with pytest.raises(TypeError, match=r"compat\.jmp\.DynamicLossScale.*growth_interval=period"):
+        ujax.LossScale(jnp.float32(2**15), jnp.int32(0))
+    with pytest.raises(TypeError, match="loss-scale config"):
+        ujax.LossScale(jnp.float32(8.0))
+    # the translation in the message runs
+    ls = ujax.LossScale(
+        unimp.DynamicLossScale.preset("jmp", growth_interval=100, growth_factor=4.0),
+        unimp.LossScaleState(jnp.float32(2**15), jnp.int32(0), 0, 0),
     )
-    assert (ls.period, ls.factor, float(ls.loss_scale)) == (100, 4.0, 2.0**15)
-    # pytree round trips (unflatten) and from_config never pass more than two positionally
+    cfg = ls.config
+    assert (cfg.growth_interval, cfg.growth_factor, float(ls.loss_scale)) == (100, 4.0, 2.0**15)
+    # pytree round trips (unflatten) and from_config keep the config
     back = jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(ls)))
-    assert back.period == 100
-    assert ujax.DynamicLossScale.from_config(ls.config).period == 100
+    assert back.config.growth_interval == 100
+    assert ujax.LossScale.from_config(ls.config).config.growth_interval == 100

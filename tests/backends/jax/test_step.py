@@ -300,7 +300,7 @@ def test_shard_map_replicas_take_the_same_decision():
         return ls.adjust(finite).loss_scale[None], finite[None]
 
     fn = jax.shard_map(per_replica, mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P("d")))
-    scales, finite = fn(grads, ujax.DynamicLossScale(8.0))
+    scales, finite = fn(grads, ujax.LossScale(core.DynamicLossScale(init_scale=8.0)))
     assert scales.tolist() == [4.0] * n and finite.tolist() == [False] * n
 
 

@@ -1,10 +1,11 @@
-"""The JAX backend: jmp-style casting and loss-scale pytrees, optax and flax integration.
+"""The JAX backend: jmp-style casting, the loss-scale pytree, optax and flax integration.
 
 JAX has no autocast: a recipe is applied by casting at function and module boundaries, as jmp
 and haiku do, and by passing ``dtype`` / ``param_dtype`` to flax modules. The loss scale is an
-immutable pytree whose update is :func:`unimp.loss_scale.update_arrays` run on ``jnp`` arrays,
-so it traces under ``jit``, ``vmap``, ``lax.scan`` and ``shard_map`` and matches the NumPy
-reference bit for bit.
+immutable pytree, :class:`LossScale`: the core's :class:`unimp.LossScaleState` (of ``jnp``
+scalars) registered as a pytree, with its config as static data, whose update is
+:func:`unimp.loss_scale.update_arrays` run on ``jnp`` arrays, so it traces under ``jit``,
+``vmap``, ``lax.scan`` and ``shard_map`` and matches the NumPy reference bit for bit.
 
 No fused loss-scale update, unlike torch: torch runs eagerly, one kernel launch per op, so its
 GradScaler.update runs the rule through a fused kernel (in ``torch/scaling.py``); here
@@ -14,8 +15,12 @@ Pieces:
 
 * :class:`MixedPrecision`: a recipe bound to JAX (casts, ``apply``, flax ``module_kwargs``,
   ``prepare`` and a jitted ``train_step``).
-* :class:`DynamicLossScale`, :class:`StaticLossScale`, :class:`NoOpLossScale`: loss-scale
-  pytrees with jmp's method names (``loss_scale``, ``scale``, ``unscale``, ``adjust``).
+* :class:`LossScale`: the loss scale of any config (one class, as torch's one ``GradScaler``
+  and Keras's one ``LossScaleOptimizer``; ``LossScale(config, state=None)``,
+  ``LossScale.from_config(spec)``, ``LossScale.from_state_dict(d)``, ``LossScale.preset(name)``)
+  with jmp's method names (``loss_scale``, ``scale``, ``unscale``, ``adjust``). jmp's classes
+  (``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale``) and constructors are
+  :mod:`unimp.compat.jmp`'s; ``unimp.DynamicLossScale`` & co are the configs.
 * :func:`loss_scaling`: an optax ``GradientTransformation`` carrying the loss scale in its
   state; :func:`get_loss_scale` reads it back; :class:`MultiSteps` is ``optax.MultiSteps``
   with the accumulator reset to exact zeros after every window.
@@ -31,7 +36,7 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
 * ``casting``: :func:`to_dtype`, :func:`cast_tree`.
 * ``overflow``: :func:`all_finite` (optionally reduced over a mesh axis), the gradients' global
   norm, :func:`select_tree`, :func:`sync_loss_scale`.
-* ``scaling``: the loss-scale pytrees and the rule's array namespace over ``jnp`` arrays.
+* ``scaling``: :class:`LossScale` and the rule's array namespace over ``jnp`` arrays.
 * ``optimizer``: :func:`loss_scaling` (optax), :func:`get_loss_scale`, :class:`MultiSteps`,
   :func:`half_update` (Kahan-compensated or stochastically rounded updates of half parameters).
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on the device), :func:`observe` (names
@@ -75,14 +80,7 @@ from unimp.backends.jax.optimizer import (
 from unimp.backends.jax.overflow import all_finite, select_tree, sync_loss_scale
 from unimp.backends.jax.overrides import apply_overrides, layer_paths
 from unimp.backends.jax.precision import current_matmul_precision, matmul_precision
-from unimp.backends.jax.scaling import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    loss_scale_from_config,
-    loss_scale_from_state_dict,
-)
+from unimp.backends.jax.scaling import LossScale
 from unimp.backends.jax.stats import observe, tensor_stats
 from unimp.backends.jax.step import TrainStep
 from unimp.loss_scale import ReplicaDesyncWarning
@@ -100,15 +98,12 @@ __all__ = [
     "fp8_step",
     "current_matmul_precision",
     "matmul_precision",
-    "DynamicLossScale",
     "HalfUpdateState",
     "LossScale",
     "LossScaleOptState",
     "MixedPrecision",
     "MultiSteps",
-    "NoOpLossScale",
     "ReplicaDesyncWarning",
-    "StaticLossScale",
     "StepResult",
     "TrainStep",
     "all_finite",
@@ -121,8 +116,6 @@ __all__ = [
     "half_update",
     "import_update_state",
     "layer_paths",
-    "loss_scale_from_config",
-    "loss_scale_from_state_dict",
     "loss_scaling",
     "observe",
     "select_tree",

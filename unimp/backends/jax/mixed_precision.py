@@ -25,7 +25,7 @@ from unimp.backends.jax.fp8 import (
 from unimp.backends.jax.optimizer import half_update, loss_scaling
 from unimp.backends.jax.overrides import apply_overrides, cast_by_path, check_half_leaves
 from unimp.backends.jax.precision import matmul_precision
-from unimp.backends.jax.scaling import LossScale, loss_scale_from_config
+from unimp.backends.jax.scaling import LossScale
 from unimp.backends.jax.step import TrainStep
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
@@ -236,7 +236,7 @@ class MixedPrecision(MixedPrecisionBase):
 
     def init_loss_scale(self) -> LossScale:
         """The recipe's loss scale as a pytree in its initial state."""
-        return loss_scale_from_config(self.loss_scale)
+        return LossScale(self.loss_scale)
 
     def prepare(self, params: Any, optimizer: optax.GradientTransformation | None = None) -> Any:
         """Applies the recipe to parameters and an optax optimizer.

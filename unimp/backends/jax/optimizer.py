@@ -16,12 +16,12 @@ import numpy as np
 import optax
 
 from unimp.backends.jax.overflow import _keep_unless, all_finite, sync_loss_scale
-from unimp.backends.jax.scaling import LossScale, LossScaleOps, loss_scale_from_config
+from unimp.backends.jax.scaling import LossScale, LossScaleOps
 from unimp.rounding import check_seed, check_update_mode, check_update_state, update_half
 
 
 class LossScaleOptState(NamedTuple):
-    """State of :func:`loss_scaling`: the loss-scale pytree and the inner optimizer's state."""
+    """State of :func:`loss_scaling`: the :class:`LossScale` and the inner optimizer's state."""
 
     loss_scale: Any
     inner_state: Any
@@ -44,7 +44,7 @@ def loss_scaling(
 
     Args:
         inner: the optax optimizer to protect.
-        loss_scale: a core config, a loss-scale pytree, or a spec such as ``"dynamic"``.
+        loss_scale: a core config, a :class:`LossScale`, or a spec such as ``"dynamic"``.
         axis_name: under ``shard_map`` / ``pmap``, the data-parallel axis: the finite flags
             are reduced over it (a non-finite gradient on any replica skips the step on all)
             and the loss-scale state is taken from replica 0 (:func:`sync_loss_scale`), so
@@ -64,14 +64,14 @@ def loss_scaling(
         >>> opt = loss_scaling(optax.sgd(1.0), 8.0)
         >>> state = opt.init(jnp.zeros(2))
         >>> updates, state = opt.update(jnp.array([jnp.nan, 0.0]), state)
-        >>> updates.tolist(), int(get_loss_scale(state).total_skips)
+        >>> updates.tolist(), int(get_loss_scale(state).state.total_skips)
         ([-0.0, -0.0], 1)
     """
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(
             f"loss_scaling needs an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(inner).__name__}."
         )
-    initial = loss_scale_from_config(loss_scale)
+    initial = loss_scale if isinstance(loss_scale, LossScale) else LossScale.from_config(loss_scale)
     inner = _float32_update(inner)
 
     def init_fn(params: Any) -> LossScaleOptState:
@@ -99,7 +99,7 @@ def loss_scaling(
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
-    """The loss-scale pytree inside an optimizer state built with :func:`loss_scaling`.
+    """The :class:`LossScale` inside an optimizer state built with :func:`loss_scaling`.
 
     Searches nested states (``optax.chain``, :class:`MultiSteps`, ...). Inside ``MultiSteps``
     this is the committed scale, constant through an accumulation window. Scale the loss with

@@ -137,12 +137,11 @@ def sync_loss_scale(ls: Any, axis_name: Any) -> Any:
     :func:`loss_scaling` call it when given an ``axis_name``.
 
     Args:
-        ls: a loss-scale pytree (:class:`DynamicLossScale` & co).
+        ls: a loss-scale pytree (:class:`~unimp.backends.jax.LossScale`).
         axis_name: the mapped axis (``shard_map`` / ``pmap``) whose replicas must agree.
 
     Returns:
-        A loss-scale pytree of the same class holding replica 0's values (replicated over the
-        axis).
+        A loss-scale pytree like ``ls`` holding replica 0's values (replicated over the axis).
     """
     leaves, treedef = jax.tree_util.tree_flatten(ls)
     index = lax.axis_index(axis_name)

@@ -1,6 +1,6 @@
-"""JAX loss scaling: the loss-scale pytrees (:class:`DynamicLossScale`, :class:`StaticLossScale`,
-:class:`NoOpLossScale`, jmp's method names) whose ``adjust`` is
-:func:`unimp.loss_scale.update_arrays` over ``jnp`` arrays.
+"""JAX loss scaling: :class:`LossScale`, one immutable pytree for every loss-scale config (a
+:class:`unimp.LossScaleState` of ``jnp`` scalars and the static config, with jmp's method
+names), whose ``adjust`` is :func:`unimp.loss_scale.update_arrays` over ``jnp`` arrays.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ import numpy as np
 from unimp import loss_scale as core
 from unimp.backends.jax.casting import _is_floating_array
 from unimp.backends.jax.overflow import check_pred
+from unimp.loss_scale.portable import check_scale_value
 
 
 class LossScaleOps:
@@ -38,14 +39,6 @@ class LossScaleOps:
 
 
 STATIC_FIELDS = {"static": True}
-
-
-def _register_pytree(cls: type) -> type:
-    """The loss-scale pytrees: :func:`pytree_from_fields`, and only ``loss_scale`` and
-    ``counter`` positional (:func:`_refuse_jmp_positional`)."""
-    pytree_from_fields(cls)
-    _refuse_jmp_positional(cls)
-    return cls
 
 
 def replace_unchecked(obj: Any, **changes: Any) -> Any:
@@ -69,8 +62,9 @@ def pytree_from_fields(cls: type) -> type:
 
     Fields with ``metadata={"static": True}`` are auxiliary data (hashable, part of the jit
     cache key); every other field is a child. Unflattening bypasses ``__init__`` so JAX's
-    placeholder leaves (``object()``, tracers) are never validated or converted. Used by the
-    loss-scale pytrees here and by the jmp and flax shims (``unimp.compat``).
+    placeholder leaves (``object()``, tracers) are never validated or converted. Used by
+    :class:`unimp.LossScaleState` and :class:`LossScale` here and by the jmp and flax shims
+    (``unimp.compat``).
     """
     fields = dataclasses.fields(cls)
     data = tuple(f.name for f in fields if not f.metadata.get("static"))
@@ -97,43 +91,28 @@ def pytree_from_fields(cls: type) -> type:
     return cls
 
 
-def _refuse_jmp_positional(cls: type) -> None:
-    """Only ``loss_scale`` and ``counter`` may be positional. jmp's positional order is
-    ``(loss_scale, counter, period, factor, min_loss_scale)``: read by field order, jmp code
-    ``DynamicLossScale(s, c, 100, 4)`` would silently become ``consecutive_skips=100,
-    total_skips=4`` and run with another rule than it says."""
-    init = cls.__init__
+# The core's record is the state's pytree: its leaves are its fields, in field order, under their
+# names; a loss scale's leaves are the leaves of its state.
+pytree_from_fields(core.LossScaleState)
 
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if len(args) > 2:
-            raise TypeError(
-                f"{cls.__name__} takes at most 2 positional arguments (loss_scale, counter), got "
-                f"{len(args)}; pass consecutive_skips=, total_skips= and config= by keyword. jmp's "
-                "positional (period, factor, min_loss_scale) are a config here: "
-                f"{cls.__name__}(loss_scale, counter, config=unimp.DynamicLossScale.preset('jmp', "
-                "growth_interval=period, growth_factor=factor, min_scale=min_loss_scale))."
-            )
-        init(self, *args, **kwargs)
-
-    cls.__init__ = __init__
+_STATE_FIELDS = _field_names(core.LossScaleState)
 
 
-def _scalar(value: Any, dtype: Any, cls: str, name: str) -> jax.Array:
+def _scalar(value: Any, dtype: Any, name: str) -> jax.Array:
     if isinstance(value, (bool, np.bool_)) or (
         hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.bool_)
     ):
-        raise TypeError(f"{cls}.{name} must be a number, got a bool.")
+        raise TypeError(f"LossScale.state.{name} must be a number, got a bool.")
     try:
         arr = jnp.asarray(value)
     except TypeError:
         raise TypeError(
-            f"{cls}.{name} must be a number or a scalar array, got {type(value).__name__}."
+            f"LossScale.state.{name} must be a number or a scalar array, got {type(value).__name__}."
         ) from None
     if arr.shape != ():
-        raise ValueError(f"{cls}.{name} must be a scalar, got shape {arr.shape}.")
+        raise ValueError(f"LossScale.state.{name} must be a scalar, got shape {arr.shape}.")
     if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
-        raise TypeError(f"{cls}.{name} must be real, got dtype {arr.dtype}.")
+        raise TypeError(f"LossScale.state.{name} must be real, got dtype {arr.dtype}.")
     return arr.astype(dtype)
 
 
@@ -141,92 +120,152 @@ def _concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-@dataclass(frozen=True, eq=False)
-class _LossScale:
-    """Shared fields and methods of the loss-scale pytrees (see :class:`DynamicLossScale`).
+def _is_float_leaf(x: Any) -> bool:
+    return _is_floating_array(x) or (isinstance(x, float) and not isinstance(x, bool))
 
-    ``eq=False``: the fields are arrays, so equality and hashing are by identity (a generated
-    ``__eq__`` would be ambiguous and a generated ``__hash__`` would fail on arrays).
+
+@dataclass(frozen=True, eq=False)
+class LossScale:
+    """The loss scale as an immutable pytree: a :class:`unimp.LossScaleState` of ``jnp`` scalars
+    and the config it follows, with jmp's method names (``loss_scale``, ``scale``, ``unscale``,
+    ``adjust``).
+
+    One class for every config, as torch's one ``GradScaler`` and Keras's one
+    ``LossScaleOptimizer``: the config decides the rule. A :class:`unimp.DynamicLossScale`
+    follows unimp's reference algorithm (:func:`unimp.loss_scale.update_arrays`): matches
+    torch.amp.GradScaler and jmp.DynamicLossScale (grows on the growth_interval-th consecutive
+    finite step, backs off on overflow and restarts the count), plus a floor, a cap, skip
+    counters and the forward-overflow rule; ``LossScale.preset("flax")`` reproduces flax's
+    DynamicScale and ``preset("jmp")`` jmp's. A :class:`unimp.StaticLossScale` never changes
+    its scale, and with :class:`unimp.NoLossScale` ``scale`` / ``unscale`` return the tree
+    unchanged; both still count skipped steps. jmp's own classes and constructors are
+    :mod:`unimp.compat.jmp`'s.
+
+    The pytree's leaves are the state's fields (the config is static data, part of ``jit``'s
+    cache key), so every field survives flatten / unflatten, ``jit``, ``lax.scan`` and
+    :meth:`state_dict`, and the state is float32 / int32 whatever dtypes it is given in.
+
+    Attributes:
+        config: the loss-scale config (static).
+        state: the :class:`unimp.LossScaleState`, float32 ``scale`` and int32 counters as
+            ``jnp`` scalars (tracers under ``jit``); reading one on the host synchronizes.
+
+    Args:
+        config: a :class:`unimp.DynamicLossScale`, :class:`unimp.StaticLossScale` or
+            :class:`unimp.NoLossScale`; :meth:`from_config` also reads specs (``"dynamic"``, a
+            number, a dict).
+        state: where to start, a :class:`unimp.LossScaleState` (any real scalars: a float16
+            ``2**15`` included); ``config.initial_state()`` when omitted. Host values follow
+            the rules of a loaded state (:func:`unimp.loss_scale.from_state_dict`); of device
+            arrays only a concrete scale is read, here, never in a step.
+
+    Raises:
+        TypeError: ``config`` is not a loss-scale config (jmp's positional arguments
+            included), or a state field is a bool or not a real number.
+        ValueError: a non-scalar state field, or a state the config cannot hold (a scale
+            outside ``[min_scale, max_scale]``, a static scale other than the config's, a
+            counter past ``growth_interval``, ...), naming the field.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import unimp
+        >>> ls = LossScale(unimp.DynamicLossScale(init_scale=4.0, min_scale=0.25))
+        >>> step = jax.jit(lambda s: s.adjust(jnp.array(False)))
+        >>> for _ in range(4):
+        ...     ls = step(ls)
+        >>> float(ls.loss_scale), ls.config.min_scale
+        (0.25, 0.25)
     """
 
-    loss_scale: Any = None
-    counter: Any = 0
-    consecutive_skips: Any = 0
-    total_skips: Any = 0
-    hysteresis_used: Any = 0  # the extra fields (unimp.loss_scale.EXTRA_FIELDS)
-    overflows_since_rescale: Any = 0
-    steps_since_rescale: Any = 0
-    floor_hits: Any = 0
-    config: Any = field(default=None, metadata=STATIC_FIELDS)
-
-    _config_cls: ClassVar[type] = core.DynamicLossScale
+    config: core.LossScaleConfig = field(metadata=STATIC_FIELDS)
+    state: core.LossScaleState = None  # type: ignore[assignment]  # None: config.initial_state()
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
-        if self.loss_scale is not None:  # shape and type errors before any config is derived
-            _scalar(self.loss_scale, jnp.float32, name, "loss_scale")
         cfg = self.config
-        if cfg is None:
-            cfg = self._default_config()
-        elif not isinstance(cfg, self._config_cls):
+        if not isinstance(cfg, core.LossScaleConfig):
             raise TypeError(
-                f"{name}.config must be a unimp.{self._config_cls.__name__}, got "
-                f"{type(cfg).__name__}; build a loss scale of any kind with "
-                "unimp.backends.jax.loss_scale_from_config(config)."
+                f"LossScale takes a loss-scale config (unimp.DynamicLossScale(...), "
+                f"unimp.StaticLossScale(...), unimp.NoLossScale()), got {type(cfg).__name__}; "
+                "LossScale.from_config reads a spec ('dynamic', a number, a dict). jmp's "
+                "DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale) is "
+                "unimp.compat.jmp.DynamicLossScale, or here LossScale(unimp.DynamicLossScale."
+                "preset('jmp', growth_interval=period, growth_factor=factor, min_scale="
+                "min_loss_scale), unimp.LossScaleState(loss_scale, counter, 0, 0))."
             )
-        scale = cfg.initial_scale() if self.loss_scale is None else self.loss_scale
-        scale_arr = _scalar(scale, jnp.float32, name, "loss_scale")
-        self._check_scale(cfg, scale_arr)
-        ints = ("counter", "consecutive_skips", "total_skips", *core.EXTRA_FIELDS)
-        self._check_host_state(cfg, (scale, *(getattr(self, n) for n in ints)))
-        values = {"loss_scale": scale_arr}
-        values.update({n: _scalar(getattr(self, n), jnp.int32, name, n) for n in ints})
-        for k, v in values.items():
-            object.__setattr__(self, k, v)
-        object.__setattr__(self, "config", cfg)
+        s = cfg.initial_state() if self.state is None else self.state
+        if not isinstance(s, core.LossScaleState):
+            raise TypeError(
+                f"LossScale.state must be a unimp.LossScaleState, got {type(s).__name__}."
+            )
+        held = {
+            n: _scalar(getattr(s, n), jnp.float32 if n == "scale" else jnp.int32, n)
+            for n in _STATE_FIELDS
+        }
+        if all(isinstance(getattr(s, n), np.generic) for n in _STATE_FIELDS):
+            # host values follow the rules of a loaded state_dict (the other backends' way in)
+            core.from_state_dict({"format": core.STATE_FORMAT, "config": cfg.to_dict(), "state": s.to_dict()})
+        elif _concrete(held["scale"]):
+            check_scale_value(cfg, float(held["scale"]), "LossScale.state.scale")
+        object.__setattr__(self, "state", replace_unchecked(s, **held))
 
-    def _default_config(self) -> Any:
-        return self._config_cls()
+    @classmethod
+    def from_config(cls, config: Any = "dynamic", state: core.LossScaleState | None = None) -> LossScale:
+        """The loss scale for any config or spec.
 
-    @staticmethod
-    def _check_host_state(cfg: Any, raw: tuple) -> None:
-        """Host values (Python or NumPy numbers) follow the core's state rules, as a loaded
-        state_dict does: counter in [0, growth_interval), consecutive <= total skips, int32
-        counters, scale within the config. Device arrays and tracers (the values ``adjust``
-        passes) are not read: that would be a host sync per step."""
-        host = (int, float, np.number, np.ndarray)
-        if not all(isinstance(v, host) and not isinstance(v, (bool, np.bool_)) for v in raw):
-            return
-        names = [f.name for f in dataclasses.fields(core.LossScaleState)]
-        state = dict(zip(names, (np.asarray(v).item() for v in raw), strict=True))
-        core.from_state_dict({"format": core.STATE_FORMAT, "config": cfg.to_dict(), "state": state})
+        Args:
+            config: a core config, or anything :func:`unimp.loss_scale.loss_scale_from_dict`
+                accepts (``"dynamic"``, ``"none"``, ``"preset:jmp"``, a number, a dict).
+            state: an optional :class:`unimp.LossScaleState` to start from.
 
-    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
-        pass
+        Raises:
+            ValueError: an unknown loss-scale spec, or a state the config cannot hold.
+        """
+        return cls(core.loss_scale_from_dict(config), state)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LossScale:
+        """The loss scale of :meth:`unimp.DynamicLossScale.preset` (``"jmp"``, ``"flax"``,
+        ``"torch"``, ...), in its initial state.
+
+        Raises:
+            ValueError: unknown preset name or bad override.
+        """
+        return cls(core.DynamicLossScale.preset(name, **overrides))
 
     # -- jmp's interface ------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """jmp's name for the current scale, ``state.scale`` (a float32 scalar)."""
+        return self.state.scale
 
     def scale(self, tree: Any) -> Any:
         """Multiplies the floating leaves of ``tree`` (usually the loss) by the loss scale.
 
         Leaves are multiplied by the float32 scale with JAX's type promotion, so a float16
         loss comes back float32 (2**16 does not fit in float16), as in jmp. Non-floating
-        leaves pass through.
+        leaves pass through; without loss scaling (:class:`unimp.NoLossScale`) ``tree`` is
+        returned unchanged.
         """
-        s = self.loss_scale
+        if not self.config.enabled:
+            return tree
+        s = self.state.scale
         return jax.tree_util.tree_map(lambda x: x * s if _is_float_leaf(x) else x, tree)
 
     def unscale(self, tree: Any) -> Any:
         """Multiplies the floating leaves of ``tree`` (the gradients) by ``1 / loss_scale``.
 
         The reciprocal is taken in float32 and multiplied in, as torch.amp.GradScaler and jmp
-        do; results are at least float32. Non-floating leaves pass through.
+        do; results are at least float32. Non-floating leaves pass through; without loss
+        scaling ``tree`` is returned unchanged.
         """
-        inv = jnp.float32(1.0) / self.loss_scale
+        if not self.config.enabled:
+            return tree
+        inv = jnp.float32(1.0) / self.state.scale
         return jax.tree_util.tree_map(lambda x: x * inv if _is_float_leaf(x) else x, tree)
 
-    def adjust(self, grads_finite: Any, loss_finite: Any = True) -> Any:
-        """The state after one step, by :func:`unimp.loss_scale.update_arrays`.
+    def adjust(self, grads_finite: Any, loss_finite: Any = True) -> LossScale:
+        """The loss scale after one step, by :func:`unimp.loss_scale.update_arrays`.
 
         Branch-free (``jnp.where``), so it traces under ``jit``, ``vmap``, ``lax.scan`` and
         ``shard_map``. A non-finite step is counted as skipped; a dynamic scale backs off on
@@ -238,48 +277,27 @@ class _LossScale:
             loss_finite: bool scalar, the unscaled loss is finite (default True).
 
         Returns:
-            A new loss scale of the same class; ``self`` is unchanged.
+            A new loss scale; ``self`` is unchanged.
 
         Raises:
             ValueError: a flag is not a bool scalar.
         """
-        g = check_pred(grads_finite, f"{type(self).__name__}.adjust(grads_finite)")
-        lf = check_pred(loss_finite, f"{type(self).__name__}.adjust(loss_finite)")
-        extra = tuple(getattr(self, n) for n in core.EXTRA_FIELDS) if core.tracks_extra(self.config) else None
+        g = check_pred(grads_finite, "LossScale.adjust(grads_finite)")
+        lf = check_pred(loss_finite, "LossScale.adjust(loss_finite)")
+        s, cfg = self.state, self.config
+        extra = tuple(getattr(s, n) for n in core.EXTRA_FIELDS) if core.tracks_extra(cfg) else None
         out = core.update_arrays(
-            LossScaleOps, self.config, *self._held()[:4], g, lf, extra=extra
+            LossScaleOps, cfg, s.scale, s.counter, s.consecutive_skips, s.total_skips, g, lf, extra=extra
         )
-        names = [f.name for f in dataclasses.fields(core.LossScaleState)]
-        return self._evolve(loss_scale=out[0], **dict(zip(names[1:len(out)], out[1:], strict=True)))
-
-    def _held(self) -> tuple[Any, ...]:
-        """The state's arrays, in :class:`unimp.LossScaleState` field order."""
-        return (self.loss_scale,) + tuple(
-            getattr(self, f.name) for f in dataclasses.fields(core.LossScaleState)[1:]
-        )
-
-    def _evolve(self, **changes: Any) -> Any:
-        """A copy with fields replaced, skipping ``__init__`` (the values come from
-        update_arrays, already float32 / int32 scalars)."""
-        return replace_unchecked(self, **changes)
+        # the values come from update_arrays, already float32 / int32 scalars: no checks
+        new = replace_unchecked(s, **dict(zip(_STATE_FIELDS, out, strict=False)))
+        return replace_unchecked(self, state=new)
 
     # -- conversions ------------------------------------------------------------------------
 
-    @classmethod
-    def from_config(cls, config: Any, state: core.LossScaleState | None = None) -> Any:
-        """Builds the loss scale from a core config (and optionally a core state).
-
-        Raises:
-            TypeError: the config is of another kind (use :func:`loss_scale_from_config`).
-        """
-        s = config.initial_state() if state is None else state
-        names = [f.name for f in dataclasses.fields(core.LossScaleState)[2:]]
-        return cls(s.scale, s.counter, config=config, **{n: getattr(s, n) for n in names})
-
-    @property
-    def state(self) -> core.LossScaleState:
+    def _host_state(self) -> core.LossScaleState:
         """The state as a host :class:`unimp.LossScaleState` (synchronizes)."""
-        return core.LossScaleState(*jax.device_get(self._held()))
+        return core.LossScaleState(*jax.device_get(jax.tree_util.tree_leaves(self.state)))
 
     def state_dict(self) -> dict[str, Any]:
         """The portable state (:func:`unimp.loss_scale.state_dict`), the same in every backend.
@@ -287,248 +305,44 @@ class _LossScale:
         Raises:
             TypeError: called on traced values inside ``jit``; call it outside.
         """
-        if not all(_concrete(x) for x in self._held()):
+        if not all(_concrete(x) for x in jax.tree_util.tree_leaves(self.state)):
             raise TypeError("state_dict() needs concrete values; call it outside jit / scan.")
-        return core.state_dict(self.config, self.state)
+        return core.state_dict(self.config, self._host_state())
 
     @classmethod
-    def from_state_dict(cls, d: Mapping[str, Any]) -> Any:
+    def from_state_dict(cls, d: Mapping[str, Any], current: core.LossScaleConfig | None = None) -> LossScale:
         """Inverse of :meth:`state_dict`; also reads a state saved by another backend.
 
+        Args:
+            d: the portable state dict.
+            current: the config of the loss scale it replaces, if any (see
+                :func:`unimp.loss_scale.from_state_dict`: a state without loss scaling is
+                refused for one that scales).
+
         Raises:
-            ValueError: a bad or foreign state dict (see :func:`unimp.loss_scale.from_state_dict`),
-                or one of another kind than ``cls`` (the message names the right class).
+            ValueError: a bad or foreign state dict (see :func:`unimp.loss_scale.from_state_dict`);
+                the message names the key.
         """
-        config, state = core.from_state_dict(d)
-        if not isinstance(config, cls._config_cls):
-            right = _PYTREE_FOR[type(config)].__name__
-            raise ValueError(
-                f"this state_dict holds a {config.kind!r} loss scale; load it with {right}.from_state_dict "
-                "or loss_scale_from_state_dict."
-            )
-        return cls.from_config(config, state)
+        return cls(*core.from_state_dict(d, current))
 
     def check(self) -> None:
         """Raises :class:`unimp.LossScaleError` past ``max_consecutive_skips`` or at a floor hit
         with ``floor_action="raise"`` (warns with "warn"); synchronizes."""
-        core.check_state(self.config, self.state)
+        core.check_state(self.config, self._host_state())
 
 
-def _is_float_leaf(x: Any) -> bool:
-    return _is_floating_array(x) or (isinstance(x, float) and not isinstance(x, bool))
-
-
-@_register_pytree
-@dataclass(frozen=True, eq=False)
-class DynamicLossScale(_LossScale):
-    """A dynamic loss scale as an immutable pytree, with jmp's method names.
-
-    Follows unimp's reference algorithm (:func:`unimp.loss_scale.update_arrays`): matches
-    torch.amp.GradScaler and jmp.DynamicLossScale (grows on the growth_interval-th consecutive
-    finite step, backs off on overflow and restarts the count), plus a floor, a cap, skip
-    counters and the forward-overflow rule. ``DynamicLossScale.preset("flax")`` reproduces
-    flax's DynamicScale and ``preset("jmp")`` jmp's.
-
-    Unlike jmp, every field survives flatten/unflatten, ``jit``, ``lax.scan`` and
-    ``state_dict`` (the config is static pytree data), and the state is float32 / int32
-    whatever dtypes are passed in.
-
-    Attributes:
-        loss_scale: float32 scalar, the current scale.
-        counter: int32 scalar, consecutive finite steps since the last growth or overflow.
-        consecutive_skips: int32 scalar, skipped steps in a row.
-        total_skips: int32 scalar, skipped steps since the start.
-        config: the :class:`unimp.DynamicLossScale` config (static).
-
-    Args:
-        loss_scale: the current scale, any real scalar (a float16 ``2**15`` included); defaults
-            to ``config.init_scale``. Given without ``config``, it becomes the config's
-            ``init_scale``.
-        counter, consecutive_skips, total_skips: integer scalars, default 0.
-        config: a :class:`unimp.DynamicLossScale`; unimp's defaults when omitted.
-
-    Raises:
-        TypeError: a config of another kind, or a bool / non-real value.
-        ValueError: a non-scalar value, or a concrete scale outside ``[min_scale, max_scale]``.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> import unimp
-        >>> ls = DynamicLossScale.from_config(unimp.DynamicLossScale(init_scale=4.0, min_scale=0.25))
-        >>> step = jax.jit(lambda s: s.adjust(jnp.array(False)))
-        >>> for _ in range(4):
-        ...     ls = step(ls)
-        >>> float(ls.loss_scale), ls.config.min_scale
-        (0.25, 0.25)
-    """
-
-    config: core.DynamicLossScale = field(default=None, metadata=STATIC_FIELDS)
-
-    _config_cls: ClassVar[type] = core.DynamicLossScale
-
-    def _default_config(self) -> core.DynamicLossScale:
-        if self.loss_scale is not None and _concrete(self.loss_scale):
-            return core.DynamicLossScale(init_scale=float(np.asarray(self.loss_scale, np.float64)))
-        return core.DynamicLossScale()
-
-    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
-        if not _concrete(scale):
-            return
-        value = float(scale)
-        hi = cfg.max_scale if cfg.max_scale is not None else float(np.finfo(np.float32).max)
-        if not cfg.floor <= value <= hi:
-            raise ValueError(
-                f"DynamicLossScale.loss_scale ({value}) must be in [min_scale, max_scale] = "
-                f"[{cfg.floor}, {cfg.max_scale}]; change the config or the scale."
-            )
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> DynamicLossScale:
-        """The loss scale of :meth:`unimp.DynamicLossScale.preset` (``"jmp"``, ``"flax"``,
-        ``"torch"``, ...), in its initial state.
-
-        Raises:
-            ValueError: unknown preset name or bad override.
-        """
-        return cls.from_config(core.DynamicLossScale.preset(name, **overrides))
-
-    # jmp's names for the config, read-only.
-    @property
-    def period(self) -> int:
-        """jmp's name for ``config.growth_interval``."""
-        return self.config.growth_interval
-
-    @property
-    def factor(self) -> float:
-        """jmp's name for ``config.growth_factor``."""
-        return self.config.growth_factor
-
-    @property
-    def min_loss_scale(self) -> float:
-        """jmp's name for the floor (``config.floor``)."""
-        return self.config.floor
-
-
-@_register_pytree
-@dataclass(frozen=True, eq=False)
-class StaticLossScale(_LossScale):
-    """A fixed loss scale as a pytree (jmp.StaticLossScale), counting skipped steps.
-
-    ``adjust`` never changes the scale; it counts non-finite steps (they are still skipped).
-
-    Args:
-        loss_scale: the scale; given without ``config`` it becomes ``config.scale``.
-        counter, consecutive_skips, total_skips: integer scalars, default 0.
-        config: a :class:`unimp.StaticLossScale`.
-
-    Raises:
-        TypeError: a config of another kind, or a bool / non-real value.
-        ValueError: a concrete ``loss_scale`` different from ``config.scale``.
-    """
-
-    config: core.StaticLossScale = field(default=None, metadata=STATIC_FIELDS)
-
-    _config_cls: ClassVar[type] = core.StaticLossScale
-
-    def _default_config(self) -> core.StaticLossScale:
-        if self.loss_scale is None:
-            return core.StaticLossScale()
-        if not _concrete(self.loss_scale):
-            raise TypeError("StaticLossScale needs config= when built from a traced value.")
-        return core.StaticLossScale(float(np.asarray(self.loss_scale, np.float64)))
-
-    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
-        if _concrete(scale) and float(scale) != cfg.scale:
-            raise ValueError(
-                f"StaticLossScale.loss_scale ({float(scale)}) must equal config.scale ({cfg.scale})."
-            )
-
-
-@_register_pytree
-@dataclass(frozen=True, eq=False)
-class NoOpLossScale(_LossScale):
-    """No loss scaling (jmp.NoOpLossScale): ``scale``/``unscale`` return the tree unchanged,
-    ``loss_scale`` is 1.0 (float32), and ``adjust`` still counts skipped steps.
-
-    Args:
-        loss_scale: must be 1 when given.
-        counter, consecutive_skips, total_skips: integer scalars, default 0.
-        config: a :class:`unimp.NoLossScale`.
-    """
-
-    config: core.NoLossScale = field(default=None, metadata=STATIC_FIELDS)
-
-    _config_cls: ClassVar[type] = core.NoLossScale
-
-    def _check_scale(self, cfg: Any, scale: jax.Array) -> None:
-        if _concrete(scale) and float(scale) != 1.0:
-            raise ValueError(f"NoOpLossScale.loss_scale must be 1.0, got {float(scale)}.")
-
-    def scale(self, tree: Any) -> Any:
-        """Returns ``tree`` unchanged."""
-        return tree
-
-    def unscale(self, tree: Any) -> Any:
-        """Returns ``tree`` unchanged."""
-        return tree
-
-
-_PYTREE_FOR: dict[type, type] = {
-    core.DynamicLossScale: DynamicLossScale,
-    core.StaticLossScale: StaticLossScale,
-    core.NoLossScale: NoOpLossScale,
-}
-
-
-LossScale = DynamicLossScale | StaticLossScale | NoOpLossScale
-
-
-def loss_scale_from_config(
-    config: Any = "dynamic", state: core.LossScaleState | None = None
-) -> LossScale:
-    """The loss-scale pytree for any core config.
-
-    Args:
-        config: a core config, or anything :func:`unimp.loss_scale.loss_scale_from_dict`
-            accepts (``"dynamic"``, ``"none"``, a number, a dict); a loss-scale pytree is
-            returned unchanged.
-        state: an optional :class:`unimp.LossScaleState` to start from.
-
-    Raises:
-        ValueError: an unknown loss-scale spec.
-    """
-    if isinstance(config, _LossScale):
-        return config
-    cfg = core.loss_scale_from_dict(config)
-    return _PYTREE_FOR[type(cfg)].from_config(cfg, state)
-
-
-def loss_scale_from_state_dict(d: Mapping[str, Any], current: Any = None) -> LossScale:
-    """The loss-scale pytree of the right kind for a portable state dict (from any backend).
-
-    Args:
-        d: the portable state dict.
-        current: the config of the scaler it replaces, if any (see
-            :func:`unimp.loss_scale.from_state_dict`: a state without loss scaling is refused
-            for one that scales).
-
-    Raises:
-        ValueError: a bad or foreign state dict; the message names the key.
-    """
-    config, state = core.from_state_dict(d, current)
-    return _PYTREE_FOR[type(config)].from_config(config, state)
+pytree_from_fields(LossScale)
 
 
 def _changed_fields(ls: LossScale, forward: bool) -> dict[str, Any]:
-    """The fields of ``ls`` (after ``adjust``) that the update may have changed, by name: all of
-    them, or with ``forward`` (the state given to the step is still valid after it, i.e. not
-    donated) those not in :func:`unimp.loss_scale.unchanged_fields`, which the caller takes
+    """The state fields of ``ls`` (after ``adjust``) that the update may have changed, by name:
+    all of them, or with ``forward`` (the state given to the step is still valid after it, i.e.
+    not donated) those not in :func:`unimp.loss_scale.unchanged_fields`, which the caller takes
     from that state (:func:`_rejoin`) instead of a copy XLA makes of an input it returns."""
     same = core.unchanged_fields(ls.config) if forward else ()
-    names = [f.name for f in dataclasses.fields(ls) if not f.metadata.get("static")]
-    return {n: getattr(ls, n) for n in names if (n if n != "loss_scale" else "scale") not in same}
+    return {n: getattr(ls.state, n) for n in _STATE_FIELDS if n not in same}
 
 
 def _rejoin(old: LossScale, changed: Mapping[str, Any]) -> LossScale:
-    """``old`` with the fields :func:`_changed_fields` returned."""
-    return replace_unchecked(old, **changed)
+    """``old`` with the state fields :func:`_changed_fields` returned."""
+    return replace_unchecked(old, state=replace_unchecked(old.state, **changed))

@@ -45,12 +45,7 @@ from unimp.backends.jax.overflow import (
 )
 from unimp.backends.jax.overrides import apply_overrides, check_half_leaves
 from unimp.backends.jax.precision import matmul_precision
-from unimp.backends.jax.scaling import (
-    LossScale,
-    _changed_fields,
-    _rejoin,
-    loss_scale_from_state_dict,
-)
+from unimp.backends.jax.scaling import LossScale, _changed_fields, _rejoin
 from unimp.backends.jax.stats import (
     _collecting,
     _grad_flags,
@@ -385,7 +380,7 @@ class TrainStep(LoggedStep):
                 params, opt_state, ls, raw = jitted(*args)
         if lean:  # the lean program's outputs: back to the full ones
             ls = _rejoin(before, ls)
-            raw.update({k: getattr(ls, k) for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
+            raw.update({k: getattr(ls.state, k) for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
             raw["scale"] = before.loss_scale if raw["scale"] is None else raw["scale"]
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         stats = None
@@ -421,7 +416,7 @@ class TrainStep(LoggedStep):
 
     @property
     def loss_scale(self) -> LossScale:
-        """The current loss-scale pytree."""
+        """The current :class:`~unimp.backends.jax.LossScale`."""
         return self._loss_scale
 
     @property
@@ -471,7 +466,7 @@ class TrainStep(LoggedStep):
             ValueError: a bad or foreign state dict; nothing is changed.
         """
         self._loss_scale = _commit_like(
-            loss_scale_from_state_dict(d, self._loss_scale.config), self._params
+            LossScale.from_state_dict(d, self._loss_scale.config), self._params
         )
 
 
@@ -645,7 +640,7 @@ class StepOps:
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
         self.ls = new = self.ls.adjust(grads_finite, loss_finite)
         return {
-            "consecutive_skips": new.consecutive_skips,
-            "total_skips": new.total_skips,
-            **floor_hits(new.config, (new.floor_hits,)),
+            "consecutive_skips": new.state.consecutive_skips,
+            "total_skips": new.state.total_skips,
+            **floor_hits(new.config, (new.state.floor_hits,)),
         }
