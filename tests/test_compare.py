@@ -504,3 +504,68 @@ def test_pure_bfloat16_trains_in_every_framework_as_in_torch(tmp_path):
     for b in ("tensorflow", "jax"):
         assert all(runs[b]["applied"]) and all(math.isfinite(x) for x in runs[b]["loss"]), b
         assert abs(runs[b]["test_accuracy"] - runs["torch"]["test_accuracy"]) <= 0.01, b
+
+
+# --- several recipes in one run (--recipes) ----------------------------------------------------
+
+
+def test_several_recipes_are_one_run_each_with_one_row_per_framework_and_recipe(tmp_path, capsys):
+    """--recipes runs each recipe as --recipe would (the same weights and batches: the losses
+    are run_compare's, step for step) and reports one row per (framework, recipe)."""
+    from unimp.compare.report import RECIPE_COLUMNS
+    from unimp.compare.run import CompareConfig, run_compare
+
+    backend = BACKENDS[0]
+    code, out = _run(tmp_path, "--backends", backend, "--recipes", "float32,mixed_float16")
+    assert code == 0
+    printed = capsys.readouterr().out
+    rep = json.loads((out / "report.json").read_text())
+    assert list(rep["recipes"]) == ["float32", "mixed_float16"]
+    assert [row[:2] for row in rep["rows"]] == [[backend, "float32"], [backend, "mixed_float16"]]
+    assert all(len(row) == len(RECIPE_COLUMNS) for row in rep["rows"])
+    assert rep["rows"][0][-1] == "-"  # float32: no half dtype to audit
+    assert rep["rows"][1][-1] == "none"  # the seeds' MLP fits float16 at the start and the end
+    single = run_compare(CompareConfig(recipe="mixed_float16", backends=(backend,), epochs=1, batch_size=64))
+    assert rep["recipes"]["mixed_float16"]["runs"][backend]["loss"] == single["runs"][backend]["loss"]
+    assert rep["recipes"]["float32"]["runs"][backend]["scale"][0] == 1.0
+    md = (out / "report.md").read_text()
+    assert "## unimp compare: float32" in md and "## unimp compare: mixed_float16" in md
+    assert "layers that do not fit" in md and "mixed_float16" in printed
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--recipes", "float32,float32"], "names float32 twice"),
+        (["--recipes", "float32,mixed_flaot16"], "--recipes mixed_flaot16: "),
+        (["--recipes", "float32,"], "comma-separated recipe names"),
+        (["--recipe", "float32", "--recipes", "float32,mixed_float16"], "not both"),
+    ],
+    ids=["twice", "unknown", "empty", "both"],
+)
+def test_bad_recipes_exit_2_and_write_nothing(tmp_path, capsys, args, needle):
+    code, out = _run(tmp_path, "--backends", BACKENDS[0], *args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_the_recipe_rows_name_the_layers_that_do_not_fit_the_half_dtype():
+    """The audit's headline per row: a layer whose gradients overflow float16 at the step's
+    scale is named in a float16 recipe's row, and not in a bfloat16 one's."""
+    from unimp.compare.report import recipe_rows
+    from unimp.stats import StepStats, reference_stats
+
+    grads = {"l1.weight": reference_stats(np.full(4, 1e5)), "l2.weight": reference_stats(np.ones(4))}
+    stats = StepStats(0, grads, {}).to_dict()
+
+    def report(policy):
+        run = {"loss": [1.0], "test_accuracy": 0.5, "applied": [True], "scale": [1.0],
+               "step_time": [0.001], "peak_memory_bytes": None, "rss_growth_bytes": 0,
+               "stats": {"0": stats}}  # fmt: skip
+        return {"recipe": {"policy": policy}, "runs": {"torch": run},
+                "cross_framework_max_rel_loss_diff": {"torch": float("nan")}}  # fmt: skip
+
+    rows = recipe_rows({"recipes": {"f16": report("mixed_float16"), "bf16": report("mixed_bfloat16")}})
+    assert rows[0][-1] == "l1 (gradient overflow)"
+    assert rows[1][-1] == "none"

@@ -221,13 +221,27 @@ def _check_out_dir(out_dir: str, given: str) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from unimp.compare.report import COLUMNS, summary_rows, write_report
-    from unimp.compare.run import WARNING_SOURCE, CompareConfig, Interrupted, run_compare, validate
+    from unimp.compare.report import COLUMNS, RECIPE_COLUMNS, summary_rows, write_report
+    from unimp.compare.run import (
+        WARNING_SOURCE,
+        CompareConfig,
+        Interrupted,
+        run_compare,
+        run_recipes,
+        validate,
+        validate_recipes,
+    )
 
     out_dir = os.path.abspath(args.out)
     _check_out_dir(out_dir, args.out)
+    recipes = None
+    if args.recipes is not None:
+        if args.recipe is not None:
+            raise UsageError("give --recipe NAME or --recipes A,B,C, not both")
+        recipes = tuple(args.recipes.split(","))
+    recipe = args.recipe or "mixed_float16"
     cfg = CompareConfig(
-        recipe=args.recipe,
+        recipe=recipe,
         backends=backends_arg(args.backends),
         model=args.model,
         data=args.data,
@@ -243,7 +257,11 @@ def _compare(args: argparse.Namespace) -> int:
         log_dir=None if args.log_dir is None else os.path.abspath(args.log_dir),
         threads=args.threads,
     )
-    validate(cfg)  # every bad option fails here, before any framework runs or anything is written
+    # every bad option fails here, before any framework runs or anything is written
+    if recipes is None:
+        validate(cfg)
+    else:
+        validate_recipes(cfg, recipes)
     _log_dir(args.log_dir)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -282,7 +300,10 @@ def _compare(args: argparse.Namespace) -> int:
     warnings.showwarning = show
     try:
         with progress:
-            report = run_compare(cfg, progress_factory=_Bar)
+            if recipes is None:
+                report = run_compare(cfg, progress_factory=_Bar)
+            else:
+                report = run_recipes(cfg, recipes, progress_factory=_Bar)
     except Interrupted as e:  # Ctrl-C: one line, not the traceback of whatever was running
         logs = "; the step logs in --log-dir end there" if args.log_dir else ""
         print(
@@ -298,11 +319,22 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--out {args.out!r}: could not write the report ({e.strerror or e})"
         ) from None
+    if recipes is not None:  # one row per (framework, recipe)
+        # the terminal's table leaves out the cross-framework difference (report.md has it)
+        # and the memory's note, to fit a narrow terminal
+        keep = [i for i, c in enumerate(RECIPE_COLUMNS) if c != "max loss diff"]
+        table = Table(title=f"unimp compare: {', '.join(report['recipes'])}")
+        for i in keep:
+            col = RECIPE_COLUMNS[i]
+            table.add_column(col, justify="right" if i in range(2, 8) else "left")
+        for row in report["rows"]:
+            table.add_row(*(row[i].split(" (")[0] if RECIPE_COLUMNS[i] == "memory MB" else row[i] for i in keep))
+        Console().print(table)
+        print("wrote " + ", ".join(written))
+        return 0
     # one column per backend, one row per figure: fits a narrow terminal
     rows = summary_rows(report)
-    title = (
-        args.recipe if args.loss_scale is None else f"{args.recipe}, --loss-scale {args.loss_scale}"
-    )
+    title = recipe if args.loss_scale is None else f"{recipe}, --loss-scale {args.loss_scale}"
     table = Table(title=f"unimp compare: {title}")
     table.add_column("")
     for row in rows:
@@ -370,7 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp_ = sub.add_parser("compare", help="train one recipe in every framework and compare them")
     cmp_.add_argument(
-        "--recipe", default="mixed_float16", help="any recipe name or a .toml/.json recipe file"
+        "--recipe",
+        default=None,
+        help="any recipe name or a .toml/.json recipe file (default: mixed_float16)",
+    )
+    cmp_.add_argument(
+        "--recipes",
+        default=None,
+        help="several recipes, comma-separated (e.g. float32,mixed_float16,mixed_bfloat16): one "
+        "run each with the same weights and batches, one report row per framework and recipe",
     )
     cmp_.add_argument(
         "--backends", default=None, help="comma-separated (default: every installed framework)"

@@ -11,7 +11,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["summary_rows", "write_report", "cross_framework_difference", "disagreements"]
+from unimp.policy import get_policy
+
+__all__ = [
+    "RECIPE_COLUMNS",
+    "cross_framework_difference",
+    "disagreements",
+    "recipe_rows",
+    "summary_rows",
+    "write_report",
+]
 
 COLUMNS = (
     "backend",
@@ -144,6 +153,96 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+#: The columns of :func:`recipe_rows` (``unimp compare --recipes``).
+RECIPE_COLUMNS = (
+    "backend",
+    "recipe",
+    "final loss",
+    "test acc",
+    "skipped",
+    "final scale",
+    "median step ms",
+    "memory MB",
+    "max loss diff",
+    "layers that do not fit",
+)
+
+
+def _headline(run: dict[str, Any], half: str | None) -> str:
+    """The audit's headline for one run: the layers whose activations or gradients overflow, or
+    flush more than 1 % of their elements to zero, in the recipe's half dtype (``half``), at
+    the steps the run took statistics at (:func:`unimp.compare.audit.audit_stats`); ``-`` for
+    a float32 recipe."""
+    from unimp.compare.audit import TARGETS, audit_stats
+    from unimp.stats import StepStats
+
+    if half not in TARGETS:
+        return "-"
+    stats = [StepStats.from_dict(d) for _, d in sorted((run.get("stats") or {}).items(), key=lambda kv: int(kv[0]))]
+    if not stats:
+        return "n/a"
+    findings = audit_stats(stats, half)
+    if not findings:
+        return "none"
+    shown = [f"{f.layer} ({f.kind})" for f in findings[:3]]
+    return ", ".join(shown) + (f" +{len(findings) - 3} more" if len(findings) > 3 else "")
+
+
+def recipe_rows(multi: dict[str, Any]) -> list[list[str]]:
+    """One row per (framework, recipe) of a several-recipe run (``unimp compare --recipes``),
+    columns :data:`RECIPE_COLUMNS`: recipes in the order given, frameworks within each.
+    ``max loss diff`` compares the frameworks of the same recipe; ``layers that do not fit``
+    is the audit's headline in the recipe's compute dtype (:func:`_headline`)."""
+    rows = []
+    for name, report in multi["recipes"].items():
+        compute = get_policy(report["recipe"]["policy"]).compute_dtype
+        diffs = report["cross_framework_max_rel_loss_diff"]
+        for backend, run in report["runs"].items():
+            mem = run.get("peak_memory_bytes")
+            rows.append(
+                [
+                    backend,
+                    name,
+                    _fmt(run["loss"][-1] if run["loss"] else None),
+                    _fmt(run["test_accuracy"], ".3f"),
+                    str(len(run["applied"]) - sum(run["applied"])),
+                    _fmt(run["scale"][-1] if run["scale"] else None, "g"),
+                    _fmt(float(np.median(run["step_time"])) * 1e3 if run["step_time"] else None, ".2f"),
+                    _memory(mem, run.get("rss_growth_bytes")),
+                    _fmt(diffs.get(backend), ".2e") if len(report["runs"]) > 1 else "n/a",
+                    _headline(run, compute),
+                ]
+            )
+    return rows
+
+
+def _recipes_markdown(multi: dict[str, Any]) -> str:
+    """report.md of a several-recipe run: the table of every (framework, recipe), then each
+    recipe's own report."""
+    from tabulate import tabulate
+
+    first = next(iter(multi["recipes"].values()))
+    lines = [
+        f"# unimp compare: {', '.join(multi['recipes'])}",
+        "",
+        f"Model {first['config']['model']}, data {first['data']}, {first['steps']} steps per run, "
+        f"optimizer {first['config']['optimizer']} lr {first['config']['lr']}, seed {first['config']['seed']}: "
+        "the same initial weights and batches in every run.",
+        "",
+        tabulate(multi["rows"], headers=list(RECIPE_COLUMNS), tablefmt="github"),
+        "",
+        "`max loss diff`: between the frameworks of the same recipe. `layers that do not fit`: "
+        "the layers whose activations or gradients overflow, or flush more than 1 % of their "
+        "elements to zero, in the recipe's compute dtype, at the first and the last step "
+        "(`unimp audit` explains each and its fix); `-` for a float32 recipe.",
+        "",
+    ]
+    for report in multi["recipes"].values():
+        section = _markdown(report).split("\n")
+        lines += ["#" + section[0], *section[1:], ""]
+    return "\n".join(lines)
+
+
 def _markdown(report: dict[str, Any]) -> str:
     from tabulate import tabulate
 
@@ -266,7 +365,11 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
     fig, (ax_loss, ax_diff, ax_scale) = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
     styles = ["-", "--", ":", "-."]  # identical curves lie on top of each other: keep each visible
-    runs = report["runs"]
+    multi = "recipes" in report
+    if multi:  # every (framework, recipe) row; differences to the first row
+        runs = {f"{b} {name}": run for name, r in report["recipes"].items() for b, run in r["runs"].items()}
+    else:
+        runs = report["runs"]
     first = next(iter(runs))
     for i, (name, run) in enumerate(runs.items()):
         steps = np.arange(len(run["loss"]))  # from 0, as report.md and unimp doctor count
@@ -287,9 +390,9 @@ def _plot(report: dict[str, Any], path: str) -> None:
             )
         ax_scale.step(steps, run["scale"], where="post", linestyle=style, label=name, linewidth=1.2)
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title(
-        f"unimp compare: {report['recipe_name']}, model {report['config']['model']}, data {report['data']}"
-    )
+    one = next(iter(report["recipes"].values())) if multi else report
+    names = ", ".join(report["recipes"]) if multi else report["recipe_name"]
+    ax_loss.set_title(f"unimp compare: {names}\nmodel {one['config']['model']}, data {one['data']}", fontsize="medium")
     ax_loss.legend(fontsize="small")
     ax_diff.set_ylabel("relative loss difference")
     if len(runs) > 1:
@@ -299,7 +402,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
         ax_diff.text(0.5, 0.5, "one framework: nothing to compare", ha="center", transform=ax_diff.transAxes)
     ax_scale.set_ylabel("loss scale (used)")
     ax_scale.set_xlabel("step")
-    if any(min(r["scale"], default=1) > 0 for r in report["runs"].values()):
+    if any(min(r["scale"], default=1) > 0 for r in runs.values()):
         ax_scale.set_yscale("log", base=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -336,7 +439,8 @@ def strict_json(report: dict[str, Any]) -> dict[str, Any]:
 def write_report(report: dict[str, Any], out_dir: str) -> list[str]:
     """Writes the three files into ``out_dir`` all at once: they are built in a temporary
     folder beside it and moved in only when all three exist, so a failure leaves nothing
-    half-written.
+    half-written. ``report`` is :func:`unimp.compare.run.run_compare`'s, or
+    :func:`unimp.compare.run.run_recipes`' (one row per framework and recipe).
 
     Returns:
         The written paths.
@@ -349,7 +453,7 @@ def write_report(report: dict[str, Any], out_dir: str) -> list[str]:
         with open(os.path.join(tmp, "report.json"), "w") as f:
             json.dump(strict_json(report), f, indent=1, allow_nan=False)
         with open(os.path.join(tmp, "report.md"), "w") as f:
-            f.write(_markdown(report))
+            f.write(_recipes_markdown(report) if "recipes" in report else _markdown(report))
         _plot(report, os.path.join(tmp, "report.png"))
         os.makedirs(out_dir, exist_ok=True)
         written = []

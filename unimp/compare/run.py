@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import os
@@ -23,7 +24,17 @@ from unimp.compare.threads import MAX_THREADS, check_threads, threads
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
-__all__ = ["CompareConfig", "RunSpec", "device_for", "run_compare", "trace_diff", "train_loop", "validate"]
+__all__ = [
+    "CompareConfig",
+    "RunSpec",
+    "device_for",
+    "run_compare",
+    "run_recipes",
+    "trace_diff",
+    "train_loop",
+    "validate",
+    "validate_recipes",
+]
 
 OPTIMIZERS = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
@@ -271,6 +282,28 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
     return recipe, backends, ds
 
 
+def validate_recipes(cfg: CompareConfig, recipes: tuple[str, ...]) -> list[tuple[Recipe, list[str], Dataset]]:
+    """:func:`validate` for each of several recipes (``--recipes``), all before any runs.
+
+    Raises:
+        ValueError: no recipe, a recipe named twice, or any option :func:`validate` refuses
+            for one of them (the message names the recipe).
+    """
+    names = [r.strip() for r in recipes]
+    if not names or any(not n for n in names):
+        raise ValueError("--recipes takes comma-separated recipe names, e.g. float32,mixed_float16,mixed_bfloat16.")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--recipes names {', '.join(twice)} twice; give each recipe once.")
+    out = []
+    for name in names:
+        try:
+            out.append(validate(dataclasses.replace(cfg, recipe=name)))
+        except (ValueError, ImportError, FileNotFoundError) as e:
+            raise type(e)(f"--recipes {name}: {e}") from None
+    return out
+
+
 def device_for(backend: str, wanted: str) -> str:
     module = registry.get_backend(backend)
     info = module.device_info()
@@ -421,6 +454,46 @@ def run_compare(
         _add_trace_diff(report)
         report["layer_stats"] = {b: layer_stats(run) for b, run in runs.items()}
         return report
+
+
+def run_recipes(
+    cfg: CompareConfig,
+    recipes: tuple[str, ...],
+    progress_factory: Callable[[str, int], Any] | None = None,
+) -> dict[str, Any]:
+    """Several recipes in one run (``unimp compare --recipes``): :func:`run_compare` once per
+    recipe, with the same model, initial weights, batches and options, so that a user picks the
+    recipe that suits their model.
+
+    Args:
+        cfg: the options (``cfg.recipe`` is ignored).
+        recipes: recipe names or files, in the order the report lists them.
+        progress_factory: as :func:`run_compare`'s; the labels are ``"<backend> <recipe>"``.
+
+    Returns:
+        ``{"recipes": {name: run_compare's report}, "rows": [...]}``: the rows are
+        :func:`unimp.compare.report.recipe_rows`, one per (framework, recipe).
+
+    Raises:
+        ValueError, ImportError, FileNotFoundError: as :func:`validate_recipes`, before any
+            framework runs.
+    """
+    from unimp.compare.report import recipe_rows
+
+    validate_recipes(cfg, recipes)
+    names = [r.strip() for r in recipes]
+    reports = {}
+    for name in names:
+        factory = None
+        if progress_factory is not None:
+
+            def factory(label: str, total: int, name: str = name) -> Any:
+                return progress_factory(f"{label} {name}", total)
+
+        reports[name] = run_compare(dataclasses.replace(cfg, recipe=name), progress_factory=factory)
+    out: dict[str, Any] = {"recipes": reports}
+    out["rows"] = recipe_rows(out)
+    return out
 
 
 def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
