@@ -6,8 +6,7 @@ import pytest
 from conftest import BACKENDS, require_backend
 
 from unimp.cli import main
-from unimp.compare.audit import run_audit
-from unimp.compare.run import CompareConfig
+from unimp.compare.run import CompareConfig, run_audit
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

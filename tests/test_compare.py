@@ -569,3 +569,141 @@ def test_the_recipe_rows_name_the_layers_that_do_not_fit_the_half_dtype():
     rows = recipe_rows({"recipes": {"f16": report("mixed_float16"), "bf16": report("mixed_bfloat16")}})
     assert rows[0][-1] == "l1 (gradient overflow)"
     assert rows[1][-1] == "none"
+
+
+# --- the user's own model and data (--model FILE.py:FUNCTION, --data FILE.py:FUNCTION) ----------
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "compare")
+FLAX_MODEL = '''
+import flax.linen as nn
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10, name="l2")(nn.relu(nn.Dense(32, name="l1")(x.reshape((x.shape[0], -1)))))
+
+
+def build():
+    return MLP()
+'''
+
+
+def _example(name):
+    return os.path.join(EXAMPLES, name)
+
+
+@pytest.mark.parametrize(
+    "backend,model",
+    [("torch", "torch_model.py:build"), ("tensorflow", "keras_model.py:build"), ("jax", "flax")],
+)
+def test_a_users_model_runs_in_its_framework_from_the_same_weights_for_every_recipe(
+    tmp_path, backend, model
+):
+    """Each framework's model of the user's runs there, built from the same seed for every
+    recipe: the first step's float32 and mixed_bfloat16 losses agree to bfloat16's rounding."""
+    require_backend(backend)
+    if model == "flax":
+        (tmp_path / "flax_model.py").write_text(FLAX_MODEL)
+        ref = f"{tmp_path / 'flax_model.py'}:build"
+    else:
+        ref = _example(model)
+    code, out = _run(tmp_path, "--model", ref, "--recipes", "float32,mixed_bfloat16")
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    runs = {name: r["runs"] for name, r in rep["recipes"].items()}
+    assert list(runs["float32"]) == [backend]  # the model's framework alone, without --backends
+    f32, bf16 = runs["float32"][backend], runs["mixed_bfloat16"][backend]
+    assert abs(f32["loss"][0] - bf16["loss"][0]) < 2e-2 * abs(f32["loss"][0])
+    assert f32["loss"][-1] < f32["loss"][0] and f32["test_accuracy"] > 0.3
+    assert [row[:2] for row in rep["rows"]] == [[backend, "float32"], [backend, "mixed_bfloat16"]]
+
+
+def test_another_seed_builds_other_initial_weights(tmp_path):
+    require_backend("torch")
+    firsts = []
+    for seed in ("0", "1"):
+        code, out = _run(tmp_path / seed, "--model", _example("torch_model.py:build"), "--seed", seed)
+        assert code == 0
+        firsts.append(json.loads((out / "report.json").read_text())["runs"]["torch"]["loss"][0])
+    assert firsts[0] != firsts[1]
+
+
+def test_a_regression_with_the_users_data_and_mse(tmp_path):
+    require_backend("torch")
+    ref = _example("torch_model.py")
+    code, out = _run(
+        tmp_path, "--model", f"{ref}:regressor", "--data", f"{ref}:regression_data", "--loss", "mse",
+        "--epochs", "5", "--batch-size", "32", "--recipe", "mixed_bfloat16",
+    )  # fmt: skip
+    assert code == 0
+    run = json.loads((out / "report.json").read_text())["runs"]["torch"]
+    # y = sin(3 x0) + x1^2 on [-1, 1]^2 has a variance of about 0.55; the model learns part of it
+    assert run["test_accuracy"] is None and 0 < run["test_loss"] < 0.5
+    assert "mse " in (out / "report.md").read_text()
+
+
+USER_BAD = [
+    ("missing.py:build", None, "does not exist"),
+    ("m.py:nope", "def build():\n    return 3\n", "has no function 'nope'; it has build"),
+    ("m.py:build", "def build():\n    return 3\n", "returned a builtins.int; return a torch.nn.Module"),
+    ("m.py:build", "import torch\n\ndef build():\n    return torch.nn.Linear(64, 5)\n",
+     "a forward pass on x of shape (8, 8, 1) per example raised"),
+    ("m.py:build", "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 5))\n",
+     "the labels need 10 class logits"),
+    ("m.py:build", "import torch\n\ndef build():\n    raise RuntimeError('boom')\n",
+     "the function raised RuntimeError: boom"),
+]
+
+
+@pytest.mark.parametrize("ref,source,needle", USER_BAD, ids=["no-file", "no-function", "not-a-model",
+                                                               "bad-input", "too-few-logits", "raises"])
+def test_a_bad_user_model_exits_2_before_training_and_writes_nothing(tmp_path, capsys, ref, source, needle):
+    require_backend("torch")
+    if source is not None:
+        (tmp_path / "m.py").write_text(source)
+    code, out = _run(tmp_path, "--model", str(tmp_path / ref))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and not out.exists()
+    assert err.splitlines()[-1].startswith("unimp compare: error: --model")
+
+
+def test_a_user_file_that_raises_on_import_shows_its_traceback_then_one_line(tmp_path, capsys):
+    (tmp_path / "m.py").write_text("x = 1\nraise KeyError('oops')\n")
+    code, out = _run(tmp_path, "--model", f"{tmp_path / 'm.py'}:build")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists()
+    assert lines[0].startswith("Traceback") and any("m.py\", line 2" in ln for ln in lines)
+    assert lines[-1].startswith("unimp compare: error: --model") and "KeyError" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "extra,source,needle",
+    [
+        (["--backends", "jax"], None, "is a torch model, which runs on torch only, not jax"),
+        (["--data", "d.py:data"], "def data():\n    return 1, 2, 3\n", "must return (x_train, y_train, x_test, y_test)"),
+        (["--data", "d.py:data"],
+         "import numpy as np\n\ndef data():\n    x = np.zeros((20, 8, 8, 1))\n    return x, np.linspace(0, 1, 20), x, np.zeros(20)\n",
+         "y_train must be class indices"),
+        (["--data", "d.py:data"],
+         "import numpy as np\n\ndef data():\n    x = np.zeros((20, 8, 8, 1))\n    return x, np.zeros(19), x, np.zeros(20)\n",
+         "x_train has 20 examples and y_train 19"),
+        (["--loss", "hinge"], None, "unknown --loss 'hinge'"),
+    ],
+    ids=["backend", "data-shape", "float-labels", "lengths", "loss"],
+)
+def test_bad_user_options_exit_2(tmp_path, capsys, extra, source, needle):
+    require_backend("torch")
+    if source is not None:
+        (tmp_path / "d.py").write_text(source)
+        extra = [e.replace("d.py", str(tmp_path / "d.py")) for e in extra]
+    code, out = _run(tmp_path, "--model", _example("torch_model.py:build"), *extra)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and not out.exists(), err
+
+
+def test_mse_needs_the_users_model():
+    from unimp.compare.run import CompareConfig, validate
+
+    with pytest.raises(ValueError, match="unimp's models .* classify"):
+        validate(CompareConfig(loss="mse", backends=(BACKENDS[0],)))

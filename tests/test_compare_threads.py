@@ -70,8 +70,9 @@ def test_a_failure_setting_a_later_framework_restores_torch(monkeypatch):
         raise MemoryError("no room for the pool")
 
     threading = types.SimpleNamespace(
-        set_intra_op_parallelism_threads=fail, set_inter_op_parallelism_threads=fail
-    )
+        set_intra_op_parallelism_threads=fail, set_inter_op_parallelism_threads=fail,
+        get_intra_op_parallelism_threads=lambda: 0, get_inter_op_parallelism_threads=lambda: 0,
+    )  # fmt: skip (TensorFlow's getters say 0 until a count is set)
     fake_tf = types.ModuleType("tensorflow")
     fake_tf.config = types.SimpleNamespace(threading=threading)
     monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
@@ -125,3 +126,24 @@ def test_compare_on_a_cpu_runs_one_thread_per_framework_by_default(tmp_path):
     code = main(["compare", "--epochs", "1", "--batch-size", "64", "--quiet", "--threads", "0",
                  "--backends", "torch", "--out", str(tmp_path / "own")])
     assert code == 0 and json.loads((tmp_path / "own" / "report.json").read_text())["threads"] == {}
+
+
+def test_tensorflow_already_at_the_count_is_left_alone_without_a_warning(monkeypatch):
+    # compare builds a user's Keras model under the run's count (which starts TensorFlow); the
+    # run's own setting then finds the same count and must not warn that it could not set it
+    def started(n):
+        raise RuntimeError("Intra op parallelism cannot be modified after initialization.")
+
+    threading = types.SimpleNamespace(
+        set_intra_op_parallelism_threads=started, set_inter_op_parallelism_threads=started,
+        get_intra_op_parallelism_threads=lambda: 3, get_inter_op_parallelism_threads=lambda: 3,
+    )  # fmt: skip
+    fake_tf = types.ModuleType("tensorflow")
+    fake_tf.config = types.SimpleNamespace(threading=threading)
+    monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with threads(["tensorflow"], 3) as got:
+            assert got == {"tensorflow": "3"}
+    with pytest.warns(RuntimeWarning, match="already started"), threads(["tensorflow"], 2) as got:
+        assert got["tensorflow"].startswith("framework default")

@@ -256,6 +256,7 @@ def _compare(args: argparse.Namespace) -> int:
         loss_scale=args.loss_scale,
         log_dir=None if args.log_dir is None else os.path.abspath(args.log_dir),
         threads=args.threads,
+        loss=args.loss,
     )
     # every bad option fails here, before any framework runs or anything is written
     if recipes is None:
@@ -415,11 +416,23 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument(
         "--backends", default=None, help="comma-separated (default: every installed framework)"
     )
-    cmp_.add_argument("--model", default="mlp", help="mlp (the seeds' model), cnn or vit")
+    cmp_.add_argument(
+        "--model",
+        default="mlp",
+        help="mlp (the seeds' model), cnn, vit, or your own: FILE.py:FUNCTION returning a torch "
+        "nn.Module, a Keras model or a flax linen module (runs in its framework)",
+    )
     cmp_.add_argument(
         "--data",
         default="digits",
-        help="'digits' (ships with scikit-learn) or an .npz with x and y",
+        help="'digits' (ships with scikit-learn), an .npz with x and y, or FILE.py:FUNCTION "
+        "returning (x_train, y_train, x_test, y_test)",
+    )
+    cmp_.add_argument(
+        "--loss",
+        default="sparse_categorical_crossentropy",
+        help="sparse_categorical_crossentropy (class indices; the default) or mse (real-valued "
+        "targets, your own model and data)",
     )
     cmp_.add_argument("--epochs", type=int, default=10)
     cmp_.add_argument("--batch-size", type=int, default=32)
@@ -589,7 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (UsageError, ValueError, ImportError, OSError, LossScaleError) as e:
-        # user mistakes and stuck runs: one line naming the fix, no traceback
+        # user mistakes and stuck runs: one line naming the fix, no traceback (but the user's
+        # own file's, where importing or calling it raised: unimp.compare.user)
+        details = getattr(e, "details", "")
+        if details:
+            print(details.rstrip(), file=sys.stderr)
         print(f"unimp {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -13,13 +13,12 @@ Then, per layer:
 * an underflow: more than ``underflow_tolerance`` of a tensor's elements would flush to zero.
 
 Each finding carries the fix. Framework-free: the statistics come from each backend's
-``stats`` module through the compare runners.
+``stats`` module through the compare runners (:func:`unimp.compare.run.run_audit` runs them).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,7 +33,7 @@ __all__ = [
     "findings_table",
     "initial_scale",
     "parse_plant",
-    "run_audit",
+    "plant_form",
 ]
 
 TARGETS = ("float16", "bfloat16")
@@ -244,7 +243,7 @@ def parse_plant(spec: str, model: str, weight_names: Sequence[str]) -> tuple[str
     """
     from unimp.compare.models import weight_layer
 
-    layer, value = _plant_form(spec)
+    layer, value = plant_form(spec)
     layers = sorted({weight_layer(n) for n in weight_names})
     if layer not in layers:
         raise ValueError(
@@ -254,7 +253,7 @@ def parse_plant(spec: str, model: str, weight_names: Sequence[str]) -> tuple[str
     return layer, value
 
 
-def _plant_form(spec: str) -> tuple[str, float]:
+def plant_form(spec: str) -> tuple[str, float]:
     layer, sep, factor = spec.partition("=")
     if not sep or not layer.strip():
         raise ValueError(f"--plant {spec!r}: use LAYER=FACTOR, e.g. --plant l1=1e5.")
@@ -270,107 +269,3 @@ def _plant_form(spec: str) -> tuple[str, float]:
     if np.float32(value) == 0:
         raise ValueError(f"--plant {spec!r}: FACTOR rounds to 0 in float32 (min 1.4e-45); use at least 1e-44.")
     return layer.strip(), value
-
-
-def run_audit(
-    cfg: Any,
-    *,
-    to: str,
-    steps: int = 5,
-    plant: str | None = None,
-    underflow_tolerance: float = 0.01,
-    progress_factory: Any = None,
-    log_dir: str | None = None,
-) -> dict[str, Any]:
-    """Runs ``steps`` float32 steps of the compare model in every backend with statistics on
-    every step, at ``to``'s initial loss scale, and reads them (:func:`audit_stats`).
-
-    Args:
-        cfg: a :class:`unimp.compare.run.CompareConfig` (model, data, batch size, optimizer, lr,
-            seed, device, backends; its recipe and loss scale are replaced).
-        to: ``float16`` or ``bfloat16``.
-        steps: audited steps, >= 1.
-        plant: ``LAYER=FACTOR``: multiply one layer's initial weights (a planted fault).
-        underflow_tolerance: see :func:`audit_stats`.
-        progress_factory: as :func:`unimp.compare.run.run_compare`'s.
-        log_dir: a folder for each backend's step log (``<backend>.jsonl``, with the
-            statistics of every step), or None.
-
-    Returns:
-        ``{"target", "scale", "model", "data", "steps", "plant", "findings": {backend: [Finding
-        dicts]}, "clean": {backend: bool}}``.
-
-    Raises:
-        ValueError, ImportError: any bad option, before anything runs.
-    """
-    import dataclasses
-    import importlib
-
-    from unimp.compare.data import batches
-    from unimp.compare.models import hidden_size, init_weights, weight_layer
-    from unimp.compare.run import RunSpec, device_for, validate
-    from unimp.loss_scale import StaticLossScale
-    from unimp.recipe import get_recipe
-    from unimp.stats import StepStats
-
-    if to not in TARGETS:
-        raise ValueError(f"--to {to!r}: choose one of {', '.join(TARGETS)}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-        raise ValueError(
-            f"--steps must be an int in [1, {MAX_STEPS}], got {steps!r}: the audit reads the "
-            "first steps of a run (the batches are built up front)."
-        )
-    if not (0 <= underflow_tolerance < 1):
-        raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
-    if plant is not None:  # its form first: refused at once, before the data and frameworks
-        _plant_form(plant)
-    scale = initial_scale(to)
-    loss_scale = "none" if scale == 1.0 else StaticLossScale(scale)
-    _, backends, ds = validate(dataclasses.replace(cfg, recipe="float32", loss_scale=None))
-    recipe = get_recipe("float32", loss_scale=loss_scale)
-    weights = init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
-    planted = None
-    if plant is not None:
-        layer, factor = parse_plant(plant, cfg.model, list(weights))
-        weights = {
-            k: (v * np.float32(factor) if weight_layer(k) == layer else v) for k, v in weights.items()
-        }
-        planted = {"layer": layer, "factor": factor}
-    if log_dir is not None:  # every option checked: the folder may be made now
-        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
-            raise ValueError(f"--log-dir {log_dir!r} exists and is not a folder; pick another path")
-        os.makedirs(log_dir, exist_ok=True)
-    per_epoch = max(1, len(ds.x_train) // cfg.batch_size)
-    data = batches(
-        ds, batch_size=cfg.batch_size, epochs=math.ceil(steps / per_epoch), seed=cfg.seed,
-        dropout=cfg.dropout, hidden=hidden_size(cfg.model, ds.image_shape),
-    )[:steps]  # fmt: skip
-    findings: dict[str, list[dict[str, Any]]] = {}
-    for b in backends:
-        runner = importlib.import_module(f"unimp.compare.runner_{b}")
-        spec = RunSpec(
-            recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
-            cfg.optimizer, cfg.lr, device_for(b, cfg.device), stats_every=1,
-            log=None if log_dir is None else os.path.join(log_dir, f"{b}.jsonl"),
-        )  # fmt: skip
-        if progress_factory is None:
-            run = runner.run(spec)
-        else:
-            with progress_factory(f"{b} (float32, stats)", len(data)) as bar:
-                spec.progress = lambda i: bar.advance()
-                run = runner.run(spec)
-        stats = [StepStats.from_dict(run["stats"][k]) for k in sorted(run["stats"], key=int)]
-        findings[b] = [
-            f.to_dict() for f in audit_stats(stats, to, underflow_tolerance=underflow_tolerance)
-        ]
-    return {
-        "target": to,
-        "scale": scale,
-        "model": cfg.model,
-        "data": ds.name,
-        "steps": len(data),
-        "plant": planted,
-        "underflow_tolerance": underflow_tolerance,
-        "findings": findings,
-        "clean": {b: not fs for b, fs in findings.items()},
-    }

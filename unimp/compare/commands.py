@@ -113,8 +113,7 @@ def trace_command(args: argparse.Namespace) -> int:
 
 def audit_command(args: argparse.Namespace) -> int:
     """``unimp audit``: the findings per framework, or ``--json``."""
-    from unimp.compare.audit import run_audit
-    from unimp.compare.run import CompareConfig
+    from unimp.compare.run import CompareConfig, run_audit
 
     cfg = CompareConfig(
         backends=backends_arg(args.backends),

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from unimp.compare.audit import TARGETS, audit_stats
 from unimp.policy import get_policy
 
 __all__ = [
@@ -93,6 +94,13 @@ def _steps(steps: list[int] | None, most: int = 6) -> str:
     return shown + (f" ... ({len(steps)} steps)" if len(steps) > most else "")
 
 
+def _test(run: dict[str, Any]) -> str:
+    """The ``test acc`` cell: the accuracy, or ``mse X`` for a regression run (``--loss mse``)."""
+    if run.get("test_accuracy") is None and run.get("test_loss") is not None:
+        return f"mse {_fmt(run['test_loss'])}"
+    return _fmt(run.get("test_accuracy"), ".3f")
+
+
 def _fmt(v: Any, spec: str = ".4g") -> str:
     if v is None:
         return "n/a"
@@ -139,7 +147,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
                 _device(run["device"], report.get("threads", {}).get(name)),
                 report["recipe_name"],
                 _fmt(run["loss"][-1] if run["loss"] else None),
-                _fmt(run["test_accuracy"], ".3f"),
+                _test(run),
                 str(sum(run["applied"])),
                 str(len(run["applied"]) - sum(run["applied"])),
                 _fmt(run["scale"][-1] if run["scale"] else None, "g"),
@@ -173,7 +181,6 @@ def _headline(run: dict[str, Any], half: str | None) -> str:
     flush more than 1 % of their elements to zero, in the recipe's half dtype (``half``), at
     the steps the run took statistics at (:func:`unimp.compare.audit.audit_stats`); ``-`` for
     a float32 recipe."""
-    from unimp.compare.audit import TARGETS, audit_stats
     from unimp.stats import StepStats
 
     if half not in TARGETS:
@@ -204,7 +211,7 @@ def recipe_rows(multi: dict[str, Any]) -> list[list[str]]:
                     backend,
                     name,
                     _fmt(run["loss"][-1] if run["loss"] else None),
-                    _fmt(run["test_accuracy"], ".3f"),
+                    _test(run),
                     str(len(run["applied"]) - sum(run["applied"])),
                     _fmt(run["scale"][-1] if run["scale"] else None, "g"),
                     _fmt(float(np.median(run["step_time"])) * 1e3 if run["step_time"] else None, ".2f"),

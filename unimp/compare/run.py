@@ -17,10 +17,19 @@ import numpy as np
 
 import unimp
 from unimp import registry
+from unimp.compare.audit import (
+    MAX_STEPS,
+    TARGETS,
+    audit_stats,
+    initial_scale,
+    parse_plant,
+    plant_form,
+)
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
 from unimp.compare.threads import MAX_THREADS, check_threads, threads
+from unimp.compare.user import LOSSES, is_reference, load_data, user_model_backends
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
@@ -28,7 +37,9 @@ __all__ = [
     "CompareConfig",
     "RunSpec",
     "device_for",
+    "run_audit",
     "run_compare",
+    "test_metrics",
     "run_recipes",
     "trace_diff",
     "train_loop",
@@ -59,6 +70,7 @@ class CompareConfig:
     loss_scale: str | None = None
     log_dir: str | None = None
     threads: int | None = None
+    loss: str = "sparse_categorical_crossentropy"
 
 
 @dataclass
@@ -67,7 +79,8 @@ class RunSpec:
 
     Attributes:
         recipe: the recipe to train with.
-        model: ``mlp``, ``cnn`` or ``vit`` (see :mod:`unimp.compare.models`).
+        model: ``mlp``, ``cnn`` or ``vit`` (see :mod:`unimp.compare.models`), or the user's
+            ``FILE.py:FUNCTION`` (:mod:`unimp.compare.user`).
         weights: initial float32 weights.
         batches: ``{"x", "y", "mask"}`` per step.
         x_test, y_test: held-out data for the accuracy.
@@ -75,6 +88,8 @@ class RunSpec:
         optimizer: ``adam`` or ``sgd``; lr: learning rate.
         device: ``cpu`` or ``cuda``.
         progress: called after each step with the step index.
+        loss: ``sparse_categorical_crossentropy`` or ``mse`` (:data:`unimp.compare.user.LOSSES`).
+        seed: the seed a user's model is built with.
         stats_every: tensor statistics every k steps (``train_step(stats_every=k)``); the
             runs then hold ``stats``: ``{step: StepStats.to_dict()}``.
         trace: record the dtype trace of the first step (``mp.trace``) in ``trace``.
@@ -96,6 +111,14 @@ class RunSpec:
     stats_every: int | None = None
     trace: bool = False
     log: str | None = None
+    loss: str = "sparse_categorical_crossentropy"
+    seed: int = 0
+
+    @property
+    def user_model(self) -> bool:
+        """The model is the user's (``--model FILE.py:FUNCTION``): built by the runner from that
+        function, taking ``x`` alone (no dropout mask)."""
+        return is_reference(self.model)
 
     def step_options(self) -> dict[str, Any]:
         """Keyword arguments of every backend's ``train_step`` for this run."""
@@ -117,6 +140,17 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, step: int, label: str | None = None) -> None:
         super().__init__(step, label)
         self.step, self.label = step, label
+
+
+def test_metrics(out: np.ndarray, y: np.ndarray, loss: str) -> dict[str, float | None]:
+    """The held-out figures of a run from the model's float32 outputs ``out`` on the test
+    examples: ``test_accuracy`` (argmax against the labels; None for ``mse``) and
+    ``test_loss`` (the mean squared error for ``mse``, else None)."""
+    out = np.asarray(out, np.float32)
+    if loss == "mse":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return {"test_accuracy": None, "test_loss": float(np.mean((out - y) ** 2))}
+    return {"test_accuracy": float((out.argmax(1) == y).mean()), "test_loss": None}
 
 
 def train_loop(
@@ -239,8 +273,19 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
             f"unscaled safely while the loss is scaled ({recipe.loss_scale.kind} loss scale): add "
             "--loss-scale none (or static:1), or use --recipe mixed_float16 (float32 parameters)."
         )
-    if cfg.model not in MODELS:
-        raise ValueError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}.")
+    user = is_reference(cfg.model)
+    if not user and cfg.model not in MODELS:
+        raise ValueError(
+            f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}, or your own "
+            "model as FILE.py:FUNCTION."
+        )
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"unknown --loss {cfg.loss!r}; choose one of {', '.join(LOSSES)}.")
+    if cfg.loss != "sparse_categorical_crossentropy" and not user:
+        raise ValueError(
+            f"--loss {cfg.loss}: unimp's models ({', '.join(MODELS)}) classify; give your own "
+            "model with --model FILE.py:FUNCTION (and its data with --data FILE.py:FUNCTION)."
+        )
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(
             f"unknown --optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}."
@@ -265,12 +310,27 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
             ) from None
     # the data before the backends: resolving a backend imports its framework (seconds each),
     # and a missing file should fail at once (it took 39 s)
-    ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
+    if is_reference(cfg.data):
+        x_train, y_train, x_test, y_test = load_data(cfg.data, cfg.loss)
+        classes = 0 if cfg.loss == "mse" else int(max(y_train.max(), y_test.max())) + 1
+        ds = Dataset(x_train, y_train, x_test, y_test, classes, os.path.basename(cfg.data))
+    elif cfg.loss == "mse":
+        raise ValueError("--loss mse needs real-valued targets: give them with --data FILE.py:FUNCTION.")
+    else:
+        ds = load_dataset(cfg.data, seed=cfg.seed, num_classes=10 if cfg.data == "digits" else None)
+    if not user and is_reference(cfg.data) and ds.x_train.ndim not in (2, 3, 4):
+        raise ValueError(
+            f"--data {cfg.data}: unimp's models take images (N, H, W[, C]) or features (N, F); "
+            f"x_train has shape {ds.x_train.shape}: give your own model with --model FILE.py:FUNCTION."
+        )
     if cfg.batch_size < 1 or cfg.batch_size > len(ds.x_train):
         raise ValueError(
             f"--batch-size must be in [1, {len(ds.x_train)}] for this data, got {cfg.batch_size}."
         )
-    backends = _resolve_backends(cfg.backends)
+    if user:  # the model's own framework decides where it runs (it is built once, checked here)
+        backends = user_model_backends(cfg, ds, lambda bs: _threads_for(cfg, bs))
+    else:
+        backends = _resolve_backends(cfg.backends)
     for b in backends:  # a device or cast mode a backend cannot use fails here, before any trains
         why = registry.cast_mode_refusal(recipe, b)
         if why:
@@ -302,6 +362,17 @@ def validate_recipes(cfg: CompareConfig, recipes: tuple[str, ...]) -> list[tuple
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise type(e)(f"--recipes {name}: {e}") from None
     return out
+
+
+def _threads_for(cfg: CompareConfig, backends: list[str]) -> Any:
+    """The ``--threads`` context of a run on ``backends``: one thread per framework on a CPU
+    unless asked otherwise (the benchmarks' choice: with a thread per core, torch on a shared
+    CPU ran 20-50x slower than JAX, and the step-time row compared the machine's load, not the
+    frameworks); yields ``{backend: what was set}``."""
+    n = cfg.threads
+    if n is None:
+        n = 1 if all(device_for(b, cfg.device).startswith("cpu") for b in backends) else 0
+    return contextlib.nullcontext({}) if n == 0 or not backends else threads(backends, n)
 
 
 def device_for(backend: str, wanted: str) -> str:
@@ -363,14 +434,15 @@ def run_compare(
     """
     recipe, backends, ds = validate(cfg)
     devices = {b: device_for(b, cfg.device) for b in backends}
-    weights = init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
+    user = is_reference(cfg.model)
+    weights = {} if user else init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
     steps = batches(
         ds,
         batch_size=cfg.batch_size,
         epochs=cfg.epochs,
         seed=cfg.seed,
-        dropout=cfg.dropout,
-        hidden=hidden_size(cfg.model, ds.image_shape),
+        dropout=0.0 if user else cfg.dropout,  # a user's model drops out by itself
+        hidden=1 if user else hidden_size(cfg.model, ds.image_shape),
     )
 
     def one(backend: str, rec: Recipe, label: str) -> dict[str, Any]:
@@ -390,6 +462,8 @@ def run_compare(
             stats_every=max(1, len(steps) - 1),
             trace=True,
             log=None if cfg.log_dir is None else os.path.join(cfg.log_dir, f"{label_file(label)}.jsonl"),
+            loss=cfg.loss,
+            seed=cfg.seed,
         )
         with framework_warnings(label) as seen:
             try:
@@ -406,14 +480,8 @@ def run_compare(
         run["warnings"] = seen
         return run
 
-    # one thread per framework on a CPU unless asked otherwise (the benchmarks' choice): with
-    # a thread per core, torch on a shared CPU ran 20-50x slower than JAX, and the step-time row
-    # compared the machine's load, not the frameworks
-    n = cfg.threads
-    if n is None:
-        n = 1 if all(devices[b].startswith("cpu") for b in backends) else 0
     with contextlib.ExitStack() as stack:
-        thread_info = {} if n == 0 else stack.enter_context(threads(backends, n))
+        thread_info = stack.enter_context(_threads_for(cfg, backends))
         runs = {b: one(b, recipe, b) for b in backends}
         report: dict[str, Any] = {
             "unimp": unimp.__version__,
@@ -494,6 +562,104 @@ def run_recipes(
     out: dict[str, Any] = {"recipes": reports}
     out["rows"] = recipe_rows(out)
     return out
+
+
+def run_audit(
+    cfg: Any,
+    *,
+    to: str,
+    steps: int = 5,
+    plant: str | None = None,
+    underflow_tolerance: float = 0.01,
+    progress_factory: Any = None,
+    log_dir: str | None = None,
+) -> dict[str, Any]:
+    """Runs ``steps`` float32 steps of the compare model in every backend with statistics on
+    every step, at ``to``'s initial loss scale, and reads them
+    (:func:`unimp.compare.audit.audit_stats`): ``unimp audit``.
+
+    Args:
+        cfg: a :class:`CompareConfig` (model, data, batch size, optimizer, lr,
+            seed, device, backends; its recipe and loss scale are replaced).
+        to: ``float16`` or ``bfloat16``.
+        steps: audited steps, >= 1.
+        plant: ``LAYER=FACTOR``: multiply one layer's initial weights (a planted fault).
+        underflow_tolerance: see :func:`unimp.compare.audit.audit_stats`.
+        progress_factory: as :func:`run_compare`'s.
+        log_dir: a folder for each backend's step log (``<backend>.jsonl``, with the
+            statistics of every step), or None.
+
+    Returns:
+        ``{"target", "scale", "model", "data", "steps", "plant", "findings": {backend: [Finding
+        dicts]}, "clean": {backend: bool}}``.
+
+    Raises:
+        ValueError, ImportError: any bad option, before anything runs.
+    """
+    from unimp.compare.models import weight_layer
+    from unimp.stats import StepStats
+
+    if to not in TARGETS:
+        raise ValueError(f"--to {to!r}: choose one of {', '.join(TARGETS)}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(
+            f"--steps must be an int in [1, {MAX_STEPS}], got {steps!r}: the audit reads the "
+            "first steps of a run (the batches are built up front)."
+        )
+    if not (0 <= underflow_tolerance < 1):
+        raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
+    if plant is not None:  # its form first: refused at once, before the data and frameworks
+        plant_form(plant)
+    scale = initial_scale(to)
+    loss_scale = "none" if scale == 1.0 else StaticLossScale(scale)
+    _, backends, ds = validate(dataclasses.replace(cfg, recipe="float32", loss_scale=None))
+    recipe = get_recipe("float32", loss_scale=loss_scale)
+    weights = init_weights(cfg.model, ds.image_shape, ds.num_classes, cfg.seed)
+    planted = None
+    if plant is not None:
+        layer, factor = parse_plant(plant, cfg.model, list(weights))
+        weights = {
+            k: (v * np.float32(factor) if weight_layer(k) == layer else v) for k, v in weights.items()
+        }
+        planted = {"layer": layer, "factor": factor}
+    if log_dir is not None:  # every option checked: the folder may be made now
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ValueError(f"--log-dir {log_dir!r} exists and is not a folder; pick another path")
+        os.makedirs(log_dir, exist_ok=True)
+    per_epoch = max(1, len(ds.x_train) // cfg.batch_size)
+    data = batches(
+        ds, batch_size=cfg.batch_size, epochs=math.ceil(steps / per_epoch), seed=cfg.seed,
+        dropout=cfg.dropout, hidden=hidden_size(cfg.model, ds.image_shape),
+    )[:steps]  # fmt: skip
+    findings: dict[str, list[dict[str, Any]]] = {}
+    for b in backends:
+        runner = importlib.import_module(f"unimp.compare.runner_{b}")
+        spec = RunSpec(
+            recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
+            cfg.optimizer, cfg.lr, device_for(b, cfg.device), stats_every=1,
+            log=None if log_dir is None else os.path.join(log_dir, f"{b}.jsonl"),
+        )  # fmt: skip
+        if progress_factory is None:
+            run = runner.run(spec)
+        else:
+            with progress_factory(f"{b} (float32, stats)", len(data)) as bar:
+                spec.progress = lambda i: bar.advance()
+                run = runner.run(spec)
+        stats = [StepStats.from_dict(run["stats"][k]) for k in sorted(run["stats"], key=int)]
+        findings[b] = [
+            f.to_dict() for f in audit_stats(stats, to, underflow_tolerance=underflow_tolerance)
+        ]
+    return {
+        "target": to,
+        "scale": scale,
+        "model": cfg.model,
+        "data": ds.name,
+        "steps": len(data),
+        "plant": planted,
+        "underflow_tolerance": underflow_tolerance,
+        "findings": findings,
+        "clean": {b: not fs for b, fs in findings.items()},
+    }
 
 
 def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -15,7 +15,8 @@ from unimp.backends import jax as backend
 from unimp.backends.jax import observe
 from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
 from unimp.compare.models import FP8_PATHS, LAYER_NORM_EPS, VIT_HEADS, weight_layer
-from unimp.compare.run import RunSpec, train_loop
+from unimp.compare.run import RunSpec, test_metrics, train_loop
+from unimp.compare.user import user_model
 
 #: ``cast(layer, x)``: an activation entering a layer, in that layer's compute dtype
 #: (``mp.cast_to_compute(x, path=layer)``: the recipe's, or a per-layer override's).
@@ -141,6 +142,49 @@ def _fp8_scales(states: Any) -> dict[str, dict[str, float]]:
     return {p: {t: float(s.scale) for t, s in zip(TENSORS, per, strict=True)} for p, per in states.items()}
 
 
+def probe(module: Any, x: np.ndarray, seed: int) -> np.ndarray:
+    """The user's flax module's outputs for ``x`` in float32, from ``module.init`` with
+    ``PRNGKey(seed)`` (the shape check of ``--model FILE.py:FUNCTION``, before any training)."""
+    variables = module.init(jax.random.PRNGKey(seed), jnp.asarray(x))
+    return np.asarray(module.apply(variables, jnp.asarray(x)), np.float32)
+
+
+def loss_of(out: jax.Array, y: jax.Array, loss: str) -> jax.Array:
+    """The mean loss of a batch, in float32: softmax cross-entropy of logits and class indices,
+    or the mean squared error."""
+    out = out.astype(jnp.float32)
+    if loss == "mse":
+        return jnp.mean((out - y.astype(jnp.float32)) ** 2)
+    return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+
+
+def _user_build(spec: RunSpec, mp: Any, options: dict[str, Any], opt: Any) -> Any:
+    """The train step of the user's flax module: its ``params`` from ``module.init``, the
+    forward pass cast jmp-style at its boundary (:meth:`MixedPrecision.apply`)."""
+    if spec.recipe.fp8 is not None:
+        raise ValueError(
+            f"--model {spec.model}: a float8 recipe in JAX needs unimp's float8 layers in the "
+            "model; compare a flax model with a recipe without fp8."
+        )
+    module, _ = user_model(spec.model, spec.seed)
+    variables = module.init(jax.random.PRNGKey(spec.seed), jnp.asarray(spec.batches[0]["x"][:1]))
+    other = sorted(k for k in variables if k != "params")
+    if other:
+        raise ValueError(
+            f"--model {spec.model}: the module keeps {', '.join(other)} besides its params; "
+            "compare runs flax modules without mutable collections (drop BatchNorm, or use "
+            "mp.train_step(..., model_state=) in your own loop)."
+        )
+    forward = mp.apply(lambda params, x: module.apply({"params": params}, x))
+
+    def loss_fn(params: Any, b: dict) -> jax.Array:
+        return loss_of(forward(params, b["x"]), b["y"], spec.loss)
+
+    step = mp.train_step(loss_fn, opt, variables["params"], **options)
+    step.forward = lambda params, x, mask, states: forward(params, x)
+    return step
+
+
 def _device(spec: RunSpec) -> Any:
     return jax.devices("gpu" if spec.device == "cuda" else "cpu")[0]
 
@@ -161,7 +205,7 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
 
         options = spec.step_options()
         fp8_states = None
-        if spec.recipe.fp8 is not None:
+        if spec.recipe.fp8 is not None and not spec.user_model:
             mp.fp8_layers(FP8_PATHS[spec.model])
             fp8_states = mp.fp8_states()
             plain_loss = loss_fn
@@ -183,6 +227,9 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
             opt = optax.inject_hyperparams(optax.adam)(learning_rate=spec.lr, eps=1e-8)
         else:
             opt = optax.inject_hyperparams(optax.sgd)(learning_rate=spec.lr)
+        if spec.user_model:
+            step = _user_build(spec, mp, options, opt)
+            return mp, step, lambda b: {k: jnp.asarray(v) for k, v in b.items()}
         params: dict[str, dict[str, jax.Array]] = {}
         for k, v in spec.weights.items():
             params.setdefault(weight_layer(k), {})[k] = jnp.asarray(v)
@@ -204,14 +251,14 @@ def run(spec: RunSpec) -> dict[str, Any]:
         # an FP8 run evaluates with the states it trained (no gradient taken: they stay as they are)
         logits = jax.jit(step.forward)(step.params, jnp.asarray(spec.x_test), ones,
                                        step.model_state if fp8_on else None)
-        pred = np.asarray(jnp.argmax(logits.astype(jnp.float32), axis=1))
+        test = test_metrics(np.asarray(logits.astype(jnp.float32)), spec.y_test, spec.loss)
     stats = device.memory_stats() if spec.device == "cuda" else None
     return {
         "framework": "jax",
         "version": backend.framework_version(),
         "device": str(device),
         **out,
-        "test_accuracy": float((pred == spec.y_test).mean()),
+        **test,
         "peak_memory_bytes": None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None,
         "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": fp8,

@@ -13,7 +13,8 @@ from unimp.backends import tensorflow as backend
 from unimp.backends.tensorflow.fp8 import fp8_model_layers
 from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
 from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
-from unimp.compare.run import RunSpec, train_loop
+from unimp.compare.run import RunSpec, test_metrics, train_loop
+from unimp.compare.user import user_model
 
 
 class _PositionEmbedding(keras.layers.Layer):
@@ -113,6 +114,25 @@ def _fp8_scales(mp: Any, model: keras.Model) -> dict[str, dict[str, float]]:
             for p in mp.fp8_layers(model)}
 
 
+def probe(model: keras.Model, x: np.ndarray, seed: int) -> np.ndarray:
+    """The user's model's outputs for ``x`` in float32, in inference mode (the shape check of
+    ``--model FILE.py:FUNCTION``, before any training)."""
+    return np.asarray(tf.cast(model(tf.constant(x), training=False), tf.float32))
+
+
+def _forward(model: keras.Model, b: dict[str, Any], user: bool, training: bool) -> Any:
+    out = model(b["x"], training=training) if user else model([b["x"], b["mask"]], training=training)
+    return tf.cast(out, tf.float32)
+
+
+def loss_of(out: Any, y: Any, loss: str) -> Any:
+    """The mean loss of a batch, in float32: softmax cross-entropy of logits and class indices,
+    or the mean squared error."""
+    if loss == "mse":
+        return tf.reduce_mean(tf.square(out - tf.cast(y, tf.float32)))
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out))
+
+
 def _device(spec: RunSpec) -> str:
     return "/GPU:0" if spec.device == "cuda" else "/CPU:0"
 
@@ -125,7 +145,11 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
     """
     with tf.device(_device(spec)):
         mp = backend.MixedPrecision(spec.recipe)
-        model = _model(spec, mp)
+        if spec.user_model:  # built under the recipe's policy, as prepare wants it
+            with mp.autocast():
+                model, _ = user_model(spec.model, spec.seed)
+        else:
+            model = _model(spec, mp)
         if spec.optimizer == "adam":
             inner = keras.optimizers.Adam(spec.lr, epsilon=1e-8)
         else:
@@ -133,10 +157,7 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
         model, opt = mp.prepare(model, inner)
 
         def loss_fn(model: keras.Model, b: dict[str, tf.Tensor]) -> tf.Tensor:
-            logits = tf.cast(model([b["x"], b["mask"]], training=True), tf.float32)
-            return tf.reduce_mean(
-                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=b["y"], logits=logits)
-            )
+            return loss_of(_forward(model, b, spec.user_model, True), b["y"], spec.loss)
 
         step = mp.train_step(model, opt, loss_fn, **spec.step_options())
     return mp, step, lambda b: b
@@ -153,8 +174,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
         out = train_loop(step, spec, convert)
         fp8 = scales_record(first, _fp8_scales(mp, model)) if spec.recipe.fp8 is not None else None
         ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
-        logits = model([tf.constant(spec.x_test), tf.constant(ones)], training=False)
-        pred = np.argmax(np.asarray(tf.cast(logits, tf.float32)), axis=1)
+        held_out = {"x": tf.constant(spec.x_test), "mask": tf.constant(ones)}
+        test = test_metrics(np.asarray(_forward(model, held_out, spec.user_model, False)), spec.y_test, spec.loss)
     peak = None
     if spec.device == "cuda":
         peak = int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
@@ -163,7 +184,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "version": backend.framework_version(),
         "device": device.strip("/").lower(),
         **out,
-        "test_accuracy": float((pred == spec.y_test).mean()),
+        **test,
         "peak_memory_bytes": peak,
         "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": fp8,

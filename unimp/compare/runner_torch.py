@@ -12,7 +12,8 @@ import torch
 from unimp.backends import torch as backend
 from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
 from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
-from unimp.compare.run import RunSpec, train_loop
+from unimp.compare.run import RunSpec, test_metrics, train_loop
+from unimp.compare.user import user_model
 
 
 class _Net(torch.nn.Module):
@@ -122,6 +123,31 @@ def _fp8_scales(model: torch.nn.Module) -> dict[str, dict[str, float]]:
             for name, m in model.named_modules() if isinstance(m, backend.FP8Dense)}
 
 
+def probe(model: torch.nn.Module, x: np.ndarray, seed: int) -> np.ndarray:
+    """The user's model's outputs for ``x`` in float32, on the CPU, in evaluation mode (the
+    shape check of ``--model FILE.py:FUNCTION``, before any training)."""
+    model.eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(np.ascontiguousarray(x))).float().numpy()
+
+
+def _user_net(spec: RunSpec) -> torch.nn.Module:
+    model, _ = user_model(spec.model, spec.seed)  # the same initial weights as the check's
+    return model
+
+
+def _forward(model: torch.nn.Module, b: dict[str, torch.Tensor], user: bool) -> torch.Tensor:
+    return model(b["x"]) if user else model(b["x"], b["mask"])
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor, loss: str) -> torch.Tensor:
+    """The mean loss of a batch, in float32: softmax cross-entropy of logits and class indices,
+    or the mean squared error."""
+    if loss == "mse":
+        return torch.nn.functional.mse_loss(out.float(), y.float())
+    return torch.nn.functional.cross_entropy(out.float(), y.long())
+
+
 def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
     """The bound recipe, the train step and the batch conversion, as :func:`run` uses them.
 
@@ -130,7 +156,10 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
     """
     device = torch.device(spec.device)
     mp = backend.MixedPrecision(spec.recipe, device=device)
-    net = _ViT(spec.weights) if spec.model == "vit" else _Net(spec.model, spec.weights)
+    if spec.user_model:
+        net = _user_net(spec)
+    else:
+        net = _ViT(spec.weights) if spec.model == "vit" else _Net(spec.model, spec.weights)
     model = net.to(device)
     if spec.optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=spec.lr, eps=1e-8)
@@ -140,8 +169,7 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
     model, opt = prepared if isinstance(prepared, tuple) else (prepared, opt)
 
     def loss_fn(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(b["x"], b["mask"])
-        return torch.nn.functional.cross_entropy(logits.float(), b["y"].long())
+        return loss_of(_forward(model, b, spec.user_model), b["y"], spec.loss)
 
     step = mp.train_step(model, opt, loss_fn, **spec.step_options())
     return mp, step, lambda b: {k: torch.from_numpy(v).to(device) for k, v in b.items()}
@@ -163,14 +191,15 @@ def run(spec: RunSpec) -> dict[str, Any]:
         x = torch.from_numpy(spec.x_test).to(device)
         ones = torch.ones((len(x), spec.batches[0]["mask"].shape[1]), device=device)
         with mp.autocast():
-            pred = model(x, ones).float().argmax(1).cpu().numpy()
+            out_test = _forward(model, {"x": x, "mask": ones}, spec.user_model).float()
+        test = test_metrics(out_test.cpu().numpy(), spec.y_test, spec.loss)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {
         "framework": "torch",
         "version": backend.framework_version(),
         "device": str(device),
         **out,
-        "test_accuracy": float((pred == spec.y_test).mean()),
+        **test,
         "peak_memory_bytes": peak,
         "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": fp8,

@@ -81,6 +81,13 @@ def threads(backends: Iterable[str], n: int) -> Iterator[dict[str, str]]:
             elif b == "tensorflow":
                 import tensorflow as tf
 
+                held = (
+                    tf.config.threading.get_intra_op_parallelism_threads(),
+                    tf.config.threading.get_inter_op_parallelism_threads(),
+                )
+                if held == (n, n):  # set before (compare's check of a user's Keras model)
+                    out[b] = str(n)
+                    continue
                 try:
                     tf.config.threading.set_intra_op_parallelism_threads(n)
                     tf.config.threading.set_inter_op_parallelism_threads(n)
