@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,6 +107,26 @@ def state_fingerprint(scaler: Any) -> torch.Tensor:
     return torch.stack([t.to(torch.float64) for t in parts] + [code])
 
 
+def fingerprint_spread(scaler: Any, reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+    """The loss-scale state's fields that differ across the replicas, every rank reaching the
+    same verdict: one MAX reduction of ``[v, -v]`` (:func:`state_fingerprint` ``v``; it gives
+    the max and the min of every field) and one host read of its numbers.
+
+    Args:
+        scaler: a :class:`unimp.backends.torch.GradScaler`.
+        reduce_max: the engine's all-reduce with MAX (torch.distributed's, Horovod's), taking and
+            returning a float64 vector on the scaler's device.
+
+    Returns:
+        ``["scale in [1024, 65536]", ...]``: each differing field with its min and max; empty
+        when the replicas agree.
+    """
+    v = state_fingerprint(scaler)
+    both = reduce_max(torch.cat([v, -v]))
+    hi, lo = both[: len(v)].tolist(), (-both[len(v) :]).tolist()
+    return [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(FINGERPRINT_FIELDS, lo, hi, strict=True) if a != b]
+
+
 def check_replicas_agree(scaler: Any, group: Any = None) -> list[str]:
     """Makes every rank hold the same loss-scale state: a mismatch is re-synchronized from rank 0
     with a :class:`unimp.ReplicaDesyncWarning` (the rule of every unimp engine).
@@ -125,11 +146,12 @@ def check_replicas_agree(scaler: Any, group: Any = None) -> list[str]:
         RuntimeError: torch.distributed is not initialized.
     """
     group = _initialized_group(group)
-    v = state_fingerprint(scaler)
-    both = torch.cat([v, -v])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    hi, lo = both[: len(v)].tolist(), (-both[len(v) :]).tolist()
-    differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(FINGERPRINT_FIELDS, lo, hi, strict=True) if a != b]
+
+    def reduce_max(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    differ = fingerprint_spread(scaler, reduce_max)
     if differ:
         broadcast_state(scaler, src=dist.get_global_rank(group, 0), group=group)
         warn_replica_desync(

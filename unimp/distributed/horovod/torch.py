@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from unimp.backends.torch import GradScaler as _TorchGradScaler
-from unimp.backends.torch.overflow import FINGERPRINT_FIELDS, state_fingerprint
+from unimp.backends.torch.overflow import fingerprint_spread
 from unimp.loss_scale import warn_replica_desync
 
 try:
@@ -97,10 +97,9 @@ class GradScaler(_TorchGradScaler):
 
     def _agree_replicas(self) -> None:
         if hvd.size() > 1:
-            v = state_fingerprint(self)
-            both = hvd.allreduce(torch.cat([v, -v]), op=hvd.Max, name="unimp.state_fingerprint")
-            hi, lo = both[: len(v)].tolist(), (-both[len(v):]).tolist()
-            differ = [f"{n} in [{a:g}, {b:g}]" for n, a, b in zip(FINGERPRINT_FIELDS, lo, hi, strict=True) if a != b]
+            differ = fingerprint_spread(
+                self, lambda t: hvd.allreduce(t, op=hvd.Max, name="unimp.state_fingerprint")
+            )
             if differ:
                 broadcast_state(self, root_rank=0)
                 warn_replica_desync("Load the same checkpoint on every rank", differ, stacklevel=4)
