@@ -91,8 +91,43 @@ class FP8Ops:
         return jnp.asarray(x).astype(jnp.float32)
 
     @staticmethod
+    def round_fp8(x: jax.Array, dtype: str) -> jax.Array:
+        return round_fp8(x, dtype)
+
+    @staticmethod
     def cast_like(x: jax.Array, like: jax.Array) -> jax.Array:
         return x.astype(jnp.asarray(like).dtype)
+
+
+#: Per float8 dtype: (exponent bits, mantissa bits, smallest normal, subnormal spacing, whether
+#: the format has no infinities and so reaches one exponent further (e4m3fn: 448 = 1.75 * 2**8)).
+_ROUNDING = {
+    "float8_e4m3fn": (4, 3, 2.0**-6, 2.0**-9, True),
+    "float8_e5m2": (5, 2, 2.0**-14, 2.0**-16, False),
+}
+
+
+def round_fp8(x: jax.Array, dtype: str) -> jax.Array:
+    """``x`` (float32, within the format's range: callers clip first) rounded to the nearest
+    ``dtype`` value, ties to even, in float32: the values of ``x.astype(dtype).astype(float32)``,
+    bit for bit, in ops XLA keeps.
+
+    Why not the casts: XLA's excess-precision simplification deletes ``f32 -> f8 -> f32`` (and
+    ``f32 -> bf16 -> f32``) cast pairs in jitted code on GPU (openxla/xla#41605), so an
+    emulated float8 matmul would silently run unrounded. ``lax.reduce_precision`` is an op XLA
+    never drops; it models IEEE formats and flushes their subnormals, so: normal values
+    through it (e4m3fn, which has no inf and reaches 448, at half the value, where the IEEE
+    4-bit exponent still holds it: scaling by 2 is exact); subnormals as ``round(x / s) * s``
+    with the spacing ``s`` (exact, ties to even); NaN stays NaN, -0.0 stays -0.0.
+    """
+    e, m, normal, spacing, finite_only = _ROUNDING[dtype]
+    a = jnp.abs(x)
+    rounded = jax.lax.reduce_precision(x, exponent_bits=e, mantissa_bits=m)
+    if finite_only:  # the top exponent is finite: round at half the value (exact) from 2*normal
+        halved = 2.0 * jax.lax.reduce_precision(x * 0.5, exponent_bits=e, mantissa_bits=m)
+        rounded = jnp.where(a >= 2.0 * normal, halved, rounded)
+    sub = jnp.round(x * (1.0 / spacing)) * spacing
+    return jnp.where(a >= normal, rounded, sub)
 
 
 def fp8_initial_state(config: _fp8.FP8Config, device: Any = None) -> FP8State:

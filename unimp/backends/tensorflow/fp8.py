@@ -102,6 +102,12 @@ class FP8Ops:
         return tf.cast(x, tf.float32)
 
     @staticmethod
+    def round_fp8(x: tf.Tensor, dtype: str) -> tf.Tensor:
+        # TensorFlow's graphs keep both casts; under jit_compile=True XLA could fold them on a
+        # GPU (openxla/xla#41605), and TensorFlow has no public reduce-precision op (JAX's fix)
+        return tf.cast(tf.cast(x, _FP8_DTYPES[dtype]), tf.float32)
+
+    @staticmethod
     def cast_like(x: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
         return tf.cast(x, like.dtype)
 

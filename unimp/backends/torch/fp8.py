@@ -104,6 +104,10 @@ class FP8Ops:
         return x.to(torch.float32)
 
     @staticmethod
+    def round_fp8(x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(_FP8_DTYPES[dtype]).to(torch.float32)  # eager: every cast runs
+
+    @staticmethod
     def cast_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return x.to(like.dtype)
 
