@@ -65,7 +65,12 @@ def _as_device(device: Any) -> jax.Device:
 
 
 def _device_leaf(x: Any) -> Any:
-    return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
+    """``x`` as a device array whose type a jitted step's outputs keep: a host leaf converted,
+    a weak-typed array (``jnp.full(shape, 0.5)``) made strong (the step returns it strong, and
+    the second call compiled again); placement and values unchanged."""
+    if isinstance(x, jax.Array):
+        return jax.lax.convert_element_type(x, x.dtype) if x.weak_type else x
+    return jnp.asarray(np.asarray(x))
 
 
 def _commit_like(tree: Any, reference: Any) -> Any:

@@ -311,8 +311,10 @@ class TrainStep(LoggedStep):
         if lean:  # no output that duplicates another, nor an input __call__ still holds:
             # each would be a copy (a kernel) per step; __call__ puts them back (_rejoin)
             forward = not self._donate  # a donated input is gone after the call
-            raw.update({k: None for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
-            raw.update({"scale": None} if forward else {})
+            if forward:  # donated, the new state's buffers are gone after the next call: the
+                # result keeps its own (a StepResult is read after later steps)
+                raw.update({k: None for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
+                raw["scale"] = None
             new_ls = _changed_fields(new_ls, forward)
         if self._stateful:
             return ops.params, ops.opt_state, new_ls, raw, ops.model_state
@@ -380,7 +382,7 @@ class TrainStep(LoggedStep):
                 params, opt_state, ls, raw = jitted(*args)
         if lean:  # the lean program's outputs: back to the full ones
             ls = _rejoin(before, ls)
-            raw.update({k: getattr(ls.state, k) for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw})
+            raw.update({k: getattr(ls.state, k) for k in ("consecutive_skips", "total_skips", "floor_hits") if k in raw and raw[k] is None})
             raw["scale"] = before.loss_scale if raw["scale"] is None else raw["scale"]
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         stats = None
