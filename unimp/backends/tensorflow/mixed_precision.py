@@ -351,7 +351,8 @@ class MixedPrecision(MixedPrecisionBase):
         non-finite gradient on any replica skips the step on all), clipping uses the norm of
         the all-reduced gradient, ``loss`` is the mean over replicas, and replicas whose
         loss-scale state differs are re-synchronized from replica 0 with a
-        :class:`ReplicaDesyncWarning`. ``jit_compile`` is not supported there.
+        :class:`ReplicaDesyncWarning`. ``jit_compile`` is refused there (measured: the
+        replica step compiled by XLA reads the mirrored variables' copies on other devices).
 
         Args:
             model: a built Keras model (``model.trainable_variables`` non-empty); the policy's

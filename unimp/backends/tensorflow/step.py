@@ -180,9 +180,16 @@ class TrainStep(LoggedStep):
                 "recipe without a device (the strategy says where the replicas run)."
             )
         if self.strategy is not None and jit_compile:
+            # measured (TensorFlow 2.21, MirroredStrategy over two CPUs): the replica step
+            # compiled with XLA inside strategy.run reads a mirrored variable's component on
+            # another device ("Trying to access resource .../replica_1 located in device CPU:1
+            # from device CPU:0", XLA's known issue with variables on other devices); Keras's
+            # own LossScaleOptimizer fails there too, in merge_call (keras-team/keras#21366)
             raise ValueError(
-                "jit_compile=True is not supported under a tf.distribute strategy (its "
-                "merge_call cannot be compiled by XLA); use jit_compile=False."
+                "jit_compile=True is not supported under a tf.distribute strategy: XLA compiles "
+                "the replica's step for one device, and it reads the mirrored variables' copies "
+                "on the other replicas' devices; use jit_compile=False (the step is still one "
+                "graph per replica)."
             )
         self._jit_compile = jit_compile
         self.calls = 0
