@@ -61,6 +61,18 @@ def test_a_count_past_the_cap_is_refused_before_anything_changes(n):
     assert torch.get_num_threads() == before
 
 
+def _fake_tensorflow(monkeypatch, set_threads, held):
+    """A ``tensorflow`` module whose thread setters call ``set_threads`` and whose getters say
+    ``held``, in place of the real one for the test."""
+    threading = types.SimpleNamespace(
+        set_intra_op_parallelism_threads=set_threads, set_inter_op_parallelism_threads=set_threads,
+        get_intra_op_parallelism_threads=lambda: held, get_inter_op_parallelism_threads=lambda: held,
+    )  # fmt: skip
+    fake_tf = types.ModuleType("tensorflow")
+    fake_tf.config = types.SimpleNamespace(threading=threading)
+    monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
+
+
 def test_a_failure_setting_a_later_framework_restores_torch(monkeypatch):
     # TensorFlow raising anything but its "already started" RuntimeError (MemoryError here)
     # after torch's count was set: torch's must still be put back
@@ -69,13 +81,7 @@ def test_a_failure_setting_a_later_framework_restores_torch(monkeypatch):
     def fail(n):
         raise MemoryError("no room for the pool")
 
-    threading = types.SimpleNamespace(
-        set_intra_op_parallelism_threads=fail, set_inter_op_parallelism_threads=fail,
-        get_intra_op_parallelism_threads=lambda: 0, get_inter_op_parallelism_threads=lambda: 0,
-    )  # fmt: skip (TensorFlow's getters say 0 until a count is set)
-    fake_tf = types.ModuleType("tensorflow")
-    fake_tf.config = types.SimpleNamespace(threading=threading)
-    monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
+    _fake_tensorflow(monkeypatch, fail, held=0)  # TensorFlow's getters say 0 until a count is set
     before = torch.get_num_threads()
     n = 2 if before != 2 else 3
     with pytest.raises(MemoryError):
@@ -134,13 +140,7 @@ def test_tensorflow_already_at_the_count_is_left_alone_without_a_warning(monkeyp
     def started(n):
         raise RuntimeError("Intra op parallelism cannot be modified after initialization.")
 
-    threading = types.SimpleNamespace(
-        set_intra_op_parallelism_threads=started, set_inter_op_parallelism_threads=started,
-        get_intra_op_parallelism_threads=lambda: 3, get_inter_op_parallelism_threads=lambda: 3,
-    )  # fmt: skip
-    fake_tf = types.ModuleType("tensorflow")
-    fake_tf.config = types.SimpleNamespace(threading=threading)
-    monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
+    _fake_tensorflow(monkeypatch, started, held=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with threads(["tensorflow"], 3) as got:
