@@ -340,6 +340,25 @@ class JaxRun(Run):
 KITS = {"torch": TorchRun, "tensorflow": TensorflowRun, "jax": JaxRun}
 
 
+def native(backend: str, values: Any, dtype: str = "float32") -> Any:
+    """``values`` as ``backend``'s array of ``dtype`` (``"bfloat16"`` too: rounded from float32)."""
+    half = dtype in ("float16", "bfloat16")
+    x = np.asarray(values, np.float32 if half else dtype)
+    if backend == "torch":
+        import torch
+
+        t = torch.from_numpy(x)
+        return t.to(getattr(torch, dtype)) if half else t
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        t = tf.constant(x)
+        return tf.cast(t, dtype) if half else t
+    import jax.numpy as jnp
+
+    return jnp.asarray(x).astype(dtype) if half else jnp.asarray(x)
+
+
 def dtype_name(dtype: Any) -> str:
     """``"float16"``, ``"int32"``, ... for a torch, TF, NumPy or JAX dtype."""
     name = getattr(dtype, "name", None)
@@ -362,8 +381,9 @@ def linear_batch(c: list[float], poison: float = 1.0) -> dict[str, np.ndarray]:
 
 class LinearRun:
     """``loss = sum(c * w) (+ 0.5 * |w|**2 when quadratic)``: the gradient is ``c`` (``+ w``).
-    ``optimizer``: ``"sgd"`` or ``"adam"`` (epsilon ``eps``; in JAX built as users build it to
-    read the learning rate, ``optax.inject_hyperparams(optax.adam)``)."""
+    ``optimizer``: ``"sgd"``, ``"momentum"`` (SGD with momentum 0.9) or ``"adam"`` (epsilon
+    ``eps``; in JAX built as users build it to read the learning rate,
+    ``optax.inject_hyperparams(optax.adam)``)."""
 
     def __init__(self, backend, recipe, w, lr, quadratic=False, optimizer="sgd", eps=1e-8, **step_kwargs):
         self.backend = backend
@@ -382,7 +402,8 @@ class LinearRun:
         if self._optimizer == "adam":
             opt = torch.optim.Adam(model.parameters(), lr=lr, eps=self._eps)
         else:
-            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            momentum = 0.9 if self._optimizer == "momentum" else 0.0
+            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         if self.mp.policy.param_dtype != "float32":  # pure half recipes: module mode
             model, opt = self.mp.prepare(model, opt)
 
@@ -433,7 +454,10 @@ class LinearRun:
 
         self._convert = lambda b: b
         self.w = lambda: model.layers[0].get_weights()[0][:, 0].copy()
-        opt = keras.optimizers.Adam(lr, epsilon=self._eps) if self._optimizer == "adam" else keras.optimizers.SGD(lr)
+        if self._optimizer == "adam":
+            opt = keras.optimizers.Adam(lr, epsilon=self._eps)
+        else:
+            opt = keras.optimizers.SGD(lr, momentum=0.9 if self._optimizer == "momentum" else 0.0)
         self._step = self.mp.train_step(model, opt, loss_fn, **step_kwargs)
 
     def _build_jax(self, w, lr, q, step_kwargs):
@@ -455,7 +479,7 @@ class LinearRun:
         if self._optimizer == "adam":
             opt = optax.inject_hyperparams(optax.adam)(learning_rate=lr, eps=self._eps)
         else:
-            opt = optax.sgd(lr)
+            opt = optax.sgd(lr, momentum=0.9 if self._optimizer == "momentum" else None)
         self._step = self.mp.train_step(loss_fn, opt, {"w": jnp.asarray(w)}, **step_kwargs)
         self.w = lambda: np.array(self._step.params["w"])
 

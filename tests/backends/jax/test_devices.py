@@ -7,17 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-import unimp
 import unimp.backends.jax as ujax
 from backends.jax.helpers import _affine_loss
 
 
-def test_device_info_and_version():
-    info = ujax.device_info()
-    assert len(info) == len(jax.devices())
-    assert set(info[0]) == {"device", "kind", "float16", "bfloat16", "float8", "recommended"}
-    unimp.get_recipe(info[0]["recommended"])  # a name the parser accepts
-    assert ujax.framework_version() == jax.__version__
+def test_device_info_lists_every_jax_device():
+    # the keys, the recommended recipe and framework_version: tests/conformance/test_backend_api.py
+    assert len(ujax.device_info()) == len(jax.devices())
 
 
 def test_device_commits_the_step_state_and_batches_there():

@@ -1,4 +1,5 @@
-"""jax backend, ``mixed_precision``: the recipe bound to the framework (exports, autocast, prepare, examples)."""
+"""jax backend, ``mixed_precision``: the recipe bound to the framework (apply, autocast, module kwargs, prepare, examples).
+The exports and the bound dtypes (every backend) are in tests/conformance/test_backend_api.py."""
 
 
 import jax
@@ -7,22 +8,8 @@ import optax
 import pytest
 from flax import nnx
 
-import unimp
 import unimp.backends.jax as ujax
 from backends.jax.helpers import HALF, RECIPE, LinenMLP, _xent
-from unimp.backends._base import COMMON_API, MixedPrecisionBase
-
-
-@pytest.mark.parametrize("name", COMMON_API)
-def test_exports_common_api(name):
-    assert name in ujax.__all__
-    assert hasattr(ujax, name)
-
-
-def test_mixed_precision_subclasses_base_and_step_result_is_core():
-    assert issubclass(ujax.MixedPrecision, MixedPrecisionBase)
-    assert ujax.StepResult is unimp.StepResult
-    assert unimp.mixed_precision("mixed_float16", backend="flax").backend == "jax"
 
 
 @pytest.mark.parametrize("half", HALF)

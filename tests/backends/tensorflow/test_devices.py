@@ -10,7 +10,6 @@ import sys
 
 import keras
 import pytest
-import tensorflow as tf
 
 import unimp.backends.tensorflow as utf
 
@@ -25,10 +24,9 @@ def test_other_keras_backend_is_a_clear_error(monkeypatch, other):
     assert repr(other) in str(info.value)
 
 
-def test_framework_version_and_device_info():
-    assert utf.framework_version() == tf.__version__
+def test_device_info_lists_the_cpu_first():
+    # the keys and framework_version: tests/conformance/test_backend_api.py
     info = utf.device_info()
-    assert info and {"device", "kind", "float16", "bfloat16", "recommended"} <= set(info[0])
     assert info[0]["kind"] == "cpu" and info[0]["recommended"] == "float32"
 
 

@@ -1,4 +1,5 @@
-"""tensorflow backend, ``mixed_precision``: the recipe bound to the framework (exports, autocast, prepare, examples)."""
+"""tensorflow backend, ``mixed_precision``: the recipe bound to the framework (autocast, prepare, examples).
+The exports and the bound dtypes (every backend) are in tests/conformance/test_backend_api.py."""
 
 import os
 
@@ -18,7 +19,6 @@ import tensorflow as tf
 import unimp
 import unimp.backends.tensorflow as utf
 from backends.tensorflow.helpers import Vec, lso
-from unimp.backends._base import COMMON_API, MixedPrecisionBase
 from unimp.loss_scale import StaticLossScale
 
 
@@ -39,20 +39,6 @@ def op_dtypes(model, x, op_type):
     fn = tf.function(lambda x: model(x, training=False))
     graph = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
     return [op.get_attr("T").name for op in graph.get_operations() if op.type == op_type]
-
-
-@pytest.mark.parametrize("name", COMMON_API)
-def test_exports_common_api(name):
-    assert name in utf.__all__
-    assert getattr(utf, name) is not None
-
-
-def test_mixed_precision_subclasses_base_and_registry_returns_it():
-    mp = unimp.mixed_precision("mixed_float16", backend="tf")
-    assert isinstance(mp, utf.MixedPrecision) and isinstance(mp, MixedPrecisionBase)
-    assert mp.compute_dtype == tf.float16 and mp.param_dtype == tf.float32
-    assert mp.output_dtype == tf.float32
-    assert utf.StepResult is unimp.StepResult
 
 
 @pytest.mark.parametrize(

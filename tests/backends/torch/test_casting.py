@@ -1,35 +1,19 @@
-"""torch backend, ``casting``: dtype mapping and cast_tree (and module mode / master weights in torch)."""
+"""torch backend, ``casting``: what torch adds to the one casting rule (mapping types kept) and
+module mode's master weights. The rule itself (floating leaves only, every backend) is in
+tests/conformance/test_casting_conformance.py."""
 
 
-import pytest
 import torch
 
 import unimp
 import unimp.backends.torch as ut
 from backends.torch.helpers import (
     DEV,
-    HALF,
-    MIXED,
     _assert_bitwise,
     _batch,
     _loss,
     _mlp,
 )
-
-
-@pytest.mark.parametrize("half", HALF)
-def test_cast_tree_touches_floating_leaves_only(half):
-    mp = ut.MixedPrecision(MIXED[half], device=DEV)
-    tree = {"x": torch.ones(2), "i": torch.tensor([1, 2]), "b": torch.tensor([True]),
-            "s": 3.5, "nested": [torch.zeros(1, dtype=torch.float64), "text", (torch.ones(1),)]}
-    out = mp.cast_to_compute(tree)
-    assert out["x"].dtype == ut.to_dtype(half)
-    assert out["i"] is tree["i"] and out["b"] is tree["b"] and out["s"] == 3.5
-    assert out["nested"][0].dtype == ut.to_dtype(half) and out["nested"][1] == "text"
-    assert out["nested"][2][0].dtype == ut.to_dtype(half)
-    back = mp.cast_to_output(out)
-    assert back["x"].dtype == torch.float32 and back["i"].dtype == torch.int64
-    assert mp.cast_to_param(out)["nested"][0].dtype == torch.float32
 
 
 def test_cast_tree_keeps_mapping_types():

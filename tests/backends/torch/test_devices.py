@@ -46,11 +46,11 @@ def test_bad_device_name_raises():
         ut.MixedPrecision("mixed_float16", device="gpu0")
 
 
-def test_device_info_lists_cpu():
+def test_device_info_lists_cpu_first():
+    # the keys and framework_version: tests/conformance/test_backend_api.py
     info = ut.device_info()
     assert info[0]["device"] == "cpu" and info[0]["bfloat16"] is True
     assert info[0]["kind"] == "cpu" and info[0]["recommended"] == "float32"  # core rule: device_support
-    assert ut.framework_version() == torch.__version__
 
 
 def test_cuda_device_without_cuda_is_a_value_error():

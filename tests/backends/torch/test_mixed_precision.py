@@ -1,4 +1,5 @@
-"""torch backend, ``mixed_precision``: the recipe bound to the framework (exports, autocast, prepare, examples)."""
+"""torch backend, ``mixed_precision``: the recipe bound to the framework (autocast, prepare, examples).
+The exports and the bound dtypes (every backend) are in tests/conformance/test_backend_api.py."""
 
 
 import os
@@ -19,26 +20,13 @@ from backends.torch.helpers import (
     _mlp,
 )
 from unimp.attached import peek
-from unimp.backends._base import COMMON_API, MixedPrecisionBase
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
-def test_exports_common_api():
-    assert set(COMMON_API) <= set(ut.__all__)
-    for name in ut.__all__:
-        assert hasattr(ut, name), name
-    assert ut.StepResult is unimp.StepResult
-    assert issubclass(ut.MixedPrecision, MixedPrecisionBase)
-
-
 @pytest.mark.parametrize("half", HALF)
-def test_mixed_precision_binding(half):
+def test_autocast_is_torchs_autocast_in_the_compute_dtype(half):
     mp = unimp.mixed_precision(MIXED[half], backend="torch", device=DEV)
-    assert isinstance(mp, ut.MixedPrecision)
-    assert mp.compute_dtype == ut.to_dtype(half)
-    assert mp.param_dtype == torch.float32 and mp.output_dtype == torch.float32
-    assert mp.policy.compute_dtype == half and mp.recipe.policy is mp.policy
     with mp.autocast():
         assert torch.is_autocast_enabled(DEV) and torch.get_autocast_dtype(DEV) == ut.to_dtype(half)
 
