@@ -1,0 +1,134 @@
+"""Block-scaled low-precision formats (MXFP8, MXFP4, NVFP4, block FP8): the scale rules,
+written once over an array namespace (issue 33's first piece). Framework-free.
+
+A block-scaled tensor stores each block of 16 or 32 elements as low-precision elements and one
+shared scale. The MX formats (OCP Microscaling v1.0) keep the scale as E8M0: an unsigned byte
+``b`` standing for ``2**(b - 127)`` (byte 255 is NaN; there is no zero). Implementations differ
+in how they derive that byte from the block's largest magnitude (amax), and the difference is
+visible in training (arXiv 2506.08027), so unimp writes each rule out from the float32 bits,
+never through a dtype cast (ml_dtypes rounds float32 -> E8M0 to nearest and turns 0 and inf
+into NaN):
+
+* :func:`e8m0_floor`, the OCP MX v1.0 rule (microsoft/microxcaling ``mx/mx_ops.py``; torchao
+  ``ScaleCalculationMode.FLOOR``): ``floor(log2(amax)) - emax_elem``, clamped to
+  ``[-127, 127]``, where ``emax_elem`` is the element format's largest power-of-two exponent
+  (E4M3 8, E5M2 15, E2M1 2). A block amax between the element maximum and the next power of
+  two (449 for E4M3) then scales to above the maximum, and its largest elements are clipped.
+* :func:`e8m0_round_up`, NVIDIA's rule (Transformer Engine ``float_to_e8m0`` in
+  ``common/util/ptx_arch_spec.cuh``, cuBLAS, JAX's ``scaled_dot_general`` mxfp8, torchao's
+  MXFP8 training recipes): ``amax / elem_max`` rounded UP to a power of two, saturating at
+  byte 254; NaN gives 255, inf 254, 0 gives 0.
+
+The namespace is :class:`unimp.fp8.rule.NumpyOps`'s (``bits``, ``from_bits``, ``where``,
+``isnan``, ``isinf``, ``f32``, ``to_i32``); every backend's ``FP8Ops`` has the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unimp.fp8.rule import NumpyOps
+
+__all__ = [
+    "ELEMENT_FORMATS",
+    "E8M0_NAN",
+    "e8m0_floor",
+    "e8m0_round_up",
+    "e8m0_value",
+]
+
+#: The element formats: name -> (largest finite value, its power-of-two exponent ``emax_elem``).
+ELEMENT_FORMATS = {
+    "float8_e4m3fn": (448.0, 8),
+    "float8_e5m2": (57344.0, 15),
+    "float4_e2m1fn": (6.0, 2),
+}
+
+#: The E8M0 byte that stands for NaN (OCP MX v1.0: there is no zero and no infinity).
+E8M0_NAN = 255
+
+_EXPONENT_MASK = 0xFF
+
+
+def _element(fmt: str) -> tuple[float, int]:
+    try:
+        return ELEMENT_FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown element format {fmt!r}; choose one of {', '.join(ELEMENT_FORMATS)}.") from None
+
+
+def e8m0_floor(amax: Any, fmt: str, ops: Any = NumpyOps) -> Any:
+    """The OCP MX v1.0 shared-scale byte of blocks whose largest magnitude is ``amax``.
+
+    ``floor(log2(amax)) - emax_elem`` clamped to ``[-127, 127]``, plus the bias 127: from the
+    float32 exponent bits (an amax of 0 or a subnormal one gives byte 0, the smallest scale);
+    a NaN amax gives :data:`E8M0_NAN`, an infinite one byte 254 (the largest scale).
+
+    Args:
+        amax: float32 array of block maxima (any shape), finite values >= 0, inf or NaN.
+        fmt: the element format, a key of :data:`ELEMENT_FORMATS`.
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        int32 array of E8M0 bytes, ``amax``'s shape.
+
+    Raises:
+        ValueError: an unknown element format.
+    """
+    _, emax = _element(fmt)
+    biased = (ops.bits(ops.f32(amax)) >> 23) & _EXPONENT_MASK  # floor(log2(amax)) + 127
+    byte = biased - emax  # the bias stays: byte = floor(log2(amax)) - emax + 127
+    byte = ops.where(biased == 0, 0, byte)  # 0 and subnormal maxima: the smallest scale
+    byte = ops.where(byte < 0, 0, ops.where(byte > 254, 254, byte))
+    byte = ops.where(ops.isinf(ops.f32(amax)), 254, byte)  # floor(log2(inf)) clamps to 127
+    return ops.to_i32(ops.where(ops.isnan(ops.f32(amax)), E8M0_NAN, byte))
+
+
+def e8m0_round_up(amax: Any, fmt: str, ops: Any = NumpyOps) -> Any:
+    """NVIDIA's shared-scale byte: ``amax / elem_max`` rounded up to a power of two.
+
+    Matches Transformer Engine's ``float_to_e8m0`` of ``amax * rn(1 / elem_max)``
+    (``__nv_cvt_float_to_e8m0`` with round toward +inf and saturation to finite): NaN gives
+    255, inf 254, 0 gives 0; otherwise the float32 exponent of the quotient, plus one where its
+    mantissa is not zero (not past 254, and a subnormal quotient at most 2**-127 stays at byte
+    0, which stands for 2**-127). ``amax / elem_max`` and ``amax * rn(1 / elem_max)`` give the
+    same byte for the formats here (a test checks it on two million amaxes).
+
+    Args:
+        amax: float32 array of block maxima (any shape), finite values >= 0, inf or NaN.
+        fmt: the element format, a key of :data:`ELEMENT_FORMATS`.
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        int32 array of E8M0 bytes, ``amax``'s shape.
+
+    Raises:
+        ValueError: an unknown element format.
+    """
+    fmax, _ = _element(fmt)
+    a = ops.f32(amax)
+    inv = ops.f32(1.0) / ops.f32(fmax)  # rn(1 / elem_max), as Transformer Engine takes it
+    v = a * inv
+    b = ops.bits(v)
+    exponent = (b >> 23) & _EXPONENT_MASK
+    mantissa = b & 0x7FFFFF
+    up = (mantissa > 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))
+    byte = ops.where(up, exponent + 1, exponent)
+    byte = ops.where(v == ops.f32(0.0), 0, byte)
+    byte = ops.where(ops.isinf(v), 254, byte)
+    return ops.to_i32(ops.where(ops.isnan(v), E8M0_NAN, byte))
+
+
+def e8m0_value(byte: Any, ops: Any = NumpyOps) -> Any:
+    """The scale an E8M0 byte stands for, float32 ``2**(byte - 127)`` from its bits (byte 0 is
+    the subnormal 2**-127, byte 255 NaN).
+
+    Args:
+        byte: int32 array of bytes in [0, 255].
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        float32 array, ``byte``'s shape.
+    """
+    bits = ops.where(byte == 0, 0x400000, byte << 23)
+    return ops.where(byte == E8M0_NAN, ops.f32(float("nan")), ops.from_bits(bits))
