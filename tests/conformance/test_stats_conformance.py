@@ -10,9 +10,12 @@ whatever its summation order, so the statistics must match exactly.
 
 from __future__ import annotations
 
+import doctest
 import functools
+import importlib
 import math
 
+import kits
 import numpy as np
 import pytest
 from conftest import require_backend
@@ -138,6 +141,39 @@ def test_powers_of_two_right_values(backend):
     edge = _stats(backend, _tensor(backend, [65519.0, 65520.0]), 1.0)
     assert edge.counts["float16_overflow"] == 1
     assert one.amax == 1.0 and one.min_nonzero == 2.0**-40
+
+
+def test_tensor_stats_counts_in_int32_and_magnitudes_in_float32(backend):
+    module = require_backend(backend)
+    x = kits.native(backend, [0.0, 2.0**-30, -3.0, np.inf], "float64")  # JAX: float32 (no x64)
+    counts, mags = module.tensor_stats(x, np.float32(2.0**10))
+    assert (kits.dtype_name(counts.dtype), kits.dtype_name(mags.dtype)) == ("int32", "float32")
+    assert dict(zip(COUNT_FIELDS, _numpy(backend, counts).astype(int).tolist(), strict=True))["nonfinite"] == 1
+    _, mags = module.tensor_stats(kits.native(backend, [1.0, 1.0], "float64"), np.float32(4.0))
+    assert _numpy(backend, mags).tolist() == [1.0, 1.0]  # amax, min_nonzero
+
+
+def test_tensor_stats_refuses_integers_and_bad_scales(backend):
+    module = require_backend(backend)
+    for dtype in ("int32", "int64"):
+        with pytest.raises(TypeError, match="tensor_stats needs a floating (tensor|array)"):
+            module.tensor_stats(kits.native(backend, [1, 2, 3], dtype))
+    for scale in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            module.tensor_stats(kits.native(backend, [1.0, 2.0]), scale)
+
+
+DOCUMENTED = {"torch": ("tensor_stats",), "tensorflow": ("tensor_stats",), "jax": ("tensor_stats", "observe")}
+
+
+def test_the_stats_docstring_examples_run(backend):
+    require_backend(backend)
+    module = importlib.import_module(f"unimp.backends.{backend}.stats")
+    for name in DOCUMENTED[backend]:
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in doctest.DocTestFinder().find(getattr(module, name), globs=vars(module)):
+            runner.run(test)
+        assert runner.failures == 0 and runner.tries > 0, name
 
 
 def test_float32_subnormals_follow_the_documented_rule(backend):
@@ -318,3 +354,23 @@ def test_statistics_come_on_steps_0_k_2k(backend):
     got = [step((x, c)).stats for _ in range(7)]
     assert [s is not None for s in got] == [True, False, False, True, False, False, True]
     assert [s.step for s in got if s is not None] == [0, 3, 6]
+
+
+def test_gradient_statistics_are_unscaled_and_taken_before_clipping(backend):
+    # static scale 2**16, gradient (3, 4), clipped to norm 1: the statistics see (3, 4)
+    recipe = get_recipe("float32", loss_scale=StaticLossScale(2.0**16))
+    run = kits.build_linear(backend, recipe, w=[0.0, 0.0], lr=1.0, max_grad_norm=1.0, stats_every=1)
+    r = run.step(kits.linear_batch([3.0, 4.0]))
+    ((_, g),) = r.stats.gradients.items()
+    assert (g.amax, g.min_nonzero, g.scale) == (4.0, 3.0, 65536.0)  # not clipped to (0.6, 0.8)
+    assert g.counts["float16_overflow"] == 2  # 3 * 2**16 and 4 * 2**16 overflow float16
+    assert r.grad_norm == 5.0
+    assert r.stats.activations == {}  # the loss reads the weight and calls no layer
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_bad_stats_every_is_refused_before_anything_is_built(backend, value):
+    require_backend(backend)
+    mp = mixed_precision("mixed_float16", backend=backend)
+    with pytest.raises(ValueError, match=r"stats_every must be None \(no statistics\) or an int >= 1"):
+        mp.train_step("not a model", "not an optimizer", None, stats_every=value)  # checked first

@@ -1,10 +1,9 @@
-"""jax backend, ``stats``: ``tensor_stats``, ``observe`` and ``train_step(..., stats_every=k)`` (a
-second jitted function for statistics steps, the plain program unchanged, flax linen outputs,
-names, accumulation, bad input). The values against the reference are in
+"""jax backend, ``stats``: ``tensor_stats`` under jit, ``observe`` and ``train_step(...,
+stats_every=k)`` (a second jitted function for statistics steps, the plain program unchanged,
+flax linen outputs, names, accumulation, model state, remat). The values against the reference,
+unscaled gradients, the dtypes, the refusals and the docstring examples (every backend) are in
 tests/conformance/test_stats_conformance.py."""
 
-
-import doctest
 
 import flax.linen as nn
 import jax
@@ -17,8 +16,6 @@ import unimp
 import unimp.backends.jax as ujax
 from benchmarks import _kit_jax
 from unimp.backends.jax import stats as jstats
-from unimp.loss_scale import StaticLossScale
-from unimp.stats import COUNT_FIELDS
 
 X = np.linspace(-2, 2, 24, dtype=np.float32).reshape(6, 4)
 
@@ -90,21 +87,6 @@ def test_names_flax_outputs_and_observed_values():
     assert s.activations["hidden"].scale == 1.0
 
 
-def test_gradients_are_unscaled_and_taken_before_clipping():
-    mp = unimp.mixed_precision(
-        unimp.get_recipe("float32", loss_scale=StaticLossScale(2.0**16)), backend="jax"
-    )
-    step = mp.train_step(
-        lambda p, c: jnp.sum(p["w"] * c), optax.sgd(1.0), {"w": jnp.zeros(2)},
-        max_grad_norm=1.0, stats_every=1,
-    )
-    r = step(jnp.array([3.0, 4.0]))
-    g = r.stats.gradients["w"]
-    assert (g.amax, g.min_nonzero, g.scale) == (4.0, 3.0, 65536.0)
-    assert g.counts["float16_overflow"] == 2 and r.grad_norm == 5.0
-    assert r.stats.activations == {}
-
-
 def test_accumulation_takes_every_micro_batch():
     step = _step(stats_every=1, grad_accum_steps=2)
     s = step([X, X]).stats
@@ -174,33 +156,12 @@ def test_axis_name_is_refused_with_the_fix():
         mp.train_step(_loss, optax.sgd(0.1), PARAMS, axis_name="data", stats_every=1)
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
-def test_bad_stats_every_is_refused_before_anything_is_built(value):
-    mp = unimp.mixed_precision("mixed_float16", backend="jax")
-    with pytest.raises(ValueError, match=r"stats_every must be None \(no statistics\) or an int >= 1"):
-        mp.train_step(None, "not an optimizer", PARAMS, stats_every=value)
-
-
-def test_tensor_stats_under_jit_and_bad_input():
+def test_tensor_stats_under_jit_equal_eager():
     x = jnp.array([0.0, 2.0**-30, -3.0, jnp.inf])
     eager = ujax.tensor_stats(x, 2.0**10)
     jitted = jax.jit(lambda t, s: ujax.tensor_stats(t, s))(x, jnp.float32(2.0**10))
     for a, b in zip(eager, jitted, strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    assert eager[0].dtype == jnp.int32 and eager[1].dtype == jnp.float32
-    assert dict(zip(COUNT_FIELDS, np.asarray(eager[0]).tolist(), strict=True))["nonfinite"] == 1
-    with pytest.raises(TypeError, match="floating array"):
-        ujax.tensor_stats(jnp.arange(3))
-    with pytest.raises(ValueError, match="finite number > 0"):
-        ujax.tensor_stats(x, float("inf"))
-
-
-def test_stats_module_doctests():
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for fn in (jstats.tensor_stats, jstats.observe):
-        for test in doctest.DocTestFinder().find(fn, globs=vars(jstats)):
-            runner.run(test)
-    assert runner.failures == 0 and runner.tries > 0
 
 
 def test_observed_pytrees_are_named_as_torch_and_keras_name_layer_outputs():

@@ -1,14 +1,13 @@
-"""tensorflow backend, ``stats``: ``tensor_stats`` and ``train_step(..., stats_every=k)`` (a second
-tf.function for statistics steps, the plain graph unchanged, layer calls restored, names,
-accumulation, bad input). The values against the reference are in
-tests/conformance/test_stats_conformance.py."""
+"""tensorflow backend, ``stats``: ``tensor_stats`` in graphs and of IndexedSlices, and
+``train_step(..., stats_every=k)`` (a second tf.function for statistics steps, the plain graph
+unchanged, layer calls restored, names, accumulation under XLA, strategies). The values against
+the reference, unscaled gradients, the dtypes, the refusals and the docstring examples (every
+backend) are in tests/conformance/test_stats_conformance.py."""
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-import doctest
 
 import keras
 import numpy as np
@@ -17,11 +16,7 @@ import tensorflow as tf
 
 import unimp
 import unimp.backends.tensorflow as utf
-from backends.tensorflow.helpers import Vec
 from benchmarks._kit_tensorflow import HOST_OPS, _all_ops
-from unimp.backends.tensorflow import stats as tstats
-from unimp.loss_scale import StaticLossScale
-from unimp.stats import COUNT_FIELDS
 
 X = np.linspace(-2, 2, 24, dtype=np.float32).reshape(6, 4)
 
@@ -111,22 +106,6 @@ def test_layer_calls_are_restored_and_compose_with_prepare():
     assert model is layer
 
 
-def test_gradients_are_unscaled_and_taken_before_clipping():
-    mp = unimp.mixed_precision(
-        unimp.get_recipe("float32", loss_scale=StaticLossScale(2.0**16)), backend="tensorflow"
-    )
-    model = Vec([0.0, 0.0])
-    step = mp.train_step(
-        model, keras.optimizers.SGD(1.0), lambda m, c: tf.reduce_sum(m.w * c),
-        max_grad_norm=1.0, stats_every=1,
-    )
-    r = step(np.array([3.0, 4.0], np.float32))
-    (name, g), = r.stats.gradients.items()
-    assert (g.amax, g.min_nonzero, g.scale) == (4.0, 3.0, 65536.0)
-    assert g.counts["float16_overflow"] == 2 and r.grad_norm == 5.0
-    assert r.stats.activations == {}  # a layer calling nothing records nothing
-
-
 def test_accumulation_takes_every_micro_batch_and_xla_agrees():
     step, model = _step(stats_every=1, grad_accum_steps=2)
     xla, other = _step(stats_every=1, grad_accum_steps=2, jit_compile=True)
@@ -138,13 +117,6 @@ def test_accumulation_takes_every_micro_batch_and_xla_agrees():
         assert a.activations[name].amax == pytest.approx(b.activations[name].amax, rel=1e-6)
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
-def test_bad_stats_every_is_refused_before_anything_is_built(value):
-    mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
-    with pytest.raises(ValueError, match=r"stats_every must be None \(no statistics\) or an int >= 1"):
-        mp.train_step("not a model", "not an optimizer", None, stats_every=value)
-
-
 def test_a_strategy_is_refused_with_the_fix():
     mp = unimp.mixed_precision("float32", backend="tensorflow")
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
@@ -154,28 +126,15 @@ def test_a_strategy_is_refused_with_the_fix():
         mp.train_step(model, keras.optimizers.SGD(0.1), _loss, stats_every=1)
 
 
-def test_tensor_stats_in_graphs_and_bad_input():
+def test_tensor_stats_in_graphs_and_of_indexed_slices():
     x = tf.constant([0.0, 2.0**-30, -3.0, np.inf])
     eager = [t.numpy() for t in utf.tensor_stats(x, 2.0**10)]
     graph = [t.numpy() for t in tf.function(lambda t: utf.tensor_stats(t, 2.0**10))(x)]
     xla = [t.numpy() for t in tf.function(lambda t: utf.tensor_stats(t, 2.0**10), jit_compile=True)(x)]
     for got in (graph, xla):
         assert (got[0] == eager[0]).all() and (got[1] == eager[1]).all()
-    assert eager[0].dtype == np.int32 and eager[1].dtype == np.float32
-    assert dict(zip(COUNT_FIELDS, eager[0].tolist(), strict=True))["nonfinite"] == 1
     sparse = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([1]), tf.constant([3, 2]))
     assert utf.tensor_stats(sparse)[0].numpy()[0] == 4  # taken densely: four zeros
-    with pytest.raises(TypeError, match="floating tensor"):
-        utf.tensor_stats(tf.constant([1, 2]))
-    with pytest.raises(ValueError, match="finite number > 0"):
-        utf.tensor_stats(x, -1.0)
-
-
-def test_stats_module_doctests():
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in doctest.DocTestFinder().find(tstats.tensor_stats, globs=vars(tstats)):
-        runner.run(test)
-    assert runner.failures == 0 and runner.tries > 0
 
 
 def test_functional_and_nested_models_name_outputs_as_their_weights():

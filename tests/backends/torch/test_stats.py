@@ -1,12 +1,12 @@
-"""torch backend, ``stats``: ``tensor_stats`` and ``train_step(..., stats_every=k)`` (hooks only on
-statistics steps, the plain steps' ops unchanged, no sync, names, accumulation, bad input).
-The values against the reference are in tests/conformance/test_stats_conformance.py."""
+"""torch backend, ``stats``: ``tensor_stats`` of sparse tensors and ``train_step(...,
+stats_every=k)`` (hooks only on statistics steps, the plain steps' ops unchanged, no sync, names,
+accumulation over shared modules, checkpointed modules). The values against the reference,
+unscaled gradients, the dtypes, the refusals and the docstring examples (every backend) are in
+tests/conformance/test_stats_conformance.py."""
 
 
-import doctest
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,8 +15,6 @@ import unimp
 import unimp.backends.torch as ut
 from backends.torch.helpers import DEV, _batch, _loss, _mlp
 from benchmarks._kit_torch import count_host_reads
-from unimp.backends.torch import stats as tstats
-from unimp.loss_scale import StaticLossScale
 from unimp.stats import COUNT_FIELDS, StepStats
 
 
@@ -86,21 +84,6 @@ def test_names_are_torchs_and_layers_are_leaves():
     assert s.activations["0"].scale == 1.0
 
 
-def test_gradients_are_unscaled_and_taken_before_clipping():
-    mp = ut.MixedPrecision(unimp.get_recipe("float32", loss_scale=StaticLossScale(2.0**16)), device=DEV)
-    model = torch.nn.Module()
-    model.w = torch.nn.Parameter(torch.zeros(2))
-    step = mp.train_step(
-        model, torch.optim.SGD([model.w], lr=1.0), lambda m, b: (m.w * b).sum(),
-        max_grad_norm=1.0, stats_every=1,
-    )
-    r = step(torch.tensor([3.0, 4.0]))
-    g = r.stats.gradients["w"]
-    assert (g.amax, g.min_nonzero, g.scale) == (4.0, 3.0, 65536.0)  # not clipped to (0.6, 0.8)
-    assert g.counts["float16_overflow"] == 2  # 3 * 2**16 and 4 * 2**16 overflow float16
-    assert r.grad_norm == 5.0
-
-
 def test_module_mode_names_the_masters_after_the_model():
     mp = ut.MixedPrecision(unimp.get_recipe("mixed_float16", cast_mode="module"), device=DEV)
     model = _mlp()
@@ -155,32 +138,11 @@ def test_a_failed_statistics_step_is_not_counted_and_removes_its_hooks():
     assert step(_batch(0)).stats is not None and step.calls == 1
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
-def test_bad_stats_every_is_refused_before_anything_is_built(value):
-    mp = ut.MixedPrecision("mixed_float16", device=DEV)
-    model = _mlp()
-    with pytest.raises(ValueError, match=r"stats_every must be None \(no statistics\) or an int >= 1"):
-        mp.train_step(model, "not an optimizer", None, stats_every=value)  # checked first
-
-
-def test_tensor_stats_of_sparse_and_bad_input():
+def test_tensor_stats_of_a_sparse_tensor_count_it_densely():
     dense = torch.tensor([[0.0, 2.0**-30], [0.0, 0.0]])
     c, m = ut.tensor_stats(dense.to_sparse(), 1.0)
     want = dict(zip(COUNT_FIELDS, ut.tensor_stats(dense)[0].tolist(), strict=True))
     assert dict(zip(COUNT_FIELDS, c.tolist(), strict=True)) == want and want["zeros"] == 3
-    with pytest.raises(TypeError, match="floating tensor"):
-        ut.tensor_stats(torch.arange(3))
-    with pytest.raises(ValueError, match="finite number > 0"):
-        ut.tensor_stats(torch.ones(2), 0.0)
-    c, m = ut.tensor_stats(torch.ones(2, dtype=torch.float64), np.float32(4.0))
-    assert c.dtype == torch.int32 and m.dtype == torch.float32 and m.tolist() == [1.0, 1.0]
-
-
-def test_stats_module_doctests():
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in doctest.DocTestFinder().find(tstats.tensor_stats, globs=vars(tstats)):
-        runner.run(test)
-    assert runner.failures == 0 and runner.tries > 0
 
 
 def test_checkpointed_layers_are_counted_once():
