@@ -386,3 +386,51 @@ def test_a_mismatched_state_is_refused_naming_why(backend):
     for wrong, message in bad:
         with pytest.raises(ValueError, match=message):
             _continue(backend, "kahan", 0, p0, wrong, 0)
+
+
+NOT_AN_OPTIMIZER = {
+    "torch": "half_update needs a torch.optim.Optimizer",
+    "tensorflow": "LossScaleOptimizer needs a keras.optimizers.Optimizer instance",
+    "jax": "half_update needs an optax GradientTransformation",
+}
+
+
+def _install(backend, mode, *, seed=0, dtype="bfloat16", optimizer=None):
+    """``half_update`` on the backend's plain SGD (or ``optimizer``), set up for one parameter of
+    ``dtype``: torch wraps an optimizer holding it, Keras builds for it, optax inits on it."""
+    if backend == "torch":
+        import torch
+
+        from unimp.backends.torch import half_update
+
+        p = torch.nn.Parameter(torch.ones(2, dtype=getattr(torch, dtype)))
+        return half_update(optimizer or torch.optim.SGD([p], lr=1.0), mode, seed=seed)
+    if backend == "tensorflow":
+        import keras
+
+        from unimp.backends.tensorflow import half_update
+
+        opt = half_update(optimizer or keras.optimizers.SGD(1.0), mode, seed=seed)
+        opt.build([keras.Variable(np.ones(2, np.float32), dtype=dtype)])
+        return opt
+    import jax.numpy as jnp
+    import optax
+
+    from unimp.backends.jax import half_update
+
+    opt = half_update(optimizer or optax.sgd(1.0), mode, seed=seed)
+    opt.init(jnp.ones(2, dtype))
+    return opt
+
+
+def test_half_update_refuses_bad_input(backend):
+    _install(backend, "kahan")  # the adapter itself runs
+    with pytest.raises(TypeError, match=NOT_AN_OPTIMIZER[backend]):
+        _install(backend, "kahan", optimizer=object())
+    with pytest.raises(ValueError, match=r"update must be one of \('nearest', 'kahan', 'stochastic'\), got 'fast'"):
+        _install(backend, "fast")
+    for seed in (0.5, 1.0, "1"):  # an integral float too
+        with pytest.raises(TypeError, match="seed must be an integer"):
+            _install(backend, "kahan", seed=seed)
+    with pytest.raises(ValueError, match="update='stochastic' rounds float32 to bfloat16.*the parameters are float16"):
+        _install(backend, "stochastic", dtype="float16")

@@ -116,17 +116,19 @@ def test_upstream_optax_multisteps_keeps_nan_after_a_bad_window():
     assert history[3][0].tolist() == [1.0, 2.0]  # the clean second window is lost too
 
 
+# the warning and where it is not said (every backend, an injected epsilon):
+# tests/conformance/test_half_state_warning.py
+
+
 @pytest.mark.parametrize(
-    "make_opt,warns",
+    "make_opt",
     [
-        (lambda: optax.adam(1e-3), True),
-        (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adagrad(1e-3)), True),
-        (lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, eps=1e-4), False),
-        (lambda: optax.sgd(1e-3, momentum=0.9), False),
+        lambda: optax.adam(1e-3),  # epsilon in a closure: unread, warned about all the same
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adagrad(1e-3)),
     ],
-    ids=["adam", "chained-adagrad", "adam-eps-1e-4", "sgd-momentum"],
+    ids=["adam", "chained-adagrad"],
 )
-def test_pure_float16_second_moments_warn(make_opt, warns):
+def test_pure_float16_second_moments_warn(make_opt):
     import warnings
 
     mp = ujax.MixedPrecision(unimp.get_recipe("float16", loss_scale="none"))
@@ -135,7 +137,7 @@ def test_pure_float16_second_moments_warn(make_opt, warns):
         warnings.simplefilter("always")
         mp.train_step(lambda p, b: jnp.sum(p["w"] * b), make_opt(), params)
     said = [w for w in caught if issubclass(w.category, unimp.HalfOptimizerStateWarning)]
-    assert len(said) == int(warns)
+    assert len(said) == 1
     # float32 optimizer state (a mixed recipe) is never a problem
     with warnings.catch_warnings():
         warnings.simplefilter("error", unimp.HalfOptimizerStateWarning)
@@ -224,17 +226,10 @@ def test_half_update_leaves_float32_leaves_to_the_inner_optimizer_and_composes_w
     assert int(get_loss_scale(state).state.total_skips) == 1
 
 
-def test_half_update_bad_input():
+def test_half_update_needs_the_params_to_update():
+    # the refusals every backend shares: tests/conformance/test_half_update.py
     from unimp.backends.jax import half_update
 
-    with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
-        half_update(object())
-    with pytest.raises(ValueError, match="update must be one of"):
-        half_update(optax.sgd(1.0), "fast")
-    with pytest.raises(TypeError, match="seed must be an integer"):
-        half_update(optax.sgd(1.0), "kahan", seed=1.0)
-    with pytest.raises(ValueError, match="rounds float32 to bfloat16"):
-        half_update(optax.sgd(1.0), "stochastic").init(jnp.ones(2, jnp.float16))
     opt = half_update(optax.sgd(1.0))
     with pytest.raises(ValueError, match="call update\\(grads, state, params\\)"):
         opt.update(jnp.ones(2, jnp.bfloat16), opt.init(jnp.ones(2, jnp.bfloat16)))
