@@ -76,3 +76,52 @@ def test_floor_is_floor_log2_minus_the_element_exponent(amax, fmt):
     a = np.float32(amax)
     want = 0 if a == 0 else int(np.clip(math.floor(math.log2(a)) - emax + 127, 0, 254))
     assert int(e8m0_floor(a, fmt)) == want
+
+
+def test_e2m1_rounding_is_the_format_s_nearest_even_value():
+    """Against ml_dtypes' float4_e2m1fn cast on every value, every midpoint and its float32
+    neighbours, and random values in [-6, 6]; NaN stays NaN (the cast makes it -0)."""
+    import ml_dtypes
+
+    from unimp.blockscale import round_e2m1
+
+    vals = np.float32([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    vals = np.concatenate([-vals[::-1], vals])
+    mids = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)
+    rand = np.random.default_rng(0).uniform(-6, 6, 100_000).astype(np.float32)
+    x = np.concatenate([vals, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), rand])
+    want = x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(round_e2m1(x), want)
+    assert np.signbit(round_e2m1(np.float32([-0.0, -0.1]))).all()
+    assert np.isnan(round_e2m1(np.float32([np.nan]))).all()
+
+
+@pytest.mark.parametrize(
+    "fmt,first,rule,scaled,rest",
+    [
+        ("float8_e4m3fn", 449.0, "floor", 448.0, 0.3125),  # scale 1: 449 saturates to 448
+        ("float8_e4m3fn", 449.0, "round_up", 448.0, 0.3125),  # scale 2: 224.5 -> 224, times 2
+        ("float4_e2m1fn", 6.5, "floor", 6.0, 0.5),  # scale 1: 6.5 saturates to 6, 0.3 -> 0.5
+        ("float4_e2m1fn", 6.5, "round_up", 6.0, 0.0),  # scale 2: 3.25 -> 3; 0.15 -> 0
+    ],
+)
+def test_mx_blocks_share_one_scale(fmt, first, rule, scaled, rest):
+    from unimp.blockscale import mx_quantize_dequantize
+
+    block = np.float32([first, *([0.3] * 31)])
+    out = mx_quantize_dequantize(block, fmt, rule)
+    assert out[0] == scaled and (out[1:] == np.float32(rest)).all()
+    assert out.shape == block.shape and out.dtype == np.float32
+
+
+def test_mx_refuses_a_width_that_is_not_a_multiple_of_the_block_and_keeps_nan_blocks():
+    from unimp.blockscale import mx_quantize_dequantize
+
+    with pytest.raises(ValueError, match="multiple of the block size 32"):
+        mx_quantize_dequantize(np.zeros((2, 48), np.float32), "float8_e4m3fn", "floor")
+    with pytest.raises(ValueError, match="unknown scale rule"):
+        mx_quantize_dequantize(np.zeros((2, 32), np.float32), "float8_e4m3fn", "even")
+    x = np.ones((2, 64), np.float32)
+    x[1, 40] = np.nan
+    out = mx_quantize_dequantize(x, "float8_e5m2", "round_up")
+    assert np.isnan(out[1, 32:]).all() and (out[1, :32] == 1).all() and (out[0] == 1).all()

@@ -32,10 +32,17 @@ from unimp.fp8.rule import NumpyOps
 __all__ = [
     "ELEMENT_FORMATS",
     "E8M0_NAN",
+    "MX_BLOCK",
+    "SCALE_RULES",
     "e8m0_floor",
     "e8m0_round_up",
     "e8m0_value",
+    "mx_quantize_dequantize",
+    "round_e2m1",
 ]
+
+#: The MX block size along the reduction (last) axis (OCP MX v1.0).
+MX_BLOCK = 32
 
 #: The element formats: name -> (largest finite value, its power-of-two exponent ``emax_elem``).
 ELEMENT_FORMATS = {
@@ -132,3 +139,62 @@ def e8m0_value(byte: Any, ops: Any = NumpyOps) -> Any:
     """
     bits = ops.where(byte == 0, 0x400000, byte << 23)
     return ops.where(byte == E8M0_NAN, ops.f32(float("nan")), ops.from_bits(bits))
+
+
+def round_e2m1(x: Any, ops: Any = NumpyOps) -> Any:
+    """``x`` (float32, within [-6, 6]: callers clip first) rounded to the nearest E2M1 (FP4)
+    value, ties to even, as float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+
+    Written in arithmetic, not a dtype cast (ml_dtypes' float4_e2m1fn turns inf into 6 and NaN
+    into -0): the spacing is 0.5 below 2, 1 below 4 and 2 from 4 on, and ``round(|x| / s) * s``
+    rounds half to even (a tie between 4 and 6 goes to 4, whose mantissa bit is 0). NaN stays
+    NaN and the sign (of -0.0 too) is kept.
+    """
+    a = ops.abs(x)
+    s = ops.where(a < ops.f32(2.0), ops.f32(0.5), ops.where(a < ops.f32(4.0), ops.f32(1.0), ops.f32(2.0)))
+    q = ops.round(a / s) * s
+    return ops.where(x < ops.f32(0.0), -q, ops.where(x > ops.f32(0.0), q, x))
+
+
+#: How an MX block's E8M0 scale is derived from its amax: the OCP rule or NVIDIA's.
+SCALE_RULES = {"floor": e8m0_floor, "round_up": e8m0_round_up}
+
+
+def mx_quantize_dequantize(x: Any, fmt: str, rule: str, block: int = MX_BLOCK, ops: Any = NumpyOps) -> Any:
+    """The MX format's values of ``x``, as float32: each block of ``block`` consecutive elements
+    along the last axis shares one E8M0 scale (:data:`SCALE_RULES`) from its amax (NaN
+    propagating); its elements are ``x / scale`` clipped to the element format's range and
+    rounded to nearest even (E4M3 / E5M2: :meth:`round_fp8`; E2M1: :func:`round_e2m1`), times
+    the scale again. A block whose amax is NaN becomes NaN.
+
+    Args:
+        x: float32 array whose last dimension is a multiple of ``block``.
+        fmt: the element format, a key of :data:`ELEMENT_FORMATS`.
+        rule: ``"floor"`` (OCP MX v1.0) or ``"round_up"`` (NVIDIA).
+        block: elements per block (32 for MX).
+        ops: the array namespace (default NumPy, the reference); it needs ``reshape`` and
+            ``amax_last`` (the NaN-propagating max over the last axis, keeping it) besides the
+            scale rules' names.
+
+    Returns:
+        float32 array, ``x``'s shape.
+
+    Raises:
+        ValueError: an unknown format or rule, or a last dimension that is not a multiple of
+            ``block``.
+    """
+    fmax, _ = _element(fmt)
+    if rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale rule {rule!r}; choose one of {', '.join(SCALE_RULES)}.")
+    shape = tuple(x.shape)
+    if not shape or shape[-1] % block:
+        raise ValueError(
+            f"the last dimension ({shape[-1] if shape else 'none'}) must be a multiple of the "
+            f"block size {block}; pad the tensor or pick layers whose width is."
+        )
+    blocks = ops.reshape(ops.f32(x), (*shape[:-1], shape[-1] // block, block))
+    amax = ops.amax_last(ops.abs(blocks))
+    scale = e8m0_value(SCALE_RULES[rule](amax, fmt, ops), ops)
+    y = ops.clip(blocks / scale, -fmax, fmax)
+    q = round_e2m1(y, ops) if fmt == "float4_e2m1fn" else ops.round_fp8(y, fmt)
+    return ops.reshape(q * scale, shape)

@@ -99,6 +99,20 @@ class NumpyOps:
         return np.asarray(x, np.float32).view(np.int32)
 
     @staticmethod
+    def round(x: Any) -> Any:
+        """Round half to even (np.round, torch.round, tf.round, jnp.round alike)."""
+        return np.round(x)
+
+    @staticmethod
+    def reshape(x: Any, shape: tuple[int, ...]) -> Any:
+        return np.reshape(x, shape)
+
+    @staticmethod
+    def amax_last(x: Any) -> Any:
+        """The NaN-propagating max over the last axis, kept (a block's amax, for its scale)."""
+        return np.max(x, axis=-1, keepdims=True)
+
+    @staticmethod
     def from_bits(b: Any) -> Any:
         return np.asarray(b, np.int32).view(np.float32)
 
