@@ -447,10 +447,47 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             and not tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
             return self._replica_apply(replica, unscaled, variables, grads_finite, loss_finite)
+        grads_finite, loss_finite = self.agree_replicas(grads_finite, loss_finite)
         applied, consecutive, total = self._apply_unscaled(
             unscaled, variables, grads_finite, loss_finite
         )
         return applied, consecutive, total, grads_finite, loss_finite
+
+    def agree_replicas(self, grads_finite: Any, loss_finite: Any) -> tuple[Any, Any]:
+        """The hook of a data-parallel engine outside ``tf.distribute`` (Horovod): the finite
+        flags every replica decides the step with, after it has made the loss-scale state the
+        same on every replica. Called once per step, inside the traced update, after the
+        gradients are unscaled and checked and before the skip and the loss-scale update read
+        the flags and the state; it must not read the device on the host.
+
+        Here, on one process, the flags as given (a ``tf.distribute`` strategy that needs
+        ``merge_call`` agrees in its own path, over its replicas, and never calls this).
+        :class:`unimp.distributed.horovod.tensorflow.LossScaleOptimizer` reduces them over the
+        Horovod ranks.
+
+        Args:
+            grads_finite: boolean scalar tensor, this replica's gradients are all finite.
+            loss_finite: boolean scalar tensor, this replica's losses given to
+                :meth:`scale_loss` since the last step were finite.
+
+        Returns:
+            ``(grads_finite, loss_finite)``, boolean scalar tensors, the same on every replica.
+        """
+        return grads_finite, loss_finite
+
+    def loss_scale_state_variables(self) -> list[Any]:
+        """The variables that hold the loss-scale state, in :class:`unimp.LossScaleState` field
+        order: ``dynamic_scale`` (float32), ``counter``, ``consecutive_skips``, ``total_skips``
+        (int32), then ``loss_scale_extra`` (int32 vector of the ``EXTRA_FIELDS``) where the
+        config's rule keeps it. What an engine compares and broadcasts to keep replicas equal
+        (assigning them changes the state; :meth:`load_state_dict` is the checked way to set
+        it from a saved one).
+
+        Returns:
+            A list of 4 or 5 ``keras.Variable``s.
+        """
+        extra = getattr(self, "loss_scale_extra", None)
+        return [*self._state_variables(), *(() if extra is None else (extra,))]
 
     def _replica_apply(
         self,
