@@ -13,11 +13,13 @@
 # The wheel is built against the torch and TensorFlow of $PYTHON (no build isolation, so those are
 # the ones it links against) and, optionally, installed into a separate venv that sees $PYTHON's
 # packages through a .pth file (the framework env itself is left untouched). A framework $PYTHON
-# lacks is left out of the build. About 10-15 minutes on 2 cores.
+# lacks is left out of the build. About 10-15 minutes on 2 cores (11 with MAX_JOBS=1, torch 2.13
+# and TensorFlow 2.21).
 #
 # Usage:
 #   scripts/build_horovod.sh [WHEEL_DIR] [VENV_DIR]
-#   PYTHON=/path/to/python   the interpreter whose torch Horovod is built for (default: python3)
+#   PYTHON=/path/to/python   the interpreter whose torch and TensorFlow Horovod is built for
+#                            (default: python3)
 #   MAX_JOBS=N               parallel compile jobs (default: nproc)
 # Then, e.g.:
 #   VENV_DIR/bin/horovodrun -np 2 -H localhost:2 --gloo VENV_DIR/bin/python examples/distributed/horovod_torch.py
