@@ -101,16 +101,7 @@ def e8m0_round_up(amax: Any, fmt: str, ops: Any = NumpyOps) -> Any:
     0, which stands for 2**-127). ``amax / elem_max`` and ``amax * rn(1 / elem_max)`` give the
     same byte for the formats here (a test checks it on two million amaxes).
 
-    Args:
-        amax: float32 array of block maxima (any shape), finite values >= 0, inf or NaN.
-        fmt: the element format, a key of :data:`ELEMENT_FORMATS`.
-        ops: the array namespace (default NumPy, the reference).
-
-    Returns:
-        int32 array of E8M0 bytes, ``amax``'s shape.
-
-    Raises:
-        ValueError: an unknown element format.
+    Args, returns and errors: as :func:`e8m0_floor`.
     """
     fmax, _ = _element(fmt)
     a = ops.f32(amax)
