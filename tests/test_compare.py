@@ -524,6 +524,7 @@ def test_several_recipes_are_one_run_each_with_one_row_per_framework_and_recipe(
     assert [row[:2] for row in rep["rows"]] == [[backend, "float32"], [backend, "mixed_float16"]]
     assert all(len(row) == len(RECIPE_COLUMNS) for row in rep["rows"])
     assert rep["rows"][0][-1] == "-"  # float32: no half dtype to audit
+    assert rep["rows"][0][5] == "none" and rep["rows"][1][5] == "32768"  # final scale
     assert rep["rows"][1][-1] == "none"  # the seeds' MLP fits float16 at the start and the end
     single = run_compare(CompareConfig(recipe="mixed_float16", backends=(backend,), epochs=1, batch_size=64))
     assert rep["recipes"]["mixed_float16"]["runs"][backend]["loss"] == single["runs"][backend]["loss"]
@@ -666,6 +667,20 @@ def test_a_bad_user_model_exits_2_before_training_and_writes_nothing(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert code == 2 and needle in err and not out.exists()
     assert err.splitlines()[-1].startswith("unimp compare: error: --model")
+
+
+def test_a_flax_module_with_batch_stats_is_refused_naming_why(tmp_path, capsys):
+    require_backend("jax")
+    (tmp_path / "m.py").write_text(
+        "import flax.linen as nn\n\n\nclass BN(nn.Module):\n    @nn.compact\n"
+        "    def __call__(self, x):\n        x = x.reshape((x.shape[0], -1))\n"
+        "        return nn.Dense(10)(nn.BatchNorm(use_running_average=False)(x))\n\n\n"
+        "def build():\n    return BN()\n"
+    )
+    code, out = _run(tmp_path, "--model", f"{tmp_path / 'm.py'}:build")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not out.exists() and len(err.splitlines()) == 1
+    assert "keeps batch_stats besides its params" in err and "model_state=" in err
 
 
 def test_a_user_file_that_raises_on_import_shows_its_traceback_then_one_line(tmp_path, capsys):

@@ -321,16 +321,21 @@ def _compare(args: argparse.Namespace) -> int:
             f"--out {args.out!r}: could not write the report ({e.strerror or e})"
         ) from None
     if recipes is not None:  # one row per (framework, recipe)
-        # the terminal's table leaves out the cross-framework difference (report.md has it)
-        # and the memory's note, to fit a narrow terminal
-        keep = [i for i, c in enumerate(RECIPE_COLUMNS) if c != "max loss diff"]
+        # the terminal's table: short headers, no cross-framework difference and no memory note
+        # (report.md has them), the audit's headline as lines below it: it fits 80 columns
+        short = {"final loss": "loss", "test acc": "test", "skipped": "skips", "final scale": "scale",
+                 "median step ms": "ms/step", "memory MB": "MB"}  # fmt: skip
+        keep = [i for i, c in enumerate(RECIPE_COLUMNS) if c in ("backend", "recipe", *short)]
         table = Table(title=f"unimp compare: {', '.join(report['recipes'])}")
         for i in keep:
             col = RECIPE_COLUMNS[i]
-            table.add_column(col, justify="right" if i in range(2, 8) else "left")
+            table.add_column(short.get(col, col), justify="right" if i in range(2, 8) else "left", no_wrap=True)
         for row in report["rows"]:
             table.add_row(*(row[i].split(" (")[0] if RECIPE_COLUMNS[i] == "memory MB" else row[i] for i in keep))
         Console().print(table)
+        misfits = [f"  {row[0]} {row[1]}: {row[-1]}" for row in report["rows"] if row[-1] not in ("-", "none", "n/a")]
+        print("layers that do not fit the recipe's compute dtype (unimp audit explains each):")
+        print("\n".join(misfits) if misfits else "  none")
         print("wrote " + ", ".join(written))
         return 0
     # one column per backend, one row per figure: fits a narrow terminal

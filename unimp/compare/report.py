@@ -203,6 +203,7 @@ def recipe_rows(multi: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, report in multi["recipes"].items():
         compute = get_policy(report["recipe"]["policy"]).compute_dtype
+        unscaled = report["recipe"].get("loss_scale", {}).get("kind") == "none"
         diffs = report["cross_framework_max_rel_loss_diff"]
         for backend, run in report["runs"].items():
             mem = run.get("peak_memory_bytes")
@@ -213,7 +214,7 @@ def recipe_rows(multi: dict[str, Any]) -> list[list[str]]:
                     _fmt(run["loss"][-1] if run["loss"] else None),
                     _test(run),
                     str(len(run["applied"]) - sum(run["applied"])),
-                    _fmt(run["scale"][-1] if run["scale"] else None, "g"),
+                    "none" if unscaled else _fmt(run["scale"][-1] if run["scale"] else None, "g"),
                     _fmt(float(np.median(run["step_time"])) * 1e3 if run["step_time"] else None, ".2f"),
                     _memory(mem, run.get("rss_growth_bytes")),
                     _fmt(diffs.get(backend), ".2e") if len(report["runs"]) > 1 else "n/a",
@@ -399,12 +400,13 @@ def _plot(report: dict[str, Any], path: str) -> None:
     ax_loss.set_ylabel("loss")
     one = next(iter(report["recipes"].values())) if multi else report
     names = ", ".join(report["recipes"]) if multi else report["recipe_name"]
-    ax_loss.set_title(f"unimp compare: {names}\nmodel {one['config']['model']}, data {one['data']}", fontsize="medium")
-    ax_loss.legend(fontsize="small")
+    model = os.path.basename(one["config"]["model"])  # a user's FILE.py:FUNCTION without its folder
+    ax_loss.set_title(f"unimp compare: {names}\nmodel {model}, data {one['data']}", fontsize="medium")
+    ax_loss.legend(fontsize="x-small" if len(runs) > 4 else "small")
     ax_diff.set_ylabel("relative loss difference")
     if len(runs) > 1:
         ax_diff.set_yscale("symlog", linthresh=1e-7)
-        ax_diff.legend(fontsize="small")
+        ax_diff.legend(fontsize="x-small" if len(runs) > 4 else "small", loc="best")
     else:
         ax_diff.text(0.5, 0.5, "one framework: nothing to compare", ha="center", transform=ax_diff.transAxes)
     ax_scale.set_ylabel("loss scale (used)")

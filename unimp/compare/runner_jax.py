@@ -16,7 +16,7 @@ from unimp.backends.jax import observe
 from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
 from unimp.compare.models import FP8_PATHS, LAYER_NORM_EPS, VIT_HEADS, weight_layer
 from unimp.compare.run import RunSpec, test_metrics, train_loop
-from unimp.compare.user import user_model
+from unimp.compare.user import UnsupportedModel, user_model
 
 #: ``cast(layer, x)``: an activation entering a layer, in that layer's compute dtype
 #: (``mp.cast_to_compute(x, path=layer)``: the recipe's, or a per-layer override's).
@@ -146,7 +146,19 @@ def probe(module: Any, x: np.ndarray, seed: int) -> np.ndarray:
     """The user's flax module's outputs for ``x`` in float32, from ``module.init`` with
     ``PRNGKey(seed)`` (the shape check of ``--model FILE.py:FUNCTION``, before any training)."""
     variables = module.init(jax.random.PRNGKey(seed), jnp.asarray(x))
+    _check_collections(variables, spec_model=None)
     return np.asarray(module.apply(variables, jnp.asarray(x)), np.float32)
+
+
+def _check_collections(variables: Any, spec_model: str | None) -> None:
+    other = sorted(k for k in variables if k != "params")
+    if other:
+        raise UnsupportedModel(
+            f"{'the module' if spec_model is None else f'--model {spec_model}: the module'} keeps "
+            f"{', '.join(other)} besides its params; compare runs flax modules as "
+            "module.apply({'params': p}, x), without mutable collections (drop BatchNorm, or use "
+            "mp.train_step(..., model_state=) in your own loop)."
+        )
 
 
 def loss_of(out: jax.Array, y: jax.Array, loss: str) -> jax.Array:
@@ -168,13 +180,7 @@ def _user_build(spec: RunSpec, mp: Any, options: dict[str, Any], opt: Any) -> An
         )
     module, _ = user_model(spec.model, spec.seed)
     variables = module.init(jax.random.PRNGKey(spec.seed), jnp.asarray(spec.batches[0]["x"][:1]))
-    other = sorted(k for k in variables if k != "params")
-    if other:
-        raise ValueError(
-            f"--model {spec.model}: the module keeps {', '.join(other)} besides its params; "
-            "compare runs flax modules without mutable collections (drop BatchNorm, or use "
-            "mp.train_step(..., model_state=) in your own loop)."
-        )
+    _check_collections(variables, spec.model)
     forward = mp.apply(lambda params, x: module.apply({"params": params}, x))
 
     def loss_fn(params: Any, b: dict) -> jax.Array:

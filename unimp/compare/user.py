@@ -31,6 +31,7 @@ import numpy as np
 
 __all__ = [
     "LOSSES",
+    "UnsupportedModel",
     "UserFileError",
     "check_outputs",
     "is_reference",
@@ -47,6 +48,11 @@ LOSSES = ("sparse_categorical_crossentropy", "mse")
 
 #: The backends a model of each framework runs on.
 _BACKENDS = {"torch": ("torch",), "keras": ("tensorflow",), "flax": ("jax",)}
+
+
+class UnsupportedModel(ValueError):
+    """A model of a framework unimp runs, in a form ``unimp compare`` does not (a runner's
+    ``probe`` raises it with the reason and the fix; it reaches the user as it is)."""
 
 
 class UserFileError(ValueError):
@@ -212,6 +218,8 @@ def _probe(model: Any, framework: str, ds: Any, cfg: Any) -> Any:
     runner = importlib.import_module(f"unimp.compare.runner_{_BACKENDS[framework][0]}")
     try:
         return runner.probe(model, ds.x_train[:2], cfg.seed)
+    except UnsupportedModel as e:
+        raise ValueError(f"--model {cfg.model}: {e}") from None
     except Exception as e:
         raise ValueError(
             f"--model {cfg.model}: a forward pass on x of shape {ds.x_train.shape[1:]} per example "
