@@ -160,10 +160,12 @@ def test_skip_leaves_params_and_optimizer_state_bitwise(backend, recipe, poison)
 
 def test_forward_overflow_keeps_scale(backend):
     run = kits.build(backend, "mixed_float16")
-    before = run.loss_scale_state()
+    before, params = run.loss_scale_state(), run.params()
     r = run.step(kits.batch(0, x_scale=INF))
     assert r.loss_finite is False and r.applied is False
-    assert r.scale == 32768.0
+    assert r.scale == 32768.0 and (r.consecutive_skips, r.total_skips) == (1, 1)
+    for k, v in run.params().items():
+        assert v.tobytes() == params[k].tobytes()
     after = run.loss_scale_state()
     assert after.scale == before.scale == np.float32(32768.0)
     assert (int(after.consecutive_skips), int(after.total_skips)) == (1, 1)
@@ -195,6 +197,31 @@ def test_checkpoint_resume_in_fresh_object(backend):
     fresh.step(kits.batch(1))
     s = fresh.loss_scale_state()
     assert (float(s.scale), int(s.counter)) == (2048.0, 0)
+
+
+def test_state_dict_after_a_skip_round_trips_and_a_foreign_state_loads(backend):
+    run = kits.build(backend, "mixed_float16")
+    run.step(kits.batch(0, poison=INF))
+    saved = run.state_dict()
+    assert saved["state"] == {
+        "scale": 16384.0,
+        "counter": 0,
+        "consecutive_skips": 1,
+        "total_skips": 1,
+        "hysteresis_used": 0,
+        "overflows_since_rescale": 0,
+        "steps_since_rescale": 0,
+        "floor_hits": 0,
+    }
+    other = kits.build(backend, "mixed_float16")
+    other.load_state_dict(json.loads(json.dumps(saved)))
+    assert other.state_dict() == saved
+    # a state saved under another config (torch's preset) loads as it is and steps on from it
+    d = state_dict(DynamicLossScale.preset("torch"), LossScaleState(512.0, 3, 0, 9))
+    run.load_state_dict(d)
+    assert run.state_dict() == d
+    r = run.step(kits.batch(1))
+    assert r.scale == 512.0 and r.total_skips == 9 and r.applied
 
 
 def test_load_into_used_scaler(backend):
@@ -254,15 +281,25 @@ def test_state_saved_in_one_backend_resumes_in_another(backend, source):
 # ------------------------------------------------------------------ 6. clipping and accumulation
 
 
-def test_clipping_acts_on_unscaled_gradients(backend):
-    recipe = get_recipe("mixed_float16", loss_scale=StaticLossScale(2.0**16))
-    run = kits.build_linear(backend, recipe, w=[0.0, 0.0], lr=1.0, max_grad_norm=1.0)
+@pytest.mark.parametrize("recipe", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_clipping_acts_on_unscaled_gradients(backend, recipe):
+    run = kits.build_linear(backend, get_recipe(recipe, loss_scale=StaticLossScale(2.0**16)),
+                            w=[0.0, 0.0], lr=1.0, max_grad_norm=1.0)
     r = run.step(kits.linear_batch([3.0, 4.0]))
-    assert r.grad_norm == 5.0 and r.applied
-    np.testing.assert_allclose(run.w(), [-0.6, -0.8], rtol=0, atol=1e-7)
+    assert r.scale == 65536.0 and r.grad_norm == 5.0 and r.applied
+    expected = np.array([-0.6, -0.8], np.float32)
+    np.testing.assert_array_equal(run.w(), expected)
     r = run.step(kits.linear_batch([3.0, 4.0], poison=INF))
-    assert not math.isfinite(r.grad_norm) and r.applied is False
-    np.testing.assert_allclose(run.w(), [-0.6, -0.8], rtol=0, atol=1e-7)
+    assert not math.isfinite(r.grad_norm) and r.applied is False and r.grads_finite is False
+    assert r.loss_finite is True and r.total_skips == 1
+    np.testing.assert_array_equal(run.w(), expected)
+
+
+def test_no_clipping_reports_no_norm(backend):
+    run = kits.build_linear(backend, get_recipe("float32"), w=[0.0, 0.0], lr=1.0)
+    r = run.step(kits.linear_batch([3.0, 4.0]))
+    assert r.grad_norm is None and r.scale == 1.0 and r.loss == 0.0 and r.applied
+    np.testing.assert_array_equal(run.w(), np.array([-3.0, -4.0], np.float32))
 
 
 def test_grad_norm_of_half_gradients_is_accumulated_in_float32(backend):
