@@ -25,7 +25,7 @@ from unimp import (
     state_dict,
     update,
 )
-from unimp.loss_scale import LossScaleState
+from unimp.loss_scale import LossScaleError, LossScaleState
 
 INF, NAN = float("inf"), float("nan")
 
@@ -169,6 +169,15 @@ def test_forward_overflow_keeps_scale(backend):
     after = run.loss_scale_state()
     assert after.scale == before.scale == np.float32(32768.0)
     assert (int(after.consecutive_skips), int(after.total_skips)) == (1, 1)
+
+
+def test_max_consecutive_skips_raises_when_the_third_result_is_read(backend):
+    cfg = DynamicLossScale(init_scale=8.0, max_consecutive_skips=2)
+    run = kits.build(backend, get_recipe("mixed_bfloat16", loss_scale=cfg))
+    results = [run.step(kits.batch(i, poison=INF)) for i in range(3)]
+    assert results[1].total_skips == 2
+    with pytest.raises(LossScaleError, match="stuck"):
+        _ = results[2].applied
 
 
 # ------------------------------------------------------------------ 4. checkpoint and resume
