@@ -467,3 +467,60 @@ def test_the_public_step_calls_refuse_misuse():
     with pytest.raises(RuntimeError, match=r"unscale_\(optimizer\) first"):
         sc.found_inf(opt)
     assert sc.loss_finite is not None and bool(sc.loss_finite)
+
+
+def _begun(config=None):
+    """A scaler with one step begun and its backward done: (scaler, model, optimizer, loss)."""
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    sc = ut.GradScaler(config or DynamicLossScale(), device=DEV)
+    scale = sc.begin_step()
+    x, y, _ = _batch(0)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    (loss * scale).backward()
+    sc.record_loss(loss.detach())
+    return sc, model, opt, loss
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
+def test_the_step_calls_refuse_a_wrong_order_and_change_nothing(fused):
+    """What the breaker found: a second apply_step stepped again, a second begin_step applied
+    gradients still times the scale, end_step without a step moved the counter, a float flag in
+    mark_non_finite stepped a fused optimizer on a reported skip, and a copy mid-step lost the
+    loss flag. Each is refused before anything changes."""
+    import copy
+
+    config = DynamicLossScale() if fused else DynamicLossScale(hysteresis=2)
+    sc, model, opt, loss = _begun(config)
+    with pytest.raises(RuntimeError, match="a step is in progress"):
+        sc.begin_step()
+    sc.unscale_(opt)
+    with pytest.raises(TypeError, match="0-d bool tensor"):
+        sc.mark_non_finite(opt, torch.tensor(0.5))
+    with pytest.raises(RuntimeError, match="only between steps"):
+        copy.deepcopy(sc)
+    if fused:
+        with pytest.raises(RuntimeError, match="inside a fused step"):
+            sc.loss_finite = torch.tensor(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    sc.apply_step(opt)
+    after = [p.detach().clone() for p in model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    with pytest.raises(RuntimeError, match="already"):
+        sc.apply_step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters(), strict=True))
+    grads_finite = None if fused else sc.found_inf(opt) == 0
+    sc.end_step(grads_finite, None if fused else sc.loss_finite)
+    state = sc.state
+    with pytest.raises(RuntimeError, match="found no step"):
+        ut.GradScaler(config, device=DEV).end_step(torch.tensor(True), torch.tensor(True))
+    copy.deepcopy(sc)  # between steps: fine
+    assert sc.state == state
+
+
+def test_record_loss_takes_a_scalar_floating_tensor():
+    sc = ut.GradScaler(DynamicLossScale(), device=DEV)
+    sc.begin_step()
+    for bad in (torch.ones(8, 2), 1.0, torch.tensor(3)):
+        with pytest.raises(TypeError, match="0-d floating tensor"):
+            sc.record_loss(bad)

@@ -507,6 +507,7 @@ class GradScaler:
         self._replicas_checked = False
         self._floor_watch = FloorWatch()  # get_scale and the train step's results: once per hit
         self._fused: tuple[torch.Tensor, ...] | None = None  # a fused step's flags (begin_step)
+        self._begun = False  # begin_step ran and no end_step / abort_step / update since
 
     # -- replicas
 
@@ -863,6 +864,7 @@ class GradScaler:
             for held, old in zip((self._counter, *self._extra), kept, strict=True):
                 held.copy_(old)
         self._per_opt.clear()
+        self._begun = False
         _PENDING.pop(self, None)
         self._loss_finite = self._ops.true
         self._scale.copy_(value)
@@ -872,6 +874,7 @@ class GradScaler:
         per-optimizer stages reset; returns the rule's results."""
         out = self._apply_update(grads_finite, loss_finite, flags)
         self._per_opt.clear()
+        self._begun = False
         _PENDING.pop(self, None)
         return out
 
@@ -935,7 +938,13 @@ class GradScaler:
         report as one packed snapshot (two ops) and :meth:`end_step` runs the fused update
         on the same flags. A step costs no host sync either way.
         """
+        if self._begun or self._per_opt:
+            raise RuntimeError(
+                "begin_step() while a step is in progress (unscale_ or a step since the last "
+                "update): end it with end_step() (or update()), or forget it with abort_step()."
+            )
         self.check_replicas()  # replicas must agree on the scale before the loss is scaled
+        self._begun = True
         if fused_rule(self._config) and self._group() is None:
             self._fused = self._zero_flags()
             return self._scale  # unchanged until the update, after the report's snapshot
@@ -947,7 +956,17 @@ class GradScaler:
         """Records on the device whether ``loss`` (a step's unscaled loss, detached) is
         finite: the forward-overflow rule's flag, as :meth:`scale` records it. Call it after
         the loss's backward: in a fused step torch's check kernel multiplies ``loss`` by 1 in
-        place (no value changes)."""
+        place (no value changes).
+
+        Raises:
+            TypeError: ``loss`` is not a 0-d floating tensor.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            raise TypeError(
+                "record_loss takes the step's loss as a 0-d floating tensor (detached), got "
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+                f"{' ' + str(loss.dtype) if isinstance(loss, torch.Tensor) else ''}."
+            )
         if self._fused is not None:
             _check_loss(loss, self._fused[0], self._ops.f32(1.0))
             return
@@ -969,6 +988,11 @@ class GradScaler:
         ``unimp.compat.apex.scale_loss`` does)."""
         if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool or flag.dim() != 0:
             raise TypeError("loss_finite must be a 0-d bool tensor (a value read from loss_finite).")
+        if self._fused is not None:
+            raise RuntimeError(
+                "loss_finite cannot be set inside a fused step (its flag is the step's scratch): "
+                "record the loss with record_loss(loss), or abort_step() first."
+            )
         self._loss_finite = _to(flag, self._device)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -992,6 +1016,13 @@ class GradScaler:
         Raises:
             RuntimeError: ``optimizer`` was not unscaled since the last update.
         """
+        if not isinstance(non_finite, torch.Tensor) or non_finite.dtype != torch.bool or non_finite.dim() != 0:
+            raise TypeError(
+                "mark_non_finite takes a 0-d bool tensor (e.g. ~torch.isfinite(norm)), got "
+                f"{type(non_finite).__name__}"
+                f"{' ' + str(non_finite.dtype) if isinstance(non_finite, torch.Tensor) else ''}: a "
+                "flag of 0.5 would skip in the report and step a fused optimizer."
+            )
         flag = self.found_inf(optimizer)
         torch.maximum(flag, _to(non_finite, flag.device).float(), out=flag)
 
@@ -1004,6 +1035,11 @@ class GradScaler:
         if self._fused is None:
             return self._step(optimizer, (), {})[1]
         st = self._opt_state(optimizer)
+        if st["stage"] == _STEPPED:
+            raise RuntimeError(
+                "apply_step() has already stepped this optimizer in this step: call end_step() "
+                "once per step, after apply_step(optimizer)."
+            )
         if st["stage"] == _READY:
             self.unscale_(optimizer)
         loss_inf, grads_inf, skip, overflow = self._fused  # step() with the loss flag as found_inf
@@ -1038,9 +1074,19 @@ class GradScaler:
             (:data:`unimp.loss_scale.EXTRA_FIELDS`) after the step, for ``floor_hits``.
         """
         if self._fused is None:
+            if not any(st["found_inf"] is not None for st in self._per_opt.values()):
+                raise RuntimeError(
+                    "end_step() found no step: begin_step(), the backward, unscale_(optimizer) and "
+                    "apply_step(optimizer) come first."
+                )
+            grads_finite, loss_finite = (
+                torch.as_tensor(f, dtype=torch.bool, device=self._device) for f in (grads_finite, loss_finite)
+            )
             _, _, consecutive, total, *extra = self._update(grads_finite, loss_finite)
             return {"consecutive_skips": consecutive, "total_skips": total}, tuple(extra)
-        report = self._report
+        report = getattr(self, "_report", None)
+        if report is None:
+            raise RuntimeError("end_step() in a fused step needs apply_step(optimizer) first.")
         _, _, _, _, *extra = self._update(report["grads_finite"], report["loss_finite"], self._report_flags)
         self._fused = self._report = self._report_flags = None
         return {f: report[f] for f in _REPORTED}, tuple(extra)
@@ -1052,6 +1098,7 @@ class GradScaler:
         self._loss_finite = self._ops.true
         self._per_opt.clear()
         self._fused = None
+        self._begun = False
 
     def _zero_flags(self) -> tuple[torch.Tensor, ...]:
         """``(loss_inf, grads_inf, skip, overflow)``: 0-d float32 views of the fused step's flag
@@ -1080,10 +1127,16 @@ class GradScaler:
     def __getstate__(self) -> dict[str, Any]:
         """Pickles everything but the constant cache (rebuilt on load, on the same device), so a
         pickle names no private class of this package."""
+        if self._begun or self._per_opt:  # torch.amp.GradScaler asserts the same
+            raise RuntimeError(
+                "a GradScaler can be pickled or copied only between steps (before unscale_ / "
+                "begin_step, or after update / end_step): a step in progress would be half-copied."
+            )
         d = self.__dict__.copy()
         d.pop("_ops", None)
         d.pop("_scratch", None)  # made again on first use
-        d["_fused"] = None  # a step in progress is not saved
+        for name in ("_report", "_report_flags"):
+            d.pop(name, None)
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
