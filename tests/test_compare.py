@@ -516,8 +516,12 @@ def test_several_recipes_are_one_run_each_with_one_row_per_framework_and_recipe(
     from unimp.compare.run import CompareConfig, run_compare
 
     backend = BACKENDS[0]
-    code, out = _run(tmp_path, "--backends", backend, "--recipes", "float32,mixed_float16")
+    logs = tmp_path / "logs"
+    code, out = _run(tmp_path, "--backends", backend, "--recipes", "float32,mixed_float16", "--log-dir", str(logs))
     assert code == 0
+    # each recipe's step logs in a folder of its own: none overwrites another
+    assert sorted(p.relative_to(logs).as_posix() for p in logs.rglob("*.jsonl")) == [
+        f"float32/{backend}.jsonl", f"mixed_float16/{backend}.jsonl"]
     printed = capsys.readouterr().out
     rep = json.loads((out / "report.json").read_text())
     assert list(rep["recipes"]) == ["float32", "mixed_float16"]
@@ -704,8 +708,16 @@ def test_a_user_file_that_raises_on_import_shows_its_traceback_then_one_line(tmp
          "import numpy as np\n\ndef data():\n    x = np.zeros((20, 8, 8, 1))\n    return x, np.zeros(19), x, np.zeros(20)\n",
          "x_train has 20 examples and y_train 19"),
         (["--loss", "hinge"], None, "unknown --loss 'hinge'"),
+        (["--data", "d.py:data"],
+         "import numpy as np\n\ndef data():\n    x = np.ones((20, 8, 8, 1))\n    x[0, 0, 0, 0] = 1e300\n"
+         "    return x, np.zeros(20), np.ones((4, 8, 8, 1)), np.zeros(4)\n",
+         "x_train holds values beyond float32's range"),
+        (["--data", "d.py:data"],
+         "import numpy as np\n\ndef data():\n    x = np.ones((100, 8, 8, 1))\n"
+         "    return x, np.arange(100) % 10, x[:4], np.array([0, 1, 2, 10])\n",
+         "the labels need 11 class logits"),
     ],
-    ids=["backend", "data-shape", "float-labels", "lengths", "loss"],
+    ids=["backend", "data-shape", "float-labels", "lengths", "loss", "float64-range", "test-label"],
 )
 def test_bad_user_options_exit_2(tmp_path, capsys, extra, source, needle):
     require_backend("torch")
@@ -715,6 +727,18 @@ def test_bad_user_options_exit_2(tmp_path, capsys, extra, source, needle):
     code, out = _run(tmp_path, "--model", _example("torch_model.py:build"), *extra)
     err = capsys.readouterr().err.strip()
     assert code == 2 and needle in err and not out.exists(), err
+
+
+def test_one_training_example_with_mse_runs(tmp_path):
+    require_backend("torch")
+    (tmp_path / "d.py").write_text(
+        "import numpy as np\n\ndef data():\n    x = np.ones((1, 2), np.float32)\n"
+        "    return x, np.ones((1, 1)), x, np.ones((1, 1))\n"
+    )
+    ref = _example("torch_model.py")
+    code, out = _run(tmp_path, "--model", f"{ref}:regressor", "--data", f"{tmp_path / 'd.py'}:data",
+                     "--loss", "mse", "--batch-size", "1")  # fmt: skip
+    assert code == 0 and (out / "report.json").exists()
 
 
 def test_mse_needs_the_users_model():

@@ -558,7 +558,12 @@ def run_recipes(
             def factory(label: str, total: int, name: str = name) -> Any:
                 return progress_factory(f"{label} {name}", total)
 
-        reports[name] = run_compare(dataclasses.replace(cfg, recipe=name), progress_factory=factory)
+        # each recipe's step logs in a folder of its own (<log-dir>/<recipe>/<backend>.jsonl)
+        log_dir = None if cfg.log_dir is None else os.path.join(cfg.log_dir, label_file(os.path.basename(name)))
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+        one = dataclasses.replace(cfg, recipe=name, log_dir=log_dir)
+        reports[name] = run_compare(one, progress_factory=factory)
     out: dict[str, Any] = {"recipes": reports}
     out["rows"] = recipe_rows(out)
     return out

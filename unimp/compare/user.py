@@ -206,7 +206,8 @@ def user_model_backends(cfg: Any, ds: Any, threads_for: Callable[[list[str]], An
                 f"--model {cfg.model} is a {framework} model, which runs on {', '.join(allowed)} "
                 f"only, not {', '.join(other)}; give --backends {','.join(allowed)} (or leave it out)."
             )
-    check_outputs(out, ds.y_train, cfg.loss, cfg.model)
+    labels = ds.y_train if cfg.loss == "mse" else np.concatenate([ds.y_train, ds.y_test])
+    check_outputs(out, labels, cfg.loss, cfg.model)  # the test labels too: they must fit the logits
     return list(allowed)
 
 
@@ -237,7 +238,7 @@ def check_outputs(out: Any, y: np.ndarray, loss: str, reference: str) -> int | N
     """
     out = np.asarray(out)
     if loss == "mse":
-        want = (2, *y.shape[1:])
+        want = (len(out), *y.shape[1:])  # the probe's examples (two, or the one there is)
         if out.shape != want:
             raise ValueError(
                 f"--model {reference}: outputs of shape {out.shape[1:]} per example, but 'y' has "
@@ -287,10 +288,18 @@ def load_data(reference: str, loss: str) -> tuple[np.ndarray, np.ndarray, np.nda
                 "give both the same number, at least one."
             )
     x_train, y_train, x_test, y_test = arrays
+    for a, n in zip(arrays, names, strict=True):
+        if (n.startswith("x") or loss == "mse") and np.issubdtype(a.dtype, np.floating):
+            with np.errstate(over="ignore"):
+                if not np.isfinite(a.astype(np.float32)).all():  # finite float64 past float32's range
+                    raise ValueError(
+                        f"--data {reference}: {n} holds values beyond float32's range (largest "
+                        f"magnitude {float(np.abs(a).max()):.3g}, float32's 3.4e38); rescale it first."
+                    )
     if loss == "mse":
         return x_train.astype(np.float32), y_train.astype(np.float32), x_test.astype(np.float32), y_test.astype(np.float32)
     for y, n in ((y_train, "y_train"), (y_test, "y_test")):
-        if y.ndim != 1 or not np.all(np.mod(y, 1) == 0) or y.min() < 0:
+        if y.ndim != 1 or not np.all(np.mod(y, 1) == 0) or y.min() < 0 or y.max() >= 2**31:
             raise ValueError(
                 f"--data {reference}: {n} must be class indices 0 .. C-1 of shape (N,) for "
                 f"--loss sparse_categorical_crossentropy (use --loss mse for real-valued targets), "
