@@ -476,3 +476,16 @@ def test_skip_counts_are_update_arrays_counters(consecutive, extra, grads_finite
     )
     skipped = int(not (grads_finite and loss_finite))
     assert skip_counts(consecutive, total, skipped) == (after.consecutive_skips, after.total_skips)
+
+
+@pytest.mark.parametrize(
+    "counter,error",
+    [(1.7, ValueError), ("3", TypeError), (True, ValueError), (2**40, ValueError), (float("nan"), ValueError),
+     (-(2**31) - 1, ValueError), (np.ones(2), TypeError)],
+)  # fmt: skip
+def test_a_host_state_refuses_what_is_no_count(counter, error):
+    """A host counter is an integer in int32's range (5.0 reads as 5); 1.7 was truncated to 1
+    and a string read as a number (the breaker's finding)."""
+    assert LossScaleState(2.0, 5.0, 0, 0).counter == 5
+    with pytest.raises(error, match="LossScaleState.counter"):
+        LossScaleState(2.0, counter, 0, 0)

@@ -170,8 +170,27 @@ class LossScaleState:
             value = getattr(self, f.name)
             if _held_as_given(value):
                 continue
-            cast = np.float32 if f.name == "scale" else np.int32
-            object.__setattr__(self, f.name, cast(np.asarray(value).item()))
+            host = np.asarray(value)
+            if host.shape != () or host.dtype.kind not in "biuf":
+                raise TypeError(
+                    f"LossScaleState.{f.name} must be a real scalar (or a framework's array), got "
+                    f"{type(value).__name__} {host.dtype} of shape {host.shape}."
+                )
+            if f.name == "scale":
+                object.__setattr__(self, f.name, np.float32(host.item()))
+                continue
+            number = host.item()
+            if (
+                host.dtype.kind == "b"
+                or not math.isfinite(float(number))
+                or float(number) != int(number)
+                or not -(2**31) <= int(number) < 2**31
+            ):
+                raise ValueError(
+                    f"LossScaleState.{f.name} must be an integer count in int32's range (5.0 reads "
+                    f"as 5), got {value!r}."
+                )
+            object.__setattr__(self, f.name, np.int32(int(number)))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values: ``scale`` a float, the counters ints (every field; device

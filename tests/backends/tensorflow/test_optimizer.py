@@ -308,3 +308,22 @@ def test_half_update_wraps_a_plain_keras_optimizer_only():
     with pytest.raises(TypeError, match="seed must be an integer"):
         utf.LossScaleOptimizer(keras.optimizers.SGD(), update="kahan", seed="1")
     # the refusals every backend shares, through half_update: tests/conformance/test_half_update.py
+
+
+def test_the_stochastic_seed_cannot_change_after_fit_traced_the_update():
+    """The breaker's finding: a seed set after fit was reported but the traced graph kept the
+    old one (the weights were those of seed 0). It is refused once a tf.function traced the
+    update; before that it is taken, and setting the same seed again is harmless."""
+    mp = utf.MixedPrecision("bf16-stochastic")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    mp.prepare(model, keras.optimizers.SGD(1e-2), loss="mse")
+    opt = model.optimizer
+    opt.update_seed = 7  # nothing traced yet: taken
+    assert opt.update_seed == 7
+    x = np.ones((8, 3), np.float32)
+    model.fit(x, np.zeros((8, 2), np.float32), epochs=1, batch_size=8, verbose=0)
+    opt.update_seed = 7
+    with pytest.raises(ValueError, match="cannot change after a tf.function"):
+        opt.update_seed = 12345
+    assert opt.update_seed == 7 and opt.get_config()["seed"] == 7

@@ -227,7 +227,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @update_seed.setter
     def update_seed(self, seed: int) -> None:
-        self._update_seed = check_seed(seed, "LossScaleOptimizer.update_seed")
+        seed = check_seed(seed, "LossScaleOptimizer.update_seed")
+        if seed != self._update_seed and self._traced_by:
+            raise ValueError(
+                "update_seed cannot change after a tf.function (model.fit, or a train step) traced "
+                "this optimizer's update: the traced graph keeps the old seed. Set it before the "
+                "first step, or pass seed= to the LossScaleOptimizer."
+            )
+        self._update_seed = seed
 
     @property
     def loss_scale_config(self) -> LossScaleConfig:
