@@ -22,3 +22,13 @@ def build() -> keras.Model:
             keras.layers.Dense(10, name="l2"),
         ]
     )
+
+
+if __name__ == "__main__":  # a model file for unimp compare, not a script: --help says so
+    import argparse
+
+    argparse.ArgumentParser(
+        usage=f"unimp compare --model {__file__}:build [--recipes ...]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args()

@@ -35,3 +35,13 @@ def regression_data():
 
 def regressor() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+if __name__ == "__main__":  # a model file for unimp compare, not a script: --help says so
+    import argparse
+
+    argparse.ArgumentParser(
+        usage=f"unimp compare --model {__file__}:build [--recipes ...]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args()

@@ -115,6 +115,10 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
     return out
 
 
+#: reduce-precision's (exponent bits, mantissa bits) -> the float8 format it rounds to.
+_ROUNDED_TO = {(4, 3): "float8_e4m3fn", (5, 2): "float8_e5m2"}
+
+
 class _Walker:
     def __init__(self) -> None:
         self.records: list[OpRecord] = []
@@ -148,6 +152,14 @@ class _Walker:
             if scope is not None:  # the float8 rule's amax / scale update, in the layer it serves
                 layer = "/".join(parts)
                 op = scope if op not in PLUMBING else op
+            fmt = _ROUNDED_TO.get((eqn.params.get("exponent_bits"), eqn.params.get("mantissa_bits")))
+            if name == "reduce_precision" and fmt is not None:
+                # the float8 rounding, written in reduce-precision so that XLA keeps it
+                # (unimp.backends.jax.fp8.round_fp8): the quantize and dequantize it stands for
+                ins = tuple(d for d in map(_dtype, eqn.invars) if d)
+                self.records.append(OpRecord("jax", "fp8_quantize", name, layer, phase, ins, (fmt,)))
+                self.records.append(OpRecord("jax", "fp8_dequantize", name, layer, phase, (fmt,), ins))
+                continue
             self.records.append(
                 OpRecord(
                     "jax",
