@@ -802,17 +802,22 @@ class GradScaler:
             )
         return self._step(optimizer, args, kwargs)[0]
 
+    def _unscaled_once(self, optimizer: torch.optim.Optimizer, twice: str) -> dict[str, Any]:
+        """``optimizer``'s record for this iteration, unscaled (``unscale_`` unless done), before
+        its one step; raises ``RuntimeError(twice)`` where it has stepped already."""
+        st = self._opt_state(optimizer)
+        if st["stage"] == _STEPPED:
+            raise RuntimeError(twice)
+        if st["stage"] == _READY:
+            self.unscale_(optimizer)
+        return st
+
     def _step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor]:
         """:meth:`step`'s work: ``(what optimizer.step returned or None, applied)``, ``applied``
         a 0-d bool device tensor (the train step's report reads it without a sync)."""
-        st = self._opt_state(optimizer)
-        if st["stage"] == _STEPPED:
-            raise RuntimeError(
-                "step() has already been called since the last update(): call scaler.update() "
-                "once per iteration, after scaler.step(optimizer), so the loss scale moves."
-            )
-        if st["stage"] == _READY:
-            self.unscale_(optimizer)
+        st = self._unscaled_once(optimizer, "step() has already been called since the last update(): "
+                                 "call scaler.update() once per iteration, after scaler.step(optimizer), "
+                                 "so the loss scale moves.")  # fmt: skip
         bad = torch.where(self._loss_finite, st["found_inf"], self._ops.f32(1.0))
         with _stepping():
             if args:  # a closure runs on an applied step only: decided on the host, as torch does
@@ -1034,14 +1039,8 @@ class GradScaler:
         optimizer without torch's native amp path."""
         if self._fused is None:
             return self._step(optimizer, (), {})[1]
-        st = self._opt_state(optimizer)
-        if st["stage"] == _STEPPED:
-            raise RuntimeError(
-                "apply_step() has already stepped this optimizer in this step: call end_step() "
-                "once per step, after apply_step(optimizer)."
-            )
-        if st["stage"] == _READY:
-            self.unscale_(optimizer)
+        st = self._unscaled_once(optimizer, "apply_step() has already stepped this optimizer in this "
+                                 "step: call end_step() once per step, after apply_step(optimizer).")  # fmt: skip
         loss_inf, grads_inf, skip, overflow = self._fused  # step() with the loss flag as found_inf
         if st["found_inf"] is not grads_inf:  # gradients on other devices too: their flag (0 / 1)
             grads_inf.copy_(st["found_inf"])
