@@ -23,12 +23,9 @@ from keras.src.utils import tracking
 from unimp.backends.tensorflow.overflow import _warn_resync, all_finite
 from unimp.backends.tensorflow.scaling import (
     LossScaleOps,
-    _check_keras_arguments,
     _count_skipped,
     _ensure_extra,
     _extra,
-    _positional,
-    _resolve_loss_scale,
     _traced_fields,
     _unscale,
 )
@@ -44,6 +41,11 @@ from unimp.loss_scale import (
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
 from unimp.loss_scale.config import positive_int
+from unimp.loss_scale.keras_args import (
+    check_keras_arguments,
+    keras_positional,
+    resolve_keras_loss_scale,
+)
 from unimp.rounding import check_seed, check_update_mode, check_update_state, update_half
 from unimp.step import warn_half_optimizer_state
 
@@ -137,8 +139,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        loss_scale, name = _positional(args, loss_scale, name)
-        _check_keras_arguments(kwargs)
+        loss_scale, name = keras_positional(args, loss_scale, name)
+        check_keras_arguments(kwargs)
         update = check_update_mode(update)
         seed = check_seed(seed, "LossScaleOptimizer: seed")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -151,7 +153,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "inner_optimizer is already a LossScaleOptimizer (the loss would be scaled twice); "
                 "pass its .inner_optimizer instead."
             )
-        config = _resolve_loss_scale(loss_scale, initial_scale, dynamic_growth_steps)
+        config = resolve_keras_loss_scale(loss_scale, initial_scale, dynamic_growth_steps)
         # Everything is validated: from here on nothing can fail on the user's input.
         factor = getattr(inner_optimizer, "loss_scale_factor", None)
         if factor is not None:  # Keras 3 clears it silently: the loss would be scaled twice
