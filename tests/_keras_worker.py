@@ -1,0 +1,223 @@
+"""One Keras backend's side of tests/test_keras_backends.py, run in a process of its own
+(Keras's backend is fixed per process): ``KERAS_BACKEND=jax python tests/_keras_worker.py CASE``
+prints one JSON object. The test compares the backends' objects with each other and with the
+NumPy reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import keras
+import numpy as np
+from keras import ops
+
+from unimp.keras import LossScaleOptimizer
+from unimp.loss_scale import DynamicLossScale
+
+BACKEND = keras.backend.backend()
+
+#: per step: a gradient multiplier (inf / nan plant an overflow), then 0 = clean
+EVENTS = [1.0, 1.0, np.inf, 1.0, 1.0, 1.0, np.nan, np.inf, 1.0, 1.0, 1.0, 1.0, 1.0]
+RULES = {
+    "keras": DynamicLossScale.preset("keras", init_scale=2.0**4, growth_interval=2),
+    "hysteresis": DynamicLossScale(
+        init_scale=2.0**6, growth_interval=3, hysteresis=2, min_scale=4.0, max_scale=2.0**7
+    ),
+}
+
+
+def _np(x) -> np.ndarray:
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def _record(opt, w) -> dict:
+    return {
+        "scale": float(_np(opt.dynamic_scale.value)),
+        "iterations": int(_np(opt.iterations.value)),
+        "w": _np(w.value).tolist(),
+    }
+
+
+def _grads(i: int, scale) -> list:
+    g = np.array([0.5, -0.25, 0.125], np.float32) * np.float32(EVENTS[i])
+    return [ops.convert_to_tensor(g) * ops.cast(scale, "float32")]
+
+
+def rule() -> dict:
+    """unimp's optimizer in a custom loop, stateful apply; Keras's own beside it on the keras
+    preset. Returns per step the scale, iterations and weights."""
+    out = {}
+    for name, cfg in RULES.items():
+        rows = []
+        opts = [("unimp", LossScaleOptimizer(keras.optimizers.Adam(0.1), loss_scale=cfg))]
+        if name == "keras" and BACKEND != "jax":  # on JAX, Keras's own is stateless only
+            opts.append(
+                ("keras", keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.1), 2.0**4, 2))
+            )
+        for who, opt in opts:
+            w = keras.Variable(np.array([1.0, 2.0, 3.0], np.float32))
+            opt.build([w])
+            rows = []
+            for i in range(len(EVENTS)):
+                opt.apply(_grads(i, opt.dynamic_scale.value), [w])
+                rows.append(_record(opt, w))
+            out[f"{name}/{who}"] = rows
+    return out
+
+
+def stateless() -> dict:
+    """The same as :func:`rule`'s keras preset through ``stateless_apply`` (as Keras's JAX
+    trainer calls it), unimp's class and Keras's."""
+    out = {}
+    for who, opt in (
+        ("unimp", LossScaleOptimizer(keras.optimizers.Adam(0.1), initial_scale=2.0**4, dynamic_growth_steps=2)),
+        ("keras", keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.1), 2.0**4, 2)),
+    ):
+        w = keras.Variable(np.array([1.0, 2.0, 3.0], np.float32))
+        opt.build([w])
+        ov = [v.value for v in opt.variables]
+        tv = [w.value]
+        rows = []
+        scale_at = [v.path for v in opt.variables].index(opt.dynamic_scale.path)
+        iter_at = [v.path for v in opt.variables].index(opt.iterations.path)
+        step = opt.stateless_apply
+        if BACKEND == "jax":  # as Keras's JAX trainer runs it (eagerly, Keras's lax.cond
+            import jax  # compiles its branches and ours runs op by op: rounding may differ)
+
+            step = jax.jit(step)
+        for i in range(len(EVENTS)):
+            tv, ov = step(ov, _grads(i, ov[scale_at]), tv)
+            rows.append({"scale": float(_np(ov[scale_at])), "iterations": int(_np(ov[iter_at])), "w": _np(tv[0]).tolist()})
+        out[who] = rows
+    return out
+
+
+def _data(n: int = 64, features: int = 8, classes: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype(np.float32)
+    y = rng.integers(0, classes, size=n).astype(np.int32)
+    return x, y
+
+
+def _mlp(weights_seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(weights_seed)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="fc1"),
+            keras.layers.Dense(4, name="fc2", dtype="float32"),
+        ]
+    )
+
+
+def _attention() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4, 8))
+    y = keras.layers.LayerNormalization(name="ln")(x)
+    y = keras.layers.Add()([x, keras.layers.MultiHeadAttention(2, 4, name="mha")(y, y)])
+    y = keras.layers.GlobalAveragePooling1D()(y)
+    return keras.Model(x, keras.layers.Dense(4, name="head", dtype="float32")(y))
+
+
+def _set_weights(model: keras.Model, seed: int = 1) -> None:
+    """The same initial weights on every backend: drawn by NumPy, not by the backend's RNG."""
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()])
+
+
+def losses32() -> dict:
+    """Per-step float32 losses over 50 steps of SGD, the MLP and an attention model, the same
+    weights and batches on every backend."""
+    keras.config.set_dtype_policy("float32")
+    out = {}
+    for name, make, shape in (("mlp", _mlp, (8,)), ("attention", _attention, (4, 8))):
+        model = make()
+        _set_weights(model)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        x, y = _data(n=16 * 50, features=int(np.prod(shape)))
+        x = x.reshape((-1, *shape))
+        out[name] = [
+            float(np.asarray(model.train_on_batch(x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16])))
+            for i in range(50)
+        ]
+    return out
+
+
+def fit16() -> dict:
+    """``mixed_float16`` ``model.fit`` with a batch whose float16 backward overflows (a large
+    input, finite loss) at step 5: per-step scale and iterations, from a callback that reads
+    them after each batch."""
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _mlp()
+    _set_weights(model)
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**15, dynamic_growth_steps=4)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(n=16 * 12)
+    x[16 * 5 : 16 * 6] *= 3000.0  # forward finite in float16, the scaled backward is not
+    rows = []
+    compiles = _compile_counter()
+
+    class Read(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if BACKEND == "jax":  # Keras's JAX trainer holds the state until asked
+                self.model.jax_state_sync()
+            rows.append(
+                {
+                    "scale": float(_np(opt.dynamic_scale.value)),
+                    "iterations": int(_np(opt.iterations.value)),
+                    "total_skips": int(_np(opt.total_skips.value)),
+                    "loss": float(np.asarray(logs["loss"])),
+                    "compilations": compiles["n"],
+                }
+            )
+
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[Read()])
+    return {"rows": rows, "state": opt.state_dict()}
+
+
+def _compile_counter() -> dict:
+    """JAX: a dict whose ``"n"`` counts XLA compilations from now on (as benchmarks.syncs)."""
+    compiles = {"n": 0}
+    if BACKEND == "jax":
+        import jax
+        from jax._src import dispatch
+
+        def listen(event: str, duration: float, **kw) -> None:
+            if event == dispatch.BACKEND_COMPILE_EVENT:
+                compiles["n"] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+    return compiles
+
+
+def syncs() -> dict:
+    """torch: host reads per step of the Keras trainer's train_step, unimp's optimizer and
+    Keras's own (counted as benchmarks.syncs counts torch's)."""
+    import torch
+
+    from benchmarks._kit_torch import count_host_reads
+
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = _data(n=16)
+    out = {}
+    for who, make in (
+        ("unimp", lambda: LossScaleOptimizer(keras.optimizers.Adam(1e-3))),
+        ("keras", lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))),
+    ):
+        model = _mlp()
+        model.compile(optimizer=make(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.train_on_batch(x, y)  # builds
+        batch = (torch.as_tensor(x), torch.as_tensor(y))
+        with count_host_reads() as counts:
+            for _ in range(5):
+                model.train_step(batch)
+        out[who] = sum(counts.values()) / 5
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"backend": BACKEND, **{case: globals()[case]() for case in sys.argv[1:]}}))

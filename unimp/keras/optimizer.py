@@ -1,0 +1,451 @@
+"""A Keras 3 :class:`LossScaleOptimizer` on unimp's loss-scale rule, written against
+``keras.ops`` only: the same class on Keras's TensorFlow, JAX and torch backends.
+
+The rule is not written here: :func:`unimp.loss_scale.update_arrays` runs on the backend's
+tensors through :class:`KerasOps`. A step decides with selects, never with a Python branch on a
+tensor (Keras's ``ops.cond`` is a Python ``if`` on torch, one host read per step): the inner
+optimizer's update is computed, then kept or dropped per variable by ``ops.where``. On JAX that
+is one traced step (Keras's JAX trainer calls :meth:`LossScaleOptimizer.stateless_apply` inside
+its jitted step); on torch it is no host read; on TensorFlow it traces under ``tf.function``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from unimp.loss_scale import (
+    EXTRA_FIELDS,
+    LossScaleConfig,
+    LossScaleState,
+    from_state_dict,
+    tracks_extra,
+    update_arrays,
+)
+from unimp.loss_scale import state_dict as _portable_state_dict
+from unimp.loss_scale.keras_args import (
+    check_keras_arguments,
+    keras_positional,
+    resolve_keras_loss_scale,
+)
+
+__all__ = ["KerasOps", "LossScaleOptimizer"]
+
+
+class KerasOps:
+    """:func:`unimp.loss_scale.update_arrays`'s array namespace over ``keras.ops`` (any backend)."""
+
+    where = staticmethod(ops.where)
+    minimum = staticmethod(ops.minimum)
+    maximum = staticmethod(ops.maximum)
+    isfinite = staticmethod(ops.isfinite)
+
+    @staticmethod
+    def f32(x: Any) -> Any:
+        return ops.cast(x, "float32")
+
+    @staticmethod
+    def i32(x: Any) -> Any:
+        return ops.cast(x, "int32")
+
+
+def _all_finite(grads: list[Any]) -> Any:
+    """A bool scalar tensor: every element of every gradient is finite (no host read)."""
+    flags = [ops.all(ops.isfinite(g)) for g in grads]
+    return ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
+
+
+def _unscale(g: Any, scale: Any) -> Any:
+    """g / scale computed in float32 (float64 for float64 g), returned in g's dtype."""
+    dtype = keras.backend.standardize_dtype(g.dtype)
+    if dtype == "float32":
+        return ops.divide(g, scale)
+    if dtype == "float64":
+        return ops.divide(g, ops.cast(scale, "float64"))
+    return ops.cast(ops.divide(ops.cast(g, "float32"), scale), dtype)
+
+
+_STATE = ("dynamic_scale", "counter", "consecutive_skips", "total_skips")
+
+
+@keras.saving.register_keras_serializable(package="unimp.keras")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A Keras optimizer that scales the loss by unimp's rule, on any Keras backend.
+
+    It subclasses ``keras.optimizers.LossScaleOptimizer`` (so ``model.compile`` does not wrap it
+    a second time under a ``mixed_float16`` policy, and Keras's trainers call its
+    ``scale_loss``), and replaces its rule with unimp's reference algorithm on device tensors:
+    any growth and backoff factor, min and max scale, growth never to inf, the skip counters and
+    the large-scale trainers' rules (hysteresis, overflow tolerance, floor hits). With
+    ``DynamicLossScale.preset("keras")`` (or Keras's ``initial_scale`` / ``dynamic_growth_steps``)
+    it gives the scales and weights Keras's own optimizer gives.
+
+    A skipped step (a non-finite gradient, or a non-finite loss passed to :meth:`scale_loss`)
+    leaves the variables and the whole inner optimizer state unchanged, ``iterations`` (and so
+    any learning-rate schedule) included: the inner update is computed and dropped by a select.
+    A non-finite loss skips the step without lowering the scale (unimp's forward-overflow rule)
+    where the loss reaches :meth:`scale_loss` statefully: custom loops, and ``fit`` on
+    TensorFlow and torch. Keras's JAX trainer calls ``scale_loss`` in a scope whose writes it
+    drops, so there a non-finite loss counts as an overflow of the gradients (as Keras's own
+    optimizer counts it).
+
+    Variables marked ``overwrite_with_gradient`` (float8 scales and histories) take their
+    gradient as is, not unscaled (as Keras). Gradients are unscaled in float32.
+
+    Args:
+        inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap; its ``loss_scale_factor``
+            is cleared (as Keras does).
+        loss_scale: a loss-scale config, ``"dynamic"``, a number (a static scale; by keyword,
+            since Keras reads a second positional number as ``initial_scale``), ``"none"``, or
+            a ``to_dict()`` dict; ``None`` is unimp's ``DynamicLossScale()``.
+        name: optimizer name.
+        initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use
+            (``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``); not
+            together with ``loss_scale``.
+        **kwargs: ``dynamic=True`` and the base-optimizer arguments Keras's configs hold, at
+            their defaults only (read by :mod:`unimp.loss_scale.keras_args`, as Keras does).
+
+    Attributes:
+        dynamic_scale: float32 ``keras.Variable``, the scale of the next step.
+        counter, consecutive_skips, total_skips: int32 ``keras.Variable``s.
+        loss_scale_config: the loss-scale config.
+
+    Raises:
+        TypeError: ``inner_optimizer`` is not a Keras optimizer.
+        ValueError: a loss-scaled ``inner_optimizer``, a bad config, or an argument Keras's
+            LossScaleOptimizer refuses too (with the fix).
+
+    Example:
+        >>> import keras
+        >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=1024.0)
+        >>> w = keras.Variable([1.0])
+        >>> opt.apply([opt.scale_loss(1.0) * keras.ops.ones((1,))], [w])
+        >>> float(keras.ops.convert_to_numpy(w.value)[0])
+        0.8999999761581421
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Any,
+        *args: Any,
+        loss_scale: Any = None,
+        name: str | None = None,
+        initial_scale: float | None = None,
+        dynamic_growth_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        loss_scale, name = keras_positional(args, loss_scale, name)
+        check_keras_arguments(kwargs)
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"inner_optimizer must be a keras.optimizers.Optimizer, got "
+                f"{type(inner_optimizer).__name__}; e.g. LossScaleOptimizer(keras.optimizers.Adam())."
+            )
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "inner_optimizer is already a LossScaleOptimizer: wrap the plain optimizer once "
+                "(its inner_optimizer)."
+            )
+        config = resolve_keras_loss_scale(loss_scale, initial_scale, dynamic_growth_steps)
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self.inner_optimizer.loss_scale_factor = None
+        self._config: LossScaleConfig = config
+
+    # -- Keras's attributes ----------------------------------------------------------------
+
+    @property
+    def loss_scale_config(self) -> LossScaleConfig:
+        """The loss-scale config."""
+        return self._config
+
+    @property
+    def initial_scale(self) -> float:
+        """The scale of the first step (Keras's name)."""
+        return float(getattr(self._config, "init_scale", getattr(self._config, "scale", 1.0)))
+
+    @initial_scale.setter
+    def initial_scale(self, value: Any) -> None:  # Keras's __init__ / from_config write it
+        pass
+
+    @property
+    def dynamic_growth_steps(self) -> int | None:
+        """Keras's name for ``growth_interval`` (``None`` for static or disabled scales)."""
+        return getattr(self._config, "growth_interval", None)
+
+    @dynamic_growth_steps.setter
+    def dynamic_growth_steps(self, value: Any) -> None:
+        pass
+
+    @property
+    def loss_scale(self) -> Any:
+        """The current scale, a float32 scalar tensor."""
+        return self.dynamic_scale.value
+
+    # -- building --------------------------------------------------------------------------
+
+    def build(self, var_list: list[Any]) -> None:
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        first = float(getattr(self._config, "init_scale", getattr(self._config, "scale", 1.0)))
+        with keras.name_scope(self.name, caller=self):
+            self.dynamic_scale = self.add_variable(
+                shape=(), dtype="float32", initializer=keras.initializers.Constant(first),
+                aggregation="none", name="dynamic_scale",
+            )
+            for n in _STATE[1:]:
+                setattr(self, n, self.add_variable(
+                    shape=(), dtype="int32", initializer="zeros", aggregation="none", name=n
+                ))
+            self.loss_scale_extra = (
+                self.add_variable(
+                    shape=(len(EXTRA_FIELDS),), dtype="int32", initializer="zeros",
+                    aggregation="none", name="loss_scale_extra",
+                )
+                if tracks_extra(self._config)
+                else None
+            )
+            # non-finite losses seen by scale_loss since the last step (forward overflow)
+            self.bad_losses = self.add_variable(
+                shape=(), dtype="float32", initializer="zeros", aggregation="none", name="bad_losses"
+            )
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    @property
+    def variables(self) -> list[Any]:
+        return self._variables + self.inner_optimizer.variables
+
+    def _own(self) -> list[keras.Variable]:
+        own = [getattr(self, n) for n in _STATE]
+        if self.loss_scale_extra is not None:
+            own.append(self.loss_scale_extra)
+        return [*own, self.bad_losses]
+
+    # -- scaling ---------------------------------------------------------------------------
+
+    def scale_loss(self, loss: Any) -> Any:
+        """The loss times the current scale, in float32 (float64 for a float64 loss); a
+        non-finite loss marks the next step as a forward overflow (skipped, scale kept).
+
+        Args:
+            loss: a floating scalar or tensor.
+
+        Returns:
+            The scaled loss.
+
+        Raises:
+            TypeError: ``loss`` is not floating.
+        """
+        loss = ops.convert_to_tensor(loss)
+        dtype = keras.backend.standardize_dtype(loss.dtype)
+        if "float" not in dtype:
+            raise TypeError(f"scale_loss needs a floating loss, got {dtype}.")
+        wide = "float64" if dtype == "float64" else "float32"
+        loss = ops.cast(loss, wide)
+        if not self.built:
+            return ops.multiply(loss, ops.cast(self.initial_scale, wide))
+        self.bad_losses.assign_add(ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32"))
+        return ops.multiply(loss, ops.cast(self.dynamic_scale, wide))
+
+    # -- the step, as a function of values -------------------------------------------------
+
+    def _decide(
+        self, own: list[Any], grads: list[Any], variables: list[Any]
+    ) -> tuple[list[Any], Any, list[Any]]:
+        """The step's decision on values: ``(unscaled gradients, applied, own values after)``,
+        the rule run by :func:`unimp.loss_scale.update_arrays` (no branch on a tensor)."""
+        scale, counter, consecutive, total, *rest = own
+        extra = None
+        if self.loss_scale_extra is not None:
+            extra = tuple(ops.unstack(rest[0], num=len(EXTRA_FIELDS)))
+        bad = rest[-1]
+        unscaled = [
+            g if g is None or self._overwrite_variable_with_gradient(v) else _unscale(g, scale)
+            for g, v in zip(grads, variables, strict=True)
+        ]
+        grads_finite = _all_finite([g for g in unscaled if g is not None])
+        loss_finite = ops.equal(bad, 0.0)
+        applied = ops.logical_and(grads_finite, loss_finite)
+        new = update_arrays(
+            KerasOps, self._config, scale, counter, consecutive, total, grads_finite,
+            loss_finite, extra=extra, applied=applied,
+        )
+        new_own = list(new[:4])
+        if extra is not None:
+            new_own.append(ops.stack(list(new[4:])))
+        new_own.append(ops.zeros_like(bad))
+        return unscaled, applied, new_own
+
+    def stateless_apply(
+        self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: list[Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """Keras's stateless step (what Keras's JAX trainer calls inside its jitted step).
+
+        Args:
+            optimizer_variables: values of :attr:`variables` (this optimizer's, then the inner
+                optimizer's).
+            grads: gradients of the scaled loss, one per trainable variable.
+            trainable_variables: values of the trainable variables.
+
+        Returns:
+            ``(new_trainable_values, new_optimizer_values)``, as Keras's.
+
+        Raises:
+            ValueError: not built, lists of the wrong length, or Keras on TensorFlow (whose
+                optimizers have no stateless step; use :meth:`apply`).
+        """
+        if not self.built:
+            raise ValueError(
+                "To call `stateless_apply`, LossScaleOptimizer must be built (i.e. its variables "
+                "must have been created). You can build it via `optimizer.build(trainable_variables)`."
+            )
+        if keras.backend.backend() == "tensorflow":
+            raise ValueError(
+                "stateless_apply is not supported with the TensorFlow backend (Keras's optimizers "
+                "have no stateless step there); use apply() or apply_gradients(), as Keras's "
+                "TensorFlow trainer does."
+            )
+        optimizer_variables = list(optimizer_variables)
+        if len(optimizer_variables) != len(self.variables):
+            raise ValueError(
+                f"got {len(optimizer_variables)} optimizer variable values for "
+                f"{len(self.variables)} variables; pass one per optimizer.variables entry."
+            )
+        n = len(self._variables)
+        mine, inner = optimizer_variables[:n], optimizer_variables[n:]
+        at = {id(v): i for i, v in enumerate(self._variables)}
+        where = [at[id(v)] for v in self._own()]
+        grads, train = list(grads), list(trainable_variables)
+        unscaled, applied, new_own = self._decide(
+            [mine[i] for i in where], grads, self._trainable_variables
+        )
+        # Copies in: Keras's torch optimizers update their inputs in place even when stateless
+        # (under jit, XLA drops the copies).
+        new_train, new_inner = self.inner_optimizer.stateless_apply(
+            [ops.copy(x) for x in inner], unscaled, [ops.copy(x) for x in train]
+        )
+        new_train = [ops.where(applied, n, o) for n, o in zip(new_train, train, strict=True)]
+        new_inner = [ops.where(applied, n, o) for n, o in zip(new_inner, inner, strict=True)]
+        for i, value in zip(where, new_own, strict=True):
+            mine[i] = value
+        return new_train, mine + new_inner
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        """Unscales the gradients once, applies them unless non-finite, updates the scale.
+
+        Args:
+            grads: gradients of the scaled loss, one per variable.
+            trainable_variables: the variables; needed on the first call unless built.
+
+        Raises:
+            ValueError: gradients and variables differ in number, or the optimizer is not
+                built and no variables are given.
+        """
+        grads = list(grads)
+        if not grads:
+            return
+        variables = None if trainable_variables is None else list(trainable_variables)
+        if not self.built:
+            if variables is None:
+                raise ValueError(
+                    "the optimizer is not built: pass trainable_variables to apply(), or call "
+                    "optimizer.build(variables) first."
+                )
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+            self.built = True
+        variables = self._trainable_variables if variables is None else variables
+        if len(variables) != len(grads):
+            raise ValueError(
+                f"got {len(grads)} gradients for {len(variables)} variables; pass one gradient "
+                "per variable."
+            )
+        if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
+            raise ValueError(
+                "apply() got variables other than the ones the optimizer was built with; build "
+                "one optimizer per set of variables."
+            )
+        own = self._own()
+        unscaled, applied, new_own = self._decide([v.value for v in own], grads, variables)
+        # The inner step runs statefully (on TensorFlow the inner optimizer has no stateless
+        # step), then every value it may write is put back unless the step is applied: one
+        # select per variable instead of a branch (no host read on torch).
+        held = [*self.inner_optimizer.variables, *variables]
+        before = [ops.copy(v.value) for v in held]
+        self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+        for v, old in zip(held, before, strict=True):
+            v.assign(ops.where(applied, v.value, old))
+        for v, value in zip(own, new_own, strict=True):
+            v.assign(value)
+
+    def apply_gradients(self, grads_and_vars: Any) -> Any:
+        """``apply(grads, variables)`` from ``(gradient, variable)`` pairs.
+
+        Returns:
+            The inner optimizer's ``iterations``.
+        """
+        pairs = list(grads_and_vars)
+        if pairs:
+            grads, variables = zip(*pairs, strict=True)
+            self.apply(list(grads), list(variables))
+        return self.iterations
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state(self) -> LossScaleState:
+        """The loss-scale state read to the host (one read; not for inside a step).
+
+        Returns:
+            A :class:`unimp.loss_scale.LossScaleState` of NumPy scalars.
+        """
+        held = [getattr(self, n) for n in _STATE]
+        fields = [ops.convert_to_numpy(v.value) for v in held]
+        if self.loss_scale_extra is not None:
+            fields += list(ops.convert_to_numpy(self.loss_scale_extra.value))
+        return LossScaleState(*fields)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state in unimp's portable format (the same in every backend)."""
+        return _portable_state_dict(self._config, self.state())
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Sets the loss-scale config and state from :meth:`state_dict`'s format (checked
+        whole before anything changes).
+
+        Raises:
+            ValueError: not built, or a bad state dict.
+        """
+        if not self.built:
+            raise ValueError("build the optimizer (optimizer.build(variables)) before loading its state.")
+        config, state = from_state_dict(state_dict)
+        if tracks_extra(config) != (self.loss_scale_extra is not None):
+            raise ValueError(
+                "the saved loss-scale rule counts other fields (hysteresis, overflow_tolerance or "
+                "floor_action) than this optimizer was built for; make the optimizer with "
+                "loss_scale=<the saved config> before building it."
+            )
+        values = [state.scale, state.counter, state.consecutive_skips, state.total_skips]
+        for n, v in zip(_STATE, values, strict=True):
+            getattr(self, n).assign(v)
+        if self.loss_scale_extra is not None:
+            self.loss_scale_extra.assign([getattr(state, f) for f in EXTRA_FIELDS])
+        self._config = config
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config["loss_scale"] = self._config.to_dict()
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        loss_scale = config.pop("loss_scale", None)
+        if loss_scale is not None:
+            config.pop("initial_scale", None)
+            config.pop("dynamic_growth_steps", None)
+        return cls(inner, loss_scale=loss_scale, **config)
