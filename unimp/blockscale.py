@@ -19,21 +19,34 @@ into NaN):
   MXFP8 training recipes): ``amax / elem_max`` rounded UP to a power of two, saturating at
   byte 254; NaN gives 255, inf 254, 0 gives 0.
 
+Block FP8 (Transformer Engine ``Float8BlockScaling``, the DeepSeek-V3 recipe) keeps a float32
+scale per 1x128 or 128x128 tile instead: ``S = fmax / amax``, floored to a power of two by
+default (:func:`block_fp8_scale`, :func:`block_fp8_quantize_dequantize`).
+
 The namespace is :class:`unimp.fp8.rule.NumpyOps`'s (``bits``, ``from_bits``, ``where``,
-``isnan``, ``isinf``, ``f32``, ``to_i32``); every backend's ``FP8Ops`` has the same names.
+``isnan``, ``isinf``, ``f32``, ``to_i32``, and ``reshape``, ``amax_last``, ``amax_axes``,
+``clip``, ``round``, ``round_fp8``, ``pow2_floor``, ``reciprocal`` for the quantizers); a
+backend runs the same rules through an object with the same names on its own tensors.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 from unimp.fp8.rule import NumpyOps
 
 __all__ = [
+    "BLOCK_FP8_TILES",
+    "BLOCK_FP8_VARIANTS",
     "ELEMENT_FORMATS",
     "E8M0_NAN",
     "MX_BLOCK",
     "SCALE_RULES",
+    "block_fp8_quantize_dequantize",
+    "block_fp8_scale",
     "e8m0_floor",
     "e8m0_round_up",
     "e8m0_value",
@@ -189,3 +202,151 @@ def mx_quantize_dequantize(x: Any, fmt: str, rule: str, block: int = MX_BLOCK, o
     y = ops.clip(blocks / scale, -fmax, fmax)
     q = round_e2m1(y, ops) if fmt == "float4_e2m1fn" else ops.round_fp8(y, fmt)
     return ops.reshape(q * scale, shape)
+
+
+# --- Block FP8 (Transformer Engine Float8BlockScaling, DeepSeek-V3 style) ---------------------
+
+#: Transformer Engine ``Float8BlockScaling``'s tiles, ``(rows, columns)``: 1x128 along the last
+#: axis for activations and gradients, 128x128 for weights (``transformer_engine/common/recipe``).
+BLOCK_FP8_TILES = {"activation": (1, 128), "gradient": (1, 128), "weight": (128, 128)}
+
+#: The largest finite float32 (``FLT_MAX``).
+_F32_MAX = float(np.finfo(np.float32).max)
+
+#: How a block FP8 scale treats an infinite or NaN amax: Transformer Engine's PyTorch reference
+#: or its CUDA kernels (see :func:`block_fp8_scale`).
+BLOCK_FP8_VARIANTS = ("reference", "kernel")
+
+
+def _tiled(ops: Any, x: Any, tile: tuple[int, int], what: str) -> tuple[Any, tuple[int, ...]]:
+    """``x`` (float32) as ``(rows // tr, tr, cols // tc, tc)`` tiles (rows: every axis but the
+    last, flattened), and ``x``'s shape; raises ValueError naming the fix."""
+    shape = tuple(x.shape)
+    tr, tc = tile
+    if tr < 1 or tc < 1:
+        raise ValueError(f"{what}: a tile is two positive sizes (rows, columns), got {tile!r}.")
+    if len(shape) < (2 if tr > 1 else 1):
+        raise ValueError(
+            f"{what}: a {tr}x{tc} tile needs a tensor of {2 if tr > 1 else 1} or more dimensions, "
+            f"got shape {shape}; reshape it to (rows, columns) first."
+        )
+    rows = math.prod(shape[:-1])
+    if shape[-1] % tc or rows % tr:
+        raise ValueError(
+            f"{what}: shape {shape} does not split into {tr}x{tc} tiles (the last dimension must "
+            f"be a multiple of {tc}" + (f" and the product of the others of {tr}" if tr > 1 else "")
+            + "); pad the tensor or pick layers whose sizes are."
+        )
+    return ops.reshape(ops.f32(x), (rows // tr, tr, shape[-1] // tc, tc)), shape
+
+
+def _check_block_fp8(fmt: str, variant: str) -> float:
+    """The element format's largest value, after checking ``fmt`` and ``variant``."""
+    if fmt not in ("float8_e4m3fn", "float8_e5m2"):
+        raise ValueError(f"block FP8 stores float8_e4m3fn or float8_e5m2 elements, got {fmt!r}.")
+    if variant not in BLOCK_FP8_VARIANTS:
+        raise ValueError(f"unknown block FP8 variant {variant!r}; choose one of {', '.join(BLOCK_FP8_VARIANTS)}.")
+    return _element(fmt)[0]
+
+
+def block_fp8_scale(
+    amax: Any, fmt: str = "float8_e4m3fn", pow2: bool = True, variant: str = "reference", ops: Any = NumpyOps
+) -> Any:
+    """The quantization scale ``S`` of block FP8 tiles whose largest magnitude is ``amax``.
+
+    ``S = fmax / amax`` (a float32 division, correctly rounded: TE's ``__fdiv_rn``); a quotient
+    past float32's range becomes ``FLT_MAX``; with ``pow2`` (the recipe's default) the power of
+    two at or below it, by clearing the mantissa bits (TE's ``scale_bits &= 0xFF800000``; the
+    reference's ``frexp`` / ``ldexp`` is the same floor). An amax of 0 gives ``S = 1``. Elements
+    are stored as ``x * S``; the tile's dequantization scale is ``1 / S``.
+
+    The two variants differ only where the amax is not finite:
+
+    * ``"reference"``: Transformer Engine's PyTorch reference
+      (``tests/pytorch/references/quantize_scale_calc.py``, ``scale_from_amax_tensor``, the
+      issue's rule): an infinite amax gives ``S = 0`` (so ``1 / S`` is inf and the tile
+      dequantizes to NaN); a NaN amax gives ``S = NaN`` (the reference divides by it; its
+      ``frexp`` of NaN is platform-defined, unimp keeps the NaN).
+    * ``"kernel"``: Transformer Engine's CUDA kernels (``common/recipe/recipe_common.cuh``,
+      ``compute_scale_from_amax``): an infinite or NaN amax gives ``S = 1``. (The kernels take
+      the amax with ``fmaxf``, which skips NaN: :func:`block_fp8_quantize_dequantize` does.)
+
+    Args:
+        amax: float32 array of tile maxima (any shape), values >= 0, inf or NaN.
+        fmt: ``"float8_e4m3fn"`` (448) or ``"float8_e5m2"`` (57344).
+        pow2: round ``S`` down to a power of two (Transformer Engine's default for this recipe,
+            and required on Blackwell, where it runs as MXFP8).
+        variant: one of :data:`BLOCK_FP8_VARIANTS`.
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        float32 array of scales, ``amax``'s shape.
+
+    Raises:
+        ValueError: an unknown or non-FP8 element format, or an unknown variant.
+    """
+    fmax = _check_block_fp8(fmt, variant)
+    a = ops.f32(amax)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s = ops.f32(fmax) / a  # amax 0: inf (replaced below); amax inf: 0; NaN: NaN
+    s = ops.where(ops.isinf(s), ops.f32(_F32_MAX), s)
+    if pow2:
+        s = ops.where(ops.isnan(s), s, ops.pow2_floor(s))
+    special = ops.f32(0.0) if variant == "reference" else ops.f32(1.0)
+    s = ops.where(ops.isinf(a), special, s)
+    if variant == "kernel":
+        s = ops.where(ops.isnan(a), ops.f32(1.0), s)
+    return ops.where(a == ops.f32(0.0), ops.f32(1.0), s)
+
+
+def block_fp8_quantize_dequantize(
+    x: Any,
+    fmt: str = "float8_e4m3fn",
+    tile: tuple[int, int] = BLOCK_FP8_TILES["activation"],
+    pow2: bool = True,
+    variant: str = "reference",
+    ops: Any = NumpyOps,
+) -> Any:
+    """The block FP8 values of ``x``, as float32 (Transformer Engine ``Float8BlockScaling``,
+    the DeepSeek-V3 recipe): every ``tile`` of ``x`` (rows: all axes but the last, flattened)
+    has its own scale ``S`` (:func:`block_fp8_scale`) from its amax; its elements are
+    ``x * S`` clipped to the format's range, rounded to nearest even (``round_fp8``), times
+    ``1 / S``.
+
+    Matches Transformer Engine's ``BlockwiseQuantizerReference``
+    (``tests/pytorch/references/blockwise_quantizer_reference.py``: multiply, clamp, cast) with
+    ``variant="reference"``; with ``variant="kernel"`` its CUDA kernels
+    (``common/transpose/quantize_transpose_{vector,square}_blockwise.cu``), whose amax skips
+    NaN, so NaN elements stay NaN, infinite ones saturate to the format's maximum and the rest
+    of their tile is quantized as if they were absent. Transformer Engine quantizes a partial
+    last tile over the elements it has; unimp asks for whole tiles.
+
+    Args:
+        x: float32 array; its last dimension a multiple of ``tile[1]`` and the product of the
+            others a multiple of ``tile[0]``.
+        fmt: ``"float8_e4m3fn"`` (the recipe's default for every tensor) or ``"float8_e5m2"``.
+        tile: ``(rows, columns)``, a value of :data:`BLOCK_FP8_TILES` (1x128 activations and
+            gradients, 128x128 weights) or any other.
+        pow2, variant: as :func:`block_fp8_scale`.
+        ops: the array namespace (default NumPy, the reference); besides the scale rule's
+            names it needs ``reshape``, ``amax_axes``, ``clip``, ``reciprocal`` and
+            ``round_fp8``.
+
+    Returns:
+        float32 array, ``x``'s shape.
+
+    Raises:
+        ValueError: a shape that does not split into tiles, or what :func:`block_fp8_scale`
+            raises.
+    """
+    fmax = _check_block_fp8(fmt, variant)
+    tiles, shape = _tiled(ops, x, tile, "block FP8")
+    mag = ops.abs(tiles)
+    if variant == "kernel":
+        mag = ops.where(ops.isnan(mag), ops.f32(0.0), mag)  # fmaxf skips NaN
+    s = block_fp8_scale(ops.amax_axes(mag, (1, 3)), fmt, pow2, variant, ops)
+    with np.errstate(invalid="ignore"):
+        y = ops.clip(tiles * s, -fmax, fmax)
+        out = ops.round_fp8(y, fmt) * ops.reciprocal(s)
+    return ops.reshape(out, shape)
+

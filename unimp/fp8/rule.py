@@ -113,6 +113,11 @@ class NumpyOps:
         return np.max(x, axis=-1, keepdims=True)
 
     @staticmethod
+    def amax_axes(x: Any, axes: tuple[int, ...]) -> Any:
+        """The NaN-propagating max over ``axes``, kept (a 2-D tile's amax, for its scale)."""
+        return np.max(x, axis=tuple(axes), keepdims=True)
+
+    @staticmethod
     def from_bits(b: Any) -> Any:
         return np.asarray(b, np.int32).view(np.float32)
 
