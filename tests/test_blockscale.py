@@ -271,3 +271,270 @@ def test_block_fp8_refuses_bad_input_naming_the_fix():
         block_fp8_quantize_dequantize(np.zeros((1, 128), np.float32), "float4_e2m1fn")
     with pytest.raises(ValueError, match="choose one of reference, kernel"):
         block_fp8_quantize_dequantize(np.zeros((1, 128), np.float32), variant="cuda")
+
+
+# --- NVFP4 (Transformer Engine NVFP4BlockScaling; torchao's variant) ---------------------------
+
+
+def test_nvfp4_right_values_with_a_global_scale_of_one():
+    """Global amax 2688 = 448 * 6: S_enc = 1. Block 0 holds it: 2688 * rn(1/6) = 448.0000134,
+    448 in float32, e4m3 448; 2688 -> 6 -> 2688, 100 / 448 = 0.22 -> 0, 200 / 448 = 0.45 -> 0.5
+    -> 224. Block 1 (amax 5): 5 * rn(1/6) = 0.8333 rounds to the e4m3 0.8125 (13/16; spacing
+    1/16 in [0.5, 1)); 1 / 0.8125 = 1.2308: 5 -> 6.15 -> 6 -> 4.875, 1 -> 1.23 -> 1 -> 0.8125,
+    2 -> 2.46 -> 2 -> 1.625, 0.3 -> 0.37 -> 0.5 -> 0.40625, -0 -> +0 (TE's cast_to_fp4x2)."""
+    from unimp.blockscale import nvfp4_block_scale, nvfp4_global_scale, nvfp4_quantize_dequantize
+
+    x = np.zeros((1, 32), np.float32)
+    x[0, :3] = [2688.0, 100.0, 200.0]
+    x[0, 16:21] = [5.0, 1.0, 2.0, 0.3, -0.0]
+    assert nvfp4_global_scale(np.float32(2688.0)) == 1.0
+    assert nvfp4_block_scale(np.float32([2688.0, 5.0]), np.float32(1.0)).tolist() == [448.0, 0.8125]
+    out = nvfp4_quantize_dequantize(x)
+    want = np.zeros((1, 32), np.float32)
+    want[0, :3] = [2688.0, 0.0, 224.0]
+    want[0, 16:20] = [4.875, 0.8125, 1.625, 0.40625]
+    np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))  # +0 everywhere
+
+
+def test_nvfp4_block_holding_the_tensor_s_amax_has_decode_scale_448():
+    """The issue's right value: 448 * 6 / amax * rn(1/6) * amax is within a few ulps of 448,
+    and e4m3's spacing there is 32."""
+    from unimp.blockscale import nvfp4_block_scale, nvfp4_global_scale
+
+    rng = np.random.default_rng(2)
+    amax = (rng.random(100_000) * 2.0 ** rng.integers(-100, 100, 100_000)).astype(np.float32)
+    amax = amax[amax > 0]
+    assert (nvfp4_block_scale(amax, nvfp4_global_scale(amax)) == 448.0).all()
+
+
+def test_nvfp4_global_scale_cap_zero_and_inf():
+    """448 * 6 / 2**-120 = 2688 * 2**120 > FLT_MAX: capped; 2**-110 still fits (exactly
+    2688 * 2**110); amax 0 or inf: 1 (TE's compute_global_encode_scaling_factor_FP4)."""
+    from unimp.blockscale import nvfp4_global_scale
+
+    got = nvfp4_global_scale(np.float32([2.0**-120, 2.0**-110, 0.0, np.inf, 2688.0 * 4]))
+    assert got.tolist() == [F32_MAX, 2688.0 * 2.0**110, 1.0, 1.0, 0.25]
+
+
+def test_nvfp4_under_the_global_scale_cap():
+    """A tensor whose amax is 2**-120: S_enc = FLT_MAX and s_global = rn(1 / FLT_MAX) = 2**-128
+    (1 / FLT_MAX = 2**-128 * (1 + 2**-24 + ...), a subnormal rounded to 2**-128). The block
+    decode scale is e4m3(2**-120 * rn(FLT_MAX * rn(1/6))) = e4m3(42.67) = 44 (spacing 4 in
+    [32, 64)): not 448, the cap costs range. 2**-120 * (2**128 / 44) = 5.82 -> 6, dequantized
+    (6 * 44) * 2**-128 = 33 * 2**-125."""
+    from unimp.blockscale import nvfp4_quantize_dequantize
+
+    x = np.zeros((1, 16), np.float32)
+    x[0, 0] = 2.0**-120
+    out = nvfp4_quantize_dequantize(x)
+    assert out[0, 0] == np.float32(33 * 2.0**-125) and (out[0, 1:] == 0).all()
+
+
+def test_nvfp4_zeros_stay_zeros_and_a_nan_makes_the_tensor_nan():
+    from unimp.blockscale import nvfp4_quantize_dequantize
+
+    z = nvfp4_quantize_dequantize(np.zeros((16, 32), np.float32), tile=(16, 16))
+    assert (z == 0).all() and not np.signbit(z).any()
+    x = np.ones((2, 32), np.float32)
+    x[1, 3] = np.nan  # the global amax is NaN (torch.max propagates it), so every scale
+    assert np.isnan(nvfp4_quantize_dequantize(x)).all()
+
+
+def _te_fp4(y):
+    """Transformer Engine's cast_to_fp4x2 (reference_nvfp4.py) read as values: its thresholds,
+    ties to the neighbour whose mantissa bit is 0, and -0.0 to +0 (it tests x >= 0.0)."""
+    a = np.abs(y)
+    q = np.full(a.shape, np.float32(6.0))
+    for mid, lo, hi in [(5.0, 4, 6), (3.5, 3, 4), (2.5, 2, 3), (1.75, 1.5, 2), (1.25, 1, 1.5), (0.75, 0.5, 1), (0.25, 0, 0.5)]:
+        tie = np.float32(hi if lo in (0.5, 1.5, 3) else lo)
+        q = np.where(a < mid, np.float32(lo), np.where(a == mid, tie, q))
+    return np.where(y < 0, -q, q)
+
+
+def _te_nvfp4(x, tile):
+    """A transcription of Transformer Engine's reference_nvfp4.py (_quantize_blockwise_reference,
+    the default path; cast_to_fp4x2's thresholds; the reference's FLT_MAX for an amax of 0),
+    dequantized as (q * s_block) * s_global, for finite inputs."""
+    import ml_dtypes
+
+    m, n = x.shape
+    tr, tc = tile
+    t = x.reshape(m // tr, tr, n // tc, tc)
+    gamax = np.abs(x).max()
+    with np.errstate(divide="ignore"):
+        s_enc = np.minimum(np.float32(2688.0) / gamax, np.float32(F32_MAX))
+    s_enc = np.float32(1.0) if s_enc == 0 else s_enc
+    s_dec = np.float32(1.0) / s_enc
+    vec_max = np.abs(t).max(axis=(1, 3), keepdims=True)
+    d = vec_max * (s_enc * (np.float32(1.0) / np.float32(6.0)))
+    d = np.clip(np.minimum(d, np.float32(F32_MAX)), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        enc = np.minimum(np.float32(1.0) / (d * s_dec), np.float32(F32_MAX))
+    q = _te_fp4(np.clip(t * enc, -6, 6))
+    return ((q * d) * s_dec).astype(np.float32).reshape(m, n)
+
+
+def test_the_transcribed_fp4_thresholds_are_ml_dtypes_e2m1_rounding():
+    """The transcription's cast against ml_dtypes' float4_e2m1fn (valid on finite values in
+    [-6, 6]; the two differ only at -0.0 and NaN), ties included."""
+    import ml_dtypes
+
+    x = np.random.default_rng(3).uniform(-6, 6, 50_000).astype(np.float32)
+    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x = np.concatenate([x, ties, -ties])
+    want = x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(_te_fp4(x), want)
+
+
+@pytest.mark.parametrize("tile", [(1, 16), (16, 16)])
+def test_nvfp4_matches_a_transcription_of_transformer_engine_s_reference(tile):
+    from unimp.blockscale import nvfp4_quantize_dequantize
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((64, 64)) * 2.0 ** rng.integers(-12, 12, (64, 1))).astype(np.float32)
+    x[:16, :16] = 0.0  # a zero tile
+    x[20, 5] = -0.0
+    x[40, 40] = 1e4  # the global amax
+    got = nvfp4_quantize_dequantize(x, tile)
+    np.testing.assert_array_equal(got.view(np.int32), _te_nvfp4(x, tile).view(np.int32))
+
+
+def test_torchao_nvfp4_clamps_a_small_block_scale_at_2_to_the_minus_6():
+    """Global amax 2688 (TE: S_enc = 1; torchao: p = 1). A block of amax 0.03: 0.03 / 6 = 0.005.
+    TE rounds it to the e4m3 subnormal 3 * 2**-9 = 0.00586 (2.56 -> 3): 0.03 * 170.67 = 5.12 ->
+    6, dequantized 6 * 3 * 2**-9 = 0.03515625. torchao clamps it to 2**-6: 0.03 * 64 = 1.92 ->
+    2, dequantized 2 * 2**-6 = 0.03125. The block of the amax agrees (448)."""
+    from unimp.blockscale import nvfp4_quantize_dequantize
+
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 2688.0
+    x[0, 16] = 0.03
+    te = nvfp4_quantize_dequantize(x)
+    ao = nvfp4_quantize_dequantize(x, variant="torchao")
+    assert te[0, 16] == np.float32(0.03515625) and ao[0, 16] == np.float32(0.03125)
+    assert te[0, 0] == ao[0, 0] == 2688.0
+    # torchao's dynamic per-tensor scale of an all-zero tensor is 0, its block scales 0 / 0
+    assert np.isnan(nvfp4_quantize_dequantize(np.zeros((1, 16), np.float32), variant="torchao")).all()
+
+
+def _bits_for(u):
+    """int32 random bits whose top 24 bits read as the fraction ``u`` (a multiple of 2**-24)."""
+    return np.int32(np.uint32(int(u * 2**24) << 8).view(np.int32))
+
+
+@pytest.mark.parametrize(
+    "x,u,want",
+    [
+        (0.3, 0.5, 0.5),  # 0.6 of the way from 0 to 0.5: up where u < 0.6
+        (0.3, 0.75, 0.0),
+        (-5.0, 0.25, -6.0),  # halfway between 4 and 6
+        (-5.0, 0.5, -4.0),
+        (3.0, 0.0, 3.0),  # representable: never moves
+        (2.5, 0.0, 3.0),
+        (6.0, 0.0, 6.0),
+    ],
+)
+def test_stochastic_e2m1_right_values(x, u, want):
+    from unimp.blockscale import round_e2m1_stochastic
+
+    got = round_e2m1_stochastic(np.float32([x]), np.array([_bits_for(u)], np.int32))
+    assert got.tolist() == [want]
+
+
+def test_stochastic_nvfp4_is_unbiased_and_reproducible_from_a_seed():
+    from unimp import rounding
+    from unimp.blockscale import nvfp4_quantize_dequantize, round_e2m1_stochastic
+
+    x = np.full((1, 200_000), 0.3, np.float32)
+    bits = rounding.random_bits(rounding.NumpyOps, 7, 0, 0, x.shape)
+    y = round_e2m1_stochastic(x, bits)
+    assert set(np.unique(y).tolist()) == {0.0, 0.5} and abs(float(y.mean()) - 0.3) < 0.005
+    g = np.random.default_rng(5).standard_normal((4, 32)).astype(np.float32)
+    b1 = rounding.random_bits(rounding.NumpyOps, 1, 3, 2, g.shape)
+    one = nvfp4_quantize_dequantize(g, rounding="stochastic", bits=b1)
+    np.testing.assert_array_equal(one, nvfp4_quantize_dequantize(g, rounding="stochastic", bits=b1))
+    b2 = rounding.random_bits(rounding.NumpyOps, 2, 3, 2, g.shape)
+    assert not np.array_equal(one, nvfp4_quantize_dequantize(g, rounding="stochastic", bits=b2))
+    with pytest.raises(ValueError, match="random_bits"):
+        nvfp4_quantize_dequantize(g, rounding="stochastic")
+    with pytest.raises(ValueError, match="choose one of nearest, stochastic"):
+        nvfp4_quantize_dequantize(g, rounding="even")
+    with pytest.raises(ValueError, match="choose one of transformer_engine, torchao"):
+        nvfp4_quantize_dequantize(g, variant="te")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4_quantize_dequantize(np.zeros((2, 24), np.float32))
+
+
+# --- against JAX's own quantizer (jax.nn.scaled_dot_general's configs), where JAX is under test
+
+
+def _jax_quantize():
+    from conftest import require_backend
+
+    require_backend("jax")
+    import jax
+    from jax._src.cudnn import scaled_matmul_stablehlo as smm  # what jax.nn.scaled_matmul calls
+
+    return jax, smm
+
+
+def _planted(shape, seed, zeros=True):
+    """Random normal-range float32 rows with 449 and 6.5 planted, and a zero block. No
+    subnormal: XLA on CPU and GPU flushes them (DAZ), so JAX's results differ there."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-30, 30, (shape[0], 1))).astype(np.float32)
+    x[1, 0] = 449.0
+    x[2, 5] = 6.5
+    if zeros:
+        x[0, :32] = 0.0
+    return x
+
+
+def test_mx_round_up_equals_jax_s_mxfp8_quantize():
+    """JAX divides amax by 448 and rounds up from the quotient's bits; unimp multiplies by
+    rn(1/448): the same bytes, and the same dequantized values, on blocks whose scale is a
+    normal float32. (A block of zeros, scale byte 0 = 2**-127, is NaN in JAX on XLA's CPU:
+    it divides by the subnormal scale, which XLA flushes to 0; unimp keeps it 0.)"""
+    jax, smm = _jax_quantize()
+    from unimp.blockscale import e8m0_round_up, e8m0_value, mx_quantize_dequantize
+
+    x = _planted((16, 256), 6, zeros=False)
+    cfg = jax.nn.get_scaled_dot_general_config("mxfp8")
+    q, s = smm.quantize(jax.numpy.asarray(x), cfg)
+    byte = np.asarray(s).view(np.uint8).astype(np.int32)
+    amax = np.abs(x.reshape(16, 8, 32)).max(-1)
+    np.testing.assert_array_equal(e8m0_round_up(amax, "float8_e4m3fn"), byte)
+    deq = np.asarray(q).astype(np.float32).reshape(16, 8, 32) * e8m0_value(byte)[..., None]
+    got = mx_quantize_dequantize(x, "float8_e4m3fn", "round_up")
+    np.testing.assert_array_equal(got.view(np.int32), deq.reshape(16, 256).view(np.int32))
+
+
+def test_jax_s_mxfp8_scale_of_inf_and_nan_is_not_nvidia_s():
+    """Where the rules part: JAX's cast_to_e8m0_with_rounding_up gives inf the NaN byte 255
+    (NVIDIA: 254) and NaN byte 0 (its exponent 255 + 1 wraps in uint8; NVIDIA: 255)."""
+    _, smm = _jax_quantize()
+    from unimp.blockscale import E8M0_NAN, e8m0_round_up
+
+    special = np.float32([np.inf, np.nan])
+    jax_bytes = np.asarray(smm.cast_to_e8m0_with_rounding_up(special)).astype(np.int32).tolist()
+    assert jax_bytes == [255, 0]
+    assert e8m0_round_up(special, "float8_e4m3fn").tolist() == [254, E8M0_NAN]
+
+
+def test_nvfp4_jax_variant_equals_jax_s_nvfp4_quantize():
+    jax, smm = _jax_quantize()
+    from unimp.blockscale import nvfp4_quantize_dequantize
+
+    x = _planted((16, 128), 7)
+    g = np.float32(np.abs(x).max()) / np.float32(2688.0)
+    cfg = jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=jax.numpy.float32(g))
+    q, s = smm.quantize(jax.numpy.asarray(x), cfg)
+    d = np.asarray(s).astype(np.float32).reshape(16, 8, 1)
+    deq = ((np.asarray(q).astype(np.float32).reshape(16, 8, 16) * d) * g).reshape(16, 128)
+    got = nvfp4_quantize_dequantize(x, variant="jax")
+    np.testing.assert_array_equal(got.view(np.int32), deq.view(np.int32))
+    # Transformer Engine's arithmetic (multiplying by rounded reciprocals) gives values an ulp
+    # or a rounding step apart in about a quarter of 1x32 standard normal tensors
+    ys = np.random.default_rng(8).standard_normal((64, 1, 32)).astype(np.float32)
+    differ = [not np.array_equal(nvfp4_quantize_dequantize(y), nvfp4_quantize_dequantize(y, variant="jax")) for y in ys]
+    assert 4 <= sum(differ) <= 40

@@ -21,7 +21,10 @@ into NaN):
 
 Block FP8 (Transformer Engine ``Float8BlockScaling``, the DeepSeek-V3 recipe) keeps a float32
 scale per 1x128 or 128x128 tile instead: ``S = fmax / amax``, floored to a power of two by
-default (:func:`block_fp8_scale`, :func:`block_fp8_quantize_dequantize`).
+default (:func:`block_fp8_scale`, :func:`block_fp8_quantize_dequantize`). NVFP4 (Transformer
+Engine ``NVFP4BlockScaling``) stores E2M1 elements with an E4M3 scale per 1x16 or 16x16 tile and
+one float32 scale per tensor, ``x = q * s_block * s_global``
+(:func:`nvfp4_quantize_dequantize`).
 
 The namespace is :class:`unimp.fp8.rule.NumpyOps`'s (``bits``, ``from_bits``, ``where``,
 ``isnan``, ``isinf``, ``f32``, ``to_i32``, and ``reshape``, ``amax_last``, ``amax_axes``,
@@ -44,6 +47,9 @@ __all__ = [
     "ELEMENT_FORMATS",
     "E8M0_NAN",
     "MX_BLOCK",
+    "NVFP4_ROUNDINGS",
+    "NVFP4_TILES",
+    "NVFP4_VARIANTS",
     "SCALE_RULES",
     "block_fp8_quantize_dequantize",
     "block_fp8_scale",
@@ -51,7 +57,11 @@ __all__ = [
     "e8m0_round_up",
     "e8m0_value",
     "mx_quantize_dequantize",
+    "nvfp4_block_scale",
+    "nvfp4_global_scale",
+    "nvfp4_quantize_dequantize",
     "round_e2m1",
+    "round_e2m1_stochastic",
 ]
 
 #: The MX block size along the reduction (last) axis (OCP MX v1.0).
@@ -350,3 +360,208 @@ def block_fp8_quantize_dequantize(
         out = ops.round_fp8(y, fmt) * ops.reciprocal(s)
     return ops.reshape(out, shape)
 
+
+# --- NVFP4 (Transformer Engine NVFP4BlockScaling) ---------------------------------------------
+
+#: NVFP4's tiles, ``(rows, columns)``: 1x16 along the last axis for activations and gradients,
+#: 16x16 for weights (Transformer Engine ``NVFP4BlockScaling``).
+NVFP4_TILES = {"activation": (1, 16), "gradient": (1, 16), "weight": (16, 16)}
+
+#: How NVFP4 rounds its elements: to nearest even, or stochastically (gradients).
+NVFP4_ROUNDINGS = ("nearest", "stochastic")
+
+#: Whose NVFP4 scale arithmetic: Transformer Engine's, torchao's or JAX's (see
+#: :func:`nvfp4_quantize_dequantize`).
+NVFP4_VARIANTS = ("transformer_engine", "torchao", "jax")
+
+#: torchao's lower bound on an NVFP4 block scale: the smallest normal E4M3, 2**-6.
+_TORCHAO_E4M3_TINY = 2.0**-6
+
+_E4M3_MAX = 448.0
+_E2M1_MAX = 6.0
+
+
+def nvfp4_global_scale(global_amax: Any, ops: Any = NumpyOps) -> Any:
+    """NVFP4's global encode scale ``S_enc = 448 * 6 / global_amax`` (float32), at most
+    ``FLT_MAX``; 1 where the amax is 0 or infinite (the quotient is 0).
+
+    Matches Transformer Engine's ``compute_global_encode_scaling_factor_FP4``
+    (``common/cast/nvfp4/core_nvfp4.cuh``). Its PyTorch reference
+    (``pytorch/custom_recipes/reference_nvfp4.py``) gives ``FLT_MAX`` for an amax of 0, not 1:
+    the tensor is then all zeros and dequantizes to zeros either way. A NaN amax gives NaN.
+
+    Args:
+        global_amax: float32 scalar (or array) ``max(|x|)`` over the tensor.
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        float32, ``global_amax``'s shape.
+    """
+    a = ops.f32(global_amax)
+    with np.errstate(divide="ignore", over="ignore"):
+        s = ops.f32(_E4M3_MAX * _E2M1_MAX) / a  # 2688, exact in float32
+    s = ops.where(s > ops.f32(_F32_MAX), ops.f32(_F32_MAX), s)
+    return ops.where((a == ops.f32(0.0)) | (s == ops.f32(0.0)), ops.f32(1.0), s)
+
+
+def nvfp4_block_scale(block_amax: Any, global_scale: Any, ops: Any = NumpyOps) -> Any:
+    """NVFP4's block decode scale: ``e4m3(block_amax * (S_enc * rn(1/6)))``, as float32.
+
+    Matches Transformer Engine's reference and kernels: the product (float32, rounded once
+    each: ``rn(1/6)`` first, then ``S_enc * rn(1/6)``, then times the amax) clipped to
+    ``[-448, 448]`` and rounded to the nearest E4M3 value, ties to even. A block holding the
+    tensor's amax gets ``448 * 6 / amax * rn(1/6) * amax``, within an ulp of 448, hence
+    exactly 448 after rounding. NaN stays NaN.
+
+    Args:
+        block_amax: float32 array of block maxima.
+        global_scale: float32 ``S_enc`` (:func:`nvfp4_global_scale`), broadcastable.
+        ops: the array namespace (default NumpyOps); needs ``clip`` and ``round_fp8``.
+
+    Returns:
+        float32 array of E4M3 values, ``block_amax``'s shape.
+    """
+    mult = ops.f32(global_scale) * (ops.f32(1.0) / ops.f32(_E2M1_MAX))
+    with np.errstate(over="ignore"):
+        d = ops.f32(block_amax) * mult
+    return ops.round_fp8(ops.clip(d, -_E4M3_MAX, _E4M3_MAX), "float8_e4m3fn")
+
+
+def round_e2m1_stochastic(x: Any, bits: Any, ops: Any = NumpyOps) -> Any:
+    """``x`` (float32, within [-6, 6]) rounded to one of its two E2M1 neighbours, up (away
+    from 0) with probability equal to its distance from the lower one over their spacing.
+
+    unimp's seeded rule, not a transcription: Transformer Engine rounds NVFP4 gradients
+    stochastically with the hardware's ``cvt.rs`` and its own random bits, which no other
+    framework reproduces. Here the random fraction is the top 24 bits of ``bits`` (e.g.
+    :func:`unimp.rounding.random_bits` of a seed, step and tensor index, the same counter-based
+    hash every backend computes), ``u = (bits >>> 8) * 2**-24`` in [0, 1), and the magnitude
+    rounds up where ``frac > u``; everything is exact in float32, so one seed gives the same
+    values in every framework. NaN stays NaN, the sign is kept.
+
+    Args:
+        x: float32 array within [-6, 6] (callers clip first).
+        bits: int32 array, ``x``'s shape: 32 random bits per element.
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        float32 array of E2M1 values, ``x``'s shape.
+    """
+    a = ops.abs(ops.f32(x))
+    s = ops.where(a < ops.f32(2.0), ops.f32(0.5), ops.where(a < ops.f32(4.0), ops.f32(1.0), ops.f32(2.0)))
+    low = ops.floor(a / s) * s
+    frac = (a - low) / s  # exact: s is a power of two, a - low is within one spacing
+    u = ops.to_f32((bits >> 8) & 0xFFFFFF) * ops.f32(2.0**-24)
+    q = ops.where(frac > u, low + s, low)
+    return ops.where(x < ops.f32(0.0), -q, ops.where(x > ops.f32(0.0), q, x))
+
+
+def _nvfp4_transformer_engine(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
+    """Tiles -> (elements scaled and clipped, block decode scales, global decode scale)."""
+    mag = ops.abs(tiles)
+    s_enc = nvfp4_global_scale(ops.amax(mag), ops)
+    g = ops.reciprocal(s_enc)
+    d = nvfp4_block_scale(ops.amax_axes(mag, (1, 3)), s_enc, ops)
+    enc = ops.reciprocal(d * g)
+    enc = ops.where(enc > ops.f32(_F32_MAX), ops.f32(_F32_MAX), enc)
+    return ops.clip(tiles * enc, -_E2M1_MAX, _E2M1_MAX), d, g
+
+
+def _nvfp4_torchao(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
+    mag = ops.abs(tiles)
+    g = ops.amax(mag) / ops.f32(_E4M3_MAX * _E2M1_MAX)
+    d = ops.clip((ops.amax_axes(mag, (1, 3)) / ops.f32(_E2M1_MAX)) / g, _TORCHAO_E4M3_TINY, _E4M3_MAX)
+    d = ops.round_fp8(d, "float8_e4m3fn")
+    return ops.clip(tiles * ((ops.f32(1.0) / g) / d), -_E2M1_MAX, _E2M1_MAX), d, g
+
+
+def _nvfp4_jax(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
+    g = ops.amax(ops.abs(tiles)) / ops.f32(_E4M3_MAX * _E2M1_MAX)
+    z = tiles / g
+    d = ops.round_fp8(ops.clip(ops.amax_axes(ops.abs(z), (1, 3)) / ops.f32(_E2M1_MAX), 0.0, _E4M3_MAX), "float8_e4m3fn")
+    return ops.clip(z / d, -_E2M1_MAX, _E2M1_MAX), d, g
+
+
+_NVFP4_SCALES = {"transformer_engine": _nvfp4_transformer_engine, "torchao": _nvfp4_torchao, "jax": _nvfp4_jax}
+
+
+def nvfp4_quantize_dequantize(
+    x: Any,
+    tile: tuple[int, int] = NVFP4_TILES["activation"],
+    rounding: str = "nearest",
+    bits: Any = None,
+    variant: str = "transformer_engine",
+    ops: Any = NumpyOps,
+) -> Any:
+    """The NVFP4 values of ``x``, as float32: ``q * s_block * s_global`` with ``q`` in E2M1.
+
+    Matches Transformer Engine's ``NVFP4BlockScaling`` as its PyTorch reference quantizer
+    writes it (``pytorch/custom_recipes/reference_nvfp4.py``,
+    ``_quantize_blockwise_reference``, the kernels' default path): the global amax is
+    ``max(|x|)`` over the tensor (NaN propagating), ``S_enc`` is :func:`nvfp4_global_scale`
+    and ``s_global = 1 / S_enc``; each tile's decode scale ``s_block`` is
+    :func:`nvfp4_block_scale` of its amax (a 16x16 weight tile shares one); the elements are
+    ``x * min(1 / (s_block * s_global), FLT_MAX)`` clipped to [-6, 6] and rounded to E2M1
+    (nearest even, where an exact zero becomes +0 as the reference's ``cast_to_fp4x2`` makes
+    it; or :func:`round_e2m1_stochastic`). The dequantized value is ``(q * s_block) *
+    s_global``: the first product is exact, so it is the exact ``q * s_block * s_global``
+    rounded once. A tile holding a NaN becomes NaN (its decode scale is NaN). Not included:
+    the random Hadamard transform of the weight-gradient GEMM's operands, and the
+    ``pow_2_scales`` and "4 over 6" options.
+
+    ``variant="torchao"`` transcribes torchao's ``nvfp4_quantize`` with its dynamic per-tensor
+    scale (``torchao/prototype/mx_formats/nvfp4_tensor.py``, read at its source, not run):
+    ``p = amax / (448 * 6)``; a block's scale is ``e4m3(clip((block_amax / 6) / p, 2**-6,
+    448))``, clamped below at 2**-6 where Transformer Engine keeps E4M3's subnormals and 0, so
+    a block far below the tensor's amax quantizes differently; the elements are
+    ``x * ((1 / p) / s_block)`` and dequantize as ``q * (p * s_block)``. An all-zero tensor
+    makes ``p = 0`` and every scale ``0 / 0``: NaN, as in torchao.
+
+    ``variant="jax"`` transcribes JAX's ``quantize`` for ``jax.nn.scaled_dot_general``'s
+    ``nvfp4`` config (``jax/_src/cudnn/scaled_matmul_stablehlo.py``), which divides where
+    Transformer Engine multiplies: ``z = x / g``, a block's scale ``e4m3(clip(max|z| / 6, 0,
+    448))``, elements ``z / s_block``, dequantized ``(q * s_block) * g``. JAX takes the global
+    scale ``g`` from the user; unimp passes ``g = amax / (448 * 6)``, so a tensor of zeros is
+    NaN here too, while a block of zeros is ``0 / 0`` cast to E2M1, which XLA (as ml_dtypes)
+    makes -0. (It has no stochastic rounding or Hadamard transform.)
+
+    Args:
+        x: float32 array; its last dimension a multiple of ``tile[1]`` and the product of the
+            others a multiple of ``tile[0]``.
+        tile: ``(rows, columns)``, a value of :data:`NVFP4_TILES`.
+        rounding: one of :data:`NVFP4_ROUNDINGS`; Transformer Engine rounds gradients
+            stochastically, everything else to nearest.
+        bits: ``"stochastic"``: int32 random bits, ``x``'s shape (:func:`unimp.rounding.random_bits`).
+        variant: one of :data:`NVFP4_VARIANTS`.
+        ops: the array namespace (default NumPy, the reference); besides the block FP8 rule's
+            names it needs ``amax`` and ``floor``.
+
+    Returns:
+        float32 array, ``x``'s shape.
+
+    Raises:
+        ValueError: a shape that does not split into tiles, an unknown rounding or variant, or
+            stochastic rounding without ``bits`` (or with bits of another shape).
+    """
+    if rounding not in NVFP4_ROUNDINGS:
+        raise ValueError(f"unknown NVFP4 rounding {rounding!r}; choose one of {', '.join(NVFP4_ROUNDINGS)}.")
+    if rounding == "stochastic" and (bits is None or tuple(bits.shape) != tuple(x.shape)):
+        raise ValueError(
+            "NVFP4 stochastic rounding needs int32 random bits of x's shape "
+            f"{tuple(x.shape)}: pass bits=unimp.rounding.random_bits(ops, seed, step, index, x.shape)."
+        )
+    if variant not in NVFP4_VARIANTS:
+        raise ValueError(f"unknown NVFP4 variant {variant!r}; choose one of {', '.join(NVFP4_VARIANTS)}.")
+    tiles, shape = _tiled(ops, x, tile, "NVFP4")
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        y, d, g = _NVFP4_SCALES[variant](ops, tiles)
+        if rounding == "stochastic":
+            q = round_e2m1_stochastic(y, ops.reshape(bits, tuple(tiles.shape)), ops)
+        else:
+            q = round_e2m1(y, ops)
+            if variant == "transformer_engine":  # cast_to_fp4x2 tests x >= 0.0: -0 is code 0
+                q = ops.where(y == ops.f32(0.0), ops.f32(0.0), q)
+        if variant == "jax":  # its float32 -> float4_e2m1fn cast makes NaN (a zero block's 0 / 0) -0
+            q = ops.where(ops.isnan(y), ops.f32(-0.0), q)
+        out = q * (g * d) if variant == "torchao" else (q * d) * g
+    return ops.reshape(out, shape)
