@@ -77,7 +77,10 @@ ELEMENT_FORMATS = {
 #: The E8M0 byte that stands for NaN (OCP MX v1.0: there is no zero and no infinity).
 E8M0_NAN = 255
 
-_EXPONENT_MASK = 0xFF
+# float32 fields in integer arithmetic (// and % floor, as shifts and masks would; TensorFlow's
+# tensors have no shift operators): bits // _MANTISSA % _EXPONENTS is the biased exponent
+_MANTISSA = 2**23
+_EXPONENTS = 256
 
 
 def _element(fmt: str) -> tuple[float, int]:
@@ -106,7 +109,7 @@ def e8m0_floor(amax: Any, fmt: str, ops: Any = NumpyOps) -> Any:
         ValueError: an unknown element format.
     """
     _, emax = _element(fmt)
-    biased = (ops.bits(ops.f32(amax)) >> 23) & _EXPONENT_MASK  # floor(log2(amax)) + 127
+    biased = (ops.bits(ops.f32(amax)) // _MANTISSA) % _EXPONENTS  # floor(log2(amax)) + 127
     byte = biased - emax  # the bias stays: byte = floor(log2(amax)) - emax + 127
     byte = ops.where(biased == 0, 0, byte)  # 0 and subnormal maxima: the smallest scale
     byte = ops.where(byte < 0, 0, ops.where(byte > 254, 254, byte))
@@ -131,8 +134,8 @@ def e8m0_round_up(amax: Any, fmt: str, ops: Any = NumpyOps) -> Any:
     inv = ops.f32(1.0) / ops.f32(fmax)  # rn(1 / elem_max), as Transformer Engine takes it
     v = a * inv
     b = ops.bits(v)
-    exponent = (b >> 23) & _EXPONENT_MASK
-    mantissa = b & 0x7FFFFF
+    exponent = (b // _MANTISSA) % _EXPONENTS
+    mantissa = b % _MANTISSA
     up = (mantissa > 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))
     byte = ops.where(up, exponent + 1, exponent)
     byte = ops.where(v == ops.f32(0.0), 0, byte)
@@ -151,7 +154,7 @@ def e8m0_value(byte: Any, ops: Any = NumpyOps) -> Any:
     Returns:
         float32 array, ``byte``'s shape.
     """
-    bits = ops.where(byte == 0, 0x400000, byte << 23)
+    bits = ops.where(byte == 0, 0x400000, byte * _MANTISSA)
     return ops.where(byte == E8M0_NAN, ops.f32(float("nan")), ops.from_bits(bits))
 
 
@@ -207,11 +210,24 @@ def mx_quantize_dequantize(x: Any, fmt: str, rule: str, block: int = MX_BLOCK, o
             f"block size {block}; pad the tensor or pick layers whose width is."
         )
     blocks = ops.reshape(ops.f32(x), (*shape[:-1], shape[-1] // block, block))
-    amax = ops.amax_last(ops.abs(blocks))
-    scale = e8m0_value(SCALE_RULES[rule](amax, fmt, ops), ops)
-    y = ops.clip(blocks / scale, -fmax, fmax)
+    byte = SCALE_RULES[rule](ops.amax_last(ops.abs(blocks)), fmt, ops)
+    nan = byte == E8M0_NAN
+    e = ops.where(nan, 127, byte) - 127  # the scale 2**e; a NaN block is set NaN below
+    y = ops.clip(_times_pow2(blocks, -e, ops), -fmax, fmax)
     q = round_e2m1(y, ops) if fmt == "float4_e2m1fn" else ops.round_fp8(y, fmt)
-    return ops.reshape(q * scale, shape)
+    out = ops.where(nan, ops.f32(float("nan")), _times_pow2(q, e, ops))
+    return ops.reshape(out, shape)
+
+
+def _times_pow2(x: Any, e: Any, ops: Any) -> Any:
+    """``x * 2**e`` (float32 ``x``, int32 ``e`` in [-254, 254]) as two factors ``2**(e // 2)``
+    and ``2**(e - e // 2)``, each a normal float32: exact wherever the result is a normal
+    float32, as dividing by the E8M0 scale is, and no subnormal operand (the scale 2**-127 of
+    byte 0) meets a framework that flushes them to 0 (XLA and TensorFlow: ``0 / 2**-127``
+    would be NaN). The factor lying between ``x`` and the result in size, it underflows only
+    where the result does."""
+    h = e // 2
+    return (x * ops.from_bits((h + 127) * _MANTISSA)) * ops.from_bits((e - h + 127) * _MANTISSA)
 
 
 # --- Block FP8 (Transformer Engine Float8BlockScaling, DeepSeek-V3 style) ---------------------
@@ -451,7 +467,7 @@ def round_e2m1_stochastic(x: Any, bits: Any, ops: Any = NumpyOps) -> Any:
     s = ops.where(a < ops.f32(2.0), ops.f32(0.5), ops.where(a < ops.f32(4.0), ops.f32(1.0), ops.f32(2.0)))
     low = ops.floor(a / s) * s
     frac = (a - low) / s  # exact: s is a power of two, a - low is within one spacing
-    u = ops.to_f32((bits >> 8) & 0xFFFFFF) * ops.f32(2.0**-24)
+    u = ops.to_f32((bits // 256) % 2**24) * ops.f32(2.0**-24)
     q = ops.where(frac > u, low + s, low)
     return ops.where(x < ops.f32(0.0), -q, ops.where(x > ops.f32(0.0), q, x))
 
@@ -562,6 +578,6 @@ def nvfp4_quantize_dequantize(
             if variant == "transformer_engine":  # cast_to_fp4x2 tests x >= 0.0: -0 is code 0
                 q = ops.where(y == ops.f32(0.0), ops.f32(0.0), q)
         if variant == "jax":  # its float32 -> float4_e2m1fn cast makes NaN (a zero block's 0 / 0) -0
-            q = ops.where(ops.isnan(y), ops.f32(-0.0), q)
+            q = ops.where(ops.isnan(y), -ops.f32(0.0), q)
         out = q * (g * d) if variant == "torchao" else (q * d) * g
     return ops.reshape(out, shape)
