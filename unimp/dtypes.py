@@ -19,6 +19,7 @@ __all__ = [
     "finfo",
     "parse_device",
     "is_half",
+    "keras_policy_name",
 ]
 
 #: The floating dtypes unimp knows, widest first.
@@ -295,3 +296,18 @@ def parse_device(spec: Any) -> tuple[str, int | None]:
             "with an optional ':N', or the framework's own device object."
         )
     return DEVICE_KINDS[kind], (int(index) if colon else None)
+
+
+def keras_policy_name(param_dtype: Any, compute_dtype: Any) -> str | None:
+    """The Keras ``DTypePolicy`` name (Keras's own names, framework-free) for variables in ``param_dtype`` computing in ``compute_dtype``.
+
+    Returns:
+        ``"mixed_float16"`` / ``"mixed_bfloat16"`` (float32 variables, half compute), a dtype
+        name when both are equal, or ``None`` when Keras has no such policy.
+    """
+    p, c = canonical_dtype(param_dtype), canonical_dtype(compute_dtype)
+    if p == c:
+        return p
+    if p == "float32" and c in ("float16", "bfloat16"):
+        return f"mixed_{c}"
+    return None

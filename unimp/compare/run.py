@@ -30,6 +30,7 @@ from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
 from unimp.compare.threads import MAX_THREADS, check_threads, threads
 from unimp.compare.user import LOSSES, is_reference, load_data, user_model_backends
+from unimp.dtypes import keras_policy_name
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
 
@@ -214,6 +215,14 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
         return found
     out = []
     for n in names:
+        if n in KERAS_ENGINES:  # Keras's own trainer on one of its backends, in a worker
+            framework = KERAS_ENGINES[n]
+            if framework not in registry.available_backends():
+                info = registry.backend_info(framework)
+                raise ImportError(f'{n} needs {framework}: pip install "unimp[{info.extra}]"')
+            if n not in out:
+                out.append(n)
+            continue
         info = registry.backend_info(n)  # ValueError naming valid names for unknown ones
         if info.name not in registry.available_backends():
             raise ImportError(
@@ -222,6 +231,35 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
         if info.name not in out:
             out.append(info.name)
     return out
+
+
+#: ``--backends`` names of Keras's own trainer on each Keras backend (a worker process each,
+#: :mod:`unimp.compare.runner_keras`) -> the framework Keras runs on
+KERAS_ENGINES = {"keras-tensorflow": "tensorflow", "keras-jax": "jax", "keras-torch": "torch"}
+
+
+def keras_refusal(recipe: Recipe) -> str | None:
+    """Why Keras's own trainer (``keras-*``) cannot run ``recipe``, or None: Keras has a
+    dtype policy for float32 parameters with half compute, or one dtype; float8 and per-layer
+    overrides run through the tensorflow backend only for now."""
+    p = recipe.policy
+    if keras_policy_name(p.param_dtype, p.compute_dtype) is None:
+        return (
+            f"Keras has no dtype policy for param {p.param_dtype} / compute {p.compute_dtype}; "
+            "use float32 parameters (mixed_float16, mixed_bfloat16) or one dtype"
+        )
+    if recipe.fp8 is not None or p.overrides:
+        return "float8 and per-layer overrides run on the tensorflow backend only for now; use --backends tensorflow"
+    return None
+
+
+def _runner(backend: str) -> Callable[[RunSpec], dict[str, Any]]:
+    """The function that runs a spec on ``backend`` (a Keras engine runs in a worker)."""
+    # runners are found by name, as for every backend (they import this module)
+    if backend in KERAS_ENGINES:
+        keras_runner = importlib.import_module(f"unimp.compare.runner_{backend.split('-')[0]}")
+        return lambda spec: keras_runner.run(spec, backend)
+    return importlib.import_module(f"unimp.compare.runner_{backend}").run
 
 
 def parse_loss_scale(spec: str) -> Any:
@@ -332,6 +370,12 @@ def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
     else:
         backends = _resolve_backends(cfg.backends)
     for b in backends:  # a device or cast mode a backend cannot use fails here, before any trains
+        if b in KERAS_ENGINES:
+            why = keras_refusal(recipe)
+            if why:
+                raise ValueError(f"--recipe {cfg.recipe} on {b}: {why}.")
+            device_for(b, cfg.device)
+            continue
         why = registry.cast_mode_refusal(recipe, b)
         if why:
             raise ValueError(
@@ -376,6 +420,7 @@ def _threads_for(cfg: CompareConfig, backends: list[str]) -> Any:
 
 
 def device_for(backend: str, wanted: str) -> str:
+    backend = KERAS_ENGINES.get(backend, backend)  # Keras's engines: the framework it runs on
     module = registry.get_backend(backend)
     info = module.device_info()
     devices = [d["device"] for d in info]
@@ -446,7 +491,7 @@ def run_compare(
     )
 
     def one(backend: str, rec: Recipe, label: str) -> dict[str, Any]:
-        runner = importlib.import_module(f"unimp.compare.runner_{backend}")
+        runner = _runner(backend)
         spec = RunSpec(
             rec,
             cfg.model,
@@ -468,11 +513,11 @@ def run_compare(
         with framework_warnings(label) as seen:
             try:
                 if progress_factory is None:
-                    run = runner.run(spec)
+                    run = runner(spec)
                 else:
                     with progress_factory(label, len(steps)) as bar:
                         spec.progress = lambda i: bar.advance()
-                        run = runner.run(spec)
+                        run = runner(spec)
             except Interrupted as e:
                 raise Interrupted(e.step, label) from None
             except KeyboardInterrupt:  # before the first step (building the model, compiling)

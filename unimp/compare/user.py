@@ -5,7 +5,9 @@ A model function takes no arguments and returns a new model, initialized from th
 global seed (``unimp compare`` sets it from ``--seed`` before each call):
 
 * a ``torch.nn.Module`` runs in torch;
-* a Keras model (``keras.Model``) runs in Keras on its TensorFlow backend (``tensorflow``);
+* a Keras model (``keras.Model``) runs in Keras on its TensorFlow backend (``tensorflow``), and
+  on Keras's own trainer on each Keras backend when asked (``keras-tensorflow``, ``keras-jax``,
+  ``keras-torch``; :mod:`unimp.compare.runner_keras`);
 * a flax module (``flax.linen.Module``) runs in JAX, its parameters from ``module.init``.
 
 The model maps a batch of ``x`` to one row of outputs per example: class logits for
@@ -46,8 +48,10 @@ __all__ = [
 #: The losses ``--loss`` takes: Keras's names, as Keras's ``compile(loss=...)`` spells them.
 LOSSES = ("sparse_categorical_crossentropy", "mse")
 
-#: The backends a model of each framework runs on.
+#: The backends a model of each framework runs on (the first ones by default; a Keras model
+#: also on Keras's own trainer on each Keras backend, asked for by name).
 _BACKENDS = {"torch": ("torch",), "keras": ("tensorflow",), "flax": ("jax",)}
+_ALSO = {"keras": ("keras-tensorflow", "keras-jax", "keras-torch")}
 
 
 class UnsupportedModel(ValueError):
@@ -198,14 +202,16 @@ def user_model_backends(cfg: Any, ds: Any, threads_for: Callable[[list[str]], An
         model, framework = _build(fn, cfg.model, cfg.seed)
         out = _probe(model, framework, ds, cfg)
     allowed = _BACKENDS[framework]
+    possible = (*allowed, *_ALSO.get(framework, ()))
     if cfg.backends is not None:
-        asked = [registry.backend_info(n).name for n in cfg.backends]
-        other = [b for b in asked if b not in allowed]
+        asked = [n if n in possible else registry.backend_info(n).name for n in cfg.backends]
+        other = [b for b in asked if b not in possible]
         if other:
             raise ValueError(
-                f"--model {cfg.model} is a {framework} model, which runs on {', '.join(allowed)} "
-                f"only, not {', '.join(other)}; give --backends {','.join(allowed)} (or leave it out)."
+                f"--model {cfg.model} is a {framework} model, which runs on {', '.join(possible)} "
+                f"only, not {', '.join(other)}; give --backends {','.join(possible)} (or leave it out)."
             )
+        allowed = tuple(dict.fromkeys(asked))
     labels = ds.y_train if cfg.loss == "mse" else np.concatenate([ds.y_train, ds.y_test])
     check_outputs(out, labels, cfg.loss, cfg.model)  # the test labels too: they must fit the logits
     return list(allowed)

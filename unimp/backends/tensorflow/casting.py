@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from unimp.dtypes import canonical_dtype
+from unimp.dtypes import canonical_dtype, keras_policy_name  # noqa: F401  (the backend's public name)
 
 _TF_DTYPES = {
     "float64": tf.float64,
@@ -87,16 +87,3 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
     return tf.nest.map_structure(lambda x: _cast_leaf(x, target), tree)
 
 
-def keras_policy_name(param_dtype: Any, compute_dtype: Any) -> str | None:
-    """The Keras ``DTypePolicy`` name for variables in ``param_dtype`` computing in ``compute_dtype``.
-
-    Returns:
-        ``"mixed_float16"`` / ``"mixed_bfloat16"`` (float32 variables, half compute), a dtype
-        name when both are equal, or ``None`` when Keras has no such policy.
-    """
-    p, c = canonical_dtype(param_dtype), canonical_dtype(compute_dtype)
-    if p == c:
-        return p
-    if p == "float32" and c in ("float16", "bfloat16"):
-        return f"mixed_{c}"
-    return None

@@ -1,0 +1,58 @@
+"""``unimp compare`` on Keras's own trainer on each Keras backend (keras-tensorflow, keras-jax,
+keras-torch: a worker process each, unimp.compare.runner_keras)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import require_backend
+
+from unimp.cli import main
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "compare", "keras_model.py")
+ENGINES = ("keras-tensorflow", "keras-jax", "keras-torch")
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "rep"
+    code = main(["compare", "--epochs", "1", "--batch-size", "64", "--quiet", "--out", str(out), *extra])
+    return code, out
+
+
+def test_a_users_keras_model_runs_on_three_engines_from_the_same_weights(tmp_path):
+    for b in ("tensorflow", "jax", "torch"):
+        require_backend(b)
+    code, out = _run(tmp_path, "--model", f"{EXAMPLE}:build", "--backends", ",".join(ENGINES))
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    runs = rep["runs"]
+    assert list(runs) == list(ENGINES)
+    assert [r["framework"] for r in runs.values()] == list(ENGINES)
+    first = [r["loss"][0] for r in runs.values()]
+    # the same initial weights and batches: the engines differ by their kernels only
+    # (float16 compute), far less than two models from other seeds would
+    np.testing.assert_allclose(first, first[0], rtol=2e-3)
+    for r in runs.values():
+        assert len(r["loss"]) == rep["steps"] and all(r["applied"])
+        assert r["scale"][0] == rep["recipe"]["loss_scale"]["init_scale"]
+        assert r["loss"][-1] < r["loss"][0]
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (("--backends", "keras-jax", "--recipe", "fp8-delayed"), "float8"),
+        (("--backends", "keras-torch", "--recipe", "params=bfloat16,compute=float32"), "no dtype policy"),
+        (("--backends", "keras-mxnet"), "unknown backend"),
+    ],
+)
+def test_what_keras_engines_cannot_run_fails_before_training(tmp_path, capsys, extra, words):
+    require_backend("torch")
+    code, out = _run(tmp_path, *extra)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert words in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

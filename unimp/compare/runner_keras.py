@@ -1,0 +1,169 @@
+"""``unimp compare`` on Keras's own trainer, on each Keras backend: ``keras-tensorflow``,
+``keras-jax``, ``keras-torch``.
+
+Keras's backend is fixed per process, so each run is a worker process of its own
+(``python -m unimp.compare.runner_keras``, ``KERAS_BACKEND`` set): the spec goes in as a
+pickle, the progress comes back as lines, the run as a pickle. In the worker the model is built
+under the recipe's Keras dtype policy, compiled with :class:`unimp.keras.LossScaleOptimizer`
+(unimp's rule on ``keras.ops``) and trained by ``model.train_on_batch``: Keras's own compiled
+step (``tf.function``, ``jax.jit``, eager torch). The same model definition on three engines, so
+what differs between them is the engines' kernels, not the model's code.
+
+The built-in models load ``spec.weights``; the user's Keras model (``--model FILE.py:FUNCTION``)
+is built by its function in the first Keras worker, and its initial weights go to the others,
+so every Keras engine starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from dataclasses import fields, replace
+from typing import Any
+
+from unimp.compare.run import KERAS_ENGINES, RunSpec, keras_refusal
+
+__all__ = ["run"]
+
+#: a user model's initial weights, from the first Keras worker that built it (per model, seed)
+_initial: dict[tuple[str, int], list[Any]] = {}
+
+
+def run(spec: RunSpec, engine: str) -> dict[str, Any]:
+    """Runs ``spec`` on Keras's ``engine`` in a worker process.
+
+    Args:
+        spec: the run.
+        engine: a key of :data:`unimp.compare.run.KERAS_ENGINES`.
+
+    Returns:
+        The run's dict, as the other runners return it.
+
+    Raises:
+        ValueError: a recipe Keras's trainer cannot run (:func:`unimp.compare.run.keras_refusal`).
+        RuntimeError: the worker failed (its last line of error in the message).
+    """
+    why = keras_refusal(spec.recipe)
+    if why:
+        raise ValueError(f"{engine}: {why}.")
+    key = (spec.model, spec.seed)
+    if spec.user_model and key in _initial:
+        spec = replace(spec, weights={str(i): w for i, w in enumerate(_initial[key])})
+    payload = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "progress"}
+    # Keras's trainer has no step log, statistics step or dtype trace: the run has none
+    payload.update(log=None, stats_every=None, trace=False)
+    with tempfile.TemporaryDirectory(prefix="unimp-keras-") as tmp:
+        src, dst = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "run.pkl")
+        with open(src, "wb") as f:
+            pickle.dump(payload, f)
+        env = {**os.environ, "KERAS_BACKEND": KERAS_ENGINES[engine]}
+        with subprocess.Popen(
+            [sys.executable, "-m", "unimp.compare.runner_keras", src, dst],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            for line in proc.stdout:
+                if line.startswith("step "):
+                    spec.progress(int(line.split()[1]))
+            err = proc.stderr.read()
+        if proc.returncode != 0:
+            last = [ln for ln in err.strip().splitlines() if ln.strip()]
+            raise RuntimeError(f"{engine}: the Keras worker failed: {last[-1] if last else proc.returncode}")
+        with open(dst, "rb") as f:
+            out = pickle.load(f)
+    initial = out.pop("initial_weights", None)
+    if spec.user_model and key not in _initial and initial is not None:
+        _initial[key] = initial
+    return out
+
+
+class _Result:
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+        self.stats = None
+
+
+def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
+    import keras
+    import numpy as np
+
+    from unimp.compare.keras_models import keras_model
+    from unimp.compare.run import test_metrics, train_loop
+    from unimp.compare.user import user_model
+    from unimp.dtypes import keras_policy_name
+    from unimp.keras import LossScaleOptimizer
+    from unimp.loss_scale import NoLossScale
+
+    p = spec.recipe.policy
+    keras.config.set_dtype_policy(keras_policy_name(p.param_dtype, p.compute_dtype))
+    if spec.user_model:
+        model, _ = user_model(spec.model, spec.seed)
+        initial = model.get_weights()
+        if spec.weights:
+            model.set_weights([spec.weights[str(i)] for i in range(len(spec.weights))])
+            initial = None
+    else:
+        model, initial = keras_model(spec, contextlib.nullcontext()), None
+    inner = (
+        keras.optimizers.Adam(spec.lr, epsilon=1e-8)
+        if spec.optimizer == "adam"
+        else keras.optimizers.SGD(spec.lr)
+    )
+    config = spec.recipe.loss_scale
+    scaled = config is not None and not isinstance(config, NoLossScale)
+    opt = LossScaleOptimizer(inner, loss_scale=config) if scaled else inner
+    loss = (
+        keras.losses.MeanSquaredError()
+        if spec.loss == "mse"
+        else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    model.compile(optimizer=opt, loss=loss)
+
+    def inputs(b: dict[str, Any]) -> Any:
+        return b["x"] if spec.user_model else [b["x"], b["mask"]]
+
+    def read(v: Any) -> Any:
+        return np.asarray(keras.ops.convert_to_numpy(v.value))
+
+    def step(b: dict[str, Any]) -> _Result:
+        scale = float(read(opt.dynamic_scale)) if scaled and opt.built else (
+            float(opt.initial_scale) if scaled else 1.0
+        )
+        skips = int(read(opt.total_skips)) if scaled and opt.built else 0
+        value = float(np.asarray(model.train_on_batch(inputs(b), b["y"])))
+        applied = (int(read(opt.total_skips)) == skips) if scaled else bool(np.isfinite(value))
+        finite = bool(np.isfinite(value))
+        return _Result(loss=value, scale=scale, applied=applied, loss_finite=finite,
+                       grads_finite=applied)
+
+    spec.progress = lambda i: print(f"step {i}", flush=True)
+    out = train_loop(step, spec, lambda b: b)
+    ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
+    held_out = {"x": spec.x_test, "mask": ones}
+    predicted = np.asarray(model.predict(inputs(held_out), verbose=0), np.float32)
+    engine = keras.backend.backend()
+    framework = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[engine]
+    version = __import__(framework).__version__
+    return {
+        "framework": f"keras-{engine}",
+        "version": f"keras {keras.__version__}, {framework} {version}",
+        "device": "cpu" if spec.device == "cpu" else spec.device,
+        **out,
+        **test_metrics(predicted, spec.y_test, spec.loss),
+        "peak_memory_bytes": None,
+        "trace": None,
+        "fp8_scales": None,
+        "initial_weights": initial,
+    }
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        spec = RunSpec(**pickle.load(f))
+    result = _work(spec)
+    with open(sys.argv[2], "wb") as f:
+        pickle.dump(result, f)
