@@ -179,6 +179,35 @@ def fit16() -> dict:
     return {"rows": rows, "state": opt.state_dict()}
 
 
+def check() -> dict:
+    """``LossScaleCheck`` in ``fit`` with ``max_consecutive_skips=2`` and every batch
+    overflowing from the fourth on: where ``fit`` stops, and with what."""
+    from unimp.keras import LossScaleCheck
+    from unimp.loss_scale import LossScaleError
+
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _mlp()
+    _set_weights(model)
+    cfg = DynamicLossScale(init_scale=2.0**15, max_consecutive_skips=2)
+    model.compile(
+        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01), loss_scale=cfg),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = _data(n=16 * 10)
+    x[16 * 3 :] = np.inf
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    try:
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[Count(), LossScaleCheck()])
+    except LossScaleError as e:
+        return {"raised": type(e).__name__, "message": str(e), "batches": len(seen)}
+    return {"raised": None, "batches": len(seen)}
+
+
 def _compile_counter() -> dict:
     """JAX: a dict whose ``"n"`` counts XLA compilations from now on (as benchmarks.syncs)."""
     compiles = {"n": 0}

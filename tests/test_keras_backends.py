@@ -19,9 +19,9 @@ from unimp.loss_scale import DynamicLossScale, simulate
 HERE = pathlib.Path(__file__).resolve().parent
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 CASES = {
-    "tensorflow": ("rule", "fit16", "losses32"),
-    "jax": ("rule", "stateless", "fit16", "losses32"),
-    "torch": ("rule", "stateless", "fit16", "losses32", "syncs"),
+    "tensorflow": ("rule", "fit16", "losses32", "check"),
+    "jax": ("rule", "stateless", "fit16", "losses32", "check"),
+    "torch": ("rule", "stateless", "fit16", "losses32", "check", "syncs"),
 }
 _REQUIRES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
@@ -120,3 +120,12 @@ def test_keras_torch_steps_read_nothing_to_the_host(runs):
     counts = runs["torch"]["syncs"]
     assert counts["unimp"] == 0.0
     assert counts["keras"] >= 1.0
+
+
+def test_loss_scale_check_stops_fit_after_max_consecutive_skips(runs):
+    # batches 3, 4, 5 overflow: the third consecutive skip exceeds max_consecutive_skips=2
+    for b in KERAS_BACKENDS:
+        got = runs[b]["check"]
+        assert got["raised"] == "LossScaleError", (b, got)
+        assert got["batches"] == 6, (b, got)
+        assert "max_consecutive_skips" in got["message"], b

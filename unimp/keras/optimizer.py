@@ -18,6 +18,7 @@ from keras import ops
 
 from unimp.loss_scale import (
     EXTRA_FIELDS,
+    FloorWatch,
     LossScaleConfig,
     LossScaleState,
     from_state_dict,
@@ -25,13 +26,14 @@ from unimp.loss_scale import (
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
+from unimp.loss_scale.config import positive_int
 from unimp.loss_scale.keras_args import (
     check_keras_arguments,
     keras_positional,
     resolve_keras_loss_scale,
 )
 
-__all__ = ["KerasOps", "LossScaleOptimizer"]
+__all__ = ["KerasOps", "LossScaleCheck", "LossScaleOptimizer"]
 
 
 class KerasOps:
@@ -449,3 +451,50 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("initial_scale", None)
             config.pop("dynamic_growth_steps", None)
         return cls(inner, loss_scale=loss_scale, **config)
+
+
+class LossScaleCheck(keras.callbacks.Callback):
+    """A ``model.fit`` callback acting on the loss-scale config's ``max_consecutive_skips`` and
+    ``floor_action``, on any Keras backend (the checks a train step makes when it reads its
+    result; ``fit`` reads nothing by itself).
+
+    After every ``every``-th training batch it reads the model's :class:`LossScaleOptimizer`
+    state (one device read; on JAX, Keras's trainer first writes its state back to the
+    variables, ``model.jax_state_sync()``) and runs :class:`unimp.loss_scale.FloorWatch`'s
+    check: a :class:`unimp.LossScaleError` stops ``fit`` as DeepSpeed and fairseq stop at the
+    floor; a floor hit under ``floor_action="warn"`` warns once per new hit. A config with
+    neither check reads nothing. Matches :class:`unimp.backends.tensorflow.LossScaleCheck`.
+
+    Args:
+        every: check after every ``every``-th batch (an int >= 1; default 1).
+
+    Raises:
+        ValueError: ``every`` is not an int >= 1.
+        TypeError: (in ``fit``) the model's optimizer is not :class:`LossScaleOptimizer`.
+
+    Example:
+        ``model.fit(x, y, callbacks=[unimp.keras.LossScaleCheck()])``
+    """
+
+    def __init__(self, every: int = 1) -> None:
+        super().__init__()
+        self.every = positive_int("LossScaleCheck", "every", every, 1)
+        self._batches = 0
+        self._watch = FloorWatch()  # each floor hit acted on once, as the train steps do
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._batches += 1
+        if self._batches % self.every:
+            return
+        opt = getattr(self.model, "optimizer", None)
+        if not isinstance(opt, LossScaleOptimizer):
+            raise TypeError(
+                "LossScaleCheck needs the model compiled with unimp.keras.LossScaleOptimizer, got "
+                f"{type(opt).__name__}: model.compile(optimizer=LossScaleOptimizer(opt), ...)."
+            )
+        config = opt.loss_scale_config
+        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
+            return  # nothing to act on: no device read
+        if keras.backend.backend() == "jax":  # Keras's JAX trainer holds the state until asked
+            self.model.jax_state_sync()
+        self._watch.check(config, opt.state(), step=self._batches - 1)
