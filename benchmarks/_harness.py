@@ -154,13 +154,15 @@ def run_worker(
     threads: int,
     timeout: float = 900,
     in_process: bool = False,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Runs ``python -m <module> --worker <config json>`` and returns its result dict.
 
     A failed worker gives ``{"error": "..."}`` (the last lines of its output) instead of
     raising, so one broken backend does not hide the others' numbers. With ``in_process`` the
     module's ``worker(config)`` runs here instead (the smoke test: no import per worker, no
-    thread pinning, RSS figures meaningless).
+    thread pinning, RSS figures meaningless). ``env``: variables set for the worker on top of
+    :func:`worker_env`'s (e.g. ``KERAS_BACKEND``).
     """
     if in_process:
         import importlib
@@ -172,7 +174,7 @@ def run_worker(
         proc = subprocess.run(
             cmd,
             cwd=ROOT,
-            env=worker_env(threads),
+            env={**worker_env(threads), **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -11,6 +11,10 @@ Per backend, for unimp's step and (for contrast) the native loop, after two warm
   (target: none), and the steps run under ``jax.transfer_guard("disallow")``.
 * TensorFlow: ``tf.function`` tracings after all steps (target: 1) and graph ops that run
   Python or print (PyFunc, EagerPyFunc, PrintV2; target: none).
+* Keras on torch (``keras-torch``, run with torch): host reads inside Keras's own
+  ``train_step`` (what ``fit`` runs per batch), with :class:`unimp.keras.LossScaleOptimizer`
+  and with Keras's own ``LossScaleOptimizer`` (whose ``ops.cond`` is a Python ``if`` on
+  torch), counted as torch's.
 
     python -m benchmarks.syncs [--quick] [--device cuda]
 """
@@ -115,13 +119,58 @@ def _tensorflow(k, spec, cfg, steps: int) -> list[dict]:
     return rows
 
 
+def _keras_torch(spec, cfg, steps: int) -> list[dict]:
+    import keras
+    import numpy as np
+    import torch
+
+    from benchmarks._kit_torch import count_host_reads
+    from unimp.dtypes import keras_policy_name
+    from unimp.keras import LossScaleOptimizer
+    from unimp.recipe import get_recipe
+
+    p = get_recipe(cfg["recipe"]).policy
+    keras.config.set_dtype_policy(keras_policy_name(p.param_dtype, p.compute_dtype))
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.normal(size=(spec.batch, spec.inputs)).astype(np.float32))
+    y = torch.as_tensor(rng.integers(0, spec.outputs, spec.batch))
+    rows = []
+    for impl, wrap in (("unimp", LossScaleOptimizer), ("keras", keras.optimizers.LossScaleOptimizer)):
+        layers = [keras.Input((spec.inputs,))]
+        layers += [keras.layers.Dense(n, activation="relu") for n in spec.hidden]
+        layers += [keras.layers.Dense(spec.outputs, dtype="float32")]
+        model = keras.Sequential(layers)
+        model.compile(
+            optimizer=wrap(keras.optimizers.Adam(1e-3)),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.train_on_batch(x, y)  # builds
+        model.train_step((x, y))
+        with count_host_reads() as counts:
+            for _ in range(steps):
+                model.train_step((x, y))
+        rows.append(
+            {
+                "impl": f"{impl} LossScaleOptimizer in Keras's train_step",
+                "host_reads_per_step": sum(counts.values()) / steps,
+                "host_reads_by_name": counts,
+            }
+        )
+    return rows
+
+
 def worker(cfg: dict) -> dict:
     from benchmarks._kits import kit
 
     backend = cfg["backend"]
     h.pin_framework_threads(backend, cfg["threads"])
-    k = kit(backend)
     spec = h.MODELS[cfg["model"]]
+    if backend == "keras-torch":
+        import keras
+
+        return {"backend": backend, "framework": f"keras {keras.__version__}",
+                "rows": _keras_torch(spec, cfg, cfg["steps"])}
+    k = kit(backend)
     rows = {"torch": _torch, "jax": _jax, "tensorflow": _tensorflow}[backend](
         k, spec, cfg, cfg["steps"]
     )
@@ -130,7 +179,10 @@ def worker(cfg: dict) -> dict:
 
 def verdict(backend: str, row: dict) -> tuple[str, bool]:
     """(what was seen, whether it meets the target) for one row."""
-    if backend == "torch":
+    if backend == "keras-torch":  # the target is unimp's: Keras's own row is the contrast
+        ok = row["host_reads_per_step"] == 0 or not row["impl"].startswith("unimp")
+        seen = f"{row['host_reads_per_step']:g} host reads/step {row['host_reads_by_name'] or ''}"
+    elif backend == "torch":
         ok = row["host_reads_per_step"] == 0 and row["cuda_sync_debug"] in ("no sync", "not CUDA")
         seen = (
             f"{row['host_reads_per_step']:g} host reads/step {row['host_reads_by_name'] or ''} "
@@ -165,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     mode = h.run_mode(args)
     config = {"recipe": args.recipe, "model": "tiny" if args.tiny else "mlp", "steps": STEPS[mode]}
     results = h.run_backends("syncs", args, config)
+    if "torch" in args.backends and not args.in_process:  # Keras's backend is fixed per process
+        cfg = {"backend": "keras-torch", "device": args.device, "threads": args.threads, **config}
+        results["keras-torch"] = h.run_worker(
+            "benchmarks.syncs", cfg, args.threads, env={"KERAS_BACKEND": "torch"}
+        )
     rows = []
     for backend, res in results.items():
         if "error" in res:
