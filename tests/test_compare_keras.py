@@ -56,3 +56,13 @@ def test_what_keras_engines_cannot_run_fails_before_training(tmp_path, capsys, e
     assert code == 2
     assert words in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["trace", "mixed_float16", "--backends", "keras-jax"], ["audit", "--to", "float16", "--backends", "torch,keras-torch"]],
+)
+def test_trace_and_audit_name_the_engine_they_cannot_record(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "keras-" in err and "--backends tensorflow" in err and len(err.strip().splitlines()) == 1

@@ -253,6 +253,22 @@ def keras_refusal(recipe: Recipe) -> str | None:
     return None
 
 
+def refuse_keras_engines(backends: list[str] | tuple[str, ...] | None, command: str) -> None:
+    """``unimp trace`` and ``unimp audit`` record unimp's own step (its dtype trace, its tensor
+    statistics), which Keras's trainer does not run.
+
+    Raises:
+        ValueError: a ``keras-*`` engine among ``backends``, naming the fix.
+    """
+    named = [b for b in backends or () if b in KERAS_ENGINES]
+    if named:
+        raise ValueError(
+            f"--backends {','.join(named)}: {command} records unimp's own train step, and the "
+            "keras-* engines run Keras's trainer (unimp compare only); use --backends tensorflow "
+            "(Keras on TensorFlow through unimp's step)."
+        )
+
+
 def _runner(backend: str) -> Callable[[RunSpec], dict[str, Any]]:
     """The function that runs a spec on ``backend`` (a Keras engine runs in a worker)."""
     # runners are found by name, as for every backend (they import this module)
@@ -660,6 +676,7 @@ def run_audit(
         raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
     if plant is not None:  # its form first: refused at once, before the data and frameworks
         plant_form(plant)
+    refuse_keras_engines(cfg.backends, "unimp audit")
     scale = initial_scale(to)
     loss_scale = "none" if scale == 1.0 else StaticLossScale(scale)
     _, backends, ds = validate(dataclasses.replace(cfg, recipe="float32", loss_scale=None))

@@ -14,7 +14,14 @@ from typing import Any
 
 from unimp import registry
 from unimp.compare.models import hidden_size, init_weights
-from unimp.compare.run import CompareConfig, RunSpec, device_for, trace_diff, validate
+from unimp.compare.run import (
+    CompareConfig,
+    RunSpec,
+    device_for,
+    refuse_keras_engines,
+    trace_diff,
+    validate,
+)
 from unimp.recipe import Recipe, get_recipe
 from unimp.trace import Trace
 
@@ -48,6 +55,7 @@ def trace_compare_model(cfg: CompareConfig, backend: str, recipe: Recipe | None 
     Raises:
         ValueError, ImportError: bad options, named as ``unimp compare`` names them.
     """
+    refuse_keras_engines((backend,), "unimp trace")
     rec, _, _ = validate(cfg)
     rec = recipe if recipe is not None else rec
     name = registry.backend_info(backend).name
@@ -67,6 +75,7 @@ def trace_report(
         "diff": [DiffRow]}``; the float32 reference (``with_float32``) is labelled
         ``float32 (<backend>)``, traced in the first backend, and shown beside the diff.
     """
+    refuse_keras_engines(cfg.backends, "unimp trace")
     recipe, backends, _ = validate(cfg)
     traces: dict[str, Trace] = {}
     for b in backends:
