@@ -213,9 +213,10 @@ def mx_quantize_dequantize(x: Any, fmt: str, rule: str, block: int = MX_BLOCK, o
     byte = SCALE_RULES[rule](ops.amax_last(ops.abs(blocks)), fmt, ops)
     nan = byte == E8M0_NAN
     e = ops.where(nan, 127, byte) - 127  # the scale 2**e; a NaN block is set NaN below
-    y = ops.clip(_times_pow2(blocks, -e, ops), -fmax, fmax)
-    q = round_e2m1(y, ops) if fmt == "float4_e2m1fn" else ops.round_fp8(y, fmt)
-    out = ops.where(nan, ops.f32(float("nan")), _times_pow2(q, e, ops))
+    with np.errstate(over="ignore"):  # an infinite block's 448 * 2**127 is inf, as in division
+        y = ops.clip(_times_pow2(blocks, -e, ops), -fmax, fmax)
+        q = round_e2m1(y, ops) if fmt == "float4_e2m1fn" else ops.round_fp8(y, fmt)
+        out = ops.where(nan, ops.f32(float("nan")), _times_pow2(q, e, ops))
     return ops.reshape(out, shape)
 
 
@@ -371,9 +372,15 @@ def block_fp8_quantize_dequantize(
     if variant == "kernel":
         mag = ops.where(ops.isnan(mag), ops.f32(0.0), mag)  # fmaxf skips NaN
     s = block_fp8_scale(ops.amax_axes(mag, (1, 3)), fmt, pow2, variant, ops)
-    with np.errstate(invalid="ignore"):
-        y = ops.clip(tiles * s, -fmax, fmax)
-        out = ops.round_fp8(y, fmt) * ops.reciprocal(s)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = ops.round_fp8(ops.clip(tiles * s, -fmax, fmax), fmt)
+        if not pow2:
+            return ops.reshape(q * ops.reciprocal(s), shape)
+        # S = 2**k: times 1 / S = 2**-k by its exponent, no division (TensorFlow's graphs divide
+        # vectors approximately) and no subnormal factor (1 / 2**127 is one); S = 0 (an
+        # infinite amax, the reference's rule) has 1 / S = inf: q * inf is NaN, q being 0 or NaN
+        k = (ops.bits(s) // _MANTISSA) % _EXPONENTS - 127
+        out = ops.where(s == ops.f32(0.0), ops.f32(float("nan")), _times_pow2(q, -k, ops))
     return ops.reshape(out, shape)
 
 
@@ -472,10 +479,16 @@ def round_e2m1_stochastic(x: Any, bits: Any, ops: Any = NumpyOps) -> Any:
     return ops.where(x < ops.f32(0.0), -q, ops.where(x > ops.f32(0.0), q, x))
 
 
+def _tensor_amax(mag: Any, ops: Any) -> Any:
+    """The tiles' ``max(|x|)`` over the whole tensor, kept 4-d, NaN propagating (through
+    ``amax_axes``: XLA's own reduce-max drops NaN in large reductions on CPU)."""
+    return ops.amax_axes(mag, (0, 1, 2, 3))
+
+
 def _nvfp4_transformer_engine(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
     """Tiles -> (elements scaled and clipped, block decode scales, global decode scale)."""
     mag = ops.abs(tiles)
-    s_enc = nvfp4_global_scale(ops.amax(mag), ops)
+    s_enc = nvfp4_global_scale(_tensor_amax(mag, ops), ops)
     g = ops.reciprocal(s_enc)
     d = nvfp4_block_scale(ops.amax_axes(mag, (1, 3)), s_enc, ops)
     enc = ops.reciprocal(d * g)
@@ -485,14 +498,14 @@ def _nvfp4_transformer_engine(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
 
 def _nvfp4_torchao(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
     mag = ops.abs(tiles)
-    g = ops.amax(mag) / ops.f32(_E4M3_MAX * _E2M1_MAX)
+    g = _tensor_amax(mag, ops) / ops.f32(_E4M3_MAX * _E2M1_MAX)
     d = ops.clip((ops.amax_axes(mag, (1, 3)) / ops.f32(_E2M1_MAX)) / g, _TORCHAO_E4M3_TINY, _E4M3_MAX)
     d = ops.round_fp8(d, "float8_e4m3fn")
     return ops.clip(tiles * ((ops.f32(1.0) / g) / d), -_E2M1_MAX, _E2M1_MAX), d, g
 
 
 def _nvfp4_jax(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
-    g = ops.amax(ops.abs(tiles)) / ops.f32(_E4M3_MAX * _E2M1_MAX)
+    g = _tensor_amax(ops.abs(tiles), ops) / ops.f32(_E4M3_MAX * _E2M1_MAX)
     z = tiles / g
     d = ops.round_fp8(ops.clip(ops.amax_axes(ops.abs(z), (1, 3)) / ops.f32(_E2M1_MAX), 0.0, _E4M3_MAX), "float8_e4m3fn")
     return ops.clip(z / d, -_E2M1_MAX, _E2M1_MAX), d, g
@@ -550,7 +563,7 @@ def nvfp4_quantize_dequantize(
         bits: ``"stochastic"``: int32 random bits, ``x``'s shape (:func:`unimp.rounding.random_bits`).
         variant: one of :data:`NVFP4_VARIANTS`.
         ops: the array namespace (default NumPy, the reference); besides the block FP8 rule's
-            names it needs ``amax`` and ``floor``.
+            names it needs ``floor``.
 
     Returns:
         float32 array, ``x``'s shape.

@@ -98,6 +98,30 @@ class FP8Ops:
     def cast_like(x: jax.Array, like: jax.Array) -> jax.Array:
         return x.astype(jnp.asarray(like).dtype)
 
+    # the block-scaled formats' names (unimp.blockscale)
+    @staticmethod
+    def round(x: jax.Array) -> jax.Array:
+        return jnp.round(x)  # half to even
+
+    @staticmethod
+    def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        return jnp.reshape(x, shape)
+
+    @staticmethod
+    def amax_last(x: jax.Array) -> jax.Array:
+        return _max_keeping_nan(x, (-1,))
+
+    @staticmethod
+    def amax_axes(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+        return _max_keeping_nan(x, tuple(axes))
+
+
+def _max_keeping_nan(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """The max over ``axes``, kept, NaN wherever a NaN was reduced: XLA's CPU reduce-max drops
+    NaN in large reductions (jax 0.10: a row of 1,024, or 128x2x128 over two axes)."""
+    m = jnp.max(x, axis=axes, keepdims=True)
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.float32(jnp.nan), m)
+
 
 #: Per float8 dtype: (exponent bits, mantissa bits, smallest normal, subnormal spacing, whether
 #: the format has no infinities and so reaches one exponent further (e4m3fn: 448 = 1.75 * 2**8)).

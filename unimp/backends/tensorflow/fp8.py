@@ -111,6 +111,31 @@ class FP8Ops:
     def cast_like(x: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
         return tf.cast(x, like.dtype)
 
+    # the block-scaled formats' names (unimp.blockscale)
+    @staticmethod
+    def round(x: tf.Tensor) -> tf.Tensor:
+        return tf.round(x)  # half to even
+
+    @staticmethod
+    def reshape(x: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+        return tf.reshape(x, shape)
+
+    @staticmethod
+    def amax_last(x: tf.Tensor) -> tf.Tensor:
+        return _max_keeping_nan(x, [-1])
+
+    @staticmethod
+    def amax_axes(x: tf.Tensor, axes: tuple[int, ...]) -> tf.Tensor:
+        return _max_keeping_nan(x, list(axes))
+
+
+def _max_keeping_nan(x: tf.Tensor, axes: list[int]) -> tf.Tensor:
+    """The max over ``axes``, kept, NaN wherever a NaN was reduced: under ``jit_compile=True``
+    XLA's CPU reduce-max drops NaN in large reductions (TensorFlow 2.21)."""
+    m = tf.reduce_max(x, axis=axes, keepdims=True)
+    nan = tf.reduce_any(tf.math.is_nan(x), axis=axes, keepdims=True)
+    return tf.where(nan, tf.constant(float("nan"), x.dtype), m)
+
 
 def fp8_initial_state(config: _fp8.FP8Config, device: Any = None) -> FP8State:
     """Scale 1, zero history: an :class:`unimp.fp8.FP8State` of float32 tensors."""

@@ -111,6 +111,23 @@ class FP8Ops:
     def cast_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return x.to(like.dtype)
 
+    # the block-scaled formats' names (unimp.blockscale)
+    @staticmethod
+    def round(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)  # half to even
+
+    @staticmethod
+    def reshape(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.reshape(x, shape)
+
+    @staticmethod
+    def amax_last(x: torch.Tensor) -> torch.Tensor:
+        return torch.amax(x, dim=-1, keepdim=True)  # NaN-propagating
+
+    @staticmethod
+    def amax_axes(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return torch.amax(x, dim=tuple(axes), keepdim=True)
+
 
 _OPS: dict[torch.device, FP8Ops] = {}
 
