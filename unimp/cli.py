@@ -419,7 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run each with the same weights and batches, one report row per framework and recipe",
     )
     cmp_.add_argument(
-        "--backends", default=None, help="comma-separated (default: every installed framework)"
+        "--backends",
+        default=None,
+        help="comma-separated (default: every installed framework); also keras-tensorflow, "
+        "keras-jax, keras-torch: Keras's own trainer on that Keras backend, in a worker process",
     )
     cmp_.add_argument(
         "--model",
