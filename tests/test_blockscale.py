@@ -538,3 +538,12 @@ def test_nvfp4_jax_variant_equals_jax_s_nvfp4_quantize():
     ys = np.random.default_rng(8).standard_normal((64, 1, 32)).astype(np.float32)
     differ = [not np.array_equal(nvfp4_quantize_dequantize(y), nvfp4_quantize_dequantize(y, variant="jax")) for y in ys]
     assert 4 <= sum(differ) <= 40
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    import unimp.blockscale as mod
+
+    failures, tried = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert tried >= 2 and failures == 0

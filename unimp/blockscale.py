@@ -365,6 +365,16 @@ def block_fp8_quantize_dequantize(
     Raises:
         ValueError: a shape that does not split into tiles, or what :func:`block_fp8_scale`
             raises.
+
+    Example:
+        A row whose amax is 449 gets ``S = 0.5`` (448 / 449 floored): 449 -> 224.5 -> 224 ->
+        448, and 0.3 -> 0.15 -> 0.15625 -> 0.3125.
+
+        >>> import numpy as np
+        >>> x = np.full((1, 128), 0.3, np.float32)
+        >>> x[0, 0] = 449.0
+        >>> block_fp8_quantize_dequantize(x)[0, :2].tolist()
+        [448.0, 0.3125]
     """
     fmax = _check_block_fp8(fmt, variant)
     tiles, shape = _tiled(ops, x, tile, "block FP8")
@@ -571,6 +581,16 @@ def nvfp4_quantize_dequantize(
     Raises:
         ValueError: a shape that does not split into tiles, an unknown rounding or variant, or
             stochastic rounding without ``bits`` (or with bits of another shape).
+
+    Example:
+        Global amax 2688 = 448 * 6 makes ``S_enc = 1``; the second block's amax 5 gives the
+        decode scale e4m3(5/6) = 0.8125, so 5 -> 6.15 -> 6 -> 4.875 and 2 -> 2.46 -> 2 -> 1.625.
+
+        >>> import numpy as np
+        >>> x = np.zeros((1, 32), np.float32)
+        >>> x[0, 0], x[0, 16], x[0, 17] = 2688.0, 5.0, 2.0
+        >>> nvfp4_quantize_dequantize(x)[0, [0, 16, 17]].tolist()
+        [2688.0, 4.875, 1.625]
     """
     if rounding not in NVFP4_ROUNDINGS:
         raise ValueError(f"unknown NVFP4 rounding {rounding!r}; choose one of {', '.join(NVFP4_ROUNDINGS)}.")
