@@ -28,7 +28,9 @@ def _check_keras() -> None:
     current = keras.backend.backend()
     if current != "tensorflow":
         other = (
-            f" or use unimp's {current!r} backend for Keras on {current},"
+            f" (or, for Keras on {current}, compile your model with unimp.keras.LossScaleOptimizer:"
+            " unimp's loss scaling on every Keras backend; the rest of this backend needs"
+            " TensorFlow)"
             if current in ("jax", "torch")
             else ""
         )
@@ -36,7 +38,7 @@ def _check_keras() -> None:
             f"unimp's tensorflow backend needs Keras on the TensorFlow backend, but Keras runs on "
             f"{current!r}. Set the environment variable KERAS_BACKEND=tensorflow before Keras is "
             "first imported (e.g. `KERAS_BACKEND=tensorflow python train.py`, or "
-            f'"backend": "tensorflow" in ~/.keras/keras.json){other} and restart Python.'
+            f'"backend": "tensorflow" in ~/.keras/keras.json) and restart Python{other}.'
         )
 
 
