@@ -244,8 +244,9 @@ class StepStats:
 
         Args:
             step: the step index.
-            gradients, activations: ``{name: (size, scale, counts, magnitudes)}`` as
+            gradients: ``{name: (size, scale, counts, magnitudes)}`` as
                 :meth:`TensorStats.from_arrays` takes them.
+            activations: the same for the activations.
             order: ``(gradient names, activation names)`` in the order to keep (the model's
                 parameter order, the forward pass's call order); names not listed follow,
                 sorted. Compiled steps return dicts sorted by name, so the order is passed

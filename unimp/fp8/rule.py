@@ -251,7 +251,8 @@ def step_arrays(
         ops: the array namespace (see :class:`NumpyOps` for the names it needs).
         config: a :class:`DelayedScaling` or :class:`CurrentScaling`.
         role: ``"forward"`` (inputs, weights) or ``"backward"`` (gradients): picks the format.
-        scale, scale_inv: float32 0-d, the state before the step.
+        scale: float32 0-d, the state before the step.
+        scale_inv: float32 0-d, the state before the step.
         amax_history: float32 ``(L,)``, newest first.
         amax: float32 0-d, this step's ``max(abs(x))`` of the tensor (may be 0, inf, NaN).
 

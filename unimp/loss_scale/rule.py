@@ -100,7 +100,9 @@ def update_arrays(
             ``f32(x)`` and ``i32(x)`` (make a float32 / int32 scalar on the right device).
         config: the loss-scale config (static).
         scale: float32 scalar.
-        counter, consecutive_skips, total_skips: int32 scalars.
+        counter: int32 scalar.
+        consecutive_skips: int32 scalar.
+        total_skips: int32 scalar.
         grads_finite: bool scalar, every gradient element is finite.
         loss_finite: bool scalar, the (unscaled) loss is finite.
         extra: ``None``, or the extra fields of :class:`LossScaleState` (:data:`EXTRA_FIELDS`) as int32 scalars

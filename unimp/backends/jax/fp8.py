@@ -264,8 +264,10 @@ def fp8_dot_general(
 
     Args:
         config: a :class:`unimp.fp8.DelayedScaling` or :class:`unimp.fp8.CurrentScaling`.
-        input_state, kernel_state, grad_state: :class:`unimp.fp8.FP8State` of float32 arrays
-            (or its ``to_dict()``: taken as one).
+        input_state: :class:`unimp.fp8.FP8State` of float32 arrays (or its ``to_dict()``:
+            taken as one).
+        kernel_state: the same, for the kernel.
+        grad_state: the same, for the gradient.
         native: the float8 GEMM path; ``None`` (default) reads ``UNIMP_FP8_NATIVE`` now
             (``"1"``: on).
         name: the layer's name in warnings (default: the shapes of the product).

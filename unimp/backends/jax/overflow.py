@@ -73,7 +73,8 @@ def select_tree(pred: Any, a: Any, b: Any) -> Any:
 
     Args:
         pred: a bool scalar (array or Python bool).
-        a, b: pytrees of the same structure, whose leaves have equal shapes and dtypes.
+        a: a pytree.
+        b: a pytree of ``a``'s structure, whose leaves have ``a``'s shapes and dtypes.
 
     Returns:
         A pytree like ``a``.

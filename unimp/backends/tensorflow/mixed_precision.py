@@ -354,15 +354,17 @@ class MixedPrecision(MixedPrecisionBase):
         :class:`ReplicaDesyncWarning`. ``jit_compile`` is refused there (measured: the
         replica step compiled by XLA reads the mirrored variables' copies on other devices).
 
+        ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``,
+        ``log_every`` and ``rounding_seed`` are the options every backend takes, validated and
+        documented once by :class:`unimp.trainstep.StepOptions`; below, what some of them mean
+        in Keras.
+
         Args:
             model: a built Keras model (``model.trainable_variables`` non-empty); the policy's
                 ``overrides`` are applied to it here if :meth:`prepare` did not.
             optimizer: a Keras optimizer (wrapped in :class:`LossScaleOptimizer` with the
                 recipe's loss scale) or an unimp :class:`LossScaleOptimizer` (used as is).
             loss_fn: ``loss_fn(model, batch) -> scalar loss``.
-            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every,
-                rounding_seed: the options every backend takes, validated and documented once by
-                :class:`unimp.trainstep.StepOptions`; below, what they mean in Keras.
             jit_compile: compile the step with XLA.
             schedule_counts: ``"applied"`` (default: a skipped step leaves ``iterations``, hence
                 any learning-rate schedule, unchanged) or ``"attempted"`` (``iterations`` grows

@@ -84,9 +84,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             Keras reads a positional number as ``initial_scale``), ``"none"``, or a
             ``to_dict()`` dict; ``None`` is unimp's ``DynamicLossScale()``.
         name: optimizer name.
-        initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use: they mean
-            ``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``; not
-            together with ``loss_scale``.
+        initial_scale: Keras's argument, for drop-in use: with ``dynamic_growth_steps`` it
+            means ``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``;
+            not together with ``loss_scale``.
+        dynamic_growth_steps: Keras's argument, for drop-in use (see ``initial_scale``).
         update: how half-precision variables take their updates (a policy's ``update``,
             :mod:`unimp.rounding`): ``"nearest"`` (default), ``"kahan"`` (a compensation
             variable per half variable, in its dtype, made at ``build`` and saved with the
@@ -433,7 +434,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Args:
             unscaled: one unscaled gradient (or None) per variable.
             variables: the variables, or None for the ones the optimizer was built with.
-            grads_finite, loss_finite: boolean scalar tensors (this replica's).
+            grads_finite: boolean scalar tensor (this replica's).
+            loss_finite: boolean scalar tensor (this replica's).
 
         Returns:
             ``(applied, consecutive_skips, total_skips, grads_finite, loss_finite)``, the flags
