@@ -156,6 +156,19 @@ def test_amax_ignores_nan_elements_under_transformer_engine_only(backend, name):
         assert mod.fp8_state_to_numpy(state).amax_history.tolist() == [2.0, 0.0, 0.0]
 
 
+def test_amax_of_a_large_tensor_keeps_its_nan(backend):
+    """A NaN among 4,096 elements is the amax (max(abs(x)), no config), eagerly and compiled:
+    XLA's CPU reduce-max drops it in reductions this large (JAX 0.10), so the JAX backend
+    checks for NaN by hand (found by issue 33's block-scaled conformance)."""
+    mod = require_backend(backend)
+    x = np.ones((64, 64), np.float32)
+    x[3, 5] = NAN
+    assert math.isnan(float(np.asarray(mod.fp8_amax(_native(backend, x)))))
+    if backend == "jax":
+        import jax
+
+        assert math.isnan(float(jax.jit(mod.fp8_amax)(_native(backend, x))))
+
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 def test_quantize_dequantize_matches_reference(backend, dtype, x_dtype):

@@ -65,9 +65,12 @@ class FP8Ops:
 
     @staticmethod
     def amax(x: jax.Array) -> jax.Array:
-        # NaN-propagating; 0 over no element, as the reference (jnp.max raises there; the
+        # NaN-propagating (by hand: XLA's CPU reduce-max drops NaN in reductions of a few
+        # thousand elements); 0 over no element, as the reference (jnp.max raises there; the
         # size is static under jit)
-        return jnp.max(x) if jnp.size(x) else jnp.zeros((), jnp.asarray(x).dtype)
+        if not jnp.size(x):
+            return jnp.zeros((), jnp.asarray(x).dtype)
+        return jnp.where(jnp.any(jnp.isnan(x)), jnp.asarray(jnp.nan, jnp.asarray(x).dtype), jnp.max(x))
 
     @staticmethod
     def push(history: jax.Array, amax: jax.Array) -> jax.Array:
