@@ -20,7 +20,7 @@ from unimp.rounding import check_seed
 from unimp.step import check_schedule_counts, check_stats_every, check_step_options, micro_batches
 from unimp.steprecorder import check_log_every
 
-__all__ = ["NORM_RESCALE_ABOVE", "StepOptions", "StepPrimitives", "run_step"]
+__all__ = ["NORM_RESCALE_ABOVE", "StepOptions", "StepPrimitives", "run_step", "run_step_traced"]
 
 #: The global norm's rescaling, one rule in every backend. With ``amax`` the largest magnitude
 #: of the unscaled gradients (float32), the norm is ``sqrt(sum((g * s)**2)) / s`` with
@@ -200,18 +200,48 @@ def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dic
     scale = ops.begin()
     saved = ops.save_forward_state()
     try:  # anything that raises before the update leaves nothing behind (ops.abort)
-        grads, loss, loss_finite = ops.gradients(micro, scale)
-        grads = ops.unscale(grads, scale)
-        observed = ops.observe(grads, scale)
-        grads, grads_finite = ops.finite(grads, scale)
-        grad_norm = None
-        if options.max_grad_norm is not None:
-            grad_norm, grads_finite = ops.global_norm(grads, grads_finite)
-            grads = ops.clip(grads, grad_norm, options.max_grad_norm)
-        applied = ops.apply(grads, grads_finite, loss_finite)
+        update = _update(ops, micro, options, scale)
     except BaseException:
         ops.abort(saved)
         raise
+    return _finish(ops, saved, scale, update)
+
+
+def run_step_traced(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dict[str, Any]:
+    """:func:`run_step` for a compiler that cannot resume its graph after a break inside a
+    ``try`` block: the same phases in the same order, with no ``try``.
+
+    ``torch.compile`` is one (CPython 3.11+ exception tables; ``torch.optim``'s step breaks the
+    graph on purpose, inside the update phase): with the ``try`` there, it compiles up to the
+    ``try`` and the rest phase by phase. The caller undoes a call that raised, as a whole
+    (:meth:`StepPrimitives.abort` with the forward state it saved before the call).
+
+    Args and Returns: as :func:`run_step`.
+    """
+    scale = ops.begin()
+    saved = ops.save_forward_state()
+    return _finish(ops, saved, scale, _update(ops, micro, options, scale))
+
+
+def _update(ops: StepPrimitives, micro: list[Any], options: StepOptions, scale: Any) -> tuple[Any, ...]:
+    """The phases :func:`run_step` undoes when they raise: the window's gradients up to the
+    guarded update. Returns ``(loss, loss_finite, grads_finite, grad_norm, applied, observed)``."""
+    grads, loss, loss_finite = ops.gradients(micro, scale)
+    grads = ops.unscale(grads, scale)
+    observed = ops.observe(grads, scale)
+    grads, grads_finite = ops.finite(grads, scale)
+    grad_norm = None
+    if options.max_grad_norm is not None:
+        grad_norm, grads_finite = ops.global_norm(grads, grads_finite)
+        grads = ops.clip(grads, grad_norm, options.max_grad_norm)
+    applied = ops.apply(grads, grads_finite, loss_finite)
+    return loss, loss_finite, grads_finite, grad_norm, applied, observed
+
+
+def _finish(ops: StepPrimitives, saved: Any, scale: Any, update: tuple[Any, ...]) -> dict[str, Any]:
+    """The phases after the update (the forward state, the parameters' check, the loss-scale
+    update) and the step's raw values."""
+    loss, loss_finite, grads_finite, grad_norm, applied, observed = update
     ops.restore_forward_state(saved, applied)
     params_finite = ops.params_finite()
     reported = ops.update_scale(grads_finite, loss_finite)
