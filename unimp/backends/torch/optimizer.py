@@ -97,7 +97,12 @@ def guarded_step(
 
     The call is marked as unimp's own: the GradScaler's check for a user's ``optimizer.step()``
     on gradients still multiplied by the scale stays out of it.
+
+    Inside ``torch.compile`` (:func:`_compiled_guarded_step`) the skip is always decided on the
+    device, whatever ``sync`` says: a host read would break the graph.
     """
+    if torch.compiler.is_compiling():
+        return _compiled_guarded_step(optimizer, bad, args, kwargs, step_fn)
     with _stepping():
         step_fn = optimizer.step if step_fn is None else step_fn
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -176,6 +181,58 @@ def guarded_step(
             if master is not None:
                 master.in_guard = False
         return ret
+
+
+def _compiled_guarded_step(
+    optimizer: torch.optim.Optimizer,
+    bad: torch.Tensor,
+    args: tuple,
+    kwargs: dict,
+    step_fn: Callable[..., Any] | None,
+) -> Any:
+    """:func:`guarded_step` as ``torch.compile`` traces it: native optimizers get ``found_inf``,
+    the others the copy-and-select guard (the compiler fuses the copies and selects into the
+    step's kernels), and nothing decides on the host.
+
+    Nothing is wrapped around ``optimizer.step``: torch's step graph-breaks on purpose (the
+    ``_use_grad`` wrapper of ``torch.optim``), and dynamo cannot resume a graph inside a context
+    manager of unimp's; the GradScaler's misuse check is off under compilation anyway. Two things
+    need the host and are not done here: dropping the lazy per-parameter state a skipped first
+    step creates (the compiled train step runs eagerly until the optimizer holds its state),
+    and restoring state that is not a tensor (torch's optimizers keep none per parameter).
+    """
+    step_fn = optimizer.step if step_fn is None else step_fn
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
+    native = amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
+    master = peek(optimizer, "master", None)
+    if master is not None:
+        master.in_guard = True
+    skip = bad != 0
+    if not native:
+        with torch.no_grad():
+            p_old = [p.detach().clone() for p in params]
+            s_old = [
+                (v, v.detach().clone()) for p in params for v in optimizer.state.get(p, {}).values()
+                if isinstance(v, torch.Tensor)
+            ]  # fmt: skip
+    if amp_aware:
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = bad  # type: ignore[attr-defined]
+    ret = step_fn(*args, **kwargs)
+    if amp_aware:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
+    if not native:
+        with torch.no_grad():
+            for p, old in zip(params, p_old, strict=True):
+                p.copy_(torch.where(_to(skip, p.device), old, p))
+            for v, old in s_old:
+                v.copy_(torch.where(_to(skip, v.device), old, v))
+    if master is not None:
+        master.to_model()
+        master.in_guard = False
+    return ret
 
 
 def _own_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:

@@ -135,8 +135,8 @@ def _check_unscaled_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
     hold a gradient, and that the scaler has not unscaled since. One dict lookup per step
     while no scaled backward is pending; an optimizer whose parameters the scaled losses do
     not reach (another model's, a GAN's other half) is never refused."""
-    if not _PENDING or getattr(_IN_STEP, "active", False):
-        return
+    if not _PENDING or getattr(_IN_STEP, "active", False) or torch.compiler.is_compiling():
+        return  # (a compiled step: the autograd graph walk cannot be traced; see scale())
     for sc, pending in list(_PENDING.items()):
         st = sc._per_opt.get(id(optimizer))
         if st is not None and st["stage"] != _READY:
@@ -238,6 +238,8 @@ class LossScaleOps:
     def _const(self, x: Any, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             return x.to(dtype)
+        if torch.compiler.is_compiling():  # a constant of the graph: costs no copy, changes no cache
+            return torch.tensor(x, dtype=dtype, device=self.device)
         key = (x, dtype)
         if key not in self._cache:
             self._cache[key] = torch.tensor(x, dtype=dtype, device=self.device)
@@ -414,6 +416,16 @@ class GradScaler:
     a skipped step). The non-finite check and unscale are
     ``torch._amp_foreach_non_finite_check_and_unscale_`` (as torch), and the scale update
     never waits for the device.
+
+    Inside a ``torch.compile``d function every method traces with no graph break of its own
+    (dynamo runs torch.amp's ``scale``, ``step`` and ``update`` eagerly, each a graph break,
+    and its ``step`` reads ``found_inf`` on the host for an optimizer without the native amp
+    path): the skip is decided on the device whatever ``skip`` says (the copy-and-select guard,
+    which the compiler fuses into the update, or ``found_inf`` for a fused optimizer, which
+    torch runs outside the compiler), the update is the reference rule
+    (:func:`unimp.loss_scale.update_arrays`, the same values bit for bit), and the misuse checks,
+    which walk autograd's graph, are left out. Run the first step eagerly: it creates the
+    optimizer's lazy state, which a compiled one would recompile for.
 
     Differences from torch, on purpose: calling :meth:`unscale_` twice before :meth:`update`
     is harmless (gradients are divided once; torch raises); a parameter listed twice in an
@@ -674,7 +686,10 @@ class GradScaler:
             return outputs
         if not any(True for _ in _leaves(outputs)):
             raise TypeError(f"scale() needs a tensor or a structure of tensors, got {type(outputs).__name__}.")
-        for t in _leaves(outputs):
+        # the misuse checks walk autograd's graph, which torch.compile cannot trace: a compiled
+        # step runs without them (its eager runs have them)
+        compiling = torch.compiler.is_compiling()
+        for t in () if compiling else _leaves(outputs):
             freed = _freed_graph(t) if t.grad_fn is not None else None
             if freed is not None:
                 raise RuntimeError(
@@ -685,7 +700,8 @@ class GradScaler:
         self._loss_finite = self._loss_finite & _to(all_finite(outputs), self._device)
         self.check_replicas()  # replicas must agree on the scale before the loss is scaled
         scaled = _map_tree(outputs, lambda t: t * _to(self._scale, t.device))
-        _mark_pending(self, scaled)
+        if not compiling:
+            _mark_pending(self, scaled)
         return scaled
 
     def _check_fp16(self, optimizer: torch.optim.Optimizer) -> None:
@@ -819,6 +835,11 @@ class GradScaler:
                                  "call scaler.update() once per iteration, after scaler.step(optimizer), "
                                  "so the loss scale moves.")  # fmt: skip
         bad = torch.where(self._loss_finite, st["found_inf"], self._ops.f32(1.0))
+        if torch.compiler.is_compiling() and not args:
+            # traced: skipped on the device with no context manager around optimizer.step
+            # (guarded_step's compiled path); an applied step's return value is kept as it is
+            st["stage"] = _STEPPED
+            return guarded_step(optimizer, bad, args, kwargs), bad == 0
         with _stepping():
             if args:  # a closure runs on an applied step only: decided on the host, as torch does
                 ret = None if bool(bad != 0) else optimizer.step(*args, **kwargs)
@@ -902,7 +923,9 @@ class GradScaler:
         then the skip counters come back as None: the caller snapshots them);
         elsewhere :func:`unimp.loss_scale.update_arrays`, copied into the state.
         """
-        if fused_rule(self._config):
+        # traced (torch.compile): the reference rule, which the compiler fuses itself; equal to
+        # the fused path bit for bit where that is taken (fused_rule), and no cache to change
+        if not torch.compiler.is_compiling() and fused_rule(self._config):
             overflow, skipped, loss_inf, *one = flags or flags_from_bools(grads_finite, loss_finite, self._buffer("overflow"))
             update_in_place(
                 self._config, self._scale, self._counter, self._skips, self._consecutive,
@@ -941,7 +964,8 @@ class GradScaler:
         and gradient overflow flags, skip flag and backoff flag are one scratch, zeroed here
         (one op) and written by torch's check kernels; :meth:`apply_step` takes the step's
         report as one packed snapshot (two ops) and :meth:`end_step` runs the fused update
-        on the same flags. A step costs no host sync either way.
+        on the same flags. A step costs no host sync either way. Traced by ``torch.compile``,
+        the step is never fused (the compiler fuses it).
         """
         if self._begun or self._per_opt:
             raise RuntimeError(
@@ -950,7 +974,7 @@ class GradScaler:
             )
         self.check_replicas()  # replicas must agree on the scale before the loss is scaled
         self._begun = True
-        if fused_rule(self._config) and self._group() is None:
+        if not torch.compiler.is_compiling() and fused_rule(self._config) and self._group() is None:
             self._fused = self._zero_flags()
             return self._scale  # unchanged until the update, after the report's snapshot
         self._fused = None
