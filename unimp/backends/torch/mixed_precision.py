@@ -347,6 +347,7 @@ class MixedPrecision(MixedPrecisionBase):
         log_every: int = 100,
         rounding_seed: int = 0,
         skip: str = "auto",
+        compile: bool = False,
     ) -> TrainStep:
         """A training step following unimp's rules; see :class:`TrainStep`.
 
@@ -354,6 +355,23 @@ class MixedPrecision(MixedPrecisionBase):
         (:class:`GradScaler`): ``"auto"``, one host read of the overflow flag before
         ``optimizer.step()`` as torch.amp does (torch's fused optimizers never sync), or
         ``"guard"``, no sync, at the cost of a copy of the parameters and optimizer state.
+
+        ``compile=True``: the whole step (forward and backward under autocast, unscale, finite
+        check, clipping, the guarded update and the loss-scale update) is one
+        ``torch.compile``d function (the default inductor backend): nothing in it reads the
+        device on the host, so unimp adds no graph break (the graphs are those torch itself
+        cuts: ``torch.optim``'s step breaks on purpose before and after its update, a fused
+        optimizer runs outside the compiler) and applied and skipped steps run the same graphs
+        with no recompilation. The calls up to the first applied one run eagerly (they create
+        the optimizer's lazy state; one host read of ``applied`` each). Inside the graph a skip is always decided on the device (``skip`` is then
+        ``"guard"`` for an optimizer without torch's native amp path; the compiler fuses the
+        copy and select into the update), and the loss-scale update is the reference rule,
+        the same values bit for bit. Refused (``ValueError``, naming the fix): ``stats_every``
+        and ``log`` (per-step host bookkeeping), and a ``scheduler`` over a Python-float
+        learning rate (each value would recompile; pass ``lr=torch.tensor(lr)``). Needs what
+        torch.compile needs (a C++ compiler for inductor on a CPU); torch 2.13 traces the
+        backward into the graph (``torch._dynamo.config.trace_autograd_ops``, set for the
+        call), an older torch breaks the graph there.
 
         ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``,
         ``log_every`` and ``rounding_seed`` are the options every backend takes, validated and
@@ -368,5 +386,7 @@ class MixedPrecision(MixedPrecisionBase):
         )
         if self.policy.overrides and self._mode != "none" and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
-        step = TrainStep(self, model, optimizer, loss_fn, options=options, scheduler=scheduler, skip=skip)
+        step = TrainStep(
+            self, model, optimizer, loss_fn, options=options, scheduler=scheduler, skip=skip, compile=compile
+        )
         return with_log(step, self, log, options.log_every, step.scaler.config, to_host)

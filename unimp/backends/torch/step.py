@@ -29,7 +29,7 @@ from unimp.backends.torch.stats import (
 from unimp.rounding import step_seed
 from unimp.step import StepResult, floor_hits
 from unimp.steprecorder import LoggedStep
-from unimp.trainstep import StepOptions, run_step
+from unimp.trainstep import StepOptions, run_step, run_step_traced
 
 
 def _forward_state(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -124,11 +124,17 @@ class TrainStep(LoggedStep):
             copy of the parameters and optimizer state, selected back on the device).
             torch's fused optimizers skip in their kernel either way: with one, and without
             a scheduler on ``"applied"``, a step never syncs.
+        compile: ``True`` runs the step (:func:`unimp.trainstep.run_step`: the forward and
+            backward passes, the unscale, finite check, clipping, guarded update and
+            loss-scale update) as one ``torch.compile``d function (the default inductor
+            backend), with no graph break of unimp's and no recompilation as steps are applied
+            and skipped; see :meth:`MixedPrecision.train_step`.
 
     Raises:
         ValueError: a model on another device type than the bound one, a ``batch`` that is
             not a sequence of ``grad_accum_steps`` micro-batches, a loss that is not a
-            scalar, or a ``skip`` other than ``"auto"`` / ``"guard"``.
+            scalar, a ``skip`` other than ``"auto"`` / ``"guard"``, or ``compile=True`` with
+            an option that needs the host inside the step (named, with the fix).
     """
 
     def __init__(
@@ -141,9 +147,12 @@ class TrainStep(LoggedStep):
         options: StepOptions | None = None,
         scheduler: Any = None,
         skip: str = "auto",
+        compile: bool = False,
     ) -> None:
         options = StepOptions() if options is None else options
         check_skip(skip)  # before anything else is checked or built
+        if compile:
+            _check_compile(options, optimizer, scheduler)
         self.options = options
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
@@ -162,6 +171,12 @@ class TrainStep(LoggedStep):
         self.calls = 0  # steps taken: decides the statistics steps, never read from the device
         check_half_state(optimizer)
         _install_half_update(optimizer, mp.policy.update, options.rounding_seed)
+        self._compiled = torch.compile(self._traced) if compile else None
+        self._warm = False  # a call applied its update: the optimizer holds its lazy state
+
+    def _traced(self, micro: list[Any]) -> dict[str, Any]:
+        """The step's device work, as ``torch.compile`` traces it (no statistics, no log)."""
+        return run_step_traced(StepOps(self, None), micro, self.options)
 
     # the step's options, read from the one checked record (StepOptions)
     grad_accum_steps = property(lambda self: self.options.grad_accum_steps)
@@ -193,7 +208,21 @@ class TrainStep(LoggedStep):
         """One step; returns its result and, when the step logs without statistics, the
         gradients' finite flags (``(names, bool vector)``, else None)."""
         micro = self.options.micro_batches(batch)
-        raw = run_step(StepOps(self, recorder), micro, self.options)
+        # compiled from the call after the first applied one: the steps up to it run eagerly, as
+        # they create the optimizer's lazy state (a skipped one drops it again, on the host), so
+        # the compiled graph never changes the state's layout (which would recompile it)
+        if self._warm:
+            self.scaler.check_replicas()  # once, eagerly (its flag would retrace the step)
+            saved = _forward_state(self.model)  # a call that raises is undone as a whole
+            try:
+                with _tracing_backward():
+                    raw = self._compiled(micro)
+            except BaseException:
+                StepOps(self, None).abort(saved)
+                raise
+        else:
+            raw = run_step(StepOps(self, recorder), micro, self.options)
+            self._warm = self._compiled is not None and bool(raw["applied"])  # (a read while warming)
         stats, grad_flags = raw.pop("stats", None), raw.pop("grad_flags", None)
         # the weights changed: autocast keeps its low-precision copies of them for the life of
         # the outermost autocast block, so a step called inside the user's own `with
@@ -213,6 +242,45 @@ class TrainStep(LoggedStep):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads a portable (or torch GradScaler) loss-scale state; validated first."""
         self.scaler.load_state_dict(state_dict)
+
+
+def _check_compile(options: StepOptions, optimizer: Any, scheduler: Any) -> None:
+    """Refuses what a compiled step cannot run without host reads inside it, naming the fix.
+
+    Raises:
+        ValueError: ``stats_every`` or ``log`` (per-step host bookkeeping: forward hooks, a
+            step log), or a ``scheduler`` over a Python-float learning rate (each new value
+            would recompile the step).
+    """
+    if options.stats_every is not None or options.log is not None:
+        which = "stats_every" if options.stats_every is not None else "log"
+        raise ValueError(
+            f"compile=True cannot take {which}=: the statistics and the step log keep per-step "
+            f"host bookkeeping (forward hooks, records) that would break the compiled graph; "
+            f"drop {which}= from the compiled step, or use compile=False to observe the run."
+        )
+    if scheduler is not None and isinstance(optimizer, torch.optim.Optimizer):
+        floats = [i for i, g in enumerate(optimizer.param_groups) if not isinstance(g.get("lr"), torch.Tensor)]
+        if floats:
+            raise ValueError(
+                f"compile=True with a scheduler needs the learning rate as a tensor (param group "
+                f"{floats[0]} holds a Python float, and each new value would recompile the "
+                "step): build the optimizer with lr=torch.tensor(lr), as torch.compile's "
+                "optimizer guide does."
+            )
+
+
+@contextlib.contextmanager
+def _tracing_backward() -> Any:
+    """The dynamo options a compiled step runs under, for the call: ``loss.backward()`` traced
+    into the step's graph (``trace_autograd_ops``), and a graph break in a nested call
+    (``torch.optim``'s step breaks on purpose) resumed where it happened
+    (``nested_graph_breaks``), not at the outermost call, which would cut the step into a
+    graph per phase. A torch without them (before 2.13) compiles with more graphs."""
+    config = torch._dynamo.config
+    options = {k: True for k in ("trace_autograd_ops", "nested_graph_breaks") if hasattr(config, k)}
+    with config.patch(**options):
+        yield
 
 
 class StepOps:
@@ -333,10 +401,13 @@ class StepOps:
 
     def params_finite(self) -> Any:
         # the optimizer's half-precision parameters (float32 masters are not): none, no op
-        half = [
-            p for g in self.opt.param_groups for p in g["params"]
-            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) and p.numel()
-        ]  # fmt: skip (an empty parameter is finite, and _foreach_norm refuses it)
+        # (an empty parameter is finite, and _foreach_norm refuses it; loops, not a
+        # comprehension: dynamo cannot trace one here, after the optimizer's graph break)
+        half = []
+        for g in self.opt.param_groups:
+            for p in g["params"]:
+                if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) and p.numel():
+                    half.append(p)
         if not half:
             return None
         # the largest magnitude per tensor (NaN and inf stay themselves, one fused op), then
