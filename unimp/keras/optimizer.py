@@ -18,7 +18,7 @@ from keras import ops
 
 from unimp.loss_scale import (
     EXTRA_FIELDS,
-    FloorWatch,
+    BatchCheck,
     LossScaleConfig,
     LossScaleState,
     from_state_dict,
@@ -26,7 +26,6 @@ from unimp.loss_scale import (
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
-from unimp.loss_scale.config import positive_int
 from unimp.loss_scale.keras_args import (
     check_keras_arguments,
     keras_positional,
@@ -478,23 +477,24 @@ class LossScaleCheck(keras.callbacks.Callback):
 
     def __init__(self, every: int = 1) -> None:
         super().__init__()
-        self.every = positive_int("LossScaleCheck", "every", every, 1)
-        self._batches = 0
-        self._watch = FloorWatch()  # each floor hit acted on once, as the train steps do
+        self._check = BatchCheck(every)
+
+    @property
+    def every(self) -> int:
+        """Check after every ``every``-th batch."""
+        return self._check.every
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._batches += 1
-        if self._batches % self.every:
-            return
         opt = getattr(self.model, "optimizer", None)
         if not isinstance(opt, LossScaleOptimizer):
             raise TypeError(
                 "LossScaleCheck needs the model compiled with unimp.keras.LossScaleOptimizer, got "
                 f"{type(opt).__name__}: model.compile(optimizer=LossScaleOptimizer(opt), ...)."
             )
-        config = opt.loss_scale_config
-        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
-            return  # nothing to act on: no device read
-        if keras.backend.backend() == "jax":  # Keras's JAX trainer holds the state until asked
-            self.model.jax_state_sync()
-        self._watch.check(config, opt.state(), step=self._batches - 1)
+
+        def read() -> LossScaleState:
+            if keras.backend.backend() == "jax":  # Keras's JAX trainer holds the state until asked
+                self.model.jax_state_sync()
+            return opt.state()
+
+        self._check.after_batch(opt.loss_scale_config, read)

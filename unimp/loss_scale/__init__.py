@@ -57,6 +57,7 @@ from unimp.loss_scale.config import (
 )
 from unimp.loss_scale.portable import STATE_FORMAT, from_state_dict, state_dict
 from unimp.loss_scale.rule import (
+    BatchCheck,
     FloorWatch,
     check_state,
     fields_in_use,
@@ -69,6 +70,7 @@ from unimp.loss_scale.rule import (
 )
 
 __all__ = [
+    "BatchCheck",
     "EXTRA_FIELDS",
     "FloorWatch",
     "FLOOR_ACTIONS",

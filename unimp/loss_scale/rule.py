@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ from unimp.loss_scale.config import (
     LossScaleError,
     LossScaleFloorWarning,
     LossScaleState,
+    positive_int,
 )
 
 
@@ -361,6 +362,41 @@ class FloorWatch:
         else:
             self.seen = hits
         check_state(config, state, step)
+
+
+class BatchCheck:
+    """What a ``model.fit`` callback checks after every ``every``-th batch (Keras's
+    ``LossScaleCheck`` in each Keras integration): :class:`FloorWatch`'s check of the state it
+    reads, and no read at all for a config with neither ``max_consecutive_skips`` nor a
+    ``floor_action`` (as a step result's first read).
+
+    Args:
+        every: check after every ``every``-th batch, an int >= 1.
+
+    Raises:
+        ValueError: ``every`` is not an int >= 1.
+    """
+
+    __slots__ = ("batches", "every", "watch")
+
+    def __init__(self, every: int = 1) -> None:
+        self.every = positive_int("LossScaleCheck", "every", every, 1)
+        self.batches = 0
+        self.watch = FloorWatch()  # each floor hit acted on once, as the train steps do
+
+    def after_batch(self, config: LossScaleConfig, read: Callable[[], LossScaleState]) -> None:
+        """Counts a batch; on every ``every``-th, reads the state (``read()``, one device read)
+        and checks it where the config asks for a check.
+
+        Raises:
+            LossScaleError: as :func:`check_state`.
+        """
+        self.batches += 1
+        if self.batches % self.every:
+            return
+        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
+            return  # nothing to act on: no device read
+        self.watch.check(config, read(), step=self.batches - 1)
 
 
 def _check_floor(config: LossScaleConfig, state: LossScaleState, step: int | None) -> None:

@@ -31,8 +31,8 @@ from unimp.backends.tensorflow.scaling import (
 )
 from unimp.loss_scale import (
     EXTRA_FIELDS,
+    BatchCheck,
     DynamicLossScale,
-    FloorWatch,
     LossScaleConfig,
     LossScaleState,
     from_state_dict,
@@ -40,7 +40,6 @@ from unimp.loss_scale import (
     update_arrays,
 )
 from unimp.loss_scale import state_dict as _portable_state_dict
-from unimp.loss_scale.config import positive_int
 from unimp.loss_scale.keras_args import (
     check_keras_arguments,
     keras_positional,
@@ -1105,24 +1104,21 @@ class LossScaleCheck(keras.callbacks.Callback):
 
     def __init__(self, every: int = 1) -> None:
         super().__init__()
-        self.every = positive_int("LossScaleCheck", "every", every, 1)
-        self._batches = 0
-        self._watch = FloorWatch()  # each floor hit acted on once, as the train steps do
+        self._check = BatchCheck(every)
+
+    @property
+    def every(self) -> int:
+        """Check after every ``every``-th batch."""
+        return self._check.every
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._batches += 1
-        if self._batches % self.every:
-            return
         opt = getattr(self.model, "optimizer", None)
         if not isinstance(opt, LossScaleOptimizer):
             raise TypeError(
                 f"LossScaleCheck needs the model compiled with unimp's LossScaleOptimizer "
                 f"(mp.prepare(model, optimizer) does it), got {type(opt).__name__}."
             )
-        config = opt.loss_scale_config
-        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
-            return  # nothing to act on: no device read (as a step result's first read)
-        self._watch.check(config, opt._state(), step=self._batches - 1)
+        self._check.after_batch(opt.loss_scale_config, opt._state)
 
 
 class UpdateOps(LossScaleOps):
