@@ -1,5 +1,5 @@
-"""Block-scaled low-precision formats (MXFP8, MXFP4, NVFP4, block FP8): the scale rules,
-written once over an array namespace (issue 33's first piece). Framework-free.
+"""Block-scaled low-precision formats (MXFP8, MXFP4, NVFP4, block FP8): the scale rules and
+quantize-dequantize emulation, written once over an array namespace (issue 33). Framework-free.
 
 A block-scaled tensor stores each block of 16 or 32 elements as low-precision elements and one
 shared scale. The MX formats (OCP Microscaling v1.0) keep the scale as E8M0: an unsigned byte
@@ -28,8 +28,13 @@ one float32 scale per tensor, ``x = q * s_block * s_global``
 
 The namespace is :class:`unimp.fp8.rule.NumpyOps`'s (``bits``, ``from_bits``, ``where``,
 ``isnan``, ``isinf``, ``f32``, ``to_i32``, and ``reshape``, ``amax_last``, ``amax_axes``,
-``clip``, ``round``, ``round_fp8``, ``pow2_floor``, ``reciprocal`` for the quantizers); a
-backend runs the same rules through an object with the same names on its own tensors.
+``clip``, ``round``, ``round_fp8``, ``pow2_floor``, ``reciprocal``, ``floor`` for the
+quantizers); every backend's ``FP8Ops`` (``unimp/backends/*/fp8.py``) has the same names and
+gives the same bits on its own tensors, eagerly and compiled by XLA
+(``tests/conformance/test_blockscale_conformance.py``). Integer fields are taken with ``//``
+and ``%`` (TensorFlow's tensors have no shift operators), and no step multiplies or divides by
+a float32 subnormal, which XLA and TensorFlow flush to 0; results that are themselves
+subnormal (below 2**-126) are flushed there and are not promised alike.
 """
 
 from __future__ import annotations
@@ -443,8 +448,9 @@ def nvfp4_block_scale(block_amax: Any, global_scale: Any, ops: Any = NumpyOps) -
     Matches Transformer Engine's reference and kernels: the product (float32, rounded once
     each: ``rn(1/6)`` first, then ``S_enc * rn(1/6)``, then times the amax) clipped to
     ``[-448, 448]`` and rounded to the nearest E4M3 value, ties to even. A block holding the
-    tensor's amax gets ``448 * 6 / amax * rn(1/6) * amax``, within an ulp of 448, hence
-    exactly 448 after rounding. NaN stays NaN.
+    tensor's amax gets ``448 * 6 / amax * rn(1/6) * amax``, within a few ulps of 448 (E4M3's
+    spacing there is 32), hence exactly 448 after rounding, unless ``S_enc`` was capped at
+    ``FLT_MAX`` (a tensor amax below 2688 / FLT_MAX, about 7.9e-36). NaN stays NaN.
 
     Args:
         block_amax: float32 array of block maxima.
@@ -544,7 +550,8 @@ def nvfp4_quantize_dequantize(
     (nearest even, where an exact zero becomes +0 as the reference's ``cast_to_fp4x2`` makes
     it; or :func:`round_e2m1_stochastic`). The dequantized value is ``(q * s_block) *
     s_global``: the first product is exact, so it is the exact ``q * s_block * s_global``
-    rounded once. A tile holding a NaN becomes NaN (its decode scale is NaN). Not included:
+    rounded once. A NaN anywhere makes the whole tensor NaN: the global amax is NaN, so is
+    every scale (the reference's ``torch.max`` and ``torch.min`` propagate it). Not included:
     the random Hadamard transform of the weight-gradient GEMM's operands, and the
     ``pow_2_scales`` and "4 over 6" options.
 
