@@ -6,7 +6,8 @@ inf and NaN planted; eagerly, and compiled by XLA (``jax.jit``, ``tf.function(ji
 Inputs stay in float32's normal range: XLA and TensorFlow flush subnormals, so results that are
 float32 subnormals are not promised alike. TensorFlow's graphs without XLA are not promised
 either: their CPU kernels divide vectors approximately (an ulp off), which NVFP4's and non-power-
-of-two block FP8's scale arithmetic meets."""
+of-two block FP8's scale arithmetic meets, and Grappler reassociates MX's two power-of-two
+factors into one flushed subnormal where the scale is 2**-127 or 2**127."""
 
 from __future__ import annotations
 
