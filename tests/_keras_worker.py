@@ -176,7 +176,20 @@ def fit16() -> dict:
             )
 
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[Read()])
-    return {"rows": rows, "state": opt.state_dict()}
+    out = {"rows": rows, "state": opt.state_dict()}
+    if BACKEND == "jax":  # what reaches the host from Keras's jitted step (as benchmarks.syncs)
+        import jax
+
+        from benchmarks._kit_jax import HOST_PRIMITIVES, _primitives
+
+        state = tuple(
+            [v.value for v in vs]
+            for vs in (model.trainable_variables, model.non_trainable_variables, opt.variables, model.metrics_variables)
+        )
+        jaxpr = jax.make_jaxpr(model.train_step)(state, (x[:16], y[:16]))
+        out["host_primitives"] = sorted({n for n in _primitives(jaxpr.jaxpr) if any(h in n for h in HOST_PRIMITIVES)})
+        out["primitives"] = len(_primitives(jaxpr.jaxpr))
+    return out
 
 
 def check() -> dict:

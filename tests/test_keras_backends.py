@@ -103,6 +103,8 @@ def test_fit_under_mixed_float16_skips_the_overflow_step_alike_on_every_backend(
     # Keras's JAX trainer compiles its step once: applied and skipped steps share it
     compiles = [r["compilations"] for r in runs["jax"]["fit16"]["rows"]]
     assert compiles[-1] == compiles[0], compiles
+    # ... and nothing in it reaches the host (no callback, infeed or outfeed)
+    assert runs["jax"]["fit16"]["primitives"] > 50 and runs["jax"]["fit16"]["host_primitives"] == []
 
 
 @pytest.mark.parametrize("model", ["mlp", "attention"])
