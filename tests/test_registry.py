@@ -106,3 +106,12 @@ def test_resolve_cast_mode_is_one_rule_for_every_backend(recipe, torch_mode, oth
     r = get_recipe(recipe)
     assert registry.resolve_cast_mode(r, "torch") == torch_mode
     assert registry.resolve_cast_mode(r, "tensorflow") == registry.resolve_cast_mode(r, "jax") == other_mode
+
+
+def test_keras_engine_names():
+    # keras-tensorflow is the tensorflow backend (Keras 3 on TensorFlow); Keras's other engines
+    # are no unimp backend: the error names what runs there
+    assert registry.backend_info("keras-tensorflow").name == "tensorflow"
+    for name in ("keras-jax", "Keras-Torch"):
+        with pytest.raises(ValueError, match=r"unimp\.keras\.LossScaleOptimizer.*unimp compare --backends keras-"):
+            registry.backend_info(name)

@@ -72,7 +72,7 @@ _BUILTIN = (
         ("tensorflow", "keras"),
         ("tensorflow", "tensorflow-cpu", "keras"),
         "tensorflow",
-        ("tf", "keras"),
+        ("tf", "keras", "keras-tensorflow"),
         ("tensorflow", "keras"),
     ),
     BackendInfo(
@@ -142,6 +142,13 @@ def _canonical(name: str) -> str:
     aliases = _alias_map()
     if key in aliases:
         return aliases[key]
+    if key in ("keras-jax", "keras-torch"):  # Keras's other engines: not a backend (yet)
+        raise ValueError(
+            f"backend {name!r}: unimp's Keras backend runs Keras on TensorFlow ('tensorflow', "
+            "'keras-tensorflow'). For Keras on JAX or torch, compile the model with "
+            "unimp.keras.LossScaleOptimizer (model.fit and custom loops); `unimp compare "
+            f"--backends {key}` runs Keras's own trainer there."
+        )
     close = difflib.get_close_matches(key, list(aliases), n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     valid = ", ".join(
