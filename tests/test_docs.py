@@ -1,0 +1,86 @@
+"""The documentation site's generated pages cover the public API (no MkDocs build here: CI's
+``mkdocs build --strict`` in .ci/run does that; these checks take a second)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("docs_pages", ROOT / "scripts" / "docs_pages.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+PACKAGES = [pkg for pkg, _, _ in gen.API_PACKAGES]
+MKDOCS_YML = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+
+
+def test_every_public_package_has_an_api_page():
+    assert set(PACKAGES) >= {
+        "unimp", "unimp.backends.torch", "unimp.backends.tensorflow", "unimp.backends.jax",
+        "unimp.keras", "unimp.loss_scale", "unimp.fp8", "unimp.blockscale",
+    }
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_name_of_all_is_on_the_api_page(package):
+    pages = gen.api_pages()
+    path = next(p for pkg, p, _ in gen.API_PACKAGES if pkg == package)
+    documented = set(re.findall(rf"(?m)^::: {re.escape(package)}\.(\w+)$", pages[path]))
+    names = gen.static_all(package)
+    assert names, package
+    assert set(names) - documented == set(), f"{package}: names missing from {path}"
+    assert documented - set(names) == set(), f"{path} documents names not in {package}.__all__"
+    assert f"reference/api/{pathlib.PurePosixPath(path).name}" in MKDOCS_YML, f"{path} not in nav"
+
+
+@pytest.mark.parametrize("package", ["unimp", "unimp.loss_scale", "unimp.fp8", "unimp.blockscale"])
+def test_the_static_all_is_the_runtime_all(package):
+    # the framework-free packages import in a moment; the backends' would import the frameworks
+    assert gen.static_all(package) == list(importlib.import_module(package).__all__)
+
+
+def test_cli_page_has_every_subcommand():
+    import argparse
+
+    from unimp.cli import build_parser
+
+    page = gen.cli_page()
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in subs.choices:
+        assert f"## `unimp {name}`" in page
+
+
+def _pages() -> list[pathlib.Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def test_every_table_marker_names_a_table():
+    for page in _pages():
+        for name in re.findall(r"<!-- gen:([a-z0-9-]+) -->", page.read_text(encoding="utf-8")):
+            assert name in gen.TABLES, f"{page}: unknown table {name!r}"
+    for name, build in gen.TABLES.items():
+        assert build().count("\n") >= 2, name
+
+
+def test_every_included_example_exists():
+    for page in _pages():
+        for include in re.findall(r'--8<-- "([^"]+)"', page.read_text(encoding="utf-8")):
+            assert (ROOT / "examples" / include).is_file(), f"{page}: no examples/{include}"
+
+
+def test_every_page_is_in_the_nav():
+    for page in _pages():
+        rel = page.relative_to(DOCS).as_posix()
+        assert re.search(rf"(^|[\s:]){re.escape(rel)}$", MKDOCS_YML, re.M), f"{rel} not in nav"
