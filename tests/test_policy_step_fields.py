@@ -105,8 +105,12 @@ def test_unsupported_reduce_or_accum_dtype_is_a_value_error_naming_the_field(fie
 def test_one_mapping_table_with_a_row_per_name():
     assert tuple(MATMUL_PRECISION_TABLE) == MATMUL_PRECISIONS
     highest = MATMUL_PRECISION_TABLE["highest"]
-    # true float32 everywhere: torch "highest" + cuDNN TF32 off, TF32 off, JAX "float32"
-    assert highest == ("highest", False, False, "float32")
+    # true float32 everywhere: torch's switches "ieee" (legacy: "highest" + cuDNN TF32 off),
+    # TF32 off, JAX "float32"
+    assert dict(highest.torch_fp32_precision) == dict.fromkeys(
+        ("cuda.matmul", "mkldnn.matmul", "cudnn.conv", "cudnn.rnn"), "ieee"
+    )
+    assert highest[1:] == ("highest", False, False, "float32")
     assert MATMUL_PRECISION_TABLE["high"].jax == "tensorfloat32"
     assert MATMUL_PRECISION_TABLE["medium"].jax == "bfloat16"
 
@@ -128,12 +132,26 @@ def test_explain_keeps_the_new_fields():
 @pytest.mark.parametrize(
     "backend,current,device,text",
     [
-        ("torch", {"matmul": "highest", "conv_tf32": True}, "cuda:0", "matmul highest (float32), conv TF32"),
-        ("tensorflow", {"tf32": True}, "/physical_device:GPU:0", "TF32 on (matmuls and convolutions)"),
-        ("jax", {"default_matmul_precision": None}, "cuda:0",
-         "default_matmul_precision unset (TF32 on Ampere+ GPUs, bfloat16 on TPU)"),
-        ("jax", {"default_matmul_precision": "float32"}, "cpu:0",
-         "default_matmul_precision float32; a CPU computes full float32"),
+        ("torch", {"api": "fp32_precision (torch>=2.9)", "cuda.matmul": "none", "mkldnn.matmul": "none",
+                   "cudnn.conv": "tf32", "cudnn.rnn": "tf32"}, "cuda:0",
+         "fp32_precision (torch>=2.9): cuda.matmul none, mkldnn.matmul none, cudnn.conv tf32, cudnn.rnn tf32 "
+         "(matmul float32, conv TF32)"),
+        ("torch", {"api": "fp32_precision (torch>=2.9)", "cuda.matmul": "tf32", "mkldnn.matmul": "bf16",
+                   "cudnn.conv": "tf32", "cudnn.rnn": "tf32"}, "cpu",
+         "fp32_precision (torch>=2.9): cuda.matmul tf32, mkldnn.matmul bf16, cudnn.conv tf32, cudnn.rnn tf32 "
+         "(matmul TF32 (oneDNN: bf16), conv TF32); a CPU computes full float32"),
+        ("torch", {"api": "set_float32_matmul_precision + cudnn.allow_tf32 (torch<2.9)", "matmul": "highest",
+                   "conv_tf32": True}, "cuda:0",
+         "set_float32_matmul_precision + cudnn.allow_tf32 (torch<2.9): matmul highest (float32), conv TF32"),
+        ("tensorflow", {"api": "enable_tensor_float_32_execution", "tf32": True}, "/physical_device:GPU:0",
+         "enable_tensor_float_32_execution: TF32 on (matmuls and convolutions)"),
+        ("jax", {"api": "default_matmul_precision", "default_matmul_precision": None}, "cuda:0",
+         "default_matmul_precision: unset (TF32 on Ampere+ GPUs, bfloat16 on TPU)"),
+        ("jax", {"api": "default_matmul_precision", "default_matmul_precision": "float32"}, "cpu:0",
+         "default_matmul_precision: float32; a CPU computes full float32"),
+        ("jax", {"api": "default_matmul_precision", "default_matmul_precision": "BF16_BF16_F32"}, "cuda:0",
+         "default_matmul_precision: BF16_BF16_F32 (a DotAlgorithmPreset: every dot's operands cast to it, "
+         "convolutions at DEFAULT)"),
     ],
 )
 def test_info_describes_each_frameworks_default(backend, current, device, text):

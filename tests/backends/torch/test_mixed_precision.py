@@ -156,56 +156,70 @@ def test_a_deep_copy_of_a_prepared_model_runs_itself(recipe):
         assert back(x).dtype == torch.float32 and torch.equal(back(x), model(x))
 
 
-def test_matmul_precision_restores_switches_torchs_getter_refuses_to_read():
+_NEW_SWITCHES = getattr(torch.backends.cuda.matmul, "fp32_precision", None) in ("none", "ieee", "tf32")
+_SWITCHES = (
+    (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
+    if _NEW_SWITCHES
+    else ()
+)
+needs_fp32_precision = pytest.mark.skipif(not _NEW_SWITCHES, reason="torch < 2.9 has no fp32_precision switches")
+
+
+@pytest.fixture
+def torch_switches_restored():
+    """Puts torch's switches (and the legacy matmul setting the test may change) back after."""
+    saved = [k.fp32_precision for k in _SWITCHES]
+    yield
+    torch.set_float32_matmul_precision("highest")
+    for k, v in zip(_SWITCHES, saved, strict=True):
+        k.fp32_precision = v
+
+
+def _oneDNN_matmul() -> str:  # "ieee" / "tf32" / "bf16": tells highest, high and medium apart
+    return torch.backends.mkldnn.matmul.fp32_precision
+
+
+@needs_fp32_precision
+def test_matmul_precision_restores_switches_torchs_getter_refuses_to_read(torch_switches_restored):
     # torch.backends.cuda.matmul.allow_tf32 = False alone leaves the CUDA and oneDNN matmul
     # switches disagreeing; torch.get_float32_matmul_precision() then raises (the legacy and
     # new APIs mixed). unimp's block must neither raise nor change what the user had.
     from unimp.backends.torch.precision import current_matmul_precision, matmul_precision
 
-    knobs = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.cudnn.conv)
-    saved = [k.fp32_precision for k in knobs]
-    try:
-        torch.set_float32_matmul_precision("high")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        before = [k.fp32_precision for k in knobs]
-        assert current_matmul_precision()["matmul"] == "mixed (cuda: ieee, mkldnn: tf32)"
-        with matmul_precision("highest"):
-            assert torch.get_float32_matmul_precision() == "highest"
-        assert [k.fp32_precision for k in knobs] == before
-    finally:
-        torch.set_float32_matmul_precision("highest")
-        for k, v in zip(knobs, saved, strict=True):
-            k.fp32_precision = v
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    before = current_matmul_precision()
+    assert (before["cuda.matmul"], before["mkldnn.matmul"]) == ("ieee", "tf32")
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.get_float32_matmul_precision()
+    with matmul_precision("highest"):
+        assert _oneDNN_matmul() == "ieee"
+    assert current_matmul_precision() == before
 
 
-def test_nested_matmul_precision_blocks_restore_what_each_one_found():
+@needs_fp32_precision
+def test_nested_matmul_precision_blocks_restore_what_each_one_found(torch_switches_restored):
     # a train step opens a block and its autocast a second one with the same setting; the
     # inner one changes and restores nothing (the outer does), yet a different inner setting,
     # or a change made by user code between the two, is still set and restored by the inner one
     from unimp.backends.torch.precision import matmul_precision
 
-    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    try:
-        torch.set_float32_matmul_precision("highest")
+    with matmul_precision("high"):
         with matmul_precision("high"):
-            with matmul_precision("high"):
-                assert torch.get_float32_matmul_precision() == "high"
-            assert torch.get_float32_matmul_precision() == "high"
-            with matmul_precision("highest"):
-                assert torch.get_float32_matmul_precision() == "highest"
-            assert torch.get_float32_matmul_precision() == "high"
-            torch.set_float32_matmul_precision("medium")  # user code inside the outer block
-            with matmul_precision("high"):
-                assert torch.get_float32_matmul_precision() == "high"
-            assert torch.get_float32_matmul_precision() == "medium"
-        assert torch.get_float32_matmul_precision() == "highest"
-        with pytest.raises(RuntimeError, match="boom"), matmul_precision("high"):
-            with matmul_precision("high"):
-                raise RuntimeError("boom")
-        assert torch.get_float32_matmul_precision() == "highest"
-        with matmul_precision("high"):  # the stack of open blocks was unwound by the error
-            assert torch.get_float32_matmul_precision() == "high"
-        assert torch.get_float32_matmul_precision() == "highest"
-    finally:
-        torch.set_float32_matmul_precision(before[0])
-        torch.backends.cudnn.allow_tf32 = before[1]
+            assert _oneDNN_matmul() == "tf32"
+        assert _oneDNN_matmul() == "tf32"
+        with matmul_precision("highest"):
+            assert _oneDNN_matmul() == "ieee"
+        assert _oneDNN_matmul() == "tf32"
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # user code inside the outer block
+        with matmul_precision("high"):
+            assert _oneDNN_matmul() == "tf32"
+        assert _oneDNN_matmul() == "bf16"
+    assert _oneDNN_matmul() == "none"
+    with pytest.raises(RuntimeError, match="boom"), matmul_precision("high"):
+        with matmul_precision("high"):
+            raise RuntimeError("boom")
+    assert _oneDNN_matmul() == "none"
+    with matmul_precision("high"):  # the stack of open blocks was unwound by the error
+        assert _oneDNN_matmul() == "tf32"
+    assert _oneDNN_matmul() == "none"

@@ -1,10 +1,22 @@
-"""torch matmul precision: :data:`unimp.precision.MATMUL_PRECISION_TABLE` translated to
-``torch.set_float32_matmul_precision`` (float32 matmuls) and ``torch.backends.cudnn.allow_tf32``
-(float32 convolutions), set for a block and restored after it.
+"""torch matmul precision: :data:`unimp.precision.MATMUL_PRECISION_TABLE` translated to torch's
+switches, set for a block and restored after it.
 
-Both switches are process-global in torch and read when an op runs, so the setting is in force
-for exactly the ops run inside the block (eager and ``torch.compile``d alike); another thread
-running ops at the same time sees it too.
+torch >= 2.9 sets the precision of float32 ops per backend and operation
+(``torch.backends.cuda.matmul.fp32_precision``, ``torch.backends.mkldnn.matmul...``,
+``torch.backends.cudnn.conv...``, ``torch.backends.cudnn.rnn...``) and its CUDA notes ask not to
+mix that API with the legacy one: 2.9 warns on ``allow_tf32`` and
+``set_float32_matmul_precision`` ("will be deprecated after Pytorch 2.9"), and the legacy
+getters (``torch.get_float32_matmul_precision()``, ``torch.backends.cuda.matmul.allow_tf32``,
+``torch.backends.cudnn.allow_tf32``) raise ``RuntimeError`` when the two disagree. unimp writes
+only the new switches where torch has them, so it emits none of those warnings; inside a block
+that changes them, torch's legacy getters raise for the same reason as after a user's own
+``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (torch's default ``torch.compile`` reads
+the new switches; inductor's max-autotune cache keys still call the legacy getter). On torch <
+2.9 unimp uses ``set_float32_matmul_precision`` and ``cudnn.allow_tf32``.
+
+All the switches are process-global in torch and read when an op runs, so the setting is in
+force for exactly the ops run inside the block (eager and ``torch.compile``d alike); another
+thread running ops at the same time sees it too.
 """
 
 from __future__ import annotations
@@ -21,48 +33,59 @@ from unimp.precision import MATMUL_PRECISION_TABLE, check_matmul_precision
 
 __all__ = ["current_matmul_precision", "matmul_precision"]
 
+#: ``current_matmul_precision()["api"]`` on torch >= 2.9 and before.
+API_FP32_PRECISION = "fp32_precision (torch>=2.9)"
+API_LEGACY = "set_float32_matmul_precision + cudnn.allow_tf32 (torch<2.9)"
 
-#: torch's per-backend precision switches (``fp32_precision``, torch >= 2.9), saved and restored
-#: as they are: the legacy getter ``torch.get_float32_matmul_precision`` raises when they
-#: disagree (e.g. after ``torch.backends.cuda.matmul.allow_tf32 = False`` alone).
-_KNOBS = ("cuda.matmul", "mkldnn.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.conv", "mkldnn.rnn")
+#: The switches unimp sets (``torch.backends.<name>.fp32_precision``), each with the object it
+#: inherits from while it is ``"none"`` (``torch.backends.cudnn.fp32_precision`` is torch's
+#: ``("cuda", "all")``, the parent of ``cuda.matmul`` too).
+_SWITCHES = {"cuda.matmul": "cudnn", "mkldnn.matmul": "mkldnn", "cudnn.conv": "cudnn", "cudnn.rnn": "cudnn"}
+
+
+def _lookup(path: str) -> Any:
+    obj: Any = torch.backends
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 @functools.cache
-def _knobs() -> tuple[Any, ...]:
-    """The per-backend switch objects this torch has (module singletons: found once)."""
-    out = []
-    for path in _KNOBS:
-        obj: Any = torch.backends
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if obj is not None and hasattr(obj, "fp32_precision"):
-            out.append(obj)
-    return tuple(out)
+def _switches() -> tuple[tuple[str, Any, Any], ...]:
+    """``(name, switch, parent)`` for torch >= 2.9's switches; ``()`` on older torch.
 
-
-def _matmul_now() -> str:
-    """``torch.get_float32_matmul_precision()``, or ``"mixed (cuda: ..., mkldnn: ...)"`` where
-    the per-backend switches disagree and torch's getter refuses to answer."""
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        parts = [
-            f"{name.split('.')[0]}: {getattr(obj, 'fp32_precision', '?')}"
-            for name, obj in zip(_KNOBS[:2], _knobs()[:2], strict=False)
-        ]
-        return f"mixed ({', '.join(parts)})"
+    Found once (module singletons). A torch whose ``cuda.matmul.fp32_precision`` reads a value
+    outside ``"none"``/``"ieee"``/``"tf32"`` (development builds before 2.9 named them
+    differently) counts as older.
+    """
+    if getattr(_lookup("cuda.matmul"), "fp32_precision", None) not in ("none", "ieee", "tf32"):
+        return ()
+    out = tuple((name, _lookup(name), _lookup(parent)) for name, parent in _SWITCHES.items())
+    if any(not hasattr(obj, "fp32_precision") for _, switch, parent in out for obj in (switch, parent)):
+        return ()
+    return out
 
 
 def current_matmul_precision() -> dict[str, Any]:
-    """torch's current settings: ``{"matmul": "highest"|"high"|"medium", "conv_tf32": bool}``
-    (``"mixed (...)"`` where torch's per-backend switches disagree).
+    """torch's current settings, read with the API unimp sets.
 
-    torch's defaults are ``"highest"`` (TF32 off) for matmuls and TF32 on for cuDNN
-    convolutions (torch's CUDA semantics notes, "TensorFloat-32 (TF32) on Ampere (and later)
-    devices"); neither changes anything on a CPU.
+    torch >= 2.9: ``{"api": "fp32_precision (torch>=2.9)", "cuda.matmul": ..., "mkldnn.matmul":
+    ..., "cudnn.conv": ..., "cudnn.rnn": ...}``, each the value torch reads for that op
+    (``"none"`` where nothing up the chain is set: IEEE float32). Older torch: ``{"api": ...,
+    "matmul": "highest"|"high"|"medium", "conv_tf32": bool}``.
+
+    torch's defaults are float32 for matmuls and TF32 for cuDNN convolutions (torch's CUDA
+    semantics notes, "TensorFloat-32 (TF32) on Ampere (and later) devices"); neither changes
+    anything on a CPU.
     """
-    return {"matmul": _matmul_now(), "conv_tf32": bool(torch.backends.cudnn.allow_tf32)}
+    switches = _switches()
+    if switches:
+        return {"api": API_FP32_PRECISION, **{name: s.fp32_precision for name, s, _ in switches}}
+    return {
+        "api": API_LEGACY,
+        "matmul": torch.get_float32_matmul_precision(),
+        "conv_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
 
 
 #: The settings of the :func:`matmul_precision` blocks this thread has open, innermost last.
@@ -71,27 +94,66 @@ def current_matmul_precision() -> dict[str, Any]:
 _OPEN = threading.local()
 
 
-def _in_force() -> list[tuple[str, bool]]:
+def _in_force() -> list[str]:
     stack = getattr(_OPEN, "stack", None)
     if stack is None:
         stack = _OPEN.stack = []
     return stack
 
 
-def _torch_now() -> tuple[str, bool] | None:
-    """``(float32 matmul precision, cuDNN TF32)`` now; None where torch's getter refuses."""
+def _is_set(name: str) -> bool:
+    """Whether torch's switches read as ``name``'s row now (an outer block's, unchanged)."""
+    row = MATMUL_PRECISION_TABLE[name]
+    switches = _switches()
+    if switches:
+        return all(s.fp32_precision == row.torch_fp32_precision[n] for n, s, _ in switches)
+    return (torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)) == (
+        row.torch_matmul,
+        row.torch_cudnn_tf32,
+    )
+
+
+@contextlib.contextmanager
+def _set_switches(name: str) -> Iterator[None]:
+    """torch >= 2.9: the row's ``fp32_precision`` switches for the block, then each one back.
+
+    torch reads a switch through its parents (a ``"none"`` switch answers with its backend's
+    value, or the global one), so what was there is known as the value torch read, and a switch
+    that read the same as its parent goes back to ``"none"``: it follows its parent again, as
+    it did before, and reads as it did. (torch's own ``torch._dynamo`` restores
+    ``cuda.matmul`` after tracing by writing back the value it read.)
+    """
+    row = MATMUL_PRECISION_TABLE[name]
+    switches = _switches()
+    saved = [(s, parent, s.fp32_precision) for _, s, parent in switches]
+    for switch_name, switch, _ in switches:
+        switch.fp32_precision = row.torch_fp32_precision[switch_name]
     try:
-        return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:
-        return None
+        yield
+    finally:
+        for switch, parent, value in saved:
+            switch.fp32_precision = "none" if parent.fp32_precision == value else value
+
+
+@contextlib.contextmanager
+def _set_legacy(name: str) -> Iterator[None]:
+    """torch < 2.9: ``set_float32_matmul_precision`` and ``cudnn.allow_tf32`` for the block."""
+    row = MATMUL_PRECISION_TABLE[name]
+    old_matmul, old_conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision(row.torch_matmul)
+    torch.backends.cudnn.allow_tf32 = row.torch_cudnn_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = old_conv
+        torch.set_float32_matmul_precision(old_matmul)
 
 
 @contextlib.contextmanager
 def matmul_precision(name: str | None) -> Iterator[None]:
     """Sets torch's float32 matmul and convolution precision for the block.
 
-    Every switch is restored after the block as it was, also one a user set through torch's
-    per-backend ``fp32_precision`` API or to values torch's legacy getter refuses to read.
+    Every switch reads after the block as it did before, also when the block raises.
 
     Args:
         name: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (change nothing).
@@ -101,36 +163,23 @@ def matmul_precision(name: str | None) -> Iterator[None]:
 
     Example:
         >>> with matmul_precision("high"):
-        ...     torch.get_float32_matmul_precision()
-        'high'
+        ...     current_matmul_precision()["cudnn.conv"]
+        'tf32'
     """
     name = check_matmul_precision(name)
     if name is None:
         yield
         return
-    row = MATMUL_PRECISION_TABLE[name]
     in_force = _in_force()
-    if in_force and in_force[-1] == (row.torch_matmul, row.torch_cudnn_tf32) == _torch_now():
+    if in_force and in_force[-1] == name and _is_set(name):
         # nested in a block that set the same (a train step's autocast inside the step): the
         # outer block restores; setting and saving again would cost a step ~20 us of host time
         yield
         return
-    knobs = _knobs()
-    saved = [(k, k.fp32_precision) for k in knobs]
-    try:  # torch's own setting; unreadable only when explicit per-backend switches disagree
-        old_matmul = torch.get_float32_matmul_precision()
-    except RuntimeError:
-        old_matmul = None
-    old_conv = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision(row.torch_matmul)
-    torch.backends.cudnn.allow_tf32 = row.torch_cudnn_tf32
-    in_force.append((row.torch_matmul, row.torch_cudnn_tf32))
+    setter = _set_switches if _switches() else _set_legacy
+    in_force.append(name)
     try:
-        yield
+        with setter(name):
+            yield
     finally:
         in_force.pop()
-        torch.backends.cudnn.allow_tf32 = old_conv
-        if old_matmul is not None:
-            torch.set_float32_matmul_precision(old_matmul)
-        for knob, value in saved:  # then each switch exactly as it was ("none": inherit)
-            knob.fp32_precision = value
