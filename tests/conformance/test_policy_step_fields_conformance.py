@@ -8,36 +8,20 @@ import importlib
 import kits
 import ml_dtypes
 import numpy as np
+import precision_kit
 import pytest
 from conftest import require_backend
-
-from unimp.precision import MATMUL_PRECISION_TABLE
 
 # ------------------------------------------------------------------ matmul precision
 
 
 def _setting(backend: str):
-    """The framework's global setting(s) the table drives, read with its own API."""
-    if backend == "torch":
-        import torch
-
-        return (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.config.experimental.tensor_float_32_execution_enabled()
-    import jax
-
-    return jax.config.jax_default_matmul_precision
+    """The framework's global setting(s) the table drives, read with its own current API."""
+    return precision_kit.setting(backend)
 
 
 def _expected(backend: str, name: str):
-    row = MATMUL_PRECISION_TABLE[name]
-    return {
-        "torch": (row.torch_matmul, row.torch_cudnn_tf32),
-        "tensorflow": row.tensorflow_tf32,
-        "jax": row.jax,
-    }[backend]
+    return precision_kit.expected(backend, name)
 
 
 @pytest.mark.parametrize("name", ["highest", "high", "medium"])
@@ -204,10 +188,7 @@ def test_current_matmul_precision_reads_the_framework(backend):
     module = importlib.import_module(f"unimp.backends.{backend}")
     with module.matmul_precision("highest"):
         current = module.current_matmul_precision()
-    assert current == {
-        "torch": {"matmul": "highest", "conv_tf32": False},
-        "tensorflow": {"tf32": False},
-        "jax": {"default_matmul_precision": "float32"},
-    }[backend]
+    flavour = precision_kit.flavour(backend)
+    assert current == {"api": precision_kit.API[flavour], **precision_kit.expected(backend, "highest")}
     with pytest.raises(ValueError, match="'highest', 'high', 'medium'"), module.matmul_precision("tf32"):
         pass

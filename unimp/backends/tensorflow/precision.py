@@ -23,14 +23,19 @@ from unimp.precision import MATMUL_PRECISION_TABLE, check_matmul_precision
 __all__ = ["current_matmul_precision", "matmul_precision"]
 
 
+#: ``current_matmul_precision()["api"]``: still TensorFlow's only switch (TF 2.21).
+API = "enable_tensor_float_32_execution"
+
+
 def current_matmul_precision() -> dict[str, Any]:
-    """TensorFlow's current setting: ``{"tf32": bool}`` (matmuls and convolutions).
+    """TensorFlow's current setting: ``{"api": "enable_tensor_float_32_execution", "tf32":
+    bool}`` (matmuls and convolutions).
 
     "TensorFloat-32 is enabled by default" (docs of
     ``tf.config.experimental.enable_tensor_float_32_execution``); it changes nothing on a CPU
     or a GPU older than Ampere.
     """
-    return {"tf32": bool(tf.config.experimental.tensor_float_32_execution_enabled())}
+    return {"api": API, "tf32": bool(tf.config.experimental.tensor_float_32_execution_enabled())}
 
 
 @contextlib.contextmanager
