@@ -223,3 +223,30 @@ def test_nested_matmul_precision_blocks_restore_what_each_one_found(torch_switch
     with matmul_precision("high"):  # the stack of open blocks was unwound by the error
         assert _oneDNN_matmul() == "tf32"
     assert _oneDNN_matmul() == "none"
+
+
+@pytest.mark.parametrize(
+    "name,legacy", [("highest", ("highest", False)), ("high", ("high", True)), ("medium", ("medium", True))]
+)
+def test_torch_without_fp32_precision_gets_the_legacy_calls(monkeypatch, torch_switches_restored, name, legacy):
+    # torch < 2.9 has no fp32_precision switches: unimp then calls set_float32_matmul_precision
+    # and sets cudnn.allow_tf32 (this torch still has both), and puts both back, also on error
+    from unimp.backends.torch import precision
+
+    monkeypatch.setattr(precision, "_switches", lambda: ())
+
+    def read():
+        return torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+
+    before = read()
+    with precision.matmul_precision(name):
+        assert read() == legacy
+        assert precision.current_matmul_precision() == {
+            "api": "set_float32_matmul_precision + cudnn.allow_tf32 (torch<2.9)",
+            "matmul": legacy[0],
+            "conv_tf32": legacy[1],
+        }
+    assert read() == before
+    with pytest.raises(RuntimeError, match="boom"), precision.matmul_precision(name):
+        raise RuntimeError("boom")
+    assert read() == before
