@@ -73,7 +73,9 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
         raw.append(count((v > flush_at) & (v < subnormal_below)))
         raw.append(count(positive & (v <= flush_at)))
     counts = jnp.stack(raw).astype(jnp.int32)
-    amax = jnp.max(a, initial=0.0)  # NaN propagates; 0 for an empty array
+    # NaN wins (by hand: XLA's CPU reduce-max drops a NaN in reductions of a few thousand
+    # elements, as FP8Ops.amax found); 0 for an empty array
+    amax = jnp.where(jnp.any(jnp.isnan(a)), jnp.float32(math.nan), jnp.max(a, initial=0.0))
     min_nonzero = jnp.min(jnp.where(positive, a, jnp.float32(math.inf)), initial=math.inf)
     return counts, jnp.stack([amax, min_nonzero]).astype(jnp.float32)
 
