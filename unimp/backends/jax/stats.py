@@ -46,6 +46,7 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
         ValueError: a host ``scale`` that is not a finite number > 0.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> from unimp.stats import COUNT_FIELDS
         >>> c, m = tensor_stats(jnp.array([65519.0, 65520.0, 0.0]))
         >>> int(c[COUNT_FIELDS.index("float16_overflow")]), int(c[COUNT_FIELDS.index("zeros")])
@@ -212,6 +213,7 @@ def observe(name: str, x: Any) -> Any:
             its values cannot leave it; observe the transformation's output instead.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> observe("h", jnp.ones(2))  # outside a statistics step: the identity
         Array([1., 1.], dtype=float32)
     """

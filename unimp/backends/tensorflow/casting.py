@@ -79,6 +79,7 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
         ValueError: ``dtype`` is not a supported floating dtype.
 
     Example:
+        >>> import tensorflow as tf
         >>> out = cast_tree({"x": tf.ones(2), "ids": tf.constant([1, 2])}, "float16")
         >>> out["x"].dtype, out["ids"].dtype
         (tf.float16, tf.int32)

@@ -118,6 +118,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "set `clipnorm` on the `inner_optimizer`", with the fix), or ``dynamic=False``.
 
     Example:
+        >>> import keras, tensorflow as tf
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=1024.0)
         >>> w = keras.Variable(1.0)
         >>> with tf.GradientTape() as tape:

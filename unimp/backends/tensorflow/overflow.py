@@ -32,6 +32,7 @@ def all_finite(tree: Any) -> tf.Tensor:
         ``tf.bool`` scalar tensor.
 
     Example:
+        >>> import tensorflow as tf
         >>> bool(all_finite([tf.constant([1.0, float("inf")]), tf.constant([3])]))
         False
     """

@@ -44,6 +44,7 @@ def layer_paths(model: Any) -> list[str]:
     """The dotted paths overrides match in Keras: layer names from the model down.
 
     Example:
+        >>> import keras
         >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="head")])
         >>> layer_paths(m)
         ['head']

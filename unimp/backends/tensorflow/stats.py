@@ -43,6 +43,7 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[tf.Tensor, tf.Tensor]:
         ValueError: a host ``scale`` that is not a finite number > 0.
 
     Example:
+        >>> import tensorflow as tf
         >>> from unimp.stats import COUNT_FIELDS
         >>> c, m = tensor_stats(tf.constant([2.0**-k for k in range(41)]), 2.0**15)
         >>> int(c[COUNT_FIELDS.index("float16_flush")]), float(m[0])
@@ -106,6 +107,7 @@ def relative_path(model: Any, path: str) -> str:
     name Keras tensors so, as torch names them from the model down (``"l1.weight"``).
 
     Example:
+        >>> import keras
         >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="l1")])
         >>> [relative_path(m, v.path) for v in m.weights]
         ['l1/kernel', 'l1/bias']
