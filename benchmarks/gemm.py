@@ -1,7 +1,8 @@
 """GEMM-bound probe: unimp's ``train_step`` on 4 x Dense(8192) at batch 8192, per backend and
 precision, in achieved TFLOP/s and as a fraction of the device's dense peak.
 
-Precisions: ``float32`` (TF32 off: torch ``set_float32_matmul_precision("highest")``, TensorFlow
+Precisions: ``float32`` (TF32 off: torch ``fp32_precision = "ieee"`` (torch < 2.9:
+``set_float32_matmul_precision("highest")``), TensorFlow
 ``enable_tensor_float_32_execution(False)``, JAX ``jax_default_matmul_precision="highest"``),
 ``tf32`` (the float32 recipe with TF32 matmuls on: the same three switches the other way,
 JAX ``"tensorfloat32"``), ``bfloat16`` (``mixed_bfloat16``), ``float16``
@@ -104,11 +105,22 @@ def set_tf32(backend: str, on: bool | None) -> None:
     if backend == "torch":
         import torch
 
-        # the one call that sets the CUDA and oneDNN matmul switches together (setting
-        # torch.backends.cuda.matmul.allow_tf32 alone leaves them disagreeing, which
-        # torch.get_float32_matmul_precision() then refuses to read)
-        torch.set_float32_matmul_precision("high" if on else "highest")
-        torch.backends.cudnn.allow_tf32 = bool(on)
+        if getattr(torch.backends.cuda.matmul, "fp32_precision", None) in ("none", "ieee", "tf32"):
+            # torch >= 2.9: its per-backend switches (torch 2.9 warns on the legacy calls below,
+            # and mixing the two makes torch's legacy getters raise); the values torch's own
+            # set_float32_matmul_precision("high" / "highest") and cudnn.allow_tf32 write
+            value = "tf32" if on else "ieee"
+            for switch in (
+                torch.backends.cuda.matmul,
+                torch.backends.mkldnn.matmul,
+                torch.backends.cudnn.conv,
+                torch.backends.cudnn.rnn,
+            ):
+                switch.fp32_precision = value
+        else:
+            # the one call that sets the CUDA and oneDNN matmul switches together
+            torch.set_float32_matmul_precision("high" if on else "highest")
+            torch.backends.cudnn.allow_tf32 = bool(on)
     elif backend == "tensorflow":
         import tensorflow as tf
 
