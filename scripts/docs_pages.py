@@ -75,7 +75,7 @@ def api_page(package: str, blurb: str) -> str:
     """The Markdown of one API page: a table of contents and one mkdocstrings block per name."""
     names = sorted(static_all(package), key=lambda n: (n.lower().lstrip("_"), n))
     lines = [
-        f"# `{package}`",
+        f"# `{package}`" + " { #" + package + " }",
         "",
         blurb,
         "",
@@ -244,6 +244,7 @@ KNOWN_DOCSTRING_WARNINGS: set[tuple[str, str]] = {
     ("unimp/backends/torch/step.py", "model, optimizer"),
     ("unimp/keras/optimizer.py", "initial_scale, dynamic_growth_steps"),
     ("unimp/blockscale.py", "pow2, variant"),
+    ("unimp/blockscale.py", "x, fmt, rule, block, variant"),
 }
 
 _GRIFFE_PARAM = re.compile(r"^(?:griffe: )?(?P<file>[\w/.]+\.py):\d+: (?:No type or annotation for "
