@@ -113,40 +113,44 @@ def _is_set(name: str) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _set_switches(name: str) -> Iterator[None]:
-    """torch >= 2.9: the row's ``fp32_precision`` switches for the block, then each one back.
-
-    torch reads a switch through its parents (a ``"none"`` switch answers with its backend's
-    value, or the global one), so what was there is known as the value torch read, and a switch
-    that read the same as its parent goes back to ``"none"``: it follows its parent again, as
-    it did before, and reads as it did. (torch's own ``torch._dynamo`` restores
-    ``cuda.matmul`` after tracing by writing back the value it read.)
-    """
+def _set_switches(name: str) -> list[tuple[Any, Any, str]]:
+    """torch >= 2.9: sets the row's ``fp32_precision`` switches; returns what
+    :func:`_restore_switches` needs to put each back."""
     row = MATMUL_PRECISION_TABLE[name]
     switches = _switches()
-    saved = [(s, parent, s.fp32_precision) for _, s, parent in switches]
+    saved = [(switch, parent, switch.fp32_precision) for _, switch, parent in switches]
     for switch_name, switch, _ in switches:
         switch.fp32_precision = row.torch_fp32_precision[switch_name]
-    try:
-        yield
-    finally:
-        for switch, parent, value in saved:
-            switch.fp32_precision = "none" if parent.fp32_precision == value else value
+    return saved
 
 
-@contextlib.contextmanager
-def _set_legacy(name: str) -> Iterator[None]:
-    """torch < 2.9: ``set_float32_matmul_precision`` and ``cudnn.allow_tf32`` for the block."""
+def _restore_switches(saved: list[tuple[Any, Any, str]]) -> None:
+    """Each switch back as it read before the block.
+
+    torch reads a switch through its parents (a ``"none"`` switch answers with its backend's
+    value, or the global one) and has no getter of the value as set, so what was there is known
+    as the value torch read: a switch that read the same as its parent goes back to ``"none"``
+    (it follows its parent again, as it did before, and reads as it did), any other to its
+    value. (torch's own ``torch._dynamo`` restores ``cuda.matmul`` after tracing by writing
+    back the value it read.)
+    """
+    for switch, parent, value in saved:
+        switch.fp32_precision = "none" if parent.fp32_precision == value else value
+
+
+def _set_legacy(name: str) -> tuple[str, bool]:
+    """torch < 2.9: ``set_float32_matmul_precision`` and ``cudnn.allow_tf32``; returns the old
+    values for :func:`_restore_legacy`."""
     row = MATMUL_PRECISION_TABLE[name]
-    old_matmul, old_conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    saved = torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
     torch.set_float32_matmul_precision(row.torch_matmul)
     torch.backends.cudnn.allow_tf32 = row.torch_cudnn_tf32
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32 = old_conv
-        torch.set_float32_matmul_precision(old_matmul)
+    return saved
+
+
+def _restore_legacy(saved: tuple[str, bool]) -> None:
+    torch.backends.cudnn.allow_tf32 = saved[1]
+    torch.set_float32_matmul_precision(saved[0])
 
 
 @contextlib.contextmanager
@@ -176,10 +180,14 @@ def matmul_precision(name: str | None) -> Iterator[None]:
         # outer block restores; setting and saving again would cost a step ~20 us of host time
         yield
         return
-    setter = _set_switches if _switches() else _set_legacy
+    if _switches():
+        saved: Any = _set_switches(name)
+        restore: Any = _restore_switches
+    else:
+        saved, restore = _set_legacy(name), _restore_legacy
     in_force.append(name)
     try:
-        with setter(name):
-            yield
+        yield
     finally:
         in_force.pop()
+        restore(saved)
