@@ -8,7 +8,9 @@ Nothing here is typed by hand that the code already says:
 * the CLI page renders ``format_help()`` of :func:`unimp.cli.build_parser` and of each
   subcommand (importing ``unimp.cli`` imports no framework);
 * ``<!-- gen:NAME -->`` markers in a page are replaced by the tables of :data:`TABLES`
-  (recipe names, loss-scale presets, FP8 presets), built from ``unimp``'s framework-free core.
+  (recipe names, loss-scale presets, FP8 presets), built from ``unimp``'s framework-free core;
+* :func:`docstring_to_markdown` is how the docstrings are read (scripts/docs_griffe.py, a griffe
+  extension, calls it): ``Example:`` sections, grouped parameters and Sphinx roles.
 
 ``tests/test_docs.py`` calls :func:`api_pages` without MkDocs.
 """
@@ -16,6 +18,7 @@ Nothing here is typed by hand that the code already says:
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import pathlib
 import re
@@ -230,38 +233,143 @@ def fill_tables(markdown: str) -> str:
     return _MARKER.sub(lambda m: TABLES[m.group(1)](), markdown)
 
 
+# --- docstrings: what griffe's Google parser does not read (scripts/docs_griffe.py) ------------
+
+_EXAMPLE = re.compile(r"(?m)^(\s*)Example:[ \t]*$")
+_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|data|mod|exc|obj|const):`(~?)([\w.]+)(?:\(\))?`")
+
+
+@functools.cache
+def packages() -> frozenset[str]:
+    """The packages with an API page (each page's title is its anchor)."""
+    return frozenset(package for package, _, _ in API_PACKAGES)
+
+
+@functools.cache
+def documented() -> frozenset[str]:
+    """Every name the generated API pages document, as its anchor ``package.name``."""
+    return frozenset(f"{p}.{name}" for p in packages() for name in static_all(p))
+
+
+def resolve(target: str, module: str) -> tuple[str, str] | None:
+    """The documented anchor ``target`` names from ``module``, and the part of it that does
+    (``GradScaler.update`` links to ``...GradScaler``); None when it names no documented one."""
+    parts = target.split(".")
+    scopes = module.split(".")
+    bases = [""] + [".".join(scopes[:i]) + "." for i in range(len(scopes), 0, -1)]
+    if target in packages():
+        return target, target
+    for base in ([""] if target.startswith("unimp") else bases):
+        for n in range(len(parts), 0, -1):  # a member's name links to its class or module entry
+            anchor = base + ".".join(parts[:n])
+            if anchor in documented():
+                return anchor, ".".join(parts[:n])
+    return None
+
+
+def _role(match: re.Match[str], module: str) -> str:
+    short, target = match.group(1), match.group(2)
+    text = target.rsplit(".", 1)[-1] if short else target
+    found = resolve(target, module)
+    return f"[`{text}`][{found[0]}]" if found else f"`{text}`"
+
+
+_PARAM_SECTION = re.compile(r"^(\s*)(?:Args|Arguments|Parameters|Params|Keyword Args|Other Parameters):\s*$")
+_GROUPED = re.compile(r"^(\s*)(\w+(?:\s*,\s*\w+)+)\s*:(.*)$")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _continues(lines: list[str], k: int, item_indent: int) -> bool:
+    """Whether ``lines[k]`` still belongs to the entry above (deeper, or a blank line inside)."""
+    if lines[k].strip():
+        return _indent(lines[k]) > item_indent
+    return k + 1 < len(lines) and bool(lines[k + 1].strip()) and _indent(lines[k + 1]) > item_indent
+
+
+def split_grouped_parameters(text: str) -> str:
+    """Writes ``a, b: description`` in an ``Args:`` section as one entry per parameter.
+
+    The docstrings document related parameters together; griffe's Google parser reads the
+    line as one parameter named ``a, b`` and warns that the signature has none. The first name
+    takes the description, each other name points to it. A list of names may run over several
+    lines (each but the last ending with a comma).
+    """
+    lines = text.split("\n")
+    out: list[str] = []
+    section_indent: int | None = None
+    item_indent: int | None = None
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        indent = len(line) - len(line.lstrip())
+        header = _PARAM_SECTION.match(line)
+        if header:
+            section_indent, item_indent = len(header.group(1)), None
+            out.append(line)
+            i += 1
+            continue
+        if section_indent is not None and line.strip():
+            if indent <= section_indent:
+                section_indent = item_indent = None
+            elif item_indent is None:
+                item_indent = indent
+        if section_indent is not None and item_indent is not None and indent == item_indent:
+            joined, j = line, i
+            while joined.rstrip().endswith(",") and ":" not in joined and j + 1 < len(lines):
+                j += 1
+                joined = joined.rstrip() + " " + lines[j].strip()
+            grouped = _GROUPED.match(joined)
+            if grouped:
+                names = [n.strip() for n in grouped.group(2).split(",")]
+                out.append(f"{grouped.group(1)}{names[0]}:{grouped.group(3)}")
+                k = j + 1
+                while k < len(lines) and _continues(lines, k, item_indent):
+                    out.append(lines[k])
+                    k += 1
+                out += [f"{grouped.group(1)}{name}: as ``{names[0]}``." for name in names[1:]]
+                i = k
+                continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
+def docstring_to_markdown(text: str, module: str) -> str:
+    """``text``, a docstring of an object in ``module``, as griffe should read it: ``Example:``
+    as ``Examples:``, grouped parameters one by one, Sphinx roles as links or code."""
+    text = split_grouped_parameters(_EXAMPLE.sub(r"\1Examples:", text))
+    return _ROLE.sub(lambda m: _role(m, module), text)
+
+
 # --- the MkDocs hooks ---------------------------------------------------------------------------
 
-#: griffe's warnings about docstrings in files whose owners are rewriting them now, as
-#: (file, parameter text): several parameters documented on one line (``a, b: ...``), which
-#: griffe's Google parser reads as one unknown parameter. Each is shown as INFO, not counted as a
-#: warning, so the build stays strict for everything else; fix the docstring (one entry per
-#: parameter) and delete its line here.
+#: griffe's warnings about docstrings in files whose owners are rewriting them now, as (file,
+#: parameter): each is shown as INFO, not counted as a warning, so the build stays strict for
+#: everything else. Fix the docstring and delete its line here. GradScaler's torch keywords come
+#: through ``**torch_options``: Google style documents them under ``Keyword Args:``, not ``Args:``.
 KNOWN_DOCSTRING_WARNINGS: set[tuple[str, str]] = {
-    ("unimp/backends/torch/fp8.py", "in_features, out_features, bias, device, dtype"),
-    ("unimp/backends/torch/scaling.py", "init_scale, growth_factor, backoff_factor, growth_interval"),
-    ("unimp/backends/torch/scaling.py", "grads_finite, loss_finite"),
-    ("unimp/backends/torch/step.py", "model, optimizer"),
-    ("unimp/keras/optimizer.py", "initial_scale, dynamic_growth_steps"),
-    ("unimp/blockscale.py", "pow2, variant"),
-    ("unimp/blockscale.py", "x, fmt, rule, block, variant"),
+    ("unimp/backends/torch/scaling.py", name)
+    for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 }
 
 _GRIFFE_PARAM = re.compile(r"^(?:griffe: )?(?P<file>[\w/.]+\.py):\d+: (?:No type or annotation for "
-                           r"parameter|Parameter) '(?P<params>[^']+)'")
+                           r"parameter|Parameter) '(?P<param>[^']+)'")
 
 
 def known_docstring_warning(message: str) -> bool:
     """Whether griffe's ``message`` is one of :data:`KNOWN_DOCSTRING_WARNINGS`."""
     m = _GRIFFE_PARAM.match(message)
-    return bool(m) and (m["file"], m["params"]) in KNOWN_DOCSTRING_WARNINGS
+    return bool(m) and (m["file"], m["param"]) in KNOWN_DOCSTRING_WARNINGS
 
 
 class _KnownWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.WARNING and known_docstring_warning(record.getMessage()):
-            record.levelno, record.levelname = logging.INFO, "INFO"
             record.msg, record.args = "known, owner to fix: " + record.getMessage(), ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
         return True
 
 

@@ -84,3 +84,43 @@ def test_every_page_is_in_the_nav():
     for page in _pages():
         rel = page.relative_to(DOCS).as_posix()
         assert re.search(rf"(^|[\s:]){re.escape(rel)}$", MKDOCS_YML, re.M), f"{rel} not in nav"
+
+
+def test_grouped_parameters_are_written_one_by_one():
+    doc = (
+        "Summary.\n\nArgs:\n    model: a model.\n    gradients, activations: ``{name: x}`` as\n"
+        "        from_arrays takes them.\n    grad_accum_steps, max_grad_norm,\n"
+        "        rounding_seed: the options.\n    order: last.\n\nReturns:\n    a, b: a pair.\n"
+    )
+    assert gen.split_grouped_parameters(doc) == (
+        "Summary.\n\nArgs:\n    model: a model.\n    gradients: ``{name: x}`` as\n"
+        "        from_arrays takes them.\n    activations: as ``gradients``.\n"
+        "    grad_accum_steps: the options.\n    max_grad_norm: as ``grad_accum_steps``.\n"
+        "    rounding_seed: as ``grad_accum_steps``.\n    order: last.\n\nReturns:\n    a, b: a pair.\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "role,module,expected",
+    [
+        (":class:`GradScaler`", "unimp.backends.torch.scaling",
+         "[`GradScaler`][unimp.backends.torch.GradScaler]"),
+        (":func:`~unimp.loss_scale.update_arrays`", "unimp.recipe",
+         "[`update_arrays`][unimp.loss_scale.update_arrays]"),
+        (":meth:`TensorStats.from_arrays`", "unimp.stats",
+         "[`TensorStats.from_arrays`][unimp.TensorStats]"),
+        (":mod:`unimp.fp8`", "unimp.recipe", "[`unimp.fp8`][unimp.fp8]"),
+        # not public, or not on an API page: code, never a dangling link
+        (":data:`unimp.backends._base.BACKEND_MODULES`", "unimp.backends.torch",
+         "`unimp.backends._base.BACKEND_MODULES`"),
+        (":mod:`unimp.stats`", "unimp", "`unimp.stats`"),
+    ],
+)
+def test_sphinx_roles_become_links_to_public_names_or_code(role, module, expected):
+    assert gen.docstring_to_markdown(role, module) == expected
+
+
+def test_example_sections_are_read_as_doctests():
+    assert gen.docstring_to_markdown("A.\n\n    Example:\n        >>> 1\n        1\n", "unimp") == (
+        "A.\n\n    Examples:\n        >>> 1\n        1\n"
+    )
