@@ -52,19 +52,23 @@ __all__ = [
     "ELEMENT_FORMATS",
     "E8M0_NAN",
     "MX_BLOCK",
+    "MX_VARIANTS",
     "NVFP4_ROUNDINGS",
     "NVFP4_TILES",
     "NVFP4_VARIANTS",
     "SCALE_RULES",
     "block_fp8_quantize_dequantize",
     "block_fp8_scale",
+    "block_fp8_scales",
     "e8m0_floor",
     "e8m0_round_up",
     "e8m0_value",
     "mx_quantize_dequantize",
+    "mx_scales",
     "nvfp4_block_scale",
     "nvfp4_global_scale",
     "nvfp4_quantize_dequantize",
+    "nvfp4_scales",
     "round_e2m1",
     "round_e2m1_stochastic",
 ]
@@ -182,44 +186,130 @@ def round_e2m1(x: Any, ops: Any = NumpyOps) -> Any:
 SCALE_RULES = {"floor": e8m0_floor, "round_up": e8m0_round_up}
 
 
-def mx_quantize_dequantize(x: Any, fmt: str, rule: str, block: int = MX_BLOCK, ops: Any = NumpyOps) -> Any:
-    """The MX format's values of ``x``, as float32: each block of ``block`` consecutive elements
-    along the last axis shares one E8M0 scale (:data:`SCALE_RULES`) from its amax (NaN
-    propagating); its elements are ``x / scale`` clipped to the element format's range and
-    rounded to nearest even (E4M3 / E5M2: :meth:`round_fp8`; E2M1: :func:`round_e2m1`), times
-    the scale again. A block whose amax is NaN becomes NaN.
+#: Whose MX arithmetic around the scale rule (see :func:`mx_scales`): the OCP spec's exact
+#: division, or what Transformer Engine, torchao or JAX do with the smallest and the special bytes.
+MX_VARIANTS = ("reference", "transformer_engine", "torchao", "jax")
 
-    Args:
-        x: float32 array whose last dimension is a multiple of ``block``.
-        fmt: the element format, a key of :data:`ELEMENT_FORMATS`.
-        rule: ``"floor"`` (OCP MX v1.0) or ``"round_up"`` (NVIDIA).
-        block: elements per block (32 for MX).
-        ops: the array namespace (default NumPy, the reference); it needs ``reshape`` and
-            ``amax_last`` (the NaN-propagating max over the last axis, keeping it) besides the
-            scale rules' names.
+#: The variants that define one rule only: Transformer Engine's MXFP8 and JAX's mxfp8 round up.
+_MX_VARIANT_RULES = {"transformer_engine": "round_up", "jax": "round_up"}
 
-    Returns:
-        float32 array, ``x``'s shape.
 
-    Raises:
-        ValueError: an unknown format or rule, or a last dimension that is not a multiple of
-            ``block``.
-    """
-    fmax, _ = _element(fmt)
+def _mx_blocks(ops: Any, x: Any, fmt: str, rule: str, block: int, variant: str) -> tuple[Any, tuple[int, ...]]:
+    """``x`` (float32) as ``(..., n_blocks, block)``, and its shape, after checking the arguments."""
+    _element(fmt)
     if rule not in SCALE_RULES:
         raise ValueError(f"unknown scale rule {rule!r}; choose one of {', '.join(SCALE_RULES)}.")
+    if variant not in MX_VARIANTS:
+        raise ValueError(f"unknown MX variant {variant!r}; choose one of {', '.join(MX_VARIANTS)}.")
+    if _MX_VARIANT_RULES.get(variant, rule) != rule:
+        raise ValueError(
+            f"the {variant!r} MX variant rounds the scale up only: pass rule='round_up', or "
+            "variant='reference' for the OCP floor rule."
+        )
     shape = tuple(x.shape)
     if not shape or shape[-1] % block:
         raise ValueError(
             f"the last dimension ({shape[-1] if shape else 'none'}) must be a multiple of the "
             f"block size {block}; pad the tensor or pick layers whose width is."
         )
-    blocks = ops.reshape(ops.f32(x), (*shape[:-1], shape[-1] // block, block))
-    byte = SCALE_RULES[rule](ops.amax_last(ops.abs(blocks)), fmt, ops)
+    return ops.reshape(ops.f32(x), (*shape[:-1], shape[-1] // block, block)), shape
+
+
+def _mx_exponents(ops: Any, blocks: Any, fmt: str, rule: str, variant: str) -> tuple[Any, Any, Any]:
+    """Blocks -> (E8M0 byte, the exponent ``e`` dequantization multiplies by ``2**e``, the
+    exponent quantization divides by), each ``(..., n_blocks, 1)``; see :func:`mx_scales`."""
+    _, emax = _element(fmt)
+    amax = ops.amax_last(ops.abs(blocks))
+    byte = SCALE_RULES[rule](amax, fmt, ops)
+    if variant == "jax":  # cast_to_e8m0_with_rounding_up: inf's exponent 255 stays, NaN's wraps
+        byte = ops.where(ops.isinf(amax), E8M0_NAN, ops.where(ops.isnan(amax), 0, byte))
+    if variant == "torchao" and rule == "floor":  # clamped to [-127, 128]: inf keeps its exponent
+        byte = ops.where(ops.isinf(amax), 255 - emax, byte)
+    e = ops.where(byte == E8M0_NAN, 127, byte) - 127
+    if variant == "transformer_engine" or (variant == "torchao" and rule == "round_up"):
+        e_q = ops.where(byte == 0, 0, e)  # exp2f_rcp(0) is 1: the block is not scaled
+    elif variant == "torchao":
+        e_q = ops.where(byte == 0, -126, e)  # divides by max(2**-127, F32_MIN_NORMAL)
+    else:
+        e_q = e
+    return byte, e, e_q
+
+
+def mx_scales(
+    x: Any, fmt: str, rule: str, block: int = MX_BLOCK, variant: str = "reference", ops: Any = NumpyOps
+) -> Any:
+    """The E8M0 byte each MX block of ``x`` takes: :data:`SCALE_RULES` of its amax (NaN
+    propagating), as the ``variant`` turns it.
+
+    The variants agree wherever the block's amax is finite and its byte is not 0 (an amax
+    above ``elem_max * 2**-127``); they differ on the smallest blocks and the special values:
+
+    * ``"reference"``: OCP MX v1.0 (and NVIDIA's rule with ``rule="round_up"``): elements are
+      ``x / 2**(byte - 127)``, exactly, byte 0 included (2**-127).
+    * ``"transformer_engine"`` (round-up only; ``common/util/ptx.cuh``): elements are
+      ``x * exp2f_rcp(byte)``, and ``exp2f_rcp(0)`` is 1, so a block with byte 0 (a zero or
+      tiny block, amax at most ``448 * 2**-127`` for E4M3) is not scaled at all: its tiny
+      elements round to 0.
+    * ``"torchao"`` (``torchao/prototype/mx_formats/mx_tensor.py``, ``to_mx``): with
+      ``ScaleCalculationMode.RCEIL`` (``rule="round_up"``), ``_to_mx_rceil`` likewise leaves a
+      byte-0 block unscaled; with ``FLOOR`` the scale it divides by is clamped below at
+      ``F32_MIN_NORMAL`` (2**-126) while dequantization multiplies by 2**-127, so a tiny block
+      comes back at about half its values; and an infinite amax keeps its float32 exponent
+      (byte ``255 - emax_elem``: 247 for E4M3, not 254). Not transcribed: RCEIL takes
+      ``ceil(torch.log2(amax / max))`` in float32, which can miss the round-up of a quotient a
+      few ulps above a large power of two.
+    * ``"jax"`` (round-up only; ``jax/_src/cudnn/scaled_matmul_stablehlo.py``,
+      ``cast_to_e8m0_with_rounding_up``): the same bits as NVIDIA's rule, but an infinite amax
+      gives byte 255 (so the block is NaN) and a NaN amax byte 0 (its exponent 255 + 1 wraps).
+
+    Args:
+        x: float32 array whose last dimension is a multiple of ``block``.
+        fmt: the element format, a key of :data:`ELEMENT_FORMATS`.
+        rule: ``"floor"`` (OCP MX v1.0) or ``"round_up"`` (NVIDIA).
+        block: elements per block (32 for MX).
+        variant: one of :data:`MX_VARIANTS`.
+        ops: the array namespace (default NumPy, the reference); it needs ``reshape`` and
+            ``amax_last`` (the NaN-propagating max over the last axis, keeping it) besides the
+            scale rules' names.
+
+    Returns:
+        int32 array of bytes, shape ``(*x.shape[:-1], x.shape[-1] // block)``; the block's
+        scale is :func:`e8m0_value` of it.
+
+    Raises:
+        ValueError: an unknown format, rule or variant, a variant that has no floor rule, or a
+            last dimension that is not a multiple of ``block``.
+    """
+    blocks, shape = _mx_blocks(ops, x, fmt, rule, block, variant)
+    byte, _, _ = _mx_exponents(ops, blocks, fmt, rule, variant)
+    return ops.reshape(byte, (*shape[:-1], shape[-1] // block))
+
+
+def mx_quantize_dequantize(
+    x: Any, fmt: str, rule: str, block: int = MX_BLOCK, ops: Any = NumpyOps, variant: str = "reference"
+) -> Any:
+    """The MX format's values of ``x``, as float32: each block of ``block`` consecutive elements
+    along the last axis shares one E8M0 scale (:func:`mx_scales`); its elements are
+    ``x / scale`` clipped to the element format's range and rounded to nearest even (E4M3 /
+    E5M2: :meth:`round_fp8`; E2M1: :func:`round_e2m1`), times the scale again. A block whose
+    byte is 255 (NaN) becomes NaN.
+
+    Args:
+        x, fmt, rule, block, variant: as :func:`mx_scales`.
+        ops: the array namespace (default NumPy, the reference); as :func:`mx_scales`.
+
+    Returns:
+        float32 array, ``x``'s shape.
+
+    Raises:
+        ValueError: as :func:`mx_scales`.
+    """
+    fmax, _ = _element(fmt)
+    blocks, shape = _mx_blocks(ops, x, fmt, rule, block, variant)
+    byte, e, e_q = _mx_exponents(ops, blocks, fmt, rule, variant)
     nan = byte == E8M0_NAN
-    e = ops.where(nan, 127, byte) - 127  # the scale 2**e; a NaN block is set NaN below
     with np.errstate(over="ignore"):  # an infinite block's 448 * 2**127 is inf, as in division
-        y = ops.clip(_times_pow2(blocks, -e, ops), -fmax, fmax)
+        y = ops.clip(_times_pow2(blocks, -e_q, ops), -fmax, fmax)
         q = round_e2m1(y, ops) if fmt == "float4_e2m1fn" else ops.round_fp8(y, fmt)
         out = ops.where(nan, ops.f32(float("nan")), _times_pow2(q, e, ops))
     return ops.reshape(out, shape)
@@ -331,6 +421,41 @@ def block_fp8_scale(
     return ops.where(a == ops.f32(0.0), ops.f32(1.0), s)
 
 
+def _block_fp8_tile_scales(ops: Any, tiles: Any, fmt: str, pow2: bool, variant: str) -> Any:
+    """Tiles ``(R, tr, C, tc)`` -> their scales ``S``, ``(R, 1, C, 1)``; the kernels' amax skips NaN."""
+    mag = ops.abs(tiles)
+    if variant == "kernel":
+        mag = ops.where(ops.isnan(mag), ops.f32(0.0), mag)  # fmaxf skips NaN
+    return block_fp8_scale(ops.amax_axes(mag, (1, 3)), fmt, pow2, variant, ops)
+
+
+def block_fp8_scales(
+    x: Any,
+    fmt: str = "float8_e4m3fn",
+    tile: tuple[int, int] = BLOCK_FP8_TILES["activation"],
+    pow2: bool = True,
+    variant: str = "reference",
+    ops: Any = NumpyOps,
+) -> Any:
+    """The scale ``S`` of each tile of ``x`` (:func:`block_fp8_scale` of its amax; with
+    ``variant="kernel"`` an amax that skips NaN); the tile dequantizes by ``1 / S``.
+
+    Args:
+        x, fmt, tile, pow2, variant, ops: as :func:`block_fp8_quantize_dequantize`.
+
+    Returns:
+        float32 array ``(rows // tile[0], x.shape[-1] // tile[1])``, rows being the product of
+        every axis but the last.
+
+    Raises:
+        ValueError: as :func:`block_fp8_quantize_dequantize`.
+    """
+    _check_block_fp8(fmt, variant)
+    tiles, _ = _tiled(ops, x, tile, "block FP8")
+    s = _block_fp8_tile_scales(ops, tiles, fmt, pow2, variant)
+    return ops.reshape(s, (int(tiles.shape[0]), int(tiles.shape[2])))
+
+
 def block_fp8_quantize_dequantize(
     x: Any,
     fmt: str = "float8_e4m3fn",
@@ -383,10 +508,7 @@ def block_fp8_quantize_dequantize(
     """
     fmax = _check_block_fp8(fmt, variant)
     tiles, shape = _tiled(ops, x, tile, "block FP8")
-    mag = ops.abs(tiles)
-    if variant == "kernel":
-        mag = ops.where(ops.isnan(mag), ops.f32(0.0), mag)  # fmaxf skips NaN
-    s = block_fp8_scale(ops.amax_axes(mag, (1, 3)), fmt, pow2, variant, ops)
+    s = _block_fp8_tile_scales(ops, tiles, fmt, pow2, variant)
     with np.errstate(invalid="ignore", divide="ignore"):
         q = ops.round_fp8(ops.clip(tiles * s, -fmax, fmax), fmt)
         if not pow2:
@@ -528,6 +650,31 @@ def _nvfp4_jax(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
 
 
 _NVFP4_SCALES = {"transformer_engine": _nvfp4_transformer_engine, "torchao": _nvfp4_torchao, "jax": _nvfp4_jax}
+
+
+def nvfp4_scales(
+    x: Any, tile: tuple[int, int] = NVFP4_TILES["activation"], variant: str = "transformer_engine", ops: Any = NumpyOps
+) -> tuple[Any, Any]:
+    """NVFP4's decode scales of ``x``: each tile's E4M3 ``s_block`` and the tensor's float32
+    ``s_global``, as :func:`nvfp4_quantize_dequantize`'s ``variant`` computes them; a tile's
+    elements dequantize as ``q * s_block * s_global``.
+
+    Args:
+        x, tile, variant, ops: as :func:`nvfp4_quantize_dequantize`.
+
+    Returns:
+        ``(s_block, s_global)``: float32 ``(rows // tile[0], x.shape[-1] // tile[1])`` (rows
+        being the product of every axis but the last) and a float32 scalar.
+
+    Raises:
+        ValueError: a shape that does not split into tiles, or an unknown variant.
+    """
+    if variant not in NVFP4_VARIANTS:
+        raise ValueError(f"unknown NVFP4 variant {variant!r}; choose one of {', '.join(NVFP4_VARIANTS)}.")
+    tiles, _ = _tiled(ops, x, tile, "NVFP4")
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        _, d, g = _NVFP4_SCALES[variant](ops, tiles)
+    return ops.reshape(d, (int(tiles.shape[0]), int(tiles.shape[2]))), ops.reshape(g, ())
 
 
 def nvfp4_quantize_dequantize(
