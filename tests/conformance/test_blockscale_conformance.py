@@ -18,6 +18,7 @@ import pytest
 from conftest import require_backend
 
 from unimp import blockscale, rounding
+from unimp.blockscale_presets import BLOCK_PRESETS, block_quantize_dequantize
 from unimp.fp8.rule import NumpyOps
 
 
@@ -98,6 +99,15 @@ def test_nvfp4_stochastic_rounding_is_the_reference_bit_for_bit(backend):
     want = blockscale.nvfp4_quantize_dequantize(x, rounding="stochastic", bits=bits)
     np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(want))
     assert not np.array_equal(want, blockscale.nvfp4_quantize_dequantize(x))  # it did round otherwise
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "inf_nan"])
+@pytest.mark.parametrize("role", ["activation", "weight"])
+@pytest.mark.parametrize("preset", list(BLOCK_PRESETS))
+def test_every_preset_is_the_reference_bit_for_bit(backend, preset, role, special):
+    """Each implementation's preset (unimp.blockscale_presets), its MX variant's handling of
+    byte 0, inf and NaN included, gives the same bits on every backend's tensors."""
+    _check(backend, block_quantize_dequantize, _input((128, 256), special), preset=preset, role=role)
 
 
 COMPILED = [
