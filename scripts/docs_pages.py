@@ -337,10 +337,44 @@ def split_grouped_parameters(text: str) -> str:
     return "\n".join(out)
 
 
+_RST_BORDER = re.compile(r"^(\s*)=+(?:\s+=+)+\s*$")
+
+
+def _cells(line: str, starts: list[int]) -> str:
+    """One table row: ``line`` cut at the columns' ``starts``."""
+    bounds = [*starts[1:], None]
+    return "| " + " | ".join(line[s:e].strip() for s, e in zip(starts, bounds, strict=True)) + " |"
+
+
+def rst_tables_to_markdown(text: str) -> str:
+    """reStructuredText simple tables (``====  ====`` borders, one line per row) as Markdown
+    tables; the columns are cut where the border's runs of ``=`` start."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        border = _RST_BORDER.match(lines[i])
+        ends = [j for j in range(i + 1, len(lines)) if lines[j].strip() == lines[i].strip()]
+        if not border or len(ends) < 2 or any(not lines[j].strip() for j in range(i, ends[1])):
+            out.append(lines[i])
+            i += 1
+            continue
+        starts = [m.start() for m in re.finditer(r"=+", lines[i])]
+        indent = border.group(1)
+        header = [_cells(lines[j], starts) for j in range(i + 1, ends[0])]
+        body = [_cells(lines[j], starts) for j in range(ends[0] + 1, ends[1])]
+        out += [indent + header[0], indent + "|" + "---|" * len(starts),
+                *(indent + row for row in header[1:] + body)]
+        i = ends[1] + 1
+    return "\n".join(out)
+
+
 def docstring_to_markdown(text: str, module: str) -> str:
     """``text``, a docstring of an object in ``module``, as griffe should read it: ``Example:``
-    as ``Examples:``, grouped parameters one by one, Sphinx roles as links or code."""
+    as ``Examples:``, grouped parameters one by one, Sphinx roles as links or code, RST simple
+    tables as Markdown tables and a paragraph's ``::`` before a literal block as ``:``."""
     text = split_grouped_parameters(_EXAMPLE.sub(r"\1Examples:", text))
+    text = re.sub(r"(?m)(\S)::$", r"\1:", rst_tables_to_markdown(text))
     return _ROLE.sub(lambda m: _role(m, module), text)
 
 

@@ -124,3 +124,14 @@ def test_example_sections_are_read_as_doctests():
     assert gen.docstring_to_markdown("A.\n\n    Example:\n        >>> 1\n        1\n", "unimp") == (
         "A.\n\n    Examples:\n        >>> 1\n        1\n"
     )
+
+
+def test_rst_simple_tables_and_literal_markers_become_markdown():
+    doc = (
+        "Table:\n\n=====  =====\nname   value\n=====  =====\n``a``  1\n``b``  two words\n"
+        "=====  =====\n\nCode::\n\n    x = 1\n"
+    )
+    assert gen.docstring_to_markdown(doc, "unimp") == (
+        "Table:\n\n| name | value |\n|---|---|\n| ``a`` | 1 |\n| ``b`` | two words |\n\n"
+        "Code:\n\n    x = 1\n"
+    )
