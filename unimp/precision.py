@@ -34,7 +34,7 @@ recipe asks for ``"highest"``):
   the operands to its types (under ``"F32_F32_F32"`` a bfloat16 dot runs in float32; under
   ``"BF16_BF16_F32"`` a float16 one rounds its operands to bfloat16), convolutions then lower
   with ``precision DEFAULT`` (a ``"highest"`` request would not reach them), and the TF32
-  presets fail on CPU ("not supported by dot_general on CPU") and on TPU. JAX 0.10's
+  presets fail on CPU ("not supported by dot_general on CPU"; a TPU has no TF32). JAX 0.10's
   ``_handle_dot_precision`` and ``get_algorithm_compute_types`` in ``jax/_src/lax/lax.py``;
   tests/conformance/test_matmul_precision_conformance.py checks each of these.
 
