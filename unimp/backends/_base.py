@@ -32,7 +32,8 @@ __all__ = ["BACKEND_MODULES", "COMMON_API", "FP8_API", "MixedPrecisionBase", "ex
 #:   layers) or a parameter tree (JAX, returning the cast tree); ``prepare`` calls it.
 #: * ``matmul_precision(name)``: a context manager setting the framework's float32 matmul /
 #:   convolution precision from :data:`unimp.precision.MATMUL_PRECISION_TABLE`, restored after.
-#: * ``current_matmul_precision()``: the framework's current setting, a dict (``unimp info``).
+#: * ``current_matmul_precision()``: the framework's current setting, a dict whose ``"api"``
+#:   names the framework API unimp sets (``unimp info``), beside that API's values.
 #: * ``half_update(optimizer, update, seed=0)``: the framework's optimizer applying its updates
 #:   to half-precision parameters by :func:`unimp.rounding.update_half` (``"kahan"``,
 #:   ``"stochastic"``): torch's in place, Keras's and optax's as a wrapper.
