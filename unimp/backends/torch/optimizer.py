@@ -190,45 +190,38 @@ def _compiled_guarded_step(
     kwargs: dict,
     step_fn: Callable[..., Any] | None,
 ) -> Any:
-    """:func:`guarded_step` as ``torch.compile`` traces it: native optimizers get ``found_inf``,
-    the others the copy-and-select guard (the compiler fuses the copies and selects into the
-    step's kernels), and nothing decides on the host.
+    """:func:`guarded_step` as ``torch.compile`` traces it: always the copy-and-select guard (the
+    compiler fuses the copies and selects into the update's kernels), and nothing decided on the
+    host.
 
-    Nothing is wrapped around ``optimizer.step``: torch's step graph-breaks on purpose (the
-    ``_use_grad`` wrapper of ``torch.optim``), and dynamo cannot resume a graph inside a context
-    manager of unimp's; the GradScaler's misuse check is off under compilation anyway. Two things
-    need the host and are not done here: dropping the lazy per-parameter state a skipped first
-    step creates (the compiled train step runs eagerly until the optimizer holds its state),
-    and restoring state that is not a tensor (torch's optimizers keep none per parameter).
+    Not ``found_inf`` for torch's fused optimizers: their kernel runs outside the compiler
+    (``torch.compiler.disable``), and the ``found_inf`` attribute set in the traced frame did not
+    reach it (measured, torch 2.13: a skipped step wrote inf into the parameters); the guard is
+    right for every optimizer. Nothing is wrapped around ``optimizer.step``: torch's step
+    graph-breaks on purpose (``torch.optim``'s ``_use_grad``), and dynamo cannot resume a graph
+    inside a context manager of unimp's; the GradScaler's misuse check is off under compilation.
+    Two things need the host and are not done here: dropping the lazy per-parameter state a
+    skipped first step creates (run the first step eagerly: the compiled train step does), and
+    restoring state that is not a tensor (torch's optimizers keep none per parameter).
     """
     step_fn = optimizer.step if step_fn is None else step_fn
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
-    native = amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
     master = peek(optimizer, "master", None)
     if master is not None:
         master.in_guard = True
     skip = bad != 0
-    if not native:
-        with torch.no_grad():
-            p_old = [p.detach().clone() for p in params]
-            s_old = [
-                (v, v.detach().clone()) for p in params for v in optimizer.state.get(p, {}).values()
-                if isinstance(v, torch.Tensor)
-            ]  # fmt: skip
-    if amp_aware:
-        optimizer.grad_scale = None  # type: ignore[attr-defined]
-        optimizer.found_inf = bad  # type: ignore[attr-defined]
+    with torch.no_grad():
+        p_old = [p.detach().clone() for p in params]
+        s_old = [
+            (v, v.detach().clone()) for p in params for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor)
+        ]  # fmt: skip
     ret = step_fn(*args, **kwargs)
-    if amp_aware:
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
-    if not native:
-        with torch.no_grad():
-            for p, old in zip(params, p_old, strict=True):
-                p.copy_(torch.where(_to(skip, p.device), old, p))
-            for v, old in s_old:
-                v.copy_(torch.where(_to(skip, v.device), old, v))
+    with torch.no_grad():
+        for p, old in zip(params, p_old, strict=True):
+            p.copy_(torch.where(_to(skip, p.device), old, p))
+        for v, old in s_old:
+            v.copy_(torch.where(_to(skip, v.device), old, v))
     if master is not None:
         master.to_model()
         master.in_guard = False

@@ -421,8 +421,9 @@ class GradScaler:
     (dynamo runs torch.amp's ``scale``, ``step`` and ``update`` eagerly, each a graph break,
     and its ``step`` reads ``found_inf`` on the host for an optimizer without the native amp
     path): the skip is decided on the device whatever ``skip`` says (the copy-and-select guard,
-    which the compiler fuses into the update, or ``found_inf`` for a fused optimizer, which
-    torch runs outside the compiler), the update is the reference rule
+    which the compiler fuses into the update, for every optimizer: a fused one's kernel runs
+    outside the compiler, where the ``found_inf`` of a traced frame does not reach it), the
+    update is the reference rule
     (:func:`unimp.loss_scale.update_arrays`, the same values bit for bit), and the misuse checks,
     which walk autograd's graph, are left out. Run the first step eagerly: it creates the
     optimizer's lazy state, which a compiled one would recompile for.
