@@ -82,6 +82,15 @@ def _explain(args: argparse.Namespace) -> int:
     from unimp.compare.explain import explain_recipe, scaler_sequence, scaler_table
     from unimp.recipe import get_recipe
 
+    if args.block_format is not None:
+        if args.recipe is not None or args.scalers or args.fp8:
+            raise UsageError(
+                "explain --block-format compares the block-scaled presets on their own: drop the "
+                "recipe, --scalers and --fp8, or run them without --block-format"
+            )
+        return _explain_block_format(args)
+    if args.values is not None:
+        raise UsageError("--values goes with --block-format (e.g. --block-format all --values 449,3,0.001)")
     if args.fp8:
         if args.recipe is not None or args.scalers:
             raise UsageError(
@@ -90,7 +99,7 @@ def _explain(args: argparse.Namespace) -> int:
             )
         return _explain_fp8(args)
     if args.recipe is None:
-        raise UsageError("explain needs a recipe name (or --fp8)")
+        raise UsageError("explain needs a recipe name (or --fp8, or --block-format PRESET[,PRESET...])")
     recipe = get_recipe(args.recipe)
     if not 1 <= args.steps <= MAX_EXPLAIN_STEPS:
         raise UsageError(
@@ -149,6 +158,50 @@ def _explain(args: argparse.Namespace) -> int:
         print("Differences (scale index 0 is the initial scale):")
         for line in table["differences"]:
             print(f"  - {line}")
+    return 0
+
+
+def _explain_block_format(args: argparse.Namespace) -> int:
+    from unimp.compare.explain_blockscale import (
+        block_format_table,
+        parse_block_values,
+        parse_presets,
+    )
+
+    try:
+        presets = parse_presets(args.block_format)
+        blocks = None if args.values is None else {"--values": parse_block_values(args.values)}
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    table = block_format_table(presets, blocks)
+    if args.json:  # standard JSON: non-finite numbers null, named in "nonfinite"
+        from unimp.compare.report import strict_json
+
+        print(json.dumps(strict_json(table), indent=2, allow_nan=False))
+        return 0
+    from tabulate import tabulate
+
+    print(
+        "Block-scaled presets on one block each (values repeated to fill every preset's block; "
+        f"'*' where a value differs from {presets[0]}):"
+    )
+    for block in table["blocks"]:
+        n = len(block["values"])
+        rows = [["input", ""] + [f"{v:.4g}" for v in block["values"]]]
+        for name in presets:
+            row = block["presets"][name]
+            cells = [f"{v:.4g}" + ("*" if d else "") for v, d in zip(row["values"], row["differs"], strict=True)]
+            rows.append([name, f"{row['scale']:.4g}"] + cells)
+        text = tabulate(rows, ["", "scale"] + [f"x{i + 1}" for i in range(n)], tablefmt="simple", disable_numparse=True)
+        print(f"\nblock {block['name']!r}:")
+        print("\n".join("  " + line for line in text.splitlines()))
+        for line in block["differences"]:
+            print(f"  - {line}")
+    print("\nPresets:")
+    for name, p in table["presets"].items():
+        print(f"  - {name} ({p['implementation']}): {p['element']}, {p['scale']}; from {p['source']}")
+        if p["notes"]:
+            print(f"      {p['notes']}")
     return 0
 
 
@@ -566,6 +619,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --fp8: comma-separated per-step maxima (0, inf, nan ok; --amaxes=... when the first starts with '-')",
     )
     exp.add_argument("--history-len", type=int, default=3, help="with --fp8: delayed window L")
+    exp.add_argument(
+        "--block-format",
+        metavar="PRESET[,PRESET...]",
+        help="where the block-scaled presets (MXFP8, MXFP4, NVFP4, block FP8) differ, element by "
+        "element, on a zero block, an inf, a NaN, a maximum above 448 and a tiny block; 'all' "
+        "for every preset; the first is the baseline",
+    )
+    exp.add_argument(
+        "--values",
+        help="with --block-format: one block's values instead (1, 2, 4, 8, 16 or 32, comma-separated; "
+        "--values=... when the first starts with '-')",
+    )
     exp.add_argument(
         "--scalers", action="store_true", help="simulate each framework's native scaler"
     )
