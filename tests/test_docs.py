@@ -74,10 +74,12 @@ def test_every_table_marker_names_a_table():
         assert build().count("\n") >= 2, name
 
 
-def test_every_included_example_exists():
+def test_every_included_file_exists():
+    # pymdownx.snippets' base paths in mkdocs.yml: the examples and the commands' outputs
+    bases = [ROOT / "examples", DOCS / "outputs"]
     for page in _pages():
         for include in re.findall(r'--8<-- "([^"]+)"', page.read_text(encoding="utf-8")):
-            assert (ROOT / "examples" / include).is_file(), f"{page}: no examples/{include}"
+            assert any((b / include).is_file() for b in bases), f"{page}: no {include} in {bases}"
 
 
 def test_every_page_is_in_the_nav():
