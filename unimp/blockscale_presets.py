@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,10 +41,12 @@ from unimp.fp8.rule import NumpyOps
 __all__ = [
     "BLOCK_PRESETS",
     "BlockPreset",
+    "QuantizationError",
     "ROLES",
     "block_preset",
     "block_preset_scales",
     "block_quantize_dequantize",
+    "quantization_error",
 ]
 
 #: The tensor roles a preset gives a block shape and an element rounding for.
@@ -272,3 +274,83 @@ def block_preset_scales(
     d, g = bs.nvfp4_scales(x, tile, p.variant, ops)
     with np.errstate(invalid="ignore", over="ignore"):  # torchao's and JAX's 0 / 0 of a zero tensor
         return d * g
+
+
+class QuantizationError(NamedTuple):
+    """What a block-scaled format does to one tensor (:func:`quantization_error`), as arrays of
+    the namespace's framework."""
+
+    underflow: Any  # shape=(), float32: share of the finite nonzero elements that became 0
+    nonfinite: Any  # shape=(), float32: share of the finite elements that became inf or NaN
+    relative_mse: Any  # shape=(), float32: sum((q - x)**2) / sum(x**2) where x and q are finite
+
+
+def quantization_error(
+    x: Any,
+    preset: str,
+    total: Any,
+    role: str = "activation",
+    fmt: str | None = None,
+    bits: Any = None,
+    ops: Any = NumpyOps,
+) -> QuantizationError:
+    """How much of ``x`` the format of ``preset`` loses: the share of its finite nonzero
+    elements that quantize to zero (underflow: a block whose amax is far above them, or one
+    that a rule leaves unscaled), the share of its finite elements that come back inf or NaN
+    (a NaN block), and the relative mean squared error over the elements that stay finite.
+
+    unimp's definitions: the errors are taken relative to the tensor's largest finite
+    magnitude before squaring (``((q - x) / amax)**2``), so no square overflows float32 nor
+    underflows for ordinary tensors; a tensor without finite nonzero elements has all three 0.
+
+    Args:
+        x: float32 array, as :func:`block_quantize_dequantize` takes it.
+        preset: a name of :data:`BLOCK_PRESETS`.
+        total: the framework's sum of a whole array (``np.sum``, ``torch.sum``, ``jnp.sum``,
+            ``tf.reduce_sum``): the backends' ``FP8Ops`` have no sum yet.
+        role, fmt, bits: as :func:`block_quantize_dequantize`.
+        ops: the array namespace (default NumPy, the reference; any backend's ``FP8Ops``).
+
+    Returns:
+        :class:`QuantizationError` of float32 scalars.
+
+    Raises:
+        ValueError: as :func:`block_quantize_dequantize`.
+
+    Example:
+        One block of 32: 449 and 31 times 0.001. Round-up scales it by 2 and every 0.001
+        underflows (0.0005 is below half of E4M3's smallest subnormal 2**-9); OCP's floor keeps
+        them as 2**-9.
+
+        >>> import numpy as np
+        >>> x = np.full((1, 32), 0.001, np.float32)
+        >>> x[0, 0] = 449.0
+        >>> [float(quantization_error(x, p, np.sum).underflow) for p in ("ocp_mx", "transformer_engine_mxfp8")]
+        [0.0, 0.96875]
+    """
+    q = block_quantize_dequantize(x, preset, role, fmt, bits, ops)
+    x = ops.f32(x)
+    one, zero = ops.f32(1.0), ops.f32(0.0)
+    finite = ops.isfinite(x)
+    nonzero = finite & (x != zero)
+    kept = finite & ops.isfinite(q)
+    flat = ops.reshape(ops.where(finite, ops.abs(x), zero), (-1,))
+    amax = ops.reshape(ops.amax_axes(flat, (0,)), ())
+    amax = ops.where(amax > zero, amax, one)  # no finite nonzero element: every sum below is 0
+
+    def share(mask: Any, of: Any) -> Any:
+        hits = ops.f32(total(ops.where(mask, one, zero)))
+        count = ops.f32(total(ops.where(of, one, zero)))
+        return ops.where(count > zero, hits / ops.where(count > zero, count, one), zero)
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = ops.where(kept, (q - x) / amax, zero)
+        ref = ops.where(kept, x / amax, zero)
+        num = ops.f32(total(err * err))
+        den = ops.f32(total(ref * ref))
+    mse = ops.where(den > zero, num / ops.where(den > zero, den, one), zero)
+    return QuantizationError(
+        underflow=share(nonzero & (q == zero), nonzero),
+        nonfinite=share(finite & ~ops.isfinite(q), finite),
+        relative_mse=mse,
+    )

@@ -18,7 +18,7 @@ import pytest
 from conftest import require_backend
 
 from unimp import blockscale, rounding
-from unimp.blockscale_presets import BLOCK_PRESETS, block_quantize_dequantize
+from unimp.blockscale_presets import BLOCK_PRESETS, block_quantize_dequantize, quantization_error
 from unimp.fp8.rule import NumpyOps
 
 
@@ -108,6 +108,30 @@ def test_every_preset_is_the_reference_bit_for_bit(backend, preset, role, specia
     """Each implementation's preset (unimp.blockscale_presets), its MX variant's handling of
     byte 0, inf and NaN included, gives the same bits on every backend's tensors."""
     _check(backend, block_quantize_dequantize, _input((128, 256), special), preset=preset, role=role)
+
+
+def _sum(backend):
+    if backend == "torch":
+        import torch
+
+        return torch.sum
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.reduce_sum
+    import jax.numpy as jnp
+
+    return jnp.sum
+
+
+@pytest.mark.parametrize("preset", ["ocp_mx", "jax_mxfp8", "transformer_engine_nvfp4"])
+def test_quantization_error_is_the_reference(backend, preset):
+    """Shares exact (counts below 2**24), the relative MSE to float32 summation order."""
+    x = _input((128, 256), True)
+    got = quantization_error(_native(backend, x), preset, _sum(backend), ops=_ops(backend))
+    want = quantization_error(x, preset, np.sum)
+    assert [float(np.asarray(v)) for v in got[:2]] == [float(v) for v in want[:2]]
+    np.testing.assert_allclose(float(np.asarray(got.relative_mse)), float(want.relative_mse), rtol=1e-5)
 
 
 COMPILED = [
