@@ -137,3 +137,60 @@ def test_rst_simple_tables_and_literal_markers_become_markdown():
         "Table:\n\n| name | value |\n|---|---|\n| ``a`` | 1 |\n| ``b`` | two words |\n\n"
         "Code:\n\n    x = 1\n"
     )
+
+
+def _python_blocks(path: pathlib.Path) -> list[str]:
+    """The ```python blocks of a Markdown file (tabs' indented ones too), without the includes."""
+    text = path.read_text(encoding="utf-8")
+    blocks = re.findall(r"(?ms)^([ \t]*)```python\n(.*?)^\1```", text)
+    sources = ["\n".join(line[len(indent):] for line in b.splitlines()) for indent, b in blocks]
+    return [s for s in sources if "--8<--" not in s]
+
+
+def _module_source(module: str) -> str | None:
+    base = ROOT.joinpath(*module.split("."))
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    return None
+
+
+def _unimp_references(source: str) -> list[str]:
+    """What a snippet asks of unimp that does not exist: modules, imported names, ``unimp.X``."""
+    import ast
+
+    problems = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "unimp":
+            text = _module_source(node.module)
+            if text is None:
+                problems.append(f"no module {node.module}")
+                continue
+            for alias in node.names:
+                if node.module in PACKAGES:  # a public package: its __all__
+                    if alias.name not in gen.static_all(node.module):
+                        problems.append(f"{alias.name} is not in {node.module}.__all__")
+                elif _module_source(f"{node.module}.{alias.name}") is None and not re.search(
+                    rf"(?m)^\s*(def |class )?{alias.name}\b|\b{alias.name}\b.*import|import.*\b{alias.name}\b",
+                    text,
+                ):
+                    problems.append(f"{node.module} has no {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "unimp" and _module_source(alias.name) is None:
+                    problems.append(f"no module {alias.name}")
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "unimp"):
+            if node.attr not in gen.static_all("unimp") and _module_source(f"unimp.{node.attr}") is None:
+                problems.append(f"unimp.{node.attr} is not public")
+    return problems
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *(p.relative_to(ROOT).as_posix() for p in _pages())]
+)
+def test_python_snippets_parse_and_name_what_exists(page):
+    # the README's and the pages' snippets use a user's model and data, so they are not run;
+    # they must parse, and every unimp module, name and unimp.X they use must exist
+    for source in _python_blocks(ROOT / page):
+        assert _unimp_references(source) == [], f"{page}:\n{source}"
