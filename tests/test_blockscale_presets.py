@@ -234,3 +234,26 @@ def test_quantization_error_of_inf_blocks_and_zero_tensors():
     assert float(jax.relative_mse) == 0.0  # the second block is exact; NaN ones are left out
     zero = quantization_error(np.zeros((2, 32), np.float32), "torchao_mx", np.sum)
     assert [float(v) for v in zero] == [0.0, 0.0, 0.0]
+
+
+def test_jax_mxfp8_preset_is_jax_s_quantize_on_inf_and_nan_blocks():
+    """Against JAX's own quantize (run on the CPU): an inf block (byte 255: NaN when
+    dequantized) and a NaN block (byte 0: the other elements times 2**127, clipped to 448),
+    with ordinary blocks beside them. No zero in the NaN block: JAX divides it by the subnormal
+    2**-127, which XLA on the CPU flushes, and 0 / 0 would be NaN there."""
+    from conftest import require_backend
+
+    require_backend("jax")
+    import jax
+    from jax._src.cudnn import scaled_matmul_stablehlo as smm
+
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((4, 128)) * 8).astype(np.float32)
+    x[0, 0], x[1, 33], x[2, 70] = np.inf, np.nan, 449.0
+    q, s = smm.quantize(jax.numpy.asarray(x), jax.nn.get_scaled_dot_general_config("mxfp8"))
+    byte = np.asarray(s).view(np.uint8).astype(np.int32)
+    assert (byte[0, 0], byte[1, 1]) == (255, 0)
+    scale = np.where(byte == 255, np.float32(np.nan), bs.e8m0_value(byte))
+    deq = (np.asarray(q).astype(np.float32).reshape(4, 4, 32) * scale[..., None]).reshape(4, 128)
+    _same(block_quantize_dequantize(x, "jax_mxfp8"), deq)
+    np.testing.assert_array_equal(bs.mx_scales(x, E4M3, "round_up", variant="jax"), byte)

@@ -142,6 +142,9 @@ COMPILED = [
     (blockscale.nvfp4_quantize_dequantize, {}),
     (blockscale.nvfp4_quantize_dequantize, {"variant": "torchao"}),
     (blockscale.nvfp4_quantize_dequantize, {"variant": "jax", "tile": (16, 16)}),
+    (block_quantize_dequantize, {"preset": "transformer_engine_mxfp8"}),
+    (block_quantize_dequantize, {"preset": "torchao_mx"}),
+    (block_quantize_dequantize, {"preset": "jax_mxfp8"}),
 ]
 
 
