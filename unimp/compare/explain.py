@@ -177,9 +177,11 @@ def _policy_v2_lines(p: Any) -> dict[str, list[str]]:
     if p.matmul_precision is not None:
         row = MATMUL_PRECISION_TABLE[p.matmul_precision]
         scope = "for the train step and mp.autocast(), restored after"
+        switches = ", ".join(f'{k} = "{v}"' for k, v in row.torch_fp32_precision.items())
         out["torch"].append(
+            f"torch >= 2.9: torch.backends' fp32_precision switches {switches}; older torch: "
             f'torch.set_float32_matmul_precision("{row.torch_matmul}") and '
-            f"torch.backends.cudnn.allow_tf32 = {row.torch_cudnn_tf32} {scope}"
+            f"torch.backends.cudnn.allow_tf32 = {row.torch_cudnn_tf32}; {scope}"
         )
         out["tensorflow"].append(
             f"tf.config.experimental.enable_tensor_float_32_execution({row.tensorflow_tf32}) "
