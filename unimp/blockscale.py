@@ -19,6 +19,12 @@ into NaN):
   MXFP8 training recipes): ``amax / elem_max`` rounded UP to a power of two, saturating at
   byte 254; NaN gives 255, inf 254, 0 gives 0.
 
+Around these rules the implementations part on the smallest and the special blocks
+(Transformer Engine leaves a byte-0 block unscaled, torchao's FLOOR divides it by 2**-126, JAX
+gives inf byte 255): :data:`MX_VARIANTS`, described at :func:`mx_scales`. Each
+implementation's whole rule (block shape per role, element, scale, variant, source) is a preset
+of :mod:`unimp.blockscale_presets`.
+
 Block FP8 (Transformer Engine ``Float8BlockScaling``, the DeepSeek-V3 recipe) keeps a float32
 scale per 1x128 or 128x128 tile instead: ``S = fmax / amax``, floored to a power of two by
 default (:func:`block_fp8_scale`, :func:`block_fp8_quantize_dequantize`). NVFP4 (Transformer
