@@ -81,8 +81,8 @@ def _batches(n=STEPS):
 
 def _train(compile, batches):
     model = _seeds_mlp()
-    # fused: torch runs its kernel outside the compiler (a graph break of torch's), and the
-    # compiled step guards it as any other (eager: found_inf, natively)
+    # fused: torch runs its kernel outside the compiler (a graph break of torch's); the compiled
+    # step hands it found_inf through a flag set before the call, as the eager step does
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
     mp = unimp.mixed_precision("mixed_float16", backend="torch", device="cpu")
     model, opt = mp.prepare(model, opt)

@@ -194,10 +194,12 @@ def _compiled_guarded_step(
     compiler fuses the copies and selects into the update's kernels), and nothing decided on the
     host.
 
-    Not ``found_inf`` for torch's fused optimizers: their kernel runs outside the compiler
-    (``torch.compiler.disable``), and the ``found_inf`` attribute set in the traced frame did not
-    reach it (measured, torch 2.13: a skipped step wrote inf into the parameters); the guard is
-    right for every optimizer. Nothing is wrapped around ``optimizer.step``: torch's step
+    A fused optimizer's kernel runs outside the compiler (``torch.compiler.disable``), and a
+    ``found_inf`` attribute set in the traced frame does not reach it across torch.optim's graph
+    break (measured, torch 2.13: a skipped step wrote inf into the parameters). So it skips
+    natively only where the caller set ``optimizer.found_inf`` to a float32 0-d tensor before the
+    compiled call (:func:`native_flag`; the compiled train step does): the flag is written in
+    place and the kernel reads it, with no copy. Otherwise the guard, right for every optimizer. Nothing is wrapped around ``optimizer.step``: torch's step
     graph-breaks on purpose (``torch.optim``'s ``_use_grad``), and dynamo cannot resume a graph
     inside a context manager of unimp's; the GradScaler's misuse check is off under compilation.
     Two things need the host and are not done here: dropping the lazy per-parameter state a
@@ -205,6 +207,10 @@ def _compiled_guarded_step(
     restoring state that is not a tensor (torch's optimizers keep none per parameter).
     """
     step_fn = optimizer.step if step_fn is None else step_fn
+    held = optimizer.__dict__.get("found_inf")
+    if isinstance(held, torch.Tensor) and _native(optimizer):  # set before the call: native skip
+        held.copy_(bad)
+        return step_fn(*args, **kwargs)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     master = peek(optimizer, "master", None)
     if master is not None:
@@ -226,6 +232,25 @@ def _compiled_guarded_step(
         master.to_model()
         master.in_guard = False
     return ret
+
+
+def _native(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips natively on ``found_inf``: torch's fused kernels."""
+    amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
+    return amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
+
+
+@contextlib.contextmanager
+def native_flag(optimizer: torch.optim.Optimizer, device: torch.device) -> Iterator[None]:
+    """For a call of a compiled step: a fused optimizer holds ``grad_scale = None`` and a
+    float32 0-d ``found_inf`` on ``device`` (zero; the compiled guard writes the step's flag into
+    it, and torch's fused kernel skips on it), removed after the call; any other optimizer is
+    left alone (the compiled guard copies and selects)."""
+    if not _native(optimizer):
+        yield
+        return
+    with _amp_attributes(optimizer, torch.zeros((), dtype=torch.float32, device=device)):
+        yield
 
 
 def _own_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.torch.casting import to_dtype
 from unimp.backends.torch.devices import _to
 from unimp.backends.torch.fp8 import fp8_window
-from unimp.backends.torch.optimizer import check_half_state, half_update, param_grads
+from unimp.backends.torch.optimizer import check_half_state, half_update, native_flag, param_grads
 from unimp.backends.torch.overflow import _global_norm, _rescale_, all_finite
 from unimp.backends.torch.precision import matmul_precision
 from unimp.backends.torch.scaling import GradScaler, check_skip, to_host
@@ -215,7 +215,7 @@ class TrainStep(LoggedStep):
             self.scaler.check_replicas()  # once, eagerly (its flag would retrace the step)
             saved = _forward_state(self.model)  # a call that raises is undone as a whole
             try:
-                with _tracing_backward():
+                with _tracing_backward(), native_flag(self.optimizer, self.scaler.device):
                     raw = self._compiled(micro)
             except BaseException:
                 StepOps(self, None).abort(saved)
@@ -285,7 +285,8 @@ def _tracing_backward() -> Any:
 
 class StepOps:
     """The phases of one step (:class:`unimp.trainstep.StepPrimitives`) for a torch
-    :class:`TrainStep`, run eagerly: the gradients live in the parameters' ``.grad`` fields,
+    :class:`TrainStep`, run eagerly or traced by ``torch.compile`` (``compile=True``: then with
+    no statistics recorder): the gradients live in the parameters' ``.grad`` fields,
     so the handle passed between the phases is the optimizer. The loss scaling is the
     :class:`GradScaler`'s, through its public step calls (``begin_step`` ... ``end_step``),
     which decide whether the step is fused (one flag scratch, one report snapshot).
