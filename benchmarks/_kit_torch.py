@@ -61,10 +61,12 @@ OPTIMIZERS: dict[str, Any] = {
 
 class Trainer:
     """``run(n)``: n training steps, then waits for the device. ``one()``: one step, no wait.
-    ``optimizer``: a name of :data:`OPTIMIZERS`; ``skip``: unimp's skip mode (GradScaler)."""
+    ``optimizer``: a name of :data:`OPTIMIZERS`; ``skip``: unimp's skip mode (GradScaler);
+    ``compile``: unimp's ``train_step(compile=True)``, or the native step under
+    ``torch.compile`` as a user writes it (dynamo's defaults; torch's GradScaler breaks it)."""
 
     def __init__(self, impl: str, spec: ModelSpec, recipe: str, device: str | None, seed: int = 0,
-                 optimizer: str = "adam-fused", skip: str = "auto"):
+                 optimizer: str = "adam-fused", skip: str = "auto", compile: bool = False):
         dev = device_of(device)
         self.impl, self.device = impl, dev
         torch.manual_seed(seed)
@@ -86,7 +88,9 @@ class Trainer:
         if impl == "unimp":
             mp = unimp.mixed_precision(rec, backend="torch", device=dev)
             model, optimizer = mp.prepare(model, optimizer)
-            self.step = mp.train_step(model, optimizer, lambda m, b: criterion(m(b[0]), b[1]), skip=skip)
+            self.step = mp.train_step(
+                model, optimizer, lambda m, b: criterion(m(b[0]), b[1]), skip=skip, compile=compile
+            )
             self._one = self._unimp_one
         elif impl == "native":
             self.dtype = to_dtype(rec.policy.compute_dtype)
@@ -95,6 +99,7 @@ class Trainer:
             # torch's own defaults (init 2**16, interval 2000): the native loop as people write it
             self.scaler = torch.amp.GradScaler(dev.type, enabled=scaling)
             self.model, self.optimizer, self.criterion = model, optimizer, criterion
+            self._native_step = torch.compile(self._native_body) if compile else self._native_body
             self._one = self._native_one
         else:
             raise ValueError(f"impl must be 'unimp' or 'native', got {impl!r}.")
@@ -107,6 +112,9 @@ class Trainer:
     def _native_one(self) -> None:
         x, y = self.batches[self.i % N_BATCHES]
         self.i += 1
+        self.last = self._native_step(x, y)
+
+    def _native_body(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt = self.optimizer
         opt.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
@@ -114,7 +122,7 @@ class Trainer:
         self.scaler.scale(loss).backward()
         self.scaler.step(opt)
         self.scaler.update()
-        self.last = loss.detach()
+        return loss.detach()
 
     def one(self) -> None:
         self._one()

@@ -16,7 +16,7 @@ device the headline ratio uses process CPU time and the recipe defaults to ``flo
 Target: <= 1.02.
 
     python -m benchmarks.overhead [--quick] [--device cuda] [--recipe mixed_float16]
-        [--optimizers adam-fused,adam,sgd-momentum]
+        [--optimizers adam-fused,adam,sgd-momentum] [--compiled]
 """
 
 from __future__ import annotations
@@ -41,9 +41,12 @@ def worker(cfg: dict) -> dict:
     target, pairs, warmup = cfg["schedule"]
     rows = []
     optimizers = (cfg.get("optimizers") or ["adam-fused"]) if backend == "torch" else [None]
+    compiled = bool(cfg.get("compiled")) and backend == "torch"
     for name, opt_name in [(m, o) for m in cfg["models"] for o in optimizers]:
         spec = h.MODELS[name]
         extra = {} if opt_name is None else {"optimizer": opt_name}
+        if compiled:
+            extra["compile"] = True
         # two instances of each side, built in both orders (unimp first, then native first),
         # with half the pairs each: where a tensor lands in memory can make one instance a few
         # percent faster than another, whichever loop it runs
@@ -72,6 +75,7 @@ def worker(cfg: dict) -> dict:
         if backend == "torch":
             r["fused_optimizer"] = fused
             r["optimizer"] = opt_name
+            r["compiled"] = compiled
         rows.append(r)
     return {"backend": backend, "framework": k.framework_version(), "rows": rows}
 
@@ -97,6 +101,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "(unimp's GradScaler against torch.amp's)",
     )
     p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="torch only: both loops compiled, unimp's train_step(compile=True) against the native "
+        "step under torch.compile (dynamo's defaults; torch's GradScaler runs eagerly at its breaks)",
+    )
+    p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
         default=None,
@@ -118,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not optimizers or set(optimizers) - set(known):
         p.error(f"--optimizers: choose from {', '.join(known)}; got {args.optimizers!r}")
     config = {"recipe": args.recipe, "models": models, "clock": args.clock, "schedule": SETTINGS[mode],
-              "optimizers": optimizers}
+              "optimizers": optimizers, "compiled": args.compiled}
     results = h.run_backends("overhead", args, config, summary=_summary)
     target, pairs, warmup = SETTINGS[mode]
     payload = {
@@ -146,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 [
                     backend,
                     res["framework"],
-                    r["model_desc"] + (f", {r['optimizer']}" if r.get("optimizer") else ""),
+                    r["model_desc"] + (f", {r['optimizer']}" if r.get("optimizer") else "")
+                    + (", compiled" if r.get("compiled") else ""),
                     h.fmt_ratio(r),
                     h.fmt_ratio(r["wall" if r["clock"] == "cpu" else "cpu"]),
                     f"{r['diff_us_median']:+.0f}",
