@@ -40,6 +40,8 @@ API_PACKAGES: list[tuple[str, str, str]] = [
     ("unimp.fp8", "reference/api/fp8.md", "FP8 (float8) scaling rules and presets."),
     ("unimp.blockscale", "reference/api/blockscale.md",
      "Block-scaled formats: MX, block FP8, NVFP4."),
+    ("unimp.blockscale_presets", "reference/api/blockscale_presets.md",
+     "Each implementation's block-scaled rule as a preset."),
 ]
 
 CLI_PAGE = "reference/cli.md"
