@@ -386,10 +386,7 @@ def docstring_to_markdown(text: str, module: str) -> str:
 #: parameter): each is shown as INFO, not counted as a warning, so the build stays strict for
 #: everything else. Fix the docstring and delete its line here. GradScaler's torch keywords come
 #: through ``**torch_options``: Google style documents them under ``Keyword Args:``, not ``Args:``.
-KNOWN_DOCSTRING_WARNINGS: set[tuple[str, str]] = {
-    ("unimp/backends/torch/scaling.py", name)
-    for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-}
+KNOWN_DOCSTRING_WARNINGS: set[tuple[str, str]] = set()
 
 _GRIFFE_PARAM = re.compile(r"^(?:griffe: )?(?P<file>[\w/.]+\.py):\d+: (?:No type or annotation for "
                            r"parameter|Parameter) '(?P<param>[^']+)'")

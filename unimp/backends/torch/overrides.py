@@ -35,6 +35,7 @@ def layer_paths(model: torch.nn.Module) -> list[str]:
     """The dotted paths overrides match in torch: ``named_modules()`` names, the root left out.
 
     Example:
+        >>> import torch
         >>> layer_paths(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
         ['0', '1']
     """

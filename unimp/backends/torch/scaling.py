@@ -452,14 +452,19 @@ class GradScaler:
             :func:`unimp.backends.torch.overflow.check_replicas_agree`).
         skip: ``"auto"`` (default) or ``"guard"``: how an optimizer without torch's native
             amp path skips a step (above); fused optimizers always skip natively.
-        init_scale, growth_factor, backoff_factor, growth_interval: torch's keywords, only
-            with ``loss_scale=None``.
+
+    Keyword Args:
+        init_scale (float): torch's keyword, only with ``loss_scale=None``.
+        growth_factor (float): torch's keyword, only with ``loss_scale=None``.
+        backoff_factor (float): torch's keyword, only with ``loss_scale=None``.
+        growth_interval (int): torch's keyword, only with ``loss_scale=None``.
 
     Raises:
         ValueError: a bad loss scale, device or ``skip``, or torch keywords with a
             ``loss_scale``.
 
     Example:
+        >>> from unimp import DynamicLossScale
         >>> scaler = GradScaler(DynamicLossScale.preset("torch"), device="cpu")
         >>> scaler.get_scale()
         65536.0

@@ -45,6 +45,8 @@ def tensor_stats(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> tuple[to
         ValueError: a host ``scale`` that is not a finite number > 0.
 
     Example:
+        >>> import torch
+        >>> from unimp.stats import COUNT_FIELDS
         >>> c, m = tensor_stats(torch.tensor([2.0**-k for k in range(41)]))
         >>> dict(zip(COUNT_FIELDS, c.tolist()))["float16_flush"], m.tolist()
         (16, [1.0, 9.094947017729282e-13])
