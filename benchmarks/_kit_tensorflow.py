@@ -55,7 +55,10 @@ def loss_fn(model: keras.Model, batch: tuple) -> tf.Tensor:
 class Trainer:
     """``run(n)``: n training steps, then waits for the device. ``one()``: one step, no wait."""
 
-    def __init__(self, impl: str, spec: ModelSpec, recipe: str, device: str | None, seed: int = 0):
+    def __init__(self, impl: str, spec: ModelSpec, recipe: str, device: str | None, seed: int = 0,
+                 compile: bool = False):
+        # compile: both loops XLA-compiled (unimp's train_step(jit_compile=True), the native
+        # step's tf.function(jit_compile=True)), the compiled anchor of benchmarks.overhead
         self.impl = impl
         self.device = device_of(device)
         self.i = 0
@@ -78,7 +81,7 @@ class Trainer:
                     # guide's); prepare() alone casts the outputs of a float16 output layer
                     model = make_model(spec, None, mp.output_dtype_policy)
                 model = mp.prepare(model)
-                self.step = mp.train_step(model, keras.optimizers.Adam(LR), loss_fn)
+                self.step = mp.train_step(model, keras.optimizers.Adam(LR), loss_fn, jit_compile=compile)
                 self.function = self.step.function
                 self._one = self._unimp_one
             elif impl == "native":
@@ -90,7 +93,7 @@ class Trainer:
                     optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
                 optimizer.build(model.trainable_variables)
                 self.optimizer = optimizer
-                self.function = tf.function(self._native_step(model, optimizer))
+                self.function = tf.function(self._native_step(model, optimizer), jit_compile=compile)
                 self._one = self._native_one
             else:
                 raise ValueError(f"impl must be 'unimp' or 'native', got {impl!r}.")

@@ -41,7 +41,7 @@ def worker(cfg: dict) -> dict:
     target, pairs, warmup = cfg["schedule"]
     rows = []
     optimizers = (cfg.get("optimizers") or ["adam-fused"]) if backend == "torch" else [None]
-    compiled = bool(cfg.get("compiled")) and backend == "torch"
+    compiled = bool(cfg.get("compiled")) and backend in ("torch", "tensorflow")
     for name, opt_name in [(m, o) for m in cfg["models"] for o in optimizers]:
         spec = h.MODELS[name]
         extra = {} if opt_name is None else {"optimizer": opt_name}
@@ -75,6 +75,7 @@ def worker(cfg: dict) -> dict:
         if backend == "torch":
             r["fused_optimizer"] = fused
             r["optimizer"] = opt_name
+        if backend in ("torch", "tensorflow"):
             r["compiled"] = compiled
         rows.append(r)
     return {"backend": backend, "framework": k.framework_version(), "rows": rows}
@@ -103,8 +104,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument(
         "--compiled",
         action="store_true",
-        help="torch only: both loops compiled, unimp's train_step(compile=True) against the native "
-        "step under torch.compile (dynamo's defaults; torch's GradScaler runs eagerly at its breaks)",
+        help="both loops compiled: torch, unimp's train_step(compile=True) against the native "
+        "step under torch.compile (dynamo's defaults; torch's GradScaler runs eagerly at its "
+        "breaks); TensorFlow, train_step(jit_compile=True) against the native tf.function("
+        "jit_compile=True) with Keras's LossScaleOptimizer (XLA); JAX is always compiled",
     )
     p.add_argument(
         "--clock",
