@@ -221,6 +221,58 @@ def check() -> dict:
     return {"raised": None, "batches": len(seen)}
 
 
+def misuse() -> dict:
+    """What breaks drop-in use or leaves things half-changed: per check, what happened."""
+    out = {}
+
+    def two():
+        a, b = keras.Variable(np.ones(2, np.float32)), keras.Variable(np.ones(1, np.float32))
+        opt = LossScaleOptimizer(keras.optimizers.Adam(0.1), loss_scale=8.0)
+        opt.build([a, b])
+        return opt, a, b
+
+    def values(opt, *vs):
+        return [_np(v.value).tolist() for v in (*vs, *opt.inner_optimizer.variables)]
+
+    # a subset of the built variables, in another order (Keras's optimizers take it)
+    opt, a, b = two()
+    opt.apply([ops.ones((1,)) * 8.0], [b])
+    out["subset"] = [_np(a.value).tolist(), _np(b.value).tolist()]
+    # a failing inner step (a gradient of the wrong shape) changes nothing
+    opt, a, b = two()
+    before = values(opt, a, b)
+    try:
+        opt.apply([ops.ones((3,)), ops.ones((1,))], [a, b])
+        out["failed_apply"] = "no error"
+    except Exception:
+        out["failed_apply"] = values(opt, a, b) == before
+    # a state saved under another config is refused (a compiled step has the config built in)
+    other = LossScaleOptimizer(keras.optimizers.Adam(0.1), loss_scale=DynamicLossScale(growth_interval=1))
+    other.build([keras.Variable(np.ones(2, np.float32))])
+    try:
+        opt.load_state_dict(other.state_dict())
+        out["other_config"] = "loaded"
+    except ValueError as e:
+        out["other_config"] = str(e)
+    if BACKEND != "tensorflow":
+        opt, a, b = two()
+        ov, tv = [v.value for v in opt.variables], [a.value, b.value]
+        try:
+            opt.stateless_apply(ov, [ops.ones((2,))], tv)
+            out["stateless_count"] = "no error"
+        except ValueError as e:
+            out["stateless_count"] = str(e)
+        same = opt.stateless_apply(ov, [], tv)
+        out["stateless_empty"] = same[0] is tv or [_np(x).tolist() for x in same[0]] == [[1.0, 1.0], [1.0]]
+    if BACKEND == "jax":  # scale_loss inside the user's jax.jit leaves no tracer in the optimizer
+        import jax
+
+        opt, a, b = two()
+        jax.jit(lambda x: opt.scale_loss(x))(np.float32(1.0))
+        out["jit_scale_loss"] = float(_np(opt.scale_loss(1.0)))
+    return out
+
+
 def _compile_counter() -> dict:
     """JAX: a dict whose ``"n"`` counts XLA compilations from now on (as benchmarks.syncs)."""
     compiles = {"n": 0}

@@ -66,3 +66,39 @@ def test_trace_and_audit_name_the_engine_they_cannot_record(capsys, argv):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "keras-" in err and "--backends tensorflow" in err and len(err.strip().splitlines()) == 1
+
+
+CHATTY_BUT_FAILING_ON_JAX = '''
+import sys
+import keras
+
+
+class OnlyOnTensorFlow(keras.layers.Layer):
+    def call(self, x):
+        if keras.backend.backend() != "tensorflow":
+            raise ValueError("this layer runs on TensorFlow only")
+        return x
+
+
+def build():
+    for i in range(3000):  # 300 KB on stderr while building: more than a pipe holds
+        sys.stderr.write("W: a chatty library's warning, line %d ......................................\\n" % i)
+    layers = [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+    if keras.backend.backend() == "jax":
+        layers.insert(2, OnlyOnTensorFlow())
+    return keras.Sequential(layers)
+'''
+
+
+def test_a_worker_that_floods_stderr_or_raises_reports_in_one_line(tmp_path, capsys):
+    for b in ("tensorflow", "jax"):
+        require_backend(b)
+    model = tmp_path / "chatty.py"
+    model.write_text(CHATTY_BUT_FAILING_ON_JAX)
+    # keras-tensorflow floods its stderr and must finish (a full pipe stalled it for good);
+    # keras-jax raises in the user's layer: its traceback, then one line, exit 2, nothing written
+    code, out = _run(tmp_path, "--model", f"{model}:build", "--backends", "keras-tensorflow,keras-jax")
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "this layer runs on TensorFlow only" in err and "Traceback" in err
+    assert err.strip().splitlines()[-1].startswith("unimp compare: error: keras-jax: --model ")

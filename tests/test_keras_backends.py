@@ -19,9 +19,9 @@ from unimp.loss_scale import DynamicLossScale, simulate
 HERE = pathlib.Path(__file__).resolve().parent
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 CASES = {
-    "tensorflow": ("rule", "fit16", "losses32", "check"),
-    "jax": ("rule", "stateless", "fit16", "losses32", "check"),
-    "torch": ("rule", "stateless", "fit16", "losses32", "check", "syncs"),
+    "tensorflow": ("rule", "fit16", "losses32", "check", "misuse"),
+    "jax": ("rule", "stateless", "fit16", "losses32", "check", "misuse"),
+    "torch": ("rule", "stateless", "fit16", "losses32", "check", "misuse", "syncs"),
 }
 _REQUIRES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
@@ -131,3 +131,16 @@ def test_loss_scale_check_stops_fit_after_max_consecutive_skips(runs):
         assert got["raised"] == "LossScaleError", (b, got)
         assert got["batches"] == 6, (b, got)
         assert "max_consecutive_skips" in got["message"], b
+
+
+def test_what_keras_code_does_with_an_optimizer_works_or_fails_cleanly(runs):
+    for b in KERAS_BACKENDS:
+        got = runs[b]["misuse"]
+        # a subset of the variables: only those move (8.0 / 8.0 = 1 through Adam lr 0.1)
+        assert got["subset"][0] == [1.0, 1.0] and got["subset"][1][0] < 1.0, b
+        assert got["failed_apply"] is True, b  # nothing half-changed
+        assert "another loss-scale config" in got["other_config"], b
+        if b != "tensorflow":
+            assert "1 gradients for 2 trainable variables" in got["stateless_count"], b
+            assert got["stateless_empty"] is True, b
+    assert runs["jax"]["misuse"]["jit_scale_loss"] == 8.0

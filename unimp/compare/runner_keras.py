@@ -17,15 +17,19 @@ so every Keras engine starts from the same weights.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import traceback
+import warnings
 from dataclasses import fields, replace
 from typing import Any
 
 from unimp.compare.run import KERAS_ENGINES, RunSpec, keras_refusal
+from unimp.compare.user import UserFileError
 
 __all__ = ["run"]
 
@@ -45,7 +49,10 @@ def run(spec: RunSpec, engine: str) -> dict[str, Any]:
 
     Raises:
         ValueError: a recipe Keras's trainer cannot run (:func:`unimp.compare.run.keras_refusal`).
-        RuntimeError: the worker failed (its last line of error in the message).
+        UserFileError: the run raised in the worker (a ``ValueError``: the CLI prints the
+            worker's traceback, then the exception in one line).
+        RuntimeError: the worker died before it wrote its run (the exit code or signal, and
+            its last lines of output).
     """
     why = keras_refusal(spec.recipe)
     if why:
@@ -61,20 +68,36 @@ def run(spec: RunSpec, engine: str) -> dict[str, Any]:
         with open(src, "wb") as f:
             pickle.dump(payload, f)
         env = {**os.environ, "KERAS_BACKEND": KERAS_ENGINES[engine]}
-        with subprocess.Popen(
+        # stderr to a file: a pipe nobody drains fills at 64 KB and stalls the worker for good
+        with open(os.path.join(tmp, "stderr.txt"), "w+") as err, subprocess.Popen(
             [sys.executable, "-m", "unimp.compare.runner_keras", src, dst],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, stdout=subprocess.PIPE, stderr=err, text=True,
         ) as proc:
-            assert proc.stdout is not None and proc.stderr is not None
+            assert proc.stdout is not None
             for line in proc.stdout:
                 if line.startswith("step "):
                     spec.progress(int(line.split()[1]))
-            err = proc.stderr.read()
-        if proc.returncode != 0:
-            last = [ln for ln in err.strip().splitlines() if ln.strip()]
-            raise RuntimeError(f"{engine}: the Keras worker failed: {last[-1] if last else proc.returncode}")
+            proc.wait()
+            err.seek(0)
+            tail = [ln for ln in err.read().strip().splitlines() if ln.strip()][-3:]
+        if not os.path.exists(dst):
+            how = (
+                f"was killed by signal {-proc.returncode}"
+                if proc.returncode < 0
+                else f"exited with code {proc.returncode}"
+            )
+            raise RuntimeError(
+                f"{engine}: the Keras worker {how} before it wrote its run; its last lines:\n"
+                + "\n".join(tail)
+            )
         with open(dst, "rb") as f:
             out = pickle.load(f)
+    for category, message in out.pop("warnings", ()):
+        warnings.warn(message, _category(category), stacklevel=2)
+    if "error" in out:
+        e = out["error"]
+        said = e["message"] if e["type"] == "UserFileError" else f"{e['type']}: {e['message']}"
+        raise UserFileError(f"{engine}: {said}", e["details"])
     initial = out.pop("initial_weights", None)
     if spec.user_model and key not in _initial and initial is not None:
         _initial[key] = initial
@@ -97,6 +120,7 @@ def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
     from unimp.dtypes import keras_policy_name
     from unimp.keras import LossScaleOptimizer
     from unimp.loss_scale import NoLossScale
+    from unimp.step import warn_half_optimizer_state
 
     p = spec.recipe.policy
     keras.config.set_dtype_policy(keras_policy_name(p.param_dtype, p.compute_dtype))
@@ -113,6 +137,8 @@ def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
         if spec.optimizer == "adam"
         else keras.optimizers.SGD(spec.lr)
     )
+    if p.param_dtype == "float16" and spec.optimizer == "adam":  # as the other runners warn
+        warn_half_optimizer_state("Adam", 1e-8)
     config = spec.recipe.loss_scale
     scaled = config is not None and not isinstance(config, NoLossScale)
     opt = LossScaleOptimizer(inner, loss_scale=config) if scaled else inner
@@ -161,9 +187,43 @@ def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
     }
 
 
-if __name__ == "__main__":
-    with open(sys.argv[1], "rb") as f:
+def _category(name: str) -> type[Warning]:
+    """The warning class ``module:qualname`` names, where it is a Warning; else UserWarning."""
+    module, _, qualname = name.partition(":")
+    try:
+        found = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return UserWarning
+    return found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
+
+
+def _main(src: str, dst: str) -> None:  # the worker process
+    with open(src, "rb") as f:
         spec = RunSpec(**pickle.load(f))
-    result = _work(spec)
-    with open(sys.argv[2], "wb") as f:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            result = _work(spec)
+        except Exception as e:  # the parent raises it as one line, with this traceback
+            result = {
+                "error": {
+                    "type": type(e).__name__,
+                    "message": str(e).strip().splitlines()[0] if str(e).strip() else "",
+                    "details": getattr(e, "details", "")
+                    or "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+                }
+            }
+    # the parent shows the worker's warnings as the in-process runners' (unimp's own by class)
+    result["warnings"] = [
+        (f"{w.category.__module__}:{w.category.__qualname__}", str(w.message))
+        for w in seen
+        if w.category.__module__.split(".")[0] == "unimp"
+    ]
+    with open(dst, "wb") as f:
         pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

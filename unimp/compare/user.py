@@ -204,7 +204,8 @@ def user_model_backends(cfg: Any, ds: Any, threads_for: Callable[[list[str]], An
     allowed = _BACKENDS[framework]
     possible = (*allowed, *_ALSO.get(framework, ()))
     if cfg.backends is not None:
-        asked = [n if n in possible else registry.backend_info(n).name for n in cfg.backends]
+        engines = _ALSO["keras"]  # Keras's engines are names of compare's, not the registry's
+        asked = [n if n in possible or n in engines else registry.backend_info(n).name for n in cfg.backends]
         other = [b for b in asked if b not in possible]
         if other:
             raise ValueError(

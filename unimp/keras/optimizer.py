@@ -31,6 +31,7 @@ from unimp.loss_scale.keras_args import (
     keras_positional,
     resolve_keras_loss_scale,
 )
+from unimp.step import warn_half_optimizer_state
 
 __all__ = ["KerasOps", "LossScaleCheck", "LossScaleOptimizer"]
 
@@ -56,6 +57,20 @@ def _all_finite(grads: list[Any]) -> Any:
     """A bool scalar tensor: every element of every gradient is finite (no host read)."""
     flags = [ops.all(ops.isfinite(g)) for g in grads]
     return ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
+
+
+def _can_record(loss: Any) -> bool:
+    """Whether :meth:`LossScaleOptimizer.scale_loss` may write its forward-overflow flag: not
+    a JAX tracer outside Keras's ``StatelessScope`` (a custom ``jax.jit`` / ``jax.grad`` loop,
+    as Keras's JAX guide writes it), where the write would leak the tracer into the variable;
+    there the flag is not recorded (a non-finite loss counts as an overflow of the
+    gradients, as Keras's own optimizer counts it)."""
+    if keras.backend.backend() != "jax":
+        return True
+    import jax
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return in_stateless_scope() or not isinstance(loss, jax.core.Tracer)
 
 
 def _unscale(g: Any, scale: Any) -> Any:
@@ -190,6 +205,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def build(self, var_list: list[Any]) -> None:
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
+        # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
+        half = [v for v in var_list if v.trainable and keras.backend.standardize_dtype(v.dtype) == "float16"]
+        eps = getattr(self.inner_optimizer, "epsilon", None)
+        if half and isinstance(eps, (int, float)):
+            warn_half_optimizer_state(type(self.inner_optimizer).__name__, float(eps))
         first = float(getattr(self._config, "init_scale", getattr(self._config, "scale", 1.0)))
         with keras.name_scope(self.name, caller=self):
             self.dynamic_scale = self.add_variable(
@@ -247,7 +267,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss = ops.cast(loss, wide)
         if not self.built:
             return ops.multiply(loss, ops.cast(self.initial_scale, wide))
-        self.bad_losses.assign_add(ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32"))
+        if _can_record(loss):
+            self.bad_losses.assign_add(
+                ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32")
+            )
         return ops.multiply(loss, ops.cast(self.dynamic_scale, wide))
 
     # -- the step, as a function of values -------------------------------------------------
@@ -314,11 +337,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"got {len(optimizer_variables)} optimizer variable values for "
                 f"{len(self.variables)} variables; pass one per optimizer.variables entry."
             )
+        grads, train = list(grads), list(trainable_variables)
+        if len(train) != len(self._trainable_variables):
+            raise ValueError(
+                f"got {len(train)} trainable variable values for the {len(self._trainable_variables)} "
+                "variables the optimizer was built with; pass one value per variable, in order."
+            )
+        if not grads:
+            return train, optimizer_variables  # nothing to apply (as apply() with no gradients)
+        if len(grads) != len(train):
+            raise ValueError(
+                f"got {len(grads)} gradients for {len(train)} trainable variables; pass one "
+                "gradient (or None) per variable."
+            )
         n = len(self._variables)
         mine, inner = optimizer_variables[:n], optimizer_variables[n:]
         at = {id(v): i for i, v in enumerate(self._variables)}
         where = [at[id(v)] for v in self._own()]
-        grads, train = list(grads), list(trainable_variables)
         unscaled, applied, new_own = self._decide(
             [mine[i] for i in where], grads, self._trainable_variables
         )
@@ -363,10 +398,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"got {len(grads)} gradients for {len(variables)} variables; pass one gradient "
                 "per variable."
             )
-        if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
+        known = {id(v) for v in self._trainable_variables}
+        unknown = [getattr(v, "path", repr(v)) for v in variables if id(v) not in known]
+        if unknown:  # a subset, in any order, is what Keras's optimizers take too
             raise ValueError(
-                "apply() got variables other than the ones the optimizer was built with; build "
-                "one optimizer per set of variables."
+                f"apply() got variables the optimizer was not built with ({', '.join(unknown[:3])}); "
+                "build it with every variable it will update: optimizer.build(model.trainable_variables)."
             )
         own = self._own()
         unscaled, applied, new_own = self._decide([v.value for v in own], grads, variables)
@@ -375,7 +412,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # select per variable instead of a branch (no host read on torch).
         held = [*self.inner_optimizer.variables, *variables]
         before = [ops.copy(v.value) for v in held]
-        self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+        try:
+            self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+        except Exception:  # nothing half-changed: what the inner step wrote is put back
+            for v, old in zip(held, before, strict=True):
+                v.assign(old)
+            raise
         for v, old in zip(held, before, strict=True):
             v.assign(ops.where(applied, v.value, old))
         for v, value in zip(own, new_own, strict=True):
@@ -412,27 +454,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return _portable_state_dict(self._config, self.state())
 
     def load_state_dict(self, state_dict: Any) -> None:
-        """Sets the loss-scale config and state from :meth:`state_dict`'s format (checked
-        whole before anything changes).
+        """Sets the loss-scale state from :meth:`state_dict`'s format (checked whole before
+        anything changes). The saved config must be this optimizer's: a step compiled by Keras
+        (``tf.function``, ``jax.jit``) has the rule's factors and interval built in, so another
+        config would be reported but not followed.
 
         Raises:
-            ValueError: not built, or a bad state dict.
+            ValueError: not built, a bad state dict, or a state saved under another config.
         """
         if not self.built:
             raise ValueError("build the optimizer (optimizer.build(variables)) before loading its state.")
         config, state = from_state_dict(state_dict)
-        if tracks_extra(config) != (self.loss_scale_extra is not None):
+        if config.to_dict() != self._config.to_dict():
             raise ValueError(
-                "the saved loss-scale rule counts other fields (hysteresis, overflow_tolerance or "
-                "floor_action) than this optimizer was built for; make the optimizer with "
-                "loss_scale=<the saved config> before building it."
+                f"the state was saved under another loss-scale config ({config.to_dict()}, this "
+                f"optimizer's: {self._config.to_dict()}); make the optimizer with "
+                "LossScaleOptimizer(opt, loss_scale=<the saved config>) and load the state into it."
             )
         values = [state.scale, state.counter, state.consecutive_skips, state.total_skips]
         for n, v in zip(_STATE, values, strict=True):
             getattr(self, n).assign(v)
         if self.loss_scale_extra is not None:
             self.loss_scale_extra.assign([getattr(state, f) for f in EXTRA_FIELDS])
-        self._config = config
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
