@@ -18,7 +18,7 @@ from keras import ops
 
 from unimp.loss_scale import (
     EXTRA_FIELDS,
-    BatchCheck,
+    FitCheck,
     LossScaleConfig,
     LossScaleState,
     from_state_dict,
@@ -495,7 +495,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return cls(inner, loss_scale=loss_scale, **config)
 
 
-class LossScaleCheck(keras.callbacks.Callback):
+class LossScaleCheck(FitCheck, keras.callbacks.Callback):
     """A ``model.fit`` callback acting on the loss-scale config's ``max_consecutive_skips`` and
     ``floor_action``, on any Keras backend (the checks a train step makes when it reads its
     result; ``fit`` reads nothing by itself).
@@ -518,26 +518,16 @@ class LossScaleCheck(keras.callbacks.Callback):
         ``model.fit(x, y, callbacks=[unimp.keras.LossScaleCheck()])``
     """
 
-    def __init__(self, every: int = 1) -> None:
-        super().__init__()
-        self._check = BatchCheck(every)
+    fix = (
+        "the model compiled with unimp.keras.LossScaleOptimizer: "
+        "model.compile(optimizer=LossScaleOptimizer(opt), ...)"
+    )
 
     @property
-    def every(self) -> int:
-        """Check after every ``every``-th batch."""
-        return self._check.every
+    def optimizer_class(self) -> type:
+        return LossScaleOptimizer
 
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        opt = getattr(self.model, "optimizer", None)
-        if not isinstance(opt, LossScaleOptimizer):
-            raise TypeError(
-                "LossScaleCheck needs the model compiled with unimp.keras.LossScaleOptimizer, got "
-                f"{type(opt).__name__}: model.compile(optimizer=LossScaleOptimizer(opt), ...)."
-            )
-
-        def read() -> LossScaleState:
-            if keras.backend.backend() == "jax":  # Keras's JAX trainer holds the state until asked
-                self.model.jax_state_sync()
-            return opt.state()
-
-        self._check.after_batch(opt.loss_scale_config, read)
+    def read_state(self, optimizer: LossScaleOptimizer) -> LossScaleState:
+        if keras.backend.backend() == "jax":  # Keras's JAX trainer holds the state until asked
+            self.model.jax_state_sync()
+        return optimizer.state()

@@ -58,6 +58,7 @@ from unimp.loss_scale.config import (
 from unimp.loss_scale.portable import STATE_FORMAT, from_state_dict, state_dict
 from unimp.loss_scale.rule import (
     BatchCheck,
+    FitCheck,
     FloorWatch,
     check_state,
     fields_in_use,
@@ -71,6 +72,7 @@ from unimp.loss_scale.rule import (
 
 __all__ = [
     "BatchCheck",
+    "FitCheck",
     "EXTRA_FIELDS",
     "FloorWatch",
     "FLOOR_ACTIONS",

@@ -399,6 +399,42 @@ class BatchCheck:
         self.watch.check(config, read(), step=self.batches - 1)
 
 
+class FitCheck:
+    """The body of a Keras ``LossScaleCheck`` callback, framework-free: a Keras integration
+    mixes it into ``keras.callbacks.Callback`` and names its optimizer class
+    (``optimizer_class``), how to compile with it (``fix``) and how to read its state
+    (``read_state``). After every ``every``-th training batch it runs :class:`BatchCheck`.
+
+    Args:
+        every: check after every ``every``-th batch, an int >= 1.
+
+    Raises:
+        ValueError: ``every`` is not an int >= 1.
+        TypeError: (in ``fit``) the model's optimizer is not ``optimizer_class``.
+    """
+
+    optimizer_class: type = object
+    fix: str = ""
+
+    def __init__(self, every: int = 1) -> None:
+        super().__init__()
+        self._check = BatchCheck(every)
+
+    @property
+    def every(self) -> int:
+        """Check after every ``every``-th batch."""
+        return self._check.every
+
+    def read_state(self, optimizer: Any) -> LossScaleState:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        opt = getattr(self.model, "optimizer", None)  # the model Keras gave the callback
+        if not isinstance(opt, self.optimizer_class):
+            raise TypeError(f"LossScaleCheck needs {self.fix}, got {type(opt).__name__}.")
+        self._check.after_batch(opt.loss_scale_config, lambda: self.read_state(opt))
+
+
 def _check_floor(config: LossScaleConfig, state: LossScaleState, step: int | None) -> None:
     action = getattr(config, "floor_action", "keep")
     if action == "keep" or int(state.floor_hits) == 0:

@@ -31,8 +31,8 @@ from unimp.backends.tensorflow.scaling import (
 )
 from unimp.loss_scale import (
     EXTRA_FIELDS,
-    BatchCheck,
     DynamicLossScale,
+    FitCheck,
     LossScaleConfig,
     LossScaleState,
     from_state_dict,
@@ -1078,7 +1078,7 @@ def _wrap_optimizer(
     return LossScaleOptimizer(optimizer, loss_scale=config, update=update, seed=seed)
 
 
-class LossScaleCheck(keras.callbacks.Callback):
+class LossScaleCheck(FitCheck, keras.callbacks.Callback):
     """A Keras callback that acts on the loss-scale config's ``max_consecutive_skips`` and
     ``floor_action`` during ``model.fit``, where no step result is read (a custom loop checks
     them when it reads a :class:`unimp.StepResult`).
@@ -1103,23 +1103,14 @@ class LossScaleCheck(keras.callbacks.Callback):
         ``model.fit(x, y, callbacks=[unimp.backends.tensorflow.LossScaleCheck()])``
     """
 
-    def __init__(self, every: int = 1) -> None:
-        super().__init__()
-        self._check = BatchCheck(every)
+    fix = "the model compiled with unimp's LossScaleOptimizer (mp.prepare(model, optimizer) does it)"
 
     @property
-    def every(self) -> int:
-        """Check after every ``every``-th batch."""
-        return self._check.every
+    def optimizer_class(self) -> type:
+        return LossScaleOptimizer
 
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        opt = getattr(self.model, "optimizer", None)
-        if not isinstance(opt, LossScaleOptimizer):
-            raise TypeError(
-                f"LossScaleCheck needs the model compiled with unimp's LossScaleOptimizer "
-                f"(mp.prepare(model, optimizer) does it), got {type(opt).__name__}."
-            )
-        self._check.after_batch(opt.loss_scale_config, opt._state)
+    def read_state(self, optimizer: LossScaleOptimizer) -> LossScaleState:
+        return optimizer._state()
 
 
 class UpdateOps(LossScaleOps):
