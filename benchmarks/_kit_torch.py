@@ -181,7 +181,11 @@ def live_mib() -> float:
         # answer with a deprecation warning
         if issubclass(type(obj), torch.Tensor) and not obj.is_sparse and obj.device.type != "meta":
             st = obj.untyped_storage()
-            storages[(st.data_ptr(), obj.device.index or 0)] = st.nbytes()
+            try:
+                ptr = st.data_ptr()
+            except RuntimeError:  # a FakeTensor / FunctionalTensor of a torch.compile trace: no memory
+                continue
+            storages[(ptr, obj.device.index or 0)] = st.nbytes()
     return sum(storages.values()) / 2**20
 
 
