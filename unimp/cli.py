@@ -90,7 +90,7 @@ def _explain(args: argparse.Namespace) -> int:
             )
         return _explain_block_format(args)
     if args.values is not None:
-        raise UsageError("--values goes with --block-format (e.g. --block-format all --values 449,3,0.001)")
+        raise UsageError("--values goes with --block-format (e.g. --block-format all --values 449,3,0.001,0)")
     if args.fp8:
         if args.recipe is not None or args.scalers:
             raise UsageError(
