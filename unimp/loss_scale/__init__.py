@@ -57,7 +57,6 @@ from unimp.loss_scale.config import (
 )
 from unimp.loss_scale.portable import STATE_FORMAT, from_state_dict, state_dict
 from unimp.loss_scale.rule import (
-    BatchCheck,
     FitCheck,
     FloorWatch,
     check_state,
@@ -71,7 +70,6 @@ from unimp.loss_scale.rule import (
 )
 
 __all__ = [
-    "BatchCheck",
     "FitCheck",
     "EXTRA_FIELDS",
     "FloorWatch",

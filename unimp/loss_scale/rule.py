@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -364,46 +364,13 @@ class FloorWatch:
         check_state(config, state, step)
 
 
-class BatchCheck:
-    """What a ``model.fit`` callback checks after every ``every``-th batch (Keras's
-    ``LossScaleCheck`` in each Keras integration): :class:`FloorWatch`'s check of the state it
-    reads, and no read at all for a config with neither ``max_consecutive_skips`` nor a
-    ``floor_action`` (as a step result's first read).
-
-    Args:
-        every: check after every ``every``-th batch, an int >= 1.
-
-    Raises:
-        ValueError: ``every`` is not an int >= 1.
-    """
-
-    __slots__ = ("batches", "every", "watch")
-
-    def __init__(self, every: int = 1) -> None:
-        self.every = positive_int("LossScaleCheck", "every", every, 1)
-        self.batches = 0
-        self.watch = FloorWatch()  # each floor hit acted on once, as the train steps do
-
-    def after_batch(self, config: LossScaleConfig, read: Callable[[], LossScaleState]) -> None:
-        """Counts a batch; on every ``every``-th, reads the state (``read()``, one device read)
-        and checks it where the config asks for a check.
-
-        Raises:
-            LossScaleError: as :func:`check_state`.
-        """
-        self.batches += 1
-        if self.batches % self.every:
-            return
-        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
-            return  # nothing to act on: no device read
-        self.watch.check(config, read(), step=self.batches - 1)
-
-
 class FitCheck:
     """The body of a Keras ``LossScaleCheck`` callback, framework-free: a Keras integration
     mixes it into ``keras.callbacks.Callback`` and names its optimizer class
     (``optimizer_class``), how to compile with it (``fix``) and how to read its state
-    (``read_state``). After every ``every``-th training batch it runs :class:`BatchCheck`.
+    (``read_state``, one device read). After every ``every``-th training batch it runs
+    :class:`FloorWatch`'s check of the state, and reads nothing for a config with neither
+    ``max_consecutive_skips`` nor a ``floor_action`` (as a step result's first read).
 
     Args:
         every: check after every ``every``-th batch, an int >= 1.
@@ -411,6 +378,7 @@ class FitCheck:
     Raises:
         ValueError: ``every`` is not an int >= 1.
         TypeError: (in ``fit``) the model's optimizer is not ``optimizer_class``.
+        LossScaleError: (in ``fit``) as :func:`check_state`.
     """
 
     optimizer_class: type = object
@@ -418,12 +386,9 @@ class FitCheck:
 
     def __init__(self, every: int = 1) -> None:
         super().__init__()
-        self._check = BatchCheck(every)
-
-    @property
-    def every(self) -> int:
-        """Check after every ``every``-th batch."""
-        return self._check.every
+        self.every = positive_int("LossScaleCheck", "every", every, 1)
+        self._batches = 0
+        self._watch = FloorWatch()  # each floor hit acted on once, as the train steps do
 
     def read_state(self, optimizer: Any) -> LossScaleState:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -432,7 +397,13 @@ class FitCheck:
         opt = getattr(self.model, "optimizer", None)  # the model Keras gave the callback
         if not isinstance(opt, self.optimizer_class):
             raise TypeError(f"LossScaleCheck needs {self.fix}, got {type(opt).__name__}.")
-        self._check.after_batch(opt.loss_scale_config, lambda: self.read_state(opt))
+        self._batches += 1
+        if self._batches % self.every:
+            return
+        config = opt.loss_scale_config
+        if getattr(config, "max_consecutive_skips", None) is None and getattr(config, "floor_action", "keep") == "keep":
+            return  # nothing to act on: no device read
+        self._watch.check(config, self.read_state(opt), step=self._batches - 1)
 
 
 def _check_floor(config: LossScaleConfig, state: LossScaleState, step: int | None) -> None:

@@ -1105,9 +1105,7 @@ class LossScaleCheck(FitCheck, keras.callbacks.Callback):
 
     fix = "the model compiled with unimp's LossScaleOptimizer (mp.prepare(model, optimizer) does it)"
 
-    @property
-    def optimizer_class(self) -> type:
-        return LossScaleOptimizer
+    optimizer_class = LossScaleOptimizer
 
     def read_state(self, optimizer: LossScaleOptimizer) -> LossScaleState:
         return optimizer._state()
