@@ -275,14 +275,14 @@ def check_schedule_counts(value: Any) -> str:
     return value
 
 
-def floor_hits(config: LossScaleConfig, extra: Any, step: int | None = None) -> dict[str, Any]:
-    """``{"floor_hits": <device value>, "floor_step": step}`` for a step's raw values where the
-    config's ``floor_action`` needs the host check ("warn" / "raise"), else ``{}``; ``extra`` is
-    the extra-fields tail that :func:`unimp.loss_scale.update_arrays` returned, ``step`` the step's
-    0-based index (named in the message; a traced step adds it on the host)."""
+def floor_hits(config: LossScaleConfig, extra: Any) -> dict[str, Any]:
+    """``{"floor_hits": <device value>}`` for a step's raw values where the config's
+    ``floor_action`` needs the host check ("warn" / "raise"), else ``{}``; ``extra`` is the
+    extra-fields tail that :func:`unimp.loss_scale.update_arrays` returned. Every backend's step
+    adds ``"floor_step"`` (its 0-based index, named in the message) on the host, after the call."""
     if getattr(config, "floor_action", "keep") == "keep" or not extra:
         return {}
-    return {"floor_hits": extra[-1]} if step is None else {"floor_hits": extra[-1], "floor_step": step}
+    return {"floor_hits": extra[-1]}
 
 
 def check_step_options(grad_accum_steps: Any, max_grad_norm: Any) -> tuple[int, float | None]:

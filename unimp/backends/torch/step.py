@@ -220,11 +220,11 @@ class TrainStep(LoggedStep):
             except BaseException:
                 StepOps(self, None).abort(saved)
                 raise
-            if "floor_hits" in raw:
-                raw["floor_step"] = self.calls
         else:
             raw = run_step(StepOps(self, recorder), micro, self.options)
             self._warm = self._compiled is not None and bool(raw["applied"])  # (a read while warming)
+        if "floor_hits" in raw:  # the step's index, named by a floor_action message
+            raw["floor_step"] = self.calls
         stats, grad_flags = raw.pop("stats", None), raw.pop("grad_flags", None)
         # the weights changed: autocast keeps its low-precision copies of them for the life of
         # the outermost autocast block, so a step called inside the user's own `with
@@ -423,10 +423,9 @@ class StepOps:
 
     def update_scale(self, grads_finite: Any, loss_finite: Any) -> dict[str, Any]:
         fields, extra = self.sc.end_step(grads_finite, loss_finite)
-        # traced: the step's index is added on the host (TrainStep._run), as TensorFlow and JAX
-        # do; a Python int read in the graph would recompile it on every call
-        calls = None if torch.compiler.is_compiling() else self.step.calls
-        return {**fields, **floor_hits(self.sc.config, extra, calls)}
+        # the step's index is added on the host (TrainStep._run), as TensorFlow and JAX do: a
+        # Python int read in a compiled graph would recompile it on every call
+        return {**fields, **floor_hits(self.sc.config, extra)}
 
 
 def _window_mean(sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]], k: int) -> None:
