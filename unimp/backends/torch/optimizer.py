@@ -112,7 +112,7 @@ def guarded_step(
         amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
         # torch's fused kernels are known to honour found_inf; any other amp-aware optimizer gets
         # the attributes too (its step may read them) and the copy-and-select guard as well
-        native = amp_aware and all(g.get("fused", False) for g in optimizer.param_groups)
+        native = _native(optimizer)
         master = peek(optimizer, "master", None)
         if master is not None:
             master.in_guard = True
