@@ -159,7 +159,8 @@ def test_amax_ignores_nan_elements_under_transformer_engine_only(backend, name):
 def test_amax_of_a_large_tensor_keeps_its_nan(backend):
     """A NaN among 4,096 elements is the amax (max(abs(x)), no config), eagerly and compiled:
     XLA's CPU reduce-max drops it in reductions this large (JAX 0.10), so the JAX backend
-    checks for NaN by hand (found by issue 33's block-scaled conformance)."""
+    checks for NaN by hand (found by issue 33's block-scaled conformance); so does TensorFlow's
+    under ``jit_compile=True``, where XLA drops it from 16 elements on (TensorFlow 2.21)."""
     mod = require_backend(backend)
     x = np.ones((64, 64), np.float32)
     x[3, 5] = NAN
@@ -168,6 +169,11 @@ def test_amax_of_a_large_tensor_keeps_its_nan(backend):
         import jax
 
         assert math.isnan(float(jax.jit(mod.fp8_amax)(_native(backend, x))))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(mod.fp8_amax, jit_compile=True)
+        assert math.isnan(float(compiled(_native(backend, x))))
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])

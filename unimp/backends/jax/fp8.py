@@ -70,7 +70,7 @@ class FP8Ops:
         # size is static under jit)
         if not jnp.size(x):
             return jnp.zeros((), jnp.asarray(x).dtype)
-        return jnp.where(jnp.any(jnp.isnan(x)), jnp.asarray(jnp.nan, jnp.asarray(x).dtype), jnp.max(x))
+        return jnp.reshape(_max_keeping_nan(x, None), ())
 
     @staticmethod
     def push(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -119,11 +119,12 @@ class FP8Ops:
         return _max_keeping_nan(x, tuple(axes))
 
 
-def _max_keeping_nan(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """The max over ``axes``, kept, NaN wherever a NaN was reduced: XLA's CPU reduce-max drops
-    NaN in large reductions (jax 0.10: a row of 1,024, or 128x2x128 over two axes)."""
+def _max_keeping_nan(x: jax.Array, axes: tuple[int, ...] | None) -> jax.Array:
+    """The max over ``axes`` (``None``: all), kept, NaN wherever a NaN was reduced: XLA's CPU
+    reduce-max drops NaN in large reductions (jax 0.10: a row of 1,024, or 128x2x128 over two
+    axes)."""
     m = jnp.max(x, axis=axes, keepdims=True)
-    return jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.float32(jnp.nan), m)
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.asarray(jnp.nan, m.dtype), m)
 
 
 #: Per float8 dtype: (exponent bits, mantissa bits, smallest normal, subnormal spacing, whether

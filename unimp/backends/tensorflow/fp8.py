@@ -72,13 +72,15 @@ class FP8Ops:
 
     @staticmethod
     def amax(x: tf.Tensor) -> tf.Tensor:
-        # NaN-propagating (observed on CPU, tf 2.21); 0 over no element, as the reference
-        # (tf.reduce_max gives -inf there). The size is usually static (a traced batch of known
-        # shape): the select is built only where it is known at run time alone
+        # NaN-propagating (by hand: under jit_compile=True XLA's CPU reduce-max drops NaN); 0
+        # over no element, as the reference (tf.reduce_max gives -inf there). The size is usually
+        # static (a traced batch of known shape): the select is built only where it is known at
+        # run time alone
+        m = tf.reshape(_max_keeping_nan(x, None), ())
         n = x.shape.num_elements()
         if n is not None:
-            return tf.reduce_max(x) if n > 0 else tf.zeros((), x.dtype)
-        return tf.where(tf.size(x) > 0, tf.reduce_max(x), tf.zeros((), x.dtype))
+            return m if n > 0 else tf.zeros((), x.dtype)
+        return tf.where(tf.size(x) > 0, m, tf.zeros((), x.dtype))
 
     @staticmethod
     def push(history: tf.Tensor, amax: tf.Tensor) -> tf.Tensor:
@@ -129,9 +131,9 @@ class FP8Ops:
         return _max_keeping_nan(x, list(axes))
 
 
-def _max_keeping_nan(x: tf.Tensor, axes: list[int]) -> tf.Tensor:
-    """The max over ``axes``, kept, NaN wherever a NaN was reduced: under ``jit_compile=True``
-    XLA's CPU reduce-max drops NaN in large reductions (TensorFlow 2.21)."""
+def _max_keeping_nan(x: tf.Tensor, axes: list[int] | None) -> tf.Tensor:
+    """The max over ``axes`` (``None``: all), kept, NaN wherever a NaN was reduced: under
+    ``jit_compile=True`` XLA's CPU reduce-max drops NaN (TensorFlow 2.21, from 16 elements)."""
     m = tf.reduce_max(x, axis=axes, keepdims=True)
     nan = tf.reduce_any(tf.math.is_nan(x), axis=axes, keepdims=True)
     return tf.where(nan, tf.constant(float("nan"), x.dtype), m)
