@@ -25,10 +25,6 @@ from unimp.precision import MATMUL_PRECISION_TABLE, check_matmul_precision
 __all__ = ["current_matmul_precision", "matmul_precision"]
 
 
-#: ``current_matmul_precision()["api"]``.
-API = "default_matmul_precision"
-
-
 def current_matmul_precision() -> dict[str, Any]:
     """JAX's current setting: ``{"api": "default_matmul_precision", "default_matmul_precision":
     None | str}`` (a ``lax.Precision`` name, or a ``DotAlgorithmPreset`` name a user set).
@@ -37,7 +33,7 @@ def current_matmul_precision() -> dict[str, Any]:
     reduced-precision arithmetic internally (bfloat16 on TPU, TF32 on recent GPUs)" (JAX's
     "Matmul precision" page); full float32 on a CPU.
     """
-    return {"api": API, "default_matmul_precision": jax.config.jax_default_matmul_precision}
+    return {"api": "default_matmul_precision", "default_matmul_precision": jax.config.jax_default_matmul_precision}
 
 
 @contextlib.contextmanager

@@ -23,10 +23,6 @@ from unimp.precision import MATMUL_PRECISION_TABLE, check_matmul_precision
 __all__ = ["current_matmul_precision", "matmul_precision"]
 
 
-#: ``current_matmul_precision()["api"]``: still TensorFlow's only switch (TF 2.21).
-API = "enable_tensor_float_32_execution"
-
-
 def current_matmul_precision() -> dict[str, Any]:
     """TensorFlow's current setting: ``{"api": "enable_tensor_float_32_execution", "tf32":
     bool}`` (matmuls and convolutions).
@@ -35,7 +31,8 @@ def current_matmul_precision() -> dict[str, Any]:
     ``tf.config.experimental.enable_tensor_float_32_execution``); it changes nothing on a CPU
     or a GPU older than Ampere.
     """
-    return {"api": API, "tf32": bool(tf.config.experimental.tensor_float_32_execution_enabled())}
+    enabled = tf.config.experimental.tensor_float_32_execution_enabled()
+    return {"api": "enable_tensor_float_32_execution", "tf32": bool(enabled)}  # still TF's only switch (2.21)
 
 
 @contextlib.contextmanager

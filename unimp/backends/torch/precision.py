@@ -33,10 +33,6 @@ from unimp.precision import MATMUL_PRECISION_TABLE, check_matmul_precision
 
 __all__ = ["current_matmul_precision", "matmul_precision"]
 
-#: ``current_matmul_precision()["api"]`` on torch >= 2.9 and before.
-API_FP32_PRECISION = "fp32_precision (torch>=2.9)"
-API_LEGACY = "set_float32_matmul_precision + cudnn.allow_tf32 (torch<2.9)"
-
 #: The switches unimp sets (``torch.backends.<name>.fp32_precision``), each with the object it
 #: inherits from while it is ``"none"`` (``torch.backends.cudnn.fp32_precision`` is torch's
 #: ``("cuda", "all")``, the parent of ``cuda.matmul`` too).
@@ -80,9 +76,9 @@ def current_matmul_precision() -> dict[str, Any]:
     """
     switches = _switches()
     if switches:
-        return {"api": API_FP32_PRECISION, **{name: s.fp32_precision for name, s, _ in switches}}
+        return {"api": "fp32_precision (torch>=2.9)", **{name: s.fp32_precision for name, s, _ in switches}}
     return {
-        "api": API_LEGACY,
+        "api": "set_float32_matmul_precision + cudnn.allow_tf32 (torch<2.9)",
         "matmul": torch.get_float32_matmul_precision(),
         "conv_tf32": bool(torch.backends.cudnn.allow_tf32),
     }
