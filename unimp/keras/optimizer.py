@@ -180,7 +180,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @property
     def initial_scale(self) -> float:
         """The scale of the first step (Keras's name)."""
-        return float(getattr(self._config, "init_scale", getattr(self._config, "scale", 1.0)))
+        return self._config.initial_scale()
 
     @initial_scale.setter
     def initial_scale(self, value: Any) -> None:  # Keras's __init__ / from_config write it
@@ -210,10 +210,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         eps = getattr(self.inner_optimizer, "epsilon", None)
         if half and isinstance(eps, (int, float)):
             warn_half_optimizer_state(type(self.inner_optimizer).__name__, float(eps))
-        first = float(getattr(self._config, "init_scale", getattr(self._config, "scale", 1.0)))
         with keras.name_scope(self.name, caller=self):
             self.dynamic_scale = self.add_variable(
-                shape=(), dtype="float32", initializer=keras.initializers.Constant(first),
+                shape=(), dtype="float32", initializer=keras.initializers.Constant(self.initial_scale),
                 aggregation="none", name="dynamic_scale",
             )
             for n in _STATE[1:]:
@@ -523,9 +522,7 @@ class LossScaleCheck(FitCheck, keras.callbacks.Callback):
         "model.compile(optimizer=LossScaleOptimizer(opt), ...)"
     )
 
-    @property
-    def optimizer_class(self) -> type:
-        return LossScaleOptimizer
+    optimizer_class = LossScaleOptimizer
 
     def read_state(self, optimizer: LossScaleOptimizer) -> LossScaleState:
         if keras.backend.backend() == "jax":  # Keras's JAX trainer holds the state until asked
