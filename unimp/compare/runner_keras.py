@@ -28,8 +28,8 @@ import warnings
 from dataclasses import fields, replace
 from typing import Any
 
-from unimp.compare.run import KERAS_ENGINES, RunSpec, keras_refusal
-from unimp.compare.user import UserFileError
+from unimp.compare.run import RunSpec, keras_refusal
+from unimp.compare.user import KERAS_ENGINES, UserFileError
 
 __all__ = ["run"]
 
@@ -42,7 +42,7 @@ def run(spec: RunSpec, engine: str) -> dict[str, Any]:
 
     Args:
         spec: the run.
-        engine: a key of :data:`unimp.compare.run.KERAS_ENGINES`.
+        engine: a key of :data:`unimp.compare.user.KERAS_ENGINES`.
 
     Returns:
         The run's dict, as the other runners return it.
@@ -104,12 +104,6 @@ def run(spec: RunSpec, engine: str) -> dict[str, Any]:
     return out
 
 
-class _Result:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-        self.stats = None
-
-
 def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
     import keras
     import numpy as np
@@ -119,8 +113,8 @@ def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
     from unimp.compare.user import user_model
     from unimp.dtypes import keras_policy_name
     from unimp.keras import LossScaleOptimizer
-    from unimp.loss_scale import NoLossScale
-    from unimp.step import warn_half_optimizer_state
+    from unimp.loss_scale import LossScaleState, NoLossScale
+    from unimp.step import StepResult, warn_half_optimizer_state
 
     p = spec.recipe.policy
     keras.config.set_dtype_policy(keras_policy_name(p.param_dtype, p.compute_dtype))
@@ -152,32 +146,32 @@ def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
     def inputs(b: dict[str, Any]) -> Any:
         return b["x"] if spec.user_model else [b["x"], b["mask"]]
 
-    def read(v: Any) -> Any:
-        return np.asarray(keras.ops.convert_to_numpy(v.value))
+    def state() -> LossScaleState:  # before Keras builds the optimizer (first step): the start
+        if not scaled:
+            return LossScaleState(1.0, 0, 0, 0)
+        return opt.state() if opt.built else config.initial_state()
 
-    def step(b: dict[str, Any]) -> _Result:
-        scale = float(read(opt.dynamic_scale)) if scaled and opt.built else (
-            float(opt.initial_scale) if scaled else 1.0
-        )
-        skips = int(read(opt.total_skips)) if scaled and opt.built else 0
-        value = float(np.asarray(model.train_on_batch(inputs(b), b["y"])))
-        applied = (int(read(opt.total_skips)) == skips) if scaled else bool(np.isfinite(value))
-        finite = bool(np.isfinite(value))
-        return _Result(loss=value, scale=scale, applied=applied, loss_finite=finite,
-                       grads_finite=applied)
+    def step(b: dict[str, Any]) -> StepResult:
+        before = state()
+        loss = float(np.asarray(model.train_on_batch(inputs(b), b["y"])))
+        after = state()
+        applied = int(after.total_skips) == int(before.total_skips) if scaled else bool(np.isfinite(loss))
+        # Keras's trainer reports no finite flags: a skip with a finite loss was the gradients'
+        raw = {"loss": loss, "scale": before.scale, "applied": applied,
+               "loss_finite": bool(np.isfinite(loss)), "grads_finite": applied, "grad_norm": None,
+               "consecutive_skips": after.consecutive_skips, "total_skips": after.total_skips}
+        return StepResult(raw, config=config if scaled else None)
 
     spec.progress = lambda i: print(f"step {i}", flush=True)
     out = train_loop(step, spec, lambda b: b)
     ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
     held_out = {"x": spec.x_test, "mask": ones}
     predicted = np.asarray(model.predict(inputs(held_out), verbose=0), np.float32)
-    engine = keras.backend.backend()
-    framework = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[engine]
-    version = __import__(framework).__version__
+    engine = keras.backend.backend()  # Keras's backend is named as its framework's module
     return {
         "framework": f"keras-{engine}",
-        "version": f"keras {keras.__version__}, {framework} {version}",
-        "device": "cpu" if spec.device == "cpu" else spec.device,
+        "version": f"keras {keras.__version__}, {engine} {importlib.import_module(engine).__version__}",
+        "device": spec.device,
         **out,
         **test_metrics(predicted, spec.y_test, spec.loss),
         "peak_memory_bytes": None,
