@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -29,7 +30,7 @@ from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
 from unimp.compare.threads import MAX_THREADS, check_threads, threads
-from unimp.compare.user import LOSSES, is_reference, load_data, user_model_backends
+from unimp.compare.user import KERAS_ENGINES, LOSSES, is_reference, load_data, user_model_backends
 from unimp.dtypes import keras_policy_name
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
 from unimp.recipe import Recipe, get_recipe
@@ -233,11 +234,6 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
     return out
 
 
-#: ``--backends`` names of Keras's own trainer on each Keras backend (a worker process each,
-#: :mod:`unimp.compare.runner_keras`) -> the framework Keras runs on
-KERAS_ENGINES = {"keras-tensorflow": "tensorflow", "keras-jax": "jax", "keras-torch": "torch"}
-
-
 def keras_refusal(recipe: Recipe) -> str | None:
     """Why Keras's own trainer (``keras-*``) cannot run ``recipe``, or None: Keras has a
     dtype policy for float32 parameters with half compute, or one dtype; float8 and per-layer
@@ -271,11 +267,11 @@ def refuse_keras_engines(backends: list[str] | tuple[str, ...] | None, command: 
 
 def _runner(backend: str) -> Callable[[RunSpec], dict[str, Any]]:
     """The function that runs a spec on ``backend`` (a Keras engine runs in a worker)."""
-    # runners are found by name, as for every backend (they import this module)
-    if backend in KERAS_ENGINES:
-        keras_runner = importlib.import_module(f"unimp.compare.runner_{backend.split('-')[0]}")
-        return lambda spec: keras_runner.run(spec, backend)
-    return importlib.import_module(f"unimp.compare.runner_{backend}").run
+    # runners are found by name (each imports this module): runner_<backend>, and runner_keras
+    # for every Keras engine, told which one
+    keras = backend in KERAS_ENGINES
+    runner = importlib.import_module(f"unimp.compare.runner_{'keras' if keras else backend}")
+    return functools.partial(runner.run, engine=backend) if keras else runner.run
 
 
 def parse_loss_scale(spec: str) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "KERAS_ENGINES",
     "LOSSES",
     "UnsupportedModel",
     "UserFileError",
@@ -48,10 +49,14 @@ __all__ = [
 #: The losses ``--loss`` takes: Keras's names, as Keras's ``compile(loss=...)`` spells them.
 LOSSES = ("sparse_categorical_crossentropy", "mse")
 
+#: ``--backends`` names of Keras's own trainer on each Keras backend (a worker process each,
+#: :mod:`unimp.compare.runner_keras`) -> the framework Keras runs on.
+KERAS_ENGINES = {"keras-tensorflow": "tensorflow", "keras-jax": "jax", "keras-torch": "torch"}
+
 #: The backends a model of each framework runs on (the first ones by default; a Keras model
 #: also on Keras's own trainer on each Keras backend, asked for by name).
 _BACKENDS = {"torch": ("torch",), "keras": ("tensorflow",), "flax": ("jax",)}
-_ALSO = {"keras": ("keras-tensorflow", "keras-jax", "keras-torch")}
+_ALSO = {"keras": tuple(KERAS_ENGINES)}
 
 
 class UnsupportedModel(ValueError):
@@ -204,8 +209,8 @@ def user_model_backends(cfg: Any, ds: Any, threads_for: Callable[[list[str]], An
     allowed = _BACKENDS[framework]
     possible = (*allowed, *_ALSO.get(framework, ()))
     if cfg.backends is not None:
-        engines = _ALSO["keras"]  # Keras's engines are names of compare's, not the registry's
-        asked = [n if n in possible or n in engines else registry.backend_info(n).name for n in cfg.backends]
+        # Keras's engines are names of compare's, not the registry's
+        asked = [n if n in possible or n in KERAS_ENGINES else registry.backend_info(n).name for n in cfg.backends]
         other = [b for b in asked if b not in possible]
         if other:
             raise ValueError(
