@@ -207,19 +207,26 @@ def run_step(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dic
     return _finish(ops, saved, scale, update)
 
 
-def run_step_traced(ops: StepPrimitives, micro: list[Any], options: StepOptions) -> dict[str, Any]:
+def run_step_traced(ops: StepPrimitives, micro: list[Any], options: StepOptions, saved: Any) -> dict[str, Any]:
     """:func:`run_step` for a compiler that cannot resume its graph after a break inside a
-    ``try`` block: the same phases in the same order, with no ``try``.
+    ``try`` block: the same phases in the same order, with the ``try`` and the forward state's
+    save left to the caller.
 
     ``torch.compile`` is one (CPython 3.11+ exception tables; ``torch.optim``'s step breaks the
     graph on purpose, inside the update phase): with the ``try`` there, it compiles up to the
-    ``try`` and the rest phase by phase. The caller undoes a call that raised, as a whole
-    (:meth:`StepPrimitives.abort` with the forward state it saved before the call).
+    ``try`` and the rest phase by phase. The caller saves the forward state before the call
+    (:meth:`StepPrimitives.save_forward_state`), passes it in (selected back on a skipped step),
+    and undoes a call that raised, as a whole, with it (:meth:`StepPrimitives.abort`): one save
+    serves both.
 
-    Args and Returns: as :func:`run_step`.
+    Args:
+        ops, micro, options: as :func:`run_step`.
+        saved: what the caller's ``ops.save_forward_state()`` returned.
+
+    Returns:
+        As :func:`run_step`.
     """
     scale = ops.begin()
-    saved = ops.save_forward_state()
     return _finish(ops, saved, scale, _update(ops, micro, options, scale))
 
 

@@ -174,9 +174,10 @@ class TrainStep(LoggedStep):
         self._compiled = torch.compile(self._traced) if compile else None
         self._warm = False  # a call applied its update: the optimizer holds its lazy state
 
-    def _traced(self, micro: list[Any]) -> dict[str, Any]:
-        """The step's device work, as ``torch.compile`` traces it (no statistics, no log)."""
-        return run_step_traced(StepOps(self, None), micro, self.options)
+    def _traced(self, micro: list[Any], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+        """The step's device work, as ``torch.compile`` traces it (no statistics, no log);
+        ``saved``: the forward state the caller saved, eagerly, before the call."""
+        return run_step_traced(StepOps(self, None), micro, self.options, saved)
 
     # the step's options, read from the one checked record (StepOptions)
     grad_accum_steps = property(lambda self: self.options.grad_accum_steps)
@@ -213,12 +214,13 @@ class TrainStep(LoggedStep):
         # the compiled graph never changes the state's layout (which would recompile it)
         if self._warm:
             self.scaler.check_replicas()  # once, eagerly (its flag would retrace the step)
-            saved = _forward_state(self.model)  # a call that raises is undone as a whole
+            ops = StepOps(self, None)
+            saved = ops.save_forward_state()  # selected back on a skip; all of a raising call undone
             try:
                 with _tracing_backward(), native_flag(self.optimizer, self.scaler.device):
-                    raw = self._compiled(micro)
+                    raw = self._compiled(micro, saved)
             except BaseException:
-                StepOps(self, None).abort(saved)
+                ops.abort(saved)
                 raise
         else:
             raw = run_step(StepOps(self, recorder), micro, self.options)
