@@ -33,7 +33,7 @@ one float32 scale per tensor, ``x = q * s_block * s_global``
 (:func:`nvfp4_quantize_dequantize`).
 
 The namespace is :class:`unimp.fp8.rule.NumpyOps`'s (``bits``, ``from_bits``, ``where``,
-``isnan``, ``isinf``, ``f32``, ``to_i32``, and ``reshape``, ``amax_last``, ``amax_axes``,
+``isnan``, ``isinf``, ``f32``, ``to_i32``, and ``reshape``, ``amax``, ``amax_axes``,
 ``clip``, ``round``, ``round_fp8``, ``pow2_floor``, ``reciprocal``, ``floor`` for the
 quantizers); every backend's ``FP8Ops`` (``unimp/backends/*/fp8.py``) has the same names and
 gives the same bits on its own tensors, eagerly and compiled by XLA
@@ -225,7 +225,7 @@ def _mx_exponents(ops: Any, blocks: Any, fmt: str, rule: str, variant: str) -> t
     """Blocks -> (E8M0 byte, the exponent ``e`` dequantization multiplies by ``2**e``, the
     exponent quantization divides by), each ``(..., n_blocks, 1)``; see :func:`mx_scales`."""
     _, emax = _element(fmt)
-    amax = ops.amax_last(ops.abs(blocks))
+    amax = ops.amax_axes(ops.abs(blocks), (-1,))
     byte = SCALE_RULES[rule](amax, fmt, ops)
     if variant == "jax":  # cast_to_e8m0_with_rounding_up: inf's exponent 255 stays, NaN's wraps
         byte = ops.where(ops.isinf(amax), E8M0_NAN, ops.where(ops.isnan(amax), 0, byte))
@@ -275,7 +275,7 @@ def mx_scales(
         block: elements per block (32 for MX).
         variant: one of :data:`MX_VARIANTS`.
         ops: the array namespace (default NumPy, the reference); it needs ``reshape`` and
-            ``amax_last`` (the NaN-propagating max over the last axis, keeping it) besides the
+            ``amax_axes`` (the NaN-propagating max over some axes, keeping them) besides the
             scale rules' names.
 
     Returns:
@@ -623,16 +623,10 @@ def round_e2m1_stochastic(x: Any, bits: Any, ops: Any = NumpyOps) -> Any:
     return ops.where(x < ops.f32(0.0), -q, ops.where(x > ops.f32(0.0), q, x))
 
 
-def _tensor_amax(mag: Any, ops: Any) -> Any:
-    """The tiles' ``max(|x|)`` over the whole tensor, kept 4-d, NaN propagating (through
-    ``amax_axes``: XLA's own reduce-max drops NaN in large reductions on CPU)."""
-    return ops.amax_axes(mag, (0, 1, 2, 3))
-
-
 def _nvfp4_transformer_engine(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
     """Tiles -> (elements scaled and clipped, block decode scales, global decode scale)."""
     mag = ops.abs(tiles)
-    s_enc = nvfp4_global_scale(_tensor_amax(mag, ops), ops)
+    s_enc = nvfp4_global_scale(ops.amax(mag), ops)
     g = ops.reciprocal(s_enc)
     d = nvfp4_block_scale(ops.amax_axes(mag, (1, 3)), s_enc, ops)
     enc = ops.reciprocal(d * g)
@@ -642,14 +636,14 @@ def _nvfp4_transformer_engine(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
 
 def _nvfp4_torchao(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
     mag = ops.abs(tiles)
-    g = _tensor_amax(mag, ops) / ops.f32(_E4M3_MAX * _E2M1_MAX)
+    g = ops.amax(mag) / ops.f32(_E4M3_MAX * _E2M1_MAX)
     d = ops.clip((ops.amax_axes(mag, (1, 3)) / ops.f32(_E2M1_MAX)) / g, _TORCHAO_E4M3_TINY, _E4M3_MAX)
     d = ops.round_fp8(d, "float8_e4m3fn")
     return ops.clip(tiles * ((ops.f32(1.0) / g) / d), -_E2M1_MAX, _E2M1_MAX), d, g
 
 
 def _nvfp4_jax(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
-    g = _tensor_amax(ops.abs(tiles), ops) / ops.f32(_E4M3_MAX * _E2M1_MAX)
+    g = ops.amax(ops.abs(tiles)) / ops.f32(_E4M3_MAX * _E2M1_MAX)
     z = tiles / g
     d = ops.round_fp8(ops.clip(ops.amax_axes(ops.abs(z), (1, 3)) / ops.f32(_E2M1_MAX), 0.0, _E4M3_MAX), "float8_e4m3fn")
     return ops.clip(z / d, -_E2M1_MAX, _E2M1_MAX), d, g

@@ -334,8 +334,7 @@ def quantization_error(
     finite = ops.isfinite(x)
     nonzero = finite & (x != zero)
     kept = finite & ops.isfinite(q)
-    flat = ops.reshape(ops.where(finite, ops.abs(x), zero), (-1,))
-    amax = ops.reshape(ops.amax_axes(flat, (0,)), ())
+    amax = ops.amax(ops.where(finite, ops.abs(x), zero))
     amax = ops.where(amax > zero, amax, one)  # no finite nonzero element: every sum below is 0
 
     def share(mask: Any, of: Any) -> Any:

@@ -108,11 +108,6 @@ class NumpyOps:
         return np.reshape(x, shape)
 
     @staticmethod
-    def amax_last(x: Any) -> Any:
-        """The NaN-propagating max over the last axis, kept (a block's amax, for its scale)."""
-        return np.max(x, axis=-1, keepdims=True)
-
-    @staticmethod
     def amax_axes(x: Any, axes: tuple[int, ...]) -> Any:
         """The NaN-propagating max over ``axes``, kept (a 2-D tile's amax, for its scale)."""
         return np.max(x, axis=tuple(axes), keepdims=True)

@@ -111,10 +111,6 @@ class FP8Ops:
         return jnp.reshape(x, shape)
 
     @staticmethod
-    def amax_last(x: jax.Array) -> jax.Array:
-        return _max_keeping_nan(x, (-1,))
-
-    @staticmethod
     def amax_axes(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
         return _max_keeping_nan(x, tuple(axes))
 

@@ -123,10 +123,6 @@ class FP8Ops:
         return tf.reshape(x, shape)
 
     @staticmethod
-    def amax_last(x: tf.Tensor) -> tf.Tensor:
-        return _max_keeping_nan(x, [-1])
-
-    @staticmethod
     def amax_axes(x: tf.Tensor, axes: tuple[int, ...]) -> tf.Tensor:
         return _max_keeping_nan(x, list(axes))
 

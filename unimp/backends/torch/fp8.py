@@ -121,12 +121,8 @@ class FP8Ops:
         return torch.reshape(x, shape)
 
     @staticmethod
-    def amax_last(x: torch.Tensor) -> torch.Tensor:
-        return torch.amax(x, dim=-1, keepdim=True)  # NaN-propagating
-
-    @staticmethod
     def amax_axes(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-        return torch.amax(x, dim=tuple(axes), keepdim=True)
+        return torch.amax(x, dim=tuple(axes), keepdim=True)  # NaN-propagating
 
 
 _OPS: dict[torch.device, FP8Ops] = {}
