@@ -359,6 +359,13 @@ def native(backend: str, values: Any, dtype: str = "float32") -> Any:
     return jnp.asarray(x).astype(dtype) if half else jnp.asarray(x)
 
 
+def float_bits(x: Any) -> np.ndarray:
+    """``x``'s float32 bit patterns as uint32, every NaN as one pattern (NaN payloads differ by
+    framework and are not promised): compare results bit for bit with these."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.isnan(x), np.uint32(0x7FC00000), x.view(np.uint32))
+
+
 def dtype_name(dtype: Any) -> str:
     """``"float16"``, ``"int32"``, ... for a torch, TF, NumPy or JAX dtype."""
     name = getattr(dtype, "name", None)

@@ -16,6 +16,8 @@ import importlib
 import numpy as np
 import pytest
 from conftest import require_backend
+from kits import float_bits as _bits
+from kits import native as _native
 
 from unimp import blockscale, rounding
 from unimp.blockscale_presets import BLOCK_PRESETS, block_quantize_dequantize, quantization_error
@@ -25,26 +27,6 @@ from unimp.fp8.rule import NumpyOps
 def _ops(backend):
     mod = importlib.import_module(f"unimp.backends.{backend}.fp8")
     return mod.FP8Ops() if backend == "torch" else mod.FP8Ops
-
-
-def _native(backend, x):
-    if backend == "torch":
-        import torch
-
-        return torch.tensor(x)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.constant(x)
-    import jax.numpy as jnp
-
-    return jnp.asarray(x)
-
-
-def _bits(x):
-    """Bit patterns, every NaN as one (payloads are not promised)."""
-    x = np.asarray(x, np.float32)
-    return np.where(np.isnan(x), np.uint32(0x7FC00000), x.view(np.uint32))
 
 
 def _input(shape, special, seed=0):
@@ -94,7 +76,7 @@ def test_nvfp4_stochastic_rounding_is_the_reference_bit_for_bit(backend):
     x = _input((32, 64), False, seed=1)
     bits = rounding.random_bits(rounding.NumpyOps, 11, 4, 2, x.shape)
     got = blockscale.nvfp4_quantize_dequantize(
-        _native(backend, x), rounding="stochastic", bits=_native(backend, bits), ops=_ops(backend)
+        _native(backend, x), rounding="stochastic", bits=_native(backend, bits, "int32"), ops=_ops(backend)
     )
     want = blockscale.nvfp4_quantize_dequantize(x, rounding="stochastic", bits=bits)
     np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(want))

@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import require_backend
+from kits import float_bits as _bits
+from kits import native as _native
 
 from unimp import fp8
 
@@ -26,12 +28,6 @@ CONFIGS = {
     # torchao's power-of-two scales use each framework's log2 (not bit-identical by contract)
     "torchao": fp8.fp8_preset("torchao"),
 }
-
-
-def _bits(x):
-    """The float32 bit patterns, every NaN as one pattern (NaN payloads differ by framework)."""
-    x = np.asarray(x, np.float32)
-    return np.where(np.isnan(x), np.uint32(0x7FC00000), x.view(np.uint32))
 
 
 def _compiled_step(backend, mod, config, role):
@@ -56,20 +52,6 @@ def _flat(out):
 def _unflat(out):
     s, i, *st = out
     return (s, i), fp8.FP8State(*st)
-
-
-def _native(backend, x):
-    if backend == "torch":
-        import torch
-
-        return torch.tensor(np.asarray(x, np.float32))
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.constant(np.asarray(x, np.float32))
-    import jax.numpy as jnp
-
-    return jnp.asarray(np.asarray(x, np.float32))
 
 
 @pytest.mark.parametrize("role", ["forward", "backward"])

@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import require_backend
+from kits import float_bits as _bits
+from kits import native as _native
 
 from unimp.fp8.rule import NumpyOps
 
@@ -29,25 +31,6 @@ def _sweep(dtype: str) -> np.ndarray:
     x = np.concatenate([vals, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), rand,
                         np.float32([0.0, -0.0, np.nan])])  # fmt: skip
     return np.clip(x, -fmax, fmax).astype(np.float32)
-
-
-def _native(backend, x):
-    if backend == "torch":
-        import torch
-
-        return torch.tensor(x)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.constant(x)
-    import jax.numpy as jnp
-
-    return jnp.asarray(x)
-
-
-def _bits(x):
-    x = np.asarray(x, np.float32)
-    return np.where(np.isnan(x), np.uint32(0x7FC00000), x.view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS))
