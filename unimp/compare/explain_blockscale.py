@@ -115,15 +115,13 @@ def block_format_table(presets: list[str], blocks: dict[str, tuple[float, ...]] 
                     "scale": float(block_preset_scales(x, name)[0, 0]),
                     "values": [float(v) for v in q],
                 }
-        for name in presets:
-            base = rows[presets[0]]["values"]
-            rows[name]["differs"] = [not _same(u, v) for u, v in zip(rows[name]["values"], base, strict=True)]
-        out["blocks"].append({
-            "name": label,
-            "values": [float(v) for v in np.float32(values)],
-            "presets": rows,
-            "differences": _differences(presets, rows, [float(v) for v in np.float32(values)]),
-        })
+        base = rows[presets[0]]["values"]
+        for row in rows.values():
+            row["differs"] = [not _same(u, v) for u, v in zip(row["values"], base, strict=True)]
+        shown = [float(v) for v in np.float32(values)]
+        out["blocks"].append(
+            {"name": label, "values": shown, "presets": rows, "differences": _differences(presets, rows, shown)}
+        )
     return out
 
 
@@ -132,7 +130,7 @@ def _differences(presets: list[str], rows: dict[str, Any], values: list[float]) 
     lines = []
     for name in presets[1:]:
         a, b = rows[base], rows[name]
-        diff = [i for i, (u, v) in enumerate(zip(a["values"], b["values"], strict=True)) if not _same(u, v)]
+        diff = [i for i, d in enumerate(b["differs"]) if d]  # unlike the first preset's, i.e. a's
         parts = []
         if not _same(a["scale"], b["scale"]):
             parts.append(f"scale {b['scale']:.6g} vs {a['scale']:.6g}")
