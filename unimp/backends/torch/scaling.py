@@ -525,6 +525,8 @@ class GradScaler:
         self._replicas_checked = False
         self._floor_watch = FloorWatch()  # get_scale and the train step's results: once per hit
         self._fused: tuple[torch.Tensor, ...] | None = None  # a fused step's flags (begin_step)
+        self._report: dict[str, Any] | None = None  # a fused step's snapshot (apply_step) ...
+        self._report_flags: tuple[torch.Tensor, ...] | None = None  # ... and flags, to end_step
         self._begun = False  # begin_step ran and no end_step / abort_step / update since
 
     # -- replicas
@@ -1113,7 +1115,7 @@ class GradScaler:
             )
             _, _, consecutive, total, *extra = self._update(grads_finite, loss_finite)
             return {"consecutive_skips": consecutive, "total_skips": total}, tuple(extra)
-        report = getattr(self, "_report", None)
+        report = self._report
         if report is None:
             raise RuntimeError("end_step() in a fused step needs apply_step(optimizer) first.")
         _, _, _, _, *extra = self._update(report["grads_finite"], report["loss_finite"], self._report_flags)
@@ -1126,7 +1128,7 @@ class GradScaler:
         state is as it was."""
         self._loss_finite = self._ops.true
         self._per_opt.clear()
-        self._fused = None
+        self._fused = self._report = self._report_flags = None
         self._begun = False
 
     def _zero_flags(self) -> tuple[torch.Tensor, ...]:
@@ -1164,8 +1166,6 @@ class GradScaler:
         d = self.__dict__.copy()
         d.pop("_ops", None)
         d.pop("_scratch", None)  # made again on first use
-        for name in ("_report", "_report_flags"):
-            d.pop(name, None)
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
