@@ -151,11 +151,11 @@ class TrainStep(LoggedStep):
     ) -> None:
         options = StepOptions() if options is None else options
         check_skip(skip)  # before anything else is checked or built
-        if compile:
-            _check_compile(options, optimizer, scheduler)
         self.options = options
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if compile:
+            _check_compile(options, optimizer, scheduler)
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch).")
         if scheduler is not None and not hasattr(scheduler, "step"):
@@ -248,7 +248,7 @@ class TrainStep(LoggedStep):
         self.scaler.load_state_dict(state_dict)
 
 
-def _check_compile(options: StepOptions, optimizer: Any, scheduler: Any) -> None:
+def _check_compile(options: StepOptions, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
     """Refuses what a compiled step cannot run without host reads inside it, naming the fix.
 
     Raises:
@@ -263,7 +263,7 @@ def _check_compile(options: StepOptions, optimizer: Any, scheduler: Any) -> None
             f"host bookkeeping (forward hooks, records) that would break the compiled graph; "
             f"drop {which}= from the compiled step, or use compile=False to observe the run."
         )
-    if scheduler is not None and isinstance(optimizer, torch.optim.Optimizer):
+    if scheduler is not None:
         floats = [i for i, g in enumerate(optimizer.param_groups) if not isinstance(g.get("lr"), torch.Tensor)]
         if floats:
             raise ValueError(
