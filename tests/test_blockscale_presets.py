@@ -213,10 +213,10 @@ def test_quantization_error_right_values():
     x[0, 0] = 449.0
     d = float(np.float32(0.001))
     den = 449.0**2 + 31 * d**2
-    floor = quantization_error(x, "ocp_mx", np.sum)
+    floor = quantization_error(x, "ocp_mx")
     assert (float(floor.underflow), float(floor.nonfinite)) == (0.0, 0.0)
     assert float(floor.relative_mse) == pytest.approx((1.0 + 31 * (2.0**-9 - d) ** 2) / den, rel=1e-5)
-    up = quantization_error(x, "transformer_engine_mxfp8", np.sum)
+    up = quantization_error(x, "transformer_engine_mxfp8")
     assert (float(up.underflow), float(up.nonfinite)) == (31 / 32, 0.0)
     assert float(up.relative_mse) == pytest.approx((1.0 + 31 * d**2) / den, rel=1e-5)
 
@@ -226,13 +226,13 @@ def test_quantization_error_of_inf_blocks_and_zero_tensors():
 
     x = np.ones((1, 64), np.float32)
     x[0, 0] = np.inf  # the first block: 1 / 2**127 rounds to 0 (NVIDIA), or the block is NaN (JAX)
-    ocp = quantization_error(x, "ocp_mx", np.sum)
+    ocp = quantization_error(x, "ocp_mx")
     assert float(ocp.underflow) == np.float32(31 / 63) and float(ocp.nonfinite) == 0.0
     assert float(ocp.relative_mse) == pytest.approx(31 / 63)  # 31 errors of 1 over 63 ones
-    jax = quantization_error(x, "jax_mxfp8", np.sum)
+    jax = quantization_error(x, "jax_mxfp8")
     assert float(jax.nonfinite) == np.float32(31 / 63) and float(jax.underflow) == 0.0
     assert float(jax.relative_mse) == 0.0  # the second block is exact; NaN ones are left out
-    zero = quantization_error(np.zeros((2, 32), np.float32), "torchao_mx", np.sum)
+    zero = quantization_error(np.zeros((2, 32), np.float32), "torchao_mx")
     assert [float(v) for v in zero] == [0.0, 0.0, 0.0]
 
 

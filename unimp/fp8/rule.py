@@ -113,6 +113,11 @@ class NumpyOps:
         return np.max(x, axis=tuple(axes), keepdims=True)
 
     @staticmethod
+    def sum(x: Any) -> Any:
+        """The sum of every element, 0-d, in ``x``'s dtype (a share or an error over a tensor)."""
+        return np.sum(x)
+
+    @staticmethod
     def from_bits(b: Any) -> Any:
         return np.asarray(b, np.int32).view(np.float32)
 

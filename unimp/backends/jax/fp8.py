@@ -114,6 +114,10 @@ class FP8Ops:
     def amax_axes(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
         return _max_keeping_nan(x, tuple(axes))
 
+    @staticmethod
+    def sum(x: jax.Array) -> jax.Array:
+        return jnp.sum(x)
+
 
 def _max_keeping_nan(x: jax.Array, axes: tuple[int, ...] | None) -> jax.Array:
     """The max over ``axes`` (``None``: all), kept, NaN wherever a NaN was reduced: XLA's CPU

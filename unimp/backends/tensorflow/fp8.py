@@ -126,6 +126,10 @@ class FP8Ops:
     def amax_axes(x: tf.Tensor, axes: tuple[int, ...]) -> tf.Tensor:
         return _max_keeping_nan(x, list(axes))
 
+    @staticmethod
+    def sum(x: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_sum(x)
+
 
 def _max_keeping_nan(x: tf.Tensor, axes: list[int] | None) -> tf.Tensor:
     """The max over ``axes`` (``None``: all), kept, NaN wherever a NaN was reduced: under

@@ -124,6 +124,10 @@ class FP8Ops:
     def amax_axes(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
         return torch.amax(x, dim=tuple(axes), keepdim=True)  # NaN-propagating
 
+    @staticmethod
+    def sum(x: torch.Tensor) -> torch.Tensor:
+        return torch.sum(x)
+
 
 _OPS: dict[torch.device, FP8Ops] = {}
 
