@@ -457,7 +457,7 @@ def test_stochastic_nvfp4_is_unbiased_and_reproducible_from_a_seed():
     assert not np.array_equal(one, nvfp4_quantize_dequantize(g, rounding="stochastic", bits=b2))
     with pytest.raises(ValueError, match="random_bits"):
         nvfp4_quantize_dequantize(g, rounding="stochastic")
-    with pytest.raises(ValueError, match="choose one of nearest, stochastic"):
+    with pytest.raises(ValueError, match="choose one of nearest_even, stochastic"):
         nvfp4_quantize_dequantize(g, rounding="even")
     with pytest.raises(ValueError, match="choose one of transformer_engine, torchao"):
         nvfp4_quantize_dequantize(g, variant="te")

@@ -534,7 +534,7 @@ def block_fp8_quantize_dequantize(
 NVFP4_TILES = {"activation": (1, 16), "gradient": (1, 16), "weight": (16, 16)}
 
 #: How NVFP4 rounds its elements: to nearest even, or stochastically (gradients).
-NVFP4_ROUNDINGS = ("nearest", "stochastic")
+NVFP4_ROUNDINGS = ("nearest_even", "stochastic")
 
 #: Whose NVFP4 scale arithmetic: Transformer Engine's, torchao's or JAX's (see
 #: :func:`nvfp4_quantize_dequantize`).
@@ -680,7 +680,7 @@ def nvfp4_scales(
 def nvfp4_quantize_dequantize(
     x: Any,
     tile: tuple[int, int] = NVFP4_TILES["activation"],
-    rounding: str = "nearest",
+    rounding: str = "nearest_even",
     bits: Any = None,
     variant: str = "transformer_engine",
     ops: Any = NumpyOps,

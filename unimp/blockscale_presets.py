@@ -71,7 +71,7 @@ class BlockPreset:
     tiles: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # activation, weight, gradient
     scale_type: str  # "e8m0", "float32 power of two", "e4m3 x float32"
     scale_rounding: str  # "floor", "round_up", "pow2_floor" or "e4m3_nearest_even"
-    element_rounding: tuple[str, str, str]  # per role: "nearest_even" or "stochastic"
+    element_rounding: tuple[str, str, str]  # per role: "nearest_even" or "stochastic" (NVFP4_ROUNDINGS)
     variant: str  # the reference function's variant
     source: str  # "owner/repo: path (function)" it was transcribed from
     notes: str = ""  # where the transcription stops
@@ -239,8 +239,7 @@ def block_quantize_dequantize(
         return bs.mx_quantize_dequantize(x, elem, p.scale_rounding, tile[1], ops, variant=p.variant)
     if p.family == "block_fp8":
         return bs.block_fp8_quantize_dequantize(x, elem, tile, True, p.variant, ops)
-    rounding = "stochastic" if p.rounding(role) == "stochastic" else "nearest"
-    return bs.nvfp4_quantize_dequantize(x, tile, rounding, bits, p.variant, ops)
+    return bs.nvfp4_quantize_dequantize(x, tile, p.rounding(role), bits, p.variant, ops)
 
 
 def block_preset_scales(
