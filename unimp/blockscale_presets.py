@@ -262,12 +262,9 @@ def block_preset_scales(
     p = block_preset(preset)
     tile = p.tile(role)
     elem = _element_of(p, fmt)
-    rows = 1
-    for n in tuple(x.shape)[:-1]:
-        rows *= int(n)
-    if p.family == "mx":
+    if p.family == "mx":  # mx_scales keeps x's leading axes: flattened to rows like the others
         byte = bs.mx_scales(x, elem, p.scale_rounding, tile[1], p.variant, ops)
-        return ops.reshape(bs.e8m0_value(byte, ops), (rows, int(x.shape[-1]) // tile[1]))
+        return ops.reshape(bs.e8m0_value(byte, ops), (-1, int(x.shape[-1]) // tile[1]))
     if p.family == "block_fp8":
         return ops.reciprocal(bs.block_fp8_scales(x, elem, tile, True, p.variant, ops))
     d, g = bs.nvfp4_scales(x, tile, p.variant, ops)
