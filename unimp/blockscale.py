@@ -182,9 +182,15 @@ def round_e2m1(x: Any, ops: Any = NumpyOps) -> Any:
     rounds half to even (a tie between 4 and 6 goes to 4, whose mantissa bit is 0). NaN stays
     NaN and the sign (of -0.0 too) is kept.
     """
-    a = ops.abs(x)
+    return _on_e2m1_grid(x, ops.round, ops)
+
+
+def _on_e2m1_grid(x: Any, to_integer: Any, ops: Any) -> Any:
+    """``to_integer(|x| / s) * s`` with the sign of ``x`` (-0.0 and NaN kept), ``s`` being
+    E2M1's spacing at ``|x|``: 0.5 below 2, 1 below 4, 2 from 4 on (``|x| / s`` is exact)."""
+    a = ops.abs(ops.f32(x))
     s = ops.where(a < ops.f32(2.0), ops.f32(0.5), ops.where(a < ops.f32(4.0), ops.f32(1.0), ops.f32(2.0)))
-    q = ops.round(a / s) * s
+    q = to_integer(a / s) * s
     return ops.where(x < ops.f32(0.0), -q, ops.where(x > ops.f32(0.0), q, x))
 
 
@@ -614,13 +620,13 @@ def round_e2m1_stochastic(x: Any, bits: Any, ops: Any = NumpyOps) -> Any:
     Returns:
         float32 array of E2M1 values, ``x``'s shape.
     """
-    a = ops.abs(ops.f32(x))
-    s = ops.where(a < ops.f32(2.0), ops.f32(0.5), ops.where(a < ops.f32(4.0), ops.f32(1.0), ops.f32(2.0)))
-    low = ops.floor(a / s) * s
-    frac = (a - low) / s  # exact: s is a power of two, a - low is within one spacing
     u = ops.to_f32((bits // 256) % 2**24) * ops.f32(2.0**-24)
-    q = ops.where(frac > u, low + s, low)
-    return ops.where(x < ops.f32(0.0), -q, ops.where(x > ops.f32(0.0), q, x))
+
+    def up_with_probability_frac(t: Any) -> Any:  # t = |x| / s: exact, and so is t - floor(t)
+        low = ops.floor(t)
+        return ops.where(t - low > u, low + ops.f32(1.0), low)
+
+    return _on_e2m1_grid(x, up_with_probability_frac, ops)
 
 
 def _nvfp4_transformer_engine(ops: Any, tiles: Any) -> tuple[Any, Any, Any]:
