@@ -116,6 +116,25 @@ def test_tensor_stats_equal_reference(backend, case, scale):
     assert_same(_stats(backend, t, scale), reference_stats(x, scale))
 
 
+def test_a_compiled_statistics_step_keeps_the_nan_of_a_large_tensor(backend):
+    """As eagerly (``nan-in-a-large-tensor`` above), under XLA too: ``jax.jit`` and
+    ``tf.function(jit_compile=True)``, where XLA's CPU reduce-max drops a NaN (TensorFlow from
+    16 elements on); torch's amax keeps it (eager here, as its statistics steps run)."""
+    mod = require_backend(backend)
+    x = CASES["nan-in-a-large-tensor"]
+    fn = mod.tensor_stats
+    if backend == "jax":
+        import jax
+
+        fn = jax.jit(fn)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(fn, jit_compile=True)
+    _, mags = fn(_tensor(backend, x))
+    assert math.isnan(float(_numpy(backend, mags)[0]))
+
+
 @pytest.mark.parametrize("case", ["powers", "wide-random", "zeros-inf-nan"])
 def test_a_device_scale_gives_the_same(backend, case):
     x = CASES[case]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from unimp.backends.jax.fp8 import _max_keeping_nan
 from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale
 
 #: One tensor's statistics: ``(counts, magnitudes, size)``, size an int32 scalar array.
@@ -74,9 +75,8 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
         raw.append(count((v > flush_at) & (v < subnormal_below)))
         raw.append(count(positive & (v <= flush_at)))
     counts = jnp.stack(raw).astype(jnp.int32)
-    # NaN wins (by hand: XLA's CPU reduce-max drops a NaN in reductions of a few thousand
-    # elements, as FP8Ops.amax found); 0 for an empty array
-    amax = jnp.where(jnp.any(jnp.isnan(a)), jnp.float32(math.nan), jnp.max(a, initial=0.0))
+    # NaN wins (XLA's CPU reduce-max drops it: the FP8 amax's helper); 0 for an empty array
+    amax = jnp.reshape(_max_keeping_nan(a, None), ()) if a.size else jnp.float32(0.0)
     min_nonzero = jnp.min(jnp.where(positive, a, jnp.float32(math.inf)), initial=math.inf)
     return counts, jnp.stack([amax, min_nonzero]).astype(jnp.float32)
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from unimp.backends.tensorflow.fp8 import _max_keeping_nan
 from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale, output_leaves
 
 #: One tensor's statistics on the device: ``(counts, magnitudes, size)``, size an int32 scalar.
@@ -74,8 +75,9 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[tf.Tensor, tf.Tensor]:
             raw.append(count(tf.logical_and(v > flush_at, v < subnormal_below)))
             raw.append(count(tf.logical_and(positive, v <= flush_at)))
         counts = tf.stack(raw)
+        # NaN wins (under jit_compile XLA's CPU reduce-max drops it: the FP8 amax's helper);
         # reduce_max of an empty tensor is -inf: the maximum with 0 makes it 0 (NaN stays NaN)
-        amax = tf.maximum(tf.reduce_max(a), 0.0)
+        amax = tf.maximum(tf.reshape(_max_keeping_nan(a, None), []), 0.0)
         min_nonzero = tf.reduce_min(tf.where(positive, a, math.inf))
         return counts, tf.stack([amax, min_nonzero])
 
