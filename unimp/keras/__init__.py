@@ -1,18 +1,44 @@
 """Keras 3 on whichever backend ``KERAS_BACKEND`` selects (TensorFlow, JAX or torch): the pieces
-of unimp written against ``keras.ops`` only.
+of unimp written against Keras's own API (``keras.ops``, layers, dtype policies) only.
 
+* ``casting``: :func:`to_dtype`, :func:`cast_tree` (``keras.ops.cast``), :func:`keras_policy_name`.
+* ``overrides``: :func:`layer_paths`, :func:`apply_overrides`, :func:`dtype_policy_map`:
+  :mod:`unimp.overrides` matched on layer names, each covered layer given its Keras dtype policy.
 * ``optimizer``: :class:`LossScaleOptimizer`, unimp's loss-scale rule in a Keras optimizer
   (``model.fit``, custom loops, Keras's stateless step on JAX), and :class:`KerasOps`, the
   rule's array namespace over ``keras.ops``, and :class:`LossScaleCheck`, the ``fit`` callback
   acting on the config's ``max_consecutive_skips`` and ``floor_action``.
+* ``mixed_precision``: :class:`MixedPrecision`, the recipe bound to Keras (dtype policies,
+  ``prepare``, overrides, ``train_step``): ``unimp.mixed_precision(..., backend="keras-jax")``
+  or ``"keras-torch"`` returns it.
+* ``step``: :class:`~unimp.keras.step.TrainStep`, the custom-loop step (the core's
+  :func:`unimp.trainstep.run_step` over ``keras.ops``, the backward pass the engine's own).
+* ``devices``: :func:`framework_version`.
 
-On Keras's TensorFlow backend, :mod:`unimp.backends.tensorflow` is the whole backend
-(``tf.distribute``, Horovod, the train step, statistics, trace, float8); this package is what
-runs on every Keras backend. Importing it imports Keras (and the backend Keras selects).
+On Keras's TensorFlow backend, :mod:`unimp.backends.tensorflow` is the whole backend and builds
+on this package (its ``MixedPrecision`` subclasses this one, its overrides are these) and adds
+``tf.distribute``, Horovod, a traced train step, statistics, trace and float8. Importing this
+package imports Keras (and the backend Keras selects).
 
 This ``__init__`` only re-exports; import the public names from here.
 """
 
+from unimp.keras.casting import cast_tree, keras_policy_name, to_dtype
+from unimp.keras.devices import framework_version
+from unimp.keras.mixed_precision import MixedPrecision
 from unimp.keras.optimizer import KerasOps, LossScaleCheck, LossScaleOptimizer
+from unimp.keras.overrides import apply_overrides, dtype_policy_map, layer_paths
 
-__all__ = ["KerasOps", "LossScaleCheck", "LossScaleOptimizer"]
+__all__ = [
+    "KerasOps",
+    "LossScaleCheck",
+    "LossScaleOptimizer",
+    "MixedPrecision",
+    "apply_overrides",
+    "cast_tree",
+    "dtype_policy_map",
+    "framework_version",
+    "keras_policy_name",
+    "layer_paths",
+    "to_dtype",
+]

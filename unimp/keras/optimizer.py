@@ -279,17 +279,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     ) -> tuple[list[Any], Any, list[Any]]:
         """The step's decision on values: ``(unscaled gradients, applied, own values after)``,
         the rule run by :func:`unimp.loss_scale.update_arrays` (no branch on a tensor)."""
-        scale, counter, consecutive, total, *rest = own
-        extra = None
-        if self.loss_scale_extra is not None:
-            extra = tuple(ops.unstack(rest[0], num=len(EXTRA_FIELDS)))
-        bad = rest[-1]
+        scale, bad = own[0], own[-1]
         unscaled = [
             g if g is None or self._overwrite_variable_with_gradient(v) else _unscale(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]
         grads_finite = _all_finite([g for g in unscaled if g is not None])
-        loss_finite = ops.equal(bad, 0.0)
+        applied, new_own = self._rule(own, grads_finite, ops.equal(bad, 0.0))
+        return unscaled, applied, new_own
+
+    def _rule(self, own: list[Any], grads_finite: Any, loss_finite: Any) -> tuple[Any, list[Any]]:
+        """``(applied, own values after)`` from the finite flags: the core rule on values."""
+        scale, counter, consecutive, total, *rest = own
+        extra = None
+        if self.loss_scale_extra is not None:
+            extra = tuple(ops.unstack(rest[0], num=len(EXTRA_FIELDS)))
         applied = ops.logical_and(grads_finite, loss_finite)
         new = update_arrays(
             KerasOps, self._config, scale, counter, consecutive, total, grads_finite,
@@ -298,8 +302,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         new_own = list(new[:4])
         if extra is not None:
             new_own.append(ops.stack(list(new[4:])))
-        new_own.append(ops.zeros_like(bad))
-        return unscaled, applied, new_own
+        new_own.append(ops.zeros_like(rest[-1]))
+        return applied, new_own
 
     def stateless_apply(
         self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: list[Any]
@@ -406,9 +410,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         own = self._own()
         unscaled, applied, new_own = self._decide([v.value for v in own], grads, variables)
-        # The inner step runs statefully (on TensorFlow the inner optimizer has no stateless
-        # step), then every value it may write is put back unless the step is applied: one
-        # select per variable instead of a branch (no host read on torch).
+        self._guarded_apply(unscaled, variables, applied)
+        for v, value in zip(own, new_own, strict=True):
+            v.assign(value)
+
+    def _guarded_apply(
+        self, unscaled: list[Any], variables: list[Any], applied: Any, attempted: bool = False
+    ) -> None:
+        """The inner step runs statefully (on TensorFlow the inner optimizer has no stateless
+        step), then every value it may write is put back unless the step is applied: one
+        select per variable instead of a branch (no host read on torch). ``attempted``: a
+        skipped step still counts in ``iterations`` (``schedule_counts="attempted"``)."""
         held = [*self.inner_optimizer.variables, *variables]
         before = [ops.copy(v.value) for v in held]
         try:
@@ -419,8 +431,38 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise
         for v, old in zip(held, before, strict=True):
             v.assign(ops.where(applied, v.value, old))
+        if attempted:
+            it = self.inner_optimizer.iterations
+            it.assign(ops.where(applied, it.value, ops.add(it.value, 1)))
+
+    def apply_unscaled(
+        self,
+        unscaled: list[Any],
+        variables: list[Any],
+        grads_finite: Any,
+        loss_finite: Any,
+        schedule_counts: str = "applied",
+    ) -> tuple[Any, Any, Any]:
+        """The guarded update and the loss-scale update, for gradients a train step has already
+        unscaled and checked: what :meth:`apply` does after its unscale (the public face
+        :class:`unimp.keras.step.TrainStep` calls). No host read.
+
+        Args:
+            unscaled: one unscaled gradient (or None) per variable.
+            variables: the variables (the optimizer is built with them).
+            grads_finite, loss_finite: bool scalar tensors.
+            schedule_counts: ``"applied"`` or ``"attempted"`` (:data:`unimp.step.SCHEDULE_COUNTS`:
+                whether a skipped step counts in ``iterations``).
+
+        Returns:
+            ``(applied, consecutive_skips, total_skips)``, scalar tensors after the step.
+        """
+        own = self._own()
+        applied, new_own = self._rule([v.value for v in own], grads_finite, loss_finite)
+        self._guarded_apply(unscaled, variables, applied, schedule_counts == "attempted")
         for v, value in zip(own, new_own, strict=True):
             v.assign(value)
+        return applied, self.consecutive_skips.value, self.total_skips.value
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         """``apply(grads, variables)`` from ``(gradient, variable)`` pairs.

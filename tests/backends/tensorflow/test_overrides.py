@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import unimp.backends.tensorflow as utf
+import unimp.keras.overrides as keras_overrides
 from unimp.attached import peek
 
 
@@ -23,7 +24,7 @@ def _model(mp):
 
 
 def _policies(model):
-    return {p: layer.dtype_policy.name for p, layer in utf.overrides._walk(model)}
+    return {p: layer.dtype_policy.name for p, layer in keras_overrides._walk(model)}
 
 
 def test_layer_paths_are_names_from_the_model_down():

@@ -1,45 +1,44 @@
-"""TensorFlow :class:`MixedPrecision`: a recipe bound to Keras 3 (dtype policies under
-``autocast()``, ``prepare`` for ``model.fit``, ``train_step``).
+"""TensorFlow :class:`MixedPrecision`: a recipe bound to Keras 3 on TensorFlow: the Keras
+integration (:class:`unimp.keras.MixedPrecision`: dtype policies under ``autocast()``,
+``prepare`` for ``model.fit``, overrides) with what only TensorFlow has: ``tf.device``
+placement, the TF32 switch, float8 layers, ``tf.distribute`` and a traced ``train_step``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from unimp.attached import attach, check_attachable, peek
-from unimp.backends._base import MixedPrecisionBase
-from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
+from unimp.attached import peek
+from unimp.backends.tensorflow.casting import cast_tree, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.fp8 import fp8_select, fp8_swap
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
-from unimp.backends.tensorflow.overrides import _resolve, apply_overrides
+from unimp.backends.tensorflow.overrides import apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
+from unimp.keras.mixed_precision import MixedPrecision as KerasMixedPrecision
+from unimp.keras.mixed_precision import check_half_variables
 from unimp.rounding import step_seed
-from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
 
 
-def _cast_call(model: Any, *args: Any, **kwargs: Any) -> Any:
-    """The call of a prepared model: the original call, floating outputs in the output dtype."""
-    return cast_tree(model._unimp.call(*args, **kwargs), model._unimp.output_dtype)
-
-
-class MixedPrecision(MixedPrecisionBase):
+class MixedPrecision(KerasMixedPrecision):
     """A recipe bound to Keras 3 on TensorFlow.
 
     Keras has no per-op autocast: every cast mode uses Keras's per-layer dtype policies
     (layers cast their float inputs and variables to the compute dtype, integer inputs are
-    never cast, normalization layers compute their statistics in float32).
+    never cast, normalization layers compute their statistics in float32). The Keras side
+    (:meth:`autocast`, :meth:`prepare`, :meth:`loss_scale_optimizer`, overrides) is
+    :class:`unimp.keras.MixedPrecision`'s; this class adds placement, the TF32 switch
+    (``matmul_precision``), float8 layers (FP8 recipes), the policy's ``update`` rule, and a
+    ``tf.function`` :meth:`train_step` that runs under ``tf.distribute``.
 
     Args:
         recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
@@ -68,6 +67,8 @@ class MixedPrecision(MixedPrecisionBase):
     """
 
     _cast_tree = staticmethod(cast_tree)
+    _to_dtype = staticmethod(to_dtype)
+    optimizer_class = LossScaleOptimizer
 
     backend = "tensorflow"
 
@@ -75,16 +76,9 @@ class MixedPrecision(MixedPrecisionBase):
         resolved = None if device is None else _as_device(device)  # before anything is kept
         super().__init__(recipe)
         self._device = resolved
-        p = self.policy
-        name = keras_policy_name(p.param_dtype, p.compute_dtype)
-        if name is None:
-            raise ValueError(
-                f"Keras has no dtype policy for {p}: it keeps variables in the compute dtype or in "
-                "float32 with float16/bfloat16 compute. Use e.g. 'mixed_float16', 'mixed_bfloat16', "
-                "'float32', 'bfloat16' or 'params=float32,compute=float16,output=float32'."
-            )
-        self._keras_name = name
-        self._output_name = keras_policy_name(p.param_dtype, p.output_dtype)
+
+    def _check_engine(self) -> None:
+        """Everything a recipe holds runs here (Keras's engine is checked on import)."""
 
     @property
     def device(self) -> str | None:
@@ -97,178 +91,19 @@ class MixedPrecision(MixedPrecisionBase):
         _check_placed(self._device)
         return tf.device(self._device)
 
-    @property
-    def compute_dtype(self) -> tf.DType:
-        """The compute dtype as a ``tf.DType``."""
-        return to_dtype(self.policy.compute_dtype)
-
-    @property
-    def param_dtype(self) -> tf.DType:
-        """The parameter (variable) dtype as a ``tf.DType``."""
-        return to_dtype(self.policy.param_dtype)
-
-    @property
-    def output_dtype(self) -> tf.DType:
-        """The output dtype as a ``tf.DType``."""
-        return to_dtype(self.policy.output_dtype)
-
-    @property
-    def dtype_policy(self) -> Any:
-        """The ``keras.DTypePolicy`` layers built in :meth:`autocast` get."""
-        return keras.DTypePolicy(self._keras_name)
-
-    @property
-    def output_dtype_policy(self) -> Any:
-        """A ``keras.DTypePolicy`` with variables in the param dtype computing in the output dtype.
-
-        :meth:`prepare` does not give it to any layer (the output dtype is a cast of the
-        model's outputs in every backend); give it to a layer yourself to compute that layer
-        in the output dtype, as the Keras mixed-precision guide does for a final softmax.
-
-        Raises:
-            ValueError: Keras cannot express it (e.g. bfloat16 variables with float32 output).
-        """
-        if self._output_name is None:
-            raise ValueError(
-                f"Keras has no dtype policy with variables in {self.policy.param_dtype} computing "
-                f"in {self.policy.output_dtype}; pick an output_dtype equal to the param dtype or "
-                "the compute dtype."
-            )
-        return keras.DTypePolicy(self._output_name)
-
     @contextlib.contextmanager
-    def autocast(self) -> Iterator[Any]:
-        """Sets Keras's global dtype policy to :attr:`dtype_policy` inside the block (and
-        enters ``tf.device`` of the bound device, if any).
+    def _block(self) -> Any:
+        """:meth:`autocast` also enters ``tf.device`` of the bound device, if any, and sets the
+        policy's ``matmul_precision`` (TensorFlow's global TF32 switch), restored on exit."""
+        with self._placed(), matmul_precision(self.policy.matmul_precision):
+            yield
 
-        Layers constructed inside use the recipe's compute and variable dtypes; the policy's
-        ``matmul_precision`` (TensorFlow's global TF32 switch) is set for the block. The previous
-        global policy and TF32 switch are restored on exit, also when an exception escapes.
-
-        Yields:
-            The ``keras.DTypePolicy`` in force.
-        """
-        previous = keras.config.dtype_policy()
-        policy = self.dtype_policy
-        keras.config.set_dtype_policy(policy)
-        try:
-            with self._placed(), matmul_precision(self.policy.matmul_precision):
-                yield policy
-        finally:
-            keras.config.set_dtype_policy(previous)
-
-    def loss_scale_optimizer(self, optimizer: Any, *, seed: int = 0) -> LossScaleOptimizer:
-        """Wraps ``optimizer`` in unimp's :class:`LossScaleOptimizer` with the recipe's loss scale
-        and the policy's ``update`` rule (``seed``: its stochastic-rounding seed).
-
-        A Keras ``LossScaleOptimizer`` is unwrapped first; an unimp one with the recipe's loss
-        scale and update rule is returned as is.
-
-        Raises:
-            TypeError: not a Keras optimizer or optimizer name.
-            ValueError: an unimp optimizer with a different loss scale.
-        """
-        if not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
-            raise TypeError(
-                f"optimizer must be a keras.optimizers.Optimizer or a name like 'adam', got "
-                f"{type(optimizer).__name__}."
-            )
+    def _wrap(self, optimizer: Any, seed: int) -> LossScaleOptimizer:
         return _wrap_optimizer(optimizer, self.loss_scale, self.policy.update, seed)
 
-    def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> Any:
-        """Applies the recipe to a Keras model and optimizer.
-
-        * The model's floating outputs are cast to the output dtype (its ``call`` is wrapped, as
-          torch's ``forward`` and JAX's :meth:`apply`): every layer, the last one included,
-          computes in the policy it was built with, so one recipe is one computation in every
-          framework (:class:`unimp.Policy`). Build the model inside :meth:`autocast` (a
-          warning says so when the model's policy differs). For the Keras guide's float32
-          output layer (a float16 softmax can overflow), give that layer
-          ``dtype=mp.output_dtype_policy``. The wrapper is not saved with the model, and
-          ``copy.deepcopy`` (which Keras does through the config) drops it too: a loaded or
-          copied model returns its last layer's dtype until prepared again. Preparing the
-          same model again is a ``ValueError``, as in torch (prepare applies the recipe once).
-        * An FP8 recipe: the Dense layers it selects (:meth:`fp8_layers`; the first and last
-          out by default) get unimp's emulated float8 matmul in their ``call`` and float32
-          scaling states (non-trainable variables), in place; the model must be built.
-        * The optimizer is wrapped in unimp's :class:`LossScaleOptimizer` (not Keras's) with
-          the recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
-          model is compiled with it, so ``fit`` follows unimp's rule. A model already
-          compiled with another optimizer is left alone, with a warning that says so.
-        * Each layer the policy's ``overrides`` cover gets its override's Keras dtype policy
-          (:mod:`unimp.backends.tensorflow.overrides`; e.g. ``"mixed_float16;l2:float32"``
-          gives layer ``l2`` the ``float32`` policy, the guide's float32 output layer).
-
-        Args:
-            model: a ``keras.Model`` (or layer) built inside :meth:`autocast`.
-            optimizer: a Keras optimizer or name (``"adam"``), or ``None``.
-            **compile_kwargs: passed to ``model.compile`` together with the wrapped optimizer.
-
-        Returns:
-            The same model alone when no optimizer is given, else ``(model, optimizer)`` with
-            the wrapped optimizer: the shape of every backend's ``prepare`` (and of Apex's
-            ``amp.initialize``).
-
-        Raises:
-            TypeError: ``model`` is not a Keras layer or model, or has an attribute ``_unimp`` of
-                its own (:mod:`unimp.attached`); a bad optimizer.
-            ValueError: the model was already prepared, compile arguments without an
-                optimizer, an override conflict or an override Keras cannot express. Nothing is changed when an error is raised.
-        """
-        if not isinstance(model, keras.layers.Layer):
-            raise TypeError(f"prepare needs a keras.Model, got {type(model).__name__}.")
-        check_attachable(model)  # where unimp keeps its facts: refused before anything changes
-        if peek(model, "prepared", False):  # as torch's prepare
-            raise ValueError("this model was already prepared; prepare() applies the recipe once.")
-        if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
-            raise TypeError(
-                f"optimizer must be a keras.optimizers.Optimizer, a name like 'adam', or None, got "
-                f"{type(optimizer).__name__}."
-            )
-        if "optimizer" in compile_kwargs:
-            raise TypeError(
-                "pass the optimizer as prepare(model, optimizer, ...), not in compile arguments."
-            )
-        _check_half_variables(model, self.loss_scale)
-        if compile_kwargs and optimizer is None:
-            raise ValueError(
-                "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
-            )
-        wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
-        overridden = _resolve(self, model)  # warns / raises before anything changes
-        # built outside autocast: none of the layers holding weights has the recipe's policy
-        # (the model's own policy is not the test: a loaded or deep-copied model is rebuilt
-        # under the global policy while its layers keep the policies they were saved with)
-        weighted = [x for x in model._flatten_layers(include_self=False) if x.weights] or [model]
-        if not self.policy.is_float32 and all(
-            x.dtype_policy.name != self._keras_name for x in weighted
-        ):
-            warnings.warn(
-                f"the model's dtype policy is {model.dtype_policy.name!r}, the recipe's is "
-                f"{self._keras_name!r}: its layers were built outside mp.autocast() and keep their "
-                "dtypes. Build the model inside `with mp.autocast():`.",
-                stacklevel=2,
-            )
-        current = getattr(model, "optimizer", None)
-        if (
-            optimizer is None
-            and current is not None
-            and not isinstance(current, LossScaleOptimizer)
-        ):
-            warnings.warn(
-                f"the model is compiled with {type(current).__name__}, so fit does not follow the "
-                "recipe's loss scale. Compile through prepare instead: "
-                "mp.prepare(model, optimizer, loss=..., metrics=...).",
-                stacklevel=2,
-            )
+    def _fp8_swap(self, model: Any) -> None:
         if self._recipe.fp8 is not None:
             fp8_swap(model, self._recipe.fp8)
-        if compile_kwargs:  # first: a bad compile argument leaves the model untouched
-            model.compile(optimizer=wrapped, **compile_kwargs)
-        apply_overrides(self, model, overridden)
-        self._cast_outputs(model)
-        attach(model).prepared = True  # a deep copy (through the config) drops it, as the cast
-        return model if optimizer is None else (model, wrapped)
 
     def fp8_layers(self, model: Any) -> tuple[str, ...]:
         """The dotted paths (layer names joined, ``"mlp.fc1"``) of the Dense layers that run
@@ -281,33 +116,10 @@ class MixedPrecision(MixedPrecisionBase):
             TypeError: ``model`` is not a Keras layer or model.
             ValueError: a selected layer called at several places (named).
         """
-        if not isinstance(model, keras.layers.Layer):
-            raise TypeError(f"mp.fp8_layers(model) takes a keras.Model (or layer), got {type(model).__name__}.")
+        super().fp8_layers(model)  # the type check
         if self._recipe.fp8 is None:
             return ()
         return fp8_select(model, self._recipe.fp8)
-
-    def _cast_outputs(self, model: Any) -> None:
-        """Wraps ``model.call`` so its floating outputs come out in the output dtype.
-
-        A method bound to the model, not a closure over it, so ``copy.deepcopy`` rebinds it to
-        the copy. Preparing again with the same output dtype changes nothing.
-
-        Raises:
-            ValueError: the model was prepared for another output dtype.
-        """
-        done = peek(model, "output_dtype", None)
-        if done is not None:
-            if done != self.policy.output_dtype:
-                raise ValueError(
-                    f"this model was prepared with output dtype {done}; prepare applies one recipe "
-                    f"per model (here output {self.policy.output_dtype}): build the model again "
-                    "under this recipe's autocast()."
-                )
-            return
-        attach(model).call = model.call
-        attach(model).output_dtype = self.policy.output_dtype
-        model.call = types.MethodType(_cast_call, model)
 
     def train_step(
         self,
@@ -410,7 +222,7 @@ class MixedPrecision(MixedPrecisionBase):
             _check_update_rule(lso, self.policy.update, options.rounding_seed)
         else:
             lso = self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
-        _check_half_variables(model, lso.loss_scale_config)
+        check_half_variables(model, lso.loss_scale_config)
         if self.policy.overrides and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
         step = TrainStep(
@@ -426,11 +238,3 @@ def _check_update_rule(lso: LossScaleOptimizer, mode: str, seed: int) -> None:
         lso.update_mode, lso.update_seed, lso.built, mode, seed, "its .inner_optimizer"
     )
 
-
-def _check_half_variables(model: Any, loss_scale: Any) -> None:
-    """float16 trainable variables under a loss scale: refused (the rule of every backend)."""
-    check_scaled_half_params(
-        [v.path for v in model.trainable_variables if str(v.dtype) == "float16"],
-        loss_scale,
-        "build those layers under a float32 or mixed dtype policy",
-    )

@@ -20,6 +20,7 @@ from unimp.backends.tensorflow.overflow import _clip, _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _extra, _to_host, _unscale
 from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending, relative_path
+from unimp.keras.step import forward_state_variables
 from unimp.loss_scale import FloorWatch
 from unimp.policy import Policy
 from unimp.step import StepResult, floor_hits
@@ -98,25 +99,6 @@ def _strategy_of(variables: list[Any]) -> Any:
     if isinstance(value, tf.distribute.DistributedValues):
         return value.distribute_strategy
     return None
-
-
-def _forward_state(model: Any) -> list[Any]:
-    """The variables a forward pass may change: those the layers created non-trainable
-    (BatchNormalization's moving mean and variance, a layer's own counters), without the
-    random-seed states of ``SeedGenerator``s (a skipped step still draws new dropout masks, as
-    in torch and JAX) and without frozen weights (``layer.trainable = False`` makes a kernel
-    non-trainable, but no forward pass changes it: copying it every step would cost a frozen
-    backbone's memory and time)."""
-    seeds, found = set(), {}
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
-    for layer in layers:
-        for gen in getattr(layer, "_seed_generators", ()) or ():
-            seeds.add(id(gen.state))
-    for layer in layers:
-        for v in getattr(layer, "_non_trainable_variables", ()) or ():
-            if id(v) not in seeds:
-                found.setdefault(id(v), v)
-    return list(found.values())
 
 
 def _add_rounded(total: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -348,7 +330,7 @@ class StepOps:
         # state the forward pass changes (BatchNormalization's moving statistics, any
         # non-trainable variable but the dropout seeds): read before the forward, selected
         # back after the decision when the step is skipped (in the graph, no host sync)
-        return [(v, tf.identity(v.value)) for v in _forward_state(self.step.model)]
+        return [(v, tf.identity(v.value)) for v in forward_state_variables(self.step.model)]
 
     def abort(self, saved: Any) -> None:
         pass  # a trace that raised leaves no graph to run
