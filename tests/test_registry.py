@@ -108,10 +108,21 @@ def test_resolve_cast_mode_is_one_rule_for_every_backend(recipe, torch_mode, oth
     assert registry.resolve_cast_mode(r, "tensorflow") == registry.resolve_cast_mode(r, "jax") == other_mode
 
 
-def test_keras_engine_names():
+def test_keras_engine_names(monkeypatch, tmp_path):
     # keras-tensorflow is the tensorflow backend (Keras 3 on TensorFlow); Keras's other engines
-    # are no unimp backend: the error names what runs there
+    # bind to unimp.keras, and "keras" is Keras on the engine this process configures
     assert registry.backend_info("keras-tensorflow").name == "tensorflow"
     for name in ("keras-jax", "Keras-Torch"):
-        with pytest.raises(ValueError, match=r"unimp\.keras\.LossScaleOptimizer.*unimp compare --backends keras-"):
-            registry.backend_info(name)
+        assert registry.backend_info(name) is registry.KERAS
+    monkeypatch.delitem(sys.modules, "keras", raising=False)  # read as Keras would, unimported
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    assert registry.keras_engine() == "tensorflow"  # Keras's default
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    assert registry.keras_engine() == "torch"
+    assert registry.backend_info("keras") is registry.KERAS
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")  # the variable wins over the file
+    assert registry.backend_info("keras").name == "tensorflow"
+    # a process running Keras on TensorFlow refuses the pinned other engines, naming the fix
+    with pytest.raises(ValueError, match="KERAS_BACKEND=jax before Keras is imported"):
+        registry.get_backend("keras-jax")

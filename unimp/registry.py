@@ -24,6 +24,7 @@ __all__ = [
     "detect_backend",
     "framework_versions",
     "get_backend",
+    "keras_engine",
     "list_backends",
     "mixed_precision",
     "register_backend",
@@ -72,7 +73,7 @@ _BUILTIN = (
         ("tensorflow", "keras"),
         ("tensorflow", "tensorflow-cpu", "keras"),
         "tensorflow",
-        ("tf", "keras", "keras-tensorflow"),
+        ("tf", "keras-tensorflow"),
         ("tensorflow", "keras"),
     ),
     BackendInfo(
@@ -85,6 +86,19 @@ _BUILTIN = (
         ("jax", "jaxlib"),
     ),
 )
+
+#: Keras on JAX or torch: :mod:`unimp.keras` binds a recipe there. Not one of the backends
+#: above: Keras's engine is fixed per process, so the in-process suite (and ``list_backends``)
+#: has the TensorFlow backend for Keras, and the other engines run in a worker each
+#: (tests/test_keras_backends.py, ``unimp compare --backends keras-jax``). ``keras`` names
+#: Keras on the engine this process configures (:func:`keras_engine`): the TensorFlow backend
+#: for TensorFlow, this one for JAX and torch.
+KERAS = BackendInfo(
+    "keras", "unimp.keras", ("keras",), ("keras",), "keras-jax", ("keras-jax", "keras-torch"),
+    ("keras",),
+)
+#: the Keras engines :data:`KERAS` runs, by the name that pins each
+KERAS_PINNED = {"keras-jax": "jax", "keras-torch": "torch"}
 
 _lock = threading.RLock()
 _backends: dict[str, BackendInfo] = {b.name: b for b in _BUILTIN}
@@ -134,6 +148,26 @@ def _alias_map() -> dict[str, str]:
     return out
 
 
+def keras_engine() -> str:
+    """The backend Keras runs on in this process, without importing Keras where it is not
+    imported yet: Keras's own ``keras.backend.backend()`` once imported, else what Keras will
+    read (``KERAS_BACKEND``, then ``$KERAS_HOME/keras.json`` or ``~/.keras/keras.json``), else
+    Keras's default, ``"tensorflow"``."""
+    import json
+    import os
+
+    if "keras" in sys.modules and hasattr(sys.modules["keras"], "backend"):
+        return str(sys.modules["keras"].backend.backend())
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            return str(json.load(f).get("backend", "tensorflow"))
+    except (OSError, ValueError):
+        return "tensorflow"
+
+
 def _canonical(name: str) -> str:
     _read_entry_points()
     if not isinstance(name, str):
@@ -142,14 +176,11 @@ def _canonical(name: str) -> str:
     aliases = _alias_map()
     if key in aliases:
         return aliases[key]
-    if key in ("keras-jax", "keras-torch"):  # Keras's other engines: not a backend (yet)
-        raise ValueError(
-            f"backend {name!r}: unimp's Keras backend runs Keras on TensorFlow ('tensorflow', "
-            "'keras-tensorflow'). For Keras on JAX or torch, compile the model with "
-            "unimp.keras.LossScaleOptimizer (model.fit and custom loops); `unimp compare "
-            f"--backends {key}` runs Keras's own trainer there."
-        )
-    close = difflib.get_close_matches(key, list(aliases), n=1, cutoff=0.5)
+    if key == "keras":  # Keras on the engine this process configures
+        return "tensorflow" if keras_engine() == "tensorflow" else KERAS.name
+    if key in KERAS_PINNED:
+        return KERAS.name
+    close = difflib.get_close_matches(key, [*aliases, "keras", *KERAS_PINNED], n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     valid = ", ".join(
         f"{b.name}" + (f" (aliases: {', '.join(b.aliases)})" if b.aliases else "")
@@ -165,8 +196,10 @@ def list_backends() -> list[str]:
 
 
 def backend_info(name: str) -> BackendInfo:
-    """The :class:`BackendInfo` for a name or alias. Raises ``ValueError`` for unknown names."""
-    return _backends[_canonical(name)]
+    """The :class:`BackendInfo` for a name or alias (:data:`KERAS` for Keras on JAX or torch).
+    Raises ``ValueError`` for unknown names."""
+    canonical = _canonical(name)
+    return KERAS if canonical == KERAS.name else _backends[canonical]
 
 
 def _installed(info: BackendInfo) -> bool:
@@ -199,10 +232,12 @@ def get_backend(name: str) -> ModuleType:
             e.g. ``pip install "unimp[torch]"``.
     """
     canonical = _canonical(name)
+    if canonical == KERAS.name:
+        _check_keras_engine(name)
     with _lock:
         if canonical in _loaded:
             return _loaded[canonical]
-        info = _backends[canonical]
+        info = backend_info(canonical)
         missing = [r for r in info.requires if importlib.util.find_spec(r) is None]
         if missing:
             raise ImportError(
@@ -212,6 +247,26 @@ def get_backend(name: str) -> ModuleType:
         module = importlib.import_module(info.module)
         _loaded[canonical] = module
         return module
+
+
+def _check_keras_engine(name: str) -> None:
+    """``keras-jax`` / ``keras-torch`` in a process whose Keras runs on another engine:
+    refused, naming the fix (Keras's engine is fixed per process)."""
+    engine = keras_engine()
+    wanted = KERAS_PINNED.get(name.strip().lower(), engine)
+    if engine != wanted:
+        raise ValueError(
+            f"backend {name!r}: this process runs Keras on {engine!r}, and Keras's backend is "
+            f"fixed per process. Set KERAS_BACKEND={wanted} before Keras is imported (or use "
+            f"backend='keras', Keras on the engine this process runs)."
+        )
+    if engine not in KERAS_PINNED.values():
+        raise ValueError(f"backend {name!r}: unimp runs Keras on TensorFlow, JAX or torch, not {engine!r}.")
+    if importlib.util.find_spec(engine) is None:
+        raise ImportError(
+            f"backend {name!r} needs {engine}, which is not installed. Install it with: "
+            f'pip install "unimp[keras-{engine}]"'
+        )
 
 
 def mixed_precision(

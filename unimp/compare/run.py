@@ -216,6 +216,8 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
         return found
     out = []
     for n in names:
+        if registry.backend_info(n) is registry.KERAS:  # "keras" in a process set to JAX / torch
+            n = f"keras-{registry.keras_engine()}" if n == "keras" else n
         if n in KERAS_ENGINES:  # Keras's own trainer on one of its backends, in a worker
             framework = KERAS_ENGINES[n]
             if framework not in registry.available_backends():
