@@ -6,6 +6,7 @@ NumPy reference."""
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 
 import keras
@@ -310,6 +311,156 @@ def syncs() -> dict:
             for _ in range(5):
                 model.train_step(batch)
         out[who] = sum(counts.values()) / 5
+    return out
+
+
+#: step16: per step, the loss weight: 3e4 overflows the float16 backward (a finite loss),
+#: inf the loss itself (a forward overflow)
+STEP_WEIGHTS = [1.0, 1.0, 1.0, 3e4, 1.0, 1.0, np.inf, 1.0, 1.0, 1.0, 1.0, 1.0]
+STEP_RULE = DynamicLossScale.preset("keras", init_scale=2.0**12, growth_interval=3)
+
+
+def step16() -> dict:
+    """unimp's custom-loop ``train_step`` under ``mixed_float16;head:float32`` with
+    ``backend="keras"`` (the TensorFlow backend's traced step on TensorFlow, unimp.keras's on
+    JAX and torch), a BatchNormalization layer, the same weights and batches on every backend:
+    per step the result's fields, ``iterations``, a weight and the BN moving mean; JAX's
+    compilations after the first step; torch's host reads per step."""
+    import unimp
+
+    mp = unimp.mixed_precision("mixed_float16;head:float32", backend="keras", loss_scale=STEP_RULE)
+    keras.utils.set_random_seed(0)
+    with mp.autocast():
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="relu", name="fc1"),
+                keras.layers.BatchNormalization(name="bn"),
+                keras.layers.Dense(4, name="head"),
+            ]
+        )
+    _set_weights(model)
+    mp.prepare(model)
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss_fn(m, batch):
+        x, y, w = batch
+        return ce(y, m(x, training=True)) * w
+
+    step = mp.train_step(model, keras.optimizers.SGD(0.05), loss_fn)
+    x, y = _data(n=16 * len(STEP_WEIGHTS))
+    batches = [
+        (x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)], np.float32(w))
+        for i, w in enumerate(STEP_WEIGHTS)
+    ]
+    compiles = _compile_counter()
+    rows, after_first = [], None
+    for i, b in enumerate(batches):
+        r = step(b)
+        rows.append(
+            {
+                **{k: getattr(r, k) for k in ("loss", "scale", "applied", "loss_finite", "grads_finite", "total_skips")},
+                "iterations": int(_np(step.optimizer.iterations.value)),
+                "w": _np(model.get_layer("fc1").kernel.value).ravel()[:4].tolist(),
+                "bn_mean": _np(model.get_layer("bn").moving_mean.value).ravel()[:4].tolist(),
+            }
+        )
+        if i == 0:
+            after_first = compiles["n"]
+    out = {
+        "rows": rows,
+        "compilations_after_first": compiles["n"] - after_first,
+        "policies": {layer.name: layer.dtype_policy.name for layer in model.layers},
+        "output_dtype": keras.backend.standardize_dtype(model(x[:2]).dtype),
+        "class": f"{type(mp).__module__}.{type(mp).__name__}",
+    }
+    if BACKEND == "torch":
+        import torch
+
+        from benchmarks._kit_torch import count_host_reads
+
+        tb = [(torch.as_tensor(a), torch.as_tensor(c), torch.as_tensor(w)) for a, c, w in batches[:4]]
+        with count_host_reads() as counts:
+            for b in tb:
+                step(b)
+        out["host_reads_per_step"] = sum(counts.values()) / len(tb)
+    return out
+
+
+def step_options() -> dict:
+    """The same step with the options every backend takes: two micro-batches per step, a
+    clip at norm 0.5, skipped steps counted in ``iterations`` and a step log; the second
+    micro-batch of step 3 overflows the float16 backward."""
+    import tempfile
+
+    import unimp
+
+    mp = unimp.mixed_precision("mixed_float16", backend="keras", loss_scale=STEP_RULE)
+    with mp.autocast():
+        model = _mlp()
+    _set_weights(model)
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss_fn(m, batch):
+        x, y, w = batch
+        return ce(y, m(x)) * w
+
+    log = pathlib.Path(tempfile.mkdtemp()) / "steps.jsonl"
+    step = mp.train_step(
+        model, keras.optimizers.SGD(0.05), loss_fn, grad_accum_steps=2, max_grad_norm=0.5,
+        schedule_counts="attempted", log=str(log), log_every=3,
+    )  # fmt: skip
+    x, y = _data(n=8 * 16)
+    rows = []
+    for i in range(8):
+        micro = [
+            (x[8 * (2 * i + j) : 8 * (2 * i + j + 1)], y[8 * (2 * i + j) : 8 * (2 * i + j + 1)],
+             np.float32(3e4 if (i, j) == (3, 1) else 1.0))
+            for j in range(2)
+        ]  # fmt: skip
+        r = step(micro)
+        rows.append(
+            {
+                **{k: getattr(r, k) for k in ("loss", "scale", "applied", "grad_norm", "total_skips")},
+                "iterations": int(_np(step.optimizer.iterations.value)),
+            }
+        )
+    step.close()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    return {"rows": rows, "log_steps": [rec["step"] for rec in lines if "step" in rec]}
+
+
+def refusals() -> dict:
+    """What unimp.keras refuses on this engine, each message; and a step whose loss_fn raises
+    leaves the model, the optimizer and the loss scale as they were."""
+    import unimp
+
+    out = {}
+
+    def said(f) -> str:
+        try:
+            f()
+        except (ValueError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "accepted"
+
+    other = "torch" if BACKEND == "jax" else "jax"
+    out["other_engine"] = said(lambda: unimp.mixed_precision("mixed_float16", backend=f"keras-{other}"))
+    out["fp8"] = said(lambda: unimp.mixed_precision("fp8-delayed", backend="keras"))
+    mp = unimp.mixed_precision("mixed_float16", backend="keras")
+    with mp.autocast():
+        model = _mlp()
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    out["stats_every"] = said(lambda: mp.train_step(model, "sgd", lambda m, b: ce(b[1], m(b[0])), stats_every=2))
+    good = mp.train_step(model, keras.optimizers.SGD(0.1), lambda m, b: ce(b[1], m(b[0])))
+    x, y = _data(n=16)
+    good((x, y))
+    # a loss_fn that fails after the forward pass ran: an integer loss
+    bad = mp.train_step(model, good.optimizer, lambda m, b: ops.cast(ops.sum(m(b[0])), "int32"))
+    before = [_np(v.value).tolist() for v in (*model.variables, *good.optimizer.variables)]
+    out["integer_loss"] = said(lambda: bad((x, y)))
+    after = [_np(v.value).tolist() for v in (*model.variables, *good.optimizer.variables)]
+    out["unchanged"] = before == after
     return out
 
 

@@ -49,6 +49,25 @@ def test_example_runs(script, backend, args, needle):
     assert "nan" not in out.stdout.lower().split("final loss")[-1][:20]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["tensorflow", "jax", "torch"])
+def test_keras_example_runs_on_every_keras_backend(engine):
+    # backend="keras" binds the tensorflow backend on TensorFlow and unimp.keras on JAX / torch;
+    # the planted overflow at step 5 is skipped on each
+    require_backend(engine)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": engine}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "keras_any_backend.py"), "--steps", "7"],
+        capture_output=True, text=True, timeout=180, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"on {engine}: " in out.stdout
+    module = "unimp.backends.tensorflow" if engine == "tensorflow" else "unimp.keras.mixed_precision"
+    assert module in out.stdout
+    assert "step  5" in out.stdout and "applied False" in out.stdout.split("step  5")[1].splitlines()[0]
+    assert "skipped steps 1" in out.stdout
+
+
 def test_port_script_gives_the_same_losses_in_every_framework(backend):
     import runpy
 

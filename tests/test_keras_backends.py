@@ -19,9 +19,9 @@ from unimp.loss_scale import DynamicLossScale, simulate
 HERE = pathlib.Path(__file__).resolve().parent
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 CASES = {
-    "tensorflow": ("rule", "fit16", "losses32", "check", "misuse"),
-    "jax": ("rule", "stateless", "fit16", "losses32", "check", "misuse"),
-    "torch": ("rule", "stateless", "fit16", "losses32", "check", "misuse", "syncs"),
+    "tensorflow": ("rule", "fit16", "losses32", "check", "misuse", "step16", "step_options"),
+    "jax": ("rule", "stateless", "fit16", "losses32", "check", "misuse", "step16", "step_options", "refusals"),
+    "torch": ("rule", "stateless", "fit16", "losses32", "check", "misuse", "syncs", "step16", "step_options", "refusals"),
 }
 _REQUIRES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
@@ -122,6 +122,79 @@ def test_keras_torch_steps_read_nothing_to_the_host(runs):
     counts = runs["torch"]["syncs"]
     assert counts["unimp"] == 0.0
     assert counts["keras"] >= 1.0
+
+
+def test_train_step_follows_the_rule_and_skips_alike_on_every_keras_backend(runs):
+    # step 3: the float16 backward overflows (finite loss): skipped, scale halved; step 6: the
+    # loss is inf: skipped, scale kept (the forward-overflow rule)
+    events = [(w != 3e4, bool(np.isfinite(w))) for w in W.STEP_WEIGHTS]
+    assert events[3] == (False, True) and events[6] == (True, False)
+    ref = simulate(W.STEP_RULE, [(g and f, f) for g, f in events])
+    before = [float(W.STEP_RULE.initial_state().scale)] + [float(s.scale) for s in ref[:-1]]
+    assert before[4] == before[3] / 2 and before[7] == before[6]
+    skipped = [i for i, (g, f) in enumerate(events) if not (g and f)]
+    for b in KERAS_BACKENDS:
+        got = runs[b]["step16"]
+        rows = got["rows"]
+        assert [r["scale"] for r in rows] == before, b
+        assert [r["total_skips"] for r in rows] == [int(s.total_skips) for s in ref], b
+        assert [i for i, r in enumerate(rows) if not r["applied"]] == skipped, b
+        assert [r["loss_finite"] for r in rows] == [f for _, f in events], b
+        assert [r["grads_finite"] for r in rows][3] is False, b
+        assert [r["iterations"] for r in rows] == [i + 1 - sum(j <= i for j in skipped) for i in range(len(rows))], b
+        for i in skipped:  # nothing moved: weights, optimizer, the BN statistics
+            assert rows[i]["w"] == rows[i - 1]["w"] and rows[i]["bn_mean"] == rows[i - 1]["bn_mean"], (b, i)
+        for i in (1, 2, 4, 5):
+            assert rows[i]["w"] != rows[i - 1]["w"] and rows[i]["bn_mean"] != rows[i - 1]["bn_mean"], (b, i)
+        # prepare's overrides and output cast, the same on every engine
+        assert got["policies"] == {"fc1": "mixed_float16", "bn": "mixed_float16", "head": "float32"}, b
+        assert got["output_dtype"] == "float32", b
+    assert runs["tensorflow"]["step16"]["class"] == "unimp.backends.tensorflow.MixedPrecision"
+    for b in ("jax", "torch"):
+        assert runs[b]["step16"]["class"] == "unimp.keras.mixed_precision.MixedPrecision"
+        ours = [r["loss"] for r in runs[b]["step16"]["rows"]]
+        theirs = [r["loss"] for r in runs["tensorflow"]["step16"]["rows"]]
+        np.testing.assert_allclose(ours, theirs, rtol=2e-2, err_msg=b)  # float16 compute
+    # JAX: one compilation of the step, none after the first call (skips included); torch:
+    # no host read per step
+    assert runs["jax"]["step16"]["compilations_after_first"] == 0
+    assert runs["torch"]["step16"]["host_reads_per_step"] == 0.0
+
+
+def test_train_step_options_run_alike_on_every_keras_backend(runs):
+    # accumulation over 2 micro-batches (one overflowing at step 3 skips the window), clipping
+    # at 0.5 (grad_norm before the clip), skipped steps counted in iterations, a step log
+    ref = simulate(W.STEP_RULE, [i != 3 for i in range(8)])
+    before = [float(W.STEP_RULE.initial_state().scale)] + [float(s.scale) for s in ref[:-1]]
+    tf_rows = runs["tensorflow"]["step_options"]["rows"]
+    for b in KERAS_BACKENDS:
+        got = runs[b]["step_options"]
+        rows = got["rows"]
+        assert [r["scale"] for r in rows] == before, b
+        assert [r["applied"] for r in rows] == [i != 3 for i in range(8)], b
+        assert [r["iterations"] for r in rows] == list(range(1, 9)), b  # "attempted"
+        norms = [r["grad_norm"] for r in rows]
+        assert norms[3] is None or not np.isfinite(norms[3]), b
+        assert all(n > 0.5 for n in norms[:3]), (b, norms)  # the clip was active
+        np.testing.assert_allclose(
+            [r["loss"] for i, r in enumerate(rows) if i != 3],
+            [r["loss"] for i, r in enumerate(tf_rows) if i != 3], rtol=2e-2, err_msg=b,
+        )  # fmt: skip
+        np.testing.assert_allclose(
+            [n for i, n in enumerate(norms) if i != 3],
+            [r["grad_norm"] for i, r in enumerate(tf_rows) if i != 3], rtol=2e-2, err_msg=b,
+        )  # fmt: skip
+        assert got["log_steps"] == list(range(8)), b
+
+
+def test_keras_jax_and_torch_refuse_what_they_do_not_run_and_change_nothing_on_error(runs):
+    for b, other in (("jax", "torch"), ("torch", "jax")):
+        got = runs[b]["refusals"]
+        assert f"runs Keras on '{b}'" in got["other_engine"] and f"KERAS_BACKEND={other}" in got["other_engine"]
+        assert got["fp8"].startswith("ValueError") and "FP8 recipe" in got["fp8"], b
+        assert "stats_every" in got["stats_every"] and "backend='tensorflow'" in got["stats_every"], b
+        assert got["integer_loss"].startswith("TypeError: loss_fn must return a floating loss"), b
+        assert got["unchanged"] is True, b
 
 
 def test_loss_scale_check_stops_fit_after_max_consecutive_skips(runs):
