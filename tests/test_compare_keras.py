@@ -39,6 +39,13 @@ def test_a_users_keras_model_runs_on_three_engines_from_the_same_weights(tmp_pat
         assert len(r["loss"]) == rep["steps"] and all(r["applied"])
         assert r["scale"][0] == rep["recipe"]["loss_scale"]["init_scale"]
         assert r["loss"][-1] < r["loss"][0]
+    # --threads (1 on a CPU by default) reaches each worker: read back there by the framework
+    assert rep["threads"] == {
+        "keras-tensorflow": "1", "keras-jax": "framework default (XLA:CPU has no thread setting)",
+        "keras-torch": "1",
+    }  # fmt: skip
+    assert runs["keras-torch"]["threads_set"] == {"torch": "1"}
+    assert runs["keras-tensorflow"]["threads_set"] == {"tensorflow": "1"}
 
 
 @pytest.mark.parametrize(

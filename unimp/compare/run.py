@@ -97,6 +97,9 @@ class RunSpec:
         trace: record the dtype trace of the first step (``mp.trace``) in ``trace``.
         log: a step-log path (``train_step(log=...)``, ``docs/steplog.md``), closed after
             the run.
+        threads: the CPU threads a runner in a process of its own sets there
+            (``keras-*``: :func:`unimp.compare.threads.threads` at the worker's start); None
+            keeps the framework's own. The in-process runners run under ``threads`` instead.
     """
 
     recipe: Recipe
@@ -115,6 +118,7 @@ class RunSpec:
     log: str | None = None
     loss: str = "sparse_categorical_crossentropy"
     seed: int = 0
+    threads: int | None = None
 
     @property
     def user_model(self) -> bool:
@@ -504,6 +508,8 @@ def run_compare(
         hidden=1 if user else hidden_size(cfg.model, ds.image_shape),
     )
 
+    thread_info: dict[str, str] = {}  # what --threads set, per backend (below)
+
     def one(backend: str, rec: Recipe, label: str) -> dict[str, Any]:
         runner = _runner(backend)
         spec = RunSpec(
@@ -523,6 +529,7 @@ def run_compare(
             log=None if cfg.log_dir is None else os.path.join(cfg.log_dir, f"{label_file(label)}.jsonl"),
             loss=cfg.loss,
             seed=cfg.seed,
+            threads=int(set_to) if (set_to := thread_info.get(backend, "")).isdigit() else None,
         )
         with framework_warnings(label) as seen:
             try:

@@ -54,9 +54,11 @@ def threads(backends: Iterable[str], n: int) -> Iterator[dict[str, str]]:
       already ran they stay as they are, with a warning.
     * jax: XLA:CPU has no thread setting (jax-ml/jax#1539: its Eigen pool is sized to the
       machine), so JAX keeps its own; said in the result and the report.
+    * ``keras-tensorflow`` / ``keras-torch``: ``n``, set by the engine's worker process when
+      it starts (``RunSpec.threads``, the same calls as above); ``keras-jax`` as ``jax``.
 
     Args:
-        backends: backend names (``torch``, ``tensorflow``, ``jax``).
+        backends: backend names (``torch``, ``tensorflow``, ``jax``, ``keras-*``).
         n: threads, in ``[1, MAX_THREADS]`` (1024: more than any machine's logical CPUs).
 
     Yields:
@@ -101,8 +103,10 @@ def threads(backends: Iterable[str], n: int) -> Iterator[dict[str, str]]:
                         stacklevel=2,
                     )
                     out[b] = "framework default (TensorFlow had already started)"
-            elif b == "jax":
+            elif b == "jax" or b == "keras-jax":
                 out[b] = "framework default (XLA:CPU has no thread setting)"
+            elif b.startswith("keras-"):  # set in the engine's worker process, at its start
+                out[b] = str(n)
         yield out
     finally:
         if restore is not None:
