@@ -48,10 +48,26 @@ def test_a_users_keras_model_runs_on_three_engines_from_the_same_weights(tmp_pat
     assert runs["keras-tensorflow"]["threads_set"] == {"tensorflow": "1"}
 
 
+def test_per_layer_overrides_run_on_keras_engines(tmp_path):
+    # the worker prepares the model with the recipe bound to Keras on its engine: l2 computes
+    # in float32 under the override, so its losses leave the plain mixed_float16 run's
+    require_backend("torch")
+    losses = {}
+    for recipe in ("mixed_float16", "mixed_float16;l2:float32"):
+        code, out = _run(tmp_path / recipe.replace(";", "_").replace(":", "_"), "--backends", "keras-torch", "--recipe", recipe)
+        assert code == 0
+        rep = json.loads((out / "report.json").read_text())
+        losses[recipe] = np.array(rep["runs"]["keras-torch"]["loss"])
+    plain, overridden = losses.values()
+    np.testing.assert_allclose(overridden, plain, rtol=5e-2)  # the same model and data
+    assert not np.array_equal(overridden, plain)  # l2's float32 matmul rounds otherwise
+
+
 @pytest.mark.parametrize(
     "extra,words",
     [
         (("--backends", "keras-jax", "--recipe", "fp8-delayed"), "float8"),
+        (("--backends", "keras-jax", "--recipe", "mixed_float16;l2:params=bfloat16"), "no Keras policy"),
         (("--backends", "keras-torch", "--recipe", "params=bfloat16,compute=float32"), "no dtype policy"),
         (("--backends", "keras-mxnet"), "unknown backend"),
     ],

@@ -242,16 +242,23 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
 
 def keras_refusal(recipe: Recipe) -> str | None:
     """Why Keras's own trainer (``keras-*``) cannot run ``recipe``, or None: Keras has a
-    dtype policy for float32 parameters with half compute, or one dtype; float8 and per-layer
-    overrides run through the tensorflow backend only for now."""
+    dtype policy for float32 parameters with half compute, or one dtype, and each per-layer
+    override is a policy a built layer can take (the model's parameter dtype); float8 runs
+    through the tensorflow backend only for now."""
     p = recipe.policy
     if keras_policy_name(p.param_dtype, p.compute_dtype) is None:
         return (
             f"Keras has no dtype policy for param {p.param_dtype} / compute {p.compute_dtype}; "
             "use float32 parameters (mixed_float16, mixed_bfloat16) or one dtype"
         )
-    if recipe.fp8 is not None or p.overrides:
-        return "float8 and per-layer overrides run on the tensorflow backend only for now; use --backends tensorflow"
+    for pattern, o in p.overrides:  # the rule unimp.keras.overrides applies in the worker
+        if o.param_dtype != p.param_dtype or keras_policy_name(o.param_dtype, o.compute_dtype) is None:
+            return (
+                f"override {pattern!r} ({o}) is no Keras policy for a built layer: its "
+                f"variables stay {p.param_dtype}; give the override a dtype ('float32', ...)"
+            )
+    if recipe.fp8 is not None:
+        return "float8 runs on the tensorflow backend only for now; use --backends tensorflow"
     return None
 
 

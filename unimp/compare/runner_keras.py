@@ -4,7 +4,9 @@
 Keras's backend is fixed per process, so each run is a worker process of its own
 (``python -m unimp.compare.runner_keras``, ``KERAS_BACKEND`` set): the spec goes in as a
 pickle, the progress comes back as lines, the run as a pickle. In the worker the model is built
-under the recipe's Keras dtype policy, compiled with :class:`unimp.keras.LossScaleOptimizer`
+under the recipe's Keras dtype policy and prepared by the recipe bound to Keras on that engine
+(``unimp.mixed_precision(recipe, backend="keras")``: per-layer overrides, the output cast),
+compiled with :class:`unimp.keras.LossScaleOptimizer`
 (unimp's rule on ``keras.ops``) and trained by ``model.train_on_batch``: Keras's own compiled
 step (``tf.function``, ``jax.jit``, eager torch). The same model definition on three engines, so
 what differs between them is the engines' kernels, not the model's code.
@@ -127,24 +129,28 @@ def _train(spec: RunSpec) -> dict[str, Any]:
     import keras
     import numpy as np
 
+    import unimp
     from unimp.compare.keras_models import keras_model
     from unimp.compare.run import test_metrics, train_loop
     from unimp.compare.user import user_model
-    from unimp.dtypes import keras_policy_name
     from unimp.keras import LossScaleOptimizer
     from unimp.loss_scale import LossScaleState, NoLossScale
     from unimp.step import StepResult, warn_half_optimizer_state
 
     p = spec.recipe.policy
-    keras.config.set_dtype_policy(keras_policy_name(p.param_dtype, p.compute_dtype))
+    # the recipe bound to Keras on this engine: its dtype policy while the model is built, then
+    # prepare's per-layer overrides and output cast (the in-process runners' calls)
+    mp = unimp.mixed_precision(spec.recipe, backend="keras")
     if spec.user_model:
-        model, _ = user_model(spec.model, spec.seed)
+        with mp.autocast():
+            model, _ = user_model(spec.model, spec.seed)
         initial = model.get_weights()
         if spec.weights:
             model.set_weights([spec.weights[str(i)] for i in range(len(spec.weights))])
             initial = None
     else:
-        model, initial = keras_model(spec, contextlib.nullcontext()), None
+        model, initial = keras_model(spec, mp.autocast()), None
+    mp.prepare(model)
     inner = (
         keras.optimizers.Adam(spec.lr, epsilon=1e-8)
         if spec.optimizer == "adam"
