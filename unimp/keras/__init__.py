@@ -14,10 +14,13 @@ of unimp written against Keras's own API (``keras.ops``, layers, dtype policies)
 * ``step``: :class:`~unimp.keras.step.TrainStep`, the custom-loop step (the core's
   :func:`unimp.trainstep.run_step` over ``keras.ops``, the backward pass the engine's own).
 * ``devices``: :func:`framework_version`.
+* ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on ``keras.ops``) and the layer
+  recording of a statistics step (``train_step(..., stats_every=k)``), which the TensorFlow
+  backend's step uses too.
 
 On Keras's TensorFlow backend, :mod:`unimp.backends.tensorflow` is the whole backend and builds
 on this package (its ``MixedPrecision`` subclasses this one, its overrides are these) and adds
-``tf.distribute``, Horovod, a traced train step, statistics, trace and float8. Importing this
+``tf.distribute``, Horovod, a traced train step, trace and float8. Importing this
 package imports Keras (and the backend Keras selects).
 
 This ``__init__`` only re-exports; import the public names from here.
@@ -28,6 +31,7 @@ from unimp.keras.devices import framework_version
 from unimp.keras.mixed_precision import MixedPrecision
 from unimp.keras.optimizer import KerasOps, LossScaleCheck, LossScaleOptimizer
 from unimp.keras.overrides import apply_overrides, dtype_policy_map, layer_paths
+from unimp.keras.stats import tensor_stats
 
 __all__ = [
     "KerasOps",
@@ -40,5 +44,6 @@ __all__ = [
     "framework_version",
     "keras_policy_name",
     "layer_paths",
+    "tensor_stats",
     "to_dtype",
 ]

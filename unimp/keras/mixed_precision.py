@@ -21,7 +21,7 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.keras.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.keras.optimizer import LossScaleOptimizer
 from unimp.keras.overrides import apply_overrides, resolve
-from unimp.keras.step import TrainStep, check_options, host_value
+from unimp.keras.step import TrainStep, host_value
 from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
@@ -362,8 +362,11 @@ class MixedPrecision(MixedPrecisionBase):
         The options are :class:`unimp.trainstep.StepOptions`', the same rules as every
         backend's step (the step's algorithm is the core's :func:`unimp.trainstep.run_step`):
         ``grad_accum_steps`` (a list of micro-batches per call), ``max_grad_norm``,
-        ``schedule_counts``, ``log`` / ``log_every``. ``stats_every`` is refused here (yet),
-        naming the TensorFlow backend, whose step takes it.
+        ``stats_every`` (on calls 0, k, 2k, ... ``result.stats`` holds
+        :class:`unimp.stats.StepStats`: each trainable variable's unscaled gradient, named by
+        its path from the model down, and every leaf layer's outputs, recorded by wrapping
+        its ``call`` for that step; on JAX a second compiled step), ``schedule_counts``,
+        ``log`` / ``log_every``.
 
         Args:
             model: a built Keras model; the policy's ``overrides`` are applied to it here if
@@ -385,7 +388,6 @@ class MixedPrecision(MixedPrecisionBase):
             grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every,
             rounding_seed,
         )  # fmt: skip
-        check_options(options)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
         if not callable(loss_fn):

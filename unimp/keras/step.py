@@ -14,6 +14,7 @@ traces it and adds ``tf.distribute``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,28 +22,14 @@ import keras
 import numpy as np
 from keras import ops
 
+from unimp.keras.stats import Collector, grad_flags, pending, relative_path
 from unimp.loss_scale import EXTRA_FIELDS, FloorWatch
 from unimp.policy import Policy
 from unimp.step import StepResult, floor_hits
 from unimp.steprecorder import LoggedStep
 from unimp.trainstep import NORM_RESCALE_ABOVE, StepOptions, run_step
 
-__all__ = ["StepOps", "TrainStep", "check_options", "forward_state_variables", "host_value"]
-
-
-def check_options(options: StepOptions) -> None:
-    """Refuses what this step does not run (yet): ``stats_every`` (tensor statistics need
-    each engine's layer recording; the TensorFlow backend's step has it).
-
-    Raises:
-        ValueError: naming the option and the fix.
-    """
-    if options.stats_every is not None:
-        raise ValueError(
-            f"unimp's Keras train_step on Keras-{keras.backend.backend()} does not take "
-            "stats_every= (yet): the TensorFlow backend's step does (KERAS_BACKEND=tensorflow, "
-            "backend='tensorflow'); or read unimp.stats of the tensors you need yourself."
-        )
+__all__ = ["StepOps", "TrainStep", "forward_state_variables", "host_value"]
 
 
 def forward_state_variables(model: Any) -> list[Any]:
@@ -123,7 +110,9 @@ class TrainStep(LoggedStep):
         self.engine = keras.backend.backend()
         self.calls = 0
         self._watch = FloorWatch()
-        self._jitted: Any = None
+        self._jitted: dict[bool, Any] = {}  # JAX: the plain step and the statistics step
+        self._stats_order: tuple[list[str], list[str]] = ([], [])
+        self._flag_names: list[str] = []  # the gradients' names, set where a logged step runs
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
 
@@ -134,21 +123,32 @@ class TrainStep(LoggedStep):
             seen.setdefault(id(v), v)
         return list(seen.values())
 
-    def _jax(self, micro: list[Any]) -> dict[str, Any]:
+    def _run(self, micro: list[Any], stats: bool) -> dict[str, Any]:
+        """:func:`unimp.trainstep.run_step` with this step's primitives; on a statistics step
+        every leaf layer's outputs are recorded too, and returned under ``"stats"``."""
+        collector = Collector() if stats else None
+        with contextlib.nullcontext() if collector is None else collector.recording(self.model):
+            raw = run_step(StepOps(self, collector), micro, self.options)
+        if collector is not None:
+            raw["stats"] = collector.outputs()
+            self._stats_order = collector.order()
+        return raw
+
+    def _jax(self, micro: list[Any], stats: bool) -> dict[str, Any]:
         import jax
 
         held = self._variables()
-        if self._jitted is None:
+        if stats not in self._jitted:
 
             def pure(values: list[Any], micro: list[Any]) -> tuple[list[Any], dict[str, Any]]:
                 mapping = list(zip(held, values, strict=True))
                 with keras.StatelessScope(state_mapping=mapping) as scope:
-                    raw = run_step(StepOps(self), micro, self.options)
+                    raw = self._run(micro, stats)
                     after = [scope.get_current_value(v) for v in held]
                 return [x if a is None else a for a, x in zip(after, values, strict=True)], raw
 
-            self._jitted = jax.jit(pure)
-        values, raw = self._jitted([v.value for v in held], micro)
+            self._jitted[stats] = jax.jit(pure)
+        values, raw = self._jitted[stats]([v.value for v in held], micro)
         for v, x in zip(held, values, strict=True):
             v.assign(x)
         return raw
@@ -165,20 +165,27 @@ class TrainStep(LoggedStep):
             then as before the call.
         """
         micro = self.options.micro_batches(batch)
-        if self.engine == "jax":
-            raw = self._jax(micro)
-        else:
-            raw = run_step(StepOps(self), micro, self.options)
+        stats_step = self.options.stats_step(self.calls)
+        raw = self._jax(micro, stats_step) if self.engine == "jax" else self._run(micro, stats_step)
         if "floor_hits" in raw:  # the step's index, named by a floor_action message
             raw["floor_step"] = self.calls
+        stats = None
+        if stats_step:
+            stats = pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
+        flags = raw.pop("grad_flags", None)
         self.calls += 1
-        result = StepResult(raw, host_value, self.optimizer.loss_scale_config, watch=self._watch)
+        result = StepResult(
+            raw, host_value, self.optimizer.loss_scale_config, stats=stats, watch=self._watch
+        )
         if self._recorder is not None:
             lr = self.optimizer.inner_optimizer.learning_rate
             flat = [x for x in keras.tree.flatten(batch) if ops.is_tensor(x) or isinstance(x, np.ndarray)]
             floating = [x for x in flat if "float" in keras.backend.standardize_dtype(x.dtype)]
             finite = ops.all(ops.stack([ops.all(ops.isfinite(x)) for x in floating])) if floating else None
-            self._recorder.add(self.calls - 1, result, lr=ops.copy(lr), batch_finite=finite)
+            self._recorder.add(
+                self.calls - 1, result, lr=ops.copy(lr), batch_finite=finite,
+                grad_flags=None if flags is None else (self._flag_names, flags),
+            )  # fmt: skip
         return result
 
     def state_dict(self) -> dict[str, Any]:
@@ -189,7 +196,7 @@ class TrainStep(LoggedStep):
         """Restores a portable loss-scale state (from any backend); the saved config replaces
         the recipe's, as in every backend (JAX compiles the step again)."""
         self.optimizer.load_state_dict(state_dict)
-        self._jitted = None
+        self._jitted = {}
 
 
 class StepOps:
@@ -198,8 +205,9 @@ class StepOps:
     one), in the order of ``model.trainable_variables``. Under JAX they run traced, inside the
     step's ``StatelessScope``: every ``assign`` is recorded there, nothing is written."""
 
-    def __init__(self, step: TrainStep) -> None:
+    def __init__(self, step: TrainStep, collector: Collector | None = None) -> None:
         self.step = step
+        self.collector = collector  # a statistics step's recording
         self.optimizer = step.optimizer
         self.variables = list(step.model.trainable_variables)
         self.unity = step.optimizer.loss_scale_config.unity  # a scale always 1: no multiply
@@ -322,7 +330,21 @@ class StepOps:
                 out.append(ops.cast(ops.divide(ops.cast(g, "float32"), scale), _dtype(g)))
         return out
 
+    def _named(self, grads: Any) -> list[tuple[str, Any]]:
+        model = self.step.model
+        return [
+            (relative_path(model, v.path), g)
+            for v, g in zip(self.variables, grads, strict=True)
+            if g is not None
+        ]
+
     def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
+        if self.collector is not None:  # a statistics step: unscaled, before clipping
+            self.collector.add_gradients(self._named(grads), scale)
+            return {}
+        if self.step._recorder is not None:  # logged: which gradient went non-finite first
+            self.step._flag_names, flags = grad_flags(self._named(grads))
+            return {"grad_flags": flags}
         return {}
 
     def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:

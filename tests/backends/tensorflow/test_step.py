@@ -236,7 +236,7 @@ def test_bad_input_is_a_clear_error(make, error, match):
 
 
 def test_skip_guard_covers_statistics_not_frozen_weights():
-    from unimp.backends.tensorflow.step import _forward_state
+    from unimp.keras.step import forward_state_variables as _forward_state
 
     mp = unimp.mixed_precision("mixed_float16", backend="tensorflow")
     with mp.autocast():

@@ -8,16 +8,15 @@ reads float32 subnormals as zero (see :mod:`unimp.stats`).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from unimp.backends.tensorflow.fp8 import _max_keeping_nan
-from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale, output_leaves
+from unimp.keras.stats import Collector, pending, unique_name
+from unimp.stats import TARGETS, THRESHOLDS, check_scale
 
 #: One tensor's statistics on the device: ``(counts, magnitudes, size)``, size an int32 scalar.
 Entry = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
@@ -97,115 +96,18 @@ def _merge(a: Entry, b: Entry) -> Entry:
     return ca + cb, mags, na + nb
 
 
-def _floating_leaves(out: Any, name: str) -> Iterator[tuple[str, Any]]:
-    """:func:`unimp.stats.output_leaves` with this framework's floating test."""
-    return output_leaves(out, name, lambda t: tf.is_tensor(t) and not isinstance(t, tf.SparseTensor) and t.dtype.is_floating)
+def _is_floating(t: Any) -> bool:
+    return tf.is_tensor(t) and not isinstance(t, tf.SparseTensor) and t.dtype.is_floating
 
 
-def relative_path(model: Any, path: str) -> str:
-    """A ``variable.path`` or ``layer.path`` relative to ``model``: without the model's own
-    name, which Keras puts first in a Sequential's and a subclassed model's paths but not in a
-    functional model's (``"sequential/l1/kernel"`` -> ``"l1/kernel"``). Statistics and step logs
-    name Keras tensors so, as torch names them from the model down (``"l1.weight"``).
-
-    Example:
-        >>> import keras
-        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="l1")])
-        >>> [relative_path(m, v.path) for v in m.weights]
-        ['l1/kernel', 'l1/bias']
-    """
-    head = f"{model.name}/"
-    return path[len(head):] if path.startswith(head) else path
+def _collector() -> Collector:
+    """:class:`unimp.keras.stats.Collector` (Keras's layer recording) with TensorFlow's
+    statistics of one tensor."""
+    return Collector(_entry, _merge, _is_floating)
 
 
-def _leaf_layers(model: Any) -> list[tuple[str, Any]]:
-    """``(path, layer)`` for every layer of ``model`` without sublayers (the model itself when
-    it has none), each once, in the model's order.
-
-    The path joins the layer names from the model down, without the model's own name, so a
-    layer's outputs are named as its weights are by :func:`relative_path` (``"dense"``,
-    ``"inner/dense"`` in a nested model), in a Sequential, a subclassed and a functional model
-    alike, as torch's module names and JAX's pytree paths are.
-    """
-    out, seen = [], set()
-
-    def walk(layer: Any, path: str) -> None:
-        if id(layer) in seen:
-            return
-        seen.add(id(layer))
-        subs = list(layer._flatten_layers(include_self=False, recursive=False))
-        if not subs:
-            out.append((path or layer.name, layer))
-        for sub in subs:
-            walk(sub, f"{path}/{sub.name}" if path else sub.name)
-
-    walk(model, "")
-    return out
-
-
-class _Collector:
-    """What a statistics step's trace records: the outputs of every leaf layer (at scale 1,
-    every call merged) and the unscaled gradients (at the step's scale), as graph tensors."""
-
-    def __init__(self) -> None:
-        self.activations: dict[str, Entry] = {}
-        self.gradients: dict[str, Entry] = {}
-
-    def add_activation(self, name: str, out: Any) -> None:
-        for key, t in _floating_leaves(out, name):
-            entry = _entry(t)
-            old = self.activations.get(key)
-            self.activations[key] = entry if old is None else _merge(old, entry)
-
-    def add_gradients(self, named: list[tuple[str, Any]], scale: tf.Tensor) -> None:
-        for name, g in named:
-            self.gradients[_unique(name, self.gradients)] = _entry(g, scale)
-
-    @contextlib.contextmanager
-    def recording(self, model: Any) -> Iterator[None]:
-        """Wraps ``call`` of every leaf layer of ``model`` (an instance attribute, over
-        whatever ``call`` the layer has: a prepared model's output cast included) so each
-        output is recorded; the layers get their own ``call`` back on exit."""
-        saved = []
-        try:
-            for name, layer in _leaf_layers(model):
-                own = layer.__dict__.get("call")
-                saved.append((layer, own))
-                layer.call = self._recorded(name, layer.call)
-            yield
-        finally:
-            for layer, own in reversed(saved):
-                if own is None:
-                    layer.__dict__.pop("call", None)
-                else:
-                    layer.call = own
-
-    def _recorded(self, name: str, call: Any) -> Any:
-        def recorded_call(*args: Any, **kwargs: Any) -> Any:
-            out = call(*args, **kwargs)
-            self.add_activation(name, out)
-            return out
-
-        return recorded_call
-
-    def outputs(self) -> dict[str, dict[str, Entry]]:
-        """The tensors the statistics step returns (dicts come back sorted by name)."""
-        return {"gradients": dict(self.gradients), "activations": dict(self.activations)}
-
-
-@tf.autograph.experimental.do_not_convert
-def _unique(name: str, taken: Any) -> str:
-    """``name``, or ``name#2``, ``name#3``, ... when taken: two variables with one path (a
-    Keras model can have them) keep both, in the statistics and in the finite flags alike.
-
-    Python on names only, so AutoGraph leaves it as it is: converted, its while loop once
-    failed a conformance run (``tf___unique() missing 1 required positional argument``) in one
-    test order only."""
-    key, i = name, 1
-    while key in taken:
-        i += 1
-        key = f"{name}#{i}"
-    return key
+# Python on names only, so AutoGraph leaves it as it is (it runs while a step traces)
+_unique = tf.autograph.experimental.do_not_convert(unique_name)
 
 
 def _grad_flags(named: list[tuple[str, Any]]) -> tuple[list[str], tf.Tensor]:
@@ -223,16 +125,4 @@ def _grad_flags(named: list[tuple[str, Any]]) -> tuple[list[str], tf.Tensor]:
 def _pending(step: int, scale: tf.Tensor, arrays: dict[str, dict[str, Entry]], order: Any) -> Any:
     """A function building the :class:`unimp.stats.StepStats` from the step's output tensors
     when called (the read back to the host happens then)."""
-
-    def build() -> StepStats:
-        s = float(scale.numpy())
-
-        def host(group: dict[str, Entry], at: float) -> dict[str, Any]:
-            return {n: (int(z.numpy()), at, c.numpy(), m.numpy()) for n, (c, m, z) in group.items()}
-
-        return StepStats.from_arrays(
-            step, host(arrays["gradients"], s), host(arrays["activations"], 1.0), order=order
-        )
-
-    return build
-
+    return pending(step, scale, arrays, order, to_numpy=lambda t: t.numpy())

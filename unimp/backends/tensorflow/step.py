@@ -19,7 +19,8 @@ from unimp.backends.tensorflow.optimizer import _HALF, LossScaleOptimizer
 from unimp.backends.tensorflow.overflow import _clip, _global_norm, all_finite
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _extra, _to_host, _unscale
-from unimp.backends.tensorflow.stats import _Collector, _grad_flags, _pending, relative_path
+from unimp.backends.tensorflow.stats import _collector, _grad_flags, _pending
+from unimp.keras.stats import Collector, relative_path
 from unimp.keras.step import forward_state_variables
 from unimp.loss_scale import FloorWatch
 from unimp.policy import Policy
@@ -176,7 +177,7 @@ class TrainStep(LoggedStep):
         self._jit_compile = jit_compile
         self.calls = 0
         self._floor_watch = FloorWatch()  # each floor hit acted on at one result read
-        self._collector: _Collector | None = None  # set only while the statistics step traces
+        self._collector: Collector | None = None  # set only while the statistics step traces
         self._stats_order: tuple[list[str], list[str]] = ([], [])
         self._flag_names: list[str] = []  # the gradients' names, set while a logged step traces
         self.function = self._make_function()
@@ -291,7 +292,7 @@ class TrainStep(LoggedStep):
         """The step with statistics: while it traces, every leaf layer's ``call`` records its
         outputs and :meth:`_finish` the unscaled gradients; their statistics are returned
         under ``"stats"``."""
-        collector = _Collector()
+        collector = _collector()
         self._collector = collector
         try:
             with collector.recording(self.model):
