@@ -320,15 +320,10 @@ STEP_WEIGHTS = [1.0, 1.0, 1.0, 3e4, 1.0, 1.0, np.inf, 1.0, 1.0, 1.0, 1.0, 1.0]
 STEP_RULE = DynamicLossScale.preset("keras", init_scale=2.0**12, growth_interval=3)
 
 
-def step16() -> dict:
-    """unimp's custom-loop ``train_step`` under ``mixed_float16;head:float32`` with
-    ``backend="keras"`` (the TensorFlow backend's traced step on TensorFlow, unimp.keras's on
-    JAX and torch), a BatchNormalization layer, the same weights and batches on every backend:
-    per step the result's fields, ``iterations``, a weight and the BN moving mean; JAX's
-    compilations after the first step; torch's host reads per step."""
-    import unimp
-
-    mp = unimp.mixed_precision("mixed_float16;head:float32", backend="keras", loss_scale=STEP_RULE)
+def _bn_model(mp):
+    """fc1 -> BatchNormalization -> head, built under ``mp``'s policy with NumPy weights and
+    prepared; and a loss of ``(x, y, weight)`` batches (weight 3e4 overflows the float16
+    backward, inf the loss)."""
     keras.utils.set_random_seed(0)
     with mp.autocast():
         model = keras.Sequential(
@@ -346,6 +341,20 @@ def step16() -> dict:
     def loss_fn(m, batch):
         x, y, w = batch
         return ce(y, m(x, training=True)) * w
+
+    return model, loss_fn
+
+
+def step16() -> dict:
+    """unimp's custom-loop ``train_step`` under ``mixed_float16;head:float32`` with
+    ``backend="keras"`` (the TensorFlow backend's traced step on TensorFlow, unimp.keras's on
+    JAX and torch), a BatchNormalization layer, the same weights and batches on every backend:
+    per step the result's fields, ``iterations``, a weight and the BN moving mean; JAX's
+    compilations after the first step; torch's host reads per step."""
+    import unimp
+
+    mp = unimp.mixed_precision("mixed_float16;head:float32", backend="keras", loss_scale=STEP_RULE)
+    model, loss_fn = _bn_model(mp)
 
     step = mp.train_step(model, keras.optimizers.SGD(0.05), loss_fn)
     x, y = _data(n=16 * len(STEP_WEIGHTS))
@@ -440,23 +449,7 @@ def stats16() -> dict:
     from unimp.stats import first_nonfinite
 
     mp = unimp.mixed_precision("mixed_float16", backend="keras", loss_scale=STEP_RULE)
-    keras.utils.set_random_seed(0)
-    with mp.autocast():
-        model = keras.Sequential(
-            [
-                keras.Input((8,)),
-                keras.layers.Dense(16, activation="relu", name="fc1"),
-                keras.layers.BatchNormalization(name="bn"),
-                keras.layers.Dense(4, name="head"),
-            ]
-        )
-    _set_weights(model)
-    mp.prepare(model)
-    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def loss_fn(m, batch):
-        x, y, w = batch
-        return ce(y, m(x, training=True)) * w
+    model, loss_fn = _bn_model(mp)
 
     log = pathlib.Path(tempfile.mkdtemp()) / "steps.jsonl"
     step = mp.train_step(model, keras.optimizers.SGD(0.05), loss_fn, stats_every=2, log=str(log), log_every=1)

@@ -388,6 +388,22 @@ class MixedPrecision(MixedPrecisionBase):
             grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every,
             rounding_seed,
         )  # fmt: skip
+        lso = self._step_inputs(model, optimizer, loss_fn, options)
+        step = TrainStep(model, lso, loss_fn, options, self.policy)
+        return with_log(step, self, log, options.log_every, lso.loss_scale_config, host_value)
+
+    def _step_optimizer(self, optimizer: Any, options: StepOptions) -> Any:
+        """The loss-scale optimizer a train step applies (``optimizer`` wrapped, or as is)."""
+        return self.loss_scale_optimizer(optimizer)
+
+    def _step_inputs(self, model: Any, optimizer: Any, loss_fn: Any, options: StepOptions) -> Any:
+        """``train_step``'s checks of what it is given, the same on every Keras backend, and
+        its optimizer; the policy's overrides applied to a model ``prepare`` did not see.
+
+        Raises:
+            TypeError: not a Keras model, ``loss_fn`` not callable, a bad optimizer.
+            ValueError: an unbuilt model, float16 variables under a loss scale.
+        """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
         if not callable(loss_fn):
@@ -399,12 +415,11 @@ class MixedPrecision(MixedPrecisionBase):
                 "the model has no trainable variables yet: build it first (keras.Input in the "
                 "model, model.build(input_shape), or call it on one batch)."
             )
-        lso = self.loss_scale_optimizer(optimizer)
+        lso = self._step_optimizer(optimizer, options)
         check_half_variables(model, lso.loss_scale_config)
         if self.policy.overrides and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides
-        step = TrainStep(model, lso, loss_fn, options, self.policy)
-        return with_log(step, self, log, options.log_every, lso.loss_scale_config, host_value)
+        return lso
 
 def check_half_variables(model: Any, loss_scale: Any) -> None:
     """float16 trainable variables under a loss scale: refused (the rule of every backend)."""

@@ -10,20 +10,16 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import tensorflow as tf
 
-from unimp.attached import peek
 from unimp.backends.tensorflow.casting import cast_tree, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.fp8 import fp8_select, fp8_swap
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
-from unimp.backends.tensorflow.overrides import apply_overrides
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.keras.mixed_precision import MixedPrecision as KerasMixedPrecision
-from unimp.keras.mixed_precision import check_half_variables
 from unimp.rounding import step_seed
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
@@ -206,29 +202,17 @@ class MixedPrecision(KerasMixedPrecision):
         options = StepOptions(
             grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed
         )
-        if not isinstance(model, keras.layers.Layer):
-            raise TypeError(f"train_step needs a keras.Model, got {type(model).__name__}.")
-        if not callable(loss_fn):
-            raise TypeError(
-                f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}."
-            )
-        if not model.built or not model.trainable_variables:
-            raise ValueError(
-                "the model has no trainable variables yet: build it first (keras.Input in the "
-                "model, model.build(input_shape), or call it on one batch)."
-            )
-        if isinstance(optimizer, LossScaleOptimizer):
-            lso = optimizer
-            _check_update_rule(lso, self.policy.update, options.rounding_seed)
-        else:
-            lso = self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
-        check_half_variables(model, lso.loss_scale_config)
-        if self.policy.overrides and not peek(model, "overrides", False):
-            apply_overrides(self, model)  # a model not prepared still runs its overrides
+        lso = self._step_inputs(model, optimizer, loss_fn, options)
         step = TrainStep(
             model, lso, loss_fn, options, bool(jit_compile), device=self._device, policy=self.policy
         )
         return with_log(step, self, log, options.log_every, step.optimizer.loss_scale_config, _to_host)
+
+    def _step_optimizer(self, optimizer: Any, options: StepOptions) -> LossScaleOptimizer:
+        if isinstance(optimizer, LossScaleOptimizer):
+            _check_update_rule(optimizer, self.policy.update, options.rounding_seed)
+            return optimizer
+        return self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
 
 
 def _check_update_rule(lso: LossScaleOptimizer, mode: str, seed: int) -> None:
