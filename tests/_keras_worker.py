@@ -474,13 +474,21 @@ def refusals() -> dict:
     def said(f) -> str:
         try:
             f()
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, NotImplementedError) as e:
             return f"{type(e).__name__}: {e}"
         return "accepted"
 
     other = "torch" if BACKEND == "jax" else "jax"
     out["other_engine"] = said(lambda: unimp.mixed_precision("mixed_float16", backend=f"keras-{other}"))
     out["fp8"] = said(lambda: unimp.mixed_precision("fp8-delayed", backend="keras"))
+    # float32 carries matmul_precision="highest": the engine's own switch, for the block
+    from unimp.keras.precision import current_matmul_precision
+
+    f32 = unimp.mixed_precision("float32", backend="keras")
+    with f32.autocast():
+        inside = current_matmul_precision()
+    out["float32"] = {"backend": f32.backend, "inside": inside, "after": current_matmul_precision()}
+    out["trace"] = said(lambda: f32.trace(lambda: None))
     mp = unimp.mixed_precision("mixed_float16", backend="keras")
     with mp.autocast():
         model = _mlp()

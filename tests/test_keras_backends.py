@@ -220,6 +220,15 @@ def test_keras_jax_and_torch_refuse_what_they_do_not_run_and_change_nothing_on_e
         assert got["fp8"].startswith("ValueError") and "FP8 recipe" in got["fp8"], b
         assert got["integer_loss"].startswith("TypeError: loss_fn must return a floating loss"), b
         assert got["unchanged"] is True, b
+        # float32's matmul_precision="highest" is the engine's own switch, in force in the block
+        f32 = got["float32"]
+        assert f32["backend"] == f"keras-{b}"
+        inside, after = f32["inside"], f32["after"]
+        if b == "jax":
+            assert inside["default_matmul_precision"] == "float32" and after["default_matmul_precision"] is None
+        else:
+            assert inside["mkldnn.matmul"] == "ieee" and inside != after
+        assert got["trace"].startswith("NotImplementedError") and "backend='tensorflow'" in got["trace"], b
 
 
 def test_loss_scale_check_stops_fit_after_max_consecutive_skips(runs):

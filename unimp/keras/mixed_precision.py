@@ -21,6 +21,7 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.keras.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.keras.optimizer import LossScaleOptimizer
 from unimp.keras.overrides import apply_overrides, resolve
+from unimp.keras.precision import matmul_precision
 from unimp.keras.step import TrainStep, host_value
 from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
@@ -45,7 +46,9 @@ class MixedPrecision(MixedPrecisionBase):
     this class is the whole integration; on TensorFlow, ``backend="tensorflow"`` binds its
     subclass, which adds placement, the TF32 switch, float8 layers and ``tf.distribute``.
     Not on Keras-JAX / Keras-torch (each refused when the recipe is bound, naming the fix): an
-    FP8 recipe, a policy ``matmul_precision``, and ``update`` other than ``"nearest"``.
+    FP8 recipe, and ``update`` other than ``"nearest"``. The policy's ``matmul_precision`` is
+    the engine's own setting (:mod:`unimp.keras.precision`), in force in :meth:`autocast` and
+    in every train step.
 
     Args:
         recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
@@ -86,6 +89,8 @@ class MixedPrecision(MixedPrecisionBase):
                 "'float32', 'bfloat16' or 'params=float32,compute=float16,output=float32'."
             )
         self._check_engine()
+        if self.backend == "keras":  # the engine, named in step logs and the doctor's report
+            self.backend = f"keras-{keras.backend.backend()}"
         self._keras_name = name
         self._output_name = keras_policy_name(p.param_dtype, p.output_dtype)
 
@@ -96,7 +101,6 @@ class MixedPrecision(MixedPrecisionBase):
             what
             for what, refused in (
                 ("an FP8 recipe", self._recipe.fp8 is not None),
-                (f"matmul_precision={self.policy.matmul_precision!r}", self.policy.matmul_precision),
                 (f"update={self.policy.update!r}", self.policy.update != "nearest"),
             )
             if refused
@@ -148,15 +152,17 @@ class MixedPrecision(MixedPrecisionBase):
         return keras.DTypePolicy(self._output_name)
 
     def _block(self) -> contextlib.AbstractContextManager:
-        """What :meth:`autocast` enters besides the dtype policy (nothing here)."""
-        return contextlib.nullcontext()
+        """What :meth:`autocast` enters besides the dtype policy: the policy's
+        ``matmul_precision`` on the engine."""
+        return matmul_precision(self.policy.matmul_precision)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[Any]:
         """Sets Keras's global dtype policy to :attr:`dtype_policy` inside the block.
 
-        Layers constructed inside use the recipe's compute and variable dtypes. The previous
-        global policy is restored on exit, also when an exception escapes.
+        Layers constructed inside use the recipe's compute and variable dtypes; the policy's
+        ``matmul_precision`` is set for the block. The previous global policy and precision
+        are restored on exit, also when an exception escapes.
 
         Yields:
             The ``keras.DTypePolicy`` in force.
@@ -201,6 +207,18 @@ class MixedPrecision(MixedPrecisionBase):
                 f"{type(optimizer).__name__}."
             )
         return self._wrap(optimizer, seed)
+
+    def trace(self, step_or_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Not on Keras's JAX and torch backends yet.
+
+        Raises:
+            NotImplementedError: naming the TensorFlow backend, whose ``trace`` runs.
+        """
+        raise NotImplementedError(
+            f"mp.trace on Keras-{keras.backend.backend()} is not written yet: the dtype trace "
+            "of a Keras step runs on the TensorFlow backend (KERAS_BACKEND=tensorflow, "
+            "backend='tensorflow'); unimp compare's report says per engine what it traced."
+        )
 
     def _fp8_swap(self, model: Any) -> None:
         """Gives the layers an FP8 recipe selects their float8 matmul (none here: refused)."""

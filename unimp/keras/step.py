@@ -22,6 +22,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from unimp.keras.precision import matmul_precision
 from unimp.keras.stats import Collector, grad_flags, pending, relative_path
 from unimp.loss_scale import EXTRA_FIELDS, FloorWatch
 from unimp.policy import Policy
@@ -166,7 +167,8 @@ class TrainStep(LoggedStep):
         """
         micro = self.options.micro_batches(batch)
         stats_step = self.options.stats_step(self.calls)
-        raw = self._jax(micro, stats_step) if self.engine == "jax" else self._run(micro, stats_step)
+        with matmul_precision(self.policy.matmul_precision):  # this call only; JAX keys on it
+            raw = self._jax(micro, stats_step) if self.engine == "jax" else self._run(micro, stats_step)
         if "floor_hits" in raw:  # the step's index, named by a floor_action message
             raw["floor_step"] = self.calls
         stats = None

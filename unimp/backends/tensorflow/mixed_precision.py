@@ -12,6 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.fp8 import fp8_select, fp8_swap
@@ -72,6 +73,8 @@ class MixedPrecision(KerasMixedPrecision):
         resolved = None if device is None else _as_device(device)  # before anything is kept
         super().__init__(recipe)
         self._device = resolved
+
+    trace = MixedPrecisionBase.trace  # this backend's dtype trace (unimp.keras has none yet)
 
     def _check_engine(self) -> None:
         """Everything a recipe holds runs here (Keras's engine is checked on import)."""
@@ -210,6 +213,11 @@ class MixedPrecision(KerasMixedPrecision):
 
     def _step_optimizer(self, optimizer: Any, options: StepOptions) -> LossScaleOptimizer:
         if isinstance(optimizer, LossScaleOptimizer):
+            if optimizer.loss_scale_config != self.loss_scale:  # as every Keras engine refuses it
+                raise ValueError(
+                    f"the optimizer's loss scale is {optimizer.loss_scale_config}, the recipe's "
+                    f"is {self.loss_scale}: pass its inner_optimizer and train_step wraps it."
+                )
             _check_update_rule(optimizer, self.policy.update, options.rounding_seed)
             return optimizer
         return self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
