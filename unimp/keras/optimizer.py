@@ -553,7 +553,8 @@ class LossScaleCheck(FitCheck, keras.callbacks.Callback):
 
     Raises:
         ValueError: ``every`` is not an int >= 1.
-        TypeError: (in ``fit``) the model's optimizer is not :class:`LossScaleOptimizer`.
+        TypeError: (in ``fit``) the model's optimizer is not unimp's (this package's
+            :class:`LossScaleOptimizer`, or the TensorFlow backend's).
 
     Example:
         ``model.fit(x, y, callbacks=[unimp.keras.LossScaleCheck()])``
@@ -565,6 +566,16 @@ class LossScaleCheck(FitCheck, keras.callbacks.Callback):
     )
 
     optimizer_class = LossScaleOptimizer
+
+    def accepts(self, optimizer: Any) -> bool:
+        """unimp's loss-scale optimizers on every Keras backend: this package's, and the
+        TensorFlow backend's (what ``backend="keras"`` prepares on TensorFlow), each a Keras
+        ``LossScaleOptimizer`` holding a loss-scale config and a ``state()``."""
+        return (
+            isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            and hasattr(optimizer, "loss_scale_config")
+            and callable(getattr(optimizer, "state", None))
+        )
 
     def read_state(self, optimizer: LossScaleOptimizer) -> LossScaleState:
         if keras.backend.backend() == "jax":  # Keras's JAX trainer holds the state until asked

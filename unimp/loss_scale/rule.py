@@ -393,10 +393,15 @@ class FitCheck:
     def read_state(self, optimizer: Any) -> LossScaleState:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def accepts(self, optimizer: Any) -> bool:
+        """Whether the callback can check ``optimizer`` (an ``optimizer_class`` here)."""
+        return isinstance(optimizer, self.optimizer_class)
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         opt = getattr(self.model, "optimizer", None)  # the model Keras gave the callback
-        if not isinstance(opt, self.optimizer_class):
-            raise TypeError(f"LossScaleCheck needs {self.fix}, got {type(opt).__name__}.")
+        if not self.accepts(opt):
+            kind = type(opt)
+            raise TypeError(f"LossScaleCheck needs {self.fix}, got {kind.__module__}.{kind.__qualname__}.")
         self._batches += 1
         if self._batches % self.every:
             return

@@ -84,3 +84,17 @@ def test_a_model_without_unimps_optimizer_is_named():
 
 def test_the_callback_is_exported_with_the_package_path():
     assert unimp.backends.tensorflow.LossScaleCheck.__module__ == "unimp.backends.tensorflow"
+
+
+def test_the_keras_callback_checks_the_optimizer_backend_keras_prepares_on_tensorflow():
+    # backend="keras" on TensorFlow is this backend: its optimizer is checked by
+    # unimp.keras.LossScaleCheck too (one script for every Keras engine); Keras's own is not
+    import unimp.keras
+
+    config = DynamicLossScale(init_scale=2.0**10, min_scale=1.0, max_consecutive_skips=2)
+    with pytest.raises(LossScaleError):
+        _fit(config, [unimp.keras.LossScaleCheck()], bad_from=2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    with pytest.raises(TypeError, match=r"got keras\.src\.optimizers\.loss_scale_optimizer\.LossScaleOptimizer"):
+        model.fit(np.ones((8, 4)), np.zeros((8, 1)), verbose=0, callbacks=[unimp.keras.LossScaleCheck()])

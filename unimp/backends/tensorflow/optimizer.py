@@ -633,6 +633,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         held = [*self._state_variables(), *(extra or ())]
         return LossScaleState(*(v.numpy() for v in held))
 
+    def state(self) -> LossScaleState:
+        """The loss-scale state read to the host (one read; not for inside a step), as
+        :meth:`unimp.keras.LossScaleOptimizer.state`."""
+        return self._state()
+
     def state_dict(self) -> dict[str, Any]:
         """The loss-scale state in unimp's portable format (the same in every backend).
 
