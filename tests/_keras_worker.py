@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -502,6 +503,42 @@ def refusals() -> dict:
     out["integer_loss"] = said(lambda: bad((x, y)))
     after = [_np(v.value).tolist() for v in (*model.variables, *good.optimizer.variables)]
     out["unchanged"] = before == after
+    out["tuple_loss"] = said(lambda: mp.train_step(model, good.optimizer, lambda m, b: (ce(b[1], m(b[0])), 1.0))((x, y)))
+    # a recipe's overrides are not skipped on a model another recipe prepared; its policies
+    # differ: refused, and warned
+    other = unimp.mixed_precision("mixed_bfloat16;fc2:float32", backend="keras")
+    with mp.autocast():
+        prepared = _mlp()
+    mp.prepare(prepared)
+    out["other_recipe"] = said(lambda: other.train_step(prepared, "sgd", lambda m, b: ce(b[1], m(b[0]))))
+    fresh = _mlp()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        other.train_step(fresh, "sgd", lambda m, b: ce(b[1], m(b[0])))
+    out["built_outside_warned"] = any("outside mp.autocast()" in str(w.message) for w in seen)
+    # an activity regularizer's loss reaches loss_fn through model.losses (JAX's scope too)
+    keras.utils.set_random_seed(0)
+    with mp.autocast():
+        reg = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.ActivityRegularization(l1=1.0)])
+
+    def with_reg(m, b):
+        return ops.mean(ops.square(ops.cast(m(b[0], training=True), "float32"))) + sum(m.losses)
+
+    eager = float(_np(with_reg(reg, (x, y))))
+    out["regularized"] = [eager, mp.train_step(reg, keras.optimizers.SGD(0.0), with_reg)((x, y)).loss]
+    # a metric made outside the model, updated in loss_fn: JAX refuses, torch counts
+    seen_loss = keras.metrics.Mean()
+
+    def counted(m, b):
+        loss = ce(b[1], m(b[0]))
+        seen_loss.update_state(loss)
+        return loss
+
+    out["foreign_metric"] = said(lambda: mp.train_step(model, good.optimizer, counted)((x, y)))
+    # a layer frozen after the step was built: refused on every engine
+    model.get_layer("fc1").trainable = False
+    out["frozen_later"] = said(lambda: good((x, y)))
+    model.get_layer("fc1").trainable = True
     return out
 
 

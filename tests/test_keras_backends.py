@@ -229,6 +229,15 @@ def test_keras_jax_and_torch_refuse_what_they_do_not_run_and_change_nothing_on_e
         else:
             assert inside["mkldnn.matmul"] == "ieee" and inside != after
         assert got["trace"].startswith("NotImplementedError") and "backend='tensorflow'" in got["trace"], b
+        assert got["tuple_loss"].startswith("TypeError") and "a tuple of 2" in got["tuple_loss"], b
+        assert got["other_recipe"].startswith("ValueError: this model was prepared with the overrides none"), b
+        assert got["built_outside_warned"] is True, b
+        eager, stepped = got["regularized"]
+        assert stepped == pytest.approx(eager, rel=1e-6), b  # add_loss terms reach loss_fn
+        assert got["frozen_later"].startswith("ValueError: the model's trainable variables changed"), b
+    # a metric made outside the model: JAX's compiled step cannot carry the write, and says so
+    assert runs["jax"]["refusals"]["foreign_metric"].startswith("ValueError: loss_fn writes 2 Keras variable")  # Mean: total, count
+    assert runs["torch"]["refusals"]["foreign_metric"] == "accepted"
 
 
 def test_loss_scale_check_stops_fit_after_max_consecutive_skips(runs):

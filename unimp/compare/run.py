@@ -259,6 +259,8 @@ def keras_refusal(recipe: Recipe) -> str | None:
             )
     if recipe.fp8 is not None:
         return "float8 runs on the tensorflow backend only for now; use --backends tensorflow"
+    if p.update != "nearest":
+        return f"update={p.update!r} runs on the tensorflow backend only for now; use --backends tensorflow"
     return None
 
 

@@ -285,19 +285,7 @@ class MixedPrecision(MixedPrecisionBase):
             )
         wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
         overridden = resolve(self, model)  # warns / raises before anything changes
-        # built outside autocast: none of the layers holding weights has the recipe's policy
-        # (the model's own policy is not the test: a loaded or deep-copied model is rebuilt
-        # under the global policy while its layers keep the policies they were saved with)
-        weighted = [x for x in model._flatten_layers(include_self=False) if x.weights] or [model]
-        if not self.policy.is_float32 and all(
-            x.dtype_policy.name != self._keras_name for x in weighted
-        ):
-            warnings.warn(
-                f"the model's dtype policy is {model.dtype_policy.name!r}, the recipe's is "
-                f"{self._keras_name!r}: its layers were built outside mp.autocast() and keep their "
-                "dtypes. Build the model inside `with mp.autocast():`.",
-                stacklevel=2,
-            )
+        self._warn_built_outside(model)
         current = getattr(model, "optimizer", None)
         if (
             optimizer is None
@@ -317,6 +305,22 @@ class MixedPrecision(MixedPrecisionBase):
         self._cast_outputs(model)
         attach(model).prepared = True  # a deep copy (through the config) drops it, as the cast
         return model if optimizer is None else (model, wrapped)
+
+    def _warn_built_outside(self, model: Any) -> None:
+        """Warns when the model was built outside :meth:`autocast`: none of the layers holding
+        weights has the recipe's policy (the model's own policy is not the test: a loaded or
+        deep-copied model is rebuilt under the global policy while its layers keep the
+        policies they were saved with)."""
+        weighted = [x for x in model._flatten_layers(include_self=False) if x.weights] or [model]
+        if not self.policy.is_float32 and all(
+            x.dtype_policy.name != self._keras_name for x in weighted
+        ):
+            warnings.warn(
+                f"the model's dtype policy is {model.dtype_policy.name!r}, the recipe's is "
+                f"{self._keras_name!r}: its layers were built outside mp.autocast() and keep their "
+                "dtypes. Build the model inside `with mp.autocast():`.",
+                stacklevel=3,
+            )
 
     def fp8_layers(self, model: Any) -> tuple[str, ...]:
         """The dotted paths of the Dense layers that run float8 matmuls under the recipe:
@@ -433,9 +437,17 @@ class MixedPrecision(MixedPrecisionBase):
                 "the model has no trainable variables yet: build it first (keras.Input in the "
                 "model, model.build(input_shape), or call it on one batch)."
             )
+        applied = peek(model, "overrides", None)
+        if applied is not None and applied != self.policy.overrides:
+            raise ValueError(
+                f"this model was prepared with the overrides {dict(applied) or 'none'}, the "
+                f"recipe's are {dict(self.policy.overrides) or 'none'}: a model takes one recipe; "
+                "build it again under this recipe's autocast()."
+            )
         lso = self._step_optimizer(optimizer, options)
         check_half_variables(model, lso.loss_scale_config)
-        if self.policy.overrides and not peek(model, "overrides", False):
+        self._warn_built_outside(model)  # also for a model another recipe prepared
+        if self.policy.overrides and applied is None:
             apply_overrides(self, model)  # a model not prepared still runs its overrides
         return lso
 

@@ -132,5 +132,5 @@ def apply_overrides(mp: Any, model: Any, resolved: dict | None = None) -> dict[s
             attach(layer).override_call = layer.call
             attach(layer).override_output = o.output_dtype
             layer.call = types.MethodType(_override_call, layer)
-    attach(model).overrides = True  # train_step applies them once
+    attach(model).overrides = mp.policy.overrides  # which were applied: train_step checks
     return {path: o for path, (_, o, _) in resolved.items()}

@@ -59,6 +59,23 @@ def forward_state_variables(model: Any) -> list[Any]:
     return list(found.values())
 
 
+def _no_foreign_writes(scope: Any, known: list[Any]) -> None:
+    """On JAX the step is one compiled function of the model's and the optimizer's variables:
+    a write to another Keras variable (a metric or counter made outside the model, updated in
+    ``loss_fn``) would be lost, and its reads frozen at the first trace; refused, naming the
+    fix."""
+    ids = {id(v) for v in known}
+    foreign = [i for i in scope.state_mapping if i not in ids]
+    if foreign:
+        raise ValueError(
+            f"loss_fn writes {len(foreign)} Keras variable(s) that are neither the model's nor the "
+            "optimizer's (a metric or counter made outside the model): on Keras-JAX the step is "
+            "one compiled function of the model's and the optimizer's variables, so the write "
+            "would be lost. Update it outside the step (from the StepResult), or make it a "
+            "variable of the model (a layer's or a metric the model tracks)."
+        )
+
+
 def host_value(x: Any) -> Any:
     """One device value of a step's result as a Python scalar (a host read)."""
     return np.asarray(ops.convert_to_numpy(x)).item()
@@ -116,6 +133,7 @@ class TrainStep(LoggedStep):
         self._flag_names: list[str] = []  # the gradients' names, set where a logged step runs
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
+        self._trainable = [id(v) for v in model.trainable_variables]
 
     def _variables(self) -> list[Any]:
         """Every variable the step reads or writes (JAX's stateless step maps them all)."""
@@ -146,6 +164,7 @@ class TrainStep(LoggedStep):
                 with keras.StatelessScope(state_mapping=mapping) as scope:
                     raw = self._run(micro, stats)
                     after = [scope.get_current_value(v) for v in held]
+                _no_foreign_writes(scope, held)
                 return [x if a is None else a for a, x in zip(after, values, strict=True)], raw
 
             self._jitted[stats] = jax.jit(pure)
@@ -165,6 +184,13 @@ class TrainStep(LoggedStep):
             Whatever ``loss_fn`` raises; the model, the optimizer and the loss-scale state are
             then as before the call.
         """
+        if [id(v) for v in self.model.trainable_variables] != self._trainable:
+            raise ValueError(
+                "the model's trainable variables changed since this train step was built (a "
+                "layer's `trainable` was set): build a new step, mp.train_step(model, optimizer, "
+                "loss_fn), with a new optimizer where layers were unfrozen (as Keras asks for "
+                "compile() again)."
+            )
         micro = self.options.micro_batches(batch)
         stats_step = self.options.stats_step(self.calls)
         with matmul_precision(self.policy.matmul_precision):  # this call only; JAX keys on it
@@ -233,7 +259,15 @@ class StepOps:
     # -- the engine's backward -----------------------------------------------------------
 
     def _loss(self, batch: Any) -> Any:
-        loss = ops.convert_to_tensor(self.step.loss_fn(self.step.model, batch))
+        out = self.step.loss_fn(self.step.model, batch)
+        if out is None or isinstance(out, (tuple, list, dict, str, bytes)):
+            what = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list, dict)) else repr(out)[:40]
+            raise TypeError(
+                f"loss_fn must return one scalar loss (a floating tensor), got {what}: return "
+                "the loss alone (the step takes no auxiliary outputs; compute metrics from the "
+                "model outside the step)."
+            )
+        loss = ops.convert_to_tensor(out)
         if "float" not in _dtype(loss):
             raise TypeError(f"loss_fn must return a floating loss, got {_dtype(loss)}.")
         if len(loss.shape) != 0:
@@ -259,8 +293,11 @@ class StepOps:
 
         def scaled_loss(tv: list[Any]) -> tuple[Any, tuple[Any, list[Any]]]:
             mapping = [*zip(trainable, tv, strict=True), *others]
-            with keras.StatelessScope(state_mapping=mapping) as scope:
+            # collect_losses: the layers' add_loss terms (activity regularizers) are in
+            # model.losses inside loss_fn, as in Keras's own JAX trainer (stateless_call)
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 loss32 = self._loss(batch)
+            _no_foreign_writes(scope, [v for v, _ in mapping])
             after = [scope.get_current_value(v) for v, _ in others]
             return self._scaled(loss32, scale), (loss32, after)
 
