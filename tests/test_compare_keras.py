@@ -45,6 +45,10 @@ def test_a_users_keras_model_runs_on_three_engines_from_the_same_weights(tmp_pat
         "keras-torch": "1",
     }  # fmt: skip
     assert runs["keras-torch"]["threads_set"] == {"torch": "1"}
+    # no dtype trace on Keras's trainer: the report says so, not "the same dtypes everywhere"
+    md = (out / "report.md").read_text()
+    assert "Not compared: fewer than two runs were traced." in md
+    assert "Not traced: keras-tensorflow, keras-jax, keras-torch" in md and "Nowhere" not in md
     assert runs["keras-tensorflow"]["threads_set"] == {"tensorflow": "1"}
 
 
