@@ -489,3 +489,14 @@ def test_a_host_state_refuses_what_is_no_count(counter, error):
     assert LossScaleState(2.0, 5.0, 0, 0).counter == 5
     with pytest.raises(error, match="LossScaleState.counter"):
         LossScaleState(2.0, counter, 0, 0)
+
+
+def test_the_clis_static_spelling_is_taken_by_the_python_api_too():
+    # `unimp compare --loss-scale static:128` and get_recipe(loss_scale="static:128"): one spelling
+    from unimp import get_recipe
+    from unimp.loss_scale import StaticLossScale, loss_scale_from_dict
+
+    assert loss_scale_from_dict("static:128") == loss_scale_from_dict("128") == StaticLossScale(128.0)
+    assert get_recipe("mixed_float16", loss_scale="static:128").loss_scale == StaticLossScale(128.0)
+    with pytest.raises(ValueError, match="'static:<number>'"):
+        loss_scale_from_dict("static:lots")

@@ -186,7 +186,10 @@ def _canonical(name: str) -> str:
         f"{b.name}" + (f" (aliases: {', '.join(b.aliases)})" if b.aliases else "")
         for b in _backends.values()
     )
-    raise ValueError(f"unknown backend {name!r}.{hint} Valid backends: {valid}.")
+    raise ValueError(
+        f"unknown backend {name!r}.{hint} Valid backends: {valid}; and Keras: keras (on the "
+        f"engine this process runs), {', '.join(KERAS_PINNED)}."
+    )
 
 
 def list_backends() -> list[str]:

@@ -507,7 +507,8 @@ _KINDS: dict[str, type] = {
 
 
 def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScaleConfig:
-    """Builds a config from ``to_dict()`` output, ``"dynamic"``, ``"none"``, or a number (static).
+    """Builds a config from ``to_dict()`` output, ``"dynamic"``, ``"none"``, ``"preset:<name>"``,
+    or a number (static; also as a string, ``"1024"`` or the CLI's ``"static:1024"``).
 
     Raises:
         ValueError: unknown ``kind`` or field, naming it and listing the valid ones.
@@ -524,12 +525,15 @@ def loss_scale_from_dict(d: Mapping[str, Any] | str | float | None) -> LossScale
             return DynamicLossScale()
         if key.startswith("preset:"):
             return DynamicLossScale.preset(key[len("preset:") :])
+        number = key[len("static:"):] if key.startswith("static:") else key  # the CLI's spelling
         try:
-            return StaticLossScale(float(key))
+            value = float(number)
         except ValueError:
             raise ValueError(
-                f"unknown loss scale {d!r}; use 'none', 'dynamic', 'preset:<name>', a number, or a dict."
+                f"unknown loss scale {d!r}; use 'none', 'dynamic', 'preset:<name>', a number "
+                "('static:<number>' too), or a dict."
             ) from None
+        return StaticLossScale(value)
     if isinstance(d, (int, float, np.number)) and not isinstance(d, bool):
         return StaticLossScale(d)
     if not isinstance(d, Mapping):
