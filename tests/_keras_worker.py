@@ -503,6 +503,8 @@ def refusals() -> dict:
     out["integer_loss"] = said(lambda: bad((x, y)))
     after = [_np(v.value).tolist() for v in (*model.variables, *good.optimizer.variables)]
     out["unchanged"] = before == after
+    if BACKEND == "torch":
+        out["no_gradient"] = said(lambda: mp.train_step(model, good.optimizer, lambda m, b: ops.stop_gradient(ce(b[1], m(b[0]))))((x, y)))
     out["tuple_loss"] = said(lambda: mp.train_step(model, good.optimizer, lambda m, b: (ce(b[1], m(b[0])), 1.0))((x, y)))
     # a recipe's overrides are not skipped on a model another recipe prepared; its policies
     # differ: refused, and warned

@@ -238,6 +238,7 @@ def test_keras_jax_and_torch_refuse_what_they_do_not_run_and_change_nothing_on_e
     # a metric made outside the model: JAX's compiled step cannot carry the write, and says so
     assert runs["jax"]["refusals"]["foreign_metric"].startswith("ValueError: loss_fn writes 2 Keras variable")  # Mean: total, count
     assert runs["torch"]["refusals"]["foreign_metric"] == "accepted"
+    assert runs["torch"]["refusals"]["no_gradient"].startswith("ValueError: loss_fn's loss does not depend")
 
 
 def test_loss_scale_check_stops_fit_after_max_consecutive_skips(runs):
