@@ -30,6 +30,19 @@ def test_info_json_lists_every_backend(capsys):
         assert b["install"].startswith('pip install "unimp[')
 
 
+def test_info_says_which_engine_backend_keras_binds(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "keras", raising=False)  # read as Keras would, unimported
+    for engine, binds in (("jax", "unimp.keras"), ("tensorflow", "unimp.backends.tensorflow")):
+        monkeypatch.setenv("KERAS_BACKEND", engine)
+        assert main(["info", "--json", "--no-devices"]) == 0
+        keras_row = json.loads(capsys.readouterr().out)["keras"]
+        assert keras_row["engine"] == engine and keras_row["binds"] == binds
+        assert main(["info", "--no-devices"]) == 0
+        assert f'on {engine} (KERAS_BACKEND or keras.json): backend="keras" binds {binds}' in capsys.readouterr().out
+
+
 def test_info_says_float8_is_emulated_one_line_per_framework(capsys):
     assert main(["info"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -45,8 +45,9 @@ def _info(args: argparse.Namespace) -> int:
             except Exception as e:  # a broken framework install must not hide the others
                 row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
+    keras_row = _keras_info()
     if args.json:
-        print(json.dumps({"unimp": unimp.__version__, "backends": rows}, indent=2))
+        print(json.dumps({"unimp": unimp.__version__, "backends": rows, "keras": keras_row}, indent=2))
         return 0
     print(f"unimp {unimp.__version__}")
     for row in rows:
@@ -67,7 +68,26 @@ def _info(args: argparse.Namespace) -> int:
             print(f"      {float8_line(row['devices'], row['backend'])}")
         if "error" in row:
             print(f"      cannot load: {row['error']}")
+    if keras_row["version"] is not None:
+        print(
+            f"  keras       {keras_row['version']} on {keras_row['engine']} (KERAS_BACKEND or "
+            f"keras.json): backend=\"keras\" binds {keras_row['binds']}"
+        )
     return 0
+
+
+def _keras_info() -> dict[str, Any]:
+    """Keras's version and the engine this process would run it on (read as Keras reads it,
+    without importing Keras), and what ``backend="keras"`` binds there."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("keras")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    engine = registry.keras_engine()
+    binds = "unimp.backends.tensorflow" if engine == "tensorflow" else "unimp.keras"
+    return {"version": version, "engine": engine, "binds": binds}
 
 
 def _g(x: float | None, none: str = "none") -> str:
