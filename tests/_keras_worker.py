@@ -489,7 +489,21 @@ def refusals() -> dict:
     with f32.autocast():
         inside = current_matmul_precision()
     out["float32"] = {"backend": f32.backend, "inside": inside, "after": current_matmul_precision()}
-    out["trace"] = said(lambda: f32.trace(lambda: None))
+    if BACKEND == "jax":  # the JAX backend's jaxpr trace, layers named from the model down
+        mp16 = unimp.mixed_precision("mixed_float16", backend="keras")
+        with mp16.autocast():
+            traced = _mlp()
+        ce0 = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        tstep = mp16.train_step(traced, "sgd", lambda m, b: ce0(b[1], m(b[0])))
+        x0, y0 = _data(n=4)
+        tr = mp16.trace(tstep, (x0, y0))
+        out["trace"] = {
+            "framework": tr.framework,
+            "matmuls": sorted({(r.layer, r.phase, r.compute) for r in tr if r.op == "matmul"}),
+            "phases": sorted({r.phase for r in tr}),
+        }
+    else:
+        out["trace"] = said(lambda: f32.trace(lambda: None))
     mp = unimp.mixed_precision("mixed_float16", backend="keras")
     with mp.autocast():
         model = _mlp()

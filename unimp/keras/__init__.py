@@ -20,7 +20,7 @@ of unimp written against Keras's own API (``keras.ops``, layers, dtype policies)
 
 On Keras's TensorFlow backend, :mod:`unimp.backends.tensorflow` is the whole backend and builds
 on this package (its ``MixedPrecision`` subclasses this one, its overrides are these) and adds
-``tf.distribute``, Horovod, a traced train step, trace and float8. Importing this
+``tf.distribute``, Horovod, a traced train step, float8 and compensated updates. Importing this
 package imports Keras (and the backend Keras selects).
 
 This ``__init__`` only re-exports; import the public names from here.

@@ -209,16 +209,55 @@ class MixedPrecision(MixedPrecisionBase):
         return self._wrap(optimizer, seed)
 
     def trace(self, step_or_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Not on Keras's JAX and torch backends yet.
+        """Which ops of one step ran in which dtype: :class:`unimp.trace.Trace`, on Keras-JAX.
+
+        The step is traced to a jaxpr and read by the JAX backend's trace
+        (:mod:`unimp.backends.jax.trace`): nothing runs. Layers are Keras's name scopes from
+        the model down (``"l1"``, as the TensorFlow backend's trace names them); the records
+        say ``framework="keras-jax"``.
+
+        Args:
+            step_or_fn: a train step of this class (then ``args`` is ``(batch,)``), or any
+                function of the backend's tensors.
+            *args, **kwargs: what it is called with.
+
+        Returns:
+            The :class:`unimp.trace.Trace`.
 
         Raises:
-            NotImplementedError: naming the TensorFlow backend, whose ``trace`` runs.
+            NotImplementedError: on Keras-torch (not written yet), naming the backends whose
+                trace runs.
         """
-        raise NotImplementedError(
-            f"mp.trace on Keras-{keras.backend.backend()} is not written yet: the dtype trace "
-            "of a Keras step runs on the TensorFlow backend (KERAS_BACKEND=tensorflow, "
-            "backend='tensorflow'); unimp compare's report says per engine what it traced."
-        )
+        import dataclasses
+
+        from unimp import registry
+        from unimp.trace import Trace
+
+        engine = keras.backend.backend()
+        if engine != "jax":
+            raise NotImplementedError(
+                f"mp.trace on Keras-{engine} is not written yet: the dtype trace of a Keras step "
+                "runs on Keras-JAX and on the TensorFlow backend (KERAS_BACKEND=tensorflow, "
+                "backend='tensorflow'); unimp compare's report says per engine what it traced."
+            )
+        kwargs.pop("model", None)  # layers come from Keras's name scopes
+        prefix = ""
+        if isinstance(step_or_fn, TrainStep):
+            (batch,) = args
+            prefix = f"{step_or_fn.model.name}/"
+            step_or_fn, args = step_or_fn.traceable(batch)
+        registry.get_backend("jax")  # loads the JAX backend (or names its extra)
+        from unimp.backends.jax.trace import trace as jax_trace
+
+        found = jax_trace(step_or_fn, *args, recipe=self._recipe.describe(), **kwargs)
+        records = [
+            dataclasses.replace(
+                r, framework=self.backend,
+                layer=r.layer[len(prefix):] if prefix and r.layer.startswith(prefix) else r.layer,
+            )  # fmt: skip
+            for r in found
+        ]
+        return Trace(records, self.backend, found.recipe)
 
     def _fp8_swap(self, model: Any) -> None:
         """Gives the layers an FP8 recipe selects their float8 matmul (none here: refused)."""

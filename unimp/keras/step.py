@@ -153,21 +153,38 @@ class TrainStep(LoggedStep):
             self._stats_order = collector.order()
         return raw
 
+    def _pure(self, held: list[Any], stats: bool) -> Callable[[list[Any], list[Any]], Any]:
+        """JAX: the step as a function of values, ``(variable values, micro-batches) ->
+        (new values, raw)``: :meth:`_run` under a ``StatelessScope`` over ``held``."""
+
+        def pure(values: list[Any], micro: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+            mapping = list(zip(held, values, strict=True))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                raw = self._run(micro, stats)
+                after = [scope.get_current_value(v) for v in held]
+            _no_foreign_writes(scope, held)
+            return [x if a is None else a for a, x in zip(after, values, strict=True)], raw
+
+        return pure
+
+    def traceable(self, batch: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """JAX: ``(function, arguments)`` of one call of the plain step on ``batch``, for
+        ``jax.make_jaxpr`` (:meth:`unimp.keras.MixedPrecision.trace`); nothing runs.
+
+        Raises:
+            ValueError: not on Keras's JAX backend.
+        """
+        if self.engine != "jax":
+            raise ValueError(f"traceable() is the JAX step's; this step runs on {self.engine}.")
+        held = self._variables()
+        return self._pure(held, False), ([v.value for v in held], self.options.micro_batches(batch))
+
     def _jax(self, micro: list[Any], stats: bool) -> dict[str, Any]:
         import jax
 
         held = self._variables()
         if stats not in self._jitted:
-
-            def pure(values: list[Any], micro: list[Any]) -> tuple[list[Any], dict[str, Any]]:
-                mapping = list(zip(held, values, strict=True))
-                with keras.StatelessScope(state_mapping=mapping) as scope:
-                    raw = self._run(micro, stats)
-                    after = [scope.get_current_value(v) for v in held]
-                _no_foreign_writes(scope, held)
-                return [x if a is None else a for a, x in zip(after, values, strict=True)], raw
-
-            self._jitted[stats] = jax.jit(pure)
+            self._jitted[stats] = jax.jit(self._pure(held, stats))
         values, raw = self._jitted[stats]([v.value for v in held], micro)
         for v, x in zip(held, values, strict=True):
             v.assign(x)
