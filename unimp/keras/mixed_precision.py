@@ -219,7 +219,9 @@ class MixedPrecision(MixedPrecisionBase):
         Args:
             step_or_fn: a train step of this class (then ``args`` is ``(batch,)``), or any
                 function of the backend's tensors.
-            *args, **kwargs: what it is called with.
+            *args: what it is called with.
+            **kwargs: its keyword arguments (``model=`` is ignored: Keras's name scopes name
+                the layers).
 
         Returns:
             The :class:`unimp.trace.Trace`.
