@@ -14,6 +14,7 @@ of unimp written against Keras's own API (``keras.ops``, layers, dtype policies)
 * ``step``: :class:`~unimp.keras.step.TrainStep`, the custom-loop step (the core's
   :func:`unimp.trainstep.run_step` over ``keras.ops``, the backward pass the engine's own).
 * ``devices``: :func:`framework_version`.
+* ``overflow``: :func:`all_finite`, the finite check of the optimizer and the step.
 * ``stats``: :func:`tensor_stats` (:mod:`unimp.stats` on ``keras.ops``) and the layer
   recording of a statistics step (``train_step(..., stats_every=k)``), which the TensorFlow
   backend's step uses too.
@@ -30,6 +31,7 @@ from unimp.keras.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.keras.devices import framework_version
 from unimp.keras.mixed_precision import MixedPrecision
 from unimp.keras.optimizer import KerasOps, LossScaleCheck, LossScaleOptimizer
+from unimp.keras.overflow import all_finite
 from unimp.keras.overrides import apply_overrides, dtype_policy_map, layer_paths
 from unimp.keras.stats import tensor_stats
 
@@ -38,6 +40,7 @@ __all__ = [
     "LossScaleCheck",
     "LossScaleOptimizer",
     "MixedPrecision",
+    "all_finite",
     "apply_overrides",
     "cast_tree",
     "dtype_policy_map",

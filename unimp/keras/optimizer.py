@@ -16,6 +16,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from unimp.keras.overflow import all_finite
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     FitCheck,
@@ -53,12 +54,6 @@ class KerasOps:
         return ops.cast(x, "int32")
 
 
-def _all_finite(grads: list[Any]) -> Any:
-    """A bool scalar tensor: every element of every gradient is finite (no host read)."""
-    flags = [ops.all(ops.isfinite(g)) for g in grads]
-    return ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
-
-
 def _can_record(loss: Any) -> bool:
     """Whether :meth:`LossScaleOptimizer.scale_loss` may write its forward-overflow flag: not
     a JAX tracer outside Keras's ``StatelessScope`` (a custom ``jax.jit`` / ``jax.grad`` loop,
@@ -73,8 +68,9 @@ def _can_record(loss: Any) -> bool:
     return in_stateless_scope() or not isinstance(loss, jax.core.Tracer)
 
 
-def _unscale(g: Any, scale: Any) -> Any:
-    """g / scale computed in float32 (float64 for float64 g), returned in g's dtype."""
+def unscale(g: Any, scale: Any) -> Any:
+    """``g / scale`` computed in float32 (float64 for float64 ``g``), returned in ``g``'s
+    dtype: the unscale of this optimizer and of :class:`unimp.keras.step.TrainStep`."""
     dtype = keras.backend.standardize_dtype(g.dtype)
     if dtype == "float32":
         return ops.divide(g, scale)
@@ -281,10 +277,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         the rule run by :func:`unimp.loss_scale.update_arrays` (no branch on a tensor)."""
         scale, bad = own[0], own[-1]
         unscaled = [
-            g if g is None or self._overwrite_variable_with_gradient(v) else _unscale(g, scale)
+            g if g is None or self._overwrite_variable_with_gradient(v) else unscale(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]
-        grads_finite = _all_finite([g for g in unscaled if g is not None])
+        grads_finite = all_finite(unscaled)
         applied, new_own = self._rule(own, grads_finite, ops.equal(bad, 0.0))
         return unscaled, applied, new_own
 

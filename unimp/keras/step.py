@@ -22,6 +22,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from unimp.keras.optimizer import unscale
+from unimp.keras.overflow import all_finite
 from unimp.keras.precision import matmul_precision
 from unimp.keras.stats import Collector, grad_flags, pending, relative_path
 from unimp.loss_scale import EXTRA_FIELDS, FloorWatch
@@ -384,12 +386,8 @@ class StepOps:
                 out.append(ops.cast(g if self.unity else ops.divide(g, scale), _dtype(v)))
             elif self.unity:  # x / 1.0 is x: no divide (nor its casts)
                 out.append(g)
-            elif _dtype(g) == "float32":
-                out.append(ops.divide(g, scale))
-            elif _dtype(g) == "float64":
-                out.append(ops.divide(g, ops.cast(scale, "float64")))
             else:
-                out.append(ops.cast(ops.divide(ops.cast(g, "float32"), scale), _dtype(g)))
+                out.append(unscale(g, scale))  # the optimizer's own unscale
         return out
 
     def _named(self, grads: Any) -> list[tuple[str, Any]]:
@@ -410,8 +408,7 @@ class StepOps:
         return {}
 
     def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
-        flags = [ops.all(ops.isfinite(g)) for g in grads if g is not None]
-        return grads, ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
+        return grads, all_finite(grads)
 
     def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
         wide = [ops.cast(g, "float32") for g in grads if g is not None]

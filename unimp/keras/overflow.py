@@ -1,0 +1,28 @@
+"""The finite check on any Keras backend: :func:`all_finite` (the backends' ``all_finite``,
+on ``keras.ops``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+__all__ = ["all_finite"]
+
+
+def all_finite(tree: Any) -> Any:
+    """A bool scalar tensor: every element of every floating leaf of ``tree`` is finite (no
+    host read; ``None`` and non-floating leaves pass; ``True`` for none).
+
+    Example:
+        >>> import numpy as np
+        >>> bool(all_finite([np.ones(2, np.float32), None, np.array([1, 2])]))
+        True
+    """
+    flags = [
+        ops.all(ops.isfinite(x))
+        for x in keras.tree.flatten(tree)
+        if x is not None and "float" in keras.backend.standardize_dtype(x.dtype)
+    ]
+    return ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
