@@ -179,15 +179,23 @@ class MixedPrecision(MixedPrecisionBase):
     def _wrap(self, optimizer: Any, seed: int) -> Any:
         """``optimizer`` (a Keras optimizer or name) in :attr:`optimizer_class`."""
         if isinstance(optimizer, LossScaleOptimizer):
-            if optimizer.loss_scale_config != self.loss_scale:
-                raise ValueError(
-                    f"the optimizer's loss scale is {optimizer.loss_scale_config}, the recipe's "
-                    f"is {self.loss_scale}: pass its inner_optimizer and prepare wraps it."
-                )
+            self._check_loss_scale(optimizer)
             return optimizer
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # Keras's own: unwrapped
             optimizer = optimizer.inner_optimizer
         return LossScaleOptimizer(keras.optimizers.get(optimizer), loss_scale=self.loss_scale)
+
+    def _check_loss_scale(self, optimizer: Any) -> None:
+        """An unimp optimizer given as is must hold the recipe's loss scale (every engine).
+
+        Raises:
+            ValueError: another loss scale, naming the fix.
+        """
+        if optimizer.loss_scale_config != self.loss_scale:
+            raise ValueError(
+                f"the optimizer's loss scale is {optimizer.loss_scale_config}, the recipe's is "
+                f"{self.loss_scale}: pass its inner_optimizer and unimp wraps it."
+            )
 
     def loss_scale_optimizer(self, optimizer: Any, *, seed: int = 0) -> Any:
         """Wraps ``optimizer`` in unimp's loss-scale optimizer with the recipe's loss scale

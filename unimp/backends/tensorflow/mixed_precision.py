@@ -213,11 +213,7 @@ class MixedPrecision(KerasMixedPrecision):
 
     def _step_optimizer(self, optimizer: Any, options: StepOptions) -> LossScaleOptimizer:
         if isinstance(optimizer, LossScaleOptimizer):
-            if optimizer.loss_scale_config != self.loss_scale:  # as every Keras engine refuses it
-                raise ValueError(
-                    f"the optimizer's loss scale is {optimizer.loss_scale_config}, the recipe's "
-                    f"is {self.loss_scale}: pass its inner_optimizer and train_step wraps it."
-                )
+            self._check_loss_scale(optimizer)
             _check_update_rule(optimizer, self.policy.update, options.rounding_seed)
             return optimizer
         return self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
