@@ -113,16 +113,7 @@ def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
     with (
         contextlib.nullcontext({}) if spec.threads is None else threads([engine], spec.threads)
     ) as info:  # first: TensorFlow takes its pools' sizes only before it starts
-        out = _train(spec)
-        if engine == "torch":  # read back, where the framework says it
-            import torch
-
-            info = {engine: str(torch.get_num_threads())}
-        elif engine == "tensorflow":
-            import tensorflow as tf
-
-            info = {engine: str(tf.config.threading.get_intra_op_parallelism_threads())}
-    return {**out, "threads_set": info}
+        return {**_train(spec), "threads_set": info}  # what threads() set (torch's read back)
 
 
 def _train(spec: RunSpec) -> dict[str, Any]:
