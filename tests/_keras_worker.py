@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import tempfile
 import warnings
 
 import keras
@@ -555,6 +556,143 @@ def refusals() -> dict:
     model.get_layer("fc1").trainable = False
     out["frozen_later"] = said(lambda: good((x, y)))
     model.get_layer("fc1").trainable = True
+    return out
+
+
+#: per step a loss multiplier: 1e36 makes the scaled loss inf (a gradient overflow, the loss
+#: finite), inf the loss itself
+FP8_WEIGHTS = [1.0, 1.0, 1.0, 1e36, 1.0, 1.0, np.inf, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def _fp8_states(layer) -> dict:
+    from unimp import fp8
+
+    return {t: [_np(getattr(layer, f"{t}_{f}").value).ravel().tolist() for f in fp8.STATE_FIELDS]
+            for t in fp8.LAYER_TENSORS}
+
+
+def fp8() -> dict:
+    """An FP8 recipe through ``mp.prepare`` with ``backend="keras"`` (the TensorFlow backend's
+    float8 layers on TensorFlow, unimp.keras's on JAX and torch):
+
+    * ``window``: ``l0 -> a -> l2`` (only ``a`` float8), one window of ``grad_accum_steps=3``
+      micro-batches of 3, 1 and 2 times ones (tests/conformance/test_fp8_accumulation.py's);
+    * ``skips``: float8 ``fc1`` and ``mid`` with a dynamic loss scale (FP8 recipes compute in
+      bfloat16), the :data:`FP8_WEIGHTS` batches (the scaled loss overflows at step 3, the
+      loss is inf at step 6): per step the result and the states; JAX's compilations after
+      the first step; torch's host reads per step;
+    * ``fit``: two epochs of ``model.fit`` through ``prepare(model, "sgd", loss=...)``.
+    """
+    import dataclasses
+
+    import unimp
+    from unimp import fp8 as _fp8
+    from unimp.fp8.recipe import FP8Recipe
+
+    warnings.simplefilter("ignore", _fp8.FP8EmulationWarning)
+    out = {}
+    config = _fp8.DelayedScaling(amax_history_len=4)
+    recipe = dataclasses.replace(unimp.get_recipe("fp8-delayed"), fp8=FP8Recipe(config))
+    mp = unimp.mixed_precision(recipe, backend="keras")
+    w = {"l0": np.full((2, 2), 0.5, np.float32), "a": np.full((2, 2), 0.5, np.float32),
+         "l2": np.full((2, 1), 0.5, np.float32)}
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((2,))] + [
+            keras.layers.Dense(v.shape[1], use_bias=False, name=n) for n, v in w.items()])
+    for n, v in w.items():
+        model.get_layer(n).kernel.assign(v)
+    out["selected"] = list(mp.fp8_layers(model))
+    mp.prepare(model)
+    step = mp.train_step(model, keras.optimizers.SGD(0.1),
+                         lambda m, b: ops.sum(ops.cast(m(b, training=True), "float32")), grad_accum_steps=3)
+    step([np.full((1, 2), c, np.float32) for c in (3.0, 1.0, 2.0)])
+    a = model.get_layer("a")
+    out["window"] = {"states": _fp8_states(a), "kernel": _np(a.kernel.value).tolist()}
+
+    # float8 fc1 / mid (bfloat16 around them) with a dynamic loss scale, the FP8_WEIGHTS batches
+    mixed = dataclasses.replace(recipe, fp8=FP8Recipe(config, exclude=("head",), exclude_first_last=False))
+    mp16 = unimp.mixed_precision(mixed, backend="keras", loss_scale=STEP_RULE)
+    keras.utils.set_random_seed(0)
+    with mp16.autocast():
+        net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="fc1"),
+                                keras.layers.Dense(16, activation="relu", name="mid"),
+                                keras.layers.Dense(4, name="head")])
+    _set_weights(net)
+    mp16.prepare(net)
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step16 = mp16.train_step(net, keras.optimizers.SGD(0.05),
+                             lambda m, b: ce(b[1], m(b[0], training=True)) * b[2])
+    x, y = _data(n=16 * len(FP8_WEIGHTS))
+    batches = [(x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)], np.float32(c))
+               for i, c in enumerate(FP8_WEIGHTS)]
+    compiles = _compile_counter()
+    rows, after_first = [], None
+    for i, b in enumerate(batches):
+        r = step16(b)
+        rows.append({"applied": r.applied, "scale": r.scale, "loss": r.loss,
+                     "states": {n: _fp8_states(net.get_layer(n)) for n in ("fc1", "mid")},
+                     "w": _np(net.get_layer("mid").kernel.value).ravel()[:4].tolist()})
+        if i == 0:
+            after_first = compiles["n"]
+    out["skips"] = {"rows": rows, "selected": list(mp16.fp8_layers(net)),
+                    "compilations_after_first": compiles["n"] - after_first}
+    if BACKEND == "torch":
+        import torch
+
+        from benchmarks._kit_torch import count_host_reads
+
+        tb = [tuple(torch.as_tensor(v) for v in b) for b in batches[:4]]
+        with count_host_reads() as counts:
+            for b in tb:
+                step16(b)
+        out["skips"]["host_reads_per_step"] = sum(counts.values()) / len(tb)
+
+    # model.fit through prepare: Keras's own trainer, unimp's optimizer
+    mpf = unimp.mixed_precision(mixed, backend="keras", loss_scale=STEP_RULE)
+    keras.utils.set_random_seed(0)
+    with mpf.autocast():
+        fnet = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="fc1"),
+                                 keras.layers.Dense(4, name="head")])
+    _set_weights(fnet)
+    mpf.prepare(fnet, keras.optimizers.SGD(0.05), loss=ce)
+    before = _fp8_states(fnet.get_layer("fc1"))
+    hist = fnet.fit(x[:64], y[:64], batch_size=16, epochs=2, verbose=0, shuffle=False)
+    out["fit"] = {"before": before, "after": _fp8_states(fnet.get_layer("fc1")),
+                  "loss": [float(v) for v in hist.history["loss"]]}
+    # Keras's loaders: a bad state is refused and changes nothing; save_weights then
+    # load_weights into a prepared model loads the kernels and biases, the states kept
+    weights = fnet.get_weights()
+    fc1 = fnet.get_layer("fc1")
+    bad = fc1.get_weights()
+    bad[[v.name for v in fc1.weights].index("grad_scale")] = np.float32(-5.0)
+    refused = "accepted"
+    try:
+        fc1.set_weights(bad)
+    except ValueError as e:
+        refused = str(e)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "fp8.weights.h5"
+        fnet.save_weights(path)
+        with mpf.autocast():
+            again = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="fc1"),
+                                      keras.layers.Dense(4, name="head")])
+        unimp.mixed_precision(mixed, backend="keras").prepare(again)
+        again.load_weights(path)
+    # Keras's own gradient accumulation would merge the states by their maximum: refused
+    acc = LossScaleOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+    try:
+        acc.build(fnet.trainable_variables)
+        out["inner_accumulation"] = "accepted"
+    except ValueError as e:
+        out["inner_accumulation"] = str(e)
+    out["loaders"] = {
+        "refused": refused,
+        "unchanged": all(np.array_equal(a, b) for a, b in zip(weights, fnet.get_weights(), strict=True)),
+        # Keras's Dense saves its kernel and bias only: those load, the states stay initial
+        "round_trip": all(np.array_equal(_np(a.value), _np(b.value)) for a, b in zip(fnet.weights, again.weights, strict=True)
+                          if not getattr(a, "overwrite_with_gradient", False) and "_scale" not in a.name and "amax" not in a.name),
+        "states_kept": _fp8_states(again.get_layer("fc1")) == before,
+    }
     return out
 
 

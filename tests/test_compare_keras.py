@@ -70,7 +70,6 @@ def test_per_layer_overrides_run_on_keras_engines(tmp_path):
 @pytest.mark.parametrize(
     "extra,words",
     [
-        (("--backends", "keras-jax", "--recipe", "fp8-delayed"), "float8"),
         (("--backends", "keras-jax", "--recipe", "mixed_float16;l2:params=bfloat16"), "no Keras policy"),
         (("--backends", "keras-torch", "--recipe", "params=bfloat16,compute=float32"), "no dtype policy"),
         (("--backends", "keras-mxnet"), "unknown backend"),
@@ -129,3 +128,27 @@ def test_a_worker_that_floods_stderr_or_raises_reports_in_one_line(tmp_path, cap
     assert code == 2 and not out.exists()
     assert "this layer runs on TensorFlow only" in err and "Traceback" in err
     assert err.strip().splitlines()[-1].startswith("unimp compare: error: keras-jax: --model ")
+
+
+def test_an_fp8_recipe_runs_on_keras_engines_and_the_first_scales_agree(tmp_path):
+    require_backend("jax")
+    require_backend("torch")
+    model = tmp_path / "three.py"
+    model.write_text(
+        "import keras\n\n\ndef build():\n    return keras.Sequential([keras.Input((8, 8, 1)), "
+        "keras.layers.Flatten(), keras.layers.Dense(32, name='a'), keras.layers.ReLU(), "
+        "keras.layers.Dense(32, name='b'), keras.layers.ReLU(), keras.layers.Dense(10, name='c')])\n"
+    )
+    code, out = _run(tmp_path, "--model", f"{model}:build", "--backends", "keras-jax,keras-torch",
+                     "--recipe", "fp8-delayed")
+    assert code == 0
+    rep = json.loads((out / "report.json").read_text())
+    fp8 = rep["fp8"]
+    # the recipe's default selection, the same on both engines: the first and last Dense out
+    assert fp8["layers"] == {"keras-jax": ["b"], "keras-torch": ["b"]}
+    # after the first step, from the same weights and batch: the same float32 bits of every
+    # scale (the rule and the amaxes are the same; later steps drift with bfloat16 rounding)
+    assert set(fp8["agree"]["b"]) == {"input", "kernel", "grad"}
+    assert all(first for first, _ in fp8["agree"]["b"].values()), fp8["scales"]["b"]
+    for r in rep["runs"].values():
+        assert all(r["applied"]) and r["loss"][-1] < r["loss"][0]

@@ -243,8 +243,7 @@ def _resolve_backends(names: tuple[str, ...] | None) -> list[str]:
 def keras_refusal(recipe: Recipe) -> str | None:
     """Why Keras's own trainer (``keras-*``) cannot run ``recipe``, or None: Keras has a
     dtype policy for float32 parameters with half compute, or one dtype, and each per-layer
-    override is a policy a built layer can take (the model's parameter dtype); float8 runs
-    through the tensorflow backend only for now."""
+    override is a policy a built layer can take (the model's parameter dtype)."""
     p = recipe.policy
     if keras_policy_name(p.param_dtype, p.compute_dtype) is None:
         return (
@@ -257,8 +256,6 @@ def keras_refusal(recipe: Recipe) -> str | None:
                 f"override {pattern!r} ({o}) is no Keras policy for a built layer: its "
                 f"variables stay {p.param_dtype}; give the override a dtype ('float32', ...)"
             )
-    if recipe.fp8 is not None:
-        return "float8 runs on the tensorflow backend only for now; use --backends tensorflow"
     if p.update != "nearest":
         return f"update={p.update!r} runs on the tensorflow backend only for now; use --backends tensorflow"
     return None

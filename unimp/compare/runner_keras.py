@@ -121,6 +121,7 @@ def _train(spec: RunSpec) -> dict[str, Any]:
     import numpy as np
 
     import unimp
+    from unimp.compare.fp8_scales import capture_first, scales_record
     from unimp.compare.keras_models import keras_model
     from unimp.compare.run import test_metrics, train_loop
     from unimp.compare.user import user_model
@@ -179,6 +180,8 @@ def _train(spec: RunSpec) -> dict[str, Any]:
         return StepResult(raw, config=config if scaled else None)
 
     spec.progress = lambda i: print(f"step {i}", flush=True)
+    fp8_on = spec.recipe.fp8 is not None
+    first = capture_first(spec, lambda: _fp8_scales(mp, model)) if fp8_on else {}
     out = train_loop(step, spec, lambda b: b)
     ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
     held_out = {"x": spec.x_test, "mask": ones}
@@ -192,8 +195,24 @@ def _train(spec: RunSpec) -> dict[str, Any]:
         **test_metrics(predicted, spec.y_test, spec.loss),
         "peak_memory_bytes": None,
         "trace": None,
-        "fp8_scales": None,
+        "fp8_scales": scales_record(first, _fp8_scales(mp, model)) if fp8_on else None,
         "initial_weights": initial,
+    }
+
+
+def _fp8_scales(mp: Any, model: Any) -> dict[str, dict[str, float]]:
+    """``{layer: {tensor: scale}}`` of the Dense layers ``prepare`` gave the float8 matmul (one
+    host read per scale)."""
+    import numpy as np
+    from keras import ops
+
+    from unimp.compare.fp8_scales import TENSORS
+    from unimp.keras.fp8 import fp8_model_layers
+
+    layers = {path: layer for path, _, layer in fp8_model_layers(model, mp._fp8_dense)}
+    return {
+        p: {t: float(np.asarray(ops.convert_to_numpy(getattr(layers[p], f"{t}_scale")))) for t in TENSORS}
+        for p in mp.fp8_layers(model)
     }
 
 

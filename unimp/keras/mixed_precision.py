@@ -19,6 +19,7 @@ import keras
 from unimp.attached import attach, check_attachable, peek
 from unimp.backends._base import MixedPrecisionBase
 from unimp.keras.casting import cast_tree, keras_policy_name, to_dtype
+from unimp.keras.fp8 import fp8_select, fp8_swap
 from unimp.keras.optimizer import LossScaleOptimizer
 from unimp.keras.overrides import apply_overrides, resolve
 from unimp.keras.precision import matmul_precision
@@ -45,8 +46,9 @@ class MixedPrecision(MixedPrecisionBase):
     On Keras's JAX and torch backends (``unimp.mixed_precision(..., backend="keras-jax")``)
     this class is the whole integration; on TensorFlow, ``backend="tensorflow"`` binds its
     subclass, which adds placement, the TF32 switch, float8 layers and ``tf.distribute``.
-    Not on Keras-JAX / Keras-torch (each refused when the recipe is bound, naming the fix): an
-    FP8 recipe, and ``update`` other than ``"nearest"``. The policy's ``matmul_precision`` is
+    Not on Keras-JAX / Keras-torch (refused when the recipe is bound, naming the fix):
+    ``update`` other than ``"nearest"``. An FP8 recipe runs emulated float8 Dense layers
+    there (:mod:`unimp.keras.fp8`). The policy's ``matmul_precision`` is
     the engine's own setting (:mod:`unimp.keras.precision`), in force in :meth:`autocast` and
     in every train step.
 
@@ -75,6 +77,8 @@ class MixedPrecision(MixedPrecisionBase):
     _to_dtype = staticmethod(to_dtype)
     #: the loss-scale optimizer class this Keras integration wraps optimizers in
     optimizer_class: type = LossScaleOptimizer
+    #: the float8 Dense classes of the backend, counted as ``"Dense"`` layers by fp8_layers
+    _fp8_dense: tuple[type, ...] = ()
 
     backend = "keras"
 
@@ -99,10 +103,7 @@ class MixedPrecision(MixedPrecisionBase):
         engine = keras.backend.backend()
         why = [
             what
-            for what, refused in (
-                ("an FP8 recipe", self._recipe.fp8 is not None),
-                (f"update={self.policy.update!r}", self.policy.update != "nearest"),
-            )
+            for what, refused in ((f"update={self.policy.update!r}", self.policy.update != "nearest"),)
             if refused
         ]
         if why:
@@ -270,7 +271,10 @@ class MixedPrecision(MixedPrecisionBase):
         return Trace(records, self.backend, found.recipe)
 
     def _fp8_swap(self, model: Any) -> None:
-        """Gives the layers an FP8 recipe selects their float8 matmul (none here: refused)."""
+        """Gives the Dense layers an FP8 recipe selects unimp's float8 matmul
+        (:func:`unimp.keras.fp8.fp8_swap`)."""
+        if self._recipe.fp8 is not None:
+            fp8_swap(model, self._recipe.fp8)
 
     def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> Any:
         """Applies the recipe to a Keras model and optimizer.
@@ -285,9 +289,12 @@ class MixedPrecision(MixedPrecisionBase):
           ``copy.deepcopy`` (which Keras does through the config) drops it too: a loaded or
           copied model returns its last layer's dtype until prepared again. Preparing the
           same model again is a ``ValueError``, as in torch (prepare applies the recipe once).
-        * An FP8 recipe (TensorFlow backend): the Dense layers it selects (``fp8_layers``; the
-          first and last out by default) get unimp's emulated float8 matmul in their ``call``
-          and float32 scaling states (non-trainable variables), in place; the model must be built.
+        * An FP8 recipe: the Dense layers it selects (``fp8_layers``; the first and last out
+          by default) get unimp's emulated float8 matmul in their ``call`` and float32
+          scaling states, in place; the model must be built. On Keras's JAX and torch
+          backends the states are trainable variables with ``overwrite_with_gradient``, as
+          Keras's own float8 ``Dense`` keeps them (:mod:`unimp.keras.fp8`); on TensorFlow,
+          non-trainable variables written in the step (:mod:`unimp.backends.tensorflow.fp8`).
         * The optimizer is wrapped in unimp's loss-scale optimizer (not Keras's) with the
           recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
           model is compiled with it, so ``fit`` follows unimp's rule. A model already
@@ -372,15 +379,20 @@ class MixedPrecision(MixedPrecisionBase):
             )
 
     def fp8_layers(self, model: Any) -> tuple[str, ...]:
-        """The dotted paths of the Dense layers that run float8 matmuls under the recipe:
-        ``()`` here (an FP8 recipe is refused on Keras's JAX and torch backends).
+        """The dotted paths of the Dense layers that run float8 matmuls under the recipe, the
+        same rule and names in every backend (:meth:`unimp.fp8.recipe.FP8Recipe.select`; first
+        and last out by default); ``()`` without an FP8 recipe. ``EinsumDense``
+        (``MultiHeadAttention``'s projections) is not a Dense here.
 
         Raises:
             TypeError: ``model`` is not a Keras layer or model.
+            ValueError: a selected layer is called at several places.
         """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"mp.fp8_layers(model) takes a keras.Model (or layer), got {type(model).__name__}.")
-        return ()
+        if self._recipe.fp8 is None:
+            return ()
+        return fp8_select(model, self._recipe.fp8, self._fp8_dense)
 
     def _cast_outputs(self, model: Any) -> None:
         """Wraps ``model.call`` so its floating outputs come out in the output dtype.

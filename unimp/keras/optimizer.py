@@ -16,6 +16,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from unimp.keras.fp8 import is_state, keep_unrun, state_groups
 from unimp.keras.overflow import all_finite
 from unimp.loss_scale import (
     EXTRA_FIELDS,
@@ -199,6 +200,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- building --------------------------------------------------------------------------
 
     def build(self, var_list: list[Any]) -> None:
+        if self.inner_optimizer.gradient_accumulation_steps and state_groups(list(var_list)):
+            # Keras accumulates overwrite_with_gradient variables by their maximum, which for
+            # unimp's float8 states would keep the largest scale of the window (the smallest
+            # amax), not the window's one scaling step (unimp.fp8.window_merge)
+            raise ValueError(
+                "the inner optimizer's gradient_accumulation_steps with unimp's float8 layers: "
+                "Keras would merge the float8 states by their maximum, not by unimp's window "
+                "rule. Accumulate in unimp's step instead: mp.train_step(model, optimizer, "
+                "loss_fn, grad_accum_steps=k)."
+            )
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
@@ -271,16 +282,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- the step, as a function of values -------------------------------------------------
 
     def _decide(
-        self, own: list[Any], grads: list[Any], variables: list[Any]
+        self, own: list[Any], grads: list[Any], variables: list[Any], values: list[Any]
     ) -> tuple[list[Any], Any, list[Any]]:
         """The step's decision on values: ``(unscaled gradients, applied, own values after)``,
-        the rule run by :func:`unimp.loss_scale.update_arrays` (no branch on a tensor)."""
+        the rule run by :func:`unimp.loss_scale.update_arrays` (no branch on a tensor).
+        Variables that take their gradient as their value (float8 states,
+        :func:`unimp.keras.fp8.is_state`) are neither unscaled nor checked, and one whose
+        layer did not run keeps ``values`` (:func:`unimp.keras.fp8.keep_unrun`)."""
         scale, bad = own[0], own[-1]
         unscaled = [
-            g if g is None or self._overwrite_variable_with_gradient(v) else unscale(g, scale)
+            g if g is None or is_state(v) else unscale(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]
-        grads_finite = all_finite(unscaled)
+        unscaled = keep_unrun(unscaled, variables, values)
+        grads_finite = all_finite([g for g, v in zip(unscaled, variables, strict=True) if not is_state(v)])
         applied, new_own = self._rule(own, grads_finite, ops.equal(bad, 0.0))
         return unscaled, applied, new_own
 
@@ -354,7 +369,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         at = {id(v): i for i, v in enumerate(self._variables)}
         where = [at[id(v)] for v in self._own()]
         unscaled, applied, new_own = self._decide(
-            [mine[i] for i in where], grads, self._trainable_variables
+            [mine[i] for i in where], grads, self._trainable_variables, train
         )
         # Copies in: Keras's torch optimizers update their inputs in place even when stateless
         # (under jit, XLA drops the copies).
@@ -405,7 +420,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "build it with every variable it will update: optimizer.build(model.trainable_variables)."
             )
         own = self._own()
-        unscaled, applied, new_own = self._decide([v.value for v in own], grads, variables)
+        unscaled, applied, new_own = self._decide(
+            [v.value for v in own], grads, variables, [v.value for v in variables]
+        )
         self._guarded_apply(unscaled, variables, applied)
         for v, value in zip(own, new_own, strict=True):
             v.assign(value)

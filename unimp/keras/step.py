@@ -22,6 +22,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from unimp.keras.fp8 import is_state, keep_unrun, window_states
 from unimp.keras.optimizer import unscale
 from unimp.keras.overflow import all_finite
 from unimp.keras.precision import matmul_precision
@@ -257,6 +258,7 @@ class StepOps:
         self.collector = collector  # a statistics step's recording
         self.optimizer = step.optimizer
         self.variables = list(step.model.trainable_variables)
+        self.states = [is_state(v) for v in self.variables]  # float8 states (unimp.keras.fp8)
         self.unity = step.optimizer.loss_scale_config.unity  # a scale always 1: no multiply
         self.k = step.options.grad_accum_steps
         self.reported: dict[str, Any] = {}
@@ -359,28 +361,33 @@ class StepOps:
             return grads, loss32, ops.isfinite(loss32)
         # a window: the scaled gradients summed in float32 (or the policy's accum_dtype,
         # rounded at every addition) from exact zeros, the mean taken in float32
+        # float8 states are not summed: each takes one step on the window's largest amax
+        # (unimp.keras.fp8.window_states)
         accum = self.step.policy.accum_dtype or "float32"
         total: list[Any] = [None] * len(self.variables)
-        losses = []
+        losses, per_micro = [], []
         for mb in micro:
             grads, loss32 = self._scaled_grads(mb, scale)
             losses.append(loss32)
+            per_micro.append(grads)
             for i, g in enumerate(grads):
-                if g is not None:
+                if g is not None and not self.states[i]:
                     g = ops.cast(g, accum)
                     total[i] = g if total[i] is None else _rounded_add(total[i], g)
         mean = [None if t is None else ops.divide(ops.cast(t, "float32"), float(self.k)) for t in total]
+        for i, merged in window_states(per_micro, self.variables).items():
+            mean[i] = merged
         stacked = ops.stack(losses)
         return mean, ops.mean(stacked), ops.all(ops.isfinite(stacked))
 
-    def _keeps_scale(self, v: Any) -> bool:
-        """float8 scales and histories take their gradient as is (as Keras's optimizer)."""
-        return bool(getattr(v, "overwrite_with_gradient", False))
+    def _plain(self, grads: Any) -> list[Any]:
+        """The gradients without the float8 states' (``is_state``: values, not gradients)."""
+        return [g for g, state in zip(grads, self.states, strict=True) if not state]
 
     def unscale(self, grads: Any, scale: Any) -> Any:
         out = []
         for g, v in zip(grads, self.variables, strict=True):
-            if g is None or self._keeps_scale(v):
+            if g is None or is_state(v):
                 out.append(g)
             elif self.k > 1:  # the window's float32 mean, unscaled once, in the variable's dtype
                 out.append(ops.cast(g if self.unity else ops.divide(g, scale), _dtype(v)))
@@ -395,7 +402,7 @@ class StepOps:
         return [
             (relative_path(model, v.path), g)
             for v, g in zip(self.variables, grads, strict=True)
-            if g is not None
+            if g is not None and not is_state(v)
         ]
 
     def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
@@ -408,10 +415,10 @@ class StepOps:
         return {}
 
     def finite(self, grads: Any, scale: Any) -> tuple[Any, Any]:
-        return grads, all_finite(grads)
+        return grads, all_finite(self._plain(grads))
 
     def global_norm(self, grads: Any, grads_finite: Any) -> tuple[Any, Any]:
-        wide = [ops.cast(g, "float32") for g in grads if g is not None]
+        wide = [ops.cast(g, "float32") for g in self._plain(grads) if g is not None]
         if not wide:
             self.rescale = ops.convert_to_tensor(1.0, "float32")
             return ops.convert_to_tensor(0.0, "float32"), grads_finite
@@ -428,13 +435,14 @@ class StepOps:
         clip = ops.greater(norm, max_norm)
         factor = ops.divide(max_norm, ops.multiply(norm, s))
         return [
-            None if g is None else ops.where(
+            g if g is None or state else ops.where(
                 clip, ops.cast(ops.multiply(ops.multiply(ops.cast(g, "float32"), s), factor), _dtype(g)), g
             )
-            for g in grads
+            for g, state in zip(grads, self.states, strict=True)
         ]
 
     def apply(self, grads: Any, grads_finite: Any, loss_finite: Any) -> Any:
+        grads = keep_unrun(grads, self.variables, [v.value for v in self.variables])
         applied, consecutive, total = self.optimizer.apply_unscaled(
             grads, self.variables, grads_finite, loss_finite, self.step.options.schedule_counts
         )

@@ -29,6 +29,8 @@ from unimp.attached import attach, peek
 from unimp.backends.tensorflow.devices import _capability
 from unimp.dtypes import device_support
 from unimp.fp8 import FP8State
+from unimp.keras import fp8 as _keras_fp8
+from unimp.keras.fp8 import check_loads, checked_load
 
 _FP8_DTYPES = {
     "float8_e4m3fn": tf.dtypes.experimental.float8_e4m3fn,
@@ -279,24 +281,24 @@ class FP8Dense(_keras_layer_base()):  # type: ignore[misc]
 
     def set_weights(self, weights: Any) -> None:
         """Keras's ``set_weights``, then the loaded scaling states are checked as
-        :meth:`load_fp8_state` checks them (:func:`_checked_load`).
+        :meth:`load_fp8_state` checks them (:func:`unimp.keras.fp8.checked_load`).
 
         Raises:
             ValueError: Keras's own refusals, or a bad scaling state (a scale of -5, ...); the
                 layer's weights are then as they were.
         """
-        _checked_load(self, self.config, lambda: super(FP8Dense, self).set_weights(weights),
+        checked_load(self, self.config, lambda: super(FP8Dense, self).set_weights(weights),
                       "FP8Dense.set_weights")
 
     def load_own_variables(self, store: Any) -> None:
         """Keras's ``load_own_variables`` (``model.load_weights``, ``keras.models.load_model``),
-        then the loaded scaling states are checked (:func:`_checked_load`).
+        then the loaded scaling states are checked (:func:`unimp.keras.fp8.checked_load`).
 
         Raises:
             ValueError: a bad scaling state in the file; this layer's weights are then as they
                 were (layers loaded before it keep what they loaded).
         """
-        _checked_load(self, self.config, lambda: super(FP8Dense, self).load_own_variables(store),
+        checked_load(self, self.config, lambda: super(FP8Dense, self).load_own_variables(store),
                       "FP8Dense.load_own_variables")
 
     def get_config(self) -> dict[str, Any]:
@@ -337,26 +339,6 @@ def _add_states(layer: Any, config: _fp8.FP8Config, native: bool, layer_name: st
     attach(layer).fp8_native = bool(native)
     attach(layer).fp8_name = layer_name
     attach(layer).fp8_use_native = None  # decided at the first call (host side, once per layer)
-
-
-def _checked_load(layer: Any, config: _fp8.FP8Config, load: Any, where: str) -> None:
-    """Runs ``load`` (Keras's ``set_weights`` / ``load_own_variables``, which assign every
-    variable unchecked), then checks the three scaling states as ``load_fp8_state`` does
-    (:func:`unimp.fp8.check_state`); on a bad one every weight of ``layer`` is put back as it
-    was before ``load`` and the error names ``where``. Host work once per load, never per step.
-
-    Raises:
-        ValueError: a bad scaling state (the tensor and the preset named).
-    """
-    before = [np.array(v.numpy(), copy=True) for v in layer.weights]
-    try:
-        load()
-        for name in _TENSORS:
-            _fp8.check_state(fp8_state_to_numpy(_state(layer, name)), config, name)
-    except ValueError as err:
-        for var, value in zip(layer.weights, before, strict=True):
-            var.assign(value)
-        raise ValueError(f"{where}: {err} The layer's weights are unchanged.") from None
 
 
 def _state(layer: Any, name: str) -> FP8State:
@@ -524,44 +506,6 @@ def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, tr
     return matmul(x, w)
 
 
-def _check_loads(layer: Any, config: _fp8.FP8Config, path: str) -> None:
-    """Gives a swapped Dense ``layer`` the checked ``set_weights`` / ``load_own_variables`` of
-    :class:`FP8Dense` (:func:`_checked_load`), as instance methods like its ``call``.
-
-    Keras's ``Dense.save_own_variables`` writes the kernel and bias only, and that stays so: a
-    ``.keras`` file of a prepared model loads as the plain model it is (``keras.models
-    .load_model`` builds a plain Dense, whose load counts two variables). Its load counts every
-    variable of the layer, the states included, so ``model.save_weights`` then
-    ``load_weights`` into a prepared model failed: a store with the Dense entries only loads
-    the kernel and bias and keeps the states as they are. A store that holds the states too
-    (entries after the Dense ones, in :data:`_TENSORS` x :data:`_FIELDS` order) loads them,
-    checked.
-    """
-    set_weights, load_own = layer.set_weights, layer.load_own_variables
-    states = [getattr(layer, f"{name}_{f}") for name in _TENSORS for f in _FIELDS]
-
-    def checked_set_weights(weights: Any) -> None:
-        _checked_load(layer, config, lambda: set_weights(weights), f"layer {path!r} set_weights")
-
-    def checked_load_own_variables(store: Any) -> None:
-        keys = list(store.keys())
-        dense = len(keys) - len(states)  # the entries Keras's Dense wrote
-        if len(keys) == len(layer.weights) - len(states):  # Dense entries only: states stay
-            full = {k: store[k] for k in keys}
-            full.update({str(len(keys) + i): var.numpy() for i, var in enumerate(states)})
-            store, dense = full, len(keys)
-
-        def load() -> None:
-            load_own(store)  # Keras's Dense reads its own entries, after counting them all
-            for i, var in enumerate(states):
-                var.assign(np.asarray(store[str(dense + i)], np.float32).reshape(var.shape))
-
-        _checked_load(layer, config, load, f"layer {path!r} load_own_variables")
-
-    layer.set_weights = checked_set_weights
-    layer.load_own_variables = checked_load_own_variables
-
-
 def _fp8_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor:
     """``keras.layers.Dense.call`` with the matmul replaced by :func:`_fp8_matmul` (bias and
     activation as Keras adds them)."""
@@ -574,61 +518,17 @@ def _fp8_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor:
 
 
 def fp8_model_layers(model: Any) -> list[tuple[str, str, Any]]:
-    """``(dotted path, kind, layer)`` of every layer of a Keras model, depth first in
-    definition order, paths joined from layer names (``"mlp.fc1"``); ``keras.layers.Dense``
-    and its subclasses, and unimp's FP8Dense, are ``"Dense"``."""
-    import keras
-
-    out: list[tuple[str, str, Any]] = []
-
-    def walk(layer: Any, prefix: str) -> None:
-        for sub in layer._flatten_layers(include_self=False, recursive=False):
-            path = f"{prefix}{sub.name}"
-            dense = isinstance(sub, (keras.layers.Dense, FP8Dense))
-            out.append((path, "Dense" if dense else type(sub).__name__, sub))
-            walk(sub, path + ".")
-
-    walk(model, "")
-    return out
-
-
-def _call_sites(container: Any, sub: Any) -> int:
-    """How many times ``container``'s graph calls ``sub``: its nodes in a functional model
-    (Keras keys them ``"<id(layer)>_ib-<i>"``), its entries in a Sequential; else 1."""
-    import keras
-
-    nodes = getattr(container, "_nodes", None)
-    if isinstance(container, keras.Sequential):
-        return sum(layer is sub for layer in container.layers)
-    if isinstance(nodes, set):
-        return max(1, sum(str(k).split("_ib-")[0] == str(id(sub)) for k in nodes))
-    return 1
+    """:func:`unimp.keras.fp8.fp8_model_layers`, unimp's FP8Dense counted as a ``"Dense"``."""
+    return _keras_fp8.fp8_model_layers(model, (FP8Dense,))
 
 
 def fp8_select(model: Any, recipe: Any) -> tuple[str, ...]:
-    """The paths ``recipe`` selects in ``model`` (:meth:`unimp.fp8.recipe.FP8Recipe.select`);
-    a selected layer called at several places (twice in a functional model or a Sequential,
-    or under two parents) is refused (:func:`unimp.fp8.recipe.refuse_shared`).
+    """:func:`unimp.keras.fp8.fp8_select`, unimp's FP8Dense counted as a ``"Dense"``.
 
     Raises:
         ValueError: a shared selected layer, named with its places.
     """
-    from unimp.fp8.recipe import refuse_shared
-
-    found = fp8_model_layers(model)
-    selected = recipe.select([(p, k) for p, k, _ in found])
-    places: dict[int, list[str]] = {}
-
-    def walk(layer: Any, prefix: str) -> None:
-        for sub in layer._flatten_layers(include_self=False, recursive=False):
-            path = f"{prefix}{sub.name}"
-            n = _call_sites(layer, sub)
-            places.setdefault(id(sub), []).extend([path] if n == 1 else [f"{path} (call {i + 1})" for i in range(n)])
-            walk(sub, path + ".")
-
-    walk(model, "")
-    refuse_shared(selected, {p: places[id(layer)] for p, _, layer in found if len(places[id(layer)]) > 1})
-    return selected
+    return _keras_fp8.fp8_select(model, recipe, (FP8Dense,))
 
 
 def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
@@ -667,7 +567,7 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
             finally:
                 layer._tracker.lock()
             attach(layer).fp8_config = recipe.scaling
-            _check_loads(layer, recipe.scaling, path)
+            check_loads(layer, recipe.scaling, path)
             # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
             # float32 master weight (Keras's own float8 Dense reads it autocast to bfloat16)
             layer._kernel._autocast = False

@@ -15,7 +15,7 @@ import tensorflow as tf
 from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
-from unimp.backends.tensorflow.fp8 import fp8_select, fp8_swap
+from unimp.backends.tensorflow.fp8 import FP8Dense, fp8_swap
 from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
@@ -66,6 +66,7 @@ class MixedPrecision(KerasMixedPrecision):
     _cast_tree = staticmethod(cast_tree)
     _to_dtype = staticmethod(to_dtype)
     optimizer_class = LossScaleOptimizer
+    _fp8_dense = (FP8Dense,)
 
     backend = "tensorflow"
 
@@ -101,24 +102,9 @@ class MixedPrecision(KerasMixedPrecision):
         return _wrap_optimizer(optimizer, self.loss_scale, self.policy.update, seed)
 
     def _fp8_swap(self, model: Any) -> None:
+        """This backend's float8 layers (:func:`unimp.backends.tensorflow.fp8.fp8_swap`)."""
         if self._recipe.fp8 is not None:
             fp8_swap(model, self._recipe.fp8)
-
-    def fp8_layers(self, model: Any) -> tuple[str, ...]:
-        """The dotted paths (layer names joined, ``"mlp.fc1"``) of the Dense layers that run
-        float8 matmuls under the recipe, in model order; ``()`` without an FP8 recipe. The
-        same rule and names in every backend (:meth:`unimp.fp8.recipe.FP8Recipe.select`; first
-        and last Dense out by default). ``EinsumDense`` (``MultiHeadAttention``'s projections)
-        is not a Dense here.
-
-        Raises:
-            TypeError: ``model`` is not a Keras layer or model.
-            ValueError: a selected layer called at several places (named).
-        """
-        super().fp8_layers(model)  # the type check
-        if self._recipe.fp8 is None:
-            return ()
-        return fp8_select(model, self._recipe.fp8)
 
     def train_step(
         self,
