@@ -609,6 +609,18 @@ def fp8() -> dict:
     a = model.get_layer("a")
     out["window"] = {"states": _fp8_states(a), "kernel": _np(a.kernel.value).tolist()}
 
+    # a float8 layer loss_fn does not call keeps its states bit for bit (on JAX its states'
+    # "gradients" are 0; unimp.keras.fp8.keep_unrun), while the others step
+    every = dataclasses.replace(recipe, fp8=FP8Recipe(config, exclude_first_last=False))
+    mpu = unimp.mixed_precision(every, backend="keras")
+    with mpu.autocast():
+        three = keras.Sequential([keras.Input((2,))] + [keras.layers.Dense(2, name=n) for n in ("p", "q", "r")])
+    mpu.prepare(three)
+    unrun = mpu.train_step(three, keras.optimizers.SGD(0.1), lambda m, b: ops.sum(ops.cast(
+        m.get_layer("r")(m.get_layer("p")(b, training=True), training=True), "float32")))
+    unrun(np.ones((4, 2), np.float32))
+    out["unrun"] = {n: _fp8_states(three.get_layer(n)) for n in ("p", "q")}
+
     # float8 fc1 / mid (bfloat16 around them) with a dynamic loss scale, the FP8_WEIGHTS batches
     mixed = dataclasses.replace(recipe, fp8=FP8Recipe(config, exclude=("head",), exclude_first_last=False))
     mp16 = unimp.mixed_precision(mixed, backend="keras", loss_scale=STEP_RULE)

@@ -290,6 +290,8 @@ def test_float8_layers_take_the_same_states_on_every_keras_backend(runs):
             assert (scale[0], scale_inv[0]) == (float(want.scale), float(want.scale_inv)), (b, tensor)
         assert states["grad"][0] == [114688.0], b  # 57344 / 0.5: the own gradient's amax
         assert got["window"]["kernel"] == [[np.float32(0.4)] * 2] * 2, b
+        untouched = {t: [[float(initial.scale)], [float(initial.scale_inv)], [0.0] * 4] for t in fp8.LAYER_TENSORS}
+        assert got["unrun"]["q"] == untouched and got["unrun"]["p"] != untouched, b
         # a dynamic loss scale: the scaled loss overflows at step 3, the loss is inf at step 6
         sk = got["skips"]
         assert sk["selected"] == ["fc1", "mid"], b
