@@ -490,21 +490,22 @@ def refusals() -> dict:
     with f32.autocast():
         inside = current_matmul_precision()
     out["float32"] = {"backend": f32.backend, "inside": inside, "after": current_matmul_precision()}
-    if BACKEND == "jax":  # the JAX backend's jaxpr trace, layers named from the model down
-        mp16 = unimp.mixed_precision("mixed_float16", backend="keras")
-        with mp16.autocast():
-            traced = _mlp()
-        ce0 = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        tstep = mp16.train_step(traced, "sgd", lambda m, b: ce0(b[1], m(b[0])))
-        x0, y0 = _data(n=4)
-        tr = mp16.trace(tstep, (x0, y0))
-        out["trace"] = {
-            "framework": tr.framework,
-            "matmuls": sorted({(r.layer, r.phase, r.compute) for r in tr if r.op == "matmul"}),
-            "phases": sorted({r.phase for r in tr}),
-        }
-    else:
-        out["trace"] = said(lambda: f32.trace(lambda: None))
+    # the dtype trace: JAX's jaxpr, torch's dispatcher (the step run once and put back);
+    # layers named from the model down
+    mp16 = unimp.mixed_precision("mixed_float16", backend="keras")
+    with mp16.autocast():
+        traced = _mlp()
+    ce0 = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    tstep = mp16.train_step(traced, "sgd", lambda m, b: ce0(b[1], m(b[0])))
+    x0, y0 = _data(n=4)
+    held = [_np(v.value).tolist() for v in tstep._variables()]
+    tr = mp16.trace(tstep, (x0, y0))
+    out["trace"] = {
+        "framework": tr.framework,
+        "matmuls": sorted({(r.layer, r.phase, r.compute) for r in tr if r.op == "matmul"}),
+        "phases": sorted({r.phase for r in tr}),
+        "put_back": held == [_np(v.value).tolist() for v in tstep._variables()] and tstep.calls == 0,
+    }
     mp = unimp.mixed_precision("mixed_float16", backend="keras")
     with mp.autocast():
         model = _mlp()

@@ -9,6 +9,7 @@ The TensorFlow backend's ``MixedPrecision`` is this class with what only TensorF
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -218,46 +219,47 @@ class MixedPrecision(MixedPrecisionBase):
         return self._wrap(optimizer, seed)
 
     def trace(self, step_or_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Which ops of one step ran in which dtype: :class:`unimp.trace.Trace`, on Keras-JAX.
+        """Which ops of one step ran in which dtype: :class:`unimp.trace.Trace`.
 
-        The step is traced to a jaxpr and read by the JAX backend's trace
-        (:mod:`unimp.backends.jax.trace`): nothing runs. Layers are Keras's name scopes from
-        the model down (``"l1"``, as the TensorFlow backend's trace names them); the records
-        say ``framework="keras-jax"``.
+        On Keras-JAX the step is traced to a jaxpr and read by the JAX backend's trace
+        (:mod:`unimp.backends.jax.trace`): nothing runs. On Keras-torch the step runs once under
+        the torch backend's trace (:mod:`unimp.backends.torch.trace`: torch's dispatcher, and
+        Keras's layers, which are torch modules, through module hooks), and everything it
+        changed is put back: the model's and the optimizer's variables (the loss scale with
+        them) and the step's counter; the traced call computes no statistics and writes no
+        step log. Layers are named from the model down (``"l1"``, ``"mlp/fc1"``, as the
+        TensorFlow backend's trace names them); the records say ``framework="keras-jax"`` or
+        ``"keras-torch"``.
 
         Args:
             step_or_fn: a train step of this class (then ``args`` is ``(batch,)``), or any
                 function of the backend's tensors.
             *args: what it is called with.
-            **kwargs: its keyword arguments (``model=`` is ignored: Keras's name scopes name
-                the layers).
+            **kwargs: its keyword arguments (``model=`` is ignored: the step's model, or
+                Keras's name scopes, name the layers).
 
         Returns:
             The :class:`unimp.trace.Trace`.
 
         Raises:
-            NotImplementedError: on Keras-torch (not written yet), naming the backends whose
-                trace runs.
+            ValueError: a train step called with other than one batch.
         """
-        import dataclasses
-
         from unimp import registry
         from unimp.trace import Trace
 
         engine = keras.backend.backend()
-        if engine != "jax":
-            raise NotImplementedError(
-                f"mp.trace on Keras-{engine} is not written yet: the dtype trace of a Keras step "
-                "runs on Keras-JAX and on the TensorFlow backend (KERAS_BACKEND=tensorflow, "
-                "backend='tensorflow'); unimp compare's report says per engine what it traced."
-            )
-        kwargs.pop("model", None)  # layers come from Keras's name scopes
+        kwargs.pop("model", None)
+        if isinstance(step_or_fn, TrainStep) and len(args) != 1:
+            raise ValueError(f"mp.trace(step, batch) takes one batch, got {len(args)} arguments.")
+        registry.get_backend(engine)  # loads the engine's backend (or names its extra)
+        if engine == "torch":
+            found = self._trace_torch(step_or_fn, args, kwargs)
+            return Trace([dataclasses.replace(r, framework=self.backend) for r in found], self.backend, found.recipe)
         prefix = ""
         if isinstance(step_or_fn, TrainStep):
             (batch,) = args
             prefix = f"{step_or_fn.model.name}/"
             step_or_fn, args = step_or_fn.traceable(batch)
-        registry.get_backend("jax")  # loads the JAX backend (or names its extra)
         from unimp.backends.jax.trace import trace as jax_trace
 
         found = jax_trace(step_or_fn, *args, recipe=self._recipe.describe(), **kwargs)
@@ -269,6 +271,33 @@ class MixedPrecision(MixedPrecisionBase):
             for r in found
         ]
         return Trace(records, self.backend, found.recipe)
+
+    def _trace_torch(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Keras-torch: one call of ``fn`` under the torch backend's trace; a train step is put
+        back as it was afterwards (:meth:`trace`)."""
+        from keras import ops
+
+        from unimp.backends.torch.trace import trace as torch_trace
+        from unimp.keras.fp8 import fp8_model_layers
+
+        recipe = self._recipe.describe()
+        if not isinstance(fn, TrainStep):
+            return torch_trace(fn, *args, recipe=recipe, **kwargs)
+        step = fn
+        layers = {id(layer): path.replace(".", "/") for path, _, layer in fp8_model_layers(step.model)}
+        held = step._variables()
+        saved = [ops.copy(v.value) for v in held]
+        calls, options = step.calls, step.options
+        recorder = vars(step).pop("_recorder", None)  # a traced step is no step of the log
+        step.options = dataclasses.replace(options, stats_every=None)  # nor a statistics step
+        try:
+            return torch_trace(step, *args, recipe=recipe, layers=layers, **kwargs)
+        finally:
+            for v, old in zip(held, saved, strict=True):
+                v.assign(old)
+            step.calls, step.options = calls, options
+            if recorder is not None:
+                step._recorder = recorder
 
     def _fp8_swap(self, model: Any) -> None:
         """Gives the Dense layers an FP8 recipe selects unimp's float8 matmul

@@ -214,7 +214,10 @@ def _snapshot(step: Any, rec: _Recorder) -> Callable[[], None]:
     return restore
 
 
-def trace(fn: Any, *args: Any, model: torch.nn.Module | None = None, recipe: str = "", **kwargs: Any) -> Trace:
+def trace(
+    fn: Any, *args: Any, model: torch.nn.Module | None = None, recipe: str = "",
+    layers: dict[int, str] | None = None, **kwargs: Any,
+) -> Trace:  # fmt: skip
     """Records the ops of one call of ``fn(*args, **kwargs)`` with their dtypes.
 
     Args:
@@ -227,6 +230,9 @@ def trace(fn: Any, *args: Any, model: torch.nn.Module | None = None, recipe: str
         *args, **kwargs: what ``fn`` is called with.
         model: the module whose layer paths label the ops (a train step's model by default).
         recipe: a label for reports.
+        layers: ``{id(module): layer path}`` for modules ``named_modules`` does not name as
+            their framework does (Keras-torch's layers, named by :mod:`unimp.keras`); it
+            takes the place of ``model``'s names.
 
     Returns:
         :class:`unimp.trace.Trace`.
@@ -237,6 +243,8 @@ def trace(fn: Any, *args: Any, model: torch.nn.Module | None = None, recipe: str
         model = fn.model if model is None else model
     # module paths as the other frameworks write layer paths: "attn/q" for torch's "attn.q"
     names = {id(m): n.replace(".", "/") for n, m in model.named_modules()} if model is not None else {}
+    if layers is not None:
+        names = dict(layers)
     rec = _Recorder(names)
     restore = _snapshot(fn, rec) if isinstance(fn, TrainStep) else None
     hooks = [
