@@ -217,10 +217,49 @@ def fp8_presets_table() -> str:
     return "\n".join(rows)
 
 
+#: the devices of the support table: (label, kind, NVIDIA compute capability)
+DEVICES = (
+    ("CPU", "cpu", None), ("TPU", "tpu", None),
+    ("GPU, capability unknown (ROCm, ...)", "gpu", None), ("Pascal P100 (6.0)", "gpu", (6, 0)),
+    ("Volta V100 (7.0)", "gpu", (7, 0)), ("Turing T4 (7.5)", "gpu", (7, 5)),
+    ("Ampere A100 (8.0)", "gpu", (8, 0)), ("Ampere A10 / RTX 30 (8.6)", "gpu", (8, 6)),
+    ("Ada L4 / L40 / RTX 40 (8.9)", "gpu", (8, 9)), ("Hopper H100 / H200 (9.0)", "gpu", (9, 0)),
+    ("Blackwell B200 (10.0)", "gpu", (10, 0)),
+)  # fmt: skip
+
+
+def devices_table() -> str:
+    """:func:`unimp.dtypes.device_support` for each device of :data:`DEVICES`: the one rule
+    every backend's ``unimp info`` / ``doctor`` and each framework's native float8 path read."""
+    from unimp.dtypes import device_support
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    rows = ["| device | float16 | bfloat16 | float8 units (native float8 GEMMs: torch, JAX, TensorFlow) "
+            "| recommended recipe |", "|---|---|---|---|---|"]
+    for label, kind, cc in DEVICES:
+        d = device_support(kind, cc)
+        rows.append(f"| {label} | {yes(d['float16'])} | {yes(d['bfloat16'])} | {yes(d['float8'])} "
+                    f"| `{d['recommended']}` |")
+    return "\n".join(rows)
+
+
+def environment_table() -> str:
+    """Every environment variable of :data:`unimp.environment.VARIABLES`."""
+    from unimp.environment import VARIABLES
+
+    rows = ["| variable | read (or set) by | values | effect |", "|---|---|---|---|"]
+    rows += [f"| `{name}` | {v.used_by} | {v.values} | {v.effect} |" for name, v in VARIABLES.items()]
+    return "\n".join(rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "loss-scale-presets": loss_scale_presets_table,
     "recipes": recipes_table,
     "fp8-presets": fp8_presets_table,
+    "devices": devices_table,
+    "environment": environment_table,
 }
 
 _MARKER = re.compile(r"<!-- gen:([a-z0-9-]+) -->")
