@@ -691,6 +691,44 @@ def fp8() -> dict:
                                       keras.layers.Dense(4, name="head")])
         unimp.mixed_precision(mixed, backend="keras").prepare(again)
         again.load_weights(path)
+    # what the breaker found (tests/test_keras_backends.py says what each must give)
+    def said(f) -> str:
+        try:
+            f()
+        except ValueError as e:
+            return str(e)
+        return "accepted"
+
+    every = dataclasses.replace(recipe, fp8=FP8Recipe(config, exclude_first_last=False))
+    mpt = unimp.mixed_precision(every, backend="keras")
+    with mpt.autocast():
+        td = keras.Sequential([keras.Input((5, 8)), keras.layers.TimeDistributed(keras.layers.Dense(4, name="td")),
+                               keras.layers.Flatten(), keras.layers.Dense(2, name="o")])
+    mpt.prepare(td, "sgd", loss="mse")
+    out["time_distributed"] = said(lambda: td.train_on_batch(np.ones((4, 5, 8), np.float32), np.ones((4, 2), np.float32)))
+    mpb = unimp.mixed_precision(every, backend="keras")
+    with mpb.autocast():
+        ab = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="a"), keras.layers.Dense(4, name="b")])
+    _set_weights(ab)
+    mpb.prepare(ab, keras.optimizers.SGD(0.1), loss="mse")
+    good = ab.get_weights()
+    bad = list(good)
+    bad[[v.path.endswith("b/input_scale") for v in ab.weights].index(True)] = np.float32(-3.0)
+    out["model_set_weights"] = {
+        "said": said(lambda: ab.set_weights(bad)),
+        "unchanged": all(np.array_equal(a, b) for a, b in zip(good, ab.get_weights(), strict=True)),
+    }
+    # no activation between a (bfloat16 output) and b: b's input amax is a bfloat16 value on
+    # every engine (on JAX, XLA would otherwise drop the rounding inside jit)
+    ab.train_on_batch(np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32) * 3,
+                      np.zeros((16, 4), np.float32))
+    out["bf16_input"] = _fp8_states(ab.get_layer("b"))["input"]
+    mpl = unimp.mixed_precision(every, backend="keras")
+    with mpl.autocast():
+        one = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="a")])
+    out["prepare_accumulation"] = said(lambda: mpl.prepare(one, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse"))
+    out["prepare_accumulation_unchanged"] = [v.name for v in one.weights] == ["kernel", "bias"]
+
     # Keras's own gradient accumulation would merge the states by their maximum: refused
     acc = LossScaleOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     try:

@@ -316,6 +316,17 @@ def test_float8_layers_take_the_same_states_on_every_keras_backend(runs):
         assert all(h > 0 for h in fit["after"]["input"][2]), b  # 4 batches a epoch, history 4
         if b != "tensorflow":  # (the TensorFlow backend's states are no variables Keras merges)
             assert "grad_accum_steps=k" in got["inner_accumulation"], b
+        # a layer run twice in one call would have its states summed: refused on JAX / torch
+        # (TensorFlow's layer takes one step per call: a scaling step per timestep)
+        if b != "tensorflow":
+            assert "runs more than once in one call" in got["time_distributed"], b
+            assert "grad_accum_steps=k" in got["prepare_accumulation"], b
+            assert got["prepare_accumulation_unchanged"] is True, b
+        # Keras's Model.set_weights assigns every variable directly: the states are checked
+        # there too, and a bad one leaves every weight as it was
+        msw = got["model_set_weights"]
+        assert "layer 'b'" in msw["said"] and "unchanged" in msw["said"] and msw["unchanged"] is True, b
+        assert got["bf16_input"] == runs["tensorflow"]["fp8"]["bf16_input"], b
         loaders = got["loaders"]
         assert "grad" in loaders["refused"] and "unchanged" in loaders["refused"], (b, loaders)
         assert loaders["unchanged"] and loaders["round_trip"] and loaders["states_kept"], b

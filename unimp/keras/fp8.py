@@ -36,6 +36,7 @@ from unimp.fp8 import FP8State
 
 __all__ = [
     "check_loads",
+    "check_model_loads",
     "checked_load",
     "fp8_model_layers",
     "fp8_ops",
@@ -268,6 +269,40 @@ def check_loads(layer: Any, config: _fp8.FP8Config, path: str) -> None:
     layer.load_own_variables = checked_load_own_variables
 
 
+def check_model_loads(model: Any, swapped: list[tuple[str, Any]]) -> None:
+    """Gives ``model`` a ``set_weights`` that checks the scaling states of its float8 layers
+    (``swapped``: ``(path, layer)``) after Keras's own, which assigns every variable directly
+    without the layers' checked ``set_weights`` (:func:`check_loads`); on a bad state every
+    weight of the model is put back. Once per model.
+
+    Raises:
+        ValueError: (from ``set_weights``) a bad scaling state, the layer named.
+    """
+    if not swapped or peek(model, "fp8_checked_set_weights", False):
+        return
+    attach(model).fp8_checked_set_weights = True
+    plain = model.set_weights
+
+    def checked_set_weights(weights: Any) -> None:
+        before = [np.array(_numpy(v), copy=True) for v in model.weights]
+        try:
+            plain(weights)
+            for path, layer in swapped:
+                config = peek(layer, "fp8_config", None) or layer.config
+                for name in _TENSORS:
+                    state = FP8State(*(np.asarray(_numpy(getattr(layer, f"{name}_{f}")), np.float32) for f in _FIELDS))
+                    try:
+                        _fp8.check_state(state, config, name)
+                    except ValueError as err:
+                        raise ValueError(f"model set_weights, layer {path!r}: {err} The model's weights are unchanged.") from None
+        except ValueError:
+            for var, value in zip(model.weights, before, strict=True):
+                var.assign(value)
+            raise
+
+    model.set_weights = checked_set_weights
+
+
 # -- the matmul ------------------------------------------------------------------------------
 
 
@@ -288,12 +323,62 @@ def _warn_once(layer: Any) -> None:
     _fp8.warn_emulated(f"keras-{engine}", "gpu" if device in ("cuda", "gpu") else device)
 
 
+def _refuse_repeated_call(layer: Any) -> None:
+    """A float8 layer runs once per call of the model: its states' "gradients" are the states
+    after the step, which autodiff would add up over several calls (a ``TimeDistributed``
+    Dense, a sub-model called twice, a ``call`` running the layer twice). Checked at trace
+    time against Keras's call context (one per outermost layer call: no cost per step).
+
+    Raises:
+        ValueError: the layer already ran in this call, naming it and the fix.
+    """
+    from keras.src.backend.common import global_state
+
+    ctx = global_state.get_global_attribute("current_call_ctx")
+    if ctx is None:
+        return
+    seen = getattr(ctx, "_unimp_fp8_calls", None)
+    if seen is None:
+        seen = set()
+        ctx._unimp_fp8_calls = seen
+    if id(layer) in seen:
+        name = peek(layer, "fp8_path", layer.name)
+        raise ValueError(
+            f"float8 layer {name!r} runs more than once in one call of the model (a "
+            "TimeDistributed layer, a sub-model called twice, or a call() that runs it twice): "
+            "its scaling states take the step's new values as their gradient, which would be "
+            "added up over the calls. Exclude it from the recipe (FP8Recipe(exclude=(...,))) "
+            "or give each call a layer of its own."
+        )
+    seen.add(id(layer))
+
+
+def _held(x: Any) -> Any:
+    """``x`` as the amax and the quantization read it: on JAX, a float16 / bfloat16 value is
+    rounded to its dtype in float32 (``lax.reduce_precision``), because inside ``jit`` XLA may
+    keep an earlier op's result in float32 and drop the rounding to the half dtype (its
+    excess-precision simplification: a bfloat16 layer's output then reaches the amax
+    unrounded, and the scale differs from torch's and TensorFlow's); elsewhere ``x``."""
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    if keras.backend.backend() != "jax" or dtype not in ("float16", "bfloat16"):
+        return x
+    import jax
+
+    bits = {"float16": (5, 10), "bfloat16": (8, 7)}[dtype]
+    return jax.lax.reduce_precision(x.astype("float32"), *bits)
+
+
 def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, training: Any) -> Any:
     """``inputs @ kernel`` (kernel ``(in, units)``, read in float32) as an emulated float8
     matmul with ``layer``'s states; output in ``inputs``' dtype (the compute dtype for an
     integer input, as Keras's Dense promotes it) and leading shape."""
     _warn_once(layer)
-    training = bool(training)
+    # training=None (a call without the argument, Keras's default) records as training does:
+    # the states change only where gradients are taken and applied, as Keras's own float8
+    # Dense; training=False (evaluation) quantizes with the stored scale and records nothing
+    training = training is not False
+    if training:
+        _refuse_repeated_call(layer)
     x = ops.convert_to_tensor(inputs)
     F = fp8_ops(x)
     if "float" not in keras.backend.standardize_dtype(x.dtype):
@@ -312,16 +397,17 @@ def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, tr
 
     @ops.custom_gradient
     def matmul(x_: Any, w_: Any, *st: Any) -> Any:
-        (sx, ix), new_i = step(list(st[0:3]), _fp8.amax_of(F, x_, config), "forward")
+        xh = _held(x_)
+        (sx, ix), new_i = step(list(st[0:3]), _fp8.amax_of(F, xh, config), "forward")
         (sw, iw), new_k = step(list(st[3:6]), _fp8.amax_of(F, w_, config), "forward")
-        qx = ops.reshape(_fp8.quantize_arrays(F, x_, sx, fwd, _fp8.FP8_MAX[fwd]), (-1, n_in))
+        qx = ops.reshape(_fp8.quantize_arrays(F, xh, sx, fwd, _fp8.FP8_MAX[fwd]), (-1, n_in))
         qw = _fp8.quantize_arrays(F, w_, sw, fwd, _fp8.FP8_MAX[fwd])
         y = ops.cast(ops.multiply(ops.matmul(qx, qw), ops.multiply(ix, iw)), x_.dtype)
         y = ops.reshape(y, (*ops.shape(x_)[:-1], units))
 
         def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
             g = args[0] if upstream is None else upstream
-            g2 = ops.reshape(g, (-1, units))
+            g2 = _held(ops.reshape(g, (-1, units)))
             (sg, ig), new_g = step(list(st[6:9]), _fp8.amax_of(F, g2, config), "backward")
             qg = _fp8.quantize_arrays(F, g2, sg, bwd, _fp8.FP8_MAX[bwd])
             dx = ops.multiply(ops.matmul(qg, ops.transpose(qw)), ops.multiply(ig, iw))
@@ -381,8 +467,16 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
         if peek(layer, "fp8_config", None) is not None:
             done.append(path)
         elif isinstance(layer, keras.layers.Dense):
+            if not layer.trainable:
+                warnings.warn(
+                    f"float8 layer {path!r} is frozen (trainable=False): on Keras-{keras.backend.backend()} "
+                    "its scaling states are trainable variables, as Keras's own float8 Dense keeps "
+                    "them, so they stay at their initial values while it is frozen. Exclude it from "
+                    "the recipe, or unfreeze it.", UserWarning, stacklevel=3,
+                )  # fmt: skip
             _add_states(layer, recipe.scaling)
             attach(layer).fp8_config = recipe.scaling
+            attach(layer).fp8_path = path
             check_loads(layer, recipe.scaling, path)
             # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
             # float32 master weight (Keras's own float8 Dense reads it autocast)
@@ -392,4 +486,5 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
         else:
             warnings.warn(f"layer {path!r} ({type(layer).__name__}): only Dense layers run float8 "
                           "here; it runs in the recipe's compute dtype.", UserWarning, stacklevel=3)
+    check_model_loads(model, [(p, layers[p]) for p in done])
     return tuple(done)

@@ -80,6 +80,9 @@ class MixedPrecision(MixedPrecisionBase):
     optimizer_class: type = LossScaleOptimizer
     #: the float8 Dense classes of the backend, counted as ``"Dense"`` layers by fp8_layers
     _fp8_dense: tuple[type, ...] = ()
+    #: whether the float8 states take their new values as gradients (unimp.keras.fp8), which
+    #: Keras's own gradient accumulation would merge by their maximum
+    _fp8_states_are_gradients = True
 
     backend = "keras"
 
@@ -179,13 +182,22 @@ class MixedPrecision(MixedPrecisionBase):
             keras.config.set_dtype_policy(previous)
 
     def _wrap(self, optimizer: Any, seed: int) -> Any:
-        """``optimizer`` (a Keras optimizer or name) in :attr:`optimizer_class`."""
-        if isinstance(optimizer, LossScaleOptimizer):
-            self._check_loss_scale(optimizer)
+        """``optimizer`` (a Keras optimizer or name) in :attr:`optimizer_class`; one of that
+        class is taken as is once :meth:`_check_given` accepts it, Keras's own is unwrapped."""
+        if isinstance(optimizer, self.optimizer_class):
+            self._check_given(optimizer, seed)
             return optimizer
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # Keras's own: unwrapped
             optimizer = optimizer.inner_optimizer
-        return LossScaleOptimizer(keras.optimizers.get(optimizer), loss_scale=self.loss_scale)
+        return self._new_optimizer(keras.optimizers.get(optimizer), seed)
+
+    def _check_given(self, optimizer: Any, seed: int) -> None:
+        """Refuses an optimizer of :attr:`optimizer_class` the recipe would not have made."""
+        self._check_loss_scale(optimizer)
+
+    def _new_optimizer(self, inner: Any, seed: int) -> Any:
+        """:attr:`optimizer_class` around ``inner`` with the recipe's loss scale."""
+        return LossScaleOptimizer(inner, loss_scale=self.loss_scale)
 
     def _check_loss_scale(self, optimizer: Any) -> None:
         """An unimp optimizer given as is must hold the recipe's loss scale (every engine).
@@ -369,6 +381,15 @@ class MixedPrecision(MixedPrecisionBase):
                 "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
             )
         wrapped = None if optimizer is None else self.loss_scale_optimizer(optimizer)
+        if (
+            wrapped is not None and self._recipe.fp8 is not None and self._fp8_states_are_gradients
+            and getattr(wrapped.inner_optimizer, "gradient_accumulation_steps", None)
+        ):  # the optimizer's build refuses it too (a model swapped otherwise); here first
+            raise ValueError(
+                "the optimizer's gradient_accumulation_steps with an FP8 recipe: Keras would merge "
+                "the float8 states by their maximum, not by unimp's window rule. Accumulate in "
+                "unimp's step instead: mp.train_step(model, optimizer, loss_fn, grad_accum_steps=k)."
+            )
         overridden = resolve(self, model)  # warns / raises before anything changes
         self._warn_built_outside(model)
         current = getattr(model, "optimizer", None)

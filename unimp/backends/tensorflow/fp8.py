@@ -30,7 +30,7 @@ from unimp.backends.tensorflow.devices import _capability
 from unimp.dtypes import device_support
 from unimp.fp8 import FP8State
 from unimp.keras import fp8 as _keras_fp8
-from unimp.keras.fp8 import check_loads, checked_load
+from unimp.keras.fp8 import check_loads, check_model_loads, checked_load
 
 _FP8_DTYPES = {
     "float8_e4m3fn": tf.dtypes.experimental.float8_e4m3fn,
@@ -572,8 +572,10 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
             # float32 master weight (Keras's own float8 Dense reads it autocast to bfloat16)
             layer._kernel._autocast = False
             layer.call = types.MethodType(_fp8_dense_call, layer)
+            attach(layer).fp8_path = path
             done.append(path)
         else:
             warnings.warn(f"layer {path!r} ({type(layer).__name__}): only Dense layers run float8 "
                           "here; it runs in the recipe's compute dtype.", UserWarning, stacklevel=3)
+    check_model_loads(model, [(p, layers[p]) for p in done])
     return tuple(done)

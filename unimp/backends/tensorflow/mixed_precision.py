@@ -16,7 +16,7 @@ from unimp.backends._base import MixedPrecisionBase
 from unimp.backends.tensorflow.casting import cast_tree, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.fp8 import FP8Dense, fp8_swap
-from unimp.backends.tensorflow.optimizer import LossScaleOptimizer, _wrap_optimizer
+from unimp.backends.tensorflow.optimizer import LossScaleOptimizer
 from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
@@ -67,6 +67,7 @@ class MixedPrecision(KerasMixedPrecision):
     _to_dtype = staticmethod(to_dtype)
     optimizer_class = LossScaleOptimizer
     _fp8_dense = (FP8Dense,)
+    _fp8_states_are_gradients = False  # non-trainable variables written in the step
 
     backend = "tensorflow"
 
@@ -98,8 +99,23 @@ class MixedPrecision(KerasMixedPrecision):
         with self._placed(), matmul_precision(self.policy.matmul_precision):
             yield
 
-    def _wrap(self, optimizer: Any, seed: int) -> LossScaleOptimizer:
-        return _wrap_optimizer(optimizer, self.loss_scale, self.policy.update, seed)
+    def _check_given(self, optimizer: Any, seed: int) -> None:
+        """The loss scale (as on every engine), then the update rule and seed this backend runs.
+
+        Raises:
+            ValueError: another loss scale, update rule or seed, naming the fix.
+        """
+        super()._check_given(optimizer, seed)
+        update = self.policy.update
+        if (optimizer._update_mode, optimizer._update_seed) != (update, seed):
+            raise ValueError(
+                f"the optimizer applies update={optimizer._update_mode!r} with seed "
+                f"{optimizer._update_seed}, the recipe asks for update={update!r} with seed "
+                f"{seed}: pass its inner_optimizer and unimp wraps it."
+            )
+
+    def _new_optimizer(self, inner: Any, seed: int) -> LossScaleOptimizer:
+        return LossScaleOptimizer(inner, loss_scale=self.loss_scale, update=self.policy.update, seed=seed)
 
     def _fp8_swap(self, model: Any) -> None:
         """This backend's float8 layers (:func:`unimp.backends.tensorflow.fp8.fp8_swap`)."""

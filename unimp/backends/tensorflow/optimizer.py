@@ -1058,31 +1058,6 @@ def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> Loss
     return LossScaleOptimizer(optimizer, loss_scale="none", update=update, seed=seed)
 
 
-def _wrap_optimizer(
-    optimizer: Any, config: LossScaleConfig, update: str = "nearest", seed: int = 0
-) -> LossScaleOptimizer:
-    """unimp's LossScaleOptimizer around ``optimizer`` (unwrapping a Keras one), with the
-    recipe's loss scale and update rule."""
-    if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
-    if isinstance(optimizer, LossScaleOptimizer):
-        if optimizer.loss_scale_config != config:
-            raise ValueError(
-                f"the optimizer's loss scale {optimizer.loss_scale_config.to_dict()} differs from the "
-                f"recipe's {config.to_dict()}; pass its .inner_optimizer to let the recipe wrap it."
-            )
-        if (optimizer._update_mode, optimizer._update_seed) != (update, seed):
-            raise ValueError(
-                f"the optimizer applies update={optimizer._update_mode!r} with seed "
-                f"{optimizer._update_seed}, the recipe asks for update={update!r} with seed {seed}; "
-                "pass its .inner_optimizer to let the recipe wrap it."
-            )
-        return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
-    return LossScaleOptimizer(optimizer, loss_scale=config, update=update, seed=seed)
-
-
 class LossScaleCheck(FitCheck, keras.callbacks.Callback):
     """A Keras callback that acts on the loss-scale config's ``max_consecutive_skips`` and
     ``floor_action`` during ``model.fit``, where no step result is read (a custom loop checks
