@@ -35,6 +35,7 @@ from unimp.attached import attach, peek
 from unimp.fp8 import FP8State
 
 __all__ = [
+    "add_state_variables",
     "check_loads",
     "check_model_loads",
     "checked_load",
@@ -141,21 +142,30 @@ def _add_states(layer: Any, config: _fp8.FP8Config) -> None:
     variables with ``overwrite_with_gradient``, never autocast, added the way Keras's own
     ``Dense.quantize`` adds its float8 variables (tracker unlocked, then locked); each marked
     with its place, ``(tensor, field)``, for :func:`state_groups`."""
-    init = FP8State.initial(config)
     layer._tracker.unlock()
     try:
-        for name in _TENSORS:
-            for f in _FIELDS:
-                value = np.asarray(getattr(init, f), np.float32)
-                var = layer.add_weight(
-                    name=f"{name}_{f}", shape=value.shape, dtype="float32", trainable=True,
-                    initializer=lambda shape, dtype=None, v=value: ops.convert_to_tensor(v), autocast=False,
-                )  # fmt: skip
-                var.overwrite_with_gradient = True
-                attach(var).fp8_state = (id(layer), name, f)
-                setattr(layer, f"{name}_{f}", var)
+        add_state_variables(layer, config, as_gradients=True)
     finally:
         layer._tracker.lock()
+
+
+def add_state_variables(layer: Any, config: _fp8.FP8Config, as_gradients: bool) -> None:
+    """Adds a float8 layer's nine scaling states, float32 and never autocast, initialized to
+    :meth:`unimp.fp8.FP8State.initial`, as ``layer.<tensor>_<field>``: with ``as_gradients``
+    trainable and ``overwrite_with_gradient`` (here), else non-trainable (the TensorFlow
+    backend's, written in the step)."""
+    init = FP8State.initial(config)
+    for name in _TENSORS:
+        for f in _FIELDS:
+            value = np.asarray(getattr(init, f), np.float32)
+            var = layer.add_weight(
+                name=f"{name}_{f}", shape=value.shape, dtype="float32", trainable=as_gradients,
+                initializer=lambda shape, dtype=None, v=value: ops.convert_to_tensor(v), autocast=False,
+            )  # fmt: skip
+            if as_gradients:
+                var.overwrite_with_gradient = True
+                attach(var).fp8_state = (id(layer), name, f)
+            setattr(layer, f"{name}_{f}", var)
 
 
 def state_groups(variables: list[Any]) -> list[tuple[int, int, int]]:
@@ -353,21 +363,6 @@ def _refuse_repeated_call(layer: Any) -> None:
     seen.add(id(layer))
 
 
-def _held(x: Any) -> Any:
-    """``x`` as the amax and the quantization read it: on JAX, a float16 / bfloat16 value is
-    rounded to its dtype in float32 (``lax.reduce_precision``), because inside ``jit`` XLA may
-    keep an earlier op's result in float32 and drop the rounding to the half dtype (its
-    excess-precision simplification: a bfloat16 layer's output then reaches the amax
-    unrounded, and the scale differs from torch's and TensorFlow's); elsewhere ``x``."""
-    dtype = keras.backend.standardize_dtype(x.dtype)
-    if keras.backend.backend() != "jax" or dtype not in ("float16", "bfloat16"):
-        return x
-    import jax
-
-    bits = {"float16": (5, 10), "bfloat16": (8, 7)}[dtype]
-    return jax.lax.reduce_precision(x.astype("float32"), *bits)
-
-
 def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, training: Any) -> Any:
     """``inputs @ kernel`` (kernel ``(in, units)``, read in float32) as an emulated float8
     matmul with ``layer``'s states; output in ``inputs``' dtype (the compute dtype for an
@@ -397,17 +392,16 @@ def _fp8_matmul(layer: Any, config: _fp8.FP8Config, inputs: Any, kernel: Any, tr
 
     @ops.custom_gradient
     def matmul(x_: Any, w_: Any, *st: Any) -> Any:
-        xh = _held(x_)
-        (sx, ix), new_i = step(list(st[0:3]), _fp8.amax_of(F, xh, config), "forward")
+        (sx, ix), new_i = step(list(st[0:3]), _fp8.amax_of(F, x_, config), "forward")
         (sw, iw), new_k = step(list(st[3:6]), _fp8.amax_of(F, w_, config), "forward")
-        qx = ops.reshape(_fp8.quantize_arrays(F, xh, sx, fwd, _fp8.FP8_MAX[fwd]), (-1, n_in))
+        qx = ops.reshape(_fp8.quantize_arrays(F, x_, sx, fwd, _fp8.FP8_MAX[fwd]), (-1, n_in))
         qw = _fp8.quantize_arrays(F, w_, sw, fwd, _fp8.FP8_MAX[fwd])
         y = ops.cast(ops.multiply(ops.matmul(qx, qw), ops.multiply(ix, iw)), x_.dtype)
         y = ops.reshape(y, (*ops.shape(x_)[:-1], units))
 
         def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
             g = args[0] if upstream is None else upstream
-            g2 = _held(ops.reshape(g, (-1, units)))
+            g2 = ops.reshape(g, (-1, units))
             (sg, ig), new_g = step(list(st[6:9]), _fp8.amax_of(F, g2, config), "backward")
             qg = _fp8.quantize_arrays(F, g2, sg, bwd, _fp8.FP8_MAX[bwd])
             dx = ops.multiply(ops.matmul(qg, ops.transpose(qw)), ops.multiply(ig, iw))

@@ -91,7 +91,18 @@ class FP8Ops:
 
     @staticmethod
     def to_f32(x: jax.Array) -> jax.Array:
-        return jnp.asarray(x).astype(jnp.float32)
+        # a float16 / bfloat16 value rounded to its dtype again, in ops XLA keeps: inside jit
+        # XLA may hold an earlier op's half result in float32 and drop its rounding (the
+        # excess-precision simplification of round_fp8's note), so a bfloat16 layer's output
+        # reached the amax unrounded (8.2099 where torch and TensorFlow read 8.1875)
+        x = jnp.asarray(x)
+        wide = x.astype(jnp.float32)
+        if x.dtype == jnp.bfloat16:  # float32's exponent: reduce-precision keeps subnormals
+            return jax.lax.reduce_precision(wide, exponent_bits=8, mantissa_bits=7)
+        if x.dtype == jnp.float16:  # subnormals by their spacing (reduce-precision flushes them)
+            normal = jax.lax.reduce_precision(wide, exponent_bits=5, mantissa_bits=10)
+            return jnp.where(jnp.abs(wide) >= 2.0**-14, normal, jnp.round(wide * 2.0**24) * 2.0**-24)
+        return wide
 
     @staticmethod
     def round_fp8(x: jax.Array, dtype: str) -> jax.Array:
