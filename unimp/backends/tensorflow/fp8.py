@@ -30,7 +30,7 @@ from unimp.backends.tensorflow.devices import _capability
 from unimp.dtypes import device_support
 from unimp.fp8 import FP8State
 from unimp.keras import fp8 as _keras_fp8
-from unimp.keras.fp8 import check_loads, check_model_loads, checked_load
+from unimp.keras.fp8 import add_state_variables, check_loads, check_model_loads, checked_load
 
 _FP8_DTYPES = {
     "float8_e4m3fn": tf.dtypes.experimental.float8_e4m3fn,
@@ -327,15 +327,7 @@ def _add_states(layer: Any, config: _fp8.FP8Config, native: bool, layer_name: st
     """The scaling states of a float8 layer: non-trainable float32 variables
     ``<input|kernel|grad>_<scale|scale_inv|amax_history>`` (never autocast); and whether it
     asked for the native GEMM, under which name (``layer_name``) it is warned about."""
-    init = FP8State.initial(config)
-    for name in _TENSORS:
-        for f in _FIELDS:
-            value = np.asarray(getattr(init, f), np.float32)
-            var = layer.add_weight(
-                name=f"{name}_{f}", shape=value.shape, dtype="float32", trainable=False,
-                initializer=lambda shape, dtype=None, v=value: tf.constant(v), autocast=False,
-            )
-            setattr(layer, f"{name}_{f}", var)
+    add_state_variables(layer, config, as_gradients=False)
     attach(layer).fp8_native = bool(native)
     attach(layer).fp8_name = layer_name
     attach(layer).fp8_use_native = None  # decided at the first call (host side, once per layer)
