@@ -42,6 +42,8 @@ API_PACKAGES: list[tuple[str, str, str]] = [
      "Block-scaled formats: MX, block FP8, NVFP4."),
     ("unimp.blockscale_presets", "reference/api/blockscale_presets.md",
      "Each implementation's block-scaled rule as a preset."),
+    ("unimp.blockscale_linear", "reference/api/blockscale_linear.md",
+     "The block-scaled linear layer's rule: which operand each GEMM quantizes along which axis."),
 ]
 
 CLI_PAGE = "reference/cli.md"
