@@ -153,6 +153,7 @@ BACKEND_MODULES = (
     "mixed_precision",  # MixedPrecision: the recipe bound to the framework
     "trace",  # the dtype trace of one step: ops with input / compute / output dtypes
     "fp8",  # unimp.fp8's scaling and quantize-dequantize rules on device tensors, FP8 layers
+    "blockscale",  # unimp.blockscale_linear's block-scaled GEMM rule as a custom-gradient matmul, layers
 )
 
 #: FP8 names every backend's ``fp8`` module exports (and its package re-exports), the same

@@ -1,0 +1,98 @@
+"""JAX block-scaled linear layers: :mod:`unimp.blockscale_linear`'s rule (MXFP8, block FP8,
+NVFP4, MXFP4) on ``jnp`` arrays, as a custom-gradient matmul (:func:`block_scaled_matmul`, a
+``jax.custom_vjp``; it traces under ``jax.jit``) and :func:`block_scaled_dot_general`, a
+flax ``dot_general``. Emulated: the operands are quantized and dequantized to float32 and
+multiplied in float32; the result is cast to the input's dtype (the compute dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from unimp import blockscale_linear as _bl
+from unimp.backends.jax.fp8 import FP8Ops
+from unimp.backends.jax.optimizer import UpdateOps
+from unimp.fp8 import refuse_non_float
+
+
+class BlockOps(FP8Ops):
+    """:mod:`unimp.blockscale_linear`'s namespace over ``jnp`` arrays: the FP8 rule's
+    ``FP8Ops`` plus ``matmul`` and ``transpose``."""
+
+    @staticmethod
+    def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+        # HIGHEST: float32 products of the dequantized values, never a bfloat16 pass (the
+        # default precision may be lowered on an accelerator)
+        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+    @staticmethod
+    def transpose(a: jax.Array) -> jax.Array:
+        return jnp.transpose(a)
+
+
+def _fwd(rule, layout, seed, x, w, step):
+    x2 = x.reshape(-1, x.shape[-1])
+    y, saved = _bl.linear_forward(BlockOps, x2, w, rule, layout)
+    y = y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
+    marks = (jnp.zeros(x.shape, x.dtype)[..., :0], jnp.zeros((), w.dtype))  # shapes and dtypes only
+    return y, (saved, step, marks)
+
+
+def _bwd(rule, layout, seed, res, g):
+    saved, step, (xmark, wmark) = res
+    g2 = g.reshape(-1, g.shape[-1])
+    bits = _bl.gradient_bits(UpdateOps, seed, step, *g2.shape) if rule.stochastic("gradient") else None
+    dx, dw = _bl.linear_backward(BlockOps, saved, g2, rule, layout, bits)
+    return dx.reshape(*xmark.shape[:-1], dx.shape[-1]).astype(xmark.dtype), dw.astype(wmark.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul(rule, layout, seed, x, w, step):
+    return _fwd(rule, layout, seed, x, w, step)[0]
+
+
+_matmul.defvjp(_fwd, _bwd)
+
+
+def block_scaled_matmul(x: jax.Array, w: jax.Array, rule: Any, layout: str = "in_out",
+                        seed: int = 0, step: Any = 0) -> jax.Array:
+    """``x @ W`` as an emulated block-scaled GEMM with its gradients by the same rule
+    (:data:`unimp.blockscale_linear.GEMMS`); the contract is the torch backend's
+    ``block_scaled_matmul``. ``step`` may be a traced int32 counter (a jitted train step's);
+    ``seed`` and the rule are static. Shapes are static under ``jit``.
+
+    Raises:
+        TypeError: a non-floating ``x`` or ``w`` (``jnp.matmul`` would multiply integers
+            exactly, which a block-scaled GEMM cannot).
+        ValueError: an unknown rule or layout, or sizes that do not split into the rule's blocks.
+    """
+    rule = _bl.block_linear_rule(rule)
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            refuse_non_float(jnp.result_type(a), f"block_scaled_matmul {name}", "cast it to a float dtype first")
+    return _matmul(rule, layout, int(seed), jnp.asarray(x), jnp.asarray(w), jnp.asarray(step, jnp.int32))
+
+
+def block_scaled_dot_general(rule: Any, seed: int = 0, step: Any = 0) -> Any:
+    """A flax ``dot_general`` (``nn.Dense(..., dot_general=...)``) running
+    :func:`block_scaled_matmul` on a Dense product (lhs ``(..., K)`` by a kernel ``(K, N)``).
+
+    Raises:
+        ValueError: (when called) dimension numbers of any other product.
+    """
+    rule = _bl.block_linear_rule(rule)
+
+    def dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+                    preferred_element_type: Any = None) -> jax.Array:
+        (lc, rc), (lb, rb) = dimension_numbers
+        if lb or rb or tuple(rc) != (0,) or jnp.ndim(rhs) != 2 or tuple(lc) != (jnp.ndim(lhs) - 1,):
+            raise ValueError(f"block_scaled_dot_general: dimension numbers {dimension_numbers} are not a "
+                             "Dense product (lhs (..., K) by a kernel (K, N)); use it as a Dense's dot_general.")
+        y = block_scaled_matmul(lhs, rhs, rule, "in_out", seed, step)
+        return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+    return dot_general
