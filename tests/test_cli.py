@@ -132,16 +132,16 @@ def test_a_closed_pipe_is_a_quiet_exit():
 
 
 def _synopses():
-    """``{command: its README synopsis}``: the text between the backticks of each
-    '* `unimp COMMAND ...`' bullet of the README's command-line section."""
-    text = (Path(__file__).parents[1] / "README.md").read_text()
+    """``{command: its synopsis}``: the text between the backticks of each '* `unimp COMMAND
+    ...`' bullet of docs/reference/commands.md (the commands described in words)."""
+    text = (Path(__file__).parents[1] / "docs" / "reference" / "commands.md").read_text()
     out: dict[str, str] = {}
     for whole, command in re.findall(r"^\* `(unimp (\w+)[^`]*)`", text, flags=re.M):
         out[command] = out.get(command, "") + " " + whole  # explain has two bullets
     return out
 
 
-def test_the_readmes_synopses_list_every_option_the_parsers_take():
+def test_the_synopses_list_every_option_the_parsers_take():
     from unimp.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -150,7 +150,7 @@ def test_the_readmes_synopses_list_every_option_the_parsers_take():
     for command, parser in sub.choices.items():
         options = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
         missing = sorted(o for o in options - {"--help"} if not re.search(rf"{o}\b", synopses[command]))
-        assert not missing, f"README's `unimp {command}` synopsis lacks {missing}"
+        assert not missing, f"docs/reference/commands.md's `unimp {command}` synopsis lacks {missing}"
 
 
 def test_compare_help_names_every_loss_scale_preset(capsys):

@@ -122,12 +122,12 @@ def test_noop_and_describe():
     assert "dynamic(init=32768" in get_recipe("mixed_float16").describe()
 
 
-def test_the_readme_recipe_file_loads(tmp_path):
+def test_the_docs_recipe_file_loads(tmp_path):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    toml = re.search(r"```toml\n(.*?)```", readme, re.S).group(1)
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "concepts.md").read_text()
+    toml = re.search(r"```toml\n(.*?)```", page, re.S).group(1)
     path = tmp_path / "my.toml"
     path.write_text(toml)
     r = get_recipe(str(path))
