@@ -16,13 +16,14 @@ import argparse
 if __name__ == "__main__":  # --help answers before JAX is imported
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 
+import time  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import unimp  # noqa: E402
-import time  # noqa: E402
 
 
 def dense(rng, n_in: int, n_out: int) -> dict:

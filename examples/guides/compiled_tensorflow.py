@@ -20,11 +20,12 @@ import os  # noqa: E402
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import time  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import unimp  # noqa: E402
-import time  # noqa: E402
 
 
 def main() -> list:

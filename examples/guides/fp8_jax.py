@@ -62,7 +62,8 @@ def main() -> dict:
     step = mp.train_step(loss_fn, optax.adam(1e-3), params, model_state=mp.fp8_states())
     for i in range(3):
         r = step(batch(rng))
-        scales = {t: float(s.scale) for t, s in zip(("input", "kernel", "grad"), step.model_state["l2"])}
+        states = step.model_state["l2"]                     # (input, kernel, grad) FP8States
+        scales = {t: float(s.scale) for t, s in zip(("input", "kernel", "grad"), states, strict=True)}
         print(f"step {i}: loss {float(r.loss):.4f}, l2's float8 scales {scales}")
     return {"layers": mp.fp8_layers(["l1", "l2", "l3"]), "scales": scales}
 

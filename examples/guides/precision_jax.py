@@ -15,7 +15,6 @@ import argparse
 if __name__ == "__main__":  # --help answers before JAX is imported
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

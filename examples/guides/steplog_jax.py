@@ -14,15 +14,15 @@ import argparse
 if __name__ == "__main__":  # --help answers before JAX is imported
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import unimp  # noqa: E402
-import os  # noqa: E402
-import tempfile  # noqa: E402
-
 from unimp.doctor import diagnose  # noqa: E402
 from unimp.steplog import read_steplog  # noqa: E402
 

@@ -19,12 +19,12 @@ import os  # noqa: E402
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tempfile  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import unimp  # noqa: E402
-import tempfile  # noqa: E402
-
 from unimp.doctor import diagnose  # noqa: E402
 from unimp.steplog import read_steplog  # noqa: E402
 
