@@ -44,6 +44,8 @@ API_PACKAGES: list[tuple[str, str, str]] = [
      "Each implementation's block-scaled rule as a preset."),
     ("unimp.blockscale_linear", "reference/api/blockscale_linear.md",
      "The block-scaled linear layer's rule: which operand each GEMM quantizes along which axis."),
+    ("unimp.blockscale_recipe", "reference/api/blockscale_recipe.md",
+     "Which Dense / Linear layers a block-scaled recipe runs in its format."),
 ]
 
 CLI_PAGE = "reference/cli.md"

@@ -16,7 +16,7 @@ from unimp.backends._base import BACKEND_MODULES, COMMON_API
 
 UNIMP = pathlib.Path(__file__).resolve().parents[1] / "unimp"
 BACKENDS = ("torch", "tensorflow", "jax")
-CORE = ("attached", "blockscale", "blockscale_linear", "blockscale_presets", "dtypes", "policy", "precision", "loss_scale", "recipe", "registry", "step")
+CORE = ("attached", "blockscale", "blockscale_linear", "blockscale_presets", "blockscale_recipe", "dtypes", "policy", "precision", "loss_scale", "recipe", "registry", "step")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -96,3 +96,14 @@ def block_scaled_dot_general(rule: Any, seed: int = 0, step: Any = 0) -> Any:
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
     return dot_general
+
+
+def block_matmul(recipe: Any, selected: Any, path: str, x: jax.Array, w: jax.Array, step: Any = 0) -> jax.Array:
+    """Plain JAX: ``x @ w`` (``w`` of shape ``(in, out)``) as :func:`block_scaled_matmul` with
+    ``recipe``'s rule and seed (an :class:`unimp.blockscale_recipe.BlockRecipe`) when ``path`` is
+    in ``selected`` (its :meth:`~unimp.blockscale_recipe.BlockRecipe.select` of the model's
+    ``(path, kind)`` pairs), else the plain matmul; ``step`` is the stochastic rounding's
+    counter (a traced int32 is fine)."""
+    if path not in selected:
+        return x @ w
+    return block_scaled_matmul(x, w, recipe.rule, "in_out", recipe.seed, step)

@@ -160,3 +160,51 @@ class BlockScaledLinear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rule={self.rule.name!r}"
+
+
+def block_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
+    """Replaces the ``nn.Linear`` modules ``recipe`` (an
+    :class:`unimp.blockscale_recipe.BlockRecipe`) selects by :class:`BlockScaledLinear` sharing
+    their Parameters, in place, and returns the selected paths (the FP8 recipes' selection:
+    first and last Linear out by default; a module reachable at several paths is refused, as
+    :func:`unimp.backends.torch.fp8.fp8_select` refuses it). Layers already block-scaled are
+    kept.
+
+    Raises:
+        ValueError: a selected module shared by several paths, or selected layers whose
+            in / out features do not split into the rule's blocks (all named, with the fix);
+            nothing is swapped.
+    """
+    from unimp.backends.torch.fp8 import fp8_select
+
+    selected = fp8_select(model, recipe)
+    modules = dict(model.named_modules())
+    _check_sizes(recipe, [(p, modules[p].in_features, modules[p].out_features) for p in selected
+                          if isinstance(modules[p], torch.nn.Linear)])
+    done = []
+    for path in selected:
+        layer = modules[path]
+        if isinstance(layer, BlockScaledLinear):
+            done.append(path)
+        elif isinstance(layer, torch.nn.Linear):
+            parent, _, attr = path.rpartition(".")
+            new = BlockScaledLinear.from_linear(layer, recipe.rule, recipe.seed)
+            setattr(modules[parent] if parent else model, attr, new)
+            done.append(path)
+    return tuple(done)
+
+
+def _check_sizes(recipe: Any, layers: list[tuple[str, int, int]]) -> None:
+    """Refuses, before anything changes, the layers whose sizes do not split into the rule's
+    blocks (the batch rows are checked at call time)."""
+    rule = recipe.rule
+    m = rule.tile("activation")[1] * rule.tile("gradient")[1]  # any multiple of both passes
+    bad = []
+    for path, k, n in layers:
+        try:
+            _bl.check_linear_shapes(rule, m, k, n)
+        except ValueError as err:
+            bad.append(f"{path!r} ({str(err).split(': ', 1)[1].split(';')[0]})")
+    if bad:
+        raise ValueError(f"block-scaled recipe {rule.name!r}: layers {', '.join(bad)}; keep them out "
+                         f"(BlockRecipe(exclude=[...their paths...])) or pad their features.")

@@ -1,0 +1,112 @@
+"""A block-scaled recipe (unimp.blockscale_recipe.BlockRecipe) swaps the selected Dense / Linear
+layers in every framework: the same layers (the FP8 recipes' first/last rule and excludes), each
+then computing its matmul as the backend's ``block_scaled_matmul`` (bit for bit, within the
+framework), and a layer whose features do not split into the rule's blocks refused before
+anything changes (torch ``block_swap``, Keras ``block_swap``, JAX ``block_matmul``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import require_backend
+
+from unimp.blockscale_recipe import BlockRecipe
+
+WIDTHS = (128, 128, 128, 128, 128)  # four layers fc1..fc4; fp8_block needs multiples of 128
+
+
+def _x():
+    return np.random.default_rng(0).standard_normal((128, WIDTHS[0])).astype(np.float32)
+
+
+def _torch_model(widths=WIDTHS):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)))
+
+
+def _keras_model(widths=WIDTHS):
+    import keras
+
+    return keras.Sequential([keras.Input((widths[0],)), *(
+        keras.layers.Dense(b, name=f"fc{i + 1}") for i, b in enumerate(widths[1:]))])
+
+
+@pytest.mark.parametrize("rule", ["mxfp8", "fp8_block", "nvfp4", "mxfp4"])
+def test_the_selected_layers_run_the_block_scaled_matmul(backend, rule):
+    require_backend(backend)
+    recipe = BlockRecipe(rule, seed=2)
+    x = _x()
+    if backend == "torch":
+        import torch
+
+        from unimp.backends.torch.blockscale import (
+            BlockScaledLinear,
+            block_scaled_matmul,
+            block_swap,
+        )
+
+        model = _torch_model()
+        before = [id(p) for p in model.parameters()]
+        assert block_swap(model, recipe) == ("1", "2")
+        assert [type(m).__name__ for m in model] == ["Linear", "BlockScaledLinear", "BlockScaledLinear", "Linear"]
+        assert [id(p) for p in model.parameters()] == before  # the same Parameters
+        assert block_swap(model, recipe) == ("1", "2")  # again: kept
+        layer = model[1]
+        assert isinstance(layer, BlockScaledLinear) and layer.rule.name == rule
+        h = torch.tensor(x)
+        got = layer(h)
+        want = block_scaled_matmul(h, layer.weight, rule, "out_in", 2, 0) + layer.bias
+        np.testing.assert_array_equal(got.detach().numpy(), want.detach().numpy())
+        return
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        from unimp.backends.tensorflow.blockscale import block_scaled_matmul, block_swap
+
+        model = _keras_model()
+        assert block_swap(model, recipe) == ("fc2", "fc3")
+        assert block_swap(model, recipe) == ("fc2", "fc3")
+        layer = model.get_layer("fc2")
+        h = tf.constant(x)
+        got = layer(h, training=True)
+        assert int(layer.block_step.numpy()) == 1
+        want = block_scaled_matmul(h, tf.convert_to_tensor(layer.kernel), rule, "in_out", 2, 0) + layer.bias
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        assert not np.array_equal(got.numpy(), (h @ layer.kernel + layer.bias).numpy())
+        return
+    import jax.numpy as jnp
+
+    from unimp.backends.jax.blockscale import block_matmul, block_scaled_matmul
+
+    selected = recipe.select([(f"fc{i}", "Dense") for i in range(1, 5)])
+    assert selected == ("fc2", "fc3")
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((128, 128)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(block_matmul(recipe, selected, "fc2", jnp.asarray(x), w)),
+                                  np.asarray(block_scaled_matmul(jnp.asarray(x), w, rule, "in_out", 2, 0)))
+    np.testing.assert_array_equal(np.asarray(block_matmul(recipe, selected, "fc1", jnp.asarray(x), w)),
+                                  np.asarray(jnp.asarray(x) @ w))
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])  # JAX selects paths, swaps no object
+def test_a_layer_whose_features_do_not_split_is_refused_before_anything_changes(backend):
+    require_backend(backend)
+    widths = (64, 128, 96, 128, 64)  # fc2 is 128 -> 96: N = 96 is no multiple of 128
+    recipe = BlockRecipe("fp8_block")
+    if backend == "torch":
+        from unimp.backends.torch.blockscale import block_swap
+
+        model = _torch_model(widths)
+        with pytest.raises(ValueError, match=r"'1' \(N \(out features\) is 96, not a multiple of 128.*exclude"):
+            block_swap(model, recipe)
+        assert [type(m).__name__ for m in model] == ["Linear"] * 4
+        assert block_swap(model, BlockRecipe("mxfp8")) == ("1", "2")  # 96 splits into 32s
+        return
+    from unimp.backends.tensorflow.blockscale import block_swap
+
+    model = _keras_model(widths)
+    with pytest.raises(ValueError, match=r"'fc2' \(N \(out features\) is 96, not a multiple of 128.*exclude"):
+        block_swap(model, recipe)
+    assert not hasattr(model.get_layer("fc2"), "block_step")
+    assert block_swap(model, BlockRecipe("mxfp8")) == ("fc2", "fc3")
