@@ -46,6 +46,8 @@ __all__ = [
     "is_state",
     "keep_unrun",
     "state_groups",
+    "swap_layers",
+    "swappable",
     "window_states",
 ]
 
@@ -53,23 +55,34 @@ _TENSORS, _FIELDS = _fp8.LAYER_TENSORS, _fp8.STATE_FIELDS
 
 
 def fp8_ops(like: Any = None) -> Any:
-    """The FP8 rule's array namespace of the running Keras engine (the JAX, torch or
-    TensorFlow backend's ``FP8Ops``: the same bit-level scale rules the framework's own unimp
-    layers run); on torch the one for ``like``'s device (Keras's device without it)."""
+    """The FP8 rule's array namespace of the running Keras engine: the JAX or torch backend's
+    ``FP8Ops`` (the same bit-level scale rules the framework's own unimp layers run); on torch
+    the one for ``like``'s device (Keras's device without it).
+
+    Raises:
+        ValueError: Keras runs on TensorFlow, where the float8 layers are
+            :class:`unimp.backends.tensorflow.FP8Dense` and the rule's namespace is
+            ``unimp.backends.tensorflow.FP8Ops`` (that backend builds on this module, so this
+            module does not reach back into it).
+    """
     engine = keras.backend.backend()
     if engine == "jax":
         from unimp.backends.jax.fp8 import FP8Ops
-    elif engine == "torch":
-        from unimp.backends.torch.fp8 import _ops
+
+        return FP8Ops
+    if engine == "torch":
+        from unimp.backends.torch.fp8 import FP8Ops as TorchFP8Ops
 
         if like is None:
             from keras.src.backend.torch.core import get_device
 
-            return _ops(get_device())
-        return _ops(like.device)
-    else:
-        from unimp.backends.tensorflow.fp8 import FP8Ops
-    return FP8Ops
+            return TorchFP8Ops.on(get_device())
+        return TorchFP8Ops.on(like.device)
+    raise ValueError(
+        f"unimp.keras.fp8.fp8_ops serves Keras's JAX and torch engines; Keras runs on {engine!r}, "
+        "where unimp's float8 layers are unimp.backends.tensorflow.FP8Dense: use "
+        "unimp.backends.tensorflow.FP8Ops."
+    )
 
 
 def fp8_model_layers(model: Any, dense: tuple[type, ...] = ()) -> list[tuple[str, str, Any]]:
@@ -347,10 +360,9 @@ def _refuse_repeated_call(layer: Any) -> None:
     ctx = global_state.get_global_attribute("current_call_ctx")
     if ctx is None:
         return
-    seen = getattr(ctx, "_unimp_fp8_calls", None)
+    seen = peek(ctx, "fp8_calls", None)
     if seen is None:
-        seen = set()
-        ctx._unimp_fp8_calls = seen
+        seen = attach(ctx).fp8_calls = set()
     if id(layer) in seen:
         name = peek(layer, "fp8_path", layer.name)
         raise ValueError(
@@ -428,6 +440,31 @@ def _fp8_dense_call(self: Any, inputs: Any, training: Any = None) -> Any:
     return y
 
 
+def swappable(model: Any, recipe: Any, dense: tuple[type, ...] = ()) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The paths ``recipe`` selects in ``model`` (:func:`fp8_select`) and every layer by path,
+    once each selected Dense can take the float8 matmul (every engine's swap checks this
+    first, so a refusal changes nothing).
+
+    Raises:
+        ValueError: a selected layer is not built (build the model first), uses LoRA
+            (``enable_lora``) or Keras's own quantization, or is called at several places.
+    """
+    selected = fp8_select(model, recipe, dense)
+    layers = {p: layer for p, _, layer in fp8_model_layers(model, dense)}
+    unbuilt = [p for p in selected if not layers[p].built]
+    if unbuilt:
+        raise ValueError(f"float8 layers {unbuilt} are not built yet: build the model (call it once "
+                         "or give its Input shapes) before mp.prepare.")
+    odd = [p for p in selected if isinstance(layers[p], keras.layers.Dense)
+           and peek(layers[p], "fp8_config", None) is None
+           and (getattr(layers[p], "lora_enabled", False) or getattr(layers[p], "quantization_mode", None))]
+    if odd:
+        raise ValueError(f"float8 layers {odd} use LoRA or Keras's own quantization, which unimp's "
+                         "float8 matmul does not run: exclude them from the recipe "
+                         "(FP8Recipe(exclude=...)) or prepare before enable_lora / quantize.")
+    return selected, layers
+
+
 def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     """Puts unimp's float8 matmul into the Dense layers of a built Keras model that ``recipe``
     (an :class:`unimp.fp8.recipe.FP8Recipe`) selects, in place, on Keras's JAX or torch
@@ -442,43 +479,46 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
             LoRA (``enable_lora``) or Keras's own quantization, or is called at several places
             (:func:`fp8_select`); nothing is changed.
     """
-    selected = fp8_select(model, recipe)
-    layers = {p: layer for p, _, layer in fp8_model_layers(model)}
-    unbuilt = [p for p in selected if not layers[p].built]
-    if unbuilt:
-        raise ValueError(f"float8 layers {unbuilt} are not built yet: build the model (call it once "
-                         "or give its Input shapes) before mp.prepare.")
-    odd = [p for p in selected if isinstance(layers[p], keras.layers.Dense)
-           and peek(layers[p], "fp8_config", None) is None
-           and (getattr(layers[p], "lora_enabled", False) or getattr(layers[p], "quantization_mode", None))]
-    if odd:
-        raise ValueError(f"float8 layers {odd} use LoRA or Keras's own quantization, which unimp's "
-                         "float8 matmul does not run: exclude them from the recipe "
-                         "(FP8Recipe(exclude=...)) or prepare before enable_lora / quantize.")
+    def install(layer: Any, path: str) -> None:
+        if not layer.trainable:
+            warnings.warn(
+                f"float8 layer {path!r} is frozen (trainable=False): on Keras-{keras.backend.backend()} "
+                "its scaling states are trainable variables, as Keras's own float8 Dense keeps "
+                "them, so they stay at their initial values while it is frozen. Exclude it from "
+                "the recipe, or unfreeze it.", UserWarning, stacklevel=5,
+            )  # fmt: skip
+        _add_states(layer, recipe.scaling)
+        layer.call = types.MethodType(_fp8_dense_call, layer)
+
+    return swap_layers(model, recipe, (), install)
+
+
+def swap_layers(model: Any, recipe: Any, dense: tuple[type, ...], install: Any) -> tuple[str, ...]:
+    """Every engine's swap: the selected Dense layers (:func:`swappable`; ``dense`` counts a
+    backend's own float8 class, kept as it is) each get ``install(layer, path)`` (its states
+    and its float8 ``call``), then the recipe's scaling, the checked loaders and a kernel read
+    in float32 (as torch's FP8Dense quantizes the float32 master weight; Keras's own float8
+    Dense reads it autocast); a selected layer that is not a Dense stays as it is, with a
+    warning. Returns the paths done.
+
+    Raises:
+        ValueError: as :func:`swappable`; nothing is changed.
+    """
+    selected, layers = swappable(model, recipe, dense)
     done = []
     for path in selected:
         layer = layers[path]
-        if peek(layer, "fp8_config", None) is not None:
+        if isinstance(layer, dense) or peek(layer, "fp8_config", None) is not None:
             done.append(path)
         elif isinstance(layer, keras.layers.Dense):
-            if not layer.trainable:
-                warnings.warn(
-                    f"float8 layer {path!r} is frozen (trainable=False): on Keras-{keras.backend.backend()} "
-                    "its scaling states are trainable variables, as Keras's own float8 Dense keeps "
-                    "them, so they stay at their initial values while it is frozen. Exclude it from "
-                    "the recipe, or unfreeze it.", UserWarning, stacklevel=3,
-                )  # fmt: skip
-            _add_states(layer, recipe.scaling)
+            install(layer, path)
             attach(layer).fp8_config = recipe.scaling
             attach(layer).fp8_path = path
             check_loads(layer, recipe.scaling, path)
-            # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
-            # float32 master weight (Keras's own float8 Dense reads it autocast)
             layer._kernel._autocast = False
-            layer.call = types.MethodType(_fp8_dense_call, layer)
             done.append(path)
         else:
             warnings.warn(f"layer {path!r} ({type(layer).__name__}): only Dense layers run float8 "
-                          "here; it runs in the recipe's compute dtype.", UserWarning, stacklevel=3)
+                          "here; it runs in the recipe's compute dtype.", UserWarning, stacklevel=4)
     check_model_loads(model, [(p, layers[p]) for p in done])
     return tuple(done)

@@ -25,12 +25,12 @@ from tensorflow.python.ops.gen_resource_variable_ops import (
 )
 
 from unimp import fp8 as _fp8
-from unimp.attached import attach, peek
+from unimp.attached import attach
 from unimp.backends.tensorflow.devices import _capability
 from unimp.dtypes import device_support
 from unimp.fp8 import FP8State
 from unimp.keras import fp8 as _keras_fp8
-from unimp.keras.fp8 import add_state_variables, check_loads, check_model_loads, checked_load
+from unimp.keras.fp8 import add_state_variables, checked_load
 
 _FP8_DTYPES = {
     "float8_e4m3fn": tf.dtypes.experimental.float8_e4m3fn,
@@ -533,41 +533,18 @@ def fp8_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     layer that is not a Dense stays as it is, with a warning naming it.
 
     Raises:
-        ValueError: a selected Dense layer is not built yet (build the model first), or called
-            at several places (:func:`fp8_select`); nothing is changed.
+        ValueError: a selected Dense layer is not built yet (build the model first), uses LoRA
+            or Keras's own quantization, or is called at several places
+            (:func:`unimp.keras.fp8.swappable`); nothing is changed.
     """
     import types
-    import warnings
 
-    import keras
+    def install(layer: Any, path: str) -> None:
+        layer._tracker.unlock()
+        try:
+            _add_states(layer, recipe.scaling, _fp8.native_requested(None, "fp8_swap"), path)
+        finally:
+            layer._tracker.lock()
+        layer.call = types.MethodType(_fp8_dense_call, layer)
 
-    selected = fp8_select(model, recipe)
-    layers = {p: layer for p, _, layer in fp8_model_layers(model)}
-    unbuilt = [p for p in selected if not layers[p].built]
-    if unbuilt:
-        raise ValueError(f"float8 layers {unbuilt} are not built yet: build the model (call it once "
-                         "or give its Input shapes) before mp.prepare.")
-    done = []
-    for path in selected:
-        layer = layers[path]
-        if isinstance(layer, FP8Dense) or peek(layer, "fp8_config", None) is not None:
-            done.append(path)
-        elif isinstance(layer, keras.layers.Dense):
-            layer._tracker.unlock()
-            try:
-                _add_states(layer, recipe.scaling, _fp8.native_requested(None, "fp8_swap"), path)
-            finally:
-                layer._tracker.lock()
-            attach(layer).fp8_config = recipe.scaling
-            check_loads(layer, recipe.scaling, path)
-            # the kernel is quantized from its float32 value, as torch's FP8Dense quantizes the
-            # float32 master weight (Keras's own float8 Dense reads it autocast to bfloat16)
-            layer._kernel._autocast = False
-            layer.call = types.MethodType(_fp8_dense_call, layer)
-            attach(layer).fp8_path = path
-            done.append(path)
-        else:
-            warnings.warn(f"layer {path!r} ({type(layer).__name__}): only Dense layers run float8 "
-                          "here; it runs in the recipe's compute dtype.", UserWarning, stacklevel=3)
-    check_model_loads(model, [(p, layers[p]) for p in done])
-    return tuple(done)
+    return _keras_fp8.swap_layers(model, recipe, (FP8Dense,), install)

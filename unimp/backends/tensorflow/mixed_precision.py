@@ -107,10 +107,10 @@ class MixedPrecision(KerasMixedPrecision):
         """
         super()._check_given(optimizer, seed)
         update = self.policy.update
-        if (optimizer._update_mode, optimizer._update_seed) != (update, seed):
+        if (optimizer.update_mode, optimizer.update_seed) != (update, seed):
             raise ValueError(
-                f"the optimizer applies update={optimizer._update_mode!r} with seed "
-                f"{optimizer._update_seed}, the recipe asks for update={update!r} with seed "
+                f"the optimizer applies update={optimizer.update_mode!r} with seed "
+                f"{optimizer.update_seed}, the recipe asks for update={update!r} with seed "
                 f"{seed}: pass its inner_optimizer and unimp wraps it."
             )
 

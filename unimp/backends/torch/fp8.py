@@ -28,7 +28,17 @@ SCOPES: list[str] = []
 
 
 class FP8Ops:
-    """The FP8 rule's array namespace over torch tensors on one device (constants cached)."""
+    """The FP8 rule's array namespace over torch tensors on one device (constants cached);
+    :meth:`on` gives the one instance per device."""
+
+    @staticmethod
+    def on(device: Any) -> FP8Ops:
+        """The namespace for ``device`` (a ``torch.device`` or its name), made once per device
+        and kept, so its cached constants are made once too."""
+        device = torch.device(device)
+        if device not in _OPS:
+            _OPS[device] = FP8Ops(device)
+        return _OPS[device]
 
     @staticmethod
     @contextlib.contextmanager
@@ -132,13 +142,6 @@ class FP8Ops:
 _OPS: dict[torch.device, FP8Ops] = {}
 
 
-def _ops(device: Any) -> FP8Ops:
-    device = torch.device(device)
-    if device not in _OPS:
-        _OPS[device] = FP8Ops(device)
-    return _OPS[device]
-
-
 def fp8_initial_state(config: _fp8.FP8Config, device: Any = "cpu") -> FP8State:
     """Scale 1, zero history: an :class:`unimp.fp8.FP8State` of float32 tensors on ``device``."""
     return fp8_state_from_numpy(FP8State.initial(config), device)
@@ -160,7 +163,7 @@ def fp8_state_to_numpy(state: FP8State) -> FP8State:
 
 def fp8_amax(x: torch.Tensor, config: _fp8.FP8Config | None = None) -> torch.Tensor:
     """``max(abs(x))`` as a float32 0-d tensor (NaN-propagating; NaN elements ignored under the ``transformer_engine`` rule of ``config``, as :func:`unimp.fp8.amax_of`), on ``x``'s device."""
-    return _fp8.amax_of(_ops(x.device), x, config)
+    return _fp8.amax_of(FP8Ops.on(x.device), x, config)
 
 
 def fp8_step(
@@ -171,7 +174,7 @@ def fp8_step(
     Returns:
         ``((scale, scale_inv) to quantize this step with, state after the step)``.
     """
-    ops = _ops(state.scale.device)
+    ops = FP8Ops.on(state.scale.device)
     used, new = _fp8.step_arrays(
         ops, config, role, state.scale, state.scale_inv, state.amax_history, ops.f32(amax)
     )
@@ -182,7 +185,7 @@ def fp8_quantize_dequantize(
     x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, dtype: str
 ) -> torch.Tensor:
     """:func:`unimp.fp8.qdq_arrays` on a tensor: same shape and dtype as ``x``."""
-    return _fp8.qdq_arrays(_ops(x.device), x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
+    return _fp8.qdq_arrays(FP8Ops.on(x.device), x, scale, scale_inv, dtype, _fp8.FP8_MAX[dtype])
 
 
 _TENSORS, _FIELDS = _fp8.LAYER_TENSORS, _fp8.STATE_FIELDS
@@ -240,7 +243,7 @@ def _native_matmul(a: torch.Tensor, a_fmt: str, b_rows: torch.Tensor, b_fmt: str
         b_rows = torch.nn.functional.pad(b_rows, (0, pad))
     a8 = a.to(_FP8_DTYPES[a_fmt]).contiguous()
     b8 = b_rows.to(_FP8_DTYPES[b_fmt]).contiguous()
-    one = _ops(a.device).f32(1.0)
+    one = FP8Ops.on(a.device).f32(1.0)
     return torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
 
 
@@ -281,7 +284,7 @@ class _Fp8Matmul(torch.autograd.Function):
         (sg, sinv_g), new = layer._step("grad", fp8_amax(g, layer.config), "backward")
         dtype = layer.config.dtype("backward")
         fwd = layer.config.dtype("forward")
-        qg = _fp8.quantize_arrays(_ops(g.device), g, sg, dtype, _fp8.FP8_MAX[dtype])
+        qg = _fp8.quantize_arrays(FP8Ops.on(g.device), g, sg, dtype, _fp8.FP8_MAX[dtype])
         shape = qg.shape
         qg2 = qg.reshape(-1, shape[-1])
         qx2 = qx.reshape(-1, qx.shape[-1])
@@ -419,7 +422,7 @@ class FP8Dense(torch.nn.Linear):
         used = (used[0].clone(), used[1].clone())  # may be the buffers, overwritten next
         window = self.__dict__.get("_window")
         if self.training and window is not None:  # accumulating: one step per window (fp8_window)
-            window[name] = _fp8.window_merge(_ops(amax.device), window.get(name), new, amax)
+            window[name] = _fp8.window_merge(FP8Ops.on(amax.device), window.get(name), new, amax)
         elif self.training:
             with torch.no_grad():
                 for f in _FIELDS:
@@ -476,7 +479,7 @@ class FP8Dense(torch.nn.Linear):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.config.dtype("forward")
         fmax = _fp8.FP8_MAX[dtype]
-        ops = _ops(x.device)
+        ops = FP8Ops.on(x.device)
         with torch.no_grad():
             (sx, sinv_x), _ = self._step("input", fp8_amax(x, self.config), "forward")
             (sw, sinv_w), _ = self._step("kernel", fp8_amax(self.weight, self.config), "forward")
