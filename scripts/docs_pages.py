@@ -195,16 +195,18 @@ def loss_scale_presets_table() -> str:
 def recipes_table() -> str:
     """Every recipe name :func:`unimp.get_recipe` knows, with what it gives."""
     from unimp.policy import policy_names
-    from unimp.recipe import _APEX, FP8_RECIPES, get_recipe
+    from unimp.recipe import _APEX, BLOCK_RECIPES, FP8_RECIPES, get_recipe
 
-    rows = ["| name | params | compute | output | loss scale | cast mode | FP8 |",
+    rows = ["| name | params | compute | output | loss scale | cast mode | FP8 / block-scaled |",
             "|---|---|---|---|---|---|---|"]
-    for name in dict.fromkeys([*policy_names(), *_APEX, *FP8_RECIPES]):
+    for name in dict.fromkeys([*policy_names(), *_APEX, *FP8_RECIPES, *BLOCK_RECIPES]):
         r = get_recipe(name)
         p = r.policy
         ls = r.loss_scale
         scale = ls.kind if ls.kind != "static" else f"static {_num(ls.scale)}"
         fp8 = f"{type(r.fp8.scaling).__name__} `{r.fp8.scaling.rule}`" if r.fp8 is not None else ""
+        if r.block is not None:
+            fp8 = f"block-scaled `{r.block.rule.name}` (preset `{r.block.rule.preset}`)"
         rows.append(f"| `{name}` | {p.param_dtype} | {p.compute_dtype} | {p.output_dtype} | "
                     f"{scale} | {r.cast_mode} | {fp8} |")
     return "\n".join(rows)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from unimp.blockscale_recipe import BlockRecipe
 from unimp.fp8.config import CurrentScaling, DelayedScaling
 from unimp.fp8.recipe import FP8Recipe
 from unimp.loss_scale import (
@@ -28,7 +29,7 @@ __all__ = ["CAST_MODES", "Recipe", "get_recipe"]
 #: normalization layers kept float32; ``auto``: autocast where the framework has it, else module.
 CAST_MODES = ("auto", "autocast", "module")
 
-_RECIPE_KEYS = ("policy", "loss_scale", "cast_mode", "fp8")
+_RECIPE_KEYS = ("policy", "loss_scale", "cast_mode", "fp8", "block")
 
 
 def _default_loss_scale(policy: Policy) -> LossScaleConfig:
@@ -60,6 +61,10 @@ class Recipe:
             ``to_dict()``): float8 matmuls for Dense/Linear/Conv layers (see ``get_recipe("fp8")``).
             A layer covered by one of the policy's ``overrides`` stays out of float8: it runs
             in the dtypes its override gives.
+        block: ``None``, or a :class:`unimp.blockscale_recipe.BlockRecipe` (or its
+            ``to_dict()``): block-scaled matmuls (MXFP8, block FP8, NVFP4, MXFP4) for the
+            Dense/Linear layers it selects (see ``get_recipe("mxfp8")``); policy overrides are
+            kept out as for ``fp8``. A recipe has ``fp8`` or ``block``, not both.
 
     Raises:
         ValueError: unknown policy, loss scale or cast mode; the message names the valid values.
@@ -74,6 +79,7 @@ class Recipe:
     loss_scale: LossScaleConfig | None = None
     cast_mode: str = "auto"
     fp8: FP8Recipe | None = None
+    block: BlockRecipe | None = None
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
@@ -103,6 +109,26 @@ class Recipe:
             raise ValueError(FP8_FLOAT16)  # one rule for the name and for a recipe file
         if self.fp8 is not None:  # a layer the policy overrides keeps its dtypes: no float8 there
             object.__setattr__(self, "fp8", self.fp8.with_kept_out([p for p, _ in policy.overrides]))
+        if self.block is not None:
+            self._check_block(policy)
+            object.__setattr__(self, "block", self.block.with_kept_out([p for p, _ in policy.overrides]))
+
+    def _check_block(self, policy: Policy) -> None:
+        """``block`` as a :class:`BlockRecipe` (a dict is read), with the rules it meets."""
+        if not isinstance(self.block, BlockRecipe):
+            if not isinstance(self.block, Mapping):
+                raise ValueError(f"Recipe.block must be None or an unimp.blockscale_recipe.BlockRecipe "
+                                 f"(e.g. BlockRecipe('mxfp8')), got {type(self.block).__name__}.")
+            object.__setattr__(self, "block", BlockRecipe.from_dict(self.block))
+        if self.fp8 is not None:
+            raise ValueError("a recipe runs one low-precision matmul format: give fp8= or block=, not both "
+                             "(recipe.replace(fp8=None) keeps the block-scaled one).")
+        if policy.compute_dtype == "float16":
+            raise ValueError(
+                f"block-scaled recipe {self.block.rule.name!r} runs with bfloat16 compute (Transformer "
+                "Engine's block-scaled recipes and the MX / NVFP4 reports train in bfloat16); use "
+                "compute=bfloat16, e.g. get_recipe('" + self.block.rule.name.replace("_", "-") + "')."
+            )
 
     @property
     def is_noop(self) -> bool:
@@ -117,13 +143,13 @@ class Recipe:
                 f"unknown Recipe field(s) {sorted(unknown)}; fields are {list(_RECIPE_KEYS)}"
             )
         values = {"policy": self.policy, "loss_scale": self.loss_scale, "cast_mode": self.cast_mode,
-                  "fp8": self.fp8}
+                  "fp8": self.fp8, "block": self.block}
         values.update(changes)
         return Recipe(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: ``{"policy": str(policy), "loss_scale": {...}, "cast_mode": ...}``, plus
-        ``"fp8": {...}`` for an FP8 recipe."""
+        ``"fp8": {...}`` for an FP8 recipe, ``"block": {...}`` for a block-scaled one."""
         out = {
             "policy": str(self.policy),
             "loss_scale": self.loss_scale.to_dict(),
@@ -131,6 +157,8 @@ class Recipe:
         }
         if self.fp8 is not None:
             out["fp8"] = self.fp8.to_dict()
+        if self.block is not None:
+            out["block"] = self.block.to_dict()
         return out
 
     @classmethod
@@ -162,6 +190,8 @@ class Recipe:
                     out[key] = loss_scale_from_dict(d[key])
                 elif key == "fp8":
                     out[key] = None if d[key] is None else FP8Recipe.from_dict(d[key])
+                elif key == "block":
+                    out[key] = None if d[key] is None else BlockRecipe.from_dict(d[key])
                 else:
                     out[key] = d[key]
             except (ValueError, TypeError) as e:
@@ -223,7 +253,8 @@ class Recipe:
         else:
             ls_text = "none"
         fp8 = f"; {self.fp8.describe()}" if self.fp8 is not None else ""
-        return f"policy {self.policy}; loss scale {ls_text}; cast_mode {self.cast_mode}{fp8}"
+        block = f"; {self.block.describe()}" if self.block is not None else ""
+        return f"policy {self.policy}; loss scale {ls_text}; cast_mode {self.cast_mode}{fp8}{block}"
 
 
 #: The whole-step Policy fields a recipe file's ``[policy]`` table may set beside ``name``.
@@ -309,6 +340,11 @@ FP8_RECIPES = {
     "transformer-engine": lambda: DelayedScaling.preset("transformer_engine"),
 }
 
+#: The block-scaled recipes (issue 33): name -> :data:`unimp.blockscale_linear.BLOCK_LINEAR_RULES`
+#: key. Block-scaled matmuls for the selected Dense/Linear layers (first and last excluded),
+#: bfloat16 elsewhere, float32 master weights, no loss scale, as the FP8 recipes.
+BLOCK_RECIPES = {"mxfp8": "mxfp8", "fp8-block": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+
 
 def get_recipe(name: Any, **overrides: Any) -> Recipe:
     """Builds a recipe from any policy name, a recipe file path, or a Policy.
@@ -332,7 +368,8 @@ def get_recipe(name: Any, **overrides: Any) -> Recipe:
             loss scaling off); ``platform=`` resolves ``"half"`` (see :func:`get_policy`);
             ``fp8=`` an :class:`unimp.fp8.recipe.FP8Recipe`, or ``None`` for none (as
             ``Recipe(fp8=None)``: ``get_recipe("fp8", fp8=None)`` is its bfloat16 recipe
-            without float8).
+            without float8); ``block=`` a :class:`unimp.blockscale_recipe.BlockRecipe`, or
+            ``None`` for none (``get_recipe("mxfp8", block=None)`` is its bfloat16 recipe).
 
     Raises:
         ValueError: unknown name (naming the closest valid one) or bad override.
@@ -343,10 +380,10 @@ def get_recipe(name: Any, **overrides: Any) -> Recipe:
         >>> get_recipe("O2").cast_mode
         'module'
     """
-    unknown = set(overrides) - {"loss_scale", "cast_mode", "platform", "fp8"}
+    unknown = set(overrides) - {"loss_scale", "cast_mode", "platform", "fp8", "block"}
     if unknown:
         raise TypeError(
-            f"unknown get_recipe option(s) {sorted(unknown)}; use loss_scale=, cast_mode=, fp8=."
+            f"unknown get_recipe option(s) {sorted(unknown)}; use loss_scale=, cast_mode=, fp8=, block=."
         )
     platform = overrides.pop("platform", None)
     if isinstance(name, Recipe):
@@ -360,10 +397,19 @@ def get_recipe(name: Any, **overrides: Any) -> Recipe:
         fp8 = overrides.pop("fp8", None)
         fp8 = FP8Recipe(FP8_RECIPES[name.strip().lower()]()) if default else fp8
         return Recipe(get_policy("mixed_bfloat16"), overrides.get("loss_scale"),
-                      overrides.get("cast_mode", "auto"), fp8)
+                      overrides.get("cast_mode", "auto"), fp8, overrides.get("block"))
+    if isinstance(name, str) and name.strip().lower() in BLOCK_RECIPES:
+        default = "block" not in overrides
+        block = overrides.pop("block", None)
+        block = BlockRecipe(BLOCK_RECIPES[name.strip().lower()]) if default else block
+        return Recipe(get_policy("mixed_bfloat16"), overrides.get("loss_scale"),
+                      overrides.get("cast_mode", "auto"), overrides.get("fp8"), block)
     fp8 = overrides.pop("fp8", None)
     if fp8 is not None:
         return get_recipe(name, **overrides, platform=platform).replace(fp8=fp8)
+    block = overrides.pop("block", None)
+    if block is not None:
+        return get_recipe(name, **overrides, platform=platform).replace(block=block)
     try:
         policy = get_policy(name, platform=platform)
     except ValueError as e:
@@ -371,9 +417,11 @@ def get_recipe(name: Any, **overrides: Any) -> Recipe:
             raise
         # get_policy knows no recipe names: the FP8 recipes are named here, closest first
         key = name.strip().lower()
-        close = difflib.get_close_matches(key.replace("_", "-"), list(FP8_RECIPES), n=1, cutoff=0.7)
-        hint = f"Did you mean the FP8 recipe {close[0]!r}? " if close else ""
-        raise ValueError(f"{e} {hint}FP8 recipes: {', '.join(FP8_RECIPES)}.") from None
+        close = difflib.get_close_matches(key.replace("_", "-"), [*FP8_RECIPES, *BLOCK_RECIPES], n=1, cutoff=0.7)
+        kind = "FP8" if close and close[0] in FP8_RECIPES else "block-scaled"
+        hint = f"Did you mean the {kind} recipe {close[0]!r}? " if close else ""
+        raise ValueError(f"{e} {hint}FP8 recipes: {', '.join(FP8_RECIPES)}; block-scaled recipes: "
+                         f"{', '.join(BLOCK_RECIPES)}.") from None
     key = name.strip().upper() if isinstance(name, str) else None
     if key in _APEX:
         cast_mode, ls = _APEX[key]

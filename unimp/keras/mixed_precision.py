@@ -317,6 +317,23 @@ class MixedPrecision(MixedPrecisionBase):
         if self._recipe.fp8 is not None:
             fp8_swap(model, self._recipe.fp8)
 
+    def _block_engine_refusal(self) -> str | None:
+        """Why this Keras engine cannot run the recipe's block-scaled layers, or None."""
+        if self._recipe.block is None or keras.backend.backend() == "tensorflow":
+            return None
+        return (f"block-scaled recipe {self._recipe.block.rule.name!r}: the Keras Dense swap is built "
+                f"for Keras's TensorFlow engine, not {keras.backend.backend()!r}; run the model with "
+                "backend='tensorflow', or use the framework's own layers (torch BlockScaledLinear, "
+                "JAX block_scaled_matmul / block_scaled_dot_general).")
+
+    def _block_swap(self, model: Any) -> None:
+        """Gives the Dense layers a block-scaled recipe selects the block-scaled matmul
+        (:func:`unimp.backends.tensorflow.blockscale.block_swap`, Keras's TensorFlow engine)."""
+        if self._recipe.block is not None:
+            from unimp.backends.tensorflow.blockscale import block_swap
+
+            block_swap(model, self._recipe.block)
+
     def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> Any:
         """Applies the recipe to a Keras model and optimizer.
 
@@ -336,6 +353,10 @@ class MixedPrecision(MixedPrecisionBase):
           backends the states are trainable variables with ``overwrite_with_gradient``, as
           Keras's own float8 ``Dense`` keeps them (:mod:`unimp.keras.fp8`); on TensorFlow,
           non-trainable variables written in the step (:mod:`unimp.backends.tensorflow.fp8`).
+        * A block-scaled recipe (``mxfp8``, ``fp8-block``, ``nvfp4``, ``mxfp4``): the Dense
+          layers it selects (the same first/last rule) get the block-scaled matmul in their
+          ``call`` (:func:`unimp.backends.tensorflow.blockscale.block_swap`), on Keras's
+          TensorFlow engine; the other engines refuse it before anything changes.
         * The optimizer is wrapped in unimp's loss-scale optimizer (not Keras's) with the
           recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
           model is compiled with it, so ``fit`` follows unimp's rule. A model already
@@ -376,6 +397,9 @@ class MixedPrecision(MixedPrecisionBase):
                 "pass the optimizer as prepare(model, optimizer, ...), not in compile arguments."
             )
         check_half_variables(model, self.loss_scale)
+        why = self._block_engine_refusal()
+        if why is not None:
+            raise ValueError(why)
         if compile_kwargs and optimizer is None:
             raise ValueError(
                 "compile arguments need an optimizer: prepare(model, 'adam', loss=...)."
@@ -405,6 +429,7 @@ class MixedPrecision(MixedPrecisionBase):
                 stacklevel=2,
             )
         self._fp8_swap(model)
+        self._block_swap(model)
         if compile_kwargs:  # first: a bad compile argument leaves the model untouched
             model.compile(optimizer=wrapped, **compile_kwargs)
         apply_overrides(self, model, overridden)

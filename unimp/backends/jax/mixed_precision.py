@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from unimp.backends._base import MixedPrecisionBase
+from unimp.backends.jax.blockscale import block_matmul, block_scaled_dot_general
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import _as_device
 from unimp.backends.jax.fp8 import (
@@ -153,7 +154,11 @@ class MixedPrecision(MixedPrecisionBase):
         With an FP8 recipe and the dotted ``path`` of a flax linen ``Dense`` that
         :meth:`fp8_layers` selected, ``dot_general_cls=`` is added: unimp's emulated float8
         ``dot_general`` with its scaling states in flax's ``_overwrite_with_gradient``
-        collection (:func:`unimp.backends.jax.fp8.fp8_flax_dot_general_cls`).
+        collection (:func:`unimp.backends.jax.fp8.fp8_flax_dot_general_cls`). With a
+        block-scaled recipe, ``dot_general=`` is added for the selected paths
+        (:func:`unimp.backends.jax.blockscale.block_scaled_dot_general`); its stochastic
+        rounding (``nvfp4``'s gradients) takes step 0 every call, so the bits repeat from step to
+        step: pass a step counter through :meth:`block_matmul` instead.
 
         Raises:
             ValueError: a ``path`` under an FP8 recipe before :meth:`fp8_layers` was called
@@ -165,6 +170,9 @@ class MixedPrecision(MixedPrecisionBase):
         out = {"dtype": to_dtype(p.compute_dtype), "param_dtype": to_dtype(p.param_dtype)}
         if self._recipe.fp8 is not None and path in self._fp8_paths():
             out["dot_general_cls"] = fp8_flax_dot_general_cls(self._recipe.fp8.scaling, name=path)
+        block = self._recipe.block
+        if block is not None and path in self._fp8_paths():
+            out["dot_general"] = block_scaled_dot_general(block.rule, block.seed)
         return out
 
     def fp8_layers(self, layers: Any) -> tuple[str, ...]:
@@ -178,7 +186,8 @@ class MixedPrecision(MixedPrecisionBase):
                 ``(path, kind)`` pairs (``("ln1", "LayerNorm")``).
 
         Returns:
-            The selected paths; ``()`` without an FP8 recipe.
+            The selected paths (a block-scaled recipe's, under one: the same rule); ``()``
+            without an FP8 or block-scaled recipe.
 
         Raises:
             TypeError: ``layers`` is a string or not a list/tuple, or an entry that is neither
@@ -196,9 +205,10 @@ class MixedPrecision(MixedPrecisionBase):
             else:
                 raise TypeError(f"mp.fp8_layers(layers): layers[{i}] must be a dotted path or a "
                                 f"(path, kind) pair of strings, got {x!r}.")
-        if self._recipe.fp8 is None:
+        recipe = self._recipe.fp8 if self._recipe.fp8 is not None else self._recipe.block
+        if recipe is None:
             return ()
-        self._fp8_selected = self._recipe.fp8.select(pairs)
+        self._fp8_selected = recipe.select(pairs)
         return self._fp8_selected
 
     def _fp8_paths(self) -> tuple[str, ...]:
@@ -226,6 +236,15 @@ class MixedPrecision(MixedPrecisionBase):
         if self._recipe.fp8 is None:
             return x @ w
         return fp8_matmul(self._recipe.fp8.scaling, states, path, x, w, native=native)
+
+    def block_matmul(self, path: str, x: jax.Array, w: jax.Array, step: Any = 0) -> jax.Array:
+        """Plain JAX: ``x @ w`` for the layer at ``path`` (``w``: ``(in, out)``), the
+        block-scaled matmul of the recipe's rule when :meth:`fp8_layers` selected it
+        (:func:`unimp.backends.jax.blockscale.block_matmul`; ``step``, an int or a traced int32
+        counter, seeds the stochastic rounding with the recipe's seed), else the plain matmul."""
+        if self._recipe.block is None:
+            return x @ w
+        return block_matmul(self._recipe.block, self._fp8_paths(), path, x, w, step)
 
     def fp8_update(self, states: Any, new_states: Any) -> Any:
         """Plain JAX: the states after a step from their "gradients"

@@ -12,6 +12,7 @@ import torch
 
 from unimp.attached import attach, check_attachable, peek
 from unimp.backends._base import MixedPrecisionBase
+from unimp.backends.torch.blockscale import block_swap
 from unimp.backends.torch.casting import (
     _NORM_LAYERS,
     _checkpoint_masters,
@@ -173,6 +174,10 @@ class MixedPrecision(MixedPrecisionBase):
           and last out by default) are replaced by :class:`unimp.backends.torch.FP8Dense`
           modules sharing their Parameters (the optimizer's references stay valid), emulated
           float8 matmuls with float32 scaling states (buffers, in ``state_dict``).
+        * a block-scaled recipe (``mxfp8``, ``fp8-block``, ``nvfp4``, ``mxfp4``): the
+          ``nn.Linear`` modules it selects (the same first/last rule) are replaced by
+          :class:`unimp.backends.torch.blockscale.BlockScaledLinear` modules sharing their
+          Parameters (:func:`unimp.backends.torch.blockscale.block_swap`).
 
         A float32 recipe returns the model (and optimizer) untouched.
 
@@ -226,6 +231,8 @@ class MixedPrecision(MixedPrecisionBase):
             check_scaled_half_params([*f16, *will_be_f16], self.loss_scale, "model.float()")
         if self._recipe.fp8 is not None:
             fp8_swap(model, self._recipe.fp8)
+        if self._recipe.block is not None:
+            block_swap(model, self._recipe.block)
         if module_masters:
             f32_values = self._to_module_mode(model, overridden)
             pairs = []
