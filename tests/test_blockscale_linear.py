@@ -127,3 +127,27 @@ def test_bad_names_are_refused_with_the_closest_match():
         bl.linear_forward(OPS, np.ones((32, 32), np.float32), np.ones((32, 32), np.float32), "mxfp8", "kn")
     with pytest.raises(ValueError, match="axis must be 0"):
         bl.quantize_along(OPS, np.ones((32, 32), np.float32), "mxfp8", "activation", 2)
+
+
+def test_nvfp4_gemms_apply_the_tensor_scales_to_their_result():
+    """Transformer Engine's NVFP4 GEMM (cublaslt_gemm.cu): the matmul of q * s_block, times
+    alpha = amax_a * amax_b / (6 * 6 * 448 * 448) from the two tensor maxima."""
+    from unimp.blockscale import nvfp4_block_values, nvfp4_gemm_alpha, nvfp4_global_scale
+
+    x, w = _rand((32, 64), 11), _rand((64, 48), 12)
+    y, saved = bl.linear_forward(OPS, x, w, "nvfp4")
+    qx = nvfp4_block_values(x)
+    qw = nvfp4_block_values(w, (16, 16))  # the 16x16 weight tile: one copy
+    alpha = nvfp4_gemm_alpha(np.abs(x).max(), np.abs(w).max())
+    np.testing.assert_array_equal(y, (qx @ qw) * alpha)
+    np.testing.assert_array_equal(saved.w_n, qw)
+    assert saved.amax_x == np.abs(x).max()
+    # within NVFP4's error of the dequantized product, and never the plain one
+    deq = block_quantize_dequantize(x, "transformer_engine_nvfp4") @ block_quantize_dequantize(
+        w, "transformer_engine_nvfp4", "weight")
+    np.testing.assert_allclose(y, deq, rtol=1e-5, atol=1e-6 * np.abs(deq).max())
+    assert float(nvfp4_gemm_alpha(np.float32(2688.0), np.float32(2688.0))) == 1.0
+    # alpha is not the product of the two decode scales 1 / S_enc: they part in the last bit
+    a, b = np.float32(63.73247), np.float32(27.051693)
+    assert nvfp4_gemm_alpha(a, b) == np.float32(0.00023861443)
+    assert (np.float32(1) / nvfp4_global_scale(a)) * (np.float32(1) / nvfp4_global_scale(b)) == np.float32(0.0002386144)

@@ -72,6 +72,8 @@ __all__ = [
     "mx_quantize_dequantize",
     "mx_scales",
     "nvfp4_block_scale",
+    "nvfp4_block_values",
+    "nvfp4_gemm_alpha",
     "nvfp4_global_scale",
     "nvfp4_quantize_dequantize",
     "nvfp4_scales",
@@ -752,6 +754,16 @@ def nvfp4_quantize_dequantize(
         >>> nvfp4_quantize_dequantize(x)[0, [0, 16, 17]].tolist()
         [2688.0, 4.875, 1.625]
     """
+    q, d, g, shape = _nvfp4_elements(x, tile, rounding, bits, variant, ops)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = q * (g * d) if variant == "torchao" else (q * d) * g
+    return ops.reshape(out, shape)
+
+
+def _nvfp4_elements(x: Any, tile: tuple[int, int], rounding: str, bits: Any, variant: str,
+                    ops: Any) -> tuple[Any, Any, Any, tuple[int, ...]]:
+    """:func:`nvfp4_quantize_dequantize`'s checks and quantization: ``(q, s_block, s_global,
+    x's shape)``, ``q`` the E2M1 elements as float32 tiles ``(R, tr, C, tc)``."""
     if rounding not in NVFP4_ROUNDINGS:
         raise ValueError(f"unknown NVFP4 rounding {rounding!r}; choose one of {', '.join(NVFP4_ROUNDINGS)}.")
     if rounding == "stochastic" and (bits is None or tuple(bits.shape) != tuple(x.shape)):
@@ -772,5 +784,50 @@ def nvfp4_quantize_dequantize(
                 q = ops.where(y == ops.f32(0.0), ops.f32(0.0), q)
         if variant == "jax":  # its float32 -> float4_e2m1fn cast makes NaN (a zero block's 0 / 0) -0
             q = ops.where(ops.isnan(y), -ops.f32(0.0), q)
-        out = q * (g * d) if variant == "torchao" else (q * d) * g
-    return ops.reshape(out, shape)
+    return q, d, g, shape
+
+
+def nvfp4_block_values(
+    x: Any,
+    tile: tuple[int, int] = NVFP4_TILES["activation"],
+    rounding: str = "nearest_even",
+    bits: Any = None,
+    ops: Any = NumpyOps,
+) -> Any:
+    """The values an NVFP4 GEMM multiplies, ``q * s_block`` (float32, exact: two bits of
+    element times four of E4M3 scale), before the tensor scales, which Transformer Engine
+    applies to the GEMM's result instead (:func:`nvfp4_gemm_alpha`). The elements and block
+    scales are :func:`nvfp4_quantize_dequantize`'s with ``variant="transformer_engine"``.
+
+    Args:
+        x, tile, rounding, bits, ops: as :func:`nvfp4_quantize_dequantize`.
+
+    Returns:
+        float32 array, ``x``'s shape.
+
+    Raises:
+        ValueError: as :func:`nvfp4_quantize_dequantize`.
+    """
+    q, d, _, shape = _nvfp4_elements(x, tile, rounding, bits, "transformer_engine", ops)
+    with np.errstate(invalid="ignore"):
+        return ops.reshape(q * d, shape)
+
+
+def nvfp4_gemm_alpha(amax_a: Any, amax_b: Any, ops: Any = NumpyOps) -> Any:
+    """The factor Transformer Engine's NVFP4 GEMM multiplies its result by, from the two
+    operands' tensor maxima: ``((1 * amax_a) * amax_b) * rn(1 / (6 * 6 * 448 * 448))`` in
+    float32, as ``compute_nvfp4_per_tensor_scale_kernel`` (``common/recipe/nvfp4.cu``, called
+    by ``cublaslt_gemm.cu``: "we only need to apply NVFP4 tensor scales in matmul output").
+    Not the product of the two decode scales ``1 / S_enc``: the two can differ in the last
+    bits. NaN propagates; an amax of 0 gives 0.
+
+    Args:
+        amax_a, amax_b: float32 scalars, ``max(|a|)`` and ``max(|b|)``.
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        float32 scalar.
+    """
+    inv = ops.f32(float(np.float32(1.0) / np.float32(_E2M1_MAX * _E2M1_MAX * _E4M3_MAX * _E4M3_MAX)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ((ops.f32(1.0) * ops.f32(amax_a)) * ops.f32(amax_b)) * inv

@@ -43,8 +43,12 @@ Each rule of :data:`BLOCK_LINEAR_RULES` names one preset of :mod:`unimp.blocksca
 Emulation only: the operands are quantized and dequantized to float32
 (:func:`unimp.blockscale_presets.block_quantize_dequantize`) and each GEMM is a float32 matmul
 of the dequantized values, whose scales are inside them (a native block-scaled GEMM applies
-them per block inside its accumulation: the same sum, in another order). The backends cast the
-result to the compute dtype. Every quantized operand is the same in every framework, bit for
+them per block inside its accumulation: the same sum, in another order). NVFP4 as Transformer
+Engine's GEMM computes it: the matmul multiplies ``q * s_block``
+(:func:`unimp.blockscale.nvfp4_block_values`, at most 6 significant bits) and the result is
+multiplied by ``alpha`` from the two tensor maxima (:func:`unimp.blockscale.nvfp4_gemm_alpha`,
+``cublaslt_gemm.cu``: the tensor scales are applied to the output, not the inputs). The
+backends cast the result to the compute dtype. Every quantized operand is the same in every framework, bit for
 bit; a GEMM's float32 result is too wherever its sums are exact (small-significand values, a
 limited spread of exponents), otherwise each framework's summation order decides its last bits,
 as for any float32 matmul.
@@ -63,6 +67,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from unimp.blockscale import nvfp4_block_values, nvfp4_gemm_alpha
 from unimp.blockscale_presets import block_preset, block_quantize_dequantize
 from unimp.fp8.rule import NumpyOps
 
@@ -259,6 +264,40 @@ class Saved(NamedTuple):
 
     x_m: Any  # (M, K), float32: x blocked along M, for the weight-gradient GEMM
     w_n: Any  # W's layout, float32: W blocked along N, for the input-gradient GEMM
+    amax_x: Any = None  # shape=(), float32: max|x|, NVFP4's GEMM scale (None otherwise)
+    amax_w: Any = None  # shape=(), float32: max|W|, likewise
+
+
+def _tensor_scaled(r: BlockLinearRule) -> bool:
+    """Whether the GEMMs apply the tensor scales to their result (Transformer Engine's NVFP4)."""
+    p = block_preset(r.preset)
+    return p.family == "nvfp4" and p.variant == "transformer_engine"
+
+
+def _operand(ops: Any, a: Any, r: BlockLinearRule, role: str, axis: int, bits: Any = None) -> Any:
+    """What a GEMM multiplies: :func:`quantize_along`'s values, or under NVFP4 ``q * s_block``
+    (the tensor scale goes to the GEMM's result, :func:`unimp.blockscale.nvfp4_gemm_alpha`)."""
+    if not _tensor_scaled(r):
+        return quantize_along(ops, a, r, role, axis, bits)
+    if axis not in (0, 1):
+        raise ValueError(f"quantize_along: axis must be 0 (columnwise) or 1 (rowwise), got {axis!r}.")
+    preset = block_preset(r.preset)
+    b = bits if r.stochastic(role) else None
+    if axis == 1:
+        return nvfp4_block_values(a, preset.tile(role), preset.rounding(role), b, ops)
+    return ops.transpose(nvfp4_block_values(ops.transpose(a), preset.tile(role), preset.rounding(role), b, ops))
+
+
+def _scaled(ops: Any, r: BlockLinearRule, product: Any, amax_a: Any, amax_b: Any) -> Any:
+    """A GEMM's float32 result, times NVFP4's ``alpha`` where the rule applies it."""
+    if not _tensor_scaled(r):
+        return product
+    with np.errstate(over="ignore", invalid="ignore"):
+        return product * nvfp4_gemm_alpha(amax_a, amax_b, ops)
+
+
+def _amax(ops: Any, r: BlockLinearRule, a: Any) -> Any:
+    return ops.amax(ops.abs(a)) if _tensor_scaled(r) else None
 
 
 def _w_axis(layout: str, along: str) -> int:
@@ -267,7 +306,7 @@ def _w_axis(layout: str, along: str) -> int:
 
 
 def _quantize_w(ops: Any, w: Any, r: BlockLinearRule, layout: str, along: str) -> Any:
-    return quantize_along(ops, w, r, "weight", _w_axis(layout, along))
+    return _operand(ops, w, r, "weight", _w_axis(layout, along))
 
 
 def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out") -> tuple[Any, Saved]:
@@ -294,12 +333,13 @@ def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out")
     n = int(w.shape[1 if layout == "in_out" else 0])
     check_linear_shapes(r, m, k, n)
     x2, w = ops.f32(x2), ops.f32(w)
-    qx_k = quantize_along(ops, x2, r, "activation", 1)
+    qx_k = _operand(ops, x2, r, "activation", 1)
     qw_k = _quantize_w(ops, w, r, layout, "K")
     qw_n = qw_k if r.tile("weight")[0] > 1 else _quantize_w(ops, w, r, layout, "N")
-    qx_m = quantize_along(ops, x2, r, "activation", 0)
-    y = ops.matmul(qx_k, qw_k if layout == "in_out" else ops.transpose(qw_k))
-    return y, Saved(qx_m, qw_n)
+    qx_m = _operand(ops, x2, r, "activation", 0)
+    amax_x, amax_w = _amax(ops, r, x2), _amax(ops, r, w)
+    y = _scaled(ops, r, ops.matmul(qx_k, qw_k if layout == "in_out" else ops.transpose(qw_k)), amax_x, amax_w)
+    return y, Saved(qx_m, qw_n, amax_x, amax_w)
 
 
 def linear_backward(ops: Any, saved: Saved, g2: Any, rule: Any, layout: str = "in_out",
@@ -335,15 +375,16 @@ def linear_backward(ops: Any, saved: Saved, g2: Any, rule: Any, layout: str = "i
             )
         row_bits, col_bits = bits
     g2 = ops.f32(g2)
-    qg_n = quantize_along(ops, g2, r, "gradient", 1, row_bits)
-    qg_m = quantize_along(ops, g2, r, "gradient", 0, col_bits)
+    qg_n = _operand(ops, g2, r, "gradient", 1, row_bits)
+    qg_m = _operand(ops, g2, r, "gradient", 0, col_bits)
+    amax_g = _amax(ops, r, g2)
     qw_n = saved.w_n
-    dx = ops.matmul(qg_n, ops.transpose(qw_n) if layout == "in_out" else qw_n)
+    dx = _scaled(ops, r, ops.matmul(qg_n, ops.transpose(qw_n) if layout == "in_out" else qw_n), amax_g, saved.amax_w)
     if layout == "in_out":
         dw = ops.matmul(ops.transpose(saved.x_m), qg_m)
     else:
         dw = ops.matmul(ops.transpose(qg_m), saved.x_m)
-    return dx, dw
+    return dx, _scaled(ops, r, dw, saved.amax_x, amax_g)
 
 
 def gradient_bits(ops: Any, seed: Any, step: Any, m: int, n: int) -> tuple[Any, Any]:

@@ -6,12 +6,12 @@ JAX and TensorFlow), and each framework's layer (torch ``BlockScaledLinear``, Ke
 
 Why bit for bit holds for the GEMMs too: the quantized operands are the same bits in every
 framework (test_blockscale_conformance.py), and the inputs here make each GEMM's float32 sums
-exact, so no framework's summation order can change them: every operand value has at most 4
-significant bits (E4M3: 4; E2M1 times an E4M3 block scale: 6, and the NVFP4 global scale is a
-power of two because each operand holds 2.625 = 2688 / 1024 as its largest magnitude), the
-magnitudes span a few binades ([0.25, 2.625] and their quantized values), and ``K``, ``N`` and
-``M`` are at most 256 (checked: the float64 sums equal the float32 ones). Elsewhere the last
-bits of a GEMM depend on the framework's summation order, as for any float32 matmul.
+exact, so no framework's summation order can change them: every operand value has at most 6
+significant bits (E4M3 times a power of two: 4; NVFP4's ``q * s_block``, its tensor scales
+applied to the GEMM's result: 6), the magnitudes span a few binades ([0.25, 2.625] and their
+quantized values), and ``K``, ``N`` and ``M`` are at most 256 (checked: every float64 sum is
+a float32). Elsewhere the last bits of a GEMM depend on the framework's summation order, as
+for any float32 matmul.
 TensorFlow's graphs without XLA are not promised (see test_blockscale_conformance.py)."""
 
 from __future__ import annotations
@@ -111,13 +111,17 @@ def test_matmul_compiled_by_xla_is_the_reference_bit_for_bit(backend, rule):
 
 @pytest.mark.parametrize("rule", RULES)
 def test_the_inputs_make_every_gemm_exact(rule):
-    """The premise of bit for bit across summation orders (module docstring): the float32
-    GEMMs of the reference equal their float64 sums, and the outputs are not trivial."""
+    """The premise of bit for bit across summation orders (module docstring): every GEMM's
+    float64 sum is a float32 (so exact), and the outputs are not trivial."""
+    sums = []
 
     class Float64Sums(bl.NumpyLinearOps):
         @staticmethod
         def matmul(a, b):
-            return np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
+            exact = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
+            np.testing.assert_array_equal(exact.astype(np.float32).astype(np.float64), exact)
+            sums.append(exact)
+            return exact.astype(np.float32)
 
     (x, w, g), (y, dx, dw) = _reference(rule, "in_out")
     with np.errstate(all="ignore"):
@@ -128,8 +132,9 @@ def test_the_inputs_make_every_gemm_exact(rule):
 
             bits = bl.gradient_bits(rounding.NumpyOps, SEED, STEP, M, N)
         dx64, dw64 = bl.linear_backward(Float64Sums, saved, g, rule, "in_out", bits)
+    assert len(sums) == 3
     for name, a32, a64 in (("y", y, y64), ("dx", dx, dx64), ("dw", dw, dw64)):
-        np.testing.assert_array_equal(a32.astype(np.float64), a64, err_msg=name)
+        np.testing.assert_array_equal(a32, a64, err_msg=name)
     assert np.count_nonzero(y != x @ w) > y.size // 2  # quantization did change the product
 
 
