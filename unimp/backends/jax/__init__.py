@@ -48,11 +48,18 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   ``mp.cast_to_param`` and ``mp.module_kwargs(path)``.
 * ``mixed_precision``: :class:`MixedPrecision`.
 * ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
+* ``blockscale``: :mod:`unimp.blockscale_linear`'s block-scaled linear rule (MXFP8, block FP8,
+  NVFP4, MXFP4) as a custom-gradient matmul, its layer, and a recipe's layer swap.
 
 This ``__init__`` only re-exports; import the public names from here.
 """
 
 from unimp.backends._base import export
+from unimp.backends.jax.blockscale import (
+    block_matmul,
+    block_scaled_dot_general,
+    block_scaled_matmul,
+)
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import device_info, framework_version
 from unimp.backends.jax.fp8 import (
@@ -87,6 +94,9 @@ from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
 
 __all__ = [
+    "block_matmul",
+    "block_scaled_dot_general",
+    "block_scaled_matmul",
     "FP8Ops",
     "fp8_dot_general",
     "fp8_update",

@@ -37,6 +37,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   as a ``keras.dtype_policies.DTypePolicyMap``).
 * ``mixed_precision``: :class:`MixedPrecision`.
 * ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
+* ``blockscale``: :mod:`unimp.blockscale_linear`'s block-scaled linear rule (MXFP8, block FP8,
+  NVFP4, MXFP4) as a custom-gradient matmul, its layer, and a recipe's layer swap.
 
 This ``__init__`` only re-exports; import the public names from here.
 
@@ -52,6 +54,7 @@ Example:
 
 from unimp.backends._base import export
 from unimp.backends.tensorflow import devices  # noqa: F401  (first: checks that Keras 3 runs on TensorFlow)
+from unimp.backends.tensorflow.blockscale import BlockScaledDense, block_scaled_matmul, block_swap
 from unimp.backends.tensorflow.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.backends.tensorflow.devices import device_info, framework_version
 from unimp.backends.tensorflow.fp8 import (
@@ -81,6 +84,9 @@ from unimp.loss_scale import ReplicaDesyncWarning
 from unimp.step import StepResult
 
 __all__ = [
+    "BlockScaledDense",
+    "block_scaled_matmul",
+    "block_swap",
     "FP8Ops",
     "FP8Dense",
     "fp8_amax",

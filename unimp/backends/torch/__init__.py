@@ -32,6 +32,8 @@ Modules (the same names in every backend package, see :data:`unimp.backends._bas
   module under its override policy: autocast to its dtype or off, or held in it in module mode).
 * ``mixed_precision``: :class:`MixedPrecision`.
 * ``fp8``: :mod:`unimp.fp8`'s rules on native tensors (:data:`unimp.backends._base.FP8_API`).
+* ``blockscale``: :mod:`unimp.blockscale_linear`'s block-scaled linear rule (MXFP8, block FP8,
+  NVFP4, MXFP4) as a custom-gradient matmul, its layer, and a recipe's layer swap.
 
 This ``__init__`` only re-exports; import the public names from here.
 
@@ -45,6 +47,7 @@ Example:
 """
 
 from unimp.backends._base import export
+from unimp.backends.torch.blockscale import BlockScaledLinear, block_scaled_matmul, block_swap
 from unimp.backends.torch.casting import cast_tree, master_params, to_dtype
 from unimp.backends.torch.devices import default_device, device_info, framework_version
 from unimp.backends.torch.fp8 import (
@@ -68,6 +71,9 @@ from unimp.backends.torch.step import TrainStep
 from unimp.step import StepResult
 
 __all__ = [
+    "BlockScaledLinear",
+    "block_scaled_matmul",
+    "block_swap",
     "FP8Ops",
     "FP8Dense",
     "fp8_amax",
