@@ -747,5 +747,50 @@ def fp8() -> dict:
     return out
 
 
+HALF_OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.5),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "rmsprop": lambda: keras.optimizers.RMSprop(1e-2),
+}
+
+
+def half() -> dict:
+    """bfloat16 variables (a float32 one beside them) updated by unimp's optimizer with no loss
+    scale: per step the bfloat16 weights (as float32), for each of :data:`HALF_OPTIMIZERS`,
+    through ``apply`` and (JAX, torch) ``stateless_apply``; on TensorFlow also the TensorFlow
+    backend's optimizer (``"<name>/tf_backend"``); on every engine Keras's own optimizer alone
+    (``"adam/keras"``), which computes in bfloat16."""
+
+    def run(opt, stateless: bool = False) -> dict:
+        w = keras.Variable(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), dtype="bfloat16")
+        b = keras.Variable(np.full((3,), 0.5, np.float32))
+        opt.build([w, b])
+        start, steps = _np(ops.cast(w.value, "float32")).ravel().tolist(), []
+        for i in range(4):
+            g = [ops.convert_to_tensor(np.full((2, 3), 0.1 * (i + 1), np.float32), dtype="bfloat16"),
+                 ops.convert_to_tensor(np.full((3,), -0.2, np.float32))]
+            if stateless:
+                new_w, new_o = opt.stateless_apply([v.value for v in opt.variables], g, [w.value, b.value])
+                for v, x in zip([w, b, *opt.variables], [*new_w, *new_o], strict=True):
+                    v.assign(x)
+            else:
+                opt.apply(g, [w, b])
+            steps.append(_np(ops.cast(w.value, "float32")).ravel().tolist())
+        return {"start": start, "w": steps, "b": _np(b.value).tolist()}
+
+    out = {name: run(LossScaleOptimizer(make(), loss_scale="none")) for name, make in HALF_OPTIMIZERS.items()}
+    out["adam/keras"] = run(keras.optimizers.Adam(1e-2))
+    if BACKEND == "tensorflow":
+        from unimp.backends.tensorflow import LossScaleOptimizer as TFLossScaleOptimizer
+
+        for name, make in HALF_OPTIMIZERS.items():
+            out[f"{name}/tf_backend"] = run(TFLossScaleOptimizer(make(), loss_scale="none"))
+    else:
+        for name, make in HALF_OPTIMIZERS.items():
+            out[f"{name}/stateless"] = run(LossScaleOptimizer(make(), loss_scale="none"), stateless=True)
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps({"backend": BACKEND, **{case: globals()[case]() for case in sys.argv[1:]}}))

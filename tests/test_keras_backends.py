@@ -19,9 +19,9 @@ from unimp.loss_scale import DynamicLossScale, simulate
 HERE = pathlib.Path(__file__).resolve().parent
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 CASES = {
-    "tensorflow": ("rule", "fit16", "losses32", "check", "misuse", "step16", "step_options", "stats16", "fp8"),
-    "jax": ("rule", "stateless", "fit16", "losses32", "check", "misuse", "step16", "step_options", "refusals", "stats16", "fp8"),
-    "torch": ("rule", "stateless", "fit16", "losses32", "check", "misuse", "syncs", "step16", "step_options", "refusals", "stats16", "fp8"),
+    "tensorflow": ("rule", "half", "fit16", "losses32", "check", "misuse", "step16", "step_options", "stats16", "fp8"),
+    "jax": ("rule", "stateless", "half", "fit16", "losses32", "check", "misuse", "step16", "step_options", "refusals", "stats16", "fp8"),
+    "torch": ("rule", "stateless", "half", "fit16", "losses32", "check", "misuse", "syncs", "step16", "step_options", "refusals", "stats16", "fp8"),
 }
 _REQUIRES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
@@ -70,6 +70,30 @@ def test_the_rule_is_the_reference_on_every_keras_backend(runs, rule):
                 assert rows[i]["w"] == before, (b, i)
             else:
                 assert rows[i]["w"] != (rows[i - 1]["w"] if i else [1.0, 2.0, 3.0]), (b, i)
+
+
+@pytest.mark.parametrize("name", sorted(W.HALF_OPTIMIZERS))
+def test_half_variables_update_in_float32_alike_on_every_keras_backend(runs, name):
+    """bfloat16 variables: the inner optimizer's update is computed in float32 and rounded once
+    (unimp.keras.optimizer.Float32View), on every engine bit for bit what the TensorFlow
+    backend's optimizer gives, stateful and stateless; the float32 variable beside them too."""
+    want = runs["tensorflow"]["half"][f"{name}/tf_backend"]
+    assert runs["tensorflow"]["half"][name] == want
+    for b in ("jax", "torch"):
+        assert runs[b]["half"][name] == want, b
+        assert runs[b]["half"][f"{name}/stateless"] == want, b
+    assert all(step != want["start"] for step in want["w"])  # every step moves them
+
+
+def test_keras_own_adam_on_bfloat16_variables_learns_nothing(runs):
+    """Why the view: Keras computes Adam in the variable's dtype, where beta_2 = 0.999 is 1.0
+    in bfloat16 and the bias correction 1 - beta_2**t is 0 (the weights stay or turn NaN);
+    unimp's optimizer moves them on every engine."""
+    for b in KERAS_BACKENDS:
+        start = runs[b]["half"]["adam"]["start"]
+        own = runs[b]["half"]["adam/keras"]["w"][-1]
+        assert own == start or not np.all(np.isfinite(own)), b
+        assert runs[b]["half"]["adam"]["w"][-1] != start, b
 
 
 def test_stateful_apply_gives_what_keras_own_optimizer_gives(runs):

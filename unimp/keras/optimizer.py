@@ -11,6 +11,8 @@ its jitted step); on torch it is no host read; on TensorFlow it traces under ``t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -35,7 +37,7 @@ from unimp.loss_scale.keras_args import (
 )
 from unimp.step import warn_half_optimizer_state
 
-__all__ = ["KerasOps", "LossScaleCheck", "LossScaleOptimizer"]
+__all__ = ["Float32View", "KerasOps", "LossScaleCheck", "LossScaleOptimizer", "float32_update", "is_half_variable"]
 
 
 class KerasOps:
@@ -78,6 +80,146 @@ def unscale(g: Any, scale: Any) -> Any:
     if dtype == "float64":
         return ops.divide(g, ops.cast(scale, "float64"))
     return ops.cast(ops.divide(ops.cast(g, "float32"), scale), dtype)
+
+
+def is_half_variable(variable: Any) -> bool:
+    """Whether ``variable`` (a Keras or backend variable) is float16 or bfloat16."""
+    dtype = getattr(variable, "dtype", None)
+    return dtype is not None and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+
+
+class Float32View:
+    """A half-precision variable as an inner optimizer's ``update_step`` sees it: float32.
+
+    Keras's optimizers compute in ``variable.dtype`` (``ops.cast(self.beta_2,
+    variable.dtype)``): with bfloat16 variables Adam's ``beta_2 = 0.999`` is 1.0, the bias
+    correction ``1 - beta_2**t`` is 0 and nothing is learned. Seen through this view, the
+    hyperparameters, the step count and the bias corrections are float32 and the update is
+    computed in float32 and rounded once into the variable (torch keeps its scalars in float32
+    too, but rounds after each op in the variable's dtype); the optimizer's own state (moments)
+    stays in the dtype it keeps it. Everything else (the variable's key in the optimizer, its
+    shape) is the variable's. The same on Keras's TensorFlow, JAX and torch engines; the
+    TensorFlow backend's subclass adds ``tf.distribute`` and sparse (``IndexedSlices``) writes.
+
+    With a ``rule`` (an object whose ``write(variable, float32_target)`` applies a policy's
+    ``update``, :func:`unimp.rounding.update_half`), a write's float32 result is applied by it
+    instead of rounded to nearest; ``start`` is the float32 value the update starts from (the
+    weight-decayed weight).
+    """
+
+    __slots__ = ("_var", "_rule", "_start")
+    dtype: Any = "float32"
+
+    def __init__(self, var: Any, rule: Any = None, start: Any = None) -> None:
+        self._var = var
+        self._rule = rule
+        self._start = start
+
+    @staticmethod
+    def widen(x: Any) -> Any:
+        """``x`` (a tensor or variable) in float32."""
+        return ops.cast(x, "float32")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._var, name)
+
+    def __jax_array__(self) -> Any:  # an update that reads the variable (JAX arrays only)
+        return self._wide()
+
+    def _wide(self) -> Any:
+        return self.widen(self._var) if self._start is None else self._start
+
+    def _narrow(self, value: Any) -> Any:
+        return ops.cast(value, self._var.dtype)
+
+    def _write(self, target: Any) -> Any:
+        self._start = None  # written: later reads see the variable
+        if self._rule is None:
+            return self._var.assign(self._narrow(target))
+        return self._rule.write(self._var, self.widen(target))
+
+    def _flush(self) -> None:
+        """The weight decay of an update step that never wrote the variable."""
+        if self._start is not None:
+            self._write(self._start)
+
+    def assign(self, value: Any) -> Any:
+        return self._write(value)
+
+    def assign_add(self, delta: Any) -> Any:  # computed in float32, rounded once
+        return self._write(self._wide() + delta)
+
+    def assign_sub(self, delta: Any) -> Any:
+        return self._write(self._wide() - delta)
+
+
+@contextlib.contextmanager
+def float32_update(optimizer: Any, rule: Any = None, view: type[Float32View] = Float32View) -> Iterator[None]:
+    """While applying: ``optimizer.update_step`` sees half-precision variables as float32
+    (:class:`Float32View`, or the ``view`` subclass given) and their gradients cast to float32
+    (exact); float32 variables are updated as the optimizer does. The decoupled weight decay of
+    half variables (AdamW, ``weight_decay=``) is computed in float32 too, as part of the same
+    update (Keras casts the learning rate and the decay to the variable's dtype and rounds the
+    decayed weight before the update). On torch, Keras's parallel (``torch._foreach``) step
+    takes the float32 variables and each half variable goes through ``update_step``. With
+    ``rule``, the update is applied by it (a policy's ``update``). Decided per variable while
+    tracing: no cost in a compiled step, none at all without half variables. The instance
+    attributes that route the update are removed on exit."""
+    if "update_step" in vars(optimizer):  # already routed (a nested apply)
+        yield
+        return
+    plain = optimizer.update_step
+    plain_decay = optimizer._apply_weight_decay
+    plain_key = optimizer._var_key
+    plain_step = optimizer._backend_update_step
+
+    def decays(variable: Any) -> bool:
+        return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
+
+    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        if gradient is None or not is_half_variable(variable):
+            return plain(gradient, variable, learning_rate)
+        start = None
+        if decays(variable):  # Keras's `variable - variable * wd * lr`, in float32
+            w = view.widen(variable)
+            start = w - w * view.widen(optimizer.weight_decay) * view.widen(learning_rate)
+        seen = view(variable, rule, start)
+        out = plain(view.widen(gradient), seen, learning_rate)
+        seen._flush()
+        return out
+
+    def apply_weight_decay(variables: Any) -> Any:
+        return plain_decay([v for v in variables if not is_half_variable(v)])
+
+    def var_key(variable: Any) -> Any:
+        return plain_key(variable._var if isinstance(variable, Float32View) else variable)
+
+    def backend_update_step(grads: Any, variables: Any, learning_rate: Any) -> Any:
+        """Keras-torch's parallel step for the float32 variables, ``update_step`` for the half
+        ones (under ``torch.no_grad``, as Keras's own torch step)."""
+        import torch
+
+        half = [is_half_variable(v) for v in variables]
+        rest = [(g, v) for g, v, h in zip(grads, variables, half, strict=True) if not h]
+        if rest:
+            plain_step([g for g, _ in rest], [v for _, v in rest], learning_rate)
+        with torch.no_grad():
+            for g, v, h in zip(grads, variables, half, strict=True):
+                if h:
+                    update_step(g, v, learning_rate)
+
+    optimizer.update_step = update_step
+    optimizer._apply_weight_decay = apply_weight_decay
+    optimizer._var_key = var_key
+    routed = ["update_step", "_apply_weight_decay", "_var_key"]
+    if keras.backend.backend() == "torch":
+        optimizer._backend_update_step = backend_update_step
+        routed.append("_backend_update_step")
+    try:
+        yield
+    finally:
+        for name in routed:
+            delattr(optimizer, name)
 
 
 _STATE = ("dynamic_scale", "counter", "consecutive_skips", "total_skips")
@@ -373,9 +515,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         # Copies in: Keras's torch optimizers update their inputs in place even when stateless
         # (under jit, XLA drops the copies).
-        new_train, new_inner = self.inner_optimizer.stateless_apply(
-            [ops.copy(x) for x in inner], unscaled, [ops.copy(x) for x in train]
-        )
+        with float32_update(self.inner_optimizer):
+            new_train, new_inner = self.inner_optimizer.stateless_apply(
+                [ops.copy(x) for x in inner], unscaled, [ops.copy(x) for x in train]
+            )
         new_train = [ops.where(applied, n, o) for n, o in zip(new_train, train, strict=True)]
         new_inner = [ops.where(applied, n, o) for n, o in zip(new_inner, inner, strict=True)]
         for i, value in zip(where, new_own, strict=True):
@@ -437,7 +580,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         held = [*self.inner_optimizer.variables, *variables]
         before = [ops.copy(v.value) for v in held]
         try:
-            self.inner_optimizer.apply(unscaled, trainable_variables=variables)
+            with float32_update(self.inner_optimizer):
+                self.inner_optimizer.apply(unscaled, trainable_variables=variables)
         except Exception:  # nothing half-changed: what the inner step wrote is put back
             for v, old in zip(held, before, strict=True):
                 v.assign(old)

@@ -29,6 +29,7 @@ from unimp.backends.tensorflow.scaling import (
     _traced_fields,
     _unscale,
 )
+from unimp.keras.optimizer import Float32View, float32_update, is_half_variable
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
@@ -779,30 +780,18 @@ class _GuardedApply:
         return self._apply(*args, **kwargs)
 
 
-class _Float32View:
-    """A half-precision variable as an inner optimizer's ``update_step`` sees it: float32.
+class _Float32View(Float32View):
+    """:class:`unimp.keras.optimizer.Float32View` on TensorFlow: a ``tf.float32`` dtype, a
+    replica's variable found through its distributed container (``tf.distribute``), and
+    sparse (``IndexedSlices``) writes, an Embedding's, rounded to nearest by the optimizer
+    itself (with a warning under a rule)."""
 
-    Keras's optimizers compute in ``variable.dtype`` (``ops.cast(self.beta_2,
-    variable.dtype)``): with bfloat16 variables Adam's ``beta_2 = 0.999`` is 1.0, the bias
-    correction ``1 - beta_2**t`` is 0 and nothing is learned. Seen through this view, the
-    hyperparameters, the step count and the bias corrections are float32 and the update is
-    computed in float32 and rounded once into the variable (torch keeps its scalars in float32
-    too, but rounds after each op in the variable's dtype); the
-    optimizer's own state (moments) stays in the dtype it keeps it. Everything else (the
-    variable's key in the optimizer, its shape, its distributed container) is the variable's.
-
-    With a ``rule`` (:class:`_UpdateRule`, a policy's ``update``), a dense write's float32
-    result is applied by :func:`unimp.rounding.update_half` instead of rounded to nearest;
-    ``start`` is the float32 value the update starts from (the weight-decayed weight).
-    """
-
-    __slots__ = ("_var", "_rule", "_start")
+    __slots__ = ()
     dtype = tf.float32
 
-    def __init__(self, var: Any, rule: Any = None, start: Any = None) -> None:
-        self._var = var
-        self._rule = rule
-        self._start = start
+    @staticmethod
+    def widen(x: Any) -> Any:
+        return tf.cast(x, tf.float32)
 
     def __getattr__(self, name: str) -> Any:
         if name == "_distributed_container" and not hasattr(self._var, name):
@@ -813,33 +802,10 @@ class _Float32View:
                 return getattr(handle, name)
         return getattr(self._var, name)
 
-    def _wide(self) -> tf.Tensor:
-        return tf.cast(self._var, tf.float32) if self._start is None else self._start
-
     def _narrow(self, value: Any) -> Any:
         if isinstance(value, tf.IndexedSlices):
             return tf.IndexedSlices(tf.cast(value.values, self._var.dtype), value.indices, value.dense_shape)
         return tf.cast(value, self._var.dtype)
-
-    def _write(self, target: Any) -> Any:
-        self._start = None  # written: later reads see the variable
-        if self._rule is None:
-            return self._var.assign(self._narrow(target))
-        return self._rule.write(self._var, tf.cast(target, tf.float32))
-
-    def _flush(self) -> None:
-        """The weight decay of an update step that never wrote the variable."""
-        if self._start is not None:
-            self._write(self._start)
-
-    def assign(self, value: Any) -> Any:
-        return self._write(value)
-
-    def assign_add(self, delta: Any) -> Any:  # computed in float32, rounded once
-        return self._write(self._wide() + delta)
-
-    def assign_sub(self, delta: Any) -> Any:
-        return self._write(self._wide() - delta)
 
     # sparse updates (embedding rows) are rounded to nearest, with a warning under a rule
     def _sparse(self) -> None:
@@ -894,54 +860,12 @@ class _UpdateRule:
         return var.assign(new)
 
 
-def _is_half_var(variable: Any) -> bool:
-    dtype = getattr(variable, "dtype", None)  # a tf.DType, or a Keras variable's name
-    return dtype is not None and tf.as_dtype(dtype) in _HALF
+_is_half_var = is_half_variable
 
 
-@contextlib.contextmanager
-def _float32_update(optimizer: Any, rule: _UpdateRule | None = None) -> Iterator[None]:
-    """While applying: ``optimizer.update_step`` sees half-precision variables as float32
-    (:class:`_Float32View`) and their gradients cast to float32 (exact); float32 variables
-    are updated as the optimizer does. The decoupled weight decay of half variables (AdamW,
-    ``weight_decay=``) is computed in float32 too, as part of the same update (Keras casts
-    the learning rate and the decay to the variable's dtype and rounds the decayed weight
-    before the update). With ``rule``, the update is applied by it (a policy's ``update``).
-    Decided per variable while tracing: no cost in a compiled step, none at all without half
-    variables. The instance attributes that route ``update_step`` and the weight decay are
-    removed on exit."""
-    if "update_step" in vars(optimizer):  # already routed (a nested apply)
-        yield
-        return
-    plain = optimizer.update_step
-    plain_decay = optimizer._apply_weight_decay
-
-    def decays(variable: Any) -> bool:
-        return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
-
-    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
-        if gradient is None or not _is_half_var(variable):
-            return plain(gradient, variable, learning_rate)
-        start = None
-        if decays(variable):  # Keras's `variable - variable * wd * lr`, in float32
-            w = tf.cast(variable, tf.float32)
-            lr = tf.cast(learning_rate, tf.float32)
-            start = w - w * tf.cast(optimizer.weight_decay, tf.float32) * lr
-        view = _Float32View(variable, rule, start)
-        out = plain(tf.cast(gradient, tf.float32), view, learning_rate)
-        view._flush()
-        return out
-
-    def apply_weight_decay(variables: Any) -> Any:
-        return plain_decay([v for v in variables if not _is_half_var(v)])
-
-    optimizer.update_step = update_step
-    optimizer._apply_weight_decay = apply_weight_decay
-    try:
-        yield
-    finally:
-        del optimizer.update_step
-        del optimizer._apply_weight_decay
+def _float32_update(optimizer: Any, rule: _UpdateRule | None = None) -> Any:
+    """:func:`unimp.keras.optimizer.float32_update` with this backend's view (:class:`_Float32View`)."""
+    return float32_update(optimizer, rule, view=_Float32View)
 
 
 def _built_rule(optimizer: Any) -> LossScaleOptimizer:
