@@ -202,12 +202,13 @@ def _layout(layout: str) -> str:
     return layout
 
 
-def check_linear_shapes(rule: Any, m: int, k: int, n: int) -> None:
+def check_linear_shapes(rule: Any, m: int | None, k: int, n: int) -> None:
     """Checks that ``x`` ``(M, K)`` and ``W`` (``K`` inputs, ``N`` outputs) split into the
     rule's blocks along every axis a GEMM reduces over: ``K`` and ``N`` by the weight's tile
     (and the activation's / gradient's block), ``M`` by the activation's and the gradient's
     block (the weight-gradient GEMM blocks along the batch rows, as Transformer Engine's
-    MXFP8 needs "the product of the other dimensions divisible by 32").
+    MXFP8 needs "the product of the other dimensions divisible by 32"). ``m=None`` checks
+    ``K`` and ``N`` only: a forward pass without a backward quantizes nothing along ``M``.
 
     Raises:
         ValueError: the first size that does not split, naming it and the fix.
@@ -220,7 +221,7 @@ def check_linear_shapes(rule: Any, m: int, k: int, n: int) -> None:
         "N (out features)": (n, math.lcm(r.tile("gradient")[1], *r.tile("weight"))),
     }
     for what, (size, block) in need.items():
-        if size % block:
+        if size is not None and size % block:
             raise ValueError(
                 f"block-scaled linear {r.name!r}: {what} is {size}, not a multiple of {block}, the "
                 f"block its GEMMs quantize along it; pad it to a multiple of {block} or keep this "
@@ -309,7 +310,8 @@ def _quantize_w(ops: Any, w: Any, r: BlockLinearRule, layout: str, along: str) -
     return _operand(ops, w, r, "weight", _w_axis(layout, along))
 
 
-def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out") -> tuple[Any, Saved]:
+def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out",
+                   backward: bool = True) -> tuple[Any, Saved | None]:
     """The forward GEMM ``y = Q_K(x) @ Q_K(W)`` and the copies the backward pass needs.
 
     Args:
@@ -318,10 +320,12 @@ def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out")
         w: float32 weight, ``(K, N)`` for ``layout="in_out"``, ``(N, K)`` for ``"out_in"``.
         rule: a :class:`BlockLinearRule` or its name.
         layout: one of :data:`LAYOUTS`.
+        backward: whether a backward pass follows: without one (inference, evaluation) the
+            columnwise copies are not made and ``M`` need not split into blocks.
 
     Returns:
-        ``(y, saved)``: float32 ``(M, N)`` and :class:`Saved`. A weight with a 2-D tile is
-        quantized once (its two copies are equal).
+        ``(y, saved)``: float32 ``(M, N)`` and :class:`Saved` (None without ``backward``). A
+        weight with a 2-D tile is quantized once (its two copies are equal).
 
     Raises:
         ValueError: an unknown rule or layout, or sizes that do not split into the rule's
@@ -331,14 +335,16 @@ def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out")
     layout = _layout(layout)
     m, k = (int(d) for d in x2.shape)
     n = int(w.shape[1 if layout == "in_out" else 0])
-    check_linear_shapes(r, m, k, n)
+    check_linear_shapes(r, m if backward else None, k, n)
     x2, w = ops.f32(x2), ops.f32(w)
     qx_k = _operand(ops, x2, r, "activation", 1)
     qw_k = _quantize_w(ops, w, r, layout, "K")
-    qw_n = qw_k if r.tile("weight")[0] > 1 else _quantize_w(ops, w, r, layout, "N")
-    qx_m = _operand(ops, x2, r, "activation", 0)
     amax_x, amax_w = _amax(ops, r, x2), _amax(ops, r, w)
     y = _scaled(ops, r, ops.matmul(qx_k, qw_k if layout == "in_out" else ops.transpose(qw_k)), amax_x, amax_w)
+    if not backward:
+        return y, None
+    qw_n = qw_k if r.tile("weight")[0] > 1 else _quantize_w(ops, w, r, layout, "N")
+    qx_m = _operand(ops, x2, r, "activation", 0)
     return y, Saved(qx_m, qw_n, amax_x, amax_w)
 
 

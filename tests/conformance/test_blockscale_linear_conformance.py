@@ -201,16 +201,53 @@ def test_stochastic_rounding_follows_the_seed_and_step(backend):
     np.testing.assert_array_equal(_bits(got), _bits(dw))
 
 
+def _matmul_of(backend):
+    if backend == "torch":
+        from unimp.backends.torch.blockscale import block_scaled_matmul
+    elif backend == "jax":
+        from unimp.backends.jax.blockscale import block_scaled_matmul
+    else:
+        from unimp.backends.tensorflow.blockscale import block_scaled_matmul
+    return block_scaled_matmul
+
+
 def test_a_batch_that_does_not_split_into_blocks_is_refused_naming_the_fix(backend):
-    mod = require_backend(backend)
-    del mod
+    """Where a backward pass follows: its weight-gradient GEMM blocks along the batch rows."""
+    require_backend(backend)
+    mm = _matmul_of(backend)
     x = np.ones((16, 64), np.float32)  # M = 16: MXFP8's weight-gradient GEMM blocks along it by 32
     w = np.ones((64, 32), np.float32)
     with pytest.raises(ValueError, match=r"M \(the batch rows.*is 16, not a multiple of 32.*pad it"):
         if backend == "torch":
-            from unimp.backends.torch.blockscale import block_scaled_matmul
+            import torch
+
+            mm(torch.tensor(x, requires_grad=True), torch.tensor(w), "mxfp8")
         elif backend == "jax":
-            from unimp.backends.jax.blockscale import block_scaled_matmul
+            import jax
+
+            jax.vjp(lambda a: mm(a, w, "mxfp8"), x)
         else:
-            from unimp.backends.tensorflow.blockscale import block_scaled_matmul
-        block_scaled_matmul(_native(backend, x), _native(backend, w), "mxfp8")
+            mm(_native(backend, x), _native(backend, w), "mxfp8")
+
+
+def test_inference_runs_the_forward_gemm_alone_on_any_batch(backend):
+    """No gradient taken (torch without requires_grad, JAX undifferentiated, TensorFlow
+    backward=False as Keras's training=False): any number of rows, the reference's forward
+    values bit for bit, and TensorFlow refuses a gradient through it naming the fix."""
+    require_backend(backend)
+    mm = _matmul_of(backend)
+    x, w, g = _inputs()
+    x = x[:37]  # 37 rows: no multiple of any block
+    y, _ = bl.linear_forward(bl.NumpyLinearOps, x, w, "nvfp4", backward=False)
+    kw = {"backward": False} if backend == "tensorflow" else {}
+    got = mm(_native(backend, x), _native(backend, w), "nvfp4", **kw)
+    np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(y))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            out = mm(xt, tf.constant(w), "nvfp4", backward=False)
+        with pytest.raises(ValueError, match="ran with backward=False.*backward=True"):
+            tape.gradient(out, xt)

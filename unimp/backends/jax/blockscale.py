@@ -52,7 +52,9 @@ def _bwd(rule, layout, seed, res, g):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _matmul(rule, layout, seed, x, w, step):
-    return _fwd(rule, layout, seed, x, w, step)[0]
+    # undifferentiated (inference): the forward GEMM alone, no columnwise copies
+    y, _ = _bl.linear_forward(BlockOps, x.reshape(-1, x.shape[-1]), w, rule, layout, backward=False)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
 
 
 _matmul.defvjp(_fwd, _bwd)
@@ -63,7 +65,8 @@ def block_scaled_matmul(x: jax.Array, w: jax.Array, rule: Any, layout: str = "in
     """``x @ W`` as an emulated block-scaled GEMM with its gradients by the same rule
     (:data:`unimp.blockscale_linear.GEMMS`); the contract is the torch backend's
     ``block_scaled_matmul``. ``step`` may be a traced int32 counter (a jitted train step's);
-    ``seed`` and the rule are static. Shapes are static under ``jit``.
+    ``seed`` and the rule are static. Shapes are static under ``jit``. Not differentiated
+    (inference), only the forward GEMM runs and the batch rows need not split into blocks.
 
     Raises:
         TypeError: a non-floating ``x`` or ``w`` (``jnp.matmul`` would multiply integers

@@ -37,11 +37,13 @@ class BlockOps(FP8Ops):
 
 
 def block_scaled_matmul(x: Any, w: Any, rule: Any, layout: str = "in_out", seed: int = 0,
-                        step: Any = 0) -> tf.Tensor:
+                        step: Any = 0, backward: bool = True) -> tf.Tensor:
     """``x @ W`` as an emulated block-scaled GEMM with its gradients by the same rule
     (:data:`unimp.blockscale_linear.GEMMS`); the contract is the torch backend's
     ``block_scaled_matmul``. An integer or bool ``x`` is cast to ``w``'s dtype first, as
     Keras's Dense promotes it. Shapes must be static (inside a ``tf.function``, a known batch).
+    With ``backward=False`` (inference: Keras's ``training=False``) only the forward GEMM runs
+    and the batch rows need not split into blocks; a gradient taken through it then raises.
 
     Raises:
         ValueError: an unknown rule or layout, sizes that do not split into the rule's blocks,
@@ -59,10 +61,14 @@ def block_scaled_matmul(x: Any, w: Any, rule: Any, layout: str = "in_out", seed:
 
     @tf.custom_gradient
     def matmul(x_: tf.Tensor, w_: tf.Tensor) -> Any:
-        y, saved = _bl.linear_forward(BlockOps, tf.reshape(x_, [-1, shape[-1]]), w_, rule, layout)
+        y, saved = _bl.linear_forward(BlockOps, tf.reshape(x_, [-1, shape[-1]]), w_, rule, layout, backward)
         n = int(y.shape[-1])
 
         def grad(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            if saved is None:
+                raise ValueError("block_scaled_matmul ran with backward=False (Keras training=False): it "
+                                 "made no columnwise copies for a backward pass; call it with "
+                                 "backward=True (training=True) to take gradients.")
             g2 = tf.reshape(g, [-1, n])
             bits = _bl.gradient_bits(UpdateOps, seed, step, *g2.shape) if rule.stochastic("gradient") else None
             dx, dw = _bl.linear_backward(BlockOps, saved, g2, rule, layout, bits)
@@ -126,7 +132,8 @@ class BlockScaledDense(_keras_layer_base()):  # type: ignore[misc]
         x = tf.convert_to_tensor(inputs)
         if not x.dtype.is_floating:
             x = tf.cast(x, self.compute_dtype)
-        y = block_scaled_matmul(x, tf.convert_to_tensor(self.kernel), self.rule, "in_out", self.seed, step)
+        y = block_scaled_matmul(x, tf.convert_to_tensor(self.kernel), self.rule, "in_out", self.seed, step,
+                                backward=training is not False)
         if self.bias is not None:
             y = y + tf.cast(self.bias, y.dtype)
         return y
@@ -142,7 +149,8 @@ def _block_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor
     x = tf.convert_to_tensor(inputs)
     if not x.dtype.is_floating:
         x = tf.cast(x, self.compute_dtype)
-    y = block_scaled_matmul(x, tf.convert_to_tensor(self._kernel), recipe.rule, "in_out", recipe.seed, step)
+    y = block_scaled_matmul(x, tf.convert_to_tensor(self._kernel), recipe.rule, "in_out", recipe.seed, step,
+                            backward=training is not False)
     if self.bias is not None:
         y = y + tf.cast(self.bias, y.dtype)
     if self.activation is not None:

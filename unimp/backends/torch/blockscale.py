@@ -89,6 +89,8 @@ def block_scaled_matmul(x: torch.Tensor, w: torch.Tensor, rule: Any, layout: str
 
     Returns:
         ``(..., N)`` in ``x``'s dtype; ``x``'s gradient in its dtype, ``w``'s in its dtype.
+        Where no gradient is taken (``torch.no_grad``, or neither operand requires one) only
+        the forward GEMM runs, and the batch rows need not split into blocks.
 
     Raises:
         TypeError: a non-floating ``x`` or ``w``; ValueError: an unknown rule or layout, or
@@ -98,6 +100,10 @@ def block_scaled_matmul(x: torch.Tensor, w: torch.Tensor, rule: Any, layout: str
     for name, t in (("x", x), ("w", w)):
         if not t.is_floating_point():
             refuse_non_float(t.dtype, f"block_scaled_matmul {name}", "cast it to a float dtype (x.float())")
+    if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):  # inference: no backward
+        y, _ = _bl.linear_forward(BlockOps.on(x.device), x.detach().reshape(-1, x.shape[-1]), w.detach(), rule,
+                                  layout, backward=False)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     return _BlockScaledMatmul.apply(x, w, rule, layout, seed, step)
 
 
