@@ -25,6 +25,9 @@ Cast = Callable[[str, jax.Array], jax.Array]
 
 #: key of the flat weights dict under which an FP8 run passes ``(mp, states, float32 weights)``
 _FP8 = "__fp8__"
+#: key set in the flat weights dict of a block-scaled run: (mp, the selected paths, the float32
+#: weights); the stochastic rounding of NVFP4's gradients takes step 0 in every step here
+_BLOCK = "__block__"
 
 
 #: key set in the flat weights dict for the FP8 states pass, which observes nothing
@@ -43,6 +46,10 @@ def _matmul(p: dict, path: str, weight: str, x: jax.Array) -> jax.Array:
     if fp8 is not None and path in fp8[1]:
         mp, states, raw = fp8
         return mp.fp8_matmul(states, path, x, raw[weight])
+    block = p.get(_BLOCK)
+    if block is not None and path in block[1]:  # the float32 kernel, as torch's and Keras's layers read it
+        mp, _, raw = block
+        return mp.block_matmul(path, x, raw[weight])
     return x @ p[weight]
 
 
@@ -102,7 +109,7 @@ def _vit(p: dict, x: jax.Array, cast: Cast) -> jax.Array:
     return z.mean(1)
 
 
-def _forward(mp: Any, kind: str):
+def _forward(mp: Any, kind: str, block_selected: tuple[str, ...] = ()):
     def forward(params: dict, x: jax.Array, mask: jax.Array, fp8_states: Any = None,
                 quiet: bool = False) -> jax.Array:
         # params are {layer: {weight: array}} (gradient names "l1/w1" line up with the other
@@ -110,6 +117,8 @@ def _forward(mp: Any, kind: str):
         p = {k: v for layer in mp.cast_to_compute(params).values() for k, v in layer.items()}
         if fp8_states is not None:
             p[_FP8] = (mp, fp8_states, {k: v for layer in params.values() for k, v in layer.items()})
+        if block_selected:
+            p[_BLOCK] = (mp, block_selected, {k: v for layer in params.values() for k, v in layer.items()})
         p[_QUIET] = quiet
         x = mp.cast_to_compute(x)
 
@@ -173,10 +182,10 @@ def loss_of(out: jax.Array, y: jax.Array, loss: str) -> jax.Array:
 def _user_build(spec: RunSpec, mp: Any, options: dict[str, Any], opt: Any) -> Any:
     """The train step of the user's flax module: its ``params`` from ``module.init``, the
     forward pass cast jmp-style at its boundary (:meth:`MixedPrecision.apply`)."""
-    if spec.recipe.fp8 is not None:
+    if spec.recipe.fp8 is not None or spec.recipe.block is not None:
         raise ValueError(
-            f"--model {spec.model}: a float8 recipe in JAX needs unimp's float8 layers in the "
-            "model; compare a flax model with a recipe without fp8."
+            f"--model {spec.model}: a float8 or block-scaled recipe in JAX needs unimp's layers in "
+            "the model; compare a flax model with a recipe without them."
         )
     module, _ = user_model(spec.model, spec.seed)
     variables = module.init(jax.random.PRNGKey(spec.seed), jnp.asarray(spec.batches[0]["x"][:1]))
@@ -203,7 +212,10 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
     """
     with jax.default_device(_device(spec)):
         mp = backend.MixedPrecision(spec.recipe)
-        forward = _forward(mp, spec.model)
+        block_selected = ()
+        if spec.recipe.block is not None and not spec.user_model:  # the block-scaled recipe's selection
+            block_selected = mp.fp8_layers(FP8_PATHS[spec.model])
+        forward = _forward(mp, spec.model, block_selected)
 
         def loss_fn(params: dict, b: dict, fp8_states: Any = None, quiet: bool = False) -> jax.Array:
             logits = forward(params, b["x"], b["mask"], fp8_states, quiet).astype(jnp.float32)
