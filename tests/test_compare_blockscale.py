@@ -13,7 +13,7 @@ from conftest import BACKENDS, require_backend
 from unimp.cli import main
 
 #: |mxfp8 - bfloat16| test accuracy on digits, measured: the ViT, 2 epochs of batch 32 on a
-#: CPU: torch 0.008, TensorFlow 0.006, JAX 0.000 (nvfp4 up to 0.039, mxfp4 up to 0.045); after
+#: CPU: torch 0.008, TensorFlow 0.006, JAX 0.000 (nvfp4 and mxfp4 up to 0.039); after
 #: 1 epoch of batch 512 the two runs are within a few test images
 ACCURACY_TOLERANCE = 0.03
 

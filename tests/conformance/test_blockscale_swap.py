@@ -110,3 +110,23 @@ def test_a_layer_whose_features_do_not_split_is_refused_before_anything_changes(
         block_swap(model, recipe)
     assert not hasattr(model.get_layer("fc2"), "block_step")
     assert block_swap(model, BlockRecipe("mxfp8")) == ("fc2", "fc3")
+
+
+def test_keras_block_scaled_dense_saves_and_loads_with_its_rule(tmp_path):
+    """A model holding BlockScaledDense saved to .keras loads with its class, rule, seed, kernel
+    and step counter, and computes the same outputs (*TensorFlow only*)."""
+    require_backend("tensorflow")
+    import keras
+
+    from unimp.backends.tensorflow.blockscale import BlockScaledDense
+
+    model = keras.Sequential([keras.Input((128,)), BlockScaledDense(128, rule="nvfp4", seed=5, name="b")])
+    x = _x()
+    model(x, training=True)  # one training call: block_step 1
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    layer = loaded.get_layer("b")
+    assert isinstance(layer, BlockScaledDense)
+    assert (layer.rule.name, layer.seed, int(layer.block_step.numpy())) == ("nvfp4", 5, 1)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(model(x)))

@@ -85,6 +85,13 @@ def _keras_layer_base() -> type:
     return keras.layers.Layer
 
 
+def _keras_serializable() -> Any:
+    import keras
+
+    return keras.saving.register_keras_serializable(package="unimp")
+
+
+@_keras_serializable()
 class BlockScaledDense(_keras_layer_base()):  # type: ignore[misc]
     """A Keras Dense layer whose matmul is an emulated block-scaled GEMM
     (:func:`block_scaled_matmul`, kernel ``(in, units)`` read in float32); the bias is added in
@@ -96,6 +103,9 @@ class BlockScaledDense(_keras_layer_base()):  # type: ignore[misc]
         units: output features; use_bias: add a bias.
         rule: a :class:`unimp.blockscale_linear.BlockLinearRule` or its name.
         seed: the stochastic rounding's seed (an int).
+
+    Saved models round-trip (:meth:`get_config` holds ``units``, ``use_bias``, the rule's name
+    and ``seed``; registered as ``"unimp>BlockScaledDense"``).
 
     Raises:
         TypeError: ``units`` not an int, ``use_bias`` not True or False.
@@ -119,6 +129,10 @@ class BlockScaledDense(_keras_layer_base()):  # type: ignore[misc]
         self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros") if self.use_bias else None
         self.block_step = self.add_weight(name="block_step", shape=(), dtype="int32", initializer="zeros",
                                           trainable=False, autocast=False)
+
+    def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
+        """``(..., units)``: Keras builds a model symbolically (unknown batch) without calling."""
+        return (*tuple(input_shape)[:-1], self.units)
 
     def get_config(self) -> dict[str, Any]:
         """Keras's layer config plus ``units``, ``use_bias``, ``rule`` (its name) and ``seed``."""
