@@ -11,6 +11,8 @@ import pytest
 from conftest import BACKENDS, require_backend
 
 from unimp.cli import main
+from unimp.compare.explain import explain_recipe
+from unimp.recipe import get_recipe
 
 #: |mxfp8 - bfloat16| test accuracy on digits, measured: the ViT, 2 epochs of batch 32 on a
 #: CPU: torch 0.008, TensorFlow 0.006, JAX 0.000 (nvfp4 and mxfp4 up to 0.039); after
@@ -30,3 +32,11 @@ def test_compare_mxfp8_vit_trains_and_differs_from_bfloat16(backend, tmp_path):
     bf16, mx = rows["mixed_bfloat16"], rows["mxfp8"]
     assert bf16[2] != mx[2]  # the loss: the block-scaled layers ran
     assert abs(float(bf16[3]) - float(mx[3])) <= ACCURACY_TOLERANCE
+
+
+def test_explain_names_what_each_framework_does_with_a_block_scaled_recipe():
+    lines = dict(explain_recipe(get_recipe("nvfp4")))
+    assert any("BlockScaledLinear" in line and "block-scaled nvfp4" in line for line in lines["torch"])
+    assert any("Keras's TensorFlow engine" in line for line in lines["tensorflow"])
+    assert any("mp.block_matmul(path, x, w, step)" in line for line in lines["jax"])
+    assert not any("block" in line for line in dict(explain_recipe(get_recipe("mixed_bfloat16")))["torch"])
