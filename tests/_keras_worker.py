@@ -792,5 +792,50 @@ def half() -> dict:
     return out
 
 
+def update_rules() -> dict:
+    """The policy's ``update`` rules on bfloat16 variables (a float32 one beside them): per rule
+    (``nearest``, ``kahan``, ``stochastic``, seed 7) six Adam steps at a learning rate below
+    half a bfloat16 spacing for most weights, the weights per step, through unimp.keras's
+    optimizer (``apply``; on JAX and torch ``stateless_apply`` too, ``"<rule>/stateless"``) and
+    on TensorFlow the TensorFlow backend's (``"<rule>/tf_backend"``); and the rule ``mp.prepare``
+    gives on this engine for ``bf16-kahan``."""
+    import unimp
+
+    def run(opt, stateless: bool = False) -> list:
+        w = keras.Variable(np.linspace(0.5, 2, 6, dtype=np.float32).reshape(2, 3), dtype="bfloat16")
+        b = keras.Variable(np.full((3,), 0.5, np.float32))
+        opt.build([w, b])
+        steps = []
+        for i in range(6):
+            g = [ops.convert_to_tensor(np.full((2, 3), 0.1 * (i + 1), np.float32), dtype="bfloat16"),
+                 ops.convert_to_tensor(np.full((3,), -0.2, np.float32))]
+            if stateless:
+                new_w, new_o = opt.stateless_apply([v.value for v in opt.variables], g, [w.value, b.value])
+                for v, x in zip([w, b, *opt.variables], [*new_w, *new_o], strict=True):
+                    v.assign(x)
+            else:
+                opt.apply(g, [w, b])
+            steps.append(_np(ops.cast(w.value, "float32")).ravel().tolist())
+        return steps
+
+    out = {}
+    for mode in ("nearest", "kahan", "stochastic"):
+        out[mode] = run(LossScaleOptimizer(keras.optimizers.Adam(2e-3), loss_scale="none", update=mode, seed=7))
+        if BACKEND == "tensorflow":
+            from unimp.backends.tensorflow import LossScaleOptimizer as TFLossScaleOptimizer
+
+            out[f"{mode}/tf_backend"] = run(
+                TFLossScaleOptimizer(keras.optimizers.Adam(2e-3), loss_scale="none", update=mode, seed=7))
+        else:
+            out[f"{mode}/stateless"] = run(
+                LossScaleOptimizer(keras.optimizers.Adam(2e-3), loss_scale="none", update=mode, seed=7), stateless=True)
+    mp = unimp.mixed_precision("bf16-kahan", backend="keras")
+    with mp.autocast():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    _, opt = mp.prepare(model, "adam")
+    out["prepared"] = {"update": opt.update_mode, "kernel": keras.backend.standardize_dtype(model.layers[0].kernel.dtype)}
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps({"backend": BACKEND, **{case: globals()[case]() for case in sys.argv[1:]}}))

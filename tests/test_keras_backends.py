@@ -19,9 +19,9 @@ from unimp.loss_scale import DynamicLossScale, simulate
 HERE = pathlib.Path(__file__).resolve().parent
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 CASES = {
-    "tensorflow": ("rule", "half", "fit16", "losses32", "check", "misuse", "step16", "step_options", "stats16", "fp8"),
-    "jax": ("rule", "stateless", "half", "fit16", "losses32", "check", "misuse", "step16", "step_options", "refusals", "stats16", "fp8"),
-    "torch": ("rule", "stateless", "half", "fit16", "losses32", "check", "misuse", "syncs", "step16", "step_options", "refusals", "stats16", "fp8"),
+    "tensorflow": ("rule", "half", "update_rules", "fit16", "losses32", "check", "misuse", "step16", "step_options", "stats16", "fp8"),
+    "jax": ("rule", "stateless", "half", "update_rules", "fit16", "losses32", "check", "misuse", "step16", "step_options", "refusals", "stats16", "fp8"),
+    "torch": ("rule", "stateless", "half", "update_rules", "fit16", "losses32", "check", "misuse", "syncs", "step16", "step_options", "refusals", "stats16", "fp8"),
 }
 _REQUIRES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
@@ -83,6 +83,23 @@ def test_half_variables_update_in_float32_alike_on_every_keras_backend(runs, nam
         assert runs[b]["half"][name] == want, b
         assert runs[b]["half"][f"{name}/stateless"] == want, b
     assert all(step != want["start"] for step in want["w"])  # every step moves them
+
+
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic"])
+def test_update_rules_give_the_tensorflow_backends_weights_on_every_keras_backend(runs, mode):
+    """A policy's update rule (unimp.rounding over keras.ops) on bfloat16 variables: the
+    TensorFlow backend's weights bit for bit on every engine, stateful and stateless; Kahan and
+    stochastic rounding move weights that round to nearest leaves (Adam's step 2e-3 is under
+    half a bfloat16 spacing above 1), and mp.prepare gives the rule on every engine."""
+    want = runs["tensorflow"]["update_rules"][f"{mode}/tf_backend"]
+    assert runs["tensorflow"]["update_rules"][mode] == want
+    for b in ("jax", "torch"):
+        assert runs[b]["update_rules"][mode] == want, b
+        assert runs[b]["update_rules"][f"{mode}/stateless"] == want, b
+    if mode != "nearest":
+        assert want != runs["tensorflow"]["update_rules"]["nearest/tf_backend"]
+    for b in KERAS_BACKENDS:
+        assert runs[b]["update_rules"]["prepared"] == {"update": "kahan", "kernel": "bfloat16"}, b
 
 
 def test_keras_own_adam_on_bfloat16_variables_learns_nothing(runs):

@@ -95,18 +95,21 @@ def test_the_recipes_round_trip_and_refuse_what_they_cannot_run():
 
 
 def test_keras_engines_without_the_swap_refuse_before_anything_changes(monkeypatch):
-    """Keras's JAX and torch engines have no block-scaled Dense swap: prepare refuses, naming
-    the engines that run it, and leaves the model alone (the engine read is patched here: one
-    process runs one Keras engine) (*TensorFlow only*)."""
+    """Keras's JAX and torch engines have no block-scaled Dense swap: unimp.keras's
+    MixedPrecision (what backend='keras' binds there) refuses in prepare, naming the engines
+    that run it, and leaves the model alone; the TensorFlow backend's subclass swaps (the engine
+    read is patched here: one process runs one Keras engine) (*TensorFlow only*)."""
     require_backend("tensorflow")
     import keras
+
+    from unimp.keras.mixed_precision import MixedPrecision as KerasMixedPrecision
 
     mp = unimp.mixed_precision("mxfp8", backend="tensorflow")
     with mp.autocast():
         model = keras.Sequential([keras.Input((WIDTH,)), *(keras.layers.Dense(WIDTH, name=f"fc{i}") for i in range(4))])
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(ValueError, match="built for Keras's TensorFlow engine, not 'jax'.*backend='tensorflow'"):
-        mp.prepare(model, keras.optimizers.SGD(0.1))
+        KerasMixedPrecision("mxfp8").prepare(model, keras.optimizers.SGD(0.1))
     monkeypatch.undo()
     assert not any(hasattr(layer, "block_step") for layer in model.layers)
     mp.prepare(model, keras.optimizers.SGD(0.1))  # refused before anything changed: it prepares now

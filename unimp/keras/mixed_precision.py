@@ -25,6 +25,7 @@ from unimp.keras.optimizer import LossScaleOptimizer
 from unimp.keras.overrides import apply_overrides, resolve
 from unimp.keras.precision import matmul_precision
 from unimp.keras.step import TrainStep, host_value
+from unimp.rounding import step_seed
 from unimp.step import check_scaled_half_params
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
@@ -47,9 +48,9 @@ class MixedPrecision(MixedPrecisionBase):
     On Keras's JAX and torch backends (``unimp.mixed_precision(..., backend="keras-jax")``)
     this class is the whole integration; on TensorFlow, ``backend="tensorflow"`` binds its
     subclass, which adds placement, the TF32 switch, float8 layers and ``tf.distribute``.
-    Not on Keras-JAX / Keras-torch (refused when the recipe is bound, naming the fix):
-    ``update`` other than ``"nearest"``. An FP8 recipe runs emulated float8 Dense layers
-    there (:mod:`unimp.keras.fp8`). The policy's ``matmul_precision`` is
+    The policy's ``update`` (compensated or stochastic updates of half variables) runs in
+    :class:`~unimp.keras.LossScaleOptimizer` on every engine. An FP8 recipe runs emulated
+    float8 Dense layers on Keras-JAX / Keras-torch (:mod:`unimp.keras.fp8`). The policy's ``matmul_precision`` is
     the engine's own setting (:mod:`unimp.keras.precision`), in force in :meth:`autocast` and
     in every train step.
 
@@ -65,8 +66,7 @@ class MixedPrecision(MixedPrecisionBase):
 
     Raises:
         ValueError: the policy has no Keras ``DTypePolicy`` (Keras stores variables either in
-            the compute dtype or in float32 with half compute), naming the policies it has;
-            or a recipe field this Keras backend does not run (above).
+            the compute dtype or in float32 with half compute), naming the policies it has.
 
     Example:
         >>> mp = MixedPrecision("mixed_bfloat16")
@@ -96,26 +96,10 @@ class MixedPrecision(MixedPrecisionBase):
                 "float32 with float16/bfloat16 compute. Use e.g. 'mixed_float16', 'mixed_bfloat16', "
                 "'float32', 'bfloat16' or 'params=float32,compute=float16,output=float32'."
             )
-        self._check_engine()
         if self.backend == "keras":  # the engine, named in step logs and the doctor's report
             self.backend = f"keras-{keras.backend.backend()}"
         self._keras_name = name
         self._output_name = keras_policy_name(p.param_dtype, p.output_dtype)
-
-    def _check_engine(self) -> None:
-        """Refuses what this class does not run on Keras's JAX and torch backends."""
-        engine = keras.backend.backend()
-        why = [
-            what
-            for what, refused in ((f"update={self.policy.update!r}", self.policy.update != "nearest"),)
-            if refused
-        ]
-        if why:
-            raise ValueError(
-                f"unimp on Keras-{engine} does not run {' or '.join(why)} (yet): on Keras it runs "
-                "on the TensorFlow backend (KERAS_BACKEND=tensorflow, backend='tensorflow'), or "
-                "drop it from the recipe."
-            )
 
     @property
     def compute_dtype(self) -> Any:
@@ -192,12 +176,20 @@ class MixedPrecision(MixedPrecisionBase):
         return self._new_optimizer(keras.optimizers.get(optimizer), seed)
 
     def _check_given(self, optimizer: Any, seed: int) -> None:
-        """Refuses an optimizer of :attr:`optimizer_class` the recipe would not have made."""
+        """Refuses an optimizer of :attr:`optimizer_class` the recipe would not have made: another
+        loss scale, update rule or seed, naming the fix."""
         self._check_loss_scale(optimizer)
+        update = self.policy.update
+        if (optimizer.update_mode, optimizer.update_seed) != (update, seed):
+            raise ValueError(
+                f"the optimizer applies update={optimizer.update_mode!r} with seed "
+                f"{optimizer.update_seed}, the recipe asks for update={update!r} with seed "
+                f"{seed}: pass its inner_optimizer and unimp wraps it."
+            )
 
     def _new_optimizer(self, inner: Any, seed: int) -> Any:
-        """:attr:`optimizer_class` around ``inner`` with the recipe's loss scale."""
-        return LossScaleOptimizer(inner, loss_scale=self.loss_scale)
+        """:attr:`optimizer_class` around ``inner`` with the recipe's loss scale and update rule."""
+        return self.optimizer_class(inner, loss_scale=self.loss_scale, update=self.policy.update, seed=seed)
 
     def _check_loss_scale(self, optimizer: Any) -> None:
         """An unimp optimizer given as is must hold the recipe's loss scale (every engine).
@@ -318,8 +310,9 @@ class MixedPrecision(MixedPrecisionBase):
             fp8_swap(model, self._recipe.fp8)
 
     def _block_engine_refusal(self) -> str | None:
-        """Why this Keras engine cannot run the recipe's block-scaled layers, or None."""
-        if self._recipe.block is None or keras.backend.backend() == "tensorflow":
+        """Why this Keras engine cannot run the recipe's block-scaled layers, or None (the
+        TensorFlow backend's subclass runs them)."""
+        if self._recipe.block is None:
             return None
         return (f"block-scaled recipe {self._recipe.block.rule.name!r}: the Keras Dense swap is built "
                 f"for Keras's TensorFlow engine, not {keras.backend.backend()!r}; run the model with "
@@ -327,12 +320,8 @@ class MixedPrecision(MixedPrecisionBase):
                 "JAX block_scaled_matmul / block_scaled_dot_general).")
 
     def _block_swap(self, model: Any) -> None:
-        """Gives the Dense layers a block-scaled recipe selects the block-scaled matmul
-        (:func:`unimp.backends.tensorflow.blockscale.block_swap`, Keras's TensorFlow engine)."""
-        if self._recipe.block is not None:
-            from unimp.backends.tensorflow.blockscale import block_swap
-
-            block_swap(model, self._recipe.block)
+        """Gives the Dense layers a block-scaled recipe selects the block-scaled matmul: the
+        TensorFlow backend's subclass does; here :meth:`_block_engine_refusal` refused first."""
 
     def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> Any:
         """Applies the recipe to a Keras model and optimizer.
@@ -551,8 +540,17 @@ class MixedPrecision(MixedPrecisionBase):
         return with_log(step, self, log, options.log_every, lso.loss_scale_config, host_value)
 
     def _step_optimizer(self, optimizer: Any, options: StepOptions) -> Any:
-        """The loss-scale optimizer a train step applies (``optimizer`` wrapped, or as is)."""
-        return self.loss_scale_optimizer(optimizer)
+        """The loss-scale optimizer a train step applies (``optimizer`` wrapped, or as is). An
+        unimp optimizer given as is applies the recipe's loss scale and ``update``; one that
+        ``prepare`` made (seed 0) takes the step's ``rounding_seed`` until it is built."""
+        if isinstance(optimizer, self.optimizer_class):
+            self._check_loss_scale(optimizer)
+            optimizer.update_seed = step_seed(
+                optimizer.update_mode, optimizer.update_seed, optimizer.built, self.policy.update,
+                options.rounding_seed, "its .inner_optimizer",
+            )
+            return optimizer
+        return self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
 
     def _step_inputs(self, model: Any, optimizer: Any, loss_fn: Any, options: StepOptions) -> Any:
         """``train_step``'s checks of what it is given, the same on every Keras backend, and

@@ -12,11 +12,13 @@ its jitted step); on torch it is no host read; on TensorFlow it traces under ``t
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import keras
 from keras import ops
+from keras.src.utils import tracking
 
 from unimp.keras.fp8 import is_state, keep_unrun, state_groups
 from unimp.keras.overflow import all_finite
@@ -35,9 +37,19 @@ from unimp.loss_scale.keras_args import (
     keras_positional,
     resolve_keras_loss_scale,
 )
+from unimp.rounding import check_seed, check_update_mode, update_half
 from unimp.step import warn_half_optimizer_state
 
-__all__ = ["Float32View", "KerasOps", "LossScaleCheck", "LossScaleOptimizer", "float32_update", "is_half_variable"]
+__all__ = [
+    "Float32View",
+    "KerasOps",
+    "LossScaleCheck",
+    "LossScaleOptimizer",
+    "UpdateOps",
+    "UpdateRule",
+    "float32_update",
+    "is_half_variable",
+]
 
 
 class KerasOps:
@@ -55,6 +67,71 @@ class KerasOps:
     @staticmethod
     def i32(x: Any) -> Any:
         return ops.cast(x, "int32")
+
+
+class UpdateOps(KerasOps):
+    """:mod:`unimp.rounding`'s array namespace over ``keras.ops`` (any Keras engine, eager or
+    compiled): the loss-scale rule's namespace plus bit patterns by ``ops.view`` (a bitcast:
+    exact) and int32 arithmetic wrapping as NumPy's."""
+
+    @staticmethod
+    def to_dtype(x: Any, dtype: str) -> Any:
+        return ops.cast(x, dtype)
+
+    @staticmethod
+    def bits(x: Any) -> Any:
+        return ops.view(ops.cast(x, "float32"), "int32")
+
+    @staticmethod
+    def from_bits(b: Any) -> Any:
+        return ops.view(b, "float32")
+
+    @staticmethod
+    def iota(shape: tuple[int, ...]) -> Any:
+        return ops.reshape(ops.arange(math.prod(shape), dtype="int32"), shape)
+
+    xor = staticmethod(ops.bitwise_xor)
+    and_ = staticmethod(ops.bitwise_and)
+
+    @staticmethod
+    def shr(x: Any, k: int) -> Any:
+        """Logical right shift of int32 (``right_shift`` is arithmetic there: masked)."""
+        return ops.bitwise_and(ops.right_shift(x, k), (1 << (32 - k)) - 1)
+
+    add = staticmethod(ops.add)
+    mul = staticmethod(ops.multiply)  # int32 wraps modulo 2**32 on every engine
+
+
+class UpdateRule:
+    """A policy's ``update`` rule as unimp's Keras optimizers apply it to half variables
+    (:func:`unimp.rounding.update_half`): the compensation buffer of each (``"kahan"``, an
+    optimizer variable in its dtype), the random bits' ``(seed, step, index)``
+    (``"stochastic"``: ``step`` is the inner optimizer's ``iterations`` before the update,
+    ``index`` the variable's position in its list). ``ops``: the array namespace
+    (:class:`UpdateOps`; the TensorFlow backend gives its own)."""
+
+    ops: Any = UpdateOps
+
+    def __init__(self, mode: str, seed: int, inner: Any, compensations: dict[int, Any]) -> None:
+        self.mode, self.seed, self.inner, self.compensations = mode, seed, inner, compensations
+        self.warned_sparse = False
+
+    @staticmethod
+    def tensor(x: Any) -> Any:
+        """A variable's value as a tensor."""
+        return ops.convert_to_tensor(x)
+
+    def write(self, var: Any, target: Any) -> Any:
+        """Writes ``var``'s update from the inner optimizer's float32 result ``target``."""
+        index = self.inner._get_variable_index(var)
+        comp = self.compensations.get(index)
+        new, new_comp = update_half(
+            self.ops, self.mode, self.tensor(var), target, None if comp is None else self.tensor(comp),
+            seed=self.seed, step=ops.cast(self.inner.iterations, "int32"), index=index,
+        )
+        if comp is not None and new_comp is not None:
+            self.inner.assign(comp, new_comp)
+        return var.assign(new)
 
 
 def _can_record(loss: Any) -> bool:
@@ -259,6 +336,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial_scale, dynamic_growth_steps: Keras's arguments, for drop-in use
             (``DynamicLossScale.preset("keras", init_scale=..., growth_interval=...)``); not
             together with ``loss_scale``.
+        update: how half-precision (float16 / bfloat16) variables take their updates, the
+            policy's ``update`` (:mod:`unimp.rounding`): ``"nearest"`` (the inner optimizer's
+            float32 result rounded once), ``"kahan"`` (a compensation buffer per half variable,
+            an optimizer variable in its dtype) or ``"stochastic"`` (bfloat16 variables only).
+            Every engine runs the same rule on :class:`UpdateOps`, bit for bit.
+        seed: the stochastic-rounding seed, an integer (its low 32 bits are used).
         **kwargs: ``dynamic=True`` and the base-optimizer arguments Keras's configs hold, at
             their defaults only (read by :mod:`unimp.loss_scale.keras_args`, as Keras does).
 
@@ -269,7 +352,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras optimizer.
-        ValueError: a loss-scaled ``inner_optimizer``, a bad config, or an argument Keras's
+        ValueError: a loss-scaled ``inner_optimizer``, a bad config, an unknown ``update``
+            (and, when built, ``"stochastic"`` with float16 variables), or an argument Keras's
             LossScaleOptimizer refuses too (with the fix).
 
     Example:
@@ -289,10 +373,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name: str | None = None,
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
+        update: str = "nearest",
+        seed: int = 0,
         **kwargs: Any,
     ) -> None:
         loss_scale, name = keras_positional(args, loss_scale, name)
         check_keras_arguments(kwargs)
+        update = check_update_mode(update)
+        seed = check_seed(seed, "LossScaleOptimizer: seed")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 f"inner_optimizer must be a keras.optimizers.Optimizer, got "
@@ -308,6 +396,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer = inner_optimizer
         self.inner_optimizer.loss_scale_factor = None
         self._config: LossScaleConfig = config
+        self._update_mode, self._update_seed = update, int(seed)
+        self._create_untracked_state()
+
+    @tracking.no_automatic_dependency_tracking
+    def _create_untracked_state(self) -> None:
+        # the update rule's compensation variables by the inner optimizer's variable index
+        self._compensations: dict[int, Any] = {}
+        self._traced = False  # a compiled step baked the seed in (update_seed refuses a change)
 
     # -- Keras's attributes ----------------------------------------------------------------
 
@@ -315,6 +411,36 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def loss_scale_config(self) -> LossScaleConfig:
         """The loss-scale config."""
         return self._config
+
+    @property
+    def update_mode(self) -> str:
+        """How half-precision variables take their updates: ``"nearest"``, ``"kahan"`` or
+        ``"stochastic"`` (the ``update=`` argument)."""
+        return self._update_mode
+
+    @property
+    def update_seed(self) -> int:
+        """The stochastic-rounding seed (the ``seed=`` argument; ``train_step`` sets the step's
+        ``rounding_seed`` here until the optimizer is built)."""
+        return self._update_seed
+
+    @update_seed.setter
+    def update_seed(self, seed: int) -> None:
+        seed = check_seed(seed, "LossScaleOptimizer.update_seed")
+        if seed != self._update_seed and self._traced:
+            raise ValueError(
+                "update_seed cannot change after this optimizer applied an update: a compiled "
+                "step keeps the old seed. Set it before the first step, or pass seed= to the "
+                "LossScaleOptimizer."
+            )
+        self._update_seed = seed
+
+    def _update_rule(self) -> UpdateRule | None:
+        """The policy's update rule for the inner step (None for ``"nearest"``)."""
+        if self._update_mode == "nearest":
+            return None
+        self._traced = True
+        return UpdateRule(self._update_mode, self._update_seed, self.inner_optimizer, self._compensations)
 
     @property
     def initial_scale(self) -> float:
@@ -352,6 +478,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "rule. Accumulate in unimp's step instead: mp.train_step(model, optimizer, "
                 "loss_fn, grad_accum_steps=k)."
             )
+        if self._update_mode == "stochastic":  # bfloat16 variables only, checked before anything is made
+            for v in var_list:
+                if v.trainable and is_half_variable(v):
+                    check_update_mode("stochastic", keras.backend.standardize_dtype(v.dtype))
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
@@ -380,6 +510,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.bad_losses = self.add_variable(
                 shape=(), dtype="float32", initializer="zeros", aggregation="none", name="bad_losses"
             )
+            if self._update_mode == "kahan":  # one buffer per half variable, in its dtype
+                inner = self.inner_optimizer
+                for v in var_list:
+                    if v.trainable and is_half_variable(v):
+                        self._compensations[inner._get_variable_index(v)] = (
+                            self.add_variable_from_reference(v, "compensation")
+                        )
         keras.optimizers.Optimizer.build(self, var_list)
 
     @property
@@ -513,14 +650,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         unscaled, applied, new_own = self._decide(
             [mine[i] for i in where], grads, self._trainable_variables, train
         )
+        # The inner step as Keras's stateless_apply runs it (apply in a StatelessScope), with the
+        # update rule's compensation buffers (this optimizer's variables) in the same scope.
         # Copies in: Keras's torch optimizers update their inputs in place even when stateless
         # (under jit, XLA drops the copies).
-        with float32_update(self.inner_optimizer):
-            new_train, new_inner = self.inner_optimizer.stateless_apply(
-                [ops.copy(x) for x in inner], unscaled, [ops.copy(x) for x in train]
-            )
-        new_train = [ops.where(applied, n, o) for n, o in zip(new_train, train, strict=True)]
-        new_inner = [ops.where(applied, n, o) for n, o in zip(new_inner, inner, strict=True)]
+        opt = self.inner_optimizer
+        comps = list(self._compensations.values())
+        held = [*self._trainable_variables, *opt.variables, *comps]
+        before = [*train, *inner, *(mine[at[id(c)]] for c in comps)]
+        with keras.StatelessScope(state_mapping=[(v, ops.copy(x)) for v, x in zip(held, before, strict=True)]) as scope:
+            with float32_update(opt, self._update_rule()):
+                opt.apply(unscaled)
+        after = [ops.where(applied, scope.get_current_value(v), x) for v, x in zip(held, before, strict=True)]
+        new_train, new_inner = after[: len(train)], after[len(train) : len(train) + len(inner)]
+        for c, value in zip(comps, after[len(train) + len(inner) :], strict=True):
+            mine[at[id(c)]] = value
         for i, value in zip(where, new_own, strict=True):
             mine[i] = value
         return new_train, mine + new_inner
@@ -577,10 +721,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         step), then every value it may write is put back unless the step is applied: one
         select per variable instead of a branch (no host read on torch). ``attempted``: a
         skipped step still counts in ``iterations`` (``schedule_counts="attempted"``)."""
-        held = [*self.inner_optimizer.variables, *variables]
+        held = [*self.inner_optimizer.variables, *variables, *self._compensations.values()]
         before = [ops.copy(v.value) for v in held]
         try:
-            with float32_update(self.inner_optimizer):
+            with float32_update(self.inner_optimizer, self._update_rule()):
                 self.inner_optimizer.apply(unscaled, trainable_variables=variables)
         except Exception:  # nothing half-changed: what the inner step wrote is put back
             for v, old in zip(held, before, strict=True):
@@ -678,6 +822,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["loss_scale"] = self._config.to_dict()
+        if self._update_mode != "nearest":  # unimp's: how half variables take their updates
+            config.update(update=self._update_mode, seed=self._update_seed)
         return config
 
     @classmethod

@@ -13,6 +13,7 @@ from typing import Any
 import tensorflow as tf
 
 from unimp.backends._base import MixedPrecisionBase
+from unimp.backends.tensorflow.blockscale import block_swap
 from unimp.backends.tensorflow.casting import cast_tree, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.fp8 import FP8Dense, fp8_swap
@@ -21,7 +22,6 @@ from unimp.backends.tensorflow.precision import matmul_precision
 from unimp.backends.tensorflow.scaling import _to_host
 from unimp.backends.tensorflow.step import TrainStep
 from unimp.keras.mixed_precision import MixedPrecision as KerasMixedPrecision
-from unimp.rounding import step_seed
 from unimp.steprecorder import with_log
 from unimp.trainstep import StepOptions
 
@@ -78,9 +78,6 @@ class MixedPrecision(KerasMixedPrecision):
 
     trace = MixedPrecisionBase.trace  # this backend's dtype trace (unimp.keras has none yet)
 
-    def _check_engine(self) -> None:
-        """Everything a recipe holds runs here (Keras's engine is checked on import)."""
-
     @property
     def device(self) -> str | None:
         """The bound TensorFlow device name (``"/CPU:0"``, ``"/GPU:1"``), or None."""
@@ -99,23 +96,15 @@ class MixedPrecision(KerasMixedPrecision):
         with self._placed(), matmul_precision(self.policy.matmul_precision):
             yield
 
-    def _check_given(self, optimizer: Any, seed: int) -> None:
-        """The loss scale (as on every engine), then the update rule and seed this backend runs.
+    def _block_engine_refusal(self) -> str | None:
+        """Block-scaled recipes run here (:func:`unimp.backends.tensorflow.blockscale.block_swap`)."""
+        return None
 
-        Raises:
-            ValueError: another loss scale, update rule or seed, naming the fix.
-        """
-        super()._check_given(optimizer, seed)
-        update = self.policy.update
-        if (optimizer.update_mode, optimizer.update_seed) != (update, seed):
-            raise ValueError(
-                f"the optimizer applies update={optimizer.update_mode!r} with seed "
-                f"{optimizer.update_seed}, the recipe asks for update={update!r} with seed "
-                f"{seed}: pass its inner_optimizer and unimp wraps it."
-            )
-
-    def _new_optimizer(self, inner: Any, seed: int) -> LossScaleOptimizer:
-        return LossScaleOptimizer(inner, loss_scale=self.loss_scale, update=self.policy.update, seed=seed)
+    def _block_swap(self, model: Any) -> None:
+        """Gives the Dense layers a block-scaled recipe selects the block-scaled matmul
+        (:func:`unimp.backends.tensorflow.blockscale.block_swap`)."""
+        if self._recipe.block is not None:
+            block_swap(model, self._recipe.block)
 
     def _fp8_swap(self, model: Any) -> None:
         """This backend's float8 layers (:func:`unimp.backends.tensorflow.fp8.fp8_swap`)."""
@@ -212,19 +201,4 @@ class MixedPrecision(KerasMixedPrecision):
             model, lso, loss_fn, options, bool(jit_compile), device=self._device, policy=self.policy
         )
         return with_log(step, self, log, options.log_every, step.optimizer.loss_scale_config, _to_host)
-
-    def _step_optimizer(self, optimizer: Any, options: StepOptions) -> LossScaleOptimizer:
-        if isinstance(optimizer, LossScaleOptimizer):
-            self._check_loss_scale(optimizer)
-            _check_update_rule(optimizer, self.policy.update, options.rounding_seed)
-            return optimizer
-        return self.loss_scale_optimizer(optimizer, seed=options.rounding_seed)
-
-
-def _check_update_rule(lso: LossScaleOptimizer, mode: str, seed: int) -> None:
-    """An unimp optimizer given to ``train_step`` applies the policy's ``update``; one that
-    ``prepare`` made (seed 0) takes the step's seed until it is built."""
-    lso.update_seed = step_seed(
-        lso.update_mode, lso.update_seed, lso.built, mode, seed, "its .inner_optimizer"
-    )
 

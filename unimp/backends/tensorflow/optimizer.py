@@ -29,7 +29,7 @@ from unimp.backends.tensorflow.scaling import (
     _traced_fields,
     _unscale,
 )
-from unimp.keras.optimizer import Float32View, float32_update, is_half_variable
+from unimp.keras.optimizer import Float32View, UpdateRule, float32_update, is_half_variable
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
@@ -46,7 +46,7 @@ from unimp.loss_scale.keras_args import (
     keras_positional,
     resolve_keras_loss_scale,
 )
-from unimp.rounding import check_seed, check_update_mode, check_update_state, update_half
+from unimp.rounding import check_seed, check_update_mode, check_update_state
 from unimp.step import warn_half_optimizer_state
 
 
@@ -837,27 +837,15 @@ tf.register_tensor_conversion_function(
 )
 
 
-class _UpdateRule:
-    """A policy's ``update`` rule as :class:`LossScaleOptimizer` applies it to half variables:
-    the compensation buffer of each (``"kahan"``, an optimizer variable in its dtype), the
-    random bits' ``(seed, step, index)`` (``"stochastic"``: ``step`` is the inner optimizer's
-    ``iterations`` before the update, ``index`` the variable's position in its list)."""
+class _UpdateRule(UpdateRule):
+    """:class:`unimp.keras.optimizer.UpdateRule` on this backend's tensors (:class:`UpdateOps`,
+    a replica's variable read by ``tf.convert_to_tensor``)."""
 
-    def __init__(self, mode: str, seed: int, inner: Any, compensations: dict[int, Any]) -> None:
-        self.mode, self.seed, self.inner, self.compensations = mode, seed, inner, compensations
-        self.warned_sparse = False
+    tensor = staticmethod(tf.convert_to_tensor)
 
-    def write(self, var: Any, target: tf.Tensor) -> Any:
-        index = self.inner._get_variable_index(var)
-        comp = self.compensations.get(index)
-        new, new_comp = update_half(
-            UpdateOps, self.mode, tf.convert_to_tensor(var), target,
-            None if comp is None else tf.convert_to_tensor(comp),
-            seed=self.seed, step=tf.cast(self.inner.iterations, tf.int32), index=index,
-        )
-        if comp is not None and new_comp is not None:
-            self.inner.assign(comp, new_comp)
-        return var.assign(new)
+    @property
+    def ops(self) -> Any:
+        return UpdateOps
 
 
 _is_half_var = is_half_variable
