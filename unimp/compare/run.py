@@ -256,8 +256,6 @@ def keras_refusal(recipe: Recipe) -> str | None:
                 f"override {pattern!r} ({o}) is no Keras policy for a built layer: its "
                 f"variables stay {p.param_dtype}; give the override a dtype ('float32', ...)"
             )
-    if p.update != "nearest":
-        return f"update={p.update!r} runs on the tensorflow backend only for now; use --backends tensorflow"
     return None
 
 

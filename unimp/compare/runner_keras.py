@@ -125,7 +125,6 @@ def _train(spec: RunSpec) -> dict[str, Any]:
     from unimp.compare.keras_models import keras_model
     from unimp.compare.run import test_metrics, train_loop
     from unimp.compare.user import user_model
-    from unimp.keras import LossScaleOptimizer
     from unimp.loss_scale import LossScaleState, NoLossScale
     from unimp.step import StepResult, warn_half_optimizer_state
 
@@ -152,7 +151,10 @@ def _train(spec: RunSpec) -> dict[str, Any]:
         warn_half_optimizer_state("Adam", 1e-8)
     config = spec.recipe.loss_scale
     scaled = config is not None and not isinstance(config, NoLossScale)
-    opt = LossScaleOptimizer(inner, loss_scale=config) if scaled else inner
+    # unimp's optimizer with or without a loss scale: it applies the policy's update rule and
+    # takes half variables' updates in float32 (Keras's own computes Adam in bfloat16, where
+    # beta_2 = 0.999 is 1.0 and a pure-bfloat16 model learns nothing)
+    opt = mp.loss_scale_optimizer(inner)
     loss = (
         keras.losses.MeanSquaredError()
         if spec.loss == "mse"
