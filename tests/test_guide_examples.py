@@ -41,7 +41,17 @@ def test_overrides_keep_the_output_layer_in_float32(backend):
 
 
 def test_matmul_precision_is_set_in_the_step_and_restored(backend):
-    seen = run("precision", backend)
+    if backend == "tensorflow":  # from TF's default (TF32 on), whatever an earlier test left
+        import tensorflow as tf
+
+        previous = tf.config.experimental.tensor_float_32_execution_enabled()
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+        try:
+            seen = run("precision", backend)
+        finally:
+            tf.config.experimental.enable_tensor_float_32_execution(previous)
+    else:
+        seen = run("precision", backend)
     assert seen["after" if backend == "torch" else "after a step"] == seen["before"]
     inside = seen["in the step"]
     if backend == "torch":
