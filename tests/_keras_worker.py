@@ -794,8 +794,12 @@ def half() -> dict:
 
 def update_rules() -> dict:
     """The policy's ``update`` rules on bfloat16 variables (a float32 one beside them): per rule
-    (``nearest``, ``kahan``, ``stochastic``, seed 7) six Adam steps at a learning rate below
-    half a bfloat16 spacing for most weights, the weights per step, through unimp.keras's
+    (``nearest``, ``kahan``, ``stochastic``, seed 7) six steps of plain SGD (float32 arithmetic
+    only: an optimizer's bfloat16 state, Adam's moments or SGD's momentum, is computed with each
+    engine's own bfloat16 arithmetic, where torch multiplies by a Python scalar in float32 and
+    XLA keeps intermediates in float32, so the compensation buffers can differ by engine in the
+    last bit) whose updates are below half a bfloat16 spacing for some weights,
+    the weights per step and the exported update state, through unimp.keras's
     optimizer (``apply``; on JAX and torch ``stateless_apply`` too, ``"<rule>/stateless"``) and
     on TensorFlow the TensorFlow backend's (``"<rule>/tf_backend"``); and the rule ``mp.prepare``
     gives on this engine for ``bf16-kahan``."""
@@ -818,17 +822,57 @@ def update_rules() -> dict:
             steps.append(_np(ops.cast(w.value, "float32")).ravel().tolist())
         return steps
 
+    def exported(opt) -> dict:
+        from unimp.keras.optimizer import export_update_state
+
+        state = export_update_state(opt)
+        return {**state, "params": [None if e is None else {
+            "step": e["step"], "compensation": None if e["compensation"] is None else e["compensation"].ravel().tolist(),
+        } for e in state["params"]]}
+
     out = {}
     for mode in ("nearest", "kahan", "stochastic"):
-        out[mode] = run(LossScaleOptimizer(keras.optimizers.Adam(2e-3), loss_scale="none", update=mode, seed=7))
+        opt = LossScaleOptimizer(keras.optimizers.SGD(0.01), loss_scale="none", update=mode, seed=7)
+        out[mode] = run(opt)
+        if mode != "nearest":  # the portable state (unimp.rounding.check_update_state's format)
+            out[f"{mode}/export"] = exported(opt)
         if BACKEND == "tensorflow":
             from unimp.backends.tensorflow import LossScaleOptimizer as TFLossScaleOptimizer
 
-            out[f"{mode}/tf_backend"] = run(
-                TFLossScaleOptimizer(keras.optimizers.Adam(2e-3), loss_scale="none", update=mode, seed=7))
+            tf_opt = TFLossScaleOptimizer(keras.optimizers.SGD(0.01), loss_scale="none", update=mode, seed=7)
+            out[f"{mode}/tf_backend"] = run(tf_opt)
+            if mode != "nearest":
+                out[f"{mode}/tf_backend/export"] = exported(tf_opt)
         else:
             out[f"{mode}/stateless"] = run(
-                LossScaleOptimizer(keras.optimizers.Adam(2e-3), loss_scale="none", update=mode, seed=7), stateless=True)
+                LossScaleOptimizer(keras.optimizers.SGD(0.01), loss_scale="none", update=mode, seed=7), stateless=True)
+    # import_update_state: a fresh optimizer given the exported state (and the same weights and
+    # iterations) continues as the one it came from
+    from unimp.keras import export_update_state, half_update, import_update_state
+
+    def pair() -> tuple:
+        w = keras.Variable(np.linspace(0.5, 2, 6, dtype=np.float32).reshape(2, 3), dtype="bfloat16")
+        opt = half_update(keras.optimizers.SGD(0.01), "kahan", seed=3)
+        opt.build([w])
+        return w, opt
+
+    g = [ops.convert_to_tensor(np.full((2, 3), 0.37, np.float32), dtype="bfloat16")]
+    (w1, o1), (w2, o2) = pair(), pair()
+    for _ in range(3):
+        o1.apply(g, [w1])
+    w2.assign(w1.value)
+    o2.inner_optimizer.iterations.assign(o1.inner_optimizer.iterations.value)
+    import_update_state(o2, export_update_state(o1))
+    for _ in range(3):
+        o1.apply(g, [w1])
+        o2.apply(g, [w2])
+    out["import_continues"] = bool(np.array_equal(_np(ops.cast(w1.value, "float32")), _np(ops.cast(w2.value, "float32"))))
+    try:
+        import_update_state(o2, {**export_update_state(o1), "update": "stochastic"})
+        out["import_other_mode"] = "accepted"
+    except ValueError as e:
+        out["import_other_mode"] = str(e)
+
     mp = unimp.mixed_precision("bf16-kahan", backend="keras")
     with mp.autocast():
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])

@@ -88,9 +88,9 @@ def test_half_variables_update_in_float32_alike_on_every_keras_backend(runs, nam
 @pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic"])
 def test_update_rules_give_the_tensorflow_backends_weights_on_every_keras_backend(runs, mode):
     """A policy's update rule (unimp.rounding over keras.ops) on bfloat16 variables: the
-    TensorFlow backend's weights bit for bit on every engine, stateful and stateless; Kahan and
-    stochastic rounding move weights that round to nearest leaves (Adam's step 2e-3 is under
-    half a bfloat16 spacing above 1), and mp.prepare gives the rule on every engine."""
+    TensorFlow backend's weights bit for bit on every engine, stateful and stateless, and its
+    exported state (compensation buffers, counters); Kahan and stochastic rounding give other
+    weights than round to nearest, and mp.prepare gives the rule on every engine."""
     want = runs["tensorflow"]["update_rules"][f"{mode}/tf_backend"]
     assert runs["tensorflow"]["update_rules"][mode] == want
     for b in ("jax", "torch"):
@@ -98,8 +98,15 @@ def test_update_rules_give_the_tensorflow_backends_weights_on_every_keras_backen
         assert runs[b]["update_rules"][f"{mode}/stateless"] == want, b
     if mode != "nearest":
         assert want != runs["tensorflow"]["update_rules"]["nearest/tf_backend"]
+        # the portable update state (export_update_state) is the TensorFlow backend's too
+        state = runs["tensorflow"]["update_rules"][f"{mode}/tf_backend/export"]
+        assert state["update"] == mode and state["seed"] == 7 and state["params"][1] is None
+        for b in KERAS_BACKENDS:
+            assert runs[b]["update_rules"][f"{mode}/export"] == state, b
     for b in KERAS_BACKENDS:
         assert runs[b]["update_rules"]["prepared"] == {"update": "kahan", "kernel": "bfloat16"}, b
+        assert runs[b]["update_rules"]["import_continues"] is True, b
+        assert "stochastic" in runs[b]["update_rules"]["import_other_mode"], b
 
 
 def test_keras_own_adam_on_bfloat16_variables_learns_nothing(runs):

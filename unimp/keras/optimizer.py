@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 from keras.src.utils import tracking
 
@@ -37,7 +38,7 @@ from unimp.loss_scale.keras_args import (
     keras_positional,
     resolve_keras_loss_scale,
 )
-from unimp.rounding import check_seed, check_update_mode, update_half
+from unimp.rounding import check_seed, check_update_mode, check_update_state, update_half
 from unimp.step import warn_half_optimizer_state
 
 __all__ = [
@@ -47,7 +48,10 @@ __all__ = [
     "LossScaleOptimizer",
     "UpdateOps",
     "UpdateRule",
+    "export_update_state",
     "float32_update",
+    "half_update",
+    "import_update_state",
     "is_half_variable",
 ]
 
@@ -837,6 +841,124 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("initial_scale", None)
             config.pop("dynamic_growth_steps", None)
         return cls(inner, loss_scale=loss_scale, **config)
+
+
+def _host_int(variable: Any) -> int:
+    return int(np.asarray(ops.convert_to_numpy(ops.convert_to_tensor(variable))))
+
+
+def _built_rule(optimizer: Any) -> Any:
+    if getattr(optimizer, "update_mode", "nearest") == "nearest" or not hasattr(optimizer, "_compensations"):
+        raise ValueError(
+            "this optimizer applies no update rule: use half_update(opt, 'kahan') or "
+            "LossScaleOptimizer(opt, update=...) (mp.prepare does for a policy with update=)."
+        )
+    if not optimizer.built:
+        raise ValueError(
+            "the optimizer is not built: call optimizer.build(model.trainable_variables) first "
+            "(its compensation variables are made there)."
+        )
+    return optimizer
+
+
+def export_update_state(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's update-rule state in the portable format of
+    :func:`unimp.rounding.check_update_state` (the inner optimizer's variable order), for
+    :func:`import_update_state` in any backend. Keras's rule counts the inner optimizer's
+    ``iterations``: every half variable's ``step`` is it.
+
+    Raises:
+        ValueError: not an unimp optimizer with ``update=``, or not built.
+    """
+    opt = _built_rule(optimizer)
+    inner = opt.inner_optimizer
+    out = []
+    for i, v in enumerate(inner._trainable_variables):
+        if not is_half_variable(v):
+            out.append(None)
+            continue
+        comp = opt._compensations.get(i)
+        out.append({
+            "step": _host_int(inner.iterations) if opt.update_mode == "stochastic" else 0,
+            "compensation": None if comp is None else np.asarray(ops.convert_to_numpy(ops.cast(comp, "float32"))),
+        })
+    return {"update": opt.update_mode, "seed": opt.update_seed, "params": out}
+
+
+def import_update_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """Sets the optimizer's update-rule state (compensation variables, the seed) from
+    :func:`export_update_state`'s dict of any backend. Stochastic rounding's counter is the
+    inner optimizer's ``iterations``: every half variable's ``step`` must equal it (assign the
+    iterations first, ``optimizer.inner_optimizer.iterations.assign(step)``, when the moments
+    are ported too). All is checked before anything changes.
+
+    Raises:
+        ValueError: no rule or not built, another mode or number of variables, a buffer whose
+            shape is not its variable's, or a step other than ``iterations``.
+    """
+    opt = _built_rule(optimizer)
+    inner = opt.inner_optimizer
+    variables = list(inner._trainable_variables)
+    checked = check_update_state(state, opt.update_mode, len(variables))
+    iterations = _host_int(inner.iterations)
+    for i, (v, e) in enumerate(zip(variables, checked["params"], strict=True)):
+        if e is None:
+            continue
+        comp = e["compensation"]
+        if comp is not None and not is_half_variable(v):
+            raise ValueError(
+                f"params[{i}]: a compensation buffer for a {keras.backend.standardize_dtype(v.dtype)} "
+                "variable: the rule keeps buffers for half variables only; export and import the "
+                "same model."
+            )
+        if comp is not None and tuple(comp.shape) != tuple(v.shape):
+            raise ValueError(
+                f"params[{i}]: a compensation buffer of shape {tuple(comp.shape)} for a variable of "
+                f"shape {tuple(v.shape)}: export and import the same model (Keras's Dense kernel "
+                "is torch's Linear weight transposed: transpose the buffer too)."
+            )
+        if opt.update_mode == "stochastic" and e["step"] != iterations:
+            raise ValueError(
+                f"params[{i}] has taken {e['step']} updates, the inner optimizer's iterations is "
+                f"{iterations} (Keras's rule counts them): assign "
+                f"optimizer.inner_optimizer.iterations.assign({e['step']}) first."
+            )
+    for i, e in enumerate(checked["params"]):
+        comp = opt._compensations.get(i)
+        if comp is not None:
+            value = np.zeros(comp.shape, np.float32) if e is None or e["compensation"] is None else e["compensation"]
+            comp.assign(ops.cast(value, comp.dtype))
+    opt._update_seed = checked["seed"]
+
+
+def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> LossScaleOptimizer:
+    """A Keras optimizer whose updates to half-precision variables are Kahan-compensated or
+    stochastically rounded (:mod:`unimp.rounding`; pure bfloat16 training that learns), on any
+    Keras engine: :class:`LossScaleOptimizer` around it with no loss scale and ``update=`` (see
+    there), for ``model.compile`` and custom loops alike; give ``LossScaleOptimizer(opt,
+    loss_scale=..., update=...)`` for both.
+
+    Args:
+        optimizer: a ``keras.optimizers.Optimizer`` or a name like ``"adam"``.
+        update: ``"kahan"``, ``"stochastic"`` (bfloat16 variables) or ``"nearest"``.
+        seed: the stochastic-rounding seed, an integer (its low 32 bits are used).
+
+    Returns:
+        A :class:`LossScaleOptimizer` (``loss_scale="none"``).
+
+    Raises:
+        TypeError: not a Keras optimizer, or one already loss-scaled (give it ``update=``), or a
+            seed that is not an integer.
+        ValueError: an unknown ``update``.
+    """
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError(
+            "half_update takes the plain Keras optimizer; for a loss-scaled one build "
+            "LossScaleOptimizer(inner, loss_scale=..., update=...) in one go."
+        )
+    return LossScaleOptimizer(optimizer, loss_scale="none", update=update, seed=seed)
 
 
 class LossScaleCheck(FitCheck, keras.callbacks.Callback):

@@ -29,7 +29,14 @@ from unimp.backends.tensorflow.scaling import (
     _traced_fields,
     _unscale,
 )
-from unimp.keras.optimizer import Float32View, UpdateRule, float32_update, is_half_variable
+from unimp.keras.optimizer import (  # export / import_update_state: the backend's public names
+    Float32View,
+    UpdateRule,
+    export_update_state,  # noqa: F401
+    float32_update,
+    import_update_state,  # noqa: F401
+    is_half_variable,
+)
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
@@ -46,7 +53,7 @@ from unimp.loss_scale.keras_args import (
     keras_positional,
     resolve_keras_loss_scale,
 )
-from unimp.rounding import check_seed, check_update_mode, check_update_state
+from unimp.rounding import check_seed, check_update_mode
 from unimp.step import warn_half_optimizer_state
 
 
@@ -854,90 +861,6 @@ _is_half_var = is_half_variable
 def _float32_update(optimizer: Any, rule: _UpdateRule | None = None) -> Any:
     """:func:`unimp.keras.optimizer.float32_update` with this backend's view (:class:`_Float32View`)."""
     return float32_update(optimizer, rule, view=_Float32View)
-
-
-def _built_rule(optimizer: Any) -> LossScaleOptimizer:
-    if not isinstance(optimizer, LossScaleOptimizer) or optimizer._update_mode == "nearest":
-        raise ValueError(
-            "this optimizer applies no update rule: use unimp.backends.tensorflow.half_update(opt, "
-            "'kahan') or LossScaleOptimizer(opt, update=...) (mp.prepare does for a policy with update=)."
-        )
-    if not optimizer.built:
-        raise ValueError(
-            "the optimizer is not built: call optimizer.build(model.trainable_variables) first "
-            "(its compensation variables are made there)."
-        )
-    return optimizer
-
-
-def export_update_state(optimizer: Any) -> dict[str, Any]:
-    """The optimizer's update-rule state in the portable format of
-    :func:`unimp.rounding.check_update_state` (the inner optimizer's variable order), for
-    :func:`import_update_state` in any backend. Keras's rule counts the inner optimizer's
-    ``iterations``: every half variable's ``step`` is it.
-
-    Raises:
-        ValueError: not an unimp optimizer with ``update=``, or not built.
-    """
-    opt = _built_rule(optimizer)
-    inner = opt.inner_optimizer
-    out = []
-    for i, v in enumerate(inner._trainable_variables):
-        if not _is_half_var(v):
-            out.append(None)
-            continue
-        comp = opt._compensations.get(i)
-        out.append({
-            "step": int(inner.iterations.numpy()) if opt._update_mode == "stochastic" else 0,
-            "compensation": None if comp is None else np.asarray(tf.cast(comp, tf.float32)),
-        })
-    return {"update": opt._update_mode, "seed": opt._update_seed, "params": out}
-
-
-def import_update_state(optimizer: Any, state: dict[str, Any]) -> None:
-    """Sets the optimizer's update-rule state (compensation variables, the seed) from
-    :func:`export_update_state`'s dict of any backend. Stochastic rounding's counter is the
-    inner optimizer's ``iterations``: every half variable's ``step`` must equal it (assign the
-    iterations first, ``optimizer.inner_optimizer.iterations.assign(step)``, when the moments
-    are ported too). All is checked before anything changes.
-
-    Raises:
-        ValueError: no rule or not built, another mode or number of variables, a buffer whose
-            shape is not its variable's, or a step other than ``iterations``.
-    """
-    opt = _built_rule(optimizer)
-    inner = opt.inner_optimizer
-    variables = list(inner._trainable_variables)
-    checked = check_update_state(state, opt._update_mode, len(variables))
-    iterations = int(inner.iterations.numpy())
-    for i, (v, e) in enumerate(zip(variables, checked["params"], strict=True)):
-        if e is None:
-            continue
-        comp = e["compensation"]
-        if comp is not None and not _is_half_var(v):
-            raise ValueError(
-                f"params[{i}]: a compensation buffer for a {keras.backend.standardize_dtype(v.dtype)} "
-                "variable: the rule keeps buffers for half variables only; export and import the "
-                "same model."
-            )
-        if comp is not None and tuple(comp.shape) != tuple(v.shape):
-            raise ValueError(
-                f"params[{i}]: a compensation buffer of shape {tuple(comp.shape)} for a variable of "
-                f"shape {tuple(v.shape)}: export and import the same model (Keras's Dense kernel "
-                "is torch's Linear weight transposed: transpose the buffer too)."
-            )
-        if opt._update_mode == "stochastic" and e["step"] != iterations:
-            raise ValueError(
-                f"params[{i}] has taken {e['step']} updates, the inner optimizer's iterations is "
-                f"{iterations} (Keras's rule counts them): assign "
-                f"optimizer.inner_optimizer.iterations.assign({e['step']}) first."
-            )
-    for i, e in enumerate(checked["params"]):
-        comp = opt._compensations.get(i)
-        if comp is not None:
-            value = np.zeros(comp.shape, np.float32) if e is None or e["compensation"] is None else e["compensation"]
-            comp.assign(tf.cast(value, comp.dtype))
-    opt._update_seed = checked["seed"]
 
 
 def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> LossScaleOptimizer:
