@@ -747,6 +747,27 @@ def fp8() -> dict:
     return out
 
 
+def _half_steps(opt, low: float, high: float, steps: int, stateless: bool) -> dict:
+    """``steps`` updates of a bfloat16 (2, 3) variable from ``linspace(low, high)`` and a float32
+    one beside it, gradients ``0.1 * (i + 1)`` and -0.2, by ``apply`` or ``stateless_apply``:
+    the bfloat16 weights at the start and after each step, as float32, and the float32 ones."""
+    w = keras.Variable(np.linspace(low, high, 6, dtype=np.float32).reshape(2, 3), dtype="bfloat16")
+    b = keras.Variable(np.full((3,), 0.5, np.float32))
+    opt.build([w, b])
+    start, seen = _np(ops.cast(w.value, "float32")).ravel().tolist(), []
+    for i in range(steps):
+        g = [ops.convert_to_tensor(np.full((2, 3), 0.1 * (i + 1), np.float32), dtype="bfloat16"),
+             ops.convert_to_tensor(np.full((3,), -0.2, np.float32))]
+        if stateless:
+            new_w, new_o = opt.stateless_apply([v.value for v in opt.variables], g, [w.value, b.value])
+            for v, x in zip([w, b, *opt.variables], [*new_w, *new_o], strict=True):
+                v.assign(x)
+        else:
+            opt.apply(g, [w, b])
+        seen.append(_np(ops.cast(w.value, "float32")).ravel().tolist())
+    return {"start": start, "w": seen, "b": _np(b.value).tolist()}
+
+
 HALF_OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-2),
     "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.5),
@@ -763,21 +784,7 @@ def half() -> dict:
     (``"adam/keras"``), which computes in bfloat16."""
 
     def run(opt, stateless: bool = False) -> dict:
-        w = keras.Variable(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), dtype="bfloat16")
-        b = keras.Variable(np.full((3,), 0.5, np.float32))
-        opt.build([w, b])
-        start, steps = _np(ops.cast(w.value, "float32")).ravel().tolist(), []
-        for i in range(4):
-            g = [ops.convert_to_tensor(np.full((2, 3), 0.1 * (i + 1), np.float32), dtype="bfloat16"),
-                 ops.convert_to_tensor(np.full((3,), -0.2, np.float32))]
-            if stateless:
-                new_w, new_o = opt.stateless_apply([v.value for v in opt.variables], g, [w.value, b.value])
-                for v, x in zip([w, b, *opt.variables], [*new_w, *new_o], strict=True):
-                    v.assign(x)
-            else:
-                opt.apply(g, [w, b])
-            steps.append(_np(ops.cast(w.value, "float32")).ravel().tolist())
-        return {"start": start, "w": steps, "b": _np(b.value).tolist()}
+        return _half_steps(opt, -1.0, 1.0, 4, stateless)
 
     out = {name: run(LossScaleOptimizer(make(), loss_scale="none")) for name, make in HALF_OPTIMIZERS.items()}
     out["adam/keras"] = run(keras.optimizers.Adam(1e-2))
@@ -806,21 +813,7 @@ def update_rules() -> dict:
     import unimp
 
     def run(opt, stateless: bool = False) -> list:
-        w = keras.Variable(np.linspace(0.5, 2, 6, dtype=np.float32).reshape(2, 3), dtype="bfloat16")
-        b = keras.Variable(np.full((3,), 0.5, np.float32))
-        opt.build([w, b])
-        steps = []
-        for i in range(6):
-            g = [ops.convert_to_tensor(np.full((2, 3), 0.1 * (i + 1), np.float32), dtype="bfloat16"),
-                 ops.convert_to_tensor(np.full((3,), -0.2, np.float32))]
-            if stateless:
-                new_w, new_o = opt.stateless_apply([v.value for v in opt.variables], g, [w.value, b.value])
-                for v, x in zip([w, b, *opt.variables], [*new_w, *new_o], strict=True):
-                    v.assign(x)
-            else:
-                opt.apply(g, [w, b])
-            steps.append(_np(ops.cast(w.value, "float32")).ravel().tolist())
-        return steps
+        return _half_steps(opt, 0.5, 2.0, 6, stateless)["w"]
 
     def exported(opt) -> dict:
         from unimp.keras.optimizer import export_update_state

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from unimp.blockscale_linear import BlockLinearRule, block_linear_rule
-from unimp.fp8.recipe import FP8Recipe
+from unimp.fp8.recipe import FP8Recipe, layer_recipe_from_dict
 
 __all__ = ["BLOCK_LAYERS", "GUIDANCE", "BlockRecipe"]
 
@@ -138,14 +138,7 @@ class BlockRecipe:
         Raises:
             ValueError: not a dict, an unknown key (named), or a bad value.
         """
-        if not isinstance(d, Mapping):
-            raise ValueError(f"a block-scaled recipe must be a dict, got {type(d).__name__}.")
-        names = [f.name for f in dataclasses.fields(cls)]
-        extra = sorted(set(d) - set(names))
-        if extra:
-            raise ValueError(f"unknown block-scaled recipe key(s) {extra}; keys are {names}.")
-        return cls(**{k: tuple(v) if k in ("layers", "exclude") and isinstance(v, list) else v
-                      for k, v in d.items()})
+        return layer_recipe_from_dict(cls, d, "a block-scaled recipe")
 
     def describe(self) -> str:
         """One line: the rule, the layer kinds and what is kept out."""

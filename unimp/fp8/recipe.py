@@ -188,14 +188,7 @@ class FP8Recipe:
         Raises:
             ValueError: not a dict, an unknown key (named), or a bad value.
         """
-        if not isinstance(d, Mapping):
-            raise ValueError(f"an FP8 recipe must be a dict, got {type(d).__name__}.")
-        names = [f.name for f in dataclasses.fields(cls)]
-        extra = sorted(set(d) - set(names))
-        if extra:
-            raise ValueError(f"unknown FP8 recipe key(s) {extra}; keys are {names}.")
-        return cls(**{k: tuple(v) if k in ("layers", "exclude") and isinstance(v, list) else v
-                      for k, v in d.items()})
+        return layer_recipe_from_dict(cls, d, "an FP8 recipe")
 
     def describe(self) -> str:
         s = self.scaling
@@ -212,3 +205,19 @@ class FP8Recipe:
         if self.kept_out:
             out += f", policy overrides {list(self.kept_out)} kept out"
         return out
+
+
+def layer_recipe_from_dict(cls: type, d: Any, what: str) -> Any:
+    """``cls(**d)`` for a recipe dataclass with ``layers`` / ``exclude`` tuples (JSON gives
+    lists): the FP8 and the block-scaled recipes' ``from_dict``.
+
+    Raises:
+        ValueError: ``d`` is not a dict, or holds a key ``cls`` has no field for (named).
+    """
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{what} must be a dict, got {type(d).__name__}.")
+    names = [f.name for f in dataclasses.fields(cls)]
+    extra = sorted(set(d) - set(names))
+    if extra:
+        raise ValueError(f"unknown {what.split(' ', 1)[1]} key(s) {extra}; keys are {names}.")
+    return cls(**{k: tuple(v) if k in ("layers", "exclude") and isinstance(v, list) else v for k, v in d.items()})

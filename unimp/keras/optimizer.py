@@ -43,6 +43,7 @@ from unimp.step import warn_half_optimizer_state
 
 __all__ = [
     "Float32View",
+    "HalfUpdates",
     "KerasOps",
     "LossScaleCheck",
     "LossScaleOptimizer",
@@ -306,8 +307,44 @@ def float32_update(optimizer: Any, rule: Any = None, view: type[Float32View] = F
 _STATE = ("dynamic_scale", "counter", "consecutive_skips", "total_skips")
 
 
+class HalfUpdates:
+    """The policy's ``update`` rule as an unimp Keras optimizer holds it (this module's
+    :class:`LossScaleOptimizer` and the TensorFlow backend's): :attr:`update_mode` and
+    :attr:`update_seed`, whose seed is fixed once :meth:`_seed_fixed` says a compiled update
+    baked it in (``_seed_fixed_why`` says when, in the error)."""
+
+    _update_mode: str = "nearest"
+    _update_seed: int = 0
+    _seed_fixed_why = "this optimizer applied an update: a compiled step keeps the old seed"
+
+    def _seed_fixed(self) -> bool:
+        return False
+
+    @property
+    def update_mode(self) -> str:
+        """How half-precision variables take their updates: ``"nearest"``, ``"kahan"`` or
+        ``"stochastic"`` (the ``update=`` argument)."""
+        return self._update_mode
+
+    @property
+    def update_seed(self) -> int:
+        """The stochastic-rounding seed (the ``seed=`` argument; ``train_step`` sets the step's
+        ``rounding_seed`` here until the optimizer is built)."""
+        return self._update_seed
+
+    @update_seed.setter
+    def update_seed(self, seed: int) -> None:
+        seed = check_seed(seed, "LossScaleOptimizer.update_seed")
+        if seed != self._update_seed and self._seed_fixed():
+            raise ValueError(
+                f"update_seed cannot change after {self._seed_fixed_why}. Set it before the first "
+                "step, or pass seed= to the LossScaleOptimizer."
+            )
+        self._update_seed = seed
+
+
 @keras.saving.register_keras_serializable(package="unimp.keras")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
     """A Keras optimizer that scales the loss by unimp's rule, on any Keras backend.
 
     It subclasses ``keras.optimizers.LossScaleOptimizer`` (so ``model.compile`` does not wrap it
@@ -416,28 +453,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The loss-scale config."""
         return self._config
 
-    @property
-    def update_mode(self) -> str:
-        """How half-precision variables take their updates: ``"nearest"``, ``"kahan"`` or
-        ``"stochastic"`` (the ``update=`` argument)."""
-        return self._update_mode
-
-    @property
-    def update_seed(self) -> int:
-        """The stochastic-rounding seed (the ``seed=`` argument; ``train_step`` sets the step's
-        ``rounding_seed`` here until the optimizer is built)."""
-        return self._update_seed
-
-    @update_seed.setter
-    def update_seed(self, seed: int) -> None:
-        seed = check_seed(seed, "LossScaleOptimizer.update_seed")
-        if seed != self._update_seed and self._traced:
-            raise ValueError(
-                "update_seed cannot change after this optimizer applied an update: a compiled "
-                "step keeps the old seed. Set it before the first step, or pass seed= to the "
-                "LossScaleOptimizer."
-            )
-        self._update_seed = seed
+    def _seed_fixed(self) -> bool:
+        return self._traced
 
     def _update_rule(self) -> UpdateRule | None:
         """The policy's update rule for the inner step (None for ``"nearest"``)."""
@@ -931,7 +948,9 @@ def import_update_state(optimizer: Any, state: dict[str, Any]) -> None:
     opt._update_seed = checked["seed"]
 
 
-def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> LossScaleOptimizer:
+def half_update(
+    optimizer: Any, update: str = "kahan", *, seed: int = 0, optimizer_class: type | None = None
+) -> LossScaleOptimizer:
     """A Keras optimizer whose updates to half-precision variables are Kahan-compensated or
     stochastically rounded (:mod:`unimp.rounding`; pure bfloat16 training that learns), on any
     Keras engine: :class:`LossScaleOptimizer` around it with no loss scale and ``update=`` (see
@@ -942,6 +961,8 @@ def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> Loss
         optimizer: a ``keras.optimizers.Optimizer`` or a name like ``"adam"``.
         update: ``"kahan"``, ``"stochastic"`` (bfloat16 variables) or ``"nearest"``.
         seed: the stochastic-rounding seed, an integer (its low 32 bits are used).
+        optimizer_class: the loss-scale optimizer class to build (default
+            :class:`LossScaleOptimizer`; the TensorFlow backend's ``half_update`` gives its own).
 
     Returns:
         A :class:`LossScaleOptimizer` (``loss_scale="none"``).
@@ -958,7 +979,7 @@ def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> Loss
             "half_update takes the plain Keras optimizer; for a loss-scaled one build "
             "LossScaleOptimizer(inner, loss_scale=..., update=...) in one go."
         )
-    return LossScaleOptimizer(optimizer, loss_scale="none", update=update, seed=seed)
+    return (optimizer_class or LossScaleOptimizer)(optimizer, loss_scale="none", update=update, seed=seed)
 
 
 class LossScaleCheck(FitCheck, keras.callbacks.Callback):

@@ -140,33 +140,30 @@ class BlockScaledDense(_keras_layer_base()):  # type: ignore[misc]
                 "rule": self.rule.name, "seed": self.seed}
 
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
-        step = tf.identity(tf.convert_to_tensor(self.block_step))
-        if training:
-            self.block_step.assign_add(1)
-        x = tf.convert_to_tensor(inputs)
-        if not x.dtype.is_floating:
-            x = tf.cast(x, self.compute_dtype)
-        y = block_scaled_matmul(x, tf.convert_to_tensor(self.kernel), self.rule, "in_out", self.seed, step,
-                                backward=training is not False)
-        if self.bias is not None:
-            y = y + tf.cast(self.bias, y.dtype)
-        return y
+        return _block_call(self, inputs, training, self.kernel, self.rule, self.seed)
+
+
+def _block_call(layer: Any, inputs: Any, training: Any, kernel: Any, rule: Any, seed: int) -> tf.Tensor:
+    """``inputs @ kernel`` (+ bias) by :func:`block_scaled_matmul` with ``layer``'s step counter,
+    advanced by a training call; an integer input is cast to the compute dtype."""
+    step = tf.identity(tf.convert_to_tensor(layer.block_step))
+    if training:
+        layer.block_step.assign_add(1)
+    x = tf.convert_to_tensor(inputs)
+    if not x.dtype.is_floating:
+        x = tf.cast(x, layer.compute_dtype)
+    y = block_scaled_matmul(x, tf.convert_to_tensor(kernel), rule, "in_out", seed, step,
+                            backward=training is not False)
+    if layer.bias is not None:
+        y = y + tf.cast(layer.bias, y.dtype)
+    return y
 
 
 def _block_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor:
     """``keras.layers.Dense.call`` with the matmul replaced by :func:`block_scaled_matmul`
     (bias and activation as Keras adds them; the step counter as :class:`BlockScaledDense`'s)."""
     recipe = peek(self, "block_recipe")
-    step = tf.identity(tf.convert_to_tensor(self.block_step))
-    if training:
-        self.block_step.assign_add(1)
-    x = tf.convert_to_tensor(inputs)
-    if not x.dtype.is_floating:
-        x = tf.cast(x, self.compute_dtype)
-    y = block_scaled_matmul(x, tf.convert_to_tensor(self._kernel), recipe.rule, "in_out", recipe.seed, step,
-                            backward=training is not False)
-    if self.bias is not None:
-        y = y + tf.cast(self.bias, y.dtype)
+    y = _block_call(self, inputs, training, self._kernel, recipe.rule, recipe.seed)
     if self.activation is not None:
         y = self.activation(y)
     return y

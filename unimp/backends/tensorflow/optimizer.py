@@ -31,12 +31,14 @@ from unimp.backends.tensorflow.scaling import (
 )
 from unimp.keras.optimizer import (  # export / import_update_state: the backend's public names
     Float32View,
+    HalfUpdates,
     UpdateRule,
     export_update_state,  # noqa: F401
     float32_update,
     import_update_state,  # noqa: F401
     is_half_variable,
 )
+from unimp.keras.optimizer import half_update as keras_half_update
 from unimp.loss_scale import (
     EXTRA_FIELDS,
     DynamicLossScale,
@@ -58,7 +60,7 @@ from unimp.step import warn_half_optimizer_state
 
 
 @keras.saving.register_keras_serializable(package="unimp")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
     """A Keras optimizer that scales the loss and follows unimp's loss-scale rule.
 
     It subclasses ``keras.optimizers.LossScaleOptimizer`` (so ``model.compile`` does not wrap
@@ -224,28 +226,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- configuration ---------------------------------------------------------------------
 
-    @property
-    def update_mode(self) -> str:
-        """How half-precision variables take their updates: ``"nearest"``, ``"kahan"`` or
-        ``"stochastic"`` (the ``update=`` argument)."""
-        return self._update_mode
+    _seed_fixed_why = (
+        "a tf.function (model.fit, or a train step) traced this optimizer's update: the traced "
+        "graph keeps the old seed"
+    )
 
-    @property
-    def update_seed(self) -> int:
-        """The stochastic-rounding seed (the ``seed=`` argument; ``train_step`` sets the step's
-        ``rounding_seed`` here until the optimizer is built)."""
-        return self._update_seed
-
-    @update_seed.setter
-    def update_seed(self, seed: int) -> None:
-        seed = check_seed(seed, "LossScaleOptimizer.update_seed")
-        if seed != self._update_seed and self._traced_by:
-            raise ValueError(
-                "update_seed cannot change after a tf.function (model.fit, or a train step) traced "
-                "this optimizer's update: the traced graph keeps the old seed. Set it before the "
-                "first step, or pass seed= to the LossScaleOptimizer."
-            )
-        self._update_seed = seed
+    def _seed_fixed(self) -> bool:
+        return bool(self._traced_by)
 
     @property
     def loss_scale_config(self) -> LossScaleConfig:
@@ -883,14 +870,7 @@ def half_update(optimizer: Any, update: str = "kahan", *, seed: int = 0) -> Loss
             seed that is not an integer.
         ValueError: an unknown ``update``.
     """
-    if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise TypeError(
-            "half_update takes the plain Keras optimizer; for a loss-scaled one build "
-            "LossScaleOptimizer(inner, loss_scale=..., update=...) in one go."
-        )
-    return LossScaleOptimizer(optimizer, loss_scale="none", update=update, seed=seed)
+    return keras_half_update(optimizer, update, seed=seed, optimizer_class=LossScaleOptimizer)
 
 
 class LossScaleCheck(FitCheck, keras.callbacks.Callback):
