@@ -132,6 +132,58 @@ def set_tf32(backend: str, on: bool | None) -> None:
         jax.config.update("jax_default_matmul_precision", precision)
 
 
+def _tf32_now(backend: str) -> Any:
+    """The switches :func:`set_tf32` writes, as they are now (to put back)."""
+    if backend == "torch":
+        import torch
+
+        if getattr(torch.backends.cuda.matmul, "fp32_precision", None) in ("none", "ieee", "tf32"):
+            return tuple(s.fp32_precision for s in (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul,
+                                                    torch.backends.cudnn.conv, torch.backends.cudnn.rnn))
+        return torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.config.experimental.tensor_float_32_execution_enabled()
+    import jax
+
+    return jax.config.jax_default_matmul_precision
+
+
+def _put_back_tf32(backend: str, before: Any) -> None:
+    if backend == "torch":
+        import torch
+
+        if isinstance(before[0], str) and len(before) == 4:
+            for switch, value in zip((torch.backends.cuda.matmul, torch.backends.mkldnn.matmul,
+                                      torch.backends.cudnn.conv, torch.backends.cudnn.rnn), before, strict=True):
+                switch.fp32_precision = value
+        else:
+            torch.set_float32_matmul_precision(before[0])
+            torch.backends.cudnn.allow_tf32 = before[1]
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(before)
+    else:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", before)
+
+
+@contextlib.contextmanager
+def tf32(backend: str, on: bool | None) -> Iterator[None]:
+    """:func:`set_tf32` for the block, the framework's previous switches put back after it (the
+    benchmark runs in the caller's process: tests/test_benchmarks_smoke.py ran later tests with
+    TensorFlow's TF32 left off)."""
+    before = _tf32_now(backend)
+    set_tf32(backend, on)
+    try:
+        yield
+    finally:
+        _put_back_tf32(backend, before)
+
+
 def device_name(backend: str, t: Any) -> str:
     """The name of the device the trainer runs on (``"cpu"`` for a host CPU)."""
     if backend == "torch":
@@ -200,10 +252,15 @@ def _time(k: Any, backend: str, t: Any, cfg: dict) -> tuple[float, int, str]:
 
 def measure(k: Any, backend: str, spec: h.ModelSpec, precision: str, cfg: dict) -> dict:
     """One precision: build, warm up (compile), time ``steps`` steps under the guard."""
-    recipe, tf32 = PRECISIONS[precision]
+    recipe, tf32_on = PRECISIONS[precision]
     if precision == "float8" and backend not in FLOAT8_NATIVE:
         return {"precision": precision, "skipped": f"no native float8 GEMM in {backend} (emulated only)"}
-    set_tf32(backend, tf32)
+    with tf32(backend, tf32_on):
+        return _measure(k, backend, spec, precision, cfg, recipe, tf32_on)
+
+
+def _measure(k: Any, backend: str, spec: h.ModelSpec, precision: str, cfg: dict, recipe: str,
+             tf32_on: bool | None) -> dict:
     native = os.environ.get("UNIMP_FP8_NATIVE")
     os.environ["UNIMP_FP8_NATIVE"] = "1"  # read when FP8Dense layers are built (prepare)
     try:
@@ -231,7 +288,7 @@ def measure(k: Any, backend: str, spec: h.ModelSpec, precision: str, cfg: dict) 
         **extra,
         "precision": precision,
         "recipe": recipe,
-        "tf32": tf32,
+        "tf32": tf32_on,
         "device_name": name,
         "ms_per_step": 1e3 * seconds,
         "steps": steps,

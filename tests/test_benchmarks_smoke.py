@@ -77,7 +77,14 @@ CASES = [
 @pytest.mark.parametrize("script,backend", CASES)
 def test_benchmark_runs(script: str, backend: str, tmp_path: Path) -> None:
     require_backend(backend)
-    payload = run_script(script, backend, tmp_path)
+    if script == "gemm":  # it sets the framework's TF32 switches per precision, then puts them back
+        from benchmarks.gemm import _tf32_now
+
+        before = _tf32_now(backend)
+        payload = run_script(script, backend, tmp_path)
+        assert _tf32_now(backend) == before
+    else:
+        payload = run_script(script, backend, tmp_path)
     results = payload["results"]
     if script == "memory":
         assert [r["backend"] for r in results] == [backend]
