@@ -747,23 +747,25 @@ def fp8() -> dict:
     return out
 
 
-def _half_steps(opt, low: float, high: float, steps: int, stateless: bool) -> dict:
+def _half_steps(opt, low: float, high: float, steps: int, stateless: bool, alone: bool = False) -> dict:
     """``steps`` updates of a bfloat16 (2, 3) variable from ``linspace(low, high)`` and a float32
-    one beside it, gradients ``0.1 * (i + 1)`` and -0.2, by ``apply`` or ``stateless_apply``:
-    the bfloat16 weights at the start and after each step, as float32, and the float32 ones."""
+    one beside it (not with ``alone``), gradients ``0.1 * (i + 1)`` and -0.2, by ``apply`` or
+    ``stateless_apply``: the bfloat16 weights at the start and after each step, as float32, and
+    the float32 ones."""
     w = keras.Variable(np.linspace(low, high, 6, dtype=np.float32).reshape(2, 3), dtype="bfloat16")
     b = keras.Variable(np.full((3,), 0.5, np.float32))
-    opt.build([w, b])
+    variables = [w] if alone else [w, b]
+    opt.build(variables)
     start, seen = _np(ops.cast(w.value, "float32")).ravel().tolist(), []
     for i in range(steps):
         g = [ops.convert_to_tensor(np.full((2, 3), 0.1 * (i + 1), np.float32), dtype="bfloat16"),
-             ops.convert_to_tensor(np.full((3,), -0.2, np.float32))]
+             ops.convert_to_tensor(np.full((3,), -0.2, np.float32))][: len(variables)]
         if stateless:
-            new_w, new_o = opt.stateless_apply([v.value for v in opt.variables], g, [w.value, b.value])
-            for v, x in zip([w, b, *opt.variables], [*new_w, *new_o], strict=True):
+            new_w, new_o = opt.stateless_apply([v.value for v in opt.variables], g, [v.value for v in variables])
+            for v, x in zip([*variables, *opt.variables], [*new_w, *new_o], strict=True):
                 v.assign(x)
         else:
-            opt.apply(g, [w, b])
+            opt.apply(g, variables)
         seen.append(_np(ops.cast(w.value, "float32")).ravel().tolist())
     return {"start": start, "w": seen, "b": _np(b.value).tolist()}
 
@@ -773,6 +775,7 @@ HALF_OPTIMIZERS = {
     "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.5),
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "rmsprop": lambda: keras.optimizers.RMSprop(1e-2),
+    "lamb": lambda: keras.optimizers.Lamb(1e-2, weight_decay=0.1),  # reads the variable (norms)
 }
 
 
@@ -783,16 +786,20 @@ def half() -> dict:
     backend's optimizer (``"<name>/tf_backend"``); on every engine Keras's own optimizer alone
     (``"adam/keras"``), which computes in bfloat16."""
 
-    def run(opt, stateless: bool = False) -> dict:
-        return _half_steps(opt, -1.0, 1.0, 4, stateless)
+    def run(opt, stateless: bool = False, alone: bool = False) -> dict:
+        return _half_steps(opt, -1.0, 1.0, 4, stateless, alone)
 
     out = {name: run(LossScaleOptimizer(make(), loss_scale="none")) for name, make in HALF_OPTIMIZERS.items()}
     out["adam/keras"] = run(keras.optimizers.Adam(1e-2))
+    # only half variables: the weight decay of none is left to Keras (Keras-torch's _foreach
+    # decay refuses an empty list)
+    out["adamw/alone"] = run(LossScaleOptimizer(HALF_OPTIMIZERS["adamw"](), loss_scale="none"), alone=True)
     if BACKEND == "tensorflow":
         from unimp.backends.tensorflow import LossScaleOptimizer as TFLossScaleOptimizer
 
         for name, make in HALF_OPTIMIZERS.items():
             out[f"{name}/tf_backend"] = run(TFLossScaleOptimizer(make(), loss_scale="none"))
+        out["adamw/alone/tf_backend"] = run(TFLossScaleOptimizer(HALF_OPTIMIZERS["adamw"](), loss_scale="none"), alone=True)
     else:
         for name, make in HALF_OPTIMIZERS.items():
             out[f"{name}/stateless"] = run(LossScaleOptimizer(make(), loss_scale="none"), stateless=True)

@@ -85,6 +85,14 @@ def test_half_variables_update_in_float32_alike_on_every_keras_backend(runs, nam
     assert all(step != want["start"] for step in want["w"])  # every step moves them
 
 
+def test_half_variables_alone_take_weight_decay_alike_on_every_keras_backend(runs):
+    """Only bfloat16 variables under AdamW: their decay is in the float32 update, and Keras is
+    given no variable to decay (on Keras-torch its torch._foreach decay raised on an empty list)."""
+    want = runs["tensorflow"]["half"]["adamw/alone/tf_backend"]
+    for b in KERAS_BACKENDS:
+        assert runs[b]["half"]["adamw/alone"] == want, b
+
+
 @pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic"])
 def test_update_rules_give_the_tensorflow_backends_weights_on_every_keras_backend(runs, mode):
     """A policy's update rule (unimp.rounding over keras.ops) on bfloat16 variables: the

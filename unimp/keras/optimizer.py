@@ -235,6 +235,14 @@ class Float32View:
         return self._write(self._wide() - delta)
 
 
+if keras.backend.backend() == "tensorflow":  # a view read by an op (LAMB's and Adafactor's norms)
+    import tensorflow as tf
+
+    tf.register_tensor_conversion_function(
+        Float32View, lambda view, dtype=None, name=None, as_ref=False: view._wide()
+    )
+
+
 @contextlib.contextmanager
 def float32_update(optimizer: Any, rule: Any = None, view: type[Float32View] = Float32View) -> Iterator[None]:
     """While applying: ``optimizer.update_step`` sees half-precision variables as float32
@@ -271,7 +279,10 @@ def float32_update(optimizer: Any, rule: Any = None, view: type[Float32View] = F
         return out
 
     def apply_weight_decay(variables: Any) -> Any:
-        return plain_decay([v for v in variables if not is_half_variable(v)])
+        rest = [v for v in variables if not is_half_variable(v)]
+        if rest:  # Keras-torch's torch._foreach decay refuses an empty list
+            return plain_decay(rest)
+        return None
 
     def var_key(variable: Any) -> Any:
         return plain_key(variable._var if isinstance(variable, Float32View) else variable)

@@ -826,9 +826,6 @@ class _Float32View(Float32View):
         return self._var.scatter_sub(self._narrow(value))
 
 
-tf.register_tensor_conversion_function(
-    _Float32View, lambda view, dtype=None, name=None, as_ref=False: view._wide()
-)
 
 
 class _UpdateRule(UpdateRule):
