@@ -37,8 +37,10 @@ def test_prepare_swaps_the_selected_layers_and_a_step_trains_through_them(backen
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert mp.fp8_layers(model) == ("1", "2")  # the layers prepare will swap, named as after
         model, opt = mp.prepare(model, opt)
         assert [type(m) for m in model] == [torch.nn.Linear, BlockScaledLinear, BlockScaledLinear, torch.nn.Linear]
+        assert mp.fp8_layers(model) == ("1", "2")
         step = mp.train_step(model, opt, lambda m, b: torch.nn.functional.mse_loss(m(b[0]).float(), b[1]))
         before = model[1].weight.detach().clone()
         result = step((torch.tensor(x), torch.tensor(t)))
@@ -51,9 +53,10 @@ def test_prepare_swaps_the_selected_layers_and_a_step_trains_through_them(backen
 
         with mp.autocast():
             model = keras.Sequential([keras.Input((WIDTH,)), *(keras.layers.Dense(WIDTH, name=f"fc{i}") for i in range(4))])
+        assert mp.fp8_layers(model) == ("fc1", "fc2")  # the layers prepare will swap
         model, opt = mp.prepare(model, keras.optimizers.SGD(0.1))
         swapped = [layer.name for layer in model.layers if hasattr(layer, "block_step")]
-        assert swapped == ["fc1", "fc2"]
+        assert swapped == ["fc1", "fc2"] and mp.fp8_layers(model) == ("fc1", "fc2")
         step = mp.train_step(model, opt, lambda m, b: keras.ops.mean(
             (keras.ops.cast(m(b[0], training=True), "float32") - b[1]) ** 2))
         before = np.array(model.get_layer("fc1").kernel.numpy())

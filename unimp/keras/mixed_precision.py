@@ -80,6 +80,8 @@ class MixedPrecision(MixedPrecisionBase):
     optimizer_class: type = LossScaleOptimizer
     #: the float8 Dense classes of the backend, counted as ``"Dense"`` layers by fp8_layers
     _fp8_dense: tuple[type, ...] = ()
+    #: the block-scaled Dense classes of the backend, counted as ``"Dense"`` layers likewise
+    _block_dense: tuple[type, ...] = ()
     #: whether the float8 states take their new values as gradients (unimp.keras.fp8), which
     #: Keras's own gradient accumulation would merge by their maximum
     _fp8_states_are_gradients = True
@@ -443,9 +445,10 @@ class MixedPrecision(MixedPrecisionBase):
             )
 
     def fp8_layers(self, model: Any) -> tuple[str, ...]:
-        """The dotted paths of the Dense layers that run float8 matmuls under the recipe, the
-        same rule and names in every backend (:meth:`unimp.fp8.recipe.FP8Recipe.select`; first
-        and last out by default); ``()`` without an FP8 recipe. ``EinsumDense``
+        """The dotted paths of the Dense layers that run float8 matmuls under the recipe (a
+        block-scaled recipe's layers under one), the same rule and names in every backend
+        (:meth:`unimp.fp8.recipe.FP8Recipe.select`; first and last out by default); ``()``
+        without an FP8 or block-scaled recipe. ``EinsumDense``
         (``MultiHeadAttention``'s projections) is not a Dense here.
 
         Raises:
@@ -454,9 +457,11 @@ class MixedPrecision(MixedPrecisionBase):
         """
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"mp.fp8_layers(model) takes a keras.Model (or layer), got {type(model).__name__}.")
-        if self._recipe.fp8 is None:
-            return ()
-        return fp8_select(model, self._recipe.fp8, self._fp8_dense)
+        if self._recipe.fp8 is not None:
+            return fp8_select(model, self._recipe.fp8, self._fp8_dense)
+        if self._recipe.block is not None:
+            return fp8_select(model, self._recipe.block, self._block_dense)
+        return ()
 
     def _cast_outputs(self, model: Any) -> None:
         """Wraps ``model.call`` so its floating outputs come out in the output dtype.

@@ -13,7 +13,7 @@ from typing import Any
 import tensorflow as tf
 
 from unimp.backends._base import MixedPrecisionBase
-from unimp.backends.tensorflow.blockscale import block_swap
+from unimp.backends.tensorflow.blockscale import BlockScaledDense, block_swap
 from unimp.backends.tensorflow.casting import cast_tree, to_dtype
 from unimp.backends.tensorflow.devices import _as_device, _check_placed
 from unimp.backends.tensorflow.fp8 import FP8Dense, fp8_swap
@@ -67,6 +67,7 @@ class MixedPrecision(KerasMixedPrecision):
     _to_dtype = staticmethod(to_dtype)
     optimizer_class = LossScaleOptimizer
     _fp8_dense = (FP8Dense,)
+    _block_dense = (BlockScaledDense,)
     _fp8_states_are_gradients = False  # non-trainable variables written in the step
 
     backend = "tensorflow"

@@ -277,7 +277,8 @@ class MixedPrecision(MixedPrecisionBase):
     def fp8_layers(self, model: torch.nn.Module) -> tuple[str, ...]:
         """The dotted paths of the layers that run float8 matmuls under the recipe (after
         :meth:`prepare`, the FP8Dense modules it put in; before, those it would), in model
-        order; ``()`` without an FP8 recipe. The same rule and names in every backend
+        order; a block-scaled recipe's layers under one; ``()`` without an FP8 or block-scaled
+        recipe. The same rule and names in every backend
         (:meth:`unimp.fp8.recipe.FP8Recipe.select`; first and last Linear out by default).
 
         Raises:
@@ -286,9 +287,10 @@ class MixedPrecision(MixedPrecisionBase):
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"mp.fp8_layers(model) takes a torch.nn.Module, got {type(model).__name__}.")
-        if self._recipe.fp8 is None:
+        recipe = self._recipe.fp8 if self._recipe.fp8 is not None else self._recipe.block
+        if recipe is None:
             return ()
-        return fp8_select(model, self._recipe.fp8)
+        return fp8_select(model, recipe)
 
     def _check_model_device(self, model: torch.nn.Module) -> None:
         """Autocast for one device type leaves ops on another in float32: refuse a model whose
