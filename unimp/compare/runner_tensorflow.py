@@ -18,7 +18,10 @@ from unimp.compare.user import user_model
 
 
 def _fp8_scales(mp: Any, model: keras.Model) -> dict[str, dict[str, float]]:
-    """``{layer: {tensor: scale}}`` of the Dense layers ``prepare`` gave the float8 matmul."""
+    """``{layer: {tensor: scale}}`` of the Dense layers ``prepare`` gave the float8 matmul
+    (none without an FP8 recipe: a block-scaled recipe's layers keep no scales)."""
+    if mp.recipe.fp8 is None:
+        return {}
     layers = {path: layer for path, _, layer in fp8_model_layers(model)}
     return {p: {t: float(getattr(layers[p], f"{t}_scale").numpy()) for t in TENSORS}
             for p in mp.fp8_layers(model)}
