@@ -326,10 +326,54 @@ class HalfUpdates:
 
     _update_mode: str = "nearest"
     _update_seed: int = 0
+    _rule_used = False  # set by the first _update_rule (a step that may be compiled took the seed)
     _seed_fixed_why = "this optimizer applied an update: a compiled step keeps the old seed"
 
     def _seed_fixed(self) -> bool:
-        return False
+        return self._rule_used
+
+    def _rule_class(self) -> type:
+        """The :class:`UpdateRule` class on this optimizer's tensors."""
+        return UpdateRule
+
+    def _update_rule(self) -> UpdateRule | None:
+        """The policy's update rule for the inner step (None for ``"nearest"``)."""
+        if self._update_mode == "nearest":
+            return None
+        self._rule_used = True
+        return self._rule_class()(self._update_mode, self._update_seed, self.inner_optimizer, self._compensations)
+
+    def _check_half_variables(self, var_list: list[Any]) -> None:
+        """What ``build`` checks before anything is made: ``update="stochastic"`` takes bfloat16
+        variables only, and an Adam-like inner optimizer over float16 variables keeps float16
+        moments, where its epsilon rounds away (:func:`unimp.step.warn_half_optimizer_state`).
+
+        Raises:
+            ValueError: ``"stochastic"`` with a trainable float16 variable, naming the fix.
+        """
+        half = [v for v in var_list if v.trainable and is_half_variable(v)]
+        if self._update_mode == "stochastic":
+            for v in half:
+                check_update_mode("stochastic", keras.backend.standardize_dtype(v.dtype))
+        eps = getattr(self.inner_optimizer, "epsilon", None)
+        if eps is not None and any(keras.backend.standardize_dtype(v.dtype) == "float16" for v in half):
+            try:  # a float or a NumPy scalar; anything else is not Adam-like
+                eps = float(eps)
+            except (TypeError, ValueError):
+                eps = None
+            if eps is not None:
+                warn_half_optimizer_state(type(self.inner_optimizer).__name__, eps)
+
+    def _make_compensations(self, var_list: list[Any]) -> None:
+        """``update="kahan"``: one compensation buffer per trainable half variable, an optimizer
+        variable in its dtype, by the inner optimizer's index of the variable."""
+        if self._update_mode != "kahan":
+            return
+        for v in var_list:
+            if v.trainable and is_half_variable(v):
+                self._compensations[self.inner_optimizer._get_variable_index(v)] = (
+                    self.add_variable_from_reference(v, "compensation")
+                )
 
     @property
     def update_mode(self) -> str:
@@ -455,7 +499,6 @@ class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
     def _create_untracked_state(self) -> None:
         # the update rule's compensation variables by the inner optimizer's variable index
         self._compensations: dict[int, Any] = {}
-        self._traced = False  # a compiled step baked the seed in (update_seed refuses a change)
 
     # -- Keras's attributes ----------------------------------------------------------------
 
@@ -464,15 +507,6 @@ class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
         """The loss-scale config."""
         return self._config
 
-    def _seed_fixed(self) -> bool:
-        return self._traced
-
-    def _update_rule(self) -> UpdateRule | None:
-        """The policy's update rule for the inner step (None for ``"nearest"``)."""
-        if self._update_mode == "nearest":
-            return None
-        self._traced = True
-        return UpdateRule(self._update_mode, self._update_seed, self.inner_optimizer, self._compensations)
 
     @property
     def initial_scale(self) -> float:
@@ -510,17 +544,9 @@ class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
                 "rule. Accumulate in unimp's step instead: mp.train_step(model, optimizer, "
                 "loss_fn, grad_accum_steps=k)."
             )
-        if self._update_mode == "stochastic":  # bfloat16 variables only, checked before anything is made
-            for v in var_list:
-                if v.trainable and is_half_variable(v):
-                    check_update_mode("stochastic", keras.backend.standardize_dtype(v.dtype))
+        self._check_half_variables(var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
-        half = [v for v in var_list if v.trainable and keras.backend.standardize_dtype(v.dtype) == "float16"]
-        eps = getattr(self.inner_optimizer, "epsilon", None)
-        if half and isinstance(eps, (int, float)):
-            warn_half_optimizer_state(type(self.inner_optimizer).__name__, float(eps))
         with keras.name_scope(self.name, caller=self):
             self.dynamic_scale = self.add_variable(
                 shape=(), dtype="float32", initializer=keras.initializers.Constant(self.initial_scale),
@@ -542,13 +568,7 @@ class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
             self.bad_losses = self.add_variable(
                 shape=(), dtype="float32", initializer="zeros", aggregation="none", name="bad_losses"
             )
-            if self._update_mode == "kahan":  # one buffer per half variable, in its dtype
-                inner = self.inner_optimizer
-                for v in var_list:
-                    if v.trainable and is_half_variable(v):
-                        self._compensations[inner._get_variable_index(v)] = (
-                            self.add_variable_from_reference(v, "compensation")
-                        )
+            self._make_compensations(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
     @property

@@ -36,8 +36,7 @@ from unimp.keras.optimizer import (  # export / import_update_state: the backend
     export_update_state,  # noqa: F401
     float32_update,
     import_update_state,  # noqa: F401
-    is_half_variable,
-)
+    )
 from unimp.keras.optimizer import half_update as keras_half_update
 from unimp.loss_scale import (
     EXTRA_FIELDS,
@@ -56,7 +55,6 @@ from unimp.loss_scale.keras_args import (
     resolve_keras_loss_scale,
 )
 from unimp.rounding import check_seed, check_update_mode
-from unimp.step import warn_half_optimizer_state
 
 
 @keras.saving.register_keras_serializable(package="unimp")
@@ -263,36 +261,16 @@ class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list: list[Any]) -> None:
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(var_list)
-        # Keras makes the slots in each variable's dtype: float16 moments for float16 weights
-        eps = getattr(self.inner_optimizer, "epsilon", None)
-        if eps is not None and any(
-            keras.backend.standardize_dtype(v.dtype) == "float16" and v.trainable for v in var_list
-        ):
-            try:  # a float or a NumPy scalar; anything else is not Adam-like
-                eps = float(eps)
-            except (TypeError, ValueError):
-                eps = None
-            if eps is not None:
-                warn_half_optimizer_state(type(self.inner_optimizer).__name__, eps)
         # (Keras computes beta**t in the variable's dtype, where bfloat16's beta_2=0.999 is 1.0:
         # apply runs the inner update_step in float32 for half variables, _float32_update)
-        half = [v for v in var_list if _is_half_var(v) and v.trainable]
-        if self._update_mode == "stochastic":
-            for v in half:
-                check_update_mode("stochastic", keras.backend.standardize_dtype(v.dtype))
+        self._check_half_variables(var_list)
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
-        if self._update_mode == "kahan":
-            for v in half:
-                self._compensations[self.inner_optimizer._get_variable_index(v)] = (
-                    self.add_variable_from_reference(v, "compensation")
-                )
+        self._make_compensations(var_list)
 
-    def _rule(self) -> _UpdateRule | None:
-        if self._update_mode == "nearest":
-            return None
-        return _UpdateRule(self._update_mode, self._update_seed, self.inner_optimizer, self._compensations)
+    def _rule_class(self) -> type:
+        return _UpdateRule
 
     def ensure_built(self, trainable_variables: list[Any] | None) -> None:
         """Builds the optimizer (and its inner optimizer) for ``trainable_variables`` unless it
@@ -549,7 +527,7 @@ class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
         tf.cond(first(differ)[0], warn, lambda: None)
 
         def apply_inner() -> None:
-            with _float32_update(self.inner_optimizer, self._rule()):
+            with _float32_update(self.inner_optimizer, self._update_rule()):
                 distribution.extended.call_for_each_replica(
                     self.inner_optimizer.apply,
                     args=(unscaled,),
@@ -580,7 +558,7 @@ class LossScaleOptimizer(HalfUpdates, keras.optimizers.LossScaleOptimizer):
         """
 
         def apply_inner() -> None:
-            with _float32_update(self.inner_optimizer, self._rule()):
+            with _float32_update(self.inner_optimizer, self._update_rule()):
                 self.inner_optimizer.apply(unscaled, trainable_variables=variables)
 
         return self._update_state(grads_finite, loss_finite, apply_inner)
@@ -839,7 +817,6 @@ class _UpdateRule(UpdateRule):
         return UpdateOps
 
 
-_is_half_var = is_half_variable
 
 
 def _float32_update(optimizer: Any, rule: _UpdateRule | None = None) -> Any:
