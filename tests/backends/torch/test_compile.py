@@ -152,6 +152,27 @@ def test_the_seeds_mlp_compiled_for_200_steps_equals_eager_with_one_set_of_graph
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_a_recipe_with_a_matmul_precision_compiles_with_no_break_of_unimps(precision):
+    # the float32 recipes set torch's matmul precision around the step; inside the compiled
+    # graph its switches can be neither read nor written (dynamo breaks on their getters: two
+    # breaks per call, which more than doubled the tiny MLP's compiled step time)
+    recipe = unimp.get_recipe("float32", loss_scale="dynamic")
+    recipe = recipe.replace(policy=recipe.policy.with_(matmul_precision=precision))
+    before = ut.current_matmul_precision()
+    model = _seeds_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    mp = unimp.mixed_precision(recipe, backend="torch", device="cpu")
+    model, opt = mp.prepare(model, opt)
+    step = mp.train_step(model, opt, _loss, compile=True)
+    dynamo.reset()
+    counters.clear()
+    rows = [step(b) for b in _batches(6)]
+    assert [bool(r.applied) for r in rows] == [i not in OVERFLOWS for i in range(6)]
+    assert set(_breaks()) <= {TORCH_OPTIM_BREAK}  # none of unimp's
+    assert ut.current_matmul_precision() == before  # the switches restored after each call
+
+
 def test_the_compiled_step_refuses_what_needs_the_host_naming_the_fix():
     model = _seeds_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -153,7 +153,11 @@ def _restore_legacy(saved: tuple[str, bool]) -> None:
 def matmul_precision(name: str | None) -> Iterator[None]:
     """Sets torch's float32 matmul and convolution precision for the block.
 
-    Every switch reads after the block as it did before, also when the block raises.
+    Every switch reads after the block as it did before, also when the block raises. Inside a
+    function ``torch.compile`` traces it changes nothing: a compiled graph runs under the
+    precision in force when it is called, so set it around the compiled call
+    (``TrainStep(compile=True)`` does); reading or writing the switches in the graph would break
+    it (dynamo cannot trace their getters).
 
     Args:
         name: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (change nothing).
@@ -167,7 +171,11 @@ def matmul_precision(name: str | None) -> Iterator[None]:
         'tf32'
     """
     name = check_matmul_precision(name)
-    if name is None:
+    if name is None or torch.compiler.is_compiling():
+        # inside a graph torch.compile traces, the switches can be neither read nor written
+        # (dynamo breaks the graph on their getters); the graph runs under the precision in
+        # force when it is called, which the caller sets (TrainStep(compile=True) does, around
+        # the compiled call)
         yield
         return
     in_force = _in_force()
