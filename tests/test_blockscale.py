@@ -540,6 +540,87 @@ def test_nvfp4_jax_variant_equals_jax_s_nvfp4_quantize():
     assert 4 <= sum(differ) <= 40
 
 
+# --- the random Hadamard transform (NVFP4's weight-gradient operands) --------------------------
+
+
+def test_the_hadamard_matrix_is_transformer_engine_s_and_orthogonal():
+    """diag(signs) @ H16 / 4 with TE's hard-coded signs (get_wgrad_sign_vector), H16's rows as
+    TE's get_hadamard_matrix lists them (H[i, j] = (-1)**popcount(i & j)): T @ T.T = I."""
+    from unimp.blockscale import RHT_SIGNS, hadamard_matrix
+
+    assert RHT_SIGNS == (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+    t = hadamard_matrix()
+    h = np.array([[(-1) ** bin(i & j).count("1") for j in range(16)] for i in range(16)], np.float64)
+    np.testing.assert_array_equal(t * 4, np.diag(RHT_SIGNS) @ h)
+    assert (h[3, :8] == [1, -1, -1, 1, 1, -1, -1, 1]).all()  # TE's fourth row
+    np.testing.assert_array_equal((4 * t) @ (4 * t).T, 16 * np.eye(16))  # unnormalized: 16 I
+    np.testing.assert_array_equal(t @ t.T, np.eye(16))  # normalized by 1 / sqrt(16)
+    np.testing.assert_array_equal(hadamard_matrix([1] * 16), h / 4)
+    with pytest.raises(ValueError, match="16 values of 1 or -1"):
+        hadamard_matrix([1] * 15 + [0])
+
+
+def test_random_hadamard_transform_right_values():
+    """Each chunk of 16 along the last axis becomes bf16(v @ T): a one-hot chunk is a row of T,
+    ones with all-plus signs are (4, 0, ..., 0), and the bfloat16 rounding is to nearest even."""
+    from unimp.blockscale import hadamard_matrix, random_hadamard_transform
+
+    t = hadamard_matrix()
+    x = np.zeros((3, 32), np.float32)
+    x[0, 5], x[0, 16 + 12] = 1.0, 2.0  # two chunks of one row
+    x[1, :16] = 1.0
+    x[2, :16] = 1.0 + 2.0**-8  # 0.25 * (1 + 2**-8): a tie between two bfloat16 values, to even
+    x[2, 16:] = 1.0 + 3 * 2.0**-8  # a tie the other way: up to 0.25 * (1 + 2**-6) in magnitude
+    y = random_hadamard_transform(x)
+    np.testing.assert_array_equal(y[0, :16], t[5])
+    np.testing.assert_array_equal(y[0, 16:], 2 * t[12])
+    np.testing.assert_array_equal(y[1, :16], t.sum(axis=0))  # signs' sum / 4 = (6 - 10) / 4 first
+    assert y[1, 0] == -1.0
+    ones = random_hadamard_transform(np.ones((1, 16), np.float32), signs=[1] * 16)
+    np.testing.assert_array_equal(ones, [[4.0] + [0.0] * 15])
+    e0 = random_hadamard_transform(np.float32([[1 + 2.0**-8] + [0.0] * 15]), signs=[1] * 16)
+    np.testing.assert_array_equal(e0, np.full((1, 16), 0.25, np.float32))  # 0.25 * (1 + 2**-8) -> 0.25
+    e0 = random_hadamard_transform(np.float32([[1 + 3 * 2.0**-8] + [0.0] * 15]), signs=[1] * 16)
+    np.testing.assert_array_equal(np.abs(e0), np.full((1, 16), 0.25 * (1 + 2.0**-6), np.float32))
+    with pytest.raises(ValueError, match=r"last dimension \(24\) must be a multiple of 16.*pad"):
+        random_hadamard_transform(np.ones((2, 24), np.float32))
+
+
+def test_random_hadamard_transform_on_bfloat16_inputs_is_transformer_engine_s():
+    """TE's kernels: a bfloat16 input times the bfloat16 T, summed in float32, rounded to
+    bfloat16. Where the sums are exact (bfloat16 values over a few binades, as here) any order
+    gives TE's bits: the float64 product rounded to bfloat16."""
+    import ml_dtypes
+
+    from unimp.blockscale import hadamard_matrix, random_hadamard_transform
+
+    rng = np.random.default_rng(9)
+    x = rng.choice([-1.0, 1.0], (64, 128)) * rng.uniform(0.25, 4.0, (64, 128)) * 2.0 ** rng.integers(-9, 9, (64, 1))
+    x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    exact = x.astype(np.float64).reshape(-1, 16) @ hadamard_matrix().astype(np.float64)
+    assert (exact.astype(np.float32) == exact).all()  # the premise: float32 holds every sum
+    want = exact.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32).reshape(x.shape)
+    np.testing.assert_array_equal(random_hadamard_transform(x), want)
+    assert not np.array_equal(want, exact.reshape(x.shape))  # the rounding to bfloat16 did round
+
+
+def test_round_bf16_is_the_nearest_even_bfloat16():
+    """From the bits, against ml_dtypes' cast: ties, subnormals, the overflow to inf, specials."""
+    import ml_dtypes
+
+    from unimp.blockscale import round_bf16
+
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal(100_000) * 2.0 ** rng.integers(-140, 126, 100_000)).astype(np.float32)
+    ties = (np.arange(1, 200, dtype=np.int32) * 2**16 + 2**15).view(np.float32)  # exactly half an ulp
+    special = np.float32([0.0, -0.0, np.inf, -np.inf, 3.4028235e38, -3.3961776e38, 1e-45])
+    x = np.concatenate([x, ties, -ties, special])
+    with np.errstate(over="ignore"):
+        want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(round_bf16(x).view(np.int32), want.view(np.int32))
+    assert np.isnan(round_bf16(np.float32([np.nan]))).all()
+
+
 def test_the_docstring_examples_run():
     import doctest
 

@@ -30,7 +30,8 @@ scale per 1x128 or 128x128 tile instead: ``S = fmax / amax``, floored to a power
 default (:func:`block_fp8_scale`, :func:`block_fp8_quantize_dequantize`). NVFP4 (Transformer
 Engine ``NVFP4BlockScaling``) stores E2M1 elements with an E4M3 scale per 1x16 or 16x16 tile and
 one float32 scale per tensor, ``x = q * s_block * s_global``
-(:func:`nvfp4_quantize_dequantize`).
+(:func:`nvfp4_quantize_dequantize`); before quantizing the weight-gradient GEMM's operands it
+applies a 16-point random Hadamard transform (:func:`random_hadamard_transform`).
 
 The namespace is :class:`unimp.fp8.rule.NumpyOps`'s (``bits``, ``from_bits``, ``where``,
 ``isnan``, ``isinf``, ``f32``, ``to_i32``, and ``reshape``, ``amax``, ``amax_axes``,
@@ -62,6 +63,8 @@ __all__ = [
     "NVFP4_ROUNDINGS",
     "NVFP4_TILES",
     "NVFP4_VARIANTS",
+    "RHT_SIGNS",
+    "RHT_SIZE",
     "SCALE_RULES",
     "block_fp8_quantize_dequantize",
     "block_fp8_scale",
@@ -69,6 +72,7 @@ __all__ = [
     "e8m0_floor",
     "e8m0_round_up",
     "e8m0_value",
+    "hadamard_matrix",
     "mx_quantize_dequantize",
     "mx_scales",
     "nvfp4_block_scale",
@@ -77,6 +81,8 @@ __all__ = [
     "nvfp4_global_scale",
     "nvfp4_quantize_dequantize",
     "nvfp4_scales",
+    "random_hadamard_transform",
+    "round_bf16",
     "round_e2m1",
     "round_e2m1_stochastic",
 ]
@@ -706,9 +712,10 @@ def nvfp4_quantize_dequantize(
     it; or :func:`round_e2m1_stochastic`). The dequantized value is ``(q * s_block) *
     s_global``: the first product is exact, so it is the exact ``q * s_block * s_global``
     rounded once. A NaN anywhere makes the whole tensor NaN: the global amax is NaN, so is
-    every scale (the reference's ``torch.max`` and ``torch.min`` propagate it). Not included:
-    the random Hadamard transform of the weight-gradient GEMM's operands, and the
-    ``pow_2_scales`` and "4 over 6" options.
+    every scale (the reference's ``torch.max`` and ``torch.min`` propagate it). The random
+    Hadamard transform Transformer Engine applies to the weight-gradient GEMM's operands
+    before this quantization is :func:`random_hadamard_transform` (the linear rule runs it,
+    :mod:`unimp.blockscale_linear`). Not included: the ``pow_2_scales`` and "4 over 6" options.
 
     ``variant="torchao"`` transcribes torchao's ``nvfp4_quantize`` with its dynamic per-tensor
     scale (``torchao/prototype/mx_formats/nvfp4_tensor.py``, read at its source, not run):
@@ -831,3 +838,155 @@ def nvfp4_gemm_alpha(amax_a: Any, amax_b: Any, ops: Any = NumpyOps) -> Any:
     inv = ops.f32(float(np.float32(1.0) / np.float32(_E2M1_MAX * _E2M1_MAX * _E4M3_MAX * _E4M3_MAX)))
     with np.errstate(over="ignore", invalid="ignore"):
         return ((ops.f32(1.0) * ops.f32(amax_a)) * ops.f32(amax_b)) * inv
+
+
+# --- The random Hadamard transform (NVFP4's weight-gradient operands) -------------------------
+
+#: The 16-point random Hadamard transform's fixed sign vector: Transformer Engine's
+#: ``get_wgrad_sign_vector`` (``pytorch/tensor/nvfp4_tensor.py`` and
+#: ``pytorch/custom_recipes/reference_nvfp4.py``; ``jax/quantize/hadamard.py`` has the same).
+#: One vector, hard-coded, no seed.
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+#: The transform's length: 16 consecutive elements along the last axis, NVFP4's block.
+RHT_SIZE = 16
+
+_BF16_DROP = 2**16  # float32 bits below bfloat16's: bits // _BF16_DROP is a bfloat16's bits
+
+
+def hadamard_matrix(signs: Any = RHT_SIGNS) -> np.ndarray:
+    """The matrix the random Hadamard transform multiplies each row chunk by:
+    ``T = diag(signs) @ H / 4``, with ``H`` the 16x16 Sylvester Hadamard matrix
+    (``H[i, j] = (-1)**popcount(i & j)``, entries +-1, ``H @ H.T = 16 I``) and ``1 / 4 =
+    1 / sqrt(16)``, so ``T`` is orthogonal (``T @ T.T = I``): a chunk ``v`` (a row of 16)
+    becomes ``v @ T``.
+
+    Matches Transformer Engine's ``get_rht_matrix`` (``pytorch/tensor/nvfp4_tensor.py``: the
+    sign matrix times ``get_hadamard_matrix``, scaled by ``1 / sqrt(16)``, stored in bfloat16,
+    where every entry, +-0.25, is exact) and its reference's ``_build_hadamard_matrix`` times
+    ``1 / sqrt(16)`` (``pytorch/custom_recipes/reference_nvfp4.py``).
+
+    Args:
+        signs: 16 values, each 1 or -1 (default :data:`RHT_SIGNS`).
+
+    Returns:
+        float32 NumPy array ``(16, 16)`` with entries +-0.25.
+
+    Raises:
+        ValueError: ``signs`` not 16 values of +-1.
+
+    Example:
+        >>> t = hadamard_matrix()
+        >>> bool((t @ t.T == np.eye(16)).all()), t[3, :4].tolist()
+        (True, [-0.25, 0.25, 0.25, -0.25])
+    """
+    s = _rht_signs(signs)
+    h = np.ones((1, 1))
+    while h.shape[0] < RHT_SIZE:  # Sylvester: [[H, H], [H, -H]]
+        h = np.block([[h, h], [h, -h]])
+    return (s[:, None] * h * 0.25).astype(np.float32)
+
+
+def _rht_signs(signs: Any) -> np.ndarray:
+    s = np.asarray(signs, np.float64).reshape(-1)
+    if s.shape != (RHT_SIZE,) or not np.all(np.abs(s) == 1.0):
+        raise ValueError(f"the random Hadamard transform's signs are {RHT_SIZE} values of 1 or -1, got "
+                         f"{signs!r}; pass unimp.blockscale.RHT_SIGNS (Transformer Engine's) or your own 16.")
+    return s
+
+
+def round_bf16(x: Any, ops: Any = NumpyOps) -> Any:
+    """``x`` (float32) rounded to the nearest bfloat16, ties to even, as float32, from its bits
+    (``cvt.rn.bf16.f32``): the low 16 bits are dropped, rounding up where they exceed half,
+    or are exactly half and the kept last bit is odd; a finite value past bfloat16's largest
+    by half an ulp or more becomes inf. inf, NaN and the sign (-0.0 too) are kept.
+
+    Not a dtype cast: XLA may delete a ``float32 -> bfloat16 -> float32`` pair (its
+    excess-precision simplification), which integer arithmetic on the bits never is.
+
+    Args:
+        x: float32 array.
+        ops: the array namespace (default NumPy, the reference).
+
+    Returns:
+        float32 array of bfloat16 values, ``x``'s shape.
+    """
+    x = ops.f32(x)
+    b = ops.bits(ops.abs(x))  # >= 0: the magnitude's bits
+    kept, low = b // _BF16_DROP, b % _BF16_DROP
+    up = (low > _BF16_DROP // 2) | ((low == _BF16_DROP // 2) & (kept % 2 == 1))
+    mag = ops.from_bits(ops.where(up, kept + 1, kept) * _BF16_DROP)
+    out = ops.where(x < ops.f32(0.0), -mag, ops.where(x > ops.f32(0.0), mag, x))  # +-0 and NaN: x
+    return ops.where(ops.isnan(x), x, out)
+
+
+def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, ops: Any = NumpyOps) -> Any:
+    """The random Hadamard transform (RHT) Transformer Engine's ``NVFP4BlockScaling`` applies
+    before quantizing the weight-gradient GEMM's operands: every chunk ``v`` of 16 consecutive
+    elements along the last axis becomes ``bf16(v @ T)``, ``T`` being :func:`hadamard_matrix`
+    of ``signs`` (orthogonal, so a GEMM of two operands transformed along its reduction axis
+    has the same exact value).
+
+    Transcribed from Transformer Engine: ``NVFP4BlockScaling``
+    (``transformer_engine/common/recipe/__init__.py``) sets ``random_hadamard_transform`` for
+    the inputs (``fp4_quant_fwd_inp``) and the gradients (``fp4_quant_bwd_grad``), not the
+    weights, and applies it to their columnwise copies only (the weight-gradient GEMM's);
+    ``disable_rht`` (``NVTE_NVFP4_DISABLE_RHT=1``) turns it off. Its reference quantizer
+    (``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``,
+    ``NVFP4QuantizerRef._apply_rht``) multiplies each row chunk of the transposed tensor by
+    ``T`` in the tensor's dtype, and takes the columnwise copy's global amax after the
+    transform (``global_amax_col``, the kernels' ``with_post_rht_amax``). Its kernels
+    (``common/hadamard_transform/hadamard_transform_utils.cuh`` and the
+    ``*_hadamard_transform_cast_fusion.cu`` files) take a bfloat16 input and a bfloat16 ``T``,
+    accumulate in float32 and round the result to bfloat16 ("for bit-wise compatibility with
+    unfused") before the amax and the quantization: so does this function.
+
+    unimp's sums, in a fixed order that every framework follows: ``v`` times ``signs / 4``
+    (exact), then the fast Walsh-Hadamard butterflies ``(a, b) -> (a + b, a - b)`` over index
+    bits 0, 1, 2 and 3, each a float32 addition, then :func:`round_bf16`. Where the sums are
+    exact (a bfloat16 input, as the block-scaled recipes' compute dtype gives, whose chunk
+    spans a few binades) this is Transformer Engine's value bit for bit; elsewhere its tensor
+    cores' summation order decides the last bits of the float32 sum, which may move a
+    bfloat16 rounding. Infinite inputs give inf or NaN in their chunk; results below 2**-126
+    are flushed on XLA and TensorFlow and not promised alike.
+
+    Args:
+        x: float32 array whose last dimension is a multiple of 16.
+        signs: the 16 signs (default :data:`RHT_SIGNS`, Transformer Engine's).
+        ops: the array namespace (default NumPy, the reference); besides ``reshape``,
+            ``bits``, ``from_bits``, ``where``, ``abs`` and ``isnan`` it needs ``f32`` to take
+            a NumPy array (the signs) and the arrays to take ``a[:, :, 0:1, :]`` slices.
+
+    Returns:
+        float32 array of bfloat16 values, ``x``'s shape.
+
+    Raises:
+        ValueError: a last dimension that is not a multiple of 16, or bad ``signs``.
+
+    Example:
+        A one-hot chunk becomes a row of ``T``; a chunk of ones becomes the column sums of
+        ``T``, the first being the signs' sum over 4: (6 - 10) / 4 = -1.
+
+        >>> x = np.zeros((2, 16), np.float32)
+        >>> x[0, 3], x[1, :] = 1.0, 1.0
+        >>> y = random_hadamard_transform(x)
+        >>> y[0, :4].tolist(), y[1, 0]
+        ([-0.25, 0.25, 0.25, -0.25], np.float32(-1.0))
+    """
+    s = _rht_signs(signs)
+    shape = tuple(x.shape)
+    if not shape or shape[-1] % RHT_SIZE:
+        raise ValueError(
+            f"random_hadamard_transform: the last dimension ({shape[-1] if shape else 'none'}) must be a "
+            f"multiple of {RHT_SIZE}, the transform's length; pad the tensor or turn the transform off "
+            "(the 'nvfp4_no_rht' rule)."
+        )
+    y = ops.reshape(ops.f32(x), (-1, RHT_SIZE)) * ops.f32((s * 0.25).astype(np.float32))
+    pm = ops.f32(np.array([[1.0], [-1.0]], np.float32))  # (a + b, a - b) = a + b * (+1, -1): exact
+    with np.errstate(invalid="ignore", over="ignore"):
+        h = 1
+        while h < RHT_SIZE:  # the butterflies over index bit log2(h): (chunk, pairs, bit, below it)
+            y = ops.reshape(y, (-1, RHT_SIZE // (2 * h), 2, h))
+            y = ops.reshape(y[:, :, 0:1, :] + y[:, :, 1:2, :] * pm, (-1, RHT_SIZE))
+            h *= 2
+    return ops.reshape(round_bf16(y, ops), shape)

@@ -1,13 +1,14 @@
 """The block-scaled formats (unimp.blockscale) run on every backend's own tensors through its
 ``FP8Ops`` and give the NumPy reference's values bit for bit: MX (floor and round-up, E4M3,
-E5M2, E2M1), block FP8 (1x128 and 128x128, both variants) and NVFP4 (every variant, nearest
-and seeded stochastic rounding), on small random tensors with zero blocks, a 449, a 6.5, -0.0,
-inf and NaN planted; eagerly, and compiled by XLA (``jax.jit``, ``tf.function(jit_compile=True)``).
-Inputs stay in float32's normal range: XLA and TensorFlow flush subnormals, so results that are
-float32 subnormals are not promised alike. TensorFlow's graphs without XLA are not promised
-either: their CPU kernels divide vectors approximately (an ulp off), which NVFP4's and non-power-
-of-two block FP8's scale arithmetic meets, and Grappler reassociates MX's two power-of-two
-factors into one flushed subnormal where the scale is 2**-127 or 2**127."""
+E5M2, E2M1), block FP8 (1x128 and 128x128, both variants), NVFP4 (every variant, nearest
+and seeded stochastic rounding) and its random Hadamard transform, on small random tensors
+with zero blocks, a 449, a 6.5, -0.0, inf and NaN planted; eagerly, and compiled by XLA
+(``jax.jit``, ``tf.function(jit_compile=True)``). Inputs stay in float32's normal range: XLA
+and TensorFlow flush subnormals, so results that are float32 subnormals are not promised
+alike. TensorFlow's graphs without XLA are not promised either: their CPU kernels divide
+vectors approximately (an ulp off), which NVFP4's and non-power-of-two block FP8's scale
+arithmetic meets, and Grappler reassociates MX's two power-of-two factors into one flushed
+subnormal where the scale is 2**-127 or 2**127."""
 
 from __future__ import annotations
 
@@ -84,6 +85,13 @@ def test_nvfp4_stochastic_rounding_is_the_reference_bit_for_bit(backend):
 
 
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "inf_nan"])
+def test_random_hadamard_transform_is_the_reference_bit_for_bit(backend, special):
+    """NVFP4's random Hadamard transform: float32 sums of 24-bit significands (inexact, alike
+    everywhere by their one order) and the bfloat16 rounding from bits; inf and NaN spread."""
+    _check(backend, blockscale.random_hadamard_transform, _input((32, 64), special))
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "inf_nan"])
 @pytest.mark.parametrize("role", ["activation", "weight"])
 @pytest.mark.parametrize("preset", list(BLOCK_PRESETS))
 def test_every_preset_is_the_reference_bit_for_bit(backend, preset, role, special):
@@ -113,6 +121,7 @@ COMPILED = [
     (block_quantize_dequantize, {"preset": "transformer_engine_mxfp8"}),
     (block_quantize_dequantize, {"preset": "torchao_mx"}),
     (block_quantize_dequantize, {"preset": "jax_mxfp8"}),
+    (blockscale.random_hadamard_transform, {}),
 ]
 
 

@@ -61,11 +61,18 @@ class FP8Ops:
 
     def __init__(self, device: Any = "cpu") -> None:
         self.device = torch.device(device)
-        self._cache: dict[float, torch.Tensor] = {}
+        self._cache: dict[Any, torch.Tensor] = {}
 
     def f32(self, x: Any) -> torch.Tensor:
+        """``x`` (a tensor, a Python number or a NumPy array of constants) as float32 on the
+        namespace's device; constants are made once and kept."""
         if isinstance(x, torch.Tensor):
             return x.to(torch.float32)
+        if isinstance(x, np.ndarray):  # e.g. the random Hadamard transform's signs
+            key = (x.shape, np.asarray(x, np.float32).tobytes())
+            if key not in self._cache:
+                self._cache[key] = torch.tensor(np.asarray(x, np.float32), device=self.device)
+            return self._cache[key]
         x = float(x)
         if x not in self._cache:
             self._cache[x] = torch.tensor(x, dtype=torch.float32, device=self.device)
