@@ -141,7 +141,12 @@ def test_nvfp4_gemms_apply_the_tensor_scales_to_their_result():
     alpha = nvfp4_gemm_alpha(np.abs(x).max(), np.abs(w).max())
     np.testing.assert_array_equal(y, (qx @ qw) * alpha)
     np.testing.assert_array_equal(saved.w_n, qw)
-    assert saved.amax_x == np.abs(x).max()
+    # the weight-gradient GEMM's scale: x's amax after the Hadamard transform (TE's post-RHT
+    # amax), x's own without it
+    from unimp.blockscale import random_hadamard_transform
+
+    assert saved.amax_x == np.abs(random_hadamard_transform(x.T.copy())).max() != np.abs(x).max()
+    assert bl.linear_forward(OPS, x, w, "nvfp4_no_rht")[1].amax_x == np.abs(x).max()
     # within NVFP4's error of the dequantized product, and never the plain one
     deq = block_quantize_dequantize(x, "transformer_engine_nvfp4") @ block_quantize_dequantize(
         w, "transformer_engine_nvfp4", "weight")
@@ -151,3 +156,45 @@ def test_nvfp4_gemms_apply_the_tensor_scales_to_their_result():
     a, b = np.float32(63.73247), np.float32(27.051693)
     assert nvfp4_gemm_alpha(a, b) == np.float32(0.00023861443)
     assert (np.float32(1) / nvfp4_global_scale(a)) * (np.float32(1) / nvfp4_global_scale(b)) == np.float32(0.0002386144)
+
+
+def test_nvfp4_puts_the_weight_gradient_operands_alone_through_the_hadamard_transform():
+    """Transformer Engine's NVFP4BlockScaling: x's and g's columnwise copies (the weight-gradient
+    GEMM's) go through the RHT along M before quantization, their GEMM scale from the
+    transformed tensors' amax; the forward and input-gradient GEMMs are untouched. In exact
+    arithmetic dW is unchanged (T orthogonal); quantized, an outlier-heavy input's dW differs."""
+    from unimp.blockscale import nvfp4_block_values, nvfp4_gemm_alpha, random_hadamard_transform
+
+    assert bl.block_linear_rule("nvfp4").hadamard and not bl.block_linear_rule("nvfp4_no_rht").hadamard
+    # exact arithmetic: small integers, so the transform (multiples of 1/4 below 2**5) is exact
+    rng = np.random.default_rng(13)
+    xi, gi = (rng.integers(-3, 4, s).astype(np.float32) for s in ((64, 32), (64, 48)))
+    tx, tg = random_hadamard_transform(xi.T.copy()), random_hadamard_transform(gi.T.copy())
+    assert not np.array_equal(tx, xi.T)
+    np.testing.assert_array_equal(tx.astype(np.float64) @ tg.T.astype(np.float64),
+                                  xi.T.astype(np.float64) @ gi.astype(np.float64))
+
+    # quantized: one value in a hundred 100 times larger
+    def outliers(shape, seed):
+        r = np.random.default_rng(seed)
+        a = r.standard_normal(shape)
+        return (a * np.where(r.random(shape) < 0.01, 100.0, 1.0)).astype(np.float32)
+
+    m, k, n, seed = 256, 64, 32, 5
+    x, w, g = outliers((m, k), 14), outliers((k, n), 15), outliers((m, n), 16)
+    y, dx, dw = bl.block_linear_reference(x, w, g, "nvfp4", seed=seed)
+    y0, dx0, dw0 = bl.block_linear_reference(x, w, g, "nvfp4_no_rht", seed=seed)
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(dx, dx0)
+    assert np.count_nonzero(dw != dw0) > dw.size // 2
+    # dW, composed by hand: Q(T x^T), Q(T g^T) rounded stochastically with the column bits
+    tx, tg = random_hadamard_transform(x.T.copy()), random_hadamard_transform(g.T.copy())
+    col_bits = bl.gradient_bits(rounding.NumpyOps, seed, 0, m, n)[1]
+    qx = nvfp4_block_values(tx)
+    qg = nvfp4_block_values(tg, rounding="stochastic", bits=col_bits)
+    alpha = nvfp4_gemm_alpha(np.abs(tx).max(), np.abs(tg).max())
+    assert np.abs(tx).max() < np.abs(x).max() / 3  # the outliers spread over their 16 rows
+    np.testing.assert_array_equal(dw, (qx @ np.ascontiguousarray(qg.T)) * alpha)
+    exact = x.astype(np.float64).T @ g.astype(np.float64)
+    for d in (dw, dw0):  # both within NVFP4's error of the exact product
+        assert np.linalg.norm(d - exact) / np.linalg.norm(exact) < 0.3

@@ -19,7 +19,9 @@ input grad  ``dx = g @ W^T``       g (gradient) N; W (weight) N          N, the 
 weight grad ``dW = x^T @ g``       x (activation) M; g (gradient) M      M, the batch rows
 ==========  =====================  ===================================  ======================
 
-so ``x``, ``W`` and ``g`` are each quantized twice (:data:`GEMMS`). A role whose tile is
+so ``x``, ``W`` and ``g`` are each quantized twice (:data:`GEMMS`); under ``nvfp4`` the
+weight-gradient GEMM's two operands go through the random Hadamard transform along ``M`` first
+(:attr:`BlockLinearRule.hadamard`). A role whose tile is
 two-dimensional (Transformer Engine's 128x128 block FP8 and 16x16 NVFP4 weights) has one copy:
 a square tile holds the same elements whichever axis the GEMM reduces over, so its transpose
 is its columnwise copy, bit for bit (Transformer Engine stores it so).
@@ -34,9 +36,16 @@ Each rule of :data:`BLOCK_LINEAR_RULES` names one preset of :mod:`unimp.blocksca
   ``W`` (``w_block_scaling_dim = 2``), power-of-two float32 scales, E4M3 for every tensor).
 * ``nvfp4``: Transformer Engine ``NVFP4BlockScaling`` (E2M1 elements, E4M3 block scales and a
   float32 tensor scale; 1x16 blocks for ``x`` and ``g``, 16x16 tiles for ``W``; the gradient's
-  two copies rounded stochastically, ``fp4_quant_bwd_grad.stochastic_rounding``). Not
-  emulated: the random Hadamard transform Transformer Engine applies to the weight-gradient
-  GEMM's operands (``x`` and ``g`` columnwise): the rule runs as ``NVTE_NVFP4_DISABLE_RHT=1``.
+  two copies rounded stochastically, ``fp4_quant_bwd_grad.stochastic_rounding``), and the
+  weight-gradient GEMM's operands (``x`` and ``g`` blocked along ``M``) put through the 16-point
+  random Hadamard transform along ``M`` before they are quantized
+  (:func:`unimp.blockscale.random_hadamard_transform`, Transformer Engine's default,
+  ``fp4_quant_fwd_inp`` / ``fp4_quant_bwd_grad.random_hadamard_transform``), their tensor
+  scales taken from the transformed tensors (its post-RHT amax). The transform is orthogonal,
+  so ``dW = (x T)^T (g T)`` is ``x^T g`` in exact arithmetic; it spreads an outlier over its 16
+  rows, which changes what NVFP4 rounds away.
+* ``nvfp4_no_rht``: ``nvfp4`` without the transform (Transformer Engine's
+  ``NVFP4BlockScaling(disable_rht=True)``, ``NVTE_NVFP4_DISABLE_RHT=1``).
 * ``mxfp4``: OCP MX v1.0's MXFP4 (1x32 blocks, E2M1 elements, the OCP floor scale rule;
   microsoft/microxcaling), every tensor alike. Transformer Engine has no MXFP4 recipe.
 
@@ -67,7 +76,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from unimp.blockscale import nvfp4_block_values, nvfp4_gemm_alpha
+from unimp.blockscale import (
+    RHT_SIZE,
+    nvfp4_block_values,
+    nvfp4_gemm_alpha,
+    random_hadamard_transform,
+)
 from unimp.blockscale_presets import block_preset, block_quantize_dequantize
 from unimp.fp8.rule import NumpyOps
 
@@ -126,6 +140,7 @@ class BlockLinearRule:
     formats: tuple[str, str, str]  # element format per role: activation, weight, gradient
     source: str  # the recipe it follows
     notes: str = ""  # where the emulation departs from it
+    hadamard: bool = False  # the weight-gradient GEMM's operands go through the random Hadamard transform
 
     def tile(self, role: str) -> tuple[int, int]:
         """The block shape ``(rows, columns)`` of ``role`` (one of ``"activation"``,
@@ -157,8 +172,15 @@ BLOCK_LINEAR_RULES: dict[str, BlockLinearRule] = {
         ),
         BlockLinearRule(
             "nvfp4", "transformer_engine_nvfp4", (_E2M1,) * 3,
-            "Transformer Engine NVFP4BlockScaling (x and g 1x16, W 16x16, gradients rounded stochastically)",
-            "no random Hadamard transform on the weight-gradient GEMM's operands (NVTE_NVFP4_DISABLE_RHT=1); "
+            "Transformer Engine NVFP4BlockScaling (x and g 1x16, W 16x16, gradients rounded stochastically, "
+            "16-point random Hadamard transform on the weight-gradient GEMM's operands)",
+            "stochastic rounding from unimp's seeded counter-based bits, not the hardware's; the Hadamard "
+            "transform's float32 sums in a fixed order (TE's tensor cores' order where they are inexact)",
+            hadamard=True,
+        ),
+        BlockLinearRule(
+            "nvfp4_no_rht", "transformer_engine_nvfp4", (_E2M1,) * 3,
+            "Transformer Engine NVFP4BlockScaling(disable_rht=True) (NVTE_NVFP4_DISABLE_RHT=1)",
             "stochastic rounding from unimp's seeded counter-based bits, not the hardware's",
         ),
         BlockLinearRule(
@@ -216,7 +238,7 @@ def check_linear_shapes(rule: Any, m: int | None, k: int, n: int) -> None:
     r = block_linear_rule(rule)
     need = {
         "M (the batch rows: the product of x's leading dimensions)":
-            (m, max(r.tile("activation")[1], r.tile("gradient")[1])),
+            (m, math.lcm(r.tile("activation")[1], r.tile("gradient")[1], RHT_SIZE if r.hadamard else 1)),
         "K (in features)": (k, math.lcm(r.tile("activation")[1], *r.tile("weight"))),
         "N (out features)": (n, math.lcm(r.tile("gradient")[1], *r.tile("weight"))),
     }
@@ -263,9 +285,9 @@ class Saved(NamedTuple):
     """What the backward pass keeps from the forward pass: the columnwise copies, quantized
     there from the high-precision tensors (Transformer Engine quantizes both at once)."""
 
-    x_m: Any  # (M, K), float32: x blocked along M, for the weight-gradient GEMM
+    x_m: Any  # (M, K), float32: x blocked along M (after the rule's Hadamard transform), for the weight-gradient GEMM
     w_n: Any  # W's layout, float32: W blocked along N, for the input-gradient GEMM
-    amax_x: Any = None  # shape=(), float32: max|x|, NVFP4's GEMM scale (None otherwise)
+    amax_x: Any = None  # shape=(), float32: max|x_m's input| (x, or its transform), NVFP4's GEMM scale (None otherwise)
     amax_w: Any = None  # shape=(), float32: max|W|, likewise
 
 
@@ -299,6 +321,17 @@ def _scaled(ops: Any, r: BlockLinearRule, product: Any, amax_a: Any, amax_b: Any
 
 def _amax(ops: Any, r: BlockLinearRule, a: Any) -> Any:
     return ops.amax(ops.abs(a)) if _tensor_scaled(r) else None
+
+
+def _weight_grad_operand(ops: Any, a: Any, r: BlockLinearRule, role: str, bits: Any = None) -> tuple[Any, Any]:
+    """The weight-gradient GEMM's operand from ``a`` (``(M, C)``: ``x`` or ``g``), blocked along
+    ``M``, and its tensor amax (None unless NVFP4's GEMM scale takes one). Under a rule with
+    ``hadamard``, ``a``'s columns go through the random Hadamard transform along ``M`` first
+    and the amax is the transformed tensor's, as Transformer Engine's columnwise copy."""
+    t = ops.transpose(a)  # (C, M): the blocks, and the transform's chunks, along the last axis
+    if r.hadamard:
+        t = random_hadamard_transform(t, ops=ops)
+    return ops.transpose(_operand(ops, t, r, role, 1, bits)), _amax(ops, r, t)
 
 
 def _w_axis(layout: str, along: str) -> int:
@@ -344,14 +377,16 @@ def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out",
     if not backward:
         return y, None
     qw_n = qw_k if r.tile("weight")[0] > 1 else _quantize_w(ops, w, r, layout, "N")
-    qx_m = _operand(ops, x2, r, "activation", 0)
-    return y, Saved(qx_m, qw_n, amax_x, amax_w)
+    qx_m, amax_x_m = _weight_grad_operand(ops, x2, r, "activation")
+    return y, Saved(qx_m, qw_n, amax_x_m, amax_w)
 
 
 def linear_backward(ops: Any, saved: Saved, g2: Any, rule: Any, layout: str = "in_out",
                     bits: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
     """The input-gradient GEMM ``dx = Q_N(g) @ Q_N(W)^T`` and the weight-gradient GEMM
-    ``dW = Q_M(x)^T @ Q_M(g)``, the output gradient ``g`` quantized twice from itself.
+    ``dW = Q_M(x)^T @ Q_M(g)``, the output gradient ``g`` quantized twice from itself (under a
+    rule with ``hadamard``, ``Q_M`` of ``x`` and ``g`` put through the random Hadamard
+    transform along ``M``, :func:`unimp.blockscale.random_hadamard_transform`).
 
     Args:
         ops: the namespace, as :func:`linear_forward`.
@@ -382,7 +417,7 @@ def linear_backward(ops: Any, saved: Saved, g2: Any, rule: Any, layout: str = "i
         row_bits, col_bits = bits
     g2 = ops.f32(g2)
     qg_n = _operand(ops, g2, r, "gradient", 1, row_bits)
-    qg_m = _operand(ops, g2, r, "gradient", 0, col_bits)
+    qg_m, amax_g_m = _weight_grad_operand(ops, g2, r, "gradient", col_bits)
     amax_g = _amax(ops, r, g2)
     qw_n = saved.w_n
     dx = _scaled(ops, r, ops.matmul(qg_n, ops.transpose(qw_n) if layout == "in_out" else qw_n), amax_g, saved.amax_w)
@@ -390,7 +425,7 @@ def linear_backward(ops: Any, saved: Saved, g2: Any, rule: Any, layout: str = "i
         dw = ops.matmul(ops.transpose(saved.x_m), qg_m)
     else:
         dw = ops.matmul(ops.transpose(qg_m), saved.x_m)
-    return dx, _scaled(ops, r, dw, saved.amax_x, amax_g)
+    return dx, _scaled(ops, r, dw, saved.amax_x, amax_g_m)
 
 
 def gradient_bits(ops: Any, seed: Any, step: Any, m: int, n: int) -> tuple[Any, Any]:

@@ -127,7 +127,8 @@ BLOCK_PRESETS: dict[str, BlockPreset] = {
             "NVIDIA/TransformerEngine: transformer_engine/pytorch/custom_recipes/reference_nvfp4.py "
             "(_quantize_blockwise_reference)",
             "gradients round stochastically with unimp's seeded bits (TE's cvt.rs bits are not "
-            "reproducible); no random Hadamard transform",
+            "reproducible); the random Hadamard transform of the weight-gradient GEMM's operands is the "
+            "linear rule's (unimp.blockscale.random_hadamard_transform), not the quantizer's",
         ),
         BlockPreset(
             "torchao_mx", "torchao MXTensor.to_mx, ScaleCalculationMode.FLOOR (its default)", "mx",

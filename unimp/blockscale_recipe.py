@@ -143,6 +143,8 @@ class BlockRecipe:
     def describe(self) -> str:
         """One line: the rule, the layer kinds and what is kept out."""
         out = f"block-scaled {self.rule.name} ({self.rule.preset}) on {'/'.join(self.layers)}"
+        if self.rule.hadamard:
+            out += ", random Hadamard transform of the weight-gradient GEMM's operands"
         if self.exclude_first_last:
             out += ", first and last layers excluded"
         if self.exclude:

@@ -2,7 +2,9 @@
 MXFP4) run forward and backward on every backend's tensors gives the NumPy reference's y, dx and
 dW bit for bit: the functional matmul in both weight layouts (eagerly, and compiled by XLA on
 JAX and TensorFlow), and each framework's layer (torch ``BlockScaledLinear``, Keras
-``BlockScaledDense``, flax ``Dense`` with ``block_scaled_dot_general``).
+``BlockScaledDense``, flax ``Dense`` with ``block_scaled_dot_general``). ``nvfp4`` includes the
+random Hadamard transform of the weight-gradient GEMM's operands (float32 inputs of 24-bit
+significands here: its float32 sums are inexact, and alike everywhere by their fixed order).
 
 Why bit for bit holds for the GEMMs too: the quantized operands are the same bits in every
 framework (test_blockscale_conformance.py), and the inputs here make each GEMM's float32 sums
@@ -102,7 +104,7 @@ def test_matmul_forward_and_backward_are_the_reference_bit_for_bit(backend, rule
     _assert_bits(_run_matmul(backend, rule, layout, compiled=False), want)
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", [r for r in RULES if r != "nvfp4_no_rht"])  # nvfp4's ops less the transform
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])  # XLA's compilation; torch runs eagerly
 def test_matmul_compiled_by_xla_is_the_reference_bit_for_bit(backend, rule):
     _, want = _reference(rule, "in_out")
