@@ -173,6 +173,44 @@ def test_a_recipe_with_a_matmul_precision_compiles_with_no_break_of_unimps(preci
     assert ut.current_matmul_precision() == before  # the switches restored after each call
 
 
+@pytest.mark.parametrize(
+    ("recipe", "mp_options", "step_options"),
+    [("mixed_float16", {}, {"grad_accum_steps": 2}), ("mixed_bfloat16", {"cast_mode": "module"}, {})],
+    ids=["grad_accum_steps=2", "cast_mode=module"],
+)
+def test_accumulation_and_module_casts_compile_to_the_eager_steps_values(recipe, mp_options, step_options):
+    accum = step_options.get("grad_accum_steps", 1)
+
+    def train(compile):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        mp = unimp.mixed_precision(recipe, backend="torch", device="cpu", **mp_options)
+        model, opt = mp.prepare(model, opt)
+        loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+        step = mp.train_step(model, opt, loss, compile=compile, **step_options)
+        g, rows = torch.Generator().manual_seed(1), []
+        for i in range(8):
+            x, y = torch.randn(8, 20, generator=g), torch.randint(0, 4, (8,), generator=g)
+            if i == 3:
+                x[0, 0] = float("inf")  # a non-finite loss: skipped
+            batch = [(x[k::accum], y[k::accum]) for k in range(accum)] if accum > 1 else (x, y)
+            r = step(batch)
+            rows.append((bool(r.applied), float(r.scale), float(r.loss)))
+        return rows, list(model.parameters())
+
+    eager, eager_params = train(False)
+    dynamo.reset()
+    counters.clear()
+    rows, params = train(True)
+    assert set(_breaks()) <= {TORCH_OPTIM_BREAK}  # none of unimp's
+    assert [r[:2] for r in rows] == [r[:2] for r in eager]  # the skips and every scale
+    assert [r[0] for r in rows].count(False) == 1
+    assert [r[2] for r in rows] == pytest.approx([r[2] for r in eager], rel=1e-4, nan_ok=True)
+    for p, q in zip(params, eager_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
 def test_the_compiled_step_refuses_what_needs_the_host_naming_the_fix():
     model = _seeds_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -51,6 +51,8 @@ def _map_tree(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(tree)
     if isinstance(tree, Mapping):
         items = [(k, _map_tree(v, fn)) for k, v in tree.items()]
+        if type(tree) is dict:  # built, not copied: torch.compile cannot trace dict.copy
+            return dict(items)
         try:  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict, HF ModelOutput)
             out = copy.copy(tree)
             for k, v in items:
