@@ -136,6 +136,25 @@ def _train(rank, recipe, hook=None, steps=2, process_group=None, optimizer="sgd"
     return out
 
 
+def _compiled(rank):
+    """The same DDP run eagerly and with ``train_step(compile=True)``, an inf planted after the
+    all-reduce on rank 1 at the third call (a compiled one: the first call runs eagerly)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for compile in (False, True):
+        mp = unimp.mixed_precision(_recipe(), backend="torch", device="cpu")
+        model = DDP(mp.prepare(_model()))
+        model.register_comm_hook(None, _poison_after_allreduce(1, {2}))
+        step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.01), _mse, compile=compile)
+        rows = []
+        for _ in range(5):
+            r = step(_batch(rank))
+            rows.append({"applied": bool(r.applied), "scale": float(r.scale), "params": _params(model)})
+        out["compiled" if compile else "eager"] = rows
+    return out
+
+
 def scenarios(rank):
     """Every DDP scenario, run in order on both ranks; an exception is recorded, not raised."""
     results = {}
@@ -163,6 +182,7 @@ def scenarios(rank):
     run("reduce_overflow", lambda: _train(
         rank, unimp.Recipe("p=f32,c=f16,o=f32,reduce=f16", loss_scale=DynamicLossScale(init_scale=2.0**20)),
         hook=unimp.distributed.torch.reduce_hook("float16")))
+    run("compiled", lambda: _compiled(rank))
     run("fsdp2_policy", lambda: _fsdp2(rank, poison=False, mpp=unimp.distributed.torch.fsdp_mixed_precision(
         "p=f32,c=bf16,o=f32,reduce=f32")))
     return results
@@ -363,6 +383,20 @@ def test_ddp_train_step_matches_single_process_full_batch(ddp_results):
             for a, b in zip(r["steps"][i]["params"], model.parameters(), strict=True):
                 torch.testing.assert_close(a, b.detach(), rtol=1e-3, atol=1e-4)
         assert _bitwise_equal(r0["steps"][i]["params"], r1["steps"][i]["params"])
+
+
+@pytest.mark.slow
+def test_a_compiled_ddp_step_skips_on_every_replica_as_the_eager_one(ddp_results):
+    # DDP's forward and the comm hook break the compiled graph (torch's and the user's code);
+    # the step's values do not change: the inf on rank 1 after the all-reduce skips call 2 on
+    # both replicas, the scale backs off once, and every parameter equals the eager run's
+    r0, r1 = _get(ddp_results, "compiled")
+    for r in (r0, r1):
+        assert [s["applied"] for s in r["compiled"]] == [True, True, False, True, True]
+        assert [s["scale"] for s in r["compiled"]] == [s["scale"] for s in r["eager"]] == [INIT] * 3 + [INIT / 2] * 2
+        for c, e in zip(r["compiled"], r["eager"], strict=True):
+            assert _bitwise_equal(c["params"], e["params"])
+    assert _bitwise_equal(r0["compiled"][-1]["params"], r1["compiled"][-1]["params"])
 
 
 @pytest.mark.slow
