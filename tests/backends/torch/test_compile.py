@@ -211,6 +211,21 @@ def test_accumulation_and_module_casts_compile_to_the_eager_steps_values(recipe,
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_a_compiled_step_with_the_compiler_off_runs_as_the_eager_one():
+    # TORCHDYNAMO_DISABLE=1 (torch's switch for debugging a compiled program) runs the compiled
+    # step's code eagerly: a fused optimizer's found_inf, set around the call and again by the
+    # guarded step inside it, must nest (the inner block deleted the outer's: AttributeError)
+    batches = _batches(6)
+    with dynamo.config.patch(disable=True):
+        model, step, rows, _ = _train(True, batches)
+    eager_model, eager_step, eager_rows, _ = _train(False, batches)
+    assert rows == eager_rows and [r[0] for r in rows].count(False) == 1
+    assert step.scaler.state == eager_step.scaler.state
+    for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert "found_inf" not in vars(step.optimizer) and "grad_scale" not in vars(step.optimizer)
+
+
 def test_the_compiled_step_refuses_what_needs_the_host_naming_the_fix():
     model = _seeds_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -30,14 +30,22 @@ def _amp_attributes(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> Iter
     """``optimizer.grad_scale`` and ``optimizer.found_inf`` set while its step runs, as
     torch.amp.GradScaler.step does for an optimizer with ``_step_supports_amp_scaling``: the
     gradients are already unscaled, so ``grad_scale`` is None; ``found_inf`` is the float32 0-d
-    skip flag on the scale's device (nonzero: skip)."""
+    skip flag on the scale's device (nonzero: skip). What the optimizer held before is put back
+    after the step: the blocks nest (a compiled train step's :func:`native_flag` around a guarded
+    step that runs eagerly, as under ``TORCHDYNAMO_DISABLE=1``)."""
+    held = {k: optimizer.__dict__[k] for k in _AMP_ATTRIBUTES if k in optimizer.__dict__}
     optimizer.grad_scale = None  # type: ignore[attr-defined]
     optimizer.found_inf = bad  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
+        for k in _AMP_ATTRIBUTES:
+            optimizer.__dict__.pop(k, None)
+        optimizer.__dict__.update(held)
+
+
+#: the attributes torch.amp.GradScaler.step sets on an optimizer with _step_supports_amp_scaling
+_AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 
 
 #: set while unimp itself calls ``optimizer.step`` (a guarded step, GradScaler.step): the
