@@ -582,8 +582,11 @@ def test_random_hadamard_transform_right_values():
     np.testing.assert_array_equal(e0, np.full((1, 16), 0.25, np.float32))  # 0.25 * (1 + 2**-8) -> 0.25
     e0 = random_hadamard_transform(np.float32([[1 + 3 * 2.0**-8] + [0.0] * 15]), signs=[1] * 16)
     np.testing.assert_array_equal(np.abs(e0), np.full((1, 16), 0.25 * (1 + 2.0**-6), np.float32))
-    with pytest.raises(ValueError, match=r"last dimension \(24\) must be a multiple of 16.*pad"):
+    np.testing.assert_array_equal(random_hadamard_transform(x.T.copy(), axis=0), y.T)  # down columns
+    with pytest.raises(ValueError, match=r"dimension 1 \(24\) must be a multiple of 16.*pad"):
         random_hadamard_transform(np.ones((2, 24), np.float32))
+    with pytest.raises(ValueError, match="axis 2 is not an axis"):
+        random_hadamard_transform(np.ones((2, 16), np.float32), axis=2)
 
 
 def test_random_hadamard_transform_on_bfloat16_inputs_is_transformer_engine_s():

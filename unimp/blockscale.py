@@ -852,6 +852,7 @@ RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 RHT_SIZE = 16
 
 _BF16_DROP = 2**16  # float32 bits below bfloat16's: bits // _BF16_DROP is a bfloat16's bits
+_F32_INF_BITS = 0x7F800000
 
 
 def hadamard_matrix(signs: Any = RHT_SIGNS) -> np.ndarray:
@@ -913,19 +914,19 @@ def round_bf16(x: Any, ops: Any = NumpyOps) -> Any:
     """
     x = ops.f32(x)
     b = ops.bits(ops.abs(x))  # >= 0: the magnitude's bits
-    kept, low = b // _BF16_DROP, b % _BF16_DROP
-    up = (low > _BF16_DROP // 2) | ((low == _BF16_DROP // 2) & (kept % 2 == 1))
-    mag = ops.from_bits(ops.where(up, kept + 1, kept) * _BF16_DROP)
-    out = ops.where(x < ops.f32(0.0), -mag, ops.where(x > ops.f32(0.0), mag, x))  # +-0 and NaN: x
-    return ops.where(ops.isnan(x), x, out)
+    b = ops.where(b > _F32_INF_BITS, _F32_INF_BITS, b)  # NaN (restored below): no int32 overflow
+    # half an ulp less one, plus the kept last bit: a tie rounds up exactly when that bit is odd
+    mag = (b + (_BF16_DROP // 2 - 1 + (b // _BF16_DROP) % 2)) // _BF16_DROP * _BF16_DROP
+    sign = ops.bits(x) - ops.bits(ops.abs(x))  # -2**31 where the sign bit is set (-0.0 too), else 0
+    return ops.where(ops.isnan(x), x, ops.from_bits(mag + sign))
 
 
-def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, ops: Any = NumpyOps) -> Any:
+def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, axis: int = -1, ops: Any = NumpyOps) -> Any:
     """The random Hadamard transform (RHT) Transformer Engine's ``NVFP4BlockScaling`` applies
     before quantizing the weight-gradient GEMM's operands: every chunk ``v`` of 16 consecutive
-    elements along the last axis becomes ``bf16(v @ T)``, ``T`` being :func:`hadamard_matrix`
-    of ``signs`` (orthogonal, so a GEMM of two operands transformed along its reduction axis
-    has the same exact value).
+    elements along ``axis`` (the last by default) becomes ``bf16(v @ T)``, ``T`` being
+    :func:`hadamard_matrix` of ``signs`` (orthogonal, so a GEMM of two operands transformed
+    along its reduction axis has the same exact value).
 
     Transcribed from Transformer Engine: ``NVFP4BlockScaling``
     (``transformer_engine/common/recipe/__init__.py``) sets ``random_hadamard_transform`` for
@@ -951,8 +952,11 @@ def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, ops: Any = NumpyOp
     are flushed on XLA and TensorFlow and not promised alike.
 
     Args:
-        x: float32 array whose last dimension is a multiple of 16.
+        x: float32 array whose ``axis`` dimension is a multiple of 16.
         signs: the 16 signs (default :data:`RHT_SIGNS`, Transformer Engine's).
+        axis: the axis along which the chunks lie (Transformer Engine: the last axis of the
+            transposed tensor; ``axis=0`` of the tensor itself gives the same values, with
+            the sums' operands contiguous, which eager frameworks add faster).
         ops: the array namespace (default NumPy, the reference); besides ``reshape``,
             ``bits``, ``from_bits``, ``where``, ``abs`` and ``isnan`` it needs ``f32`` to take
             a NumPy array (the signs) and the arrays to take ``a[:, :, 0:1, :]`` slices.
@@ -961,7 +965,8 @@ def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, ops: Any = NumpyOp
         float32 array of bfloat16 values, ``x``'s shape.
 
     Raises:
-        ValueError: a last dimension that is not a multiple of 16, or bad ``signs``.
+        ValueError: an ``axis`` dimension that is not a multiple of 16, no such axis, or bad
+            ``signs``.
 
     Example:
         A one-hot chunk becomes a row of ``T``; a chunk of ones becomes the column sums of
@@ -975,18 +980,22 @@ def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, ops: Any = NumpyOp
     """
     s = _rht_signs(signs)
     shape = tuple(x.shape)
-    if not shape or shape[-1] % RHT_SIZE:
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(f"random_hadamard_transform: axis {axis} is not an axis of shape {shape}.")
+    axis %= len(shape)
+    if shape[axis] % RHT_SIZE:
         raise ValueError(
-            f"random_hadamard_transform: the last dimension ({shape[-1] if shape else 'none'}) must be a "
-            f"multiple of {RHT_SIZE}, the transform's length; pad the tensor or turn the transform off "
-            "(the 'nvfp4_no_rht' rule)."
+            f"random_hadamard_transform: dimension {axis} ({shape[axis]}) must be a multiple of "
+            f"{RHT_SIZE}, the transform's length; pad the tensor or turn the transform off (the "
+            "'nvfp4_no_rht' rule)."
         )
-    y = ops.reshape(ops.f32(x), (-1, RHT_SIZE)) * ops.f32((s * 0.25).astype(np.float32))
+    inner = math.prod(shape[axis + 1:])  # (chunks, 16, inner): the 16 along the middle axis
+    y = ops.reshape(ops.f32(x), (-1, RHT_SIZE, inner)) * ops.f32((s * 0.25).astype(np.float32)[:, None])
     pm = ops.f32(np.array([[1.0], [-1.0]], np.float32))  # (a + b, a - b) = a + b * (+1, -1): exact
     with np.errstate(invalid="ignore", over="ignore"):
         h = 1
         while h < RHT_SIZE:  # the butterflies over index bit log2(h): (chunk, pairs, bit, below it)
-            y = ops.reshape(y, (-1, RHT_SIZE // (2 * h), 2, h))
-            y = ops.reshape(y[:, :, 0:1, :] + y[:, :, 1:2, :] * pm, (-1, RHT_SIZE))
+            y = ops.reshape(y, (-1, RHT_SIZE // (2 * h), 2, h * inner))
+            y = y[:, :, 0:1, :] + y[:, :, 1:2, :] * pm
             h *= 2
     return ops.reshape(round_bf16(y, ops), shape)

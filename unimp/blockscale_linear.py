@@ -328,9 +328,9 @@ def _weight_grad_operand(ops: Any, a: Any, r: BlockLinearRule, role: str, bits: 
     ``M``, and its tensor amax (None unless NVFP4's GEMM scale takes one). Under a rule with
     ``hadamard``, ``a``'s columns go through the random Hadamard transform along ``M`` first
     and the amax is the transformed tensor's, as Transformer Engine's columnwise copy."""
-    t = ops.transpose(a)  # (C, M): the blocks, and the transform's chunks, along the last axis
-    if r.hadamard:
-        t = random_hadamard_transform(t, ops=ops)
+    if r.hadamard:  # down M's columns: TE's transform of a's transpose, the same values
+        a = random_hadamard_transform(a, axis=0, ops=ops)
+    t = ops.transpose(a)  # (C, M): the blocks along the last axis
     return ops.transpose(_operand(ops, t, r, role, 1, bits)), _amax(ops, r, t)
 
 
