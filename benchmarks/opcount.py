@@ -20,7 +20,18 @@ machine, loaded or not:
 Each count is of one warm step (after two warm-up steps), for the seeds' MLP (784->512->10,
 batch 128) and the wide model (4 x 1024, batch 256), each recipe of ``--recipes``.
 
+``--compiled``: both loops compiled (torch: unimp's ``train_step(compile=True)`` against the
+native step under ``torch.compile``, torch's GradScaler in it; TensorFlow: ``jit_compile=True``
+on both; JAX is always compiled), and three more columns, counted over the warm-up and
+:data:`COMPILED_STEPS` more steps: the compiled graphs (torch: dynamo's unique graphs;
+TensorFlow and JAX: the traced or compiled functions), the graph breaks (torch: dynamo's
+count; an XLA function compiles whole or fails, so 0), and the recompilations after the first
+warm step (torch: graphs added; TensorFlow: retraces; JAX: jit cache entries added). A
+compiled torch step's aten ops are not counted: dynamo does not run under the counting
+``TorchDispatchMode`` (the step would run eagerly).
+
     python -m benchmarks.opcount [--recipes float32+dynamic,mixed_float16] [--models mlp,wide]
+        [--compiled]
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from typing import Any
 from benchmarks import _harness as h
 
 WARMUP = 2
+#: steps after the warm-up over which ``--compiled`` counts recompilations
+COMPILED_STEPS = 8
 TF_PLUMBING = frozenset(
     {"Const", "Identity", "NoOp", "ReadVariableOp", "Placeholder", "_Arg", "_Retval"}
 )
@@ -156,18 +169,50 @@ def worker(cfg: dict) -> dict:
 
 def _rows(k: Any, backend: str, cfg: dict) -> list[dict]:
     count = {"torch": _torch, "tensorflow": _tensorflow, "jax": _jax}[backend]
+    compiled = bool(cfg.get("compiled"))
     rows = []
     for model in cfg["models"]:
         spec = h.MODELS[model]
         for rec in cfg["recipes"]:
             for impl in ("unimp", "native"):
-                t = k.Trainer(impl, spec, rec, cfg["device"])
-                for _ in range(WARMUP):
-                    t.one()
-                t.sync()
-                row = {"model": model, "model_desc": spec.describe(), "recipe": rec, "impl": impl}
-                rows.append({**row, **count(k, t)})
+                options = {"compile": True} if compiled and backend != "jax" else {}
+                with _compilations(backend) as graphs:
+                    t = k.Trainer(impl, spec, rec, cfg["device"], **options)
+                    for _ in range(WARMUP):
+                        t.one()
+                    t.sync()
+                    after_warmup = graphs(t)
+                    for _ in range(COMPILED_STEPS if compiled else 0):
+                        t.one()
+                    t.sync()
+                    compiled_counts = {**graphs(t), "recompiles": graphs(t)["graphs"] - after_warmup["graphs"]}
+                row = {"model": model, "model_desc": spec.describe(), "recipe": rec, "impl": impl,
+                       "compiled": compiled}
+                # a TorchDispatchMode turns dynamo off (the step runs eagerly under it), so a
+                # compiled torch step's aten ops are not counted: its graphs and breaks are
+                counts = {"aten_ops": None} if compiled and backend == "torch" else count(k, t)
+                rows.append({**row, **counts, **(compiled_counts if compiled else {})})
     return rows
+
+
+@contextlib.contextmanager
+def _compilations(backend: str) -> Iterator[Any]:
+    """A function of a trainer: ``{"graphs": ..., "graph_breaks": ...}`` compiled so far in the
+    block (see the module's ``--compiled``)."""
+    if backend == "torch":
+        import torch._dynamo as dynamo
+        from torch._dynamo.utils import counters
+
+        dynamo.reset()
+        counters.clear()
+        yield lambda t: {
+            "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+        }
+    elif backend == "tensorflow":
+        yield lambda t: {"graphs": t.tracing_count(), "graph_breaks": 0}
+    else:
+        yield lambda t: {"graphs": int(t.jitted._cache_size()), "graph_breaks": 0}  # noqa: SLF001
 
 
 #: backend -> (the count in the table, its name)
@@ -202,20 +247,26 @@ def table_rows(results: dict[str, dict]) -> list[list[Any]]:
             if impl != "unimp":
                 continue
             n = by[(model, rec, "native")]
+            compiled = [f"{r[c]} / {n[c]}" for c in COMPILED_COLUMNS] if r.get("compiled") else []
             rows.append(
                 [
                     backend,
                     r["model_desc"],
                     rec,
                     what,
-                    r[key],
-                    n[key],
-                    f"{r[key] - n[key]:+d}",
+                    "-" if r[key] is None else r[key],
+                    "-" if n[key] is None else n[key],
+                    "-" if r[key] is None or n[key] is None else f"{r[key] - n[key]:+d}",
+                    *compiled,
                     _detail(backend, r),
                     _detail(backend, n),
                 ]
             )
     return rows
+
+
+#: the columns ``--compiled`` adds, each ``unimp / native``
+COMPILED_COLUMNS = ("graphs", "graph_breaks", "recompiles")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -226,6 +277,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="comma-separated recipe names (a policy, or <policy>+<loss scale kind>)",
     )
     p.add_argument("--models", default="mlp,wide", help="comma-separated: mlp, wide, tiny")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="both loops compiled (torch.compile; TensorFlow jit_compile=True; JAX always), "
+        "with the compiled graphs, graph breaks and recompilations as columns",
+    )
     args = h.parse(p, argv)
     if h.served_as_worker(args, worker):
         return {}
@@ -233,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     if args.tiny:
         recipes = recipes[:1]
-    config = {"models": models, "recipes": recipes}
+    config = {"models": models, "recipes": recipes, "compiled": args.compiled}
     results = h.run_backends("opcount", args, config)
     payload = {
         "title": "Ops per training step: unimp train_step against the native loop",
@@ -242,11 +299,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "device": args.device or "framework default",
             "recipes": ",".join(recipes),
             "warmup_steps": WARMUP,
+            "compiled": args.compiled,
             "counts": "one warm step; deterministic (not timed)",
         },
         "results": results,
     }
-    header = ["backend", "model", "recipe", "count", "unimp", "native", "unimp - native",
+    compiled = [f"{c.replace('_', ' ')} (unimp / native)" for c in COMPILED_COLUMNS] if args.compiled else []
+    header = ["backend", "model", "recipe", "count", "unimp", "native", "unimp - native", *compiled,
               "unimp: detail", "native: detail"]
     table = h.markdown_table(header, table_rows(results))
     h.write(args.out, "opcount", payload, table)

@@ -193,3 +193,23 @@ def test_gpu_script_fits_three_minutes(capsys: pytest.CaptureFixture[str]) -> No
             module.main([*options.split(), "--device", "cuda", "--backends", "none"])
         err = capsys.readouterr().err
         assert "--backends: unknown ['none']" in err and "unrecognized" not in err, err
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=[pytest.mark.slow] if b == "torch" else []) for b in BACKENDS]
+)
+def test_opcount_compiled_counts_graphs_breaks_and_recompiles(backend: str, tmp_path: Path) -> None:
+    require_backend(backend)
+    args = ["--tiny", "--compiled", "--backends", backend, "--out", str(tmp_path), "--threads", "0", "--in-process"]
+    importlib.import_module("benchmarks.opcount").main(args)
+    assert "graph breaks (unimp / native)" in (tmp_path / "opcount.md").read_text()
+    res = json.loads((tmp_path / "opcount.json").read_text())["results"][backend]
+    assert "error" not in res, res.get("error")
+    unimp_row, native = res["rows"]
+    assert unimp_row["compiled"] and unimp_row["recompiles"] == 0 and unimp_row["graphs"] >= 1
+    if backend == "torch":  # torch's GradScaler breaks the native compiled step; unimp's adds none
+        # (the one left is torch's: its fused Adam kernel runs outside the compiler)
+        assert unimp_row["graph_breaks"] == 1 < native["graph_breaks"]
+    else:  # an XLA function compiles whole, once
+        assert unimp_row["graphs"] == native["graphs"] == 1
+        assert unimp_row["graph_breaks"] == native["graph_breaks"] == 0
