@@ -16,11 +16,16 @@ from conftest import step_raw
 import unimp
 from unimp import StepResult
 from unimp.stats import (
+    BLOCK_FORMATS,
     COUNT_FIELDS,
     LIMITS,
     THRESHOLDS,
     StepStats,
     TensorStats,
+    check_formats,
+    count_fields,
+    magnitude_fields,
+    merge_block_sums,
     reference_stats,
 )
 from unimp.step import check_stats_every
@@ -154,6 +159,68 @@ def test_unknown_names_say_what_exists():
         s.fraction("fp16_flush")
     with pytest.raises(KeyError, match="float16, bfloat16"):
         s.headroom("float8")
+
+
+# -- the block formats' quantization error -----------------------------------------------------
+
+
+def test_block_formats_are_the_block_recipes_rules():
+    from unimp.blockscale_linear import BLOCK_LINEAR_RULES
+    from unimp.recipe import BLOCK_RECIPES
+
+    assert BLOCK_FORMATS == tuple(BLOCK_RECIPES.values()) and set(BLOCK_FORMATS) <= set(BLOCK_LINEAR_RULES)
+    assert check_formats(["FP8-block", "mxfp4"]) == ("fp8_block", "mxfp4") and check_formats(()) == ()
+    with pytest.raises(ValueError, match=r"unknown block format 'nvfp8'.*choose among mxfp8, fp8_block, nvfp4, mxfp4\. Did you mean"):
+        check_formats("nvfp8")
+    with pytest.raises(ValueError, match="'mxfp8' is given twice"):
+        check_formats(["mxfp8", "mxfp8"])
+    with pytest.raises(TypeError, match="formats must be a block format name or a list of them"):
+        check_formats(8)
+
+
+def test_block_statistics_right_values():
+    # one MXFP8 block (E4M3, scale rounded up): amax 449 scales by 2, so 0.0005 (0.00025 scaled)
+    # is below half of E4M3's smallest subnormal 2**-9 and every one of them rounds to 0
+    x = np.full((1, 32), 0.0005, np.float32)
+    x[0, 0], x[0, 1] = 449.0, 0.0
+    s = reference_stats(x, 1.0, "mxfp8")
+    assert s.counts["mxfp8_underflow"] == 30 and s.underflow("mxfp8") == 30 / 31  # of the nonzero
+    assert s.sums["block_unit"] == 449.0
+    # 449 comes back 448: (1/449)**2 of error; the 30 lost ones (0.0005/449)**2 each
+    want = ((1 / 449) ** 2 + 30 * (0.0005 / 449) ** 2) / (1 + 30 * (0.0005 / 449) ** 2)
+    assert s.relative_mse("mxfp8") == pytest.approx(want, rel=1e-5)
+    # a 1-d tensor is one row, padded with zeros to 128: MXFP4 (E2M1, the OCP floor) keeps
+    # 6 and 1 exactly and 2.5 rounds to 2 (a tie, to even)
+    v = reference_stats([6.0, 2.5, 1.0], 1.0, "mxfp4")
+    assert v.counts["mxfp4_underflow"] == 0 and v.relative_mse("mxfp4") == pytest.approx(0.25 / (36 + 6.25 + 1))
+    assert count_fields(["mxfp4"])[-1] == "mxfp4_underflow"
+    assert magnitude_fields(["mxfp4"]) == ("amax", "min_nonzero", "block_unit", "mxfp4_error", "mxfp4_energy")
+
+
+def test_block_sums_merge_in_the_larger_unit():
+    u, s = merge_block_sums(np.float32([2.0]), np.float32([1.0, 4.0]), np.float32([8.0]), np.float32([2.0, 2.0]), np.where)
+    assert u.tolist() == [8.0] and s.tolist() == [1 / 16 + 2, 4 / 16 + 2]
+    # the merged relative MSE is the joint one: errors 0.1 and 1 against values 1 and 10
+    a = merge_block_sums(np.float32(1.0), np.float32([0.01, 1.0]), np.float32(10.0), np.float32([0.01, 1.0]), np.where)[1]
+    assert a[0] / a[1] == pytest.approx((0.1**2 + 1.0**2) / (1.0**2 + 10.0**2), rel=1e-6)
+
+
+def test_block_statistics_round_trip_and_say_what_was_measured():
+    s = reference_stats(np.linspace(-3, 3, 64, dtype=np.float32).reshape(2, 32), 2.0**10, ["nvfp4", "fp8-block"])
+    assert s.formats == ("nvfp4", "fp8_block")
+    d = json.loads(json.dumps(StepStats(0, {"w": s}, {}).to_dict()))
+    assert StepStats.from_dict(d).gradients["w"] == s
+    assert d["gradients"]["w"]["block"]["nvfp4"] == {"underflow": s.underflow("nvfp4"), "relative_mse": s.relative_mse("nvfp4")}
+    with pytest.raises(KeyError, match=r"block format 'mxfp8' was not measured \(nvfp4, fp8_block were\): take it with train_step"):
+        s.underflow("mxfp8")
+    with pytest.raises(KeyError, match=r"not measured \(none were\)"):
+        reference_stats([1.0]).relative_mse("nvfp4")
+    with pytest.raises(ValueError, match="missing"):
+        TensorStats(1, 1.0, 1.0, 1.0, {**s.counts}, {})
+    counts, mags = np.zeros(len(count_fields(["mxfp8"])), np.int32), np.ones(5, np.float32)
+    assert TensorStats.from_arrays(4, 1.0, counts, mags, ["mxfp8"]).sums["mxfp8_energy"] == 1.0
+    with pytest.raises(ValueError, match="expected 9 counts and 5 magnitudes"):
+        TensorStats.from_arrays(4, 1.0, counts, mags[:2], ["mxfp8"])
 
 
 # -- the step option and the result -----------------------------------------------------------

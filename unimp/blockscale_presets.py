@@ -42,11 +42,13 @@ __all__ = [
     "BLOCK_PRESETS",
     "BlockPreset",
     "QuantizationError",
+    "QuantizationSums",
     "ROLES",
     "block_preset",
     "block_preset_scales",
     "block_quantize_dequantize",
     "quantization_error",
+    "quantization_sums",
 ]
 
 #: The tensor roles a preset gives a block shape and an element rounding for.
@@ -282,6 +284,74 @@ class QuantizationError(NamedTuple):
     relative_mse: Any  # shape=(), float32: sum((q - x)**2) / sum(x**2) where x and q are finite
 
 
+class QuantizationSums(NamedTuple):
+    """The counts and sums :func:`quantization_error`'s shares and ratio are made of
+    (:func:`quantization_sums`), as arrays of the namespace's framework: what two tensors'
+    errors add up from (the tensor statistics keep them so, :mod:`unimp.stats`)."""
+
+    underflow: Any  # shape=(), int32: finite nonzero elements that became 0
+    nonzero: Any  # shape=(), int32: finite nonzero elements
+    nonfinite: Any  # shape=(), int32: finite elements that became inf or NaN
+    finite: Any  # shape=(), int32: finite elements
+    error: Any  # shape=(), float32: sum(((q - x) / unit)**2) where x and q are finite
+    energy: Any  # shape=(), float32: sum((x / unit)**2) over the same elements
+    unit: Any  # shape=(), float32: the largest finite |x| (1 when there is none)
+
+
+def quantization_sums(
+    x: Any,
+    preset: str,
+    role: str = "activation",
+    fmt: str | None = None,
+    bits: Any = None,
+    ops: Any = NumpyOps,
+) -> QuantizationSums:
+    """The counts and sums behind :func:`quantization_error`, with the same arguments.
+
+    The squared errors are taken relative to ``unit``, the tensor's largest finite magnitude,
+    before squaring (``((q - x) / unit)**2``), so that no square overflows float32 nor
+    underflows for ordinary tensors; ``error / energy`` is the relative MSE whatever the unit.
+
+    Returns:
+        :class:`QuantizationSums` of 0-d arrays (int32 counts, float32 sums).
+
+    Raises:
+        ValueError: as :func:`block_quantize_dequantize`.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.full((1, 32), 0.001, np.float32)
+        >>> x[0, 0] = 449.0
+        >>> s = quantization_sums(x, "transformer_engine_mxfp8")
+        >>> int(s.underflow), int(s.nonzero), float(s.unit)
+        (31, 32, 449.0)
+    """
+    q = block_quantize_dequantize(x, preset, role, fmt, bits, ops)
+    x = ops.f32(x)
+    zero = ops.f32(0.0)
+    finite = ops.isfinite(x)
+    nonzero = finite & (x != zero)
+    kept = finite & ops.isfinite(q)
+    unit = ops.amax(ops.where(finite, ops.abs(x), zero))
+    unit = ops.where(unit > zero, unit, ops.f32(1.0))  # no finite nonzero element: every sum is 0
+
+    def count(mask: Any) -> Any:
+        return ops.to_i32(ops.sum(ops.to_i32(mask)))
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = ops.where(kept, (q - x) / unit, zero)
+        ref = ops.where(kept, x / unit, zero)
+        return QuantizationSums(
+            underflow=count(nonzero & (q == zero)),
+            nonzero=count(nonzero),
+            nonfinite=count(finite & ~ops.isfinite(q)),
+            finite=count(finite),
+            error=ops.f32(ops.sum(err * err)),
+            energy=ops.f32(ops.sum(ref * ref)),
+            unit=unit,
+        )
+
+
 def quantization_error(
     x: Any,
     preset: str,
@@ -295,9 +365,10 @@ def quantization_error(
     that a rule leaves unscaled), the share of its finite elements that come back inf or NaN
     (a NaN block), and the relative mean squared error over the elements that stay finite.
 
-    unimp's definitions: the errors are taken relative to the tensor's largest finite
-    magnitude before squaring (``((q - x) / amax)**2``), so no square overflows float32 nor
-    underflows for ordinary tensors; a tensor without finite nonzero elements has all three 0.
+    unimp's definitions, from :func:`quantization_sums`: the errors are taken relative to the
+    tensor's largest finite magnitude before squaring (``((q - x) / amax)**2``), so no square
+    overflows float32 nor underflows for ordinary tensors; a tensor without finite nonzero
+    elements has all three 0.
 
     Args:
         x: float32 array, as :func:`block_quantize_dequantize` takes it.
@@ -323,28 +394,15 @@ def quantization_error(
         >>> [float(quantization_error(x, p).underflow) for p in ("ocp_mx", "transformer_engine_mxfp8")]
         [0.0, 0.96875]
     """
-    q = block_quantize_dequantize(x, preset, role, fmt, bits, ops)
-    x = ops.f32(x)
+    s = quantization_sums(x, preset, role, fmt, bits, ops)
     one, zero = ops.f32(1.0), ops.f32(0.0)
-    finite = ops.isfinite(x)
-    nonzero = finite & (x != zero)
-    kept = finite & ops.isfinite(q)
-    amax = ops.amax(ops.where(finite, ops.abs(x), zero))
-    amax = ops.where(amax > zero, amax, one)  # no finite nonzero element: every sum below is 0
 
-    def share(mask: Any, of: Any) -> Any:
-        hits = ops.f32(ops.sum(ops.where(mask, one, zero)))
-        count = ops.f32(ops.sum(ops.where(of, one, zero)))
-        return ops.where(count > zero, hits / ops.where(count > zero, count, one), zero)
+    def ratio(num: Any, den: Any) -> Any:
+        num, den = ops.f32(num), ops.f32(den)
+        return ops.where(den > zero, num / ops.where(den > zero, den, one), zero)
 
-    with np.errstate(invalid="ignore", over="ignore"):
-        err = ops.where(kept, (q - x) / amax, zero)
-        ref = ops.where(kept, x / amax, zero)
-        num = ops.f32(ops.sum(err * err))
-        den = ops.f32(ops.sum(ref * ref))
-    mse = ops.where(den > zero, num / ops.where(den > zero, den, one), zero)
     return QuantizationError(
-        underflow=share(nonzero & (q == zero), nonzero),
-        nonfinite=share(finite & ~ops.isfinite(q), finite),
-        relative_mse=mse,
+        underflow=ratio(s.underflow, s.nonzero),
+        nonfinite=ratio(s.nonfinite, s.finite),
+        relative_mse=ratio(s.error, s.energy),
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from unimp.rounding import check_seed
+from unimp.stats import check_formats
 from unimp.step import check_schedule_counts, check_stats_every, check_step_options, micro_batches
 from unimp.steprecorder import check_log_every
 
@@ -73,6 +74,13 @@ class StepOptions:
         rounding_seed: the seed of stochastic rounding (a policy with
             ``update="stochastic"``, :mod:`unimp.rounding`), an integer (default 0; its low
             32 bits are used): one seed gives the same random bits in every framework.
+        stats_formats: block-scaled formats (names of :data:`unimp.stats.BLOCK_FORMATS`, or a
+            block recipe's: ``"mxfp8"``, ``"fp8-block"``, ``"nvfp4"``, ``"mxfp4"``) whose
+            quantization error the statistics take as well, per tensor: the share of its
+            nonzero elements that would round to zero and the relative MSE
+            (:meth:`unimp.stats.TensorStats.underflow`, :meth:`~unimp.stats.TensorStats.relative_mse`).
+            Default ``()``: none (each format quantizes every recorded tensor once more on a
+            statistics step). Needs ``stats_every``.
 
     Raises:
         ValueError: any option out of its range, naming the option and the accepted values.
@@ -86,6 +94,7 @@ class StepOptions:
     log: Any = None
     log_every: int = 100
     rounding_seed: int = 0
+    stats_formats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         k, norm = check_step_options(self.grad_accum_steps, self.max_grad_norm)
@@ -96,6 +105,12 @@ class StepOptions:
         set_(self, "schedule_counts", check_schedule_counts(self.schedule_counts))
         set_(self, "log_every", check_log_every(self.log, self.log_every))
         set_(self, "rounding_seed", check_seed(self.rounding_seed, "StepOptions.rounding_seed"))
+        set_(self, "stats_formats", check_formats(self.stats_formats))
+        if self.stats_formats and self.stats_every is None:
+            raise ValueError(
+                f"stats_formats={list(self.stats_formats)} is taken on statistics steps: give "
+                "stats_every=k as well (e.g. stats_every=100)."
+            )
 
     def stats_step(self, calls: int) -> bool:
         """Whether the call with 0-based index ``calls`` takes statistics."""

@@ -21,7 +21,16 @@ import pytest
 from conftest import require_backend
 
 from unimp import StaticLossScale, get_recipe, mixed_precision
-from unimp.stats import COUNT_FIELDS, TensorStats, reference_stats
+from unimp.blockscale_linear import BLOCK_LINEAR_RULES
+from unimp.blockscale_presets import quantization_error
+from unimp.stats import (
+    BLOCK_FORMATS,
+    COUNT_FIELDS,
+    TensorStats,
+    block_layout,
+    merge_block_sums,
+    reference_stats,
+)
 
 POWERS = np.array([2.0**-k for k in range(41)], np.float32)
 BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127
@@ -230,8 +239,9 @@ def _model_numbers():
     return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}, x, c
 
 
-def _expected():
+def _expected(x_scale=1.0):
     w, x, c = _model_numbers()
+    x = x * np.float32(x_scale)
     pre = x.astype(np.float64) @ w["w1"] + w["b1"]
     act = np.maximum(pre, 0)
     out = act @ w["w2"] + w["b2"]
@@ -250,7 +260,7 @@ def _expected():
     return grads, acts
 
 
-def _torch_step(recipe, w, stats_every):
+def _torch_step(recipe, w, stats_every, **options):
     from collections import OrderedDict
 
     import torch
@@ -269,12 +279,15 @@ def _torch_step(recipe, w, stats_every):
     def loss_fn(m, b):
         return (m(b[0]) * b[1]).sum(1).mean()
 
-    step = mp.train_step(model, opt, loss_fn, stats_every=stats_every)
+    step = mp.train_step(model, opt, loss_fn, stats_every=stats_every, **options)
     names = {"l1.weight": "l1/kernel", "l1.bias": "l1/bias", "l2.weight": "l2/kernel", "l2.bias": "l2/bias"}
-    return (lambda b: step(tuple(torch.from_numpy(a) for a in b))), names, {n: n for n in ("l1", "act", "l2")}
+    def convert(b):  # a batch (x, c), or a list of micro-batches
+        return [convert(m) for m in b] if isinstance(b, list) else tuple(torch.from_numpy(a) for a in b)
+
+    return (lambda b: step(convert(b))), names, {n: n for n in ("l1", "act", "l2")}
 
 
-def _tensorflow_step(recipe, w, stats_every):
+def _tensorflow_step(recipe, w, stats_every, **options):
     import keras
     import tensorflow as tf
 
@@ -295,7 +308,7 @@ def _tensorflow_step(recipe, w, stats_every):
     def loss_fn(m, b):
         return tf.reduce_mean(tf.reduce_sum(m(b[0]) * b[1], axis=1))
 
-    step = mp.train_step(model, keras.optimizers.SGD(0.0), loss_fn, stats_every=stats_every)
+    step = mp.train_step(model, keras.optimizers.SGD(0.0), loss_fn, stats_every=stats_every, **options)
     # one naming rule: from the model down without the model's own name ("mlp/l1/kernel" is
     # Keras's variable.path), the names JAX gives the same tensors
     assert model.trainable_variables[0].path == "mlp/l1/kernel"
@@ -303,7 +316,7 @@ def _tensorflow_step(recipe, w, stats_every):
     return step, names, {n: n for n in ("l1", "act", "l2")}
 
 
-def _jax_step(recipe, w, stats_every):
+def _jax_step(recipe, w, stats_every, **options):
     import jax
     import jax.numpy as jnp
     import optax
@@ -322,7 +335,7 @@ def _jax_step(recipe, w, stats_every):
         "l1": {"kernel": jnp.asarray(w["w1"]), "bias": jnp.asarray(w["b1"])},
         "l2": {"kernel": jnp.asarray(w["w2"]), "bias": jnp.asarray(w["b2"])},
     }
-    step = mp.train_step(loss_fn, optax.sgd(0.0), params, stats_every=stats_every)
+    step = mp.train_step(loss_fn, optax.sgd(0.0), params, stats_every=stats_every, **options)
     names = {n: n for n in ("l1/kernel", "l1/bias", "l2/kernel", "l2/bias")}
     return step, names, {n: n for n in ("l1", "act", "l2")}
 
@@ -395,3 +408,103 @@ def test_bad_stats_every_is_refused_before_anything_is_built(backend, value):
     mp = mixed_precision("mixed_float16", backend=backend)
     with pytest.raises(ValueError, match=r"stats_every must be None \(no statistics\) or an int >= 1"):
         mp.train_step("not a model", "not an optimizer", None, stats_every=value)  # checked first
+
+
+# -- the block formats' quantization error (stats_formats) ----------------------------------------
+
+_blocks = np.random.default_rng(5)
+BLOCK_CASES = {
+    # whole blocks, so quantization_error of the tensor itself is the reference: seven normal
+    # rows and one 1e-37 below them, where MXFP8's round-up byte is 0, a block Transformer
+    # Engine leaves unscaled (all of it rounds to 0), and NVFP4's E4M3 block scale is 0 too
+    "normal-and-a-tiny-row": np.concatenate(
+        [_blocks.standard_normal((7, 256)), 1e-37 * (1 + _blocks.random((1, 256)))]
+    ).astype(np.float32),
+    # a last axis of 50 (padded to 128) and magnitudes over nine decades, none subnormal
+    "wide-and-ragged": (_blocks.standard_normal((2, 3, 50)) * 10.0 ** _blocks.uniform(-6, 3, (2, 3, 50))).astype(np.float32),
+    "zeros-inf-nan": np.array([[0.0, np.inf, -2.0, np.nan] + [0.5] * 28, [1.0] * 32], np.float32),
+    "empty": np.zeros((0, 40), np.float32),
+}
+
+
+def _padded(x):
+    rows, cols, padded = block_layout(x.shape)
+    return np.pad(np.abs(x).reshape(rows, cols), ((0, 0), (0, padded - cols)))
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_block_format_statistics_equal_quantization_error(backend, case):
+    """Every backend's ``tensor_stats(x, formats=...)`` on its own tensors (JAX's compiled, as
+    its steps run it): the underflow counts of the reference exactly, the sums to float32
+    rounding, and the shares the NumPy ``quantization_error`` of the rule's preset gives for
+    the (zero-padded) tensor."""
+    x = BLOCK_CASES[case]
+    module = require_backend(backend)
+    fn = functools.partial(module.tensor_stats, scale=1.0, formats=BLOCK_FORMATS)
+    if backend == "jax":  # compiled once (eagerly, JAX compiles each op of the rule on its own)
+        import jax
+
+        fn = jax.jit(fn)
+    counts, mags = fn(_tensor(backend, x))
+    got = TensorStats.from_arrays(x.size, 1.0, _numpy(backend, counts) if backend != "torch" else counts.cpu().numpy(),
+                                  _numpy(backend, mags), BLOCK_FORMATS)
+    want = reference_stats(x, 1.0, BLOCK_FORMATS)
+    assert_same(got, want)
+    assert got.formats == BLOCK_FORMATS
+    for name, value in want.sums.items():
+        assert got.sums[name] == pytest.approx(value, rel=2e-6, abs=1e-30), name
+    if x.size == 0:
+        return
+    for fmt in BLOCK_FORMATS:
+        rule = BLOCK_LINEAR_RULES[fmt]
+        ref = quantization_error(_padded(x), rule.preset, "activation", rule.format("activation"))
+        assert got.underflow(fmt) == pytest.approx(float(ref.underflow), rel=1e-6), fmt
+        assert got.relative_mse(fmt) == pytest.approx(float(ref.relative_mse), rel=1e-5), fmt
+    if case == "normal-and-a-tiny-row":
+        # the tiny row is lost in MXFP8 and NVFP4 (beside FP4's usual few %), kept in block FP8;
+        # the normal rows' error: about 7e-4 with FP8's 3 mantissa bits, about 1e-2 in FP4
+        assert got.underflow("mxfp8") == 1 / 8 and got.underflow("fp8_block") == 0
+        assert got.underflow("nvfp4") > 1 / 8 + 0.02 and got.underflow("mxfp4") > 0.03
+        assert 5e-4 < got.relative_mse("mxfp8") < 1e-3 and 5e-3 < got.relative_mse("nvfp4") < 2e-2
+
+
+@pytest.mark.slow
+def test_block_format_statistics_through_every_train_step(backend):
+    """``train_step(stats_every=1, stats_formats=..., grad_accum_steps=2)`` on the exact model,
+    micro-batches ``x`` and ``4x``: each gradient (the exact mean of the two) carries the
+    reference's block statistics, and each layer's outputs of the two micro-batches are merged
+    by the one rule (:func:`unimp.stats.merge_block_sums`: counts add, sums in the larger unit)."""
+    require_backend(backend)
+    w, x, c = _model_numbers()
+    formats = ("mxfp8", "nvfp4")
+    recipe = get_recipe("float32", loss_scale=StaticLossScale(SCALE))
+    step, grad_names, _ = BUILDERS[backend](recipe, w, 1, stats_formats=["mxfp8", "nvfp4"], grad_accum_steps=2)
+    r = step([(x, c), (x * 4, c)])
+    (grads1, acts1), (grads4, acts4) = _expected(), _expected(4.0)
+    for name, g in r.stats.gradients.items():
+        mean = (grads1[grad_names[name]] + grads4[grad_names[name]]) / 2
+        assert np.array_equal(mean, mean.astype(np.float32))  # exact in float32, in any order
+        assert_same(g, reference_stats(mean.T if backend == "torch" else mean, SCALE, formats))  # torch: (out, in)
+    assert sum(g.counts["nvfp4_underflow"] for g in r.stats.gradients.values()) > 0
+    for name in acts1:
+        one, two = reference_stats(acts1[name], 1.0, formats), reference_stats(acts4[name], 1.0, formats)
+        got = r.stats.activations[name]
+        assert got.size == 2 * one.size and got.formats == formats
+        for f in formats:
+            assert got.counts[f"{f}_underflow"] == one.counts[f"{f}_underflow"] + two.counts[f"{f}_underflow"]
+            u, sums = merge_block_sums(
+                np.float32(one.sums["block_unit"]), np.float32([one.sums[f"{f}_error"], one.sums[f"{f}_energy"]]),
+                np.float32(two.sums["block_unit"]), np.float32([two.sums[f"{f}_error"], two.sums[f"{f}_energy"]]),
+                np.where,
+            )  # fmt: skip
+            assert got.sums["block_unit"] == float(u) and one.sums["block_unit"] != float(u)
+            assert [got.sums[f"{f}_error"], got.sums[f"{f}_energy"]] == pytest.approx(sums.tolist(), rel=2e-6, abs=1e-30)
+
+
+def test_bad_stats_formats_are_refused_before_anything_is_built(backend):
+    require_backend(backend)
+    mp = mixed_precision("mixed_bfloat16", backend=backend)
+    with pytest.raises(ValueError, match=r"unknown block format 'mxfp9' .*choose among mxfp8, fp8_block, nvfp4, mxfp4\. Did you mean 'mxfp8'"):
+        mp.train_step("not a model", "not an optimizer", None, stats_every=1, stats_formats=["mxfp9"])
+    with pytest.raises(ValueError, match=r"stats_formats=\['nvfp4'\] is taken on statistics steps: give stats_every=k"):
+        mp.train_step("not a model", "not an optimizer", None, stats_formats="nvfp4")

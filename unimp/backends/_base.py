@@ -25,8 +25,10 @@ __all__ = ["BACKEND_MODULES", "COMMON_API", "FP8_API", "MixedPrecisionBase", "ex
 #: * ``framework_version()``: the installed framework version string.
 #: * ``device_info()``: list of dicts ``{"device", "float16", "bfloat16", "recommended"}``
 #:   for ``unimp info``: which half dtypes each device runs and the recommended recipe name.
-#: * ``tensor_stats(x, scale)``: ``(counts, magnitudes)``, int32 ``(len(COUNT_FIELDS),)`` and
-#:   float32 ``(2,)`` device arrays: :mod:`unimp.stats`'s statistics of ``x`` (no host sync).
+#: * ``tensor_stats(x, scale, formats=())``: ``(counts, magnitudes)``, int32
+#:   ``(len(count_fields(formats)),)`` and float32 ``(len(magnitude_fields(formats)),)`` device
+#:   arrays: :mod:`unimp.stats`'s statistics of ``x``, with the block formats' errors (no host
+#:   sync).
 #: * ``layer_paths(model)``: the dotted paths a policy's ``overrides`` match in this framework.
 #: * ``apply_overrides(mp, model)``: the overrides applied to a model (torch modules, Keras
 #:   layers) or a parameter tree (JAX, returning the cast tree); ``prepare`` calls it.

@@ -18,7 +18,17 @@ import keras
 import numpy as np
 from keras import ops
 
-from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale, output_leaves
+from unimp.stats import (
+    TARGETS,
+    THRESHOLDS,
+    StepStats,
+    block_error_arrays,
+    block_layout,
+    check_formats,
+    check_scale,
+    merge_block_sums,
+    output_leaves,
+)
 
 __all__ = [
     "Collector",
@@ -38,23 +48,28 @@ def _is_floating(x: Any) -> bool:
     return (ops.is_tensor(x) or isinstance(x, keras.Variable)) and "float" in keras.backend.standardize_dtype(x.dtype)
 
 
-def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[Any, Any]:
+def tensor_stats(x: Any, scale: Any = 1.0, formats: Any = ()) -> tuple[Any, Any]:
     """The statistics of ``x`` at ``scale`` on the device (no host sync; traces under
     ``jax.jit``).
 
     Args:
         x: a floating tensor or ``keras.Variable`` of any shape and dtype.
         scale: a finite number > 0, or a float32 scalar tensor (the loss scale; not checked).
+        formats: block formats whose quantization error to take as well
+            (:func:`unimp.stats.check_formats`; none by default), on the engine's own
+            ``FP8Ops`` (:func:`unimp.keras.fp8.fp8_ops`; TensorFlow's on that engine).
 
     Returns:
-        ``(counts, magnitudes)``: ``counts`` int32 of shape ``(len(unimp.stats.COUNT_FIELDS),)``
-        in that order, ``magnitudes`` float32 of shape ``(2,)``: ``amax`` (NaN when an element
-        is NaN, 0 for an empty tensor) and ``min_nonzero`` (``inf`` when no element is
-        nonzero). Equal to :func:`unimp.stats.reference_stats`.
+        ``(counts, magnitudes)``: ``counts`` int32 of shape
+        ``(len(unimp.stats.count_fields(formats)),)`` in that order, ``magnitudes`` float32
+        of shape ``(len(unimp.stats.magnitude_fields(formats)),)``: ``amax`` (NaN when an
+        element is NaN, 0 for an empty tensor), ``min_nonzero`` (``inf`` when no element is
+        nonzero), then the block sums. Equal to :func:`unimp.stats.reference_stats`.
 
     Raises:
         TypeError: ``x`` is not floating.
-        ValueError: a host ``scale`` that is not a finite number > 0.
+        ValueError: a host ``scale`` that is not a finite number > 0, or an unknown block
+            format.
 
     Example:
         >>> from unimp.stats import COUNT_FIELDS
@@ -67,6 +82,7 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[Any, Any]:
         raise TypeError(f"tensor_stats needs a floating tensor, got {keras.backend.standardize_dtype(x.dtype)}.")
     if not ops.is_tensor(scale):
         scale = check_scale(scale)
+    formats = check_formats(formats)
     a = ops.cast(ops.reshape(ops.abs(ops.stop_gradient(x)), (-1,)), "float32")
     v = ops.multiply(a, ops.cast(scale, "float32")) if ops.is_tensor(scale) or scale != 1.0 else a
 
@@ -82,28 +98,49 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[Any, Any]:
         raw.append(count(ops.greater_equal(v, overflow_at)))
         raw.append(count(ops.logical_and(ops.greater(v, flush_at), ops.less(v, subnormal_below))))
         raw.append(count(ops.logical_and(positive, ops.less_equal(v, flush_at))))
-    counts = ops.stack(raw)
     # NaN wins, written out (XLA's CPU reduce-max on TensorFlow drops it); the maximum with 0
     # makes an empty tensor's 0
     nan = ops.any(ops.isnan(a))
     top = ops.max(ops.concatenate([a, ops.zeros((1,), "float32")]))
     amax = ops.where(nan, float("nan"), top)
     min_nonzero = ops.min(ops.concatenate([ops.where(positive, a, math.inf), ops.full((1,), math.inf, "float32")]))
-    return counts, ops.stack([amax, min_nonzero])
+    mags = [amax, min_nonzero]
+    if formats:
+        rows, cols, padded = block_layout(x.shape)
+        blocks = ops.pad(ops.reshape(a, (rows, cols)), [[0, 0], [0, padded - cols]])
+        block_counts, block_sums = block_error_arrays(blocks, formats, _block_ops(blocks))
+        raw += [ops.cast(c, "int32") for c in block_counts]
+        mags += block_sums
+    return ops.stack(raw), ops.stack(mags)
 
 
-def _entry(x: Any, scale: Any = 1.0) -> Entry:
-    counts, mags = tensor_stats(x, scale)
+def _block_ops(like: Any) -> Any:
+    """The engine's array namespace for the block formats: :func:`unimp.keras.fp8.fp8_ops`
+    (JAX's and torch's ``FP8Ops``), TensorFlow's on the TensorFlow engine."""
+    if keras.backend.backend() == "tensorflow":
+        from unimp.backends.tensorflow.fp8 import FP8Ops
+
+        return FP8Ops
+    from unimp.keras.fp8 import fp8_ops
+
+    return fp8_ops(like)
+
+
+def _entry(x: Any, scale: Any = 1.0, formats: tuple[str, ...] = ()) -> Entry:
+    counts, mags = tensor_stats(x, scale, formats)
     return counts, mags, ops.cast(ops.size(x), "int32")
 
 
 def _merge(a: Entry, b: Entry) -> Entry:
     """The statistics of two tensors taken together (one layer called twice, or on every
     micro-batch): sizes and counts add, the larger ``amax`` (NaN wins), the smaller
-    ``min_nonzero``."""
+    ``min_nonzero``, the block sums in the larger unit (:func:`unimp.stats.merge_block_sums`)."""
     (ca, ma, na), (cb, mb, nb) = a, b
     amax = ops.where(ops.logical_or(ops.isnan(ma[0]), ops.isnan(mb[0])), float("nan"), ops.maximum(ma[0], mb[0]))
-    return ops.add(ca, cb), ops.stack([amax, ops.minimum(ma[1], mb[1])]), ops.add(na, nb)
+    mags = [ops.reshape(amax, (1,)), ops.reshape(ops.minimum(ma[1], mb[1]), (1,))]
+    if ops.shape(ma)[0] > 2:
+        mags += merge_block_sums(ma[2:3], ma[3:], mb[2:3], mb[3:], ops.where)
+    return ops.add(ca, cb), ops.concatenate(mags), ops.add(na, nb)
 
 
 def relative_path(model: Any, path: str) -> str:
@@ -162,10 +199,11 @@ class Collector:
     while a step traces).
 
     Args:
-        entry: ``entry(x, scale) -> (counts, magnitudes, size)``, the backend's statistics of
-            one tensor (default: this module's, on ``keras.ops``).
+        entry: ``entry(x, scale, formats) -> (counts, magnitudes, size)``, the backend's
+            statistics of one tensor (default: this module's, on ``keras.ops``).
         merge: two entries taken together (default: this module's).
         is_floating: the backend's test for a floating output tensor.
+        formats: the block formats measured on every tensor (the step's ``stats_formats``).
     """
 
     def __init__(
@@ -173,20 +211,22 @@ class Collector:
         entry: Callable[..., Entry] = _entry,
         merge: Callable[[Entry, Entry], Entry] = _merge,
         is_floating: Callable[[Any], bool] = _is_floating,
+        formats: tuple[str, ...] = (),
     ) -> None:
         self.activations: dict[str, Entry] = {}
         self.gradients: dict[str, Entry] = {}
         self._entry, self._merge, self._is_floating = entry, merge, is_floating
+        self.formats = check_formats(formats)
 
     def add_activation(self, name: str, out: Any) -> None:
         for key, t in output_leaves(out, name, self._is_floating):
-            entry = self._entry(t)
+            entry = self._entry(t, 1.0, self.formats)
             old = self.activations.get(key)
             self.activations[key] = entry if old is None else self._merge(old, entry)
 
     def add_gradients(self, named: list[tuple[str, Any]], scale: Any) -> None:
         for name, g in named:
-            self.gradients[unique_name(name, self.gradients)] = self._entry(g, scale)
+            self.gradients[unique_name(name, self.gradients)] = self._entry(g, scale, self.formats)
 
     @contextlib.contextmanager
     def recording(self, model: Any) -> Iterator[None]:
@@ -237,7 +277,7 @@ def grad_flags(named: list[tuple[str, Any]]) -> tuple[list[str], Any]:
 
 def pending(
     step: int, scale: Any, arrays: dict[str, dict[str, Entry]], order: Any,
-    to_numpy: Callable[[Any], Any] = ops.convert_to_numpy,
+    to_numpy: Callable[[Any], Any] = ops.convert_to_numpy, formats: tuple[str, ...] = (),
 ) -> Callable[[], StepStats]:  # fmt: skip
     """A function building the :class:`unimp.stats.StepStats` from the step's output tensors
     when called (the read back to the host happens then).
@@ -248,6 +288,7 @@ def pending(
         arrays: what :meth:`Collector.outputs` returned (after the step ran).
         order: :meth:`Collector.order`.
         to_numpy: the backend's device-to-host read.
+        formats: the block formats the arrays hold (:attr:`Collector.formats`).
     """
 
     def build() -> StepStats:
@@ -260,7 +301,7 @@ def pending(
             }
 
         return StepStats.from_arrays(
-            step, host(arrays["gradients"], s), host(arrays["activations"], 1.0), order=order
+            step, host(arrays["gradients"], s), host(arrays["activations"], 1.0), order=order, formats=formats
         )
 
     return build

@@ -297,14 +297,15 @@ class MixedPrecision(MixedPrecisionBase):
         log: Any = None,
         log_every: int = 100,
         rounding_seed: int = 0,
+        stats_formats: Any = (),
         schedule_counts: str = "applied",
     ) -> TrainStep:
         """A jitted training step holding params, optimizer state and loss-scale state.
 
         See :class:`TrainStep` (``axis_name`` / ``mesh``: data parallelism under ``shard_map``)
         and, for the options every backend takes (``grad_accum_steps``, ``max_grad_norm``,
-        ``stats_every``, ``schedule_counts``, ``log``, ``log_every``, ``rounding_seed``),
-        :class:`unimp.trainstep.StepOptions`. ``loss_fn(params, batch)`` returns a scalar
+        ``stats_every``, ``schedule_counts``, ``log``, ``log_every``, ``rounding_seed``,
+        ``stats_formats``), :class:`unimp.trainstep.StepOptions`. ``loss_fn(params, batch)`` returns a scalar
         loss; make it run in the compute dtype with :meth:`apply` or flax modules built with
         :meth:`module_kwargs`. ``stats_every=k`` adds tensor statistics (:mod:`unimp.stats`)
         of the gradients and observed activations (:func:`observe`, flax linen module outputs)
@@ -317,7 +318,8 @@ class MixedPrecision(MixedPrecisionBase):
         carry the statistics, and a non-finite step's first non-finite layer.
         """
         options = StepOptions(
-            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed,
+            stats_formats=stats_formats,
         )
         step = TrainStep(
             self, loss_fn, optimizer, params, options=options, axis_name=axis_name, mesh=mesh,

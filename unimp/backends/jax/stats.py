@@ -3,8 +3,9 @@ an activation for a statistics step, and what that step records while it traces 
 values and flax linen module outputs).
 
 The definitions are :mod:`unimp.stats`'s: ``v = |x|`` as float32 times the scale as float32,
-compared with the float32 constants of :data:`unimp.stats.THRESHOLDS`. XLA on the CPU reads
-float32 subnormals as zero (see :mod:`unimp.stats`).
+compared with the float32 constants of :data:`unimp.stats.THRESHOLDS`; the block formats'
+errors are :func:`unimp.stats.block_error_arrays` on :class:`FP8Ops` arrays. XLA on the CPU
+reads float32 subnormals as zero (see :mod:`unimp.stats`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from unimp.backends.jax.fp8 import _max_keeping_nan
-from unimp.stats import TARGETS, THRESHOLDS, StepStats, check_scale
+from unimp.backends.jax.fp8 import FP8Ops, _max_keeping_nan
+from unimp.stats import (
+    TARGETS,
+    THRESHOLDS,
+    StepStats,
+    block_error_arrays,
+    block_layout,
+    check_formats,
+    check_scale,
+    merge_block_sums,
+)
 
 #: One tensor's statistics: ``(counts, magnitudes, size)``, size an int32 scalar array.
 Entry = tuple[jax.Array, jax.Array, jax.Array]
 
 
-def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
+def tensor_stats(x: Any, scale: Any = 1.0, formats: Any = ()) -> tuple[jax.Array, jax.Array]:
     """The statistics of ``x`` at ``scale``, as arrays (traceable under ``jit``, ``grad``,
     ``vmap``; no host sync).
 
@@ -35,16 +45,20 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
         x: a floating array of any shape and dtype (float16, bfloat16, float32, float64).
         scale: a finite number > 0, or a float32 scalar array (the loss scale; not checked, so
             nothing is read from the device).
+        formats: block formats whose quantization error to take as well
+            (:func:`unimp.stats.check_formats`; none by default).
 
     Returns:
-        ``(counts, magnitudes)``: ``counts`` int32 of shape ``(len(unimp.stats.COUNT_FIELDS),)``
-        in that order, ``magnitudes`` float32 of shape ``(2,)``: ``amax`` (NaN when an element
-        is NaN, 0 for an empty array) and ``min_nonzero`` (``inf`` when no element is
-        nonzero). Equal to :func:`unimp.stats.reference_stats`.
+        ``(counts, magnitudes)``: ``counts`` int32 of shape
+        ``(len(unimp.stats.count_fields(formats)),)`` in that order, ``magnitudes`` float32
+        of shape ``(len(unimp.stats.magnitude_fields(formats)),)``: ``amax`` (NaN when an
+        element is NaN, 0 for an empty array), ``min_nonzero`` (``inf`` when no element is
+        nonzero), then the block sums. Equal to :func:`unimp.stats.reference_stats`.
 
     Raises:
         TypeError: ``x`` is not floating.
-        ValueError: a host ``scale`` that is not a finite number > 0.
+        ValueError: a host ``scale`` that is not a finite number > 0, or an unknown block
+            format.
 
     Example:
         >>> import jax.numpy as jnp
@@ -58,6 +72,7 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
         raise TypeError(f"tensor_stats needs a floating array, got {x.dtype}.")
     if not isinstance(scale, jax.Array):  # a host number (tracers are jax.Array too)
         scale = check_scale(scale)
+    formats = check_formats(formats)
     a = jnp.abs(jax.lax.stop_gradient(x)).reshape(-1).astype(jnp.float32)
     if isinstance(scale, jax.Array):
         v = a * scale.astype(jnp.float32)
@@ -74,30 +89,42 @@ def tensor_stats(x: Any, scale: Any = 1.0) -> tuple[jax.Array, jax.Array]:
         raw.append(count(v >= overflow_at))
         raw.append(count((v > flush_at) & (v < subnormal_below)))
         raw.append(count(positive & (v <= flush_at)))
-    counts = jnp.stack(raw).astype(jnp.int32)
     # NaN wins (XLA's CPU reduce-max drops it: the FP8 amax's helper); 0 for an empty array
     amax = jnp.reshape(_max_keeping_nan(a, None), ()) if a.size else jnp.float32(0.0)
-    min_nonzero = jnp.min(jnp.where(positive, a, jnp.float32(math.inf)), initial=math.inf)
-    return counts, jnp.stack([amax, min_nonzero]).astype(jnp.float32)
+    mags = [amax, jnp.min(jnp.where(positive, a, jnp.float32(math.inf)), initial=math.inf)]
+    if formats:
+        rows, cols, padded = block_layout(x.shape)
+        blocks = jnp.pad(a.reshape(rows, cols), ((0, 0), (0, padded - cols)))
+        block_counts, block_sums = block_error_arrays(blocks, formats, FP8Ops)
+        raw += block_counts
+        mags += block_sums
+    return jnp.stack(raw).astype(jnp.int32), jnp.stack(mags).astype(jnp.float32)
 
 
-def _entry(x: Any, scale: Any = 1.0) -> Entry:
-    counts, mags = tensor_stats(x, scale)
+def _entry(x: Any, scale: Any = 1.0, formats: tuple[str, ...] = ()) -> Entry:
+    counts, mags = tensor_stats(x, scale, formats)
     return counts, mags, jnp.int32(np.size(x))
 
 
 def _merge(a: Entry, b: Entry) -> Entry:
     """The statistics of two tensors taken together (one name observed twice): sizes and
-    counts add, the larger ``amax`` (NaN wins), the smaller ``min_nonzero``."""
+    counts add, the larger ``amax`` (NaN wins), the smaller ``min_nonzero``, the block sums in
+    the larger unit (:func:`unimp.stats.merge_block_sums`)."""
     (ca, ma, na), (cb, mb, nb) = a, b
-    mags = jnp.stack([jnp.maximum(ma[0], mb[0]), jnp.minimum(ma[1], mb[1])])
-    return ca + cb, mags, na + nb
+    mags = [jnp.maximum(ma[0], mb[0])[None], jnp.minimum(ma[1], mb[1])[None]]
+    if ma.shape[0] > 2:
+        mags += merge_block_sums(ma[2:3], ma[3:], mb[2:3], mb[3:], jnp.where)
+    return ca + cb, jnp.concatenate(mags), na + nb
 
 
 def _merge_stacked(entry: Entry) -> Entry:
-    """:func:`_merge` over a leading axis (one entry per micro-batch, from ``lax.scan``)."""
+    """:func:`_merge` over a leading axis (one entry per micro-batch, from ``lax.scan``), in
+    micro-batch order."""
     counts, mags, size = entry
-    return counts.sum(0), jnp.stack([mags[:, 0].max(), mags[:, 1].min()]), size.sum(0)
+    out = (counts[0], mags[0], size[0])
+    for i in range(1, counts.shape[0]):
+        out = _merge(out, (counts[i], mags[i], size[i]))
+    return out
 
 
 def _key_name(key: Any) -> str:
@@ -113,12 +140,13 @@ def path_name(path: tuple[Any, ...]) -> str:
     return "/".join(_key_name(k) for k in path)
 
 
-def _gradient_stats(grads: Any, scale: Any) -> dict[str, Entry]:
-    """The statistics of every floating leaf of ``grads`` at ``scale``, by path name."""
+def _gradient_stats(grads: Any, scale: Any, formats: tuple[str, ...] = ()) -> dict[str, Entry]:
+    """The statistics of every floating leaf of ``grads`` at ``scale``, with the block
+    ``formats``, by path name."""
     out: dict[str, Entry] = {}
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         if jnp.issubdtype(jnp.result_type(g), jnp.floating):
-            out[path_name(path)] = _entry(g, scale)
+            out[path_name(path)] = _entry(g, scale, formats)
     return out
 
 
@@ -150,10 +178,12 @@ def _current_trace() -> Any:
 class _Collector:
     """The activations recorded while the loss function of a statistics step traces, at the
     trace level of the loss function itself (values inside a transformation the loss function
-    applies, such as ``lax.scan`` or ``jax.checkpoint``, cannot leave it)."""
+    applies, such as ``lax.scan`` or ``jax.checkpoint``, cannot leave it), with the block
+    ``formats``."""
 
-    def __init__(self) -> None:
+    def __init__(self, formats: tuple[str, ...] = ()) -> None:
         self.entries: dict[str, Entry] = {}
+        self.formats = formats
         self._trace = _current_trace()
 
     def at_loss_level(self) -> bool:
@@ -166,16 +196,16 @@ class _Collector:
                 continue
             # the output-naming rule of every backend (unimp.stats.output_leaves): name.0, name.key
             key = ".".join([name, *(_key_name(k) for k in path)])
-            entry = _entry(leaf)
+            entry = _entry(leaf, 1.0, self.formats)
             old = self.entries.get(key)
             self.entries[key] = entry if old is None else _merge(old, entry)
 
 
 @contextlib.contextmanager
-def _collecting() -> Iterator[_Collector]:
+def _collecting(formats: tuple[str, ...] = ()) -> Iterator[_Collector]:
     """Activates a collector for :func:`observe` (and flax linen's module outputs, when flax is
     in use) while the loss function of a statistics step traces."""
-    collector = _Collector()
+    collector = _Collector(formats)
     stack = getattr(_ACTIVE, "stack", None)
     if stack is None:
         stack = _ACTIVE.stack = []
@@ -260,7 +290,7 @@ def _flax_outputs(collector: _Collector) -> Iterator[None]:
         yield
 
 
-def _pending(step: int, arrays: dict[str, dict[str, Entry]], order: Any) -> Any:
+def _pending(step: int, arrays: dict[str, dict[str, Entry]], order: Any, formats: tuple[str, ...] = ()) -> Any:
     """A function building the :class:`unimp.stats.StepStats` from the step's output arrays
     when called (one ``jax.device_get`` of them all then)."""
 
@@ -272,7 +302,7 @@ def _pending(step: int, arrays: dict[str, dict[str, Entry]], order: Any) -> Any:
             return {n: (int(z), at, c, m) for n, (c, m, z) in entries.items()}
 
         return StepStats.from_arrays(
-            step, group(host["gradients"], s), group(host["activations"], 1.0), order=order
+            step, group(host["gradients"], s), group(host["activations"], 1.0), order=order, formats=formats
         )
 
     return build

@@ -387,7 +387,7 @@ class TrainStep(LoggedStep):
         self._params, self._opt_state, self._loss_scale = params, opt_state, ls
         stats = None
         if with_stats:
-            stats = _pending(self._calls, raw.pop("stats"), self._stats_order)
+            stats = _pending(self._calls, raw.pop("stats"), self._stats_order, self._options.stats_formats)
         flags = raw.pop("grad_flags", None)
         if "floor_hits" in raw:  # the step's index, named by a floor_action message
             raw["floor_step"] = self._calls
@@ -524,7 +524,7 @@ class StepOps:
 
     def _scaled_loss(self, p: Any, mb: Any, st: Any) -> Any:
         if self.with_stats:  # the observed activations' statistics come out through the aux
-            with _collecting() as collector:
+            with _collecting(self.step._options.stats_formats) as collector:
                 scaled, (loss, st) = self._forward(p, mb, st)
             self.call_order[:] = list(collector.entries)
             return scaled, (loss, st, collector.entries)
@@ -596,7 +596,7 @@ class StepOps:
     def observe(self, grads: Any, scale: Any) -> dict[str, Any]:
         step = self.step
         if self.with_stats:  # unscaled, before clipping, at the step's scale
-            gradients = _gradient_stats(grads, scale)
+            gradients = _gradient_stats(grads, scale, step._options.stats_formats)
             step._stats_order = (list(gradients), self.call_order)
             return {"stats": {"gradients": gradients, "activations": self.activations, "scale": scale}}
         if step._recorder is not None and self.axis is None:

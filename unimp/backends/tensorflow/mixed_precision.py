@@ -125,6 +125,7 @@ class MixedPrecision(KerasMixedPrecision):
         log: Any = None,
         log_every: int = 100,
         rounding_seed: int = 0,
+        stats_formats: Any = (),
         schedule_counts: str = "applied",
     ) -> TrainStep:
         """A ``tf.function`` training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
@@ -158,9 +159,10 @@ class MixedPrecision(KerasMixedPrecision):
         replica step compiled by XLA reads the mirrored variables' copies on other devices).
 
         ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``,
-        ``log_every`` and ``rounding_seed`` are the options every backend takes, validated and
-        documented once by :class:`unimp.trainstep.StepOptions`; below, what some of them mean
-        in Keras.
+        ``log_every``, ``rounding_seed`` and ``stats_formats`` (block-scaled formats whose
+        quantization error the statistics take) are the options every backend takes,
+        validated and documented once by :class:`unimp.trainstep.StepOptions`; below, what
+        some of them mean in Keras.
 
         Args:
             model: a built Keras model (``model.trainable_variables`` non-empty); the policy's
@@ -195,7 +197,8 @@ class MixedPrecision(KerasMixedPrecision):
                 anything is built), an unbuilt model, or ``stats_every`` under a strategy.
         """
         options = StepOptions(
-            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed,
+            stats_formats=stats_formats,
         )
         lso = self._step_inputs(model, optimizer, loss_fn, options)
         step = TrainStep(

@@ -221,7 +221,9 @@ class TrainStep(LoggedStep):
         if "floor_hits" in raw:  # the step's index, named by a floor_action message
             raw["floor_step"] = self.calls
         if stats_step:
-            stats = _pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
+            stats = _pending(
+                self.calls, raw["scale"], raw.pop("stats"), self._stats_order, self.options.stats_formats
+            )
         flags = raw.pop("grad_flags", None)
         self.calls += 1
         result = StepResult(
@@ -292,7 +294,7 @@ class TrainStep(LoggedStep):
         """The step with statistics: while it traces, every leaf layer's ``call`` records its
         outputs and :meth:`_finish` the unscaled gradients; their statistics are returned
         under ``"stats"``."""
-        collector = _collector()
+        collector = _collector(self.options.stats_formats)
         self._collector = collector
         try:
             with collector.recording(self.model):

@@ -355,6 +355,7 @@ class MixedPrecision(MixedPrecisionBase):
         log: Any = None,
         log_every: int = 100,
         rounding_seed: int = 0,
+        stats_formats: Any = (),
         skip: str = "auto",
         compile: bool = False,
     ) -> TrainStep:
@@ -383,15 +384,17 @@ class MixedPrecision(MixedPrecisionBase):
         call), an older torch breaks the graph there.
 
         ``grad_accum_steps``, ``max_grad_norm``, ``stats_every``, ``schedule_counts``, ``log``,
-        ``log_every`` and ``rounding_seed`` are the options every backend takes, validated and
-        documented once by :class:`unimp.trainstep.StepOptions` (``stats_every=k``: tensor
-        statistics of the gradients and layer outputs in the results of steps 0, k, 2k, ...;
-        ``log=path``: a step log, ``docs/steplog.md``). ``schedule_counts``: what a skipped step does to
+        ``log_every``, ``rounding_seed`` and ``stats_formats`` are the options every backend
+        takes, validated and documented once by :class:`unimp.trainstep.StepOptions`
+        (``stats_every=k``: tensor statistics of the gradients and layer outputs in the results
+        of steps 0, k, 2k, ..., with ``stats_formats`` their quantization error in block-scaled
+        formats; ``log=path``: a step log, ``docs/steplog.md``). ``schedule_counts``: what a skipped step does to
         ``scheduler``. The policy's ``overrides`` are applied to a model that :meth:`prepare`
         did not see.
         """
         options = StepOptions(
-            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed
+            grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every, rounding_seed,
+            stats_formats=stats_formats,
         )
         if self.policy.overrides and self._mode != "none" and not peek(model, "overrides", False):
             apply_overrides(self, model)  # a model not prepared still runs its overrides

@@ -2,7 +2,8 @@
 forward hooks a statistics step records layer outputs with.
 
 The definitions are :mod:`unimp.stats`'s: ``v = |x|`` as float32 times the scale as float32,
-compared with the float32 constants of :data:`unimp.stats.THRESHOLDS`.
+compared with the float32 constants of :data:`unimp.stats.THRESHOLDS`; the block formats'
+errors are :func:`unimp.stats.block_error_arrays` on :class:`FP8Ops` tensors.
 """
 
 from __future__ import annotations
@@ -16,14 +17,29 @@ import torch
 
 from unimp.attached import peek
 from unimp.backends.torch.devices import _to
-from unimp.stats import COUNT_FIELDS, TARGETS, THRESHOLDS, StepStats, check_scale, output_leaves
+from unimp.backends.torch.fp8 import FP8Ops
+from unimp.stats import (
+    TARGETS,
+    THRESHOLDS,
+    StepStats,
+    block_error_arrays,
+    block_layout,
+    check_formats,
+    check_scale,
+    count_fields,
+    magnitude_fields,
+    merge_block_sums,
+    output_leaves,
+)
 
 #: One tensor's statistics on the device: ``(counts, magnitudes, size)``, ``size`` a Python int.
 Entry = tuple[torch.Tensor, torch.Tensor, int]
 
 
 @torch.no_grad()
-def tensor_stats(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def tensor_stats(
+    x: torch.Tensor, scale: float | torch.Tensor = 1.0, formats: Any = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The statistics of ``x`` at ``scale``, computed on ``x``'s device without a host sync.
 
     Args:
@@ -31,18 +47,21 @@ def tensor_stats(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> tuple[to
             sparse tensors are taken densely.
         scale: a finite number > 0, or a 0-d float32 tensor (the loss scale; not checked, so
             nothing is read from the device).
+        formats: block formats whose quantization error to take as well
+            (:func:`unimp.stats.check_formats`; none by default).
 
     Returns:
         ``(counts, magnitudes)`` on ``x``'s device: ``counts`` int32 of shape
-        ``(len(unimp.stats.COUNT_FIELDS),)`` in that order, ``magnitudes`` float32 of shape
-        ``(2,)``: ``amax`` (NaN when an element is NaN, 0 for an empty tensor) and
-        ``min_nonzero`` (``inf`` when no element is nonzero). Equal to
-        :func:`unimp.stats.reference_stats` (``TensorStats.from_arrays(x.numel(), scale,
-        counts, magnitudes)``).
+        ``(len(unimp.stats.count_fields(formats)),)`` in that order, ``magnitudes`` float32
+        of shape ``(len(unimp.stats.magnitude_fields(formats)),)``: ``amax`` (NaN when an
+        element is NaN, 0 for an empty tensor), ``min_nonzero`` (``inf`` when no element is
+        nonzero), then the block sums. Equal to :func:`unimp.stats.reference_stats`
+        (``TensorStats.from_arrays(x.numel(), scale, counts, magnitudes, formats)``).
 
     Raises:
         TypeError: ``x`` is not a floating tensor.
-        ValueError: a host ``scale`` that is not a finite number > 0.
+        ValueError: a host ``scale`` that is not a finite number > 0, or an unknown block
+            format.
 
     Example:
         >>> import torch
@@ -58,16 +77,19 @@ def tensor_stats(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> tuple[to
         )
     if not isinstance(scale, torch.Tensor):
         scale = check_scale(scale)
+    formats = check_formats(formats)
     if x.is_sparse:
         x = x.to_dense()
     a = x.detach().reshape(-1).abs()
     if a.dtype != torch.float32:
         a = a.float()
     dev = a.device
-    if a.numel() == 0:
-        counts = torch.zeros(len(COUNT_FIELDS), dtype=torch.int32, device=dev)
-        mags = torch.full((2,), math.inf, dtype=torch.float32, device=dev)
-        mags[0] = 0.0  # a fill on the device, no host copy
+    if a.numel() == 0:  # no block errors to take either: 0 counts, unit 1, 0 sums
+        counts = torch.zeros(len(count_fields(formats)), dtype=torch.int32, device=dev)
+        mags = torch.zeros(len(magnitude_fields(formats)), dtype=torch.float32, device=dev)
+        mags[1] = math.inf  # fills on the device, no host copy
+        if formats:
+            mags[2] = 1.0
         return counts, mags
     if isinstance(scale, torch.Tensor):
         v = a * _to(scale.detach().float(), dev)
@@ -84,19 +106,27 @@ def tensor_stats(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> tuple[to
         raw.append(count(v >= overflow_at))
         raw.append(count((v > flush_at) & (v < subnormal_below)))
         raw.append(count(positive & (v <= flush_at)))
-    counts = torch.stack(raw).to(torch.int32)
-    min_nonzero = torch.where(positive, a, math.inf).amin()
-    return counts, torch.stack([a.amax(), min_nonzero])
+    mags = [a.amax(), torch.where(positive, a, math.inf).amin()]
+    if formats:
+        rows, cols, padded = block_layout(x.shape)
+        blocks = torch.nn.functional.pad(a.reshape(rows, cols), (0, padded - cols))
+        block_counts, block_sums = block_error_arrays(blocks, formats, FP8Ops.on(dev))
+        raw += block_counts
+        mags += block_sums
+    return torch.stack([c.to(torch.int32) for c in raw]), torch.stack(mags)
 
 
 def _merge(a: Entry, b: Entry) -> Entry:
     """The statistics of two tensors taken together (one layer called twice, or on every
     micro-batch): sizes and counts add, the larger ``amax`` (NaN wins), the smaller
-    ``min_nonzero``."""
+    ``min_nonzero``, the block sums in the larger unit (:func:`unimp.stats.merge_block_sums`)."""
     (ca, ma, na), (cb, mb, nb) = a, b
     mb = _to(mb, ma.device)
     amax = torch.maximum(ma[0], mb[0])  # propagates NaN
-    return ca + _to(cb, ca.device), torch.stack([amax, torch.minimum(ma[1], mb[1])]), na + nb
+    mags = [amax.reshape(1), torch.minimum(ma[1], mb[1]).reshape(1)]
+    if ma.numel() > 2:
+        mags += merge_block_sums(ma[2:3], ma[3:], mb[2:3], mb[3:], torch.where)
+    return ca + _to(cb, ca.device), torch.cat(mags), na + nb
 
 
 def _floating_leaves(out: Any, name: str) -> Iterator[tuple[str, Any]]:
@@ -118,10 +148,13 @@ class _Recorder:
     statistics of all its outputs together; a forward pass run again inside the backward pass
     (``torch.utils.checkpoint``) is not counted twice. Names are ``model.named_modules()``'s
     (``""`` for a model that is itself a leaf). The hooks are removed by :meth:`close`.
+    ``formats``: the block formats measured on every recorded tensor (the step's
+    ``stats_formats``).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, formats: tuple[str, ...] = ()) -> None:
         self.entries: dict[str, Entry] = {}
+        self.formats = formats
         self._handles = []
         seen: set[int] = set()
         for name, module in model.named_modules():
@@ -135,7 +168,7 @@ class _Recorder:
             if _in_backward():  # activation checkpointing recomputing the forward pass
                 return
             for key, t in _floating_leaves(out, name):
-                entry = (*tensor_stats(t), t.numel())
+                entry = (*tensor_stats(t, 1.0, self.formats), t.numel())
                 self.entries[key] = _merge(self.entries[key], entry) if key in self.entries else entry
 
         return record
@@ -158,9 +191,11 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 
 def _gradient_stats(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], scale: torch.Tensor
-) -> dict[str, Entry]:
-    """The statistics of every gradient the optimizer holds (dense), at ``scale``."""
+    optimizer: torch.optim.Optimizer, names: dict[int, str], scale: torch.Tensor,
+    formats: tuple[str, ...] = (),
+) -> dict[str, Entry]:  # fmt: skip
+    """The statistics of every gradient the optimizer holds (dense), at ``scale``, with the
+    block ``formats``."""
     out: dict[str, Entry] = {}
     i = 0
     for group in optimizer.param_groups:
@@ -169,7 +204,7 @@ def _gradient_stats(
                 continue
             name = names.get(id(p), f"param{i}")
             i += 1
-            out[name] = (*tensor_stats(p.grad, scale), p.numel())
+            out[name] = (*tensor_stats(p.grad, scale, formats), p.numel())
     return out
 
 
@@ -193,8 +228,9 @@ def _grad_flags(
 
 
 def _pending(
-    step: int, scale: torch.Tensor, gradients: dict[str, Entry], activations: dict[str, Entry]
-) -> Any:
+    step: int, scale: torch.Tensor, gradients: dict[str, Entry], activations: dict[str, Entry],
+    formats: tuple[str, ...] = (),
+) -> Any:  # fmt: skip
     """A function building the :class:`unimp.stats.StepStats` when called: the counts and
     magnitudes are stacked on the device now and read back to the host then, in four copies."""
     device = scale.device
@@ -220,7 +256,7 @@ def _pending(
             return {n: (sizes[i], at, c[i], m[i]) for i, n in enumerate(names)}
 
         return StepStats.from_arrays(
-            step, host(grads, s), host(acts, 1.0), order=(grads[0], acts[0])
+            step, host(grads, s), host(acts, 1.0), order=(grads[0], acts[0]), formats=formats
         )
 
     return build

@@ -191,7 +191,7 @@ class TrainStep(LoggedStep):
             if not self.options.stats_step(self.calls):
                 result, grad_flags = self._run(batch, None)
             else:
-                recorder = _Recorder(self.model)
+                recorder = _Recorder(self.model, self.options.stats_formats)
                 try:
                     result, grad_flags = self._run(batch, recorder)
                 finally:
@@ -361,8 +361,9 @@ class StepOps:
         step = self.step
         if self.recorder is not None:  # unscaled, before clipping, at the step's scale
             scale32 = scale.clone()  # a fused step's scale is the state, which the update changes
-            grad_stats = _gradient_stats(grads, _param_names(step.model, grads), scale32)
-            return {"stats": _pending(step.calls, scale32, grad_stats, self.recorder.entries)}
+            formats = self.recorder.formats
+            grad_stats = _gradient_stats(grads, _param_names(step.model, grads), scale32, formats)
+            return {"stats": _pending(step.calls, scale32, grad_stats, self.recorder.entries, formats)}
         if step._recorder is not None:  # logged: which gradient went non-finite first
             return {"grad_flags": _grad_flags(grads, _param_names(step.model, grads), self.sc.device)}
         return {}
