@@ -36,12 +36,12 @@ applies a 16-point random Hadamard transform (:func:`random_hadamard_transform`)
 The namespace is :class:`unimp.fp8.rule.NumpyOps`'s (``bits``, ``from_bits``, ``where``,
 ``isnan``, ``isinf``, ``f32``, ``to_i32``, and ``reshape``, ``amax``, ``amax_axes``,
 ``clip``, ``round``, ``round_fp8``, ``pow2_floor``, ``reciprocal``, ``floor`` for the
-quantizers); every backend's ``FP8Ops`` (``unimp/backends/*/fp8.py``) has the same names and
-gives the same bits on its own tensors, eagerly and compiled by XLA
-(``tests/conformance/test_blockscale_conformance.py``). Integer fields are taken with ``//``
-and ``%`` (TensorFlow's tensors have no shift operators), and no step multiplies or divides by
-a float32 subnormal, which XLA and TensorFlow flush to 0; results that are themselves
-subnormal (below 2**-126) are flushed there and are not promised alike.
+quantizers, ``concat`` for the Hadamard transform); every backend's ``FP8Ops``
+(``unimp/backends/*/fp8.py``) has the same names and gives the same bits on its own tensors,
+eagerly and compiled by XLA (``tests/conformance/test_blockscale_conformance.py``). Integer
+fields are taken with ``//`` and ``%`` (TensorFlow's tensors have no shift operators), and no
+step multiplies or divides by a float32 subnormal, which XLA and TensorFlow flush to 0; results
+that are themselves subnormal (below 2**-126) are flushed there and are not promised alike.
 """
 
 from __future__ import annotations
@@ -958,8 +958,9 @@ def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, axis: int = -1, op
             transposed tensor; ``axis=0`` of the tensor itself gives the same values, with
             the sums' operands contiguous, which eager frameworks add faster).
         ops: the array namespace (default NumPy, the reference); besides ``reshape``,
-            ``bits``, ``from_bits``, ``where``, ``abs`` and ``isnan`` it needs ``f32`` to take
-            a NumPy array (the signs) and the arrays to take ``a[:, :, 0:1, :]`` slices.
+            ``concat``, ``bits``, ``from_bits``, ``where``, ``abs`` and ``isnan`` it needs
+            ``f32`` to take a NumPy array (the signs) and the arrays to take
+            ``a[:, :, 0:1, :]`` slices.
 
     Returns:
         float32 array of bfloat16 values, ``x``'s shape.
@@ -991,11 +992,11 @@ def random_hadamard_transform(x: Any, signs: Any = RHT_SIGNS, axis: int = -1, op
         )
     inner = math.prod(shape[axis + 1:])  # (chunks, 16, inner): the 16 along the middle axis
     y = ops.reshape(ops.f32(x), (-1, RHT_SIZE, inner)) * ops.f32((s * 0.25).astype(np.float32)[:, None])
-    pm = ops.f32(np.array([[1.0], [-1.0]], np.float32))  # (a + b, a - b) = a + b * (+1, -1): exact
     with np.errstate(invalid="ignore", over="ignore"):
         h = 1
         while h < RHT_SIZE:  # the butterflies over index bit log2(h): (chunk, pairs, bit, below it)
             y = ops.reshape(y, (-1, RHT_SIZE // (2 * h), 2, h * inner))
-            y = y[:, :, 0:1, :] + y[:, :, 1:2, :] * pm
+            a, b = y[:, :, 0:1, :], y[:, :, 1:2, :]
+            y = ops.concat([a + b, a - b], 2)
             h *= 2
     return ops.reshape(round_bf16(y, ops), shape)

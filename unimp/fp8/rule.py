@@ -118,6 +118,12 @@ class NumpyOps:
         return np.sum(x)
 
     @staticmethod
+    def concat(xs: Any, axis: int) -> Any:
+        """The arrays ``xs`` joined along their existing ``axis`` (the Hadamard transform's
+        butterflies)."""
+        return np.concatenate(xs, axis=axis)
+
+    @staticmethod
     def from_bits(b: Any) -> Any:
         return np.asarray(b, np.int32).view(np.float32)
 

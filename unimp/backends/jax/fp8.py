@@ -129,6 +129,10 @@ class FP8Ops:
     def sum(x: jax.Array) -> jax.Array:
         return jnp.sum(x)
 
+    @staticmethod
+    def concat(xs: Any, axis: int) -> jax.Array:
+        return jnp.concatenate(xs, axis=axis)
+
 
 def _max_keeping_nan(x: jax.Array, axes: tuple[int, ...] | None) -> jax.Array:
     """The max over ``axes`` (``None``: all), kept, NaN wherever a NaN was reduced: XLA's CPU

@@ -132,6 +132,10 @@ class FP8Ops:
     def sum(x: tf.Tensor) -> tf.Tensor:
         return tf.reduce_sum(x)
 
+    @staticmethod
+    def concat(xs: Any, axis: int) -> tf.Tensor:
+        return tf.concat(xs, axis)
+
 
 def _max_keeping_nan(x: tf.Tensor, axes: list[int] | None) -> tf.Tensor:
     """The max over ``axes`` (``None``: all), kept, NaN wherever a NaN was reduced: under

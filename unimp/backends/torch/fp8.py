@@ -145,6 +145,10 @@ class FP8Ops:
     def sum(x: torch.Tensor) -> torch.Tensor:
         return torch.sum(x)
 
+    @staticmethod
+    def concat(xs: Any, axis: int) -> torch.Tensor:
+        return torch.cat(xs, dim=axis)
+
 
 _OPS: dict[torch.device, FP8Ops] = {}
 
