@@ -11,6 +11,7 @@ import pytest
 from conftest import require_backend
 
 from unimp.cli import main
+from unimp.compare.run import device_for
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "compare", "keras_model.py")
 ENGINES = ("keras-tensorflow", "keras-jax", "keras-torch")
@@ -45,10 +46,17 @@ def test_a_users_keras_model_runs_on_three_engines_from_the_same_weights(tmp_pat
         "keras-torch": "1",
     }  # fmt: skip
     assert runs["keras-torch"]["threads_set"] == {"torch": "1"}
-    # no dtype trace on Keras's trainer: the report says so, not "the same dtypes everywhere"
-    md = (out / "report.md").read_text()
-    assert "Not compared: fewer than two runs were traced." in md
-    assert "Not traced: keras-tensorflow, keras-jax, keras-torch" in md and "Nowhere" not in md
+    # each engine's first step is traced (unimp's step on the same model, in the worker): the
+    # report's diff names the op whose dtype differs, and no op that runs alike everywhere
+    assert [r["trace"]["framework"] for r in runs.values()] == list(ENGINES)
+    diff = {row["key"]: row for row in rep["trace_diff"]}
+    assert "relu" not in diff and "norm" not in diff  # float16 / float32 on every engine
+    if runs["keras-torch"]["device"] == "cpu":  # Keras-torch: float16 matmuls in float32 there
+        assert diff["matmul"]["dtypes"] == {
+            "keras-tensorflow": ["float16"], "keras-jax": ["float16"], "keras-torch": ["float32"]
+        }  # fmt: skip
+        md = (out / "report.md").read_text()
+        assert "* matmul: keras-tensorflow float16, keras-jax float16, keras-torch float32 (Keras's torch" in md
     assert runs["keras-tensorflow"]["threads_set"] == {"tensorflow": "1"}
 
 
@@ -84,14 +92,72 @@ def test_what_keras_engines_cannot_run_fails_before_training(tmp_path, capsys, e
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [["trace", "mixed_float16", "--backends", "keras-jax"], ["audit", "--to", "float16", "--backends", "torch,keras-torch"]],
-)
-def test_trace_and_audit_name_the_engine_they_cannot_record(capsys, argv):
-    assert main(argv) == 2
+@pytest.mark.slow
+def test_trace_records_every_keras_engine_beside_torch_and_the_diff_names_the_op_that_differs(capsys):
+    for b in ("tensorflow", "jax", "torch"):
+        require_backend(b)
+    backends = ["torch", *ENGINES]  # in process, and a worker per Keras engine
+    argv = ["trace", "mixed_float16", "--backends", ",".join(backends), "--batch-size", "8"]
+    assert main([*argv, "--diff", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert list(data["traces"]) == backends and list(data["reference"]) == ["float32 (torch)"]
+    for name, t in data["traces"].items():  # the whole step, forward to update, of the same model
+        assert t["framework"] == name and t["ops"] == len(t["records"])
+        assert set(t["by_phase"]) == {"forward", "backward", "update"}
+        fwd = {r["layer"] for r in t["records"] if r["phase"] == "forward" and r["op"] == "matmul"}
+        assert fwd == {"l1", "l2"}, (name, fwd)
+    rows = {(r["kind"], r["key"]): r for r in data["diff"]}
+    assert ("op", "relu") not in rows  # float16 in every framework: not a difference
+    # Keras's torch backend runs float16 matmuls in float32 on the CPU (torch's own autocast
+    # and the other engines run them in float16): the one op that differs, with the reason
+    if device_for("keras-torch", "auto") == "cpu":
+        matmul = rows[("op", "matmul")]
+        assert matmul["dtypes"] == {
+            "torch": ["float16"], "keras-tensorflow": ["float16"], "keras-jax": ["float16"],
+            "keras-torch": ["float32"], "float32 (torch)": ["float32"],
+        }  # fmt: skip
+        assert matmul["notes"] == {"keras-torch": "Keras's torch backend computes float16 matmuls in float32 on the CPU"}
+        assert [key for kind, key in rows if kind == "op"] == ["matmul"]
+
+
+@pytest.mark.slow
+def test_audit_finds_a_planted_layer_alike_on_every_keras_engine(capsys, tmp_path):
+    from unimp.steplog import read_steplog
+
+    for b in ("tensorflow", "jax", "torch"):
+        require_backend(b)
+    argv = ["audit", "--to", "float16", "--backends", ",".join(ENGINES), "--steps", "2", "--plant", "l1=1e5"]
+    assert main([*argv, "--json", "--log-dir", str(tmp_path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["clean"] == dict.fromkeys(ENGINES, False)
+    fractions = set()
+    for engine, found in data["findings"].items():
+        first = found[0]  # l1's outputs pass float16's 65504; what carries them on is not flagged
+        assert (first["layer"], first["kind"]) == ("l1", "activation overflow"), found
+        assert first["downstream"][-1] == "l2"
+        fractions.add(first["fraction"])
+        log = read_steplog(tmp_path / f"{engine}.jsonl")  # the worker's step log, statistics on
+        assert log.ended and log.steps[0]["stats"]["activations"]["l1"]["counts"]["float16_overflow"] > 0
+    # the same model, weights and batch: every engine counts the same overflowing elements
+    assert len(fractions) == 1 and 0 < fractions.pop() < 0.01
+
+
+def test_a_keras_trace_worker_that_raises_prints_its_traceback_then_one_line(monkeypatch, capsys):
+    import unimp.compare.trace as trace_module
+
+    require_backend("jax")
+    real = trace_module._spec
+
+    def without_weights(cfg, recipe, backend):  # the worker's model then finds no weights
+        spec, batch = real(cfg, recipe, backend)
+        spec.weights = {}
+        return spec, batch
+
+    monkeypatch.setattr(trace_module, "_spec", without_weights)
+    assert main(["trace", "mixed_float16", "--backends", "keras-jax", "--batch-size", "8"]) == 2
     err = capsys.readouterr().err
-    assert "keras-" in err and "--backends tensorflow" in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" in err and "keras_models.py" in err  # the worker's own
+    assert err.strip().splitlines()[-1] == "unimp trace: error: keras-jax: KeyError: 'w1'"
 
 
 CHATTY_BUT_FAILING_ON_JAX = '''

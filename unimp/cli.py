@@ -558,7 +558,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("recipe", help="any recipe name or a .toml/.json recipe file")
     tr.add_argument("--model", default="mlp", help="mlp (the seeds' model), cnn or vit")
     tr.add_argument(
-        "--backends", default=None, help="comma-separated (default: every installed framework)"
+        "--backends",
+        default=None,
+        help="comma-separated (default: every installed framework); also keras-tensorflow, "
+        "keras-jax, keras-torch: unimp's Keras step on that Keras backend, in a worker process",
     )
     tr.add_argument("--data", default="digits", help="'digits' or an .npz with x and y")
     tr.add_argument("--batch-size", type=int, default=32)
@@ -602,7 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--data", default="digits", help="'digits' or an .npz with x and y")
     aud.add_argument("--steps", type=int, default=5, help="float32 steps audited")
     aud.add_argument(
-        "--backends", default=None, help="comma-separated (default: every installed framework)"
+        "--backends",
+        default=None,
+        help="comma-separated (default: every installed framework); also keras-tensorflow, "
+        "keras-jax, keras-torch: unimp's Keras step on that Keras backend, in a worker process",
     )
     aud.add_argument("--batch-size", type=int, default=32)
     aud.add_argument("--lr", type=float, default=1e-3)

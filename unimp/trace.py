@@ -172,7 +172,8 @@ class OpRecord:
     """One op of a traced step.
 
     Attributes:
-        framework: ``torch``, ``tensorflow`` or ``jax``.
+        framework: ``torch``, ``tensorflow`` or ``jax``; ``keras-jax``, ``keras-torch`` or
+            ``keras-tensorflow``: Keras on that engine (:mod:`unimp.keras`).
         op: the shared name (:data:`OPS`), or the native name where there is none.
         native: the framework's name (``aten.addmm``, ``MatMul``, ``dot_general``).
         layer: the module / layer path the op ran in (``l1``, ``encoder/attn``), ``""``

@@ -259,22 +259,6 @@ def keras_refusal(recipe: Recipe) -> str | None:
     return None
 
 
-def refuse_keras_engines(backends: list[str] | tuple[str, ...] | None, command: str) -> None:
-    """``unimp trace`` and ``unimp audit`` record unimp's own step (its dtype trace, its tensor
-    statistics), which Keras's trainer does not run.
-
-    Raises:
-        ValueError: a ``keras-*`` engine among ``backends``, naming the fix.
-    """
-    named = [b for b in backends or () if b in KERAS_ENGINES]
-    if named:
-        raise ValueError(
-            f"--backends {','.join(named)}: {command} records unimp's own train step, and the "
-            "keras-* engines run Keras's trainer (unimp compare only); use --backends tensorflow "
-            "(Keras on TensorFlow through unimp's step)."
-        )
-
-
 def _runner(backend: str) -> Callable[[RunSpec], dict[str, Any]]:
     """The function that runs a spec on ``backend`` (a Keras engine runs in a worker)."""
     # runners are found by name (each imports this module): runner_<backend>, and runner_keras
@@ -685,7 +669,6 @@ def run_audit(
         raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
     if plant is not None:  # its form first: refused at once, before the data and frameworks
         plant_form(plant)
-    refuse_keras_engines(cfg.backends, "unimp audit")
     scale = initial_scale(to)
     loss_scale = "none" if scale == 1.0 else StaticLossScale(scale)
     _, backends, ds = validate(dataclasses.replace(cfg, recipe="float32", loss_scale=None))
@@ -709,18 +692,20 @@ def run_audit(
     )[:steps]  # fmt: skip
     findings: dict[str, list[dict[str, Any]]] = {}
     for b in backends:
-        runner = importlib.import_module(f"unimp.compare.runner_{b}")
+        runner = _runner(b)
+        if b in KERAS_ENGINES:  # its worker runs unimp's step with statistics (Keras's trainer takes none)
+            runner = functools.partial(runner, task="unimp.compare.keras_step:stats_task")
         spec = RunSpec(
             recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
             cfg.optimizer, cfg.lr, device_for(b, cfg.device), stats_every=1,
             log=None if log_dir is None else os.path.join(log_dir, f"{b}.jsonl"),
         )  # fmt: skip
         if progress_factory is None:
-            run = runner.run(spec)
+            run = runner(spec)
         else:
             with progress_factory(f"{b} (float32, stats)", len(data)) as bar:
                 spec.progress = lambda i: bar.advance()
-                run = runner.run(spec)
+                run = runner(spec)
         stats = [StepStats.from_dict(run["stats"][k]) for k in sorted(run["stats"], key=int)]
         findings[b] = [
             f.to_dict() for f in audit_stats(stats, to, underflow_tolerance=underflow_tolerance)
@@ -773,11 +758,15 @@ def layer_stats(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
 def trace_diff(traces: dict[str, Any], reference: dict[str, Any] | None = None) -> list[Any]:
     """:func:`unimp.trace.diff` of the forward passes (:class:`unimp.trace.Trace` by label),
     with each backend's ``NOTES``: a list of :class:`unimp.trace.DiffRow`."""
+    from unimp.compare.keras_trace import NOTES
     from unimp.trace import diff
 
     notes = {}
     for label, t in {**traces, **(reference or {})}.items():
-        notes[label] = importlib.import_module(f"unimp.backends.{t.framework}.trace").NOTES
+        if t.framework in KERAS_ENGINES:  # Keras's reasons and its engine's
+            notes[label] = NOTES[t.framework]
+        else:
+            notes[label] = importlib.import_module(f"unimp.backends.{t.framework}.trace").NOTES
     if len(traces) == 1 and reference:  # one framework: what it runs against float32
         return diff({**traces, **reference}, notes=notes)
     return diff(traces, reference=reference, notes=notes) if len(traces) > 1 else []

@@ -39,12 +39,15 @@ __all__ = ["run"]
 _initial: dict[tuple[str, int], list[Any]] = {}
 
 
-def run(spec: RunSpec, engine: str) -> dict[str, Any]:
+def run(spec: RunSpec, engine: str, task: str | None = None) -> dict[str, Any]:
     """Runs ``spec`` on Keras's ``engine`` in a worker process.
 
     Args:
         spec: the run.
         engine: a key of :data:`unimp.compare.user.KERAS_ENGINES`.
+        task: ``"module:function"`` the worker calls with ``spec`` instead of training with
+            Keras's trainer (``unimp trace`` and ``unimp audit``: :mod:`unimp.compare.keras_step`);
+            its dict is returned.
 
     Returns:
         The run's dict, as the other runners return it.
@@ -63,8 +66,8 @@ def run(spec: RunSpec, engine: str) -> dict[str, Any]:
     if spec.user_model and key in _initial:
         spec = replace(spec, weights={str(i): w for i, w in enumerate(_initial[key])})
     payload = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "progress"}
-    # Keras's trainer has no step log, statistics step or dtype trace: the run has none
-    payload.update(log=None, stats_every=None, trace=False)
+    if task is None:  # Keras's trainer has no step log or statistics step: the run has none
+        payload.update(log=None, stats_every=None)
     with tempfile.TemporaryDirectory(prefix="unimp-keras-") as tmp:
         src, dst = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "run.pkl")
         with open(src, "wb") as f:
@@ -72,7 +75,7 @@ def run(spec: RunSpec, engine: str) -> dict[str, Any]:
         env = {**os.environ, "KERAS_BACKEND": KERAS_ENGINES[engine]}
         # stderr to a file: a pipe nobody drains fills at 64 KB and stalls the worker for good
         with open(os.path.join(tmp, "stderr.txt"), "w+") as err, subprocess.Popen(
-            [sys.executable, "-m", "unimp.compare.runner_keras", src, dst],
+            [sys.executable, "-m", "unimp.compare.runner_keras", src, dst, *([task] if task else [])],
             env=env, stdout=subprocess.PIPE, stderr=err, text=True,
         ) as proc:
             assert proc.stdout is not None
@@ -106,14 +109,16 @@ def run(spec: RunSpec, engine: str) -> dict[str, Any]:
     return out
 
 
-def _work(spec: RunSpec) -> dict[str, Any]:  # in the worker process
+def _work(spec: RunSpec, task: str | None = None) -> dict[str, Any]:  # in the worker process
     from unimp.compare.threads import threads
 
     engine = os.environ["KERAS_BACKEND"]
+    module, _, name = (task or "").partition(":")
+    work = _train if task is None else getattr(importlib.import_module(module), name)
     with (
         contextlib.nullcontext({}) if spec.threads is None else threads([engine], spec.threads)
     ) as info:  # first: TensorFlow takes its pools' sizes only before it starts
-        return {**_train(spec), "threads_set": info}  # what threads() set (torch's read back)
+        return {**work(spec), "threads_set": info}  # what threads() set (torch's read back)
 
 
 def _train(spec: RunSpec) -> dict[str, Any]:
@@ -123,6 +128,7 @@ def _train(spec: RunSpec) -> dict[str, Any]:
     import unimp
     from unimp.compare.fp8_scales import capture_first, scales_record
     from unimp.compare.keras_models import keras_model
+    from unimp.compare.keras_step import step_trace
     from unimp.compare.run import test_metrics, train_loop
     from unimp.compare.user import user_model
     from unimp.loss_scale import LossScaleState, NoLossScale
@@ -161,6 +167,9 @@ def _train(spec: RunSpec) -> dict[str, Any]:
         else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
     model.compile(optimizer=opt, loss=loss)
+    # Keras's trainer records no dtype trace: unimp's step on this model and first batch does
+    # (with an optimizer of its own; nothing here changes), its forward pass the model's
+    trace = step_trace(spec, mp, model) if spec.trace else None
 
     def inputs(b: dict[str, Any]) -> Any:
         return b["x"] if spec.user_model else [b["x"], b["mask"]]
@@ -196,7 +205,7 @@ def _train(spec: RunSpec) -> dict[str, Any]:
         **out,
         **test_metrics(predicted, spec.y_test, spec.loss),
         "peak_memory_bytes": None,
-        "trace": None,
+        "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": scales_record(first, _fp8_scales(mp, model)) if fp8_on else None,
         "initial_weights": initial,
     }
@@ -230,13 +239,13 @@ def _category(name: str) -> type[Warning]:
     return found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
 
 
-def _main(src: str, dst: str) -> None:  # the worker process
+def _main(src: str, dst: str, task: str | None = None) -> None:  # the worker process
     with open(src, "rb") as f:
         spec = RunSpec(**pickle.load(f))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
-            result = _work(spec)
+            result = _work(spec, task)
         except Exception as e:  # the parent raises it as one line, with this traceback
             result = {
                 "error": {
@@ -257,4 +266,4 @@ def _main(src: str, dst: str) -> None:  # the worker process
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    _main(*sys.argv[1:])

@@ -3,7 +3,9 @@
 The model, weights and first batch are those of ``unimp compare`` (:mod:`unimp.compare.run`);
 each framework's runner builds its train step (:func:`build`) and the backend's ``trace``
 records it (:meth:`unimp.backends._base.MixedPrecisionBase.trace`): torch runs it under a
-dispatch mode and puts the model back, TensorFlow and JAX trace it without running it.
+dispatch mode and puts the model back, TensorFlow and JAX trace it without running it. A Keras
+engine (``keras-tensorflow``, ``keras-jax``, ``keras-torch``) traces unimp's Keras step in a
+worker process of its own (:mod:`unimp.compare.keras_step`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from unimp.compare.run import (
     CompareConfig,
     RunSpec,
     device_for,
-    refuse_keras_engines,
     trace_diff,
     validate,
 )
+from unimp.compare.user import KERAS_ENGINES
 from unimp.recipe import Recipe, get_recipe
 from unimp.trace import Trace
 
@@ -53,11 +55,18 @@ def trace_compare_model(cfg: CompareConfig, backend: str, recipe: Recipe | None 
         recipe: overrides ``cfg``'s recipe (the float32 reference of :func:`trace_report`).
 
     Raises:
-        ValueError, ImportError: bad options, named as ``unimp compare`` names them.
+        ValueError, ImportError: bad options, named as ``unimp compare`` names them; on a Keras
+            engine, what its worker raised (:func:`unimp.compare.runner_keras.run`: the CLI
+            prints the worker's traceback, then one line).
+        RuntimeError: a Keras worker died before it wrote its trace.
     """
-    refuse_keras_engines((backend,), "unimp trace")
     rec, _, _ = validate(cfg)
     rec = recipe if recipe is not None else rec
+    if backend in KERAS_ENGINES:  # Keras's backend is fixed per process: a worker each
+        from unimp.compare.runner_keras import run
+
+        spec, _ = _spec(cfg, rec, backend)  # its first batch is traced
+        return Trace.from_dict(run(spec, backend, task="unimp.compare.keras_step:trace_task")["trace"])
     name = registry.backend_info(backend).name
     runner = importlib.import_module(f"unimp.compare.runner_{name}")
     spec, batch = _spec(cfg, rec, name)
@@ -75,7 +84,6 @@ def trace_report(
         "diff": [DiffRow]}``; the float32 reference (``with_float32``) is labelled
         ``float32 (<backend>)``, traced in the first backend, and shown beside the diff.
     """
-    refuse_keras_engines(cfg.backends, "unimp trace")
     recipe, backends, _ = validate(cfg)
     traces: dict[str, Trace] = {}
     for b in backends:

@@ -1,0 +1,47 @@
+"""The dtype traces of Keras's engines (``keras-tensorflow``, ``keras-jax``, ``keras-torch``) in
+``unimp trace`` and ``unimp compare``: named after the engine, and explained where Keras or
+the engine picks an op's dtype (as each backend's ``trace.NOTES``). Framework-free; the traces
+are recorded in Keras workers (:mod:`unimp.compare.keras_step`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from unimp.trace import Trace
+
+__all__ = ["NOTES", "engine_trace"]
+
+#: Keras's own dtype choices, on every engine (the TensorFlow backend's ``trace.NOTES`` say the
+#: same: that backend is Keras on TensorFlow)
+_KERAS_NOTES = {
+    "softmax": ("float32", "keras.ops.dot_product_attention (MultiHeadAttention) takes it in float32"),
+    "layer_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
+    "batch_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
+}
+#: ``{engine: {op or layer: (dtype, why)}}``: why an op runs in a dtype on each Keras engine
+#: (:func:`unimp.trace.diff` shows a note where the op ran in its dtype): Keras's choices, and
+#: the engine's own (keras/src/backend/torch/numpy.py ``matmul`` and nn.py ``log_softmax``
+#: compute float16 in float32 on the CPU; ``jnp.sum`` on JAX).
+NOTES: dict[str, dict[str, tuple[str, str]]] = {
+    "keras-tensorflow": _KERAS_NOTES,
+    "keras-jax": {
+        **_KERAS_NOTES,
+        "reduce_sum": ("float32", "jnp.sum accumulates half-precision inputs in float32"),
+    },
+    "keras-torch": {
+        **_KERAS_NOTES,
+        "matmul": ("float32", "Keras's torch backend computes float16 matmuls in float32 on the CPU"),
+        "log_softmax": ("float32", "Keras's torch backend computes float16 log_softmax in float32 on the CPU"),
+    },
+}
+
+
+def engine_trace(found: Trace, engine: str) -> Trace:
+    """``found`` (a Keras step's trace) with every record's ``framework`` the engine's name:
+    Keras on TensorFlow is traced by the TensorFlow backend, whose records say ``tensorflow``.
+
+    Args:
+        found: the trace.
+        engine: a key of :data:`NOTES`.
+    """
+    return Trace([dataclasses.replace(r, framework=engine) for r in found], engine, found.recipe)
