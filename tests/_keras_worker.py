@@ -881,5 +881,213 @@ def update_rules() -> dict:
     return out
 
 
+
+#: block(): the block-scaled layer's operands, drawn as
+#: tests/conformance/test_blockscale_linear_conformance.py draws them, so that every GEMM's
+#: float32 sums are exact (quantized values of at most 6 significant bits over a few binades,
+#: K, N, M <= 256) and no engine's summation order can change a bit
+BLOCK_SHAPE, BLOCK_SEED = (128, 128, 256), 3
+
+
+def block_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(x (M, K), kernel (K, N), output gradient (M, N))``, float32."""
+
+    def operand(shape, seed):
+        rng = np.random.default_rng(seed)
+        a = (rng.choice([-1.0, 1.0], shape) * rng.uniform(0.25, 2.0, shape)).astype(np.float32)
+        a.flat[100] = -2.625  # the tensor's amax: NVFP4's global scale 2688 / 2.625 = 1024
+        a.reshape(-1)[:32] = 0.0  # a zero block
+        a.reshape(-1)[40] = -0.0
+        return a
+
+    m, k, n = BLOCK_SHAPE
+    return operand((m, k), 0), operand((k, n), 1), operand((m, n), 2)
+
+
+def digest(a) -> str:
+    """A float32 array's shape and bits, hashed (the test compares the reference's)."""
+    import hashlib
+
+    a = np.ascontiguousarray(np.asarray(a, np.float32))
+    return f"{a.shape}:{hashlib.sha256(a.tobytes()).hexdigest()[:16]}"
+
+
+def _block_grads(layer, x, g, calls: int = 2) -> list[list[str]]:
+    """y, dx and dW (the kernel's gradient) of ``calls`` training calls of ``layer`` for the
+    output gradient ``g``, by the engine's own autodiff, digested; the layer's counter advanced
+    by each (JAX: one jitted VJP of the stateless call, the counter written back)."""
+    out = []
+    if BACKEND == "jax":
+        import jax
+
+        @jax.jit
+        def run(tv, nv, a, c):
+            y, vjp, nv2 = jax.vjp(lambda t, a_: layer.stateless_call(t, nv, a_, training=True), tv, a, has_aux=True)
+            dt, da = vjp(c)
+            return y, da, dt[0], nv2
+
+    for _ in range(calls):
+        if BACKEND == "jax":
+            y, dx, dw, nv2 = run([v.value for v in layer.trainable_variables],
+                                 [v.value for v in layer.non_trainable_variables], x, g)
+            for v, new in zip(layer.non_trainable_variables, nv2, strict=True):
+                v.assign(new)
+        elif BACKEND == "torch":
+            import torch
+
+            xt = torch.tensor(x, requires_grad=True)
+            layer.kernel.value.grad = None
+            y = layer(xt, training=True)
+            y.backward(torch.tensor(g))
+            dx, dw = xt.grad, layer.kernel.value.grad
+        else:
+            import tensorflow as tf
+
+            xt = tf.constant(x)
+            with tf.GradientTape() as tape:
+                tape.watch(xt)
+                y = layer(xt, training=True)
+            dx, dw = tape.gradient(y, [xt, layer.kernel.value], output_gradients=tf.constant(g))
+        out.append([digest(_np(t)) for t in (y, dx, dw)])
+    return out
+
+
+#: block(): per step a loss multiplier: 1e36 makes the scaled loss inf (a gradient overflow),
+#: inf the loss itself
+BLOCK_WEIGHTS = [1.0, 1.0, 1e36, 1.0, np.inf, 1.0]
+
+
+def block() -> dict:
+    """Block-scaled recipes through ``mp.prepare`` with ``backend="keras"`` (the TensorFlow
+    backend's swap on TensorFlow, unimp.keras.blockscale's on JAX and torch):
+
+    * ``layer``: per rule, a float32 Dense (no bias) the recipe swaps, y / dx / dW of two
+      training calls (the stochastic rounding's steps 0 and 1) on :func:`block_inputs`, digested;
+      on TensorFlow also the TensorFlow backend's ``BlockScaledDense``; nvfp4's inference on
+      37 rows;
+    * ``lora``: prepare refusing a selected Dense with LoRA, the model left alone;
+    * ``skips``: nvfp4 in the middle two of four Dense layers (bfloat16 around them) with a
+      dynamic loss scale over the :data:`BLOCK_WEIGHTS` batches: per step the result, the
+      counters and a kernel; JAX's compilations after the first step; torch's host reads;
+    * ``fit``: mxfp8's ``model.fit`` through ``prepare(model, SGD, loss=...)``: JAX's
+      compilations per batch, the counters after, torch's host reads in Keras's step; then ``save_weights`` / ``load_weights`` into a model prepared
+      again, and a ``.keras`` file loaded as the plain model.
+    """
+    import unimp
+    from unimp import blockscale_linear as bl
+    from unimp.blockscale_recipe import BlockRecipe
+
+    out = {"layer": {}}
+    x, w, g = block_inputs()
+    m, k, n = BLOCK_SHAPE
+    for rule in bl.BLOCK_LINEAR_RULES:
+        recipe = unimp.get_recipe("float32", block=BlockRecipe(rule, seed=BLOCK_SEED, exclude_first_last=False))
+        mp = unimp.mixed_precision(recipe, backend="keras")
+        with mp.autocast():
+            model = keras.Sequential([keras.Input((k,)), keras.layers.Dense(n, use_bias=False, name="b")])
+        model.get_layer("b").kernel.assign(w)
+        mp.prepare(model)
+        layer = model.get_layer("b")
+        got = {"selected": list(mp.fp8_layers(model)),
+               "steps": _block_grads(layer, x, g),
+               "counter": int(_np(layer.block_step.value))}
+        if rule == "nvfp4":  # inference: the forward GEMM alone, on 37 rows (no block of any rule)
+            got["inference"] = digest(model.predict(x[:37], batch_size=37, verbose=0))
+        if BACKEND == "tensorflow":
+            from unimp.backends.tensorflow import BlockScaledDense
+
+            own = BlockScaledDense(n, use_bias=False, rule=rule, seed=BLOCK_SEED, dtype="float32")
+            own.build((None, k))
+            own.kernel.assign(w)
+            got["tf_backend"] = _block_grads(own, x, g)
+        out["layer"][rule] = got
+
+    # nvfp4 (stochastically rounded gradients: the counters matter) with a dynamic loss scale
+    nvfp4 = unimp.get_recipe("nvfp4")
+    mp = unimp.mixed_precision(nvfp4, backend="keras", loss_scale=STEP_RULE)
+
+    def four():
+        with mp.autocast():
+            net = keras.Sequential([keras.Input((32,)), *(keras.layers.Dense(32, activation="relu", name=f"fc{i}")
+                                                          for i in (1, 2, 3)), keras.layers.Dense(4, name="head")])
+        _set_weights(net)
+        return net
+
+    lora = four()
+    lora.get_layer("fc2").enable_lora(2)
+    try:
+        mp.prepare(lora)
+        out["lora"] = "accepted"
+    except ValueError as e:
+        out["lora"] = str(e)
+    out["lora_unchanged"] = not any(hasattr(layer, "block_step") for layer in lora.layers)
+    net = four()
+    before = list(mp.fp8_layers(net))
+    mp.prepare(net)
+    swapped = [layer.name for layer in net.layers if hasattr(layer, "block_step")]
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = mp.train_step(net, keras.optimizers.SGD(0.05), lambda m_, b: ce(b[1], m_(b[0], training=True)) * b[2])
+    xs, ys = _data(n=32 * len(BLOCK_WEIGHTS), features=32)
+    batches = [(xs[32 * i : 32 * (i + 1)], ys[32 * i : 32 * (i + 1)], np.float32(c)) for i, c in enumerate(BLOCK_WEIGHTS)]
+    compiles = _compile_counter()
+    rows, after_first = [], None
+    for i, b in enumerate(batches):
+        r = step(b)
+        rows.append({"applied": r.applied, "scale": r.scale, "loss": r.loss,
+                     "counters": [int(_np(net.get_layer(p).block_step.value)) for p in swapped],
+                     "w": _np(net.get_layer("fc2").kernel.value).ravel()[:4].tolist()})
+        if i == 0:
+            after_first = compiles["n"]
+    out["skips"] = {"rows": rows, "selected": before, "after": list(mp.fp8_layers(net)), "swapped": swapped,
+                    "compilations_after_first": compiles["n"] - after_first}
+    if BACKEND == "torch":
+        import torch
+
+        from benchmarks._kit_torch import count_host_reads
+
+        tb = [tuple(torch.as_tensor(v) for v in b) for b in batches[:4]]
+        with count_host_reads() as counts:
+            for b in tb:
+                step(b)
+        out["skips"]["host_reads_per_step"] = sum(counts.values()) / len(tb)
+
+    # model.fit through prepare (mxfp8): Keras's own trainer, unimp's optimizer (no loss scale)
+    mpf = unimp.mixed_precision("mxfp8", backend="keras")
+    fnet = four()
+    mpf.prepare(fnet, keras.optimizers.SGD(0.05), loss=ce)
+    fit_rows = []
+
+    class Read(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            fit_rows.append(compiles["n"])
+
+    hist = fnet.fit(xs, ys, batch_size=32, epochs=1, verbose=0, shuffle=False, callbacks=[Read()])
+    if BACKEND == "jax":
+        fnet.jax_state_sync()
+    out["fit"] = {"compilations": fit_rows, "loss": [float(v) for v in hist.history["loss"]],
+                  "counters": [int(_np(fnet.get_layer(p).block_step.value)) for p in swapped]}
+    if BACKEND == "torch":  # Keras's own train step, as fit runs it
+        with count_host_reads() as counts:
+            for b in tb[:3]:
+                fnet.train_step(b[:2])
+        out["fit"]["host_reads_per_step"] = sum(counts.values()) / 3
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "block.weights.h5"
+        fnet.save_weights(path)
+        again = four()
+        unimp.mixed_precision("mxfp8", backend="keras").prepare(again)
+        again.load_weights(path)
+        fnet.save(pathlib.Path(tmp) / "block.keras")
+        plain = keras.models.load_model(pathlib.Path(tmp) / "block.keras", compile=False)
+    kernels = [v for v in fnet.weights if "block_step" not in v.path]
+    out["loaders"] = {
+        "kernels": all(np.array_equal(_np(a.value), _np(b.value)) for a, b in zip(
+            kernels, [v for v in again.weights if "block_step" not in v.path], strict=True)),
+        "counters_kept": [int(_np(again.get_layer(p).block_step.value)) for p in swapped],
+        "plain": [type(layer).__name__ for layer in plain.layers],
+        "plain_kernels": all(np.array_equal(_np(a.value), _np(b.value)) for a, b in zip(kernels, plain.weights, strict=True)),
+    }
+    return out
+
 if __name__ == "__main__":
     print(json.dumps({"backend": BACKEND, **{case: globals()[case]() for case in sys.argv[1:]}}))

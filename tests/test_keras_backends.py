@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 from conftest import require_backend
 
+from unimp import blockscale_linear as bl
 from unimp.loss_scale import DynamicLossScale, simulate
 
 HERE = pathlib.Path(__file__).resolve().parent
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 CASES = {
-    "tensorflow": ("rule", "half", "update_rules", "fit16", "losses32", "check", "misuse", "step16", "step_options", "stats16", "fp8"),
-    "jax": ("rule", "stateless", "half", "update_rules", "fit16", "losses32", "check", "misuse", "step16", "step_options", "refusals", "stats16", "fp8"),
-    "torch": ("rule", "stateless", "half", "update_rules", "fit16", "losses32", "check", "misuse", "syncs", "step16", "step_options", "refusals", "stats16", "fp8"),
+    "tensorflow": ("rule", "half", "update_rules", "fit16", "losses32", "check", "misuse", "step16", "step_options", "stats16", "fp8", "block"),
+    "jax": ("rule", "stateless", "half", "update_rules", "fit16", "losses32", "check", "misuse", "step16", "step_options", "refusals", "stats16", "fp8", "block"),
+    "torch": ("rule", "stateless", "half", "update_rules", "fit16", "losses32", "check", "misuse", "syncs", "step16", "step_options", "refusals", "stats16", "fp8", "block"),
 }
 _REQUIRES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
@@ -403,3 +404,66 @@ def test_float8_layers_take_the_same_states_on_every_keras_backend(runs):
     # nothing to the host
     assert runs["jax"]["fp8"]["skips"]["compilations_after_first"] == 0
     assert runs["torch"]["fp8"]["skips"]["host_reads_per_step"] == 0.0
+
+
+@pytest.mark.parametrize("rule", sorted(bl.BLOCK_LINEAR_RULES))
+def test_block_scaled_dense_is_the_reference_bit_for_bit_on_every_keras_backend(runs, rule):
+    """A block-scaled recipe's swapped Dense (unimp.keras.blockscale on JAX and torch, the
+    TensorFlow backend's swap on TensorFlow): y, dx and dW of two training calls (the
+    stochastic rounding's steps 0 and 1) are the NumPy reference's bits, as the TensorFlow
+    backend's BlockScaledDense gives them, on inputs whose GEMM sums are exact."""
+    x, w, g = W.block_inputs()
+    want = [[W.digest(a) for a in bl.block_linear_reference(x, w, g, rule, "in_out", W.BLOCK_SEED, step)]
+            for step in (0, 1)]
+    assert runs["tensorflow"]["block"]["layer"][rule]["tf_backend"] == want
+    for b in KERAS_BACKENDS:
+        got = runs[b]["block"]["layer"][rule]
+        assert got["selected"] == ["b"], b  # mp.fp8_layers lists the swapped layer
+        assert got["steps"] == want, b
+        assert got["counter"] == 2, b  # each training call advanced it
+    # the counter is the stochastic rounding's step: NVFP4's dW differs between the calls
+    assert (want[0][2] != want[1][2]) == bl.block_linear_rule(rule).stochastic("gradient")
+    if rule == "nvfp4":  # inference (predict): the forward GEMM alone, on 37 rows
+        y = bl.linear_forward(bl.NumpyLinearOps, x[:37], w, rule, backward=False)[0]
+        for b in KERAS_BACKENDS:
+            assert runs[b]["block"]["layer"][rule]["inference"] == W.digest(y), b
+
+
+def test_block_scaled_recipe_trains_skips_and_loads_alike_on_every_keras_backend(runs):
+    """nvfp4 through mp.prepare in the middle two of four Dense layers: unimp's train_step with
+    a dynamic loss scale (step 2's scaled loss overflows, step 4's loss is inf) skips the same
+    steps with the reference's scales on every engine, and a skipped step changes nothing (the
+    weights, the rounding counters); Keras-JAX compiles the step once and Keras-torch reads
+    nothing to the host (nor in fit's step); mxfp8's fit compiles once on JAX and advances the
+    counters once a batch; the weights save and load into a model prepared again, and a .keras file loads as the plain
+    model. A selected Dense with LoRA is refused before anything changes."""
+    events = [(w != 1e36 and bool(np.isfinite(w)), bool(np.isfinite(w))) for w in W.BLOCK_WEIGHTS]
+    ref = simulate(W.STEP_RULE, events)
+    before = [float(W.STEP_RULE.initial_state().scale)] + [float(s.scale) for s in ref[:-1]]
+    assert before[3] == before[2] / 2 and before[5] == before[4]
+    for b in KERAS_BACKENDS:
+        got = runs[b]["block"]
+        sk = got["skips"]
+        assert sk["selected"] == sk["after"] == sk["swapped"] == ["fc2", "fc3"], b
+        rows = sk["rows"]
+        assert [r["applied"] for r in rows] == [g for g, _ in events], b
+        assert [r["scale"] for r in rows] == before, b
+        counters, w = [0, 0], None
+        for i, r in enumerate(rows):
+            if r["applied"]:
+                assert r["counters"] == [c + 1 for c in counters] and r["w"] != w, (b, i)
+            else:  # nothing moved
+                assert r["counters"] == counters and r["w"] == w, (b, i)
+            counters, w = r["counters"], r["w"]
+        np.testing.assert_allclose(rows[0]["loss"], runs["tensorflow"]["block"]["skips"]["rows"][0]["loss"],
+                                   rtol=2e-2, err_msg=b)  # bfloat16 around the block-scaled layers
+        assert "['fc2'] use LoRA" in got["lora"] and got["lora_unchanged"] is True, b
+        fit = got["fit"]
+        assert fit["counters"] == [6, 6] and np.isfinite(fit["loss"][0]), b
+        assert got["loaders"] == {"kernels": True, "counters_kept": [0, 0], "plain": ["Dense"] * 4,
+                                  "plain_kernels": True}, b
+    assert runs["jax"]["block"]["skips"]["compilations_after_first"] == 0
+    compiles = runs["jax"]["block"]["fit"]["compilations"]
+    assert len(compiles) == 6 and compiles[-1] == compiles[0], compiles
+    assert runs["torch"]["block"]["skips"]["host_reads_per_step"] == 0.0
+    assert runs["torch"]["block"]["fit"]["host_reads_per_step"] == 0.0

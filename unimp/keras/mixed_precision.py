@@ -19,6 +19,7 @@ import keras
 
 from unimp.attached import attach, check_attachable, peek
 from unimp.backends._base import MixedPrecisionBase
+from unimp.keras.blockscale import block_swap
 from unimp.keras.casting import cast_tree, keras_policy_name, to_dtype
 from unimp.keras.fp8 import fp8_select, fp8_swap
 from unimp.keras.optimizer import LossScaleOptimizer
@@ -50,9 +51,10 @@ class MixedPrecision(MixedPrecisionBase):
     subclass, which adds placement, the TF32 switch, float8 layers and ``tf.distribute``.
     The policy's ``update`` (compensated or stochastic updates of half variables) runs in
     :class:`~unimp.keras.LossScaleOptimizer` on every engine. An FP8 recipe runs emulated
-    float8 Dense layers on Keras-JAX / Keras-torch (:mod:`unimp.keras.fp8`). The policy's ``matmul_precision`` is
-    the engine's own setting (:mod:`unimp.keras.precision`), in force in :meth:`autocast` and
-    in every train step.
+    float8 Dense layers on Keras-JAX / Keras-torch (:mod:`unimp.keras.fp8`), a block-scaled
+    recipe emulated block-scaled ones (:mod:`unimp.keras.blockscale`). The policy's
+    ``matmul_precision`` is the engine's own setting (:mod:`unimp.keras.precision`), in force
+    in :meth:`autocast` and in every train step.
 
     Args:
         recipe: a :class:`~unimp.Recipe` or anything :func:`~unimp.get_recipe` accepts.
@@ -312,18 +314,21 @@ class MixedPrecision(MixedPrecisionBase):
             fp8_swap(model, self._recipe.fp8)
 
     def _block_engine_refusal(self) -> str | None:
-        """Why this Keras engine cannot run the recipe's block-scaled layers, or None (the
-        TensorFlow backend's subclass runs them)."""
-        if self._recipe.block is None:
+        """Why this Keras engine cannot run the recipe's block-scaled layers, or None: Keras's
+        JAX and torch engines run them here (:mod:`unimp.keras.blockscale`), its TensorFlow
+        engine in the TensorFlow backend's subclass."""
+        engine = keras.backend.backend()
+        if self._recipe.block is None or engine in ("jax", "torch"):
             return None
-        return (f"block-scaled recipe {self._recipe.block.rule.name!r}: the Keras Dense swap is built "
-                f"for Keras's TensorFlow engine, not {keras.backend.backend()!r}; run the model with "
-                "backend='tensorflow', or use the framework's own layers (torch BlockScaledLinear, "
-                "JAX block_scaled_matmul / block_scaled_dot_general).")
+        return (f"block-scaled recipe {self._recipe.block.rule.name!r}: on Keras's {engine!r} engine the "
+                "block-scaled Dense layers are the TensorFlow backend's; bind the recipe with "
+                "backend='tensorflow' (or backend='keras').")
 
     def _block_swap(self, model: Any) -> None:
-        """Gives the Dense layers a block-scaled recipe selects the block-scaled matmul: the
-        TensorFlow backend's subclass does; here :meth:`_block_engine_refusal` refused first."""
+        """Gives the Dense layers a block-scaled recipe selects the block-scaled matmul
+        (:func:`unimp.keras.blockscale.block_swap`)."""
+        if self._recipe.block is not None:
+            block_swap(model, self._recipe.block)
 
     def prepare(self, model: Any, optimizer: Any = None, **compile_kwargs: Any) -> Any:
         """Applies the recipe to a Keras model and optimizer.
@@ -346,8 +351,10 @@ class MixedPrecision(MixedPrecisionBase):
           non-trainable variables written in the step (:mod:`unimp.backends.tensorflow.fp8`).
         * A block-scaled recipe (``mxfp8``, ``fp8-block``, ``nvfp4``, ``mxfp4``): the Dense
           layers it selects (the same first/last rule) get the block-scaled matmul in their
-          ``call`` (:func:`unimp.backends.tensorflow.blockscale.block_swap`), on Keras's
-          TensorFlow engine; the other engines refuse it before anything changes.
+          ``call`` and a ``block_step`` counter, in place; the model must be built. On Keras's
+          JAX and torch backends the rule runs over that framework backend's namespaces
+          (:mod:`unimp.keras.blockscale`); on TensorFlow, the TensorFlow backend's
+          (:func:`unimp.backends.tensorflow.blockscale.block_swap`).
         * The optimizer is wrapped in unimp's loss-scale optimizer (not Keras's) with the
           recipe's loss scale; with ``compile_kwargs`` (``loss=``, ``metrics=``, ...) the
           model is compiled with it, so ``fit`` follows unimp's rule. A model already

@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from unimp import blockscale_linear as _bl
-from unimp.attached import attach, peek
+from unimp.attached import peek
 from unimp.backends.tensorflow.fp8 import FP8Ops
 from unimp.backends.tensorflow.optimizer import UpdateOps
 from unimp.fp8 import layer_flag, layer_size
@@ -172,54 +172,16 @@ def _block_dense_call(self: Any, inputs: Any, training: Any = None) -> tf.Tensor
 def block_swap(model: Any, recipe: Any) -> tuple[str, ...]:
     """Puts the block-scaled matmul into the Dense layers of a built Keras model that
     ``recipe`` (an :class:`unimp.blockscale_recipe.BlockRecipe`) selects, in place, and returns
-    their paths (the FP8 recipes' selection, :func:`unimp.keras.fp8.fp8_select`): each gets a
-    ``block_step`` counter (a non-trainable int32 variable, added the way Keras's own
-    ``Dense.quantize`` adds variables) and a ``call`` whose matmul is :func:`block_scaled_matmul`
-    of its float32 kernel. Layers already done (or BlockScaledDense) are kept.
+    their paths: Keras's swap (:func:`unimp.keras.blockscale.swap_block_layers`: the FP8
+    recipes' selection, a ``block_step`` counter, the float32 kernel, a loader of what Keras's
+    Dense saves) with a ``call`` whose matmul is :func:`block_scaled_matmul`. Layers already
+    done (or BlockScaledDense) are kept.
 
     Raises:
-        ValueError: a selected layer not built yet, called at several places, or whose sizes do
-            not split into the rule's blocks (named, with the fix); nothing is changed.
+        ValueError: as :func:`unimp.keras.blockscale.swap_block_layers` (a selected layer not
+            built, shared, using LoRA or Keras's quantization, or whose sizes do not split into
+            the rule's blocks, named with the fix); nothing is changed.
     """
-    import types
+    from unimp.keras.blockscale import swap_block_layers
 
-    import keras
-
-    from unimp.keras.fp8 import fp8_model_layers, fp8_select
-
-    selected = fp8_select(model, recipe, (BlockScaledDense,))
-    layers = {p: layer for p, _, layer in fp8_model_layers(model, (BlockScaledDense,))}
-    unbuilt = [p for p in selected if not layers[p].built]
-    if unbuilt:
-        raise ValueError(f"block-scaled layers {unbuilt} are not built yet: build the model (call it once "
-                         "or give its Input shapes) first.")
-    dense = [p for p in selected if isinstance(layers[p], keras.layers.Dense)]
-    rule = recipe.rule
-    m = rule.tile("activation")[1] * rule.tile("gradient")[1]
-    bad = []
-    for p in dense:
-        k, n = (int(d) for d in layers[p]._kernel.shape)
-        try:
-            _bl.check_linear_shapes(rule, m, k, n)
-        except ValueError as err:
-            bad.append(f"{p!r} ({str(err).split(': ', 1)[1].split(';')[0]})")
-    if bad:
-        raise ValueError(f"block-scaled recipe {rule.name!r}: layers {', '.join(bad)}; keep them out "
-                         f"(BlockRecipe(exclude=[...their paths...])) or pad their features.")
-    done = []
-    for path in selected:
-        layer = layers[path]
-        if isinstance(layer, BlockScaledDense) or peek(layer, "block_recipe", None) is not None:
-            done.append(path)
-        elif isinstance(layer, keras.layers.Dense):
-            layer._tracker.unlock()
-            try:
-                layer.block_step = layer.add_weight(name="block_step", shape=(), dtype="int32",
-                                                    initializer="zeros", trainable=False, autocast=False)
-            finally:
-                layer._tracker.lock()
-            attach(layer).block_recipe = recipe
-            layer._kernel._autocast = False  # quantized from the float32 kernel, as BlockScaledDense
-            layer.call = types.MethodType(_block_dense_call, layer)
-            done.append(path)
-    return tuple(done)
+    return swap_block_layers(model, recipe, (BlockScaledDense,), _block_dense_call)
