@@ -131,7 +131,7 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         what = f"{recipe.block.describe()} (emulated block-scaled matmuls, unimp.blockscale_linear)"
         torch_lines.append(f"mp.prepare swaps the selected nn.Linear for BlockScaledLinear (same Parameters): {what}")
         keras_lines.append(f"mp.prepare puts the block-scaled matmul into the selected Dense layers "
-                           f"(Keras's TensorFlow engine): {what}")
+                           f"(every Keras engine): {what}")
         jax_lines.append(f"mp.fp8_layers(paths) selects them; plain JAX mp.block_matmul(path, x, w, step), "
                          f"flax mp.module_kwargs(path) adds dot_general: {what}")
     extra = _policy_v2_lines(p)
