@@ -24,8 +24,10 @@ float32 (the scale is a power of two in every dynamic rule, so the product is ex
   rule's activations along the last axis, elements rounded to nearest even, the last axis
   padded with zeros to whole blocks):
 
-  - ``<format>_underflow`` (a count): finite nonzero elements that quantize to zero;
-    :meth:`TensorStats.underflow` is their share of the finite nonzero elements;
+  - ``<format>_underflow`` and ``<format>_nonzero`` (counts): finite nonzero elements that
+    quantize to zero, and finite nonzero elements (counted beside them, by the same mask:
+    where a framework reads float32 subnormals as zero in one fused kernel and not in another,
+    the share stays a share); :meth:`TensorStats.underflow` is their ratio;
   - ``<format>_error`` and ``<format>_energy`` (sums): ``sum(((q - x) / unit)**2)`` and
     ``sum((x / unit)**2)`` over the elements finite before and after, ``unit`` being
     ``block_unit``, the largest finite ``|x|``; :meth:`TensorStats.relative_mse` is their
@@ -194,8 +196,8 @@ def check_formats(formats: Any) -> tuple[str, ...]:
 
 def count_fields(formats: Sequence[str] = ()) -> tuple[str, ...]:
     """The integer counts a backend returns with ``formats`` measured, in order:
-    :data:`COUNT_FIELDS`, then ``<format>_underflow`` per format."""
-    return COUNT_FIELDS + tuple(f"{f}_underflow" for f in formats)
+    :data:`COUNT_FIELDS`, then ``<format>_underflow`` and ``<format>_nonzero`` per format."""
+    return COUNT_FIELDS + tuple(f"{f}_{k}" for f in formats for k in ("underflow", "nonzero"))
 
 
 def magnitude_fields(formats: Sequence[str] = ()) -> tuple[str, ...]:
@@ -254,7 +256,7 @@ def block_error_arrays(a: Any, formats: Sequence[str], ops: Any = NumpyOps) -> t
     for f in formats:
         rule = BLOCK_LINEAR_RULES[f]
         q = quantization_sums(a, rule.preset, "activation", rule.format("activation"), ops=ops)
-        counts.append(q.underflow)
+        counts += [q.underflow, q.nonzero]
         sums += [q.error, q.energy]
         unit = q.unit
     return counts, ([unit] + sums if formats else [])
@@ -295,7 +297,7 @@ class TensorStats:
         amax: float, largest ``|x|`` (unscaled; NaN if any element is NaN).
         min_nonzero: float, smallest nonzero ``|x|`` (``inf`` when none).
         counts: ``{name: int}`` for every name in :data:`COUNT_FIELDS`, and
-            ``<format>_underflow`` for each block format measured.
+            ``<format>_underflow``, ``<format>_nonzero`` for each block format measured.
         sums: ``{name: float}``: with block formats measured, ``block_unit`` and
             ``<format>_error``, ``<format>_energy`` for each (:func:`magnitude_fields`);
             empty without.
@@ -313,7 +315,7 @@ class TensorStats:
     sums: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        missing = [k for k in COUNT_FIELDS if k not in self.counts]
+        missing = [k for k in count_fields(self.formats) if k not in self.counts]
         missing += [k for k in magnitude_fields(self.formats)[2:] if k not in self.sums]
         if missing:
             raise ValueError(f"TensorStats is missing {missing}.")
@@ -376,7 +378,7 @@ class TensorStats:
             KeyError: ``fmt`` was not measured. ValueError: not a block format.
         """
         key = self._measured(fmt)
-        nonzero = self.size - self.counts["zeros"] - self.counts["nonfinite"]
+        nonzero = self.counts[f"{key}_nonzero"]
         return self.counts[f"{key}_underflow"] / nonzero if nonzero > 0 else 0.0
 
     def relative_mse(self, fmt: str) -> float:
