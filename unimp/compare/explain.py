@@ -133,7 +133,8 @@ def explain_recipe(recipe: Recipe) -> list[tuple[str, list[str]]]:
         keras_lines.append(f"mp.prepare puts the block-scaled matmul into the selected Dense layers "
                            f"(every Keras engine): {what}")
         jax_lines.append(f"mp.fp8_layers(paths) selects them; plain JAX mp.block_matmul(path, x, w, step), "
-                         f"flax mp.module_kwargs(path) adds dot_general: {what}")
+                         f"flax mp.module_kwargs(path, step=step) adds dot_general (nvfp4 without a step: a "
+                         f"dot_general_cls counting steps in _overwrite_with_gradient): {what}")
     extra = _policy_v2_lines(p)
     for fw, lines in extra.items():
         lines.append(_adam_bytes(recipe, fw))

@@ -1,7 +1,8 @@
 """JAX block-scaled linear layers: :mod:`unimp.blockscale_linear`'s rule (MXFP8, block FP8,
 NVFP4, MXFP4) on ``jnp`` arrays, as a custom-gradient matmul (:func:`block_scaled_matmul`, a
-``jax.custom_vjp``; it traces under ``jax.jit``) and :func:`block_scaled_dot_general`, a
-flax ``dot_general``. Emulated: the operands are quantized and dequantized to float32 and
+``jax.custom_vjp``; it traces under ``jax.jit``), :func:`block_scaled_dot_general`, a flax
+``dot_general``, and :func:`block_flax_dot_general_cls`, a flax ``dot_general_cls`` keeping
+the stochastic rounding's step counter. Emulated: the operands are quantized and dequantized to float32 and
 multiplied in float32; the result is cast to the input's dtype (the compute dtype).
 """
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from unimp import blockscale_linear as _bl
-from unimp.backends.jax.fp8 import FP8Ops
+from unimp.backends.jax.fp8 import OVERWRITE_WITH_GRADIENT, FP8Ops
 from unimp.backends.jax.optimizer import UpdateOps
 from unimp.fp8 import refuse_non_float
 
@@ -99,6 +100,58 @@ def block_scaled_dot_general(rule: Any, seed: int = 0, step: Any = 0) -> Any:
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
     return dot_general
+
+
+@jax.custom_vjp
+def _counted(counter: jax.Array, y: jax.Array) -> jax.Array:
+    """``y``; the "gradient" of ``counter`` is ``counter + 1`` (the next step's value)."""
+    return y
+
+
+_counted.defvjp(lambda counter, y: (y, counter), lambda counter, g: (counter + 1, g))
+
+
+@functools.cache
+def _flax_block_module() -> type:
+    import flax.linen as nn
+
+    class BlockDotGeneral(nn.Module):
+        """A flax ``dot_general_cls``: :func:`block_scaled_dot_general` at the step held in
+        ``step`` (float32, from 0), a variable of flax's ``_overwrite_with_gradient``
+        collection whose "gradient" is ``step + 1``."""
+
+        rule: Any = None
+        seed: int = 0
+
+        @nn.compact
+        def __call__(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+                     preferred_element_type: Any = None) -> jax.Array:
+            counter = self.variable(OVERWRITE_WITH_GRADIENT, "step", jnp.zeros, (), jnp.float32).value
+            step = jax.lax.stop_gradient(counter).astype(jnp.int32)
+            y = block_scaled_dot_general(self.rule, self.seed, step)(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type)
+            return _counted(counter, y)
+
+    return BlockDotGeneral
+
+
+def block_flax_dot_general_cls(rule: Any, seed: int = 0) -> Any:
+    """A flax ``dot_general_cls`` (``nn.Dense(..., dot_general_cls=...)``) running
+    :func:`block_scaled_dot_general` with its stochastic rounding's step counter kept in flax's
+    ``_overwrite_with_gradient`` collection, as the float8 ``dot_general_cls`` keeps its
+    scaling states (:func:`unimp.backends.jax.fp8.fp8_flax_dot_general_cls`): the Dense's
+    ``BlockDotGeneral_0/step``, float32, 0 after ``init``. A call quantizes its gradient with
+    the bits of ``(seed, step)`` and returns ``step + 1`` as the counter's "gradient":
+    differentiate the loss with respect to the whole variables dict and overwrite that
+    collection with its gradient (flax's ``TrainState.apply_gradients`` does), and each step
+    draws fresh bits; the same seed and step give the same bits. Counted exactly up to 2**24
+    steps (float32); a layer that did not run in the differentiated function gets 0, as the
+    float8 states do. Needs flax.
+
+    Raises:
+        ValueError: an unknown rule.
+    """
+    return functools.partial(_flax_block_module(), rule=_bl.block_linear_rule(rule), seed=int(seed))
 
 
 def block_matmul(recipe: Any, selected: Any, path: str, x: jax.Array, w: jax.Array, step: Any = 0) -> jax.Array:

@@ -14,7 +14,11 @@ import numpy as np
 import optax
 
 from unimp.backends._base import MixedPrecisionBase
-from unimp.backends.jax.blockscale import block_matmul, block_scaled_dot_general
+from unimp.backends.jax.blockscale import (
+    block_flax_dot_general_cls,
+    block_matmul,
+    block_scaled_dot_general,
+)
 from unimp.backends.jax.casting import cast_tree, to_dtype
 from unimp.backends.jax.devices import _as_device
 from unimp.backends.jax.fp8 import (
@@ -139,7 +143,7 @@ class MixedPrecision(MixedPrecisionBase):
 
         return wrapped
 
-    def module_kwargs(self, path: str | None = None) -> dict[str, Any]:
+    def module_kwargs(self, path: str | None = None, step: Any = None) -> dict[str, Any]:
         """``{"dtype": compute, "param_dtype": param}`` for flax linen and nnx modules.
 
         With ``path`` (the module's dotted path, e.g. ``"head"`` or ``"blocks.0.attn"``), the
@@ -156,9 +160,14 @@ class MixedPrecision(MixedPrecisionBase):
         ``dot_general`` with its scaling states in flax's ``_overwrite_with_gradient``
         collection (:func:`unimp.backends.jax.fp8.fp8_flax_dot_general_cls`). With a
         block-scaled recipe, ``dot_general=`` is added for the selected paths
-        (:func:`unimp.backends.jax.blockscale.block_scaled_dot_general`); its stochastic
-        rounding (``nvfp4``'s gradients) takes step 0 every call, so the bits repeat from step to
-        step: pass a step counter through :meth:`block_matmul` instead.
+        (:func:`unimp.backends.jax.blockscale.block_scaled_dot_general`). A rule that rounds
+        its gradients stochastically (``nvfp4``) needs fresh random bits each step: give
+        ``step`` (an int, or a traced int32 such as the optimizer's count, passed into the
+        model's ``__call__``), or leave it out and ``dot_general_cls=`` is added instead, a
+        ``dot_general`` keeping its step counter in flax's ``_overwrite_with_gradient``
+        collection as the float8 states are kept, advanced by overwriting that collection
+        with its "gradient" (:func:`unimp.backends.jax.blockscale.block_flax_dot_general_cls`).
+        The same seed and step give the same bits. Other rules ignore ``step``.
 
         Raises:
             ValueError: a ``path`` under an FP8 recipe before :meth:`fp8_layers` was called
@@ -172,7 +181,10 @@ class MixedPrecision(MixedPrecisionBase):
             out["dot_general_cls"] = fp8_flax_dot_general_cls(self._recipe.fp8.scaling, name=path)
         block = self._recipe.block
         if block is not None and path in self._fp8_paths():
-            out["dot_general"] = block_scaled_dot_general(block.rule, block.seed)
+            if step is None and block.rule.stochastic("gradient"):
+                out["dot_general_cls"] = block_flax_dot_general_cls(block.rule, block.seed)
+            else:
+                out["dot_general"] = block_scaled_dot_general(block.rule, block.seed, 0 if step is None else step)
         return out
 
     def fp8_layers(self, layers: Any) -> tuple[str, ...]:
