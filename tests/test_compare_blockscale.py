@@ -34,6 +34,27 @@ def test_compare_mxfp8_vit_trains_and_differs_from_bfloat16(backend, tmp_path):
     assert abs(float(bf16[3]) - float(mx[3])) <= ACCURACY_TOLERANCE
 
 
+@pytest.mark.slow  # three Keras worker processes, about 25 s each on 2 CPU cores
+def test_compare_mxfp8_vit_trains_on_every_keras_engine(tmp_path):
+    """Keras's own trainer on each engine (unimp.keras.blockscale on JAX and torch, the
+    TensorFlow backend's swap on TensorFlow) trains the ViT with its block-scaled layers from
+    the same weights, and predicts the held-out rows (Keras-TensorFlow's predict of a partial
+    batch has no static batch size, which the block checks need: compare predicts one batch)."""
+    for name in ("tensorflow", "jax", "torch"):
+        require_backend(name)
+    engines = ["keras-tensorflow", "keras-jax", "keras-torch"]
+    out = tmp_path / "rep"
+    code = main(["compare", "--recipe", "mxfp8", "--model", "vit", "--epochs", "1", "--batch-size", "512",
+                 "--backends", ",".join(engines), "--quiet", "--out", str(out)])
+    assert code == 0
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    assert list(runs) == engines
+    first = [r["loss"][0] for r in runs.values()]
+    assert max(first) - min(first) <= 2e-2 * first[0], first  # bfloat16 kernels apart, no more
+    for r in runs.values():
+        assert all(r["applied"]) and 0.0 <= r["test_accuracy"] <= 1.0
+
+
 def test_explain_names_what_each_framework_does_with_a_block_scaled_recipe():
     lines = dict(explain_recipe(get_recipe("nvfp4")))
     assert any("BlockScaledLinear" in line and "block-scaled nvfp4" in line for line in lines["torch"])
