@@ -600,7 +600,12 @@ def build_parser() -> argparse.ArgumentParser:
     aud = sub.add_parser(
         "audit", help="float32 steps with statistics: which layers would overflow or underflow"
     )
-    aud.add_argument("--to", required=True, help="the half dtype to audit for: float16 or bfloat16")
+    aud.add_argument(
+        "--to",
+        required=True,
+        help="what to audit for: a half dtype (float16, bfloat16) or a block recipe's format "
+        "(mxfp8, fp8-block, nvfp4, mxfp4: each tensor's share rounding to 0 and relative MSE)",
+    )
     aud.add_argument("--model", default="mlp", help="mlp (the seeds' model), cnn or vit")
     aud.add_argument("--data", default="digits", help="'digits' or an .npz with x and y")
     aud.add_argument("--steps", type=int, default=5, help="float32 steps audited")
@@ -625,7 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--underflow-tolerance",
         type=float,
         default=0.01,
-        help="flag a tensor when more than this share of it would flush to zero (default 0.01)",
+        help="flag a tensor when more than this share of it would flush to zero (default 0.01; "
+        "for a block format, the least share named)",
     )
     aud.add_argument(
         "--log-dir",

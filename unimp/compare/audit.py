@@ -12,6 +12,11 @@ Then, per layer:
 * a gradient overflow (a gradient that would round to inf at the initial scale);
 * an underflow: more than ``underflow_tolerance`` of a tensor's elements would flush to zero.
 
+For a block-scaled format (``mxfp8``, ``fp8-block``, ``nvfp4``, ``mxfp4``: the block recipes,
+which run without a loss scale) the statistics take the format's quantization error and the
+findings are :mod:`unimp.compare.audit_block`'s: the tensors that lose more to 0, or more
+precision, than an ordinary tensor does in that format.
+
 Each finding carries the fix. Framework-free: the statistics come from each backend's
 ``stats`` module through the compare runners (:func:`unimp.compare.run.run_audit` runs them).
 """
@@ -25,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from unimp.stats import LIMITS, StepStats, TensorStats, layer_of
+from unimp.compare.audit_block import BLOCK_TARGETS, audit_block_stats
+from unimp.stats import StepStats, TensorStats, layer_of
 
 __all__ = [
     "Finding",
@@ -36,7 +42,8 @@ __all__ = [
     "plant_form",
 ]
 
-TARGETS = ("float16", "bfloat16")
+#: What ``unimp audit --to`` reads the statistics as: a half dtype or a block recipe's format.
+TARGETS = ("float16", "bfloat16", *BLOCK_TARGETS)
 #: The most steps ``unimp audit`` runs: statistics on every step of the first steps.
 MAX_STEPS = 1000
 
@@ -114,9 +121,11 @@ def audit_stats(
 
     Args:
         steps: the statistics of each audited step (taken at the target's initial scale).
-        target: ``float16`` or ``bfloat16``.
+        target: ``float16``, ``bfloat16`` or a block format of
+            :data:`unimp.compare.audit_block.BLOCK_TARGETS` (statistics taken with it).
         underflow_tolerance: flag a tensor when more than this fraction of its elements would
-            flush to zero (0 <= tolerance < 1).
+            flush to zero (0 <= tolerance < 1); for a block format, the least share named
+            (:func:`unimp.compare.audit_block.thresholds`).
 
     Returns:
         :class:`Finding` s, activations first (in forward order), then gradients (sorted).
@@ -128,6 +137,8 @@ def audit_stats(
         raise ValueError(f"unknown target dtype {target!r}; choose one of {', '.join(TARGETS)}.")
     if not (0 <= underflow_tolerance < 1):
         raise ValueError(f"underflow tolerance must be in [0, 1), got {underflow_tolerance}.")
+    if target in BLOCK_TARGETS:
+        return [Finding(*f) for f in audit_block_stats(steps, target, underflow_tolerance=underflow_tolerance)]
     worst: dict[tuple[str, str, str], tuple[float, int, TensorStats]] = {}
     order: list[str] = []
 
@@ -206,12 +217,14 @@ def _with_downstream(f: Finding, layer: str) -> Finding:
 
 def initial_scale(target: str) -> float:
     """The loss scale a half-precision run of ``target`` starts at: the ``mixed_<target>``
-    recipe's initial scale (1 where it does not scale the loss)."""
+    recipe's initial scale, or a block format's recipe's (1 where it does not scale the loss:
+    the block recipes)."""
     from unimp.recipe import get_recipe
 
-    if target not in LIMITS:
+    if target not in TARGETS:
         raise ValueError(f"unknown target dtype {target!r}; choose one of {', '.join(TARGETS)}.")
-    return float(get_recipe(f"mixed_{target}").loss_scale.initial_scale())
+    recipe = target if target in BLOCK_TARGETS else f"mixed_{target}"
+    return float(get_recipe(recipe).loss_scale.initial_scale())
 
 
 def findings_table(findings: Mapping[str, Sequence[Finding]]) -> list[list[str]]:

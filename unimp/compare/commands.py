@@ -143,12 +143,18 @@ def audit_command(args: argparse.Namespace) -> int:
         f"; planted: {planted['layer']} weights x {planted['factor']:g}" if planted else ""
     )
     print(title)
+    limits = report.get("thresholds")  # a block format's: what is named, and why
+    if limits:
+        print(f"thresholds: {limits['why']}")
     for b, fs in report["findings"].items():
         if not fs:
-            print(
-                f"{b}: clean: nothing would overflow, or flush more than "
-                f"{report['underflow_tolerance']:.0%} to zero, in {target}"
-            )
+            if limits:
+                print(f"{b}: clean: no layer output would lose more than the thresholds in {target}")
+            else:
+                print(
+                    f"{b}: clean: nothing would overflow, or flush more than "
+                    f"{report['underflow_tolerance']:.0%} to zero, in {target}"
+                )
             continue
         print(f"{b}:")
         for f in fs:
@@ -156,9 +162,15 @@ def audit_command(args: argparse.Namespace) -> int:
             room = (
                 f"{f['headroom']:+.1f} bits" if math.isfinite(f["headroom"]) else str(f["headroom"])
             )
+            if f["kind"].endswith("quantization error"):
+                share = f"relative MSE {f['fraction']:.2g} (named above {limits['relative_mse']:.2g})"
+            elif limits and f["kind"].endswith("underflow"):
+                share = f"{f['fraction']:.2%} of its nonzero elements (named above {limits['underflow']:.1%})"
+            else:
+                share = f"{f['fraction']:.2%} of its elements"
             print(
                 f"  {f['layer']}: {f['kind']} in {f['tensor']} from step {f['step']}, "
-                f"{f['fraction']:.2%} of its elements, headroom {room}{then}"
+                f"{share}, headroom {room}{then}"
             )
             print(f"    fix: {f['fix']}")
     return 0

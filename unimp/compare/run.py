@@ -26,6 +26,8 @@ from unimp.compare.audit import (
     parse_plant,
     plant_form,
 )
+from unimp.compare.audit_block import BLOCK_TARGETS
+from unimp.compare.audit_block import thresholds as block_thresholds
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
 from unimp.compare.report import cross_framework_difference, disagreements
@@ -94,6 +96,8 @@ class RunSpec:
         seed: the seed a user's model is built with.
         stats_every: tensor statistics every k steps (``train_step(stats_every=k)``); the
             runs then hold ``stats``: ``{step: StepStats.to_dict()}``.
+        stats_formats: block formats whose quantization error the statistics take
+            (``train_step(stats_formats=...)``; ``unimp audit --to mxfp8``).
         trace: record the dtype trace of the first step (``mp.trace``) in ``trace``.
         log: a step-log path (``train_step(log=...)``, ``docs/steplog.md``), closed after
             the run.
@@ -114,6 +118,7 @@ class RunSpec:
     device: str
     progress: Callable[[int], None] = field(default=lambda i: None)
     stats_every: int | None = None
+    stats_formats: tuple[str, ...] = ()
     trace: bool = False
     log: str | None = None
     loss: str = "sparse_categorical_crossentropy"
@@ -129,6 +134,8 @@ class RunSpec:
     def step_options(self) -> dict[str, Any]:
         """Keyword arguments of every backend's ``train_step`` for this run."""
         out: dict[str, Any] = {} if self.stats_every is None else {"stats_every": self.stats_every}
+        if self.stats_formats:
+            out["stats_formats"] = list(self.stats_formats)
         if self.log is not None:
             out.update(log=self.log, log_every=50)
         return out
@@ -640,7 +647,9 @@ def run_audit(
     Args:
         cfg: a :class:`CompareConfig` (model, data, batch size, optimizer, lr,
             seed, device, backends; its recipe and loss scale are replaced).
-        to: ``float16`` or ``bfloat16``.
+        to: ``float16``, ``bfloat16``, or a block recipe's format (``mxfp8``, ``fp8-block``,
+            ``nvfp4``, ``mxfp4``: the statistics then take its quantization error,
+            :mod:`unimp.compare.audit_block`).
         steps: audited steps, >= 1.
         plant: ``LAYER=FACTOR``: multiply one layer's initial weights (a planted fault).
         underflow_tolerance: see :func:`unimp.compare.audit.audit_stats`.
@@ -650,7 +659,8 @@ def run_audit(
 
     Returns:
         ``{"target", "scale", "model", "data", "steps", "plant", "findings": {backend: [Finding
-        dicts]}, "clean": {backend: bool}}``.
+        dicts]}, "clean": {backend: bool}}``, and for a block format ``"thresholds"``
+        (:func:`unimp.compare.audit_block.thresholds`).
 
     Raises:
         ValueError, ImportError: any bad option, before anything runs.
@@ -698,6 +708,7 @@ def run_audit(
         spec = RunSpec(
             recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
             cfg.optimizer, cfg.lr, device_for(b, cfg.device), stats_every=1,
+            stats_formats=(BLOCK_TARGETS[to],) if to in BLOCK_TARGETS else (),
             log=None if log_dir is None else os.path.join(log_dir, f"{b}.jsonl"),
         )  # fmt: skip
         if progress_factory is None:
@@ -720,6 +731,7 @@ def run_audit(
         "underflow_tolerance": underflow_tolerance,
         "findings": findings,
         "clean": {b: not fs for b, fs in findings.items()},
+        **({"thresholds": block_thresholds(to, underflow_tolerance)} if to in BLOCK_TARGETS else {}),
     }
 
 

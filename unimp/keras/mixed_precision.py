@@ -505,6 +505,7 @@ class MixedPrecision(MixedPrecisionBase):
         log_every: int = 100,
         rounding_seed: int = 0,
         schedule_counts: str = "applied",
+        stats_formats: Any = (),
     ) -> TrainStep:
         """A custom-loop training step with the recipe's loss scaling: ``step(batch) -> StepResult``.
 
@@ -524,8 +525,8 @@ class MixedPrecision(MixedPrecisionBase):
         ``stats_every`` (on calls 0, k, 2k, ... ``result.stats`` holds
         :class:`unimp.stats.StepStats`: each trainable variable's unscaled gradient, named by
         its path from the model down, and every leaf layer's outputs, recorded by wrapping
-        its ``call`` for that step; on JAX a second compiled step), ``schedule_counts``,
-        ``log`` / ``log_every``.
+        its ``call`` for that step; on JAX a second compiled step; ``stats_formats``: with the
+        block formats' quantization error), ``schedule_counts``, ``log`` / ``log_every``.
 
         Args:
             model: a built Keras model; the policy's ``overrides`` are applied to it here if
@@ -545,7 +546,7 @@ class MixedPrecision(MixedPrecisionBase):
         """
         options = StepOptions(
             grad_accum_steps, max_grad_norm, stats_every, schedule_counts, log, log_every,
-            rounding_seed,
+            rounding_seed, stats_formats=stats_formats,
         )  # fmt: skip
         lso = self._step_inputs(model, optimizer, loss_fn, options)
         step = TrainStep(model, lso, loss_fn, options, self.policy)

@@ -148,7 +148,7 @@ class TrainStep(LoggedStep):
     def _run(self, micro: list[Any], stats: bool) -> dict[str, Any]:
         """:func:`unimp.trainstep.run_step` with this step's primitives; on a statistics step
         every leaf layer's outputs are recorded too, and returned under ``"stats"``."""
-        collector = Collector() if stats else None
+        collector = Collector(formats=self.options.stats_formats) if stats else None
         with contextlib.nullcontext() if collector is None else collector.recording(self.model):
             raw = run_step(StepOps(self, collector), micro, self.options)
         if collector is not None:
@@ -219,7 +219,9 @@ class TrainStep(LoggedStep):
             raw["floor_step"] = self.calls
         stats = None
         if stats_step:
-            stats = pending(self.calls, raw["scale"], raw.pop("stats"), self._stats_order)
+            stats = pending(
+                self.calls, raw["scale"], raw.pop("stats"), self._stats_order, formats=self.options.stats_formats
+            )
         flags = raw.pop("grad_flags", None)
         self.calls += 1
         result = StepResult(
