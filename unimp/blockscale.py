@@ -372,14 +372,15 @@ def _tiled(ops: Any, x: Any, tile: tuple[int, int], what: str) -> tuple[Any, tup
             f"{what}: a {tr}x{tc} tile needs a tensor of {2 if tr > 1 else 1} or more dimensions, "
             f"got shape {shape}; reshape it to (rows, columns) first."
         )
-    rows = math.prod(shape[:-1])
-    if shape[-1] % tc or rows % tr:
+    # rows not known while tracing (None: TensorFlow's traced batch) split into 1-row tiles only
+    rows = None if tr == 1 and None in shape[:-1] else math.prod(shape[:-1])
+    if shape[-1] % tc or (rows is not None and rows % tr):
         raise ValueError(
             f"{what}: shape {shape} does not split into {tr}x{tc} tiles (the last dimension must "
             f"be a multiple of {tc}" + (f" and the product of the others of {tr}" if tr > 1 else "")
             + "); pad the tensor or pick layers whose sizes are."
         )
-    return ops.reshape(ops.f32(x), (rows // tr, tr, shape[-1] // tc, tc)), shape
+    return ops.reshape(ops.f32(x), (None if rows is None else rows // tr, tr, shape[-1] // tc, tc)), shape
 
 
 def _check_block_fp8(fmt: str, variant: str) -> float:

@@ -366,7 +366,10 @@ def linear_forward(ops: Any, x2: Any, w: Any, rule: Any, layout: str = "in_out",
     """
     r = block_linear_rule(rule)
     layout = _layout(layout)
-    m, k = (int(d) for d in x2.shape)
+    # an unknown M (a traced batch, as Keras's predict traces the last partial batch) only
+    # where nothing is quantized along it: a forward pass without a backward
+    m = None if x2.shape[0] is None and not backward else int(x2.shape[0])
+    k = int(x2.shape[1])
     n = int(w.shape[1 if layout == "in_out" else 0])
     check_linear_shapes(r, m if backward else None, k, n)
     x2, w = ops.f32(x2), ops.f32(w)

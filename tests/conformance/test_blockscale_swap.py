@@ -130,3 +130,28 @@ def test_keras_block_scaled_dense_saves_and_loads_with_its_rule(tmp_path):
     assert isinstance(layer, BlockScaledDense)
     assert (layer.rule.name, layer.seed, int(layer.block_step.numpy())) == ("nvfp4", 5, 1)
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(model(x)))
+
+
+@pytest.mark.parametrize("rule", ["mxfp8", "nvfp4"])
+def test_keras_predict_runs_a_partial_last_batch_through_the_block_layers(rule):
+    """Keras's predict traces its last, partial batch with an unknown batch size: the forward
+    GEMM quantizes nothing along the batch, so it runs; a training call with an unknown batch
+    is refused, naming the fix (*TensorFlow only*)."""
+    require_backend("tensorflow")
+    import keras
+    import tensorflow as tf
+
+    from unimp.backends.tensorflow.blockscale import BlockScaledDense, block_scaled_matmul
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), BlockScaledDense(64, rule=rule), BlockScaledDense(32, rule=rule)])
+    x = np.random.default_rng(0).standard_normal((100, 64)).astype(np.float32)
+    y = model.predict(x, batch_size=32, verbose=0)  # batches of 32, 32, 32 and 4 rows
+    assert y.shape == (100, 32) and np.isfinite(y).all()
+    # per batch as predict ran it (NVFP4's global scale is the batch's): the same bits
+    np.testing.assert_array_equal(y[96:], model.predict(x[96:], batch_size=32, verbose=0))
+    np.testing.assert_array_equal(y[:96], model.predict(x[:96], batch_size=32, verbose=0))
+    unknown = tf.function(lambda a, w: block_scaled_matmul(a, w, rule), input_signature=[
+        tf.TensorSpec((None, 64)), tf.TensorSpec((64, 64))])
+    with pytest.raises(ValueError, match="not fully known.*input_signature with the batch size"):
+        unknown(x[:32], model.layers[0].kernel)

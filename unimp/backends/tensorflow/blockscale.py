@@ -54,9 +54,10 @@ def block_scaled_matmul(x: Any, w: Any, rule: Any, layout: str = "in_out", seed:
     w = tf.convert_to_tensor(w)
     if not x.dtype.is_floating:
         x = tf.cast(x, w.dtype)
-    if not x.shape.is_fully_defined():
+    if not (x.shape.is_fully_defined() or (not backward and x.shape[-1:].is_fully_defined())):
         raise ValueError(f"block_scaled_matmul: x's shape {x.shape} is not fully known; the block checks "
-                         "need static shapes: give the tf.function an input_signature with the batch size.")
+                         "need static shapes: give the tf.function an input_signature with the batch size "
+                         "(with backward=False only the last dimension must be known).")
     shape = x.shape.as_list()
 
     @tf.custom_gradient
@@ -74,7 +75,8 @@ def block_scaled_matmul(x: Any, w: Any, rule: Any, layout: str = "in_out", seed:
             dx, dw = _bl.linear_backward(BlockOps, saved, g2, rule, layout, bits)
             return tf.cast(tf.reshape(dx, shape), x_.dtype), tf.cast(dw, w_.dtype)
 
-        return tf.cast(tf.reshape(y, [*shape[:-1], n]), x_.dtype), grad
+        out_shape = [*shape[:-1], n] if None not in shape else tf.concat([tf.shape(x_)[:-1], [n]], 0)
+        return tf.cast(tf.reshape(y, out_shape), x_.dtype), grad
 
     return matmul(x, w)
 
