@@ -32,6 +32,25 @@ def test_compare_mxfp8_vit_trains_and_differs_from_bfloat16(backend, tmp_path):
     bf16, mx = rows["mixed_bfloat16"], rows["mxfp8"]
     assert bf16[2] != mx[2]  # the loss: the block-scaled layers ran
     assert abs(float(bf16[3]) - float(mx[3])) <= ACCURACY_TOLERANCE
+    block = json.loads((out / "report.json").read_text())["recipes"]["mxfp8"]["block"]
+    # the ViT's blocks in the format, the patch embedding and the head kept out (first / last)
+    assert block["layers"][backend][-2:] == ["mlp.fc1", "mlp.fc2"]
+    assert block["accuracy"][backend]["bfloat16"] is None  # its reference is a row of its own
+
+
+@pytest.mark.slow  # a bfloat16 and an mxfp8 ViT run in torch, about 20 s on 2 CPU cores
+def test_compare_of_one_block_scaled_recipe_reports_its_layers_against_bfloat16(tmp_path):
+    require_backend("torch")
+    out = tmp_path / "rep"
+    assert main(["compare", "--recipe", "mxfp8", "--model", "vit", "--epochs", "1", "--batch-size", "512",
+                 "--backends", "torch", "--quiet", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    acc = report["block"]["accuracy"]["torch"]
+    assert acc["block"] == report["runs"]["torch"]["test_accuracy"]
+    assert acc["diff"] == pytest.approx(acc["block"] - acc["bfloat16"]) and abs(acc["diff"]) <= ACCURACY_TOLERANCE
+    md = (out / "report.md").read_text()
+    assert "## Block-scaled (mxfp8)" in md and "attn.q, attn.k, attn.v, attn.o, mlp.fc1, mlp.fc2" in md
+    assert "The published recipe: arXiv 2506.08027" in md
 
 
 @pytest.mark.slow  # three Keras worker processes, about 25 s each on 2 CPU cores
@@ -44,10 +63,13 @@ def test_compare_mxfp8_vit_trains_on_every_keras_engine(tmp_path):
         require_backend(name)
     engines = ["keras-tensorflow", "keras-jax", "keras-torch"]
     out = tmp_path / "rep"
-    code = main(["compare", "--recipe", "mxfp8", "--model", "vit", "--epochs", "1", "--batch-size", "512",
+    # (--recipes: one recipe without the bfloat16 reference runs the block section adds)
+    code = main(["compare", "--recipes", "mxfp8", "--model", "vit", "--epochs", "1", "--batch-size", "512",
                  "--backends", ",".join(engines), "--quiet", "--out", str(out)])
     assert code == 0
-    runs = json.loads((out / "report.json").read_text())["runs"]
+    report = json.loads((out / "report.json").read_text())["recipes"]["mxfp8"]
+    runs = report["runs"]
+    assert all(report["block"]["layers"][e][-2:] == ["mlp.fc1", "mlp.fc2"] for e in engines)
     assert list(runs) == engines
     first = [r["loss"][0] for r in runs.values()]
     assert max(first) - min(first) <= 2e-2 * first[0], first  # bfloat16 kernels apart, no more

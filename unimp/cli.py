@@ -425,6 +425,10 @@ def _compare(args: argparse.Namespace) -> int:
         from unimp.compare.fp8_scales import fp8_terminal_lines
 
         print("\n".join(fp8_terminal_lines(report["fp8"], args.model)))
+    if "block" in report:
+        from unimp.compare.fp8_scales import block_terminal_lines
+
+        print("\n".join(block_terminal_lines(report["block"])))
     if report.get("trace_diff_text"):
         print("where the frameworks' dtypes differ (first step, forward pass):")
         print("\n".join(f"  {row}" for row in report["trace_diff_text"]))

@@ -282,6 +282,10 @@ def _markdown(report: dict[str, Any]) -> str:
         from unimp.compare.fp8_scales import fp8_markdown
 
         lines += fp8_markdown(report["fp8"])
+    if "block" in report:
+        from unimp.compare.fp8_scales import block_markdown
+
+        lines += block_markdown(report["block"])
     lines += _layer_stats_markdown(report)
     if len(report["runs"]) > 1:  # every run is traced (a keras-* run: unimp's step on its model)
         lines += ["## Where the frameworks' dtypes differ (first step, forward pass)", ""]

@@ -479,6 +479,7 @@ def framework_warnings(label: str) -> Any:
 def run_compare(
     cfg: CompareConfig,
     progress_factory: Callable[[str, int], Any] | None = None,
+    block_reference: bool = True,
 ) -> dict[str, Any]:
     """Trains the same model, weights and batches with the recipe in every backend.
 
@@ -486,6 +487,9 @@ def run_compare(
         cfg: the options.
         progress_factory: ``(label, total_steps) -> context manager with .advance()``;
             ``None`` for no progress display.
+        block_reference: with a block-scaled recipe, also train the same recipe without its
+            block-scaled layers (bfloat16) for the report's accuracy difference, as an FP8
+            recipe's float8 section does.
 
     Returns:
         The report dict (what ``report.json`` holds).
@@ -580,6 +584,13 @@ def run_compare(
             plain = recipe.replace(fp8=None)
             bf16 = {b: one(b, plain, f"{b} ({plain.policy.compute_dtype})") for b in backends}
             report["fp8"] = fp8_section(runs, bf16)
+        if recipe.block is not None:  # the block-scaled layers against the same run without them
+            from unimp.compare.fp8_scales import block_section
+
+            plain = recipe.replace(block=None)
+            bf16 = ({b: one(b, plain, f"{b} ({plain.policy.compute_dtype})") for b in backends}
+                    if block_reference else {})
+            report["block"] = block_section(runs, bf16, recipe.block)
         _add_trace_diff(report)
         report["layer_stats"] = {b: layer_stats(run) for b, run in runs.items()}
         return report
@@ -624,7 +635,8 @@ def run_recipes(
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
         one = dataclasses.replace(cfg, recipe=name, log_dir=log_dir)
-        reports[name] = run_compare(one, progress_factory=factory)
+        # (a block-scaled recipe's bfloat16 reference is a row of its own where it is listed)
+        reports[name] = run_compare(one, progress_factory=factory, block_reference=False)
     out: dict[str, Any] = {"recipes": reports}
     out["rows"] = recipe_rows(out)
     return out

@@ -253,6 +253,7 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
             params.setdefault(weight_layer(k), {})[k] = jnp.asarray(v)
         step = mp.train_step(loss_fn, opt, params, **options)
     step.forward = forward  # for the test accuracy
+    step.block_layers = block_selected  # the paths in the block-scaled format (a report row)
     return mp, step, lambda b: {k: jnp.asarray(v) for k, v in b.items()}
 
 
@@ -280,4 +281,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "peak_memory_bytes": None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None,
         "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": fp8,
+        "block_layers": list(getattr(step, "block_layers", ())) if spec.recipe.block is not None else None,
     }

@@ -209,6 +209,7 @@ def _train(spec: RunSpec) -> dict[str, Any]:
         "peak_memory_bytes": None,
         "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": scales_record(first, _fp8_scales(mp, model)) if fp8_on else None,
+        "block_layers": list(mp.fp8_layers(model)) if spec.recipe.block is not None else None,
         "initial_weights": initial,
     }
 

@@ -203,4 +203,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "peak_memory_bytes": peak,
         "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": fp8,
+        "block_layers": list(mp.fp8_layers(model)) if spec.recipe.block is not None else None,
     }
