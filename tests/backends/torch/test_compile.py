@@ -235,8 +235,22 @@ def test_the_compiled_step_refuses_what_needs_the_host_naming_the_fix():
     with pytest.raises(ValueError, match=r"compile=True cannot take log=.*drop log="):
         mp.train_step(model, opt, _loss, compile=True, log="steps.jsonl")
     sched = torch.optim.lr_scheduler.StepLR(opt, 10)
-    with pytest.raises(ValueError, match=r"learning rate as a tensor.*lr=torch.tensor\(lr\)"):
+    with pytest.raises(ValueError, match=r"learning rate as a tensor.*lr=torch.tensor\(lr\).*capturable=True"):
         mp.train_step(model, opt, _loss, compile=True, scheduler=sched)
+    # what it would run wrong: an update rule (inductor folds the cast pair it rounds with; the
+    # breaker measured a Kahan compensation of 0 and NaN weights after a skip), accum_dtype
+    for name in ("bf16-kahan", "bf16-stochastic"):
+        half = unimp.mixed_precision(name, backend="torch", device="cpu")
+        model_h = _seeds_mlp()
+        model_h, opt_h = half.prepare(model_h, torch.optim.SGD(model_h.parameters(), lr=0.05))
+        with pytest.raises(ValueError, match=r"cannot run the policy's update=.*use compile=False"):
+            half.train_step(model_h, opt_h, _loss, compile=True)
+        half.train_step(model_h, opt_h, _loss)  # eagerly: taken
+    accum = unimp.mixed_precision("params=float32,compute=float16,output=float32,accum=bfloat16", backend="torch",
+                                  device="cpu")
+    with pytest.raises(ValueError, match=r"accum_dtype='bfloat16' over grad_accum_steps=2.*compile=False"):
+        accum.train_step(model, opt, _loss, compile=True, grad_accum_steps=2)
+    accum.train_step(model, opt, _loss, compile=True)  # one micro-batch: nothing accumulates
 
 
 def _by_hand(scaler, compiled, batches):

@@ -73,10 +73,12 @@ class FP8Ops:
             if key not in self._cache:
                 self._cache[key] = torch.tensor(np.asarray(x, np.float32), device=self.device)
             return self._cache[key]
-        x = float(x)
-        if x not in self._cache:
-            self._cache[x] = torch.tensor(x, dtype=torch.float32, device=self.device)
-        return self._cache[x]
+        # keyed by the float32 bits: a NaN key never equals itself (a new entry per call), and
+        # 0.0 == -0.0 would hand one for the other
+        key = int(np.float32(x).view(np.uint32))
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(float(x), dtype=torch.float32, device=self.device)
+        return self._cache[key]
 
     def reciprocal(self, x: torch.Tensor) -> torch.Tensor:
         # torch keeps subnormals (unless torch.set_flush_denormal(True)): IEEE 1 / x

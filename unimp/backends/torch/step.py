@@ -128,13 +128,19 @@ class TrainStep(LoggedStep):
             backward passes, the unscale, finite check, clipping, guarded update and
             loss-scale update) as one ``torch.compile``d function (the default inductor
             backend), with no graph break of unimp's and no recompilation as steps are applied
-            and skipped; see :meth:`MixedPrecision.train_step`.
+            and skipped; see :meth:`MixedPrecision.train_step`. Known limits: FP8 and
+            block-scaled layers compile with graph breaks of their own (the values are the
+            eager step's); an optimizer that keeps per-parameter state other than tensors
+            (torch's keep none) has that state advanced by a skipped step; and
+            ``torch.compiler.is_compiling()`` is one flag per process, so an eager unimp step
+            must not run while another thread compiles.
 
     Raises:
         ValueError: a model on another device type than the bound one, a ``batch`` that is
             not a sequence of ``grad_accum_steps`` micro-batches, a loss that is not a
             scalar, a ``skip`` other than ``"auto"`` / ``"guard"``, or ``compile=True`` with
-            an option that needs the host inside the step (named, with the fix).
+            an option that needs the host inside the step, or that it would run wrong (a
+            policy ``update`` rule, ``accum_dtype`` over micro-batches; named, with the fix).
     """
 
     def __init__(
@@ -155,7 +161,7 @@ class TrainStep(LoggedStep):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if compile:
-            _check_compile(options, optimizer, scheduler)
+            _check_compile(options, optimizer, scheduler, mp.policy)
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch).")
         if scheduler is not None and not hasattr(scheduler, "step"):
@@ -248,14 +254,32 @@ class TrainStep(LoggedStep):
         self.scaler.load_state_dict(state_dict)
 
 
-def _check_compile(options: StepOptions, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-    """Refuses what a compiled step cannot run without host reads inside it, naming the fix.
+def _check_compile(options: StepOptions, optimizer: torch.optim.Optimizer, scheduler: Any, policy: Any) -> None:
+    """Refuses what a compiled step cannot run without host reads inside it, or cannot run
+    right, naming the fix.
 
     Raises:
         ValueError: ``stats_every`` or ``log`` (per-step host bookkeeping: forward hooks, a
-            step log), or a ``scheduler`` over a Python-float learning rate (each new value
-            would recompile the step).
+            step log), a ``scheduler`` over a Python-float learning rate (each new value
+            would recompile the step), a policy ``update`` rule other than ``"nearest"``
+            (inductor folds the float32 -> half -> float32 cast pair the rule's rounding
+            error is taken from, and the rule's state is replaced, not updated, which the
+            compiled guard does not put back on a skipped step), or ``accum_dtype`` with
+            ``grad_accum_steps > 1`` (its accumulation does not trace).
     """
+    if policy.update != "nearest":
+        raise ValueError(
+            f"compile=True cannot run the policy's update={policy.update!r}: inductor folds the "
+            "float32 -> half -> float32 casts its rounding is measured with (measured, torch 2.13: "
+            "the Kahan compensation stays 0), and a skipped step would not put its state back; "
+            "use compile=False for this policy."
+        )
+    if policy.accum_dtype is not None and options.grad_accum_steps > 1:
+        raise ValueError(
+            f"compile=True cannot accumulate gradients in accum_dtype={policy.accum_dtype!r} over "
+            f"grad_accum_steps={options.grad_accum_steps}: that accumulation does not trace; use "
+            "compile=False, or a policy without accum (autograd accumulates in the gradients' dtype)."
+        )
     if options.stats_every is not None or options.log is not None:
         which = "stats_every" if options.stats_every is not None else "log"
         raise ValueError(
@@ -270,7 +294,8 @@ def _check_compile(options: StepOptions, optimizer: torch.optim.Optimizer, sched
                 f"compile=True with a scheduler needs the learning rate as a tensor (param group "
                 f"{floats[0]} holds a Python float, and each new value would recompile the "
                 "step): build the optimizer with lr=torch.tensor(lr), as torch.compile's "
-                "optimizer guide does."
+                "optimizer guide does (on CUDA with fused=True or capturable=True: torch's "
+                "foreach kernels take no tensor lr otherwise)."
             )
 
 
