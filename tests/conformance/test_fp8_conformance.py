@@ -229,3 +229,16 @@ def test_a_state_of_another_history_length_is_refused_when_compiled(backend, len
     state = mod.fp8_state_from_numpy(fp8.FP8State.initial(fp8.DelayedScaling(amax_history_len=length)))
     with pytest.raises(ValueError, match=rf"'amax_history' has shape \({length},\), the config needs \(3,\)"):
         _compiled_step(backend, mod, config, "forward")(state, _native(backend, 2.0))
+
+
+def test_the_namespace_makes_each_constant_once_by_its_bits(backend):
+    """``f32`` of a Python number: the same float32 bits give the same tensor, a NaN too (a NaN
+    key never equals itself: torch's cache grew by one tensor per call), and -0.0 keeps its
+    sign (0.0 == -0.0 as keys)."""
+    ops = _namespace(backend)
+    for value in (float("nan"), -0.0, 0.0, 2.5):
+        a, b = np.asarray(ops.f32(value)), np.asarray(ops.f32(value))
+        assert _bits(a) == _bits(b) == _bits(np.float32(value))
+    if backend == "torch":
+        assert ops.f32(float("nan")) is ops.f32(float("nan"))
+        assert len(ops._cache) == 4

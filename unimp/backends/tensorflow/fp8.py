@@ -53,6 +53,10 @@ class FP8Ops:
 
     @staticmethod
     def f32(x: Any) -> tf.Tensor:
+        if isinstance(x, (int, float)):
+            # through NumPy: TensorFlow caches its constants of Python numbers by value, where
+            # 0.0 == -0.0, and served -0.0 for 0.0 after one -0.0
+            return tf.constant(np.float32(x))
         return tf.cast(x, tf.float32)
 
     @staticmethod
