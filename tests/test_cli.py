@@ -160,3 +160,18 @@ def test_compare_help_names_every_loss_scale_preset(capsys):
         main(["compare", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in PRESETS) and "deepspeed, megatron, fairseq" in text
+
+
+@pytest.mark.slow  # a process importing TensorFlow: about 15 s
+def test_a_keras_backend_exported_for_the_users_code_does_not_refuse_the_tensorflow_backend(tmp_path):
+    # KERAS_BACKEND=jax set for a user's own Keras code: `--backends tensorflow` (Keras on
+    # TensorFlow in the command's process) refused to load, and compare's defaults with it
+    if "tensorflow" not in BACKENDS:
+        pytest.skip("TensorFlow is not under test")
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    out = subprocess.run(
+        [sys.executable, "-m", "unimp.cli", "trace", "mixed_float16", "--backends", "tensorflow", "--json"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert '"framework": "tensorflow"' in out.stdout

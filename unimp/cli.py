@@ -703,6 +703,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command in ("compare", "trace", "audit") and "keras" not in sys.modules:
+        # the names pin the engine: `tensorflow` (`keras-tensorflow`) runs unimp's Keras step on
+        # TensorFlow in this process, `keras-jax` / `keras-torch` in workers of their own; a
+        # KERAS_BACKEND=jax exported for the user's own Keras code would refuse the first
+        os.environ["KERAS_BACKEND"] = "tensorflow"
     try:
         with _native_stderr_filtered():
             return args.func(args)
