@@ -175,3 +175,13 @@ def test_a_keras_backend_exported_for_the_users_code_does_not_refuse_the_tensorf
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert '"framework": "tensorflow"' in out.stdout
+
+
+@pytest.mark.parametrize("command", [["trace", "mixed_float16"], ["audit", "--to", "float16"]])
+def test_trace_and_audit_refuse_a_users_model_at_once_naming_compare(command, tmp_path, capsys):
+    # before: the model was built (14 s), then "unknown --model ...; choose one of mlp, cnn, vit"
+    model = tmp_path / "net.py"
+    model.write_text("raise SystemExit('imported')\n")  # importing it would end the test
+    assert main([*command, "--model", f"{model}:build", "--backends", "torch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runs the built-in models" in err[0] and "unimp compare --model" in err[0]

@@ -33,7 +33,7 @@ def _dtype_counts(counter: Any) -> str:
 
 def trace_command(args: argparse.Namespace) -> int:
     """``unimp trace``: the table per framework, ``--diff``, ``--json``."""
-    from unimp.compare.run import CompareConfig, validate
+    from unimp.compare.run import CompareConfig, refuse_user_model, validate
     from unimp.compare.trace import trace_report
 
     cfg = CompareConfig(
@@ -46,6 +46,7 @@ def trace_command(args: argparse.Namespace) -> int:
         device=args.device,
         loss_scale=args.loss_scale,
     )
+    refuse_user_model(cfg.model, "unimp trace")
     recipe, _, _ = validate(cfg)  # every bad option fails here, before any framework is imported
     report = trace_report(cfg, with_float32=args.diff)
     traces, reference = report["traces"], report["reference"]

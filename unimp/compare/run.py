@@ -44,6 +44,7 @@ __all__ = [
     "run_audit",
     "run_compare",
     "test_metrics",
+    "refuse_user_model",
     "run_recipes",
     "trace_diff",
     "train_loop",
@@ -306,6 +307,24 @@ def parse_loss_scale(spec: str) -> Any:
             f"--loss-scale {spec!r}: use none, dynamic, static:N (e.g. static:1024) or a "
             f"framework's dynamic preset ({e})"
         ) from None
+
+
+def refuse_user_model(model: str, command: str) -> None:
+    """``unimp trace`` and ``unimp audit`` run the built-in models; a user's
+    ``FILE.py:FUNCTION`` is refused before anything is built or imported.
+
+    Raises:
+        ValueError: ``model`` names a user's file, naming ``unimp compare`` (its report holds
+            the trace diff of the user's model) as the fix.
+    """
+    from unimp.compare.user import is_reference
+
+    if is_reference(model):
+        raise ValueError(
+            f"--model {model}: {command} runs the built-in models (mlp, cnn, vit); for your own "
+            "model use unimp compare --model FILE.py:FUNCTION (its report holds the trace diff "
+            "of every framework it runs)."
+        )
 
 
 def validate(cfg: CompareConfig) -> tuple[Recipe, list[str], Dataset]:
@@ -691,6 +710,7 @@ def run_audit(
         raise ValueError(f"--underflow-tolerance must be in [0, 1), got {underflow_tolerance}.")
     if plant is not None:  # its form first: refused at once, before the data and frameworks
         plant_form(plant)
+    refuse_user_model(cfg.model, "unimp audit")
     scale = initial_scale(to)
     loss_scale = "none" if scale == 1.0 else StaticLossScale(scale)
     _, backends, ds = validate(dataclasses.replace(cfg, recipe="float32", loss_scale=None))

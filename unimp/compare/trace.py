@@ -20,6 +20,7 @@ from unimp.compare.run import (
     CompareConfig,
     RunSpec,
     device_for,
+    refuse_user_model,
     trace_diff,
     validate,
 )
@@ -84,6 +85,7 @@ def trace_report(
         "diff": [DiffRow]}``; the float32 reference (``with_float32``) is labelled
         ``float32 (<backend>)``, traced in the first backend, and shown beside the diff.
     """
+    refuse_user_model(cfg.model, "unimp trace")
     recipe, backends, _ = validate(cfg)
     traces: dict[str, Trace] = {}
     for b in backends:
