@@ -1,6 +1,7 @@
 """torch backend, ``step``: the train step (clipping, accumulation, skips, state, syncs, bad input)."""
 
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -102,6 +103,24 @@ def test_non_scalar_loss_raises_and_leaves_no_grads():
     with pytest.raises(ValueError, match="scalar"):
         step(_batch(0))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_step_called_under_no_grad_trains_as_outside_it():
+    # an evaluation loop's torch.no_grad() around the call: "element 0 of tensors does not
+    # require grad" before; a training step turns gradients on for itself, as Lightning does
+    def run(no_grad):
+        torch.manual_seed(0)
+        mp = ut.MixedPrecision("mixed_bfloat16", device=DEV)
+        model = _mlp()
+        step = mp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            r = step(_batch(0))
+            assert torch.is_grad_enabled() is not no_grad  # the caller's mode, put back
+        return bool(r.applied), [p.detach().clone() for p in model.parameters()]
+
+    (applied, params), (applied_ref, ref) = run(True), run(False)
+    assert applied and applied_ref
+    assert all(torch.equal(a, b) for a, b in zip(params, ref, strict=True))
 
 
 def test_scheduler_advances_only_on_applied_steps():

@@ -192,8 +192,10 @@ class TrainStep(LoggedStep):
     schedule_counts = property(lambda self: self.options.schedule_counts)
 
     def __call__(self, batch: Any) -> StepResult:
-        # the recipe's float32 matmul precision for this call only (restored, also on error)
-        with matmul_precision(self.mp.policy.matmul_precision):
+        # the recipe's float32 matmul precision for this call only (restored, also on error);
+        # gradients on even when called under torch.no_grad() (an evaluation loop's block), as
+        # a training step needs them
+        with torch.enable_grad(), matmul_precision(self.mp.policy.matmul_precision):
             if not self.options.stats_step(self.calls):
                 result, grad_flags = self._run(batch, None)
             else:
