@@ -58,6 +58,13 @@ def test_a_users_keras_model_runs_on_three_engines_from_the_same_weights(tmp_pat
         md = (out / "report.md").read_text()
         assert "* matmul: keras-tensorflow float16, keras-jax float16, keras-torch float32 (Keras's torch" in md
     assert runs["keras-tensorflow"]["threads_set"] == {"tensorflow": "1"}
+    # Keras's trainer takes no statistics: unimp's step beside it does, at the first and the
+    # last step, with the weights put back (the losses above are the training's own)
+    last = str(rep["steps"] - 1)
+    assert all(sorted(r["stats"], key=int) == ["0", last] for r in runs.values())
+    assert set(rep["layer_stats"]) == set(ENGINES)
+    acts = {e: rep["layer_stats"][e]["first"]["layers"]["l1"]["act_amax"] for e in ENGINES}
+    assert max(acts.values()) == pytest.approx(min(acts.values()), rel=1e-2), acts
 
 
 def test_per_layer_overrides_run_on_keras_engines(tmp_path):

@@ -24,7 +24,7 @@ from unimp.compare.keras_trace import engine_trace
 from unimp.compare.run import RunSpec, train_loop
 from unimp.trace import Trace
 
-__all__ = ["stats_task", "step_trace", "trace_task"]
+__all__ = ["stats_task", "step_stats", "step_trace", "trace_task"]
 
 
 def _optimizer(spec: RunSpec) -> Any:
@@ -75,6 +75,26 @@ def step_trace(spec: RunSpec, mp: Any, model: Any) -> Trace:
 
     step = mp.train_step(model, _optimizer(spec), _loss_fn(spec))
     return engine_trace(mp.trace(step, spec.batches[0]), f"keras-{keras.backend.backend()}")
+
+
+def step_stats(spec: RunSpec, mp: Any, model: Any) -> Any:
+    """In a Keras worker: ``stats(batch) -> StepStats dict``, the tensor statistics of one step
+    of unimp's train step of ``model`` (prepared by ``mp``) on ``batch``, with an optimizer of
+    its own and the model's weights put back after it, so that nothing the caller trains with
+    changes: compare's keras-* runs, which train with Keras's trainer (it takes no
+    statistics), get their first and last step's statistics so. The step starts at the
+    recipe's initial loss scale.
+    """
+    step = mp.train_step(model, _optimizer(spec), _loss_fn(spec), stats_every=1)
+
+    def stats(batch: dict[str, Any]) -> dict[str, Any]:
+        weights = model.get_weights()
+        try:
+            return step(batch).stats.to_dict()
+        finally:
+            model.set_weights(weights)
+
+    return stats
 
 
 def trace_task(spec: RunSpec) -> dict[str, Any]:

@@ -66,8 +66,8 @@ def run(spec: RunSpec, engine: str, task: str | None = None) -> dict[str, Any]:
     if spec.user_model and key in _initial:
         spec = replace(spec, weights={str(i): w for i, w in enumerate(_initial[key])})
     payload = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "progress"}
-    if task is None:  # Keras's trainer has no step log or statistics step: the run has none
-        payload.update(log=None, stats_every=None)
+    if task is None:  # Keras's trainer has no step log: the run has none (its statistics are
+        payload.update(log=None)  # unimp's step's, taken beside it: _train)
     with tempfile.TemporaryDirectory(prefix="unimp-keras-") as tmp:
         src, dst = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "run.pkl")
         with open(src, "wb") as f:
@@ -128,7 +128,7 @@ def _train(spec: RunSpec) -> dict[str, Any]:
     import unimp
     from unimp.compare.fp8_scales import capture_first, scales_record
     from unimp.compare.keras_models import keras_model
-    from unimp.compare.keras_step import step_trace
+    from unimp.compare.keras_step import step_stats, step_trace
     from unimp.compare.run import test_metrics, train_loop
     from unimp.compare.user import user_model
     from unimp.loss_scale import LossScaleState, NoLossScale
@@ -191,9 +191,24 @@ def _train(spec: RunSpec) -> dict[str, Any]:
         return StepResult(raw, config=config if scaled else None)
 
     spec.progress = lambda i: print(f"step {i}", flush=True)
+    # Keras's trainer takes no statistics: unimp's step, with an optimizer of its own and the
+    # weights put back, on the first batch before training and on the last one before its step
+    stats: dict[str, Any] = {}
+    if spec.stats_every is not None:
+        stats_of, last, printed = step_stats(spec, mp, model), len(spec.batches) - 1, spec.progress
+        stats["0"] = stats_of(spec.batches[0])
+
+        def progress(i: int) -> None:
+            if i == last - 1:
+                stats[str(last)] = stats_of(spec.batches[last])
+            printed(i)
+
+        spec.progress = progress
     fp8_on = spec.recipe.fp8 is not None
     first = capture_first(spec, lambda: _fp8_scales(mp, model)) if fp8_on else {}
     out = train_loop(step, spec, lambda b: b)
+    if stats:
+        out["stats"] = stats
     ones = np.ones((len(spec.x_test), spec.batches[0]["mask"].shape[1]), np.float32)
     held_out = {"x": spec.x_test, "mask": ones}
     # one batch of every held-out row, as every runner evaluates: NVFP4's global scale is the
