@@ -185,3 +185,16 @@ def test_trace_and_audit_refuse_a_users_model_at_once_naming_compare(command, tm
     assert main([*command, "--model", f"{model}:build", "--backends", "torch"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "runs the built-in models" in err[0] and "unimp compare --model" in err[0]
+
+
+def test_a_backend_named_twice_and_an_unmakeable_log_dir_are_one_line_each(tmp_path, capsys):
+    assert main(["trace", "mixed_float16", "--backends", "torch,torch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names torch twice; name each backend once" in err[0]
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a folder cannot be made below a file
+    code = main(["audit", "--to", "float16", "--backends", BACKENDS[0], "--steps", "1",
+                 "--log-dir", str(blocker / "logs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--log-dir" in err[0] and "cannot be created" in err[0], err
+    assert not (blocker / "logs").exists()

@@ -24,6 +24,9 @@ def backends_arg(value: str | None) -> tuple[str, ...] | None:
     backends = tuple(b.strip() for b in value.split(",") if b.strip())
     if not backends:
         raise UsageError(f"--backends {value!r} names no backend; e.g. --backends torch,jax")
+    twice = sorted({b for b in backends if backends.count(b) > 1})
+    if twice:  # each would be one more identical run under the same label
+        raise UsageError(f"--backends {value!r} names {', '.join(twice)} twice; name each backend once.")
     return backends
 
 

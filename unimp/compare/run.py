@@ -726,7 +726,11 @@ def run_audit(
     if log_dir is not None:  # every option checked: the folder may be made now
         if os.path.exists(log_dir) and not os.path.isdir(log_dir):
             raise ValueError(f"--log-dir {log_dir!r} exists and is not a folder; pick another path")
-        os.makedirs(log_dir, exist_ok=True)
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as e:  # as compare says it: the option, the reason, the fix
+            raise ValueError(f"--log-dir {log_dir!r} cannot be created ({e.strerror or e}); "
+                             "pick a folder you can write") from None
     per_epoch = max(1, len(ds.x_train) // cfg.batch_size)
     data = batches(
         ds, batch_size=cfg.batch_size, epochs=math.ceil(steps / per_epoch), seed=cfg.seed,
