@@ -198,3 +198,15 @@ def test_a_backend_named_twice_and_an_unmakeable_log_dir_are_one_line_each(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--log-dir" in err[0] and "cannot be created" in err[0], err
     assert not (blocker / "logs").exists()
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    # audit on a keras engine printed the 19-line traceback of whatever ran (compare says where)
+    import unimp.compare.run as run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "run_audit", interrupted)
+    assert main(["audit", "--to", "float16", "--backends", BACKENDS[0]]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["unimp audit: interrupted"]

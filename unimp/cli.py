@@ -711,6 +711,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _native_stderr_filtered():
             return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C in any other command (compare says where it stopped)
+        print(f"unimp {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `unimp explain ... | head -1`: the reader left, a quiet exit
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
