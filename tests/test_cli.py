@@ -210,3 +210,22 @@ def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(run, "run_audit", interrupted)
     assert main(["audit", "--to", "float16", "--backends", BACKENDS[0]]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["unimp audit: interrupted"]
+
+
+def test_compare_notes_tensorflows_slow_onednn_float16_on_a_cpu(monkeypatch):
+    # a new user saw TensorFlow 26x slower than torch and no word why (52 ms -> 1.4 ms a step
+    # with TF_ENABLE_ONEDNN_OPTS=0 on a CPU with AVX512-FP16)
+    from unimp.cli import _onednn_note
+
+    def report(policy, tf_ms, device="cpu:0"):
+        return {"recipe": {"policy": policy}, "runs": {
+            "torch": {"step_time": [0.002] * 3, "device": "cpu"},
+            "tensorflow": {"step_time": [tf_ms / 1000] * 3, "device": device}}}
+
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in _onednn_note(report("mixed_float16", 52.0))
+    assert _onednn_note(report("mixed_float16", 8.0)) is None  # 4x: not said
+    assert _onednn_note(report("mixed_bfloat16", 52.0)) is None
+    assert _onednn_note(report("mixed_float16", 52.0, device="gpu:0")) is None
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
+    assert _onednn_note(report("mixed_float16", 52.0)) is None

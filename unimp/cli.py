@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import warnings
@@ -421,6 +422,9 @@ def _compare(args: argparse.Namespace) -> int:
     for i, col in enumerate(COLUMNS[1:], start=1):
         table.add_row(col, *(row[i] for row in rows))
     Console().print(table)
+    slow = _onednn_note(report)
+    if slow:
+        print(slow)
     if "fp8" in report:
         from unimp.compare.fp8_scales import fp8_terminal_lines
 
@@ -434,6 +438,24 @@ def _compare(args: argparse.Namespace) -> int:
         print("\n".join(f"  {row}" for row in report["trace_diff_text"]))
     print("wrote " + ", ".join(written))
     return 0
+
+
+def _onednn_note(report: dict) -> str | None:
+    """A line under compare's table when TensorFlow's float16 steps on a CPU took over 5x the
+    fastest other framework's with oneDNN on: measured on a CPU with AVX512-FP16, 52 ms a
+    step against 1.4 ms with ``TF_ENABLE_ONEDNN_OPTS=0`` (docs/getting-started.md)."""
+    from unimp.policy import get_policy
+
+    if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0" or get_policy(report["recipe"]["policy"]).compute_dtype != "float16":
+        return None
+    median = {b: statistics.median(r["step_time"]) for b, r in report["runs"].items() if r.get("step_time")}
+    tf = [b for b in median if b in ("tensorflow", "keras-tensorflow") and str(report["runs"][b]["device"]).startswith("cpu")]
+    others = [t for b, t in median.items() if b not in tf]
+    if not tf or not others or max(median[b] for b in tf) < 5 * min(others):
+        return None
+    return ("note: TensorFlow's float16 steps ran over 5x slower than the other frameworks' here: TensorFlow's "
+            "oneDNN float16 kernels on a CPU can be; TF_ENABLE_ONEDNN_OPTS=0 turns them off "
+            "(docs/getting-started.md).")
 
 
 def _log_dir(value: str | None) -> str | None:
