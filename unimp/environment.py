@@ -33,7 +33,8 @@ VARIABLES: dict[str, Variable] = {
     ),
     "KERAS_BACKEND": Variable(
         'Keras itself, and `unimp.registry.keras_engine()` (`backend="keras"`) before Keras is '
-        "imported; `unimp compare` sets it for each keras-* worker",
+        "imported; `unimp compare` sets it for each keras-* worker, and `unimp compare`, `trace` "
+        "and `audit` set it to tensorflow in their own process",
         '"tensorflow", "jax" or "torch"',
         "the engine Keras runs on, fixed per process: which `MixedPrecision` `backend=\"keras\"` binds",
     ),
@@ -41,6 +42,12 @@ VARIABLES: dict[str, Variable] = {
         "`unimp.registry.keras_engine()` when neither Keras nor `KERAS_BACKEND` names the engine",
         "a directory (default `~/.keras`)",
         "where `keras.json`'s `backend` is read from",
+    ),
+    "TF_ENABLE_ONEDNN_OPTS": Variable(
+        "TensorFlow itself; `unimp compare` reads it for its note on TensorFlow's float16 speed on a CPU",
+        '"0": oneDNN off; unset or "1": on',
+        "TensorFlow's oneDNN kernels, whose float16 steps on a CPU can be many times slower "
+        "(compare notes it when TensorFlow's steps run over 5x the others')",
     ),
     "TF_CPP_MIN_LOG_LEVEL": Variable(
         "the `unimp` command line (set to 2 unless already set); importing unimp sets nothing",
