@@ -95,6 +95,7 @@ __all__ = [
     "Saved",
     "block_linear_reference",
     "block_linear_rule",
+    "check_layer_sizes",
     "check_linear_shapes",
     "gradient_bits",
     "linear_backward",
@@ -249,6 +250,31 @@ def check_linear_shapes(rule: Any, m: int | None, k: int, n: int) -> None:
                 f"block its GEMMs quantize along it; pad it to a multiple of {block} or keep this "
                 "layer out of the recipe (its per-layer overrides, or the first/last-layer rule)."
             )
+
+
+def check_layer_sizes(rule: Any, layers: list[tuple[str, int, int]]) -> None:
+    """Refuses, before a swap changes anything, the layers whose in / out features do not split
+    into ``rule``'s blocks (:func:`check_linear_shapes` with a batch that does; the batch rows
+    are checked at call time), all of them named.
+
+    Args:
+        rule: a :class:`BlockLinearRule` or its name.
+        layers: ``(path, in_features, out_features)`` of each selected layer.
+
+    Raises:
+        ValueError: every layer that does not split, with the fix.
+    """
+    r = block_linear_rule(rule)
+    m = r.tile("activation")[1] * r.tile("gradient")[1]  # any multiple of both passes
+    bad = []
+    for path, k, n in layers:
+        try:
+            check_linear_shapes(r, m, k, n)
+        except ValueError as err:
+            bad.append(f"{path!r} ({str(err).split(': ', 1)[1].split(';')[0]})")
+    if bad:
+        raise ValueError(f"block-scaled recipe {r.name!r}: layers {', '.join(bad)}; keep them out "
+                         f"(BlockRecipe(exclude=[...their paths...])) or pad their features.")
 
 
 def quantize_along(ops: Any, a: Any, rule: Any, role: str, axis: int, bits: Any = None) -> Any:

@@ -188,19 +188,8 @@ def swap_block_layers(model: Any, recipe: Any, dense: tuple[type, ...], call: An
         raise ValueError(f"block-scaled layers {odd} use LoRA or Keras's own quantization, which the "
                          "block-scaled matmul does not run: exclude them from the recipe "
                          "(BlockRecipe(exclude=[...])) or prepare before enable_lora / quantize.")
-    rule = recipe.rule
-    m = rule.tile("activation")[1] * rule.tile("gradient")[1]  # any multiple of both passes
-    bad = []
-    for p in selected:
-        if isinstance(layers[p], keras.layers.Dense):
-            k, n = (int(d) for d in layers[p]._kernel.shape)
-            try:
-                _bl.check_linear_shapes(rule, m, k, n)
-            except ValueError as err:
-                bad.append(f"{p!r} ({str(err).split(': ', 1)[1].split(';')[0]})")
-    if bad:
-        raise ValueError(f"block-scaled recipe {rule.name!r}: layers {', '.join(bad)}; keep them out "
-                         f"(BlockRecipe(exclude=[...their paths...])) or pad their features.")
+    _bl.check_layer_sizes(recipe.rule, [(p, *(int(d) for d in layers[p]._kernel.shape)) for p in selected
+                                        if isinstance(layers[p], keras.layers.Dense)])
     done = []
     for path in selected:
         layer = layers[path]

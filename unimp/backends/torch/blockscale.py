@@ -185,8 +185,8 @@ def block_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
 
     selected = fp8_select(model, recipe)
     modules = dict(model.named_modules())
-    _check_sizes(recipe, [(p, modules[p].in_features, modules[p].out_features) for p in selected
-                          if isinstance(modules[p], torch.nn.Linear)])
+    _bl.check_layer_sizes(recipe.rule, [(p, modules[p].in_features, modules[p].out_features)
+                                        for p in selected if isinstance(modules[p], torch.nn.Linear)])
     done = []
     for path in selected:
         layer = modules[path]
@@ -198,19 +198,3 @@ def block_swap(model: torch.nn.Module, recipe: Any) -> tuple[str, ...]:
             setattr(modules[parent] if parent else model, attr, new)
             done.append(path)
     return tuple(done)
-
-
-def _check_sizes(recipe: Any, layers: list[tuple[str, int, int]]) -> None:
-    """Refuses, before anything changes, the layers whose sizes do not split into the rule's
-    blocks (the batch rows are checked at call time)."""
-    rule = recipe.rule
-    m = rule.tile("activation")[1] * rule.tile("gradient")[1]  # any multiple of both passes
-    bad = []
-    for path, k, n in layers:
-        try:
-            _bl.check_linear_shapes(rule, m, k, n)
-        except ValueError as err:
-            bad.append(f"{path!r} ({str(err).split(': ', 1)[1].split(';')[0]})")
-    if bad:
-        raise ValueError(f"block-scaled recipe {rule.name!r}: layers {', '.join(bad)}; keep them out "
-                         f"(BlockRecipe(exclude=[...their paths...])) or pad their features.")
