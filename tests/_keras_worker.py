@@ -395,6 +395,8 @@ def step16() -> dict:
             for b in tb:
                 step(b)
         out["host_reads_per_step"] = sum(counts.values()) / len(tb)
+        with torch.no_grad():  # an evaluation loop's block around the call: the step still trains
+            out["applied_under_no_grad"] = bool(step(tb[0]).applied)
     return out
 
 

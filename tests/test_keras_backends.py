@@ -216,6 +216,7 @@ def test_train_step_follows_the_rule_and_skips_alike_on_every_keras_backend(runs
     # no host read per step
     assert runs["jax"]["step16"]["compilations_after_first"] == 0
     assert runs["torch"]["step16"]["host_reads_per_step"] == 0.0
+    assert runs["torch"]["step16"]["applied_under_no_grad"] is True  # as unimp's torch step
 
 
 def test_train_step_options_run_alike_on_every_keras_backend(runs):

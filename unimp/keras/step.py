@@ -332,16 +332,21 @@ class StepOps:
         return list(grads), loss32
 
     def _grads_torch(self, batch: Any, scale: Any) -> tuple[list[Any], Any]:
+        import torch
+
         for v in self.variables:
             v.value.grad = None
-        loss32 = self._loss(batch)
-        if not loss32.requires_grad:  # torch's own message names no fix
-            raise ValueError(
-                "loss_fn's loss does not depend on the model's trainable variables (torch has "
-                "no gradient to take): compute it from the model's outputs, without "
-                "stop_gradient / detach on the way."
-            )
-        self._scaled(loss32, scale).backward()
+        # gradients on even under the caller's torch.no_grad() (an evaluation loop's block), as
+        # unimp's torch step takes them
+        with torch.enable_grad():
+            loss32 = self._loss(batch)
+            if not loss32.requires_grad:  # torch's own message names no fix
+                raise ValueError(
+                    "loss_fn's loss does not depend on the model's trainable variables (torch has "
+                    "no gradient to take): compute it from the model's outputs, without "
+                    "stop_gradient / detach on the way."
+                )
+            self._scaled(loss32, scale).backward()
         grads = [v.value.grad for v in self.variables]
         for v in self.variables:
             v.value.grad = None
