@@ -226,7 +226,7 @@ def _mx_blocks(ops: Any, x: Any, fmt: str, rule: str, block: int, variant: str) 
             f"the {variant!r} MX variant rounds the scale up only: pass rule='round_up', or "
             "variant='reference' for the OCP floor rule."
         )
-    shape = tuple(x.shape)
+    shape = _shape(x)
     if not shape or shape[-1] % block:
         raise ValueError(
             f"the last dimension ({shape[-1] if shape else 'none'}) must be a multiple of the "
@@ -360,10 +360,16 @@ _F32_MAX = float(np.finfo(np.float32).max)
 BLOCK_FP8_VARIANTS = ("reference", "kernel")
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+    """``x``'s shape for the reshapes into blocks and back: a dimension not known while tracing
+    (TensorFlow's traced batch, as Keras's predict traces its last batch) as -1, what is left."""
+    return tuple(-1 if d is None else int(d) for d in x.shape)
+
+
 def _tiled(ops: Any, x: Any, tile: tuple[int, int], what: str) -> tuple[Any, tuple[int, ...]]:
     """``x`` (float32) as ``(rows // tr, tr, cols // tc, tc)`` tiles (rows: every axis but the
-    last, flattened), and ``x``'s shape; raises ValueError naming the fix."""
-    shape = tuple(x.shape)
+    last, flattened), and ``x``'s shape (:func:`_shape`); raises ValueError naming the fix."""
+    shape = _shape(x)
     tr, tc = tile
     if tr < 1 or tc < 1:
         raise ValueError(f"{what}: a tile is two positive sizes (rows, columns), got {tile!r}.")
@@ -372,15 +378,18 @@ def _tiled(ops: Any, x: Any, tile: tuple[int, int], what: str) -> tuple[Any, tup
             f"{what}: a {tr}x{tc} tile needs a tensor of {2 if tr > 1 else 1} or more dimensions, "
             f"got shape {shape}; reshape it to (rows, columns) first."
         )
-    # rows not known while tracing (None: TensorFlow's traced batch) split into 1-row tiles only
-    rows = None if tr == 1 and None in shape[:-1] else math.prod(shape[:-1])
+    # rows not known while tracing (a traced batch) split into 1-row tiles only
+    if tr > 1 and -1 in shape[:-1]:
+        raise ValueError(f"{what}: a {tr}x{tc} tile needs the rows known, got a traced shape {shape}; "
+                         "give the traced function static shapes (an input_signature with the batch size).")
+    rows = None if -1 in shape[:-1] else math.prod(shape[:-1])
     if shape[-1] % tc or (rows is not None and rows % tr):
         raise ValueError(
             f"{what}: shape {shape} does not split into {tr}x{tc} tiles (the last dimension must "
             f"be a multiple of {tc}" + (f" and the product of the others of {tr}" if tr > 1 else "")
             + "); pad the tensor or pick layers whose sizes are."
         )
-    return ops.reshape(ops.f32(x), (None if rows is None else rows // tr, tr, shape[-1] // tc, tc)), shape
+    return ops.reshape(ops.f32(x), (-1 if rows is None else rows // tr, tr, shape[-1] // tc, tc)), shape
 
 
 def _check_block_fp8(fmt: str, variant: str) -> float:

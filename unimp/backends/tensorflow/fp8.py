@@ -125,9 +125,8 @@ class FP8Ops:
         return tf.round(x)  # half to even
 
     @staticmethod
-    def reshape(x: tf.Tensor, shape: tuple[int | None, ...]) -> tf.Tensor:
-        # a traced dimension (None: Keras's predict traces its last batch so) is what is left
-        return tf.reshape(x, [-1 if d is None else d for d in shape])
+    def reshape(x: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+        return tf.reshape(x, shape)
 
     @staticmethod
     def amax_axes(x: tf.Tensor, axes: tuple[int, ...]) -> tf.Tensor:
