@@ -49,7 +49,7 @@ def trace_command(args: argparse.Namespace) -> int:
         device=args.device,
         loss_scale=args.loss_scale,
     )
-    refuse_user_model(cfg.model, "unimp trace")
+    refuse_user_model(cfg.model, "unimp trace")  # before validate builds anything
     recipe, _, _ = validate(cfg)  # every bad option fails here, before any framework is imported
     report = trace_report(cfg, with_float32=args.diff)
     traces, reference = report["traces"], report["reference"]

@@ -10,7 +10,7 @@ import keras
 from unimp.compare.models import LAYER_NORM_EPS, VIT_HEADS
 from unimp.compare.run import RunSpec
 
-__all__ = ["keras_model"]
+__all__ = ["keras_model", "keras_optimizer"]
 
 
 class _PositionEmbedding(keras.layers.Layer):
@@ -104,3 +104,11 @@ def keras_model(spec: RunSpec, autocast: Any) -> keras.Model:
         model.get_layer("conv").set_weights([w["k"], w["bk"]])
     model.get_layer("l2").set_weights([w["w2"], w["b2"]])
     return model
+
+
+def keras_optimizer(spec: RunSpec) -> keras.optimizers.Optimizer:
+    """The Keras optimizer of ``spec`` (``adam``: eps 1e-8, as every runner's Adam; else SGD),
+    unwrapped: the runner wraps it (``prepare`` or ``mp.loss_scale_optimizer``)."""
+    if spec.optimizer == "adam":
+        return keras.optimizers.Adam(spec.lr, epsilon=1e-8)
+    return keras.optimizers.SGD(spec.lr)

@@ -20,19 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from unimp.compare.keras_models import keras_optimizer
 from unimp.compare.keras_trace import engine_trace
 from unimp.compare.run import RunSpec, train_loop
 from unimp.trace import Trace
 
 __all__ = ["stats_task", "step_stats", "step_trace", "trace_task"]
-
-
-def _optimizer(spec: RunSpec) -> Any:
-    import keras
-
-    if spec.optimizer == "adam":
-        return keras.optimizers.Adam(spec.lr, epsilon=1e-8)
-    return keras.optimizers.SGD(spec.lr)
 
 
 def _loss_fn(spec: RunSpec) -> Any:
@@ -52,14 +45,13 @@ def _loss_fn(spec: RunSpec) -> Any:
 
 
 def _build(spec: RunSpec) -> tuple[Any, Any]:
-    """In the worker: the recipe bound to Keras on this engine and unimp's train step of the
-    built-in model ``spec.model`` with ``spec.weights``, as the TensorFlow runner builds it."""
+    """In the worker: the recipe bound to Keras on this engine and the built-in model
+    ``spec.model`` with ``spec.weights`` prepared by it, as the TensorFlow runner builds it."""
     import unimp
     from unimp.compare.keras_models import keras_model
 
     mp = unimp.mixed_precision(spec.recipe, backend="keras")
-    model, opt = mp.prepare(keras_model(spec, mp.autocast()), _optimizer(spec))
-    return mp, mp.train_step(model, opt, _loss_fn(spec), **spec.step_options())
+    return mp, mp.prepare(keras_model(spec, mp.autocast()))
 
 
 def step_trace(spec: RunSpec, mp: Any, model: Any) -> Trace:
@@ -73,7 +65,7 @@ def step_trace(spec: RunSpec, mp: Any, model: Any) -> Trace:
     """
     import keras
 
-    step = mp.train_step(model, _optimizer(spec), _loss_fn(spec))
+    step = mp.train_step(model, keras_optimizer(spec), _loss_fn(spec))
     return engine_trace(mp.trace(step, spec.batches[0]), f"keras-{keras.backend.backend()}")
 
 
@@ -85,7 +77,7 @@ def step_stats(spec: RunSpec, mp: Any, model: Any) -> Any:
     statistics), get their first and last step's statistics so. The step starts at the
     recipe's initial loss scale.
     """
-    step = mp.train_step(model, _optimizer(spec), _loss_fn(spec), stats_every=1)
+    step = mp.train_step(model, keras_optimizer(spec), _loss_fn(spec), stats_every=1)
 
     def stats(batch: dict[str, Any]) -> dict[str, Any]:
         weights = model.get_weights()
@@ -99,12 +91,8 @@ def step_stats(spec: RunSpec, mp: Any, model: Any) -> Any:
 
 def trace_task(spec: RunSpec) -> dict[str, Any]:
     """In a Keras worker (``unimp trace``): ``{"trace": Trace dict}``, one train step of the
-    built-in model on ``spec.batches[0]``, named ``keras-<engine>``."""
-    import keras
-
-    mp, step = _build(spec)
-    engine = f"keras-{keras.backend.backend()}"
-    return {"trace": engine_trace(mp.trace(step, spec.batches[0]), engine).to_dict()}
+    built-in model on ``spec.batches[0]`` (:func:`step_trace`), named ``keras-<engine>``."""
+    return {"trace": step_trace(spec, *_build(spec)).to_dict()}
 
 
 def stats_task(spec: RunSpec) -> dict[str, Any]:
@@ -117,6 +105,7 @@ def stats_task(spec: RunSpec) -> dict[str, Any]:
     """
     import keras
 
-    _, step = _build(spec)
+    mp, model = _build(spec)
+    step = mp.train_step(model, keras_optimizer(spec), _loss_fn(spec), **spec.step_options())
     spec.progress = lambda i: print(f"step {i}", flush=True)  # read by the parent
     return {"framework": f"keras-{keras.backend.backend()}", **train_loop(step, spec, lambda b: b)}

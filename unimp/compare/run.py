@@ -267,13 +267,14 @@ def keras_refusal(recipe: Recipe) -> str | None:
     return None
 
 
-def _runner(backend: str) -> Callable[[RunSpec], dict[str, Any]]:
-    """The function that runs a spec on ``backend`` (a Keras engine runs in a worker)."""
+def _runner(backend: str, task: str | None = None) -> Callable[[RunSpec], dict[str, Any]]:
+    """The function that runs a spec on ``backend`` (a Keras engine runs in a worker, which runs
+    ``task`` there, ``"module:function"``, instead of Keras's trainer when given)."""
     # runners are found by name (each imports this module): runner_<backend>, and runner_keras
     # for every Keras engine, told which one
     keras = backend in KERAS_ENGINES
     runner = importlib.import_module(f"unimp.compare.runner_{'keras' if keras else backend}")
-    return functools.partial(runner.run, engine=backend) if keras else runner.run
+    return functools.partial(runner.run, engine=backend, task=task) if keras else runner.run
 
 
 def parse_loss_scale(spec: str) -> Any:
@@ -738,9 +739,8 @@ def run_audit(
     )[:steps]  # fmt: skip
     findings: dict[str, list[dict[str, Any]]] = {}
     for b in backends:
-        runner = _runner(b)
-        if b in KERAS_ENGINES:  # its worker runs unimp's step with statistics (Keras's trainer takes none)
-            runner = functools.partial(runner, task="unimp.compare.keras_step:stats_task")
+        # a Keras engine's worker runs unimp's step with statistics (Keras's trainer takes none)
+        runner = _runner(b, task="unimp.compare.keras_step:stats_task")
         spec = RunSpec(
             recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
             cfg.optimizer, cfg.lr, device_for(b, cfg.device), stats_every=1,

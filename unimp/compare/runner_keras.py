@@ -127,7 +127,7 @@ def _train(spec: RunSpec) -> dict[str, Any]:
 
     import unimp
     from unimp.compare.fp8_scales import capture_first, scales_record
-    from unimp.compare.keras_models import keras_model
+    from unimp.compare.keras_models import keras_model, keras_optimizer
     from unimp.compare.keras_step import step_stats, step_trace
     from unimp.compare.run import test_metrics, train_loop
     from unimp.compare.user import user_model
@@ -148,11 +148,7 @@ def _train(spec: RunSpec) -> dict[str, Any]:
     else:
         model, initial = keras_model(spec, mp.autocast()), None
     mp.prepare(model)
-    inner = (
-        keras.optimizers.Adam(spec.lr, epsilon=1e-8)
-        if spec.optimizer == "adam"
-        else keras.optimizers.SGD(spec.lr)
-    )
+    inner = keras_optimizer(spec)
     if p.param_dtype == "float16" and spec.optimizer == "adam":  # as the other runners warn
         warn_half_optimizer_state("Adam", 1e-8)
     config = spec.recipe.loss_scale

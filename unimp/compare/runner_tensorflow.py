@@ -12,7 +12,7 @@ import tensorflow as tf
 from unimp.backends import tensorflow as backend
 from unimp.backends.tensorflow.fp8 import fp8_model_layers
 from unimp.compare.fp8_scales import TENSORS, capture_first, scales_record
-from unimp.compare.keras_models import keras_model
+from unimp.compare.keras_models import keras_model, keras_optimizer
 from unimp.compare.run import RunSpec, test_metrics, train_loop
 from unimp.compare.user import user_model
 
@@ -63,11 +63,7 @@ def build(spec: RunSpec) -> tuple[Any, Any, Callable[[dict], Any]]:
                 model, _ = user_model(spec.model, spec.seed)
         else:
             model = keras_model(spec, mp.autocast())
-        if spec.optimizer == "adam":
-            inner = keras.optimizers.Adam(spec.lr, epsilon=1e-8)
-        else:
-            inner = keras.optimizers.SGD(spec.lr)
-        model, opt = mp.prepare(model, inner)
+        model, opt = mp.prepare(model, keras_optimizer(spec))
 
         def loss_fn(model: keras.Model, b: dict[str, tf.Tensor]) -> tf.Tensor:
             return loss_of(_forward(model, b, spec.user_model, True), b["y"], spec.loss)

@@ -19,6 +19,7 @@ from unimp.compare.models import hidden_size, init_weights
 from unimp.compare.run import (
     CompareConfig,
     RunSpec,
+    _runner,
     device_for,
     refuse_user_model,
     trace_diff,
@@ -64,10 +65,8 @@ def trace_compare_model(cfg: CompareConfig, backend: str, recipe: Recipe | None 
     rec, _, _ = validate(cfg)
     rec = recipe if recipe is not None else rec
     if backend in KERAS_ENGINES:  # Keras's backend is fixed per process: a worker each
-        from unimp.compare.runner_keras import run
-
         spec, _ = _spec(cfg, rec, backend)  # its first batch is traced
-        return Trace.from_dict(run(spec, backend, task="unimp.compare.keras_step:trace_task")["trace"])
+        return Trace.from_dict(_runner(backend, task="unimp.compare.keras_step:trace_task")(spec)["trace"])
     name = registry.backend_info(backend).name
     runner = importlib.import_module(f"unimp.compare.runner_{name}")
     spec, batch = _spec(cfg, rec, name)
