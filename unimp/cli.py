@@ -430,7 +430,7 @@ def _compare(args: argparse.Namespace) -> int:
 
         print("\n".join(fp8_terminal_lines(report["fp8"], args.model)))
     if "block" in report:
-        from unimp.compare.fp8_scales import block_terminal_lines
+        from unimp.compare.block_report import block_terminal_lines
 
         print("\n".join(block_terminal_lines(report["block"])))
     if report.get("trace_diff_text"):

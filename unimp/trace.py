@@ -24,6 +24,7 @@ __all__ = [
     "FP8_SCOPES",
     "FLOAT_DTYPES",
     "HALF_DTYPES",
+    "KERAS_NOTES",
     "OPS",
     "PHASES",
     "PLUMBING",
@@ -35,6 +36,14 @@ __all__ = [
     "fp8_cast_op",
     "fp8_scope",
 ]
+
+#: Why Keras runs an op in a dtype other than the recipe's, on every engine: ``{op: (dtype,
+#: why)}`` (the TensorFlow backend's notes, and each Keras engine's in ``unimp compare``).
+KERAS_NOTES = {
+    "softmax": ("float32", "keras.ops.dot_product_attention (MultiHeadAttention) takes it in float32"),
+    "layer_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
+    "batch_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
+}
 
 #: The shared op vocabulary: every backend maps its native op names onto these; an op with
 #: no entry keeps its framework name.

@@ -1,8 +1,6 @@
 """``unimp compare`` with an FP8 recipe: the float8 scales each framework ended its first and
 last step with, per layer and tensor, whether the frameworks agree bit for bit, and the
-accuracy against a bfloat16 run; with a block-scaled recipe, its layers, the accuracy against
-the same run in bfloat16 and what the published recipe keeps in higher precision.
-Framework-free (the runners hand in floats)."""
+accuracy against a bfloat16 run. Framework-free (the runners hand in floats)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from typing import Any
 
 from unimp.fp8 import LAYER_TENSORS
 
-__all__ = ["TENSORS", "block_markdown", "block_section", "block_terminal_lines", "capture_first",
-           "fp8_markdown", "fp8_section"]
+__all__ = ["TENSORS", "accuracy_against", "capture_first", "fp8_markdown", "fp8_section"]
 
 #: the quantized tensors of a float8 layer, in the order of its states (the core's names)
 TENSORS = LAYER_TENSORS
@@ -70,7 +67,7 @@ def fp8_section(runs: dict[str, dict[str, Any]], bf16: dict[str, dict[str, Any]]
                 for t, by_b in per.items()}
         for layer, per in scales.items()
     }
-    accuracy, largest = _accuracy(runs, bf16, "fp8")
+    accuracy, largest = accuracy_against(runs, bf16, "fp8")
     return {
         "layers": {b: sorted(run.get("fp8_scales") or {}) for b, run in runs.items()},
         "scales": scales,
@@ -80,8 +77,10 @@ def fp8_section(runs: dict[str, dict[str, Any]], bf16: dict[str, dict[str, Any]]
     }
 
 
-def _accuracy(runs: dict[str, dict[str, Any]], bf16: dict[str, dict[str, Any]], key: str) -> tuple[dict, float]:
-    """``{backend: {key: accuracy, "bfloat16": ..., "diff": ...}}`` and the largest ``|diff|``."""
+def accuracy_against(runs: dict[str, dict[str, Any]], bf16: dict[str, dict[str, Any]], key: str) -> tuple[dict, float]:
+    """Each run's test accuracy against the same run without the low-precision layers:
+    ``{backend: {key: accuracy, "bfloat16": ..., "diff": ...}}`` and the largest ``|diff|``
+    (``key``: ``"fp8"`` or ``"block"``)."""
     accuracy = {
         b: {key: runs[b]["test_accuracy"], "bfloat16": bf16[b]["test_accuracy"],
             "diff": runs[b]["test_accuracy"] - bf16[b]["test_accuracy"]}
@@ -89,56 +88,6 @@ def _accuracy(runs: dict[str, dict[str, Any]], bf16: dict[str, dict[str, Any]], 
     }
     diffs = [abs(a["diff"]) for a in accuracy.values() if math.isfinite(a["diff"])]
     return accuracy, max(diffs, default=float("nan"))
-
-
-def block_section(runs: dict[str, dict[str, Any]], bf16: dict[str, dict[str, Any]], block: Any) -> dict[str, Any]:
-    """The report's ``block`` part (a block-scaled recipe).
-
-    Args:
-        runs: the recipe's runs by backend (each with ``block_layers``: the paths its recipe
-            put in the format).
-        bf16: the same runs without the block-scaled layers (the recipe's bfloat16 policy);
-            empty: no reference (the accuracy's ``bfloat16`` and ``diff`` are None).
-        block: the recipe's :class:`unimp.blockscale_recipe.BlockRecipe`.
-
-    Returns:
-        ``{"rule", "description", "guidance", "layers": {backend: [paths]}, "accuracy":
-        {backend: {"block", "bfloat16", "diff"}}, "max_abs_accuracy_diff"}``.
-    """
-    accuracy, largest = _accuracy(runs, bf16, "block")
-    for b, run in runs.items():  # without a reference run (compare --recipes: a row of its own)
-        accuracy.setdefault(b, {"block": run["test_accuracy"], "bfloat16": None, "diff": None})
-    return {
-        "rule": block.rule.name,
-        "description": block.describe(),
-        "guidance": block.guidance,
-        "layers": {b: list(run.get("block_layers") or []) for b, run in runs.items()},
-        "accuracy": accuracy,
-        "max_abs_accuracy_diff": largest,
-    }
-
-
-def block_terminal_lines(section: dict[str, Any]) -> list[str]:
-    """``unimp compare``'s block-scaled lines under its table: per framework the layers in the
-    format and the accuracy against bfloat16, then the published recipe's guidance."""
-    out = [f"block-scaled ({section['rule']}):"]
-    for b, a in section["accuracy"].items():
-        layers = section["layers"].get(b, [])
-        what = f"{len(layers)} layer(s) ({', '.join(layers)})" if layers else "no layer in the format"
-        against = "" if a["bfloat16"] is None else f" against bfloat16 {a['bfloat16']:.4f}"
-        out.append(f"  {b}: {what}; test accuracy {a['block']:.4f}{against}")
-    return [*out, f"  guidance: {section['guidance']}"]
-
-
-def block_markdown(section: dict[str, Any]) -> list[str]:
-    """The report's block-scaled table: layers and accuracy against bfloat16 per framework."""
-    out = [f"## Block-scaled ({section['rule']})", "", section["description"] + ".", "",
-           "| framework | layers in the format | test accuracy | bfloat16 | difference |", "|---|---|---|---|---|"]
-    for b, a in section["accuracy"].items():
-        layers = ", ".join(section["layers"].get(b, [])) or "none (first and last are out)"
-        ref = ("-", "-") if a["bfloat16"] is None else (f"{a['bfloat16']:.4f}", f"{a['diff']:+.4f}")
-        out.append(f"| {b} | {layers} | {a['block']:.4f} | {ref[0]} | {ref[1]} |")
-    return [*out, "", f"The published recipe: {section['guidance']}", ""]
 
 
 def fp8_terminal_lines(section: dict[str, Any], model: str) -> list[str]:

@@ -7,29 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from unimp.trace import Trace
+from unimp.trace import KERAS_NOTES, Trace
 
 __all__ = ["NOTES", "engine_trace"]
 
-#: Keras's own dtype choices, on every engine (the TensorFlow backend's ``trace.NOTES`` say the
-#: same: that backend is Keras on TensorFlow)
-_KERAS_NOTES = {
-    "softmax": ("float32", "keras.ops.dot_product_attention (MultiHeadAttention) takes it in float32"),
-    "layer_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
-    "batch_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
-}
 #: ``{engine: {op or layer: (dtype, why)}}``: why an op runs in a dtype on each Keras engine
 #: (:func:`unimp.trace.diff` shows a note where the op ran in its dtype): Keras's choices, and
 #: the engine's own (keras/src/backend/torch/numpy.py ``matmul`` and nn.py ``log_softmax``
 #: compute float16 in float32 on the CPU; ``jnp.sum`` on JAX).
 NOTES: dict[str, dict[str, tuple[str, str]]] = {
-    "keras-tensorflow": _KERAS_NOTES,
+    "keras-tensorflow": KERAS_NOTES,
     "keras-jax": {
-        **_KERAS_NOTES,
+        **KERAS_NOTES,
         "reduce_sum": ("float32", "jnp.sum accumulates half-precision inputs in float32"),
     },
     "keras-torch": {
-        **_KERAS_NOTES,
+        **KERAS_NOTES,
         "matmul": ("float32", "Keras's torch backend computes float16 matmuls in float32 on the CPU"),
         "log_softmax": ("float32", "Keras's torch backend computes float16 log_softmax in float32 on the CPU"),
     },

@@ -283,7 +283,7 @@ def _markdown(report: dict[str, Any]) -> str:
 
         lines += fp8_markdown(report["fp8"])
     if "block" in report:
-        from unimp.compare.fp8_scales import block_markdown
+        from unimp.compare.block_report import block_markdown
 
         lines += block_markdown(report["block"])
     lines += _layer_stats_markdown(report)

@@ -605,7 +605,7 @@ def run_compare(
             bf16 = {b: one(b, plain, f"{b} ({plain.policy.compute_dtype})") for b in backends}
             report["fp8"] = fp8_section(runs, bf16)
         if recipe.block is not None:  # the block-scaled layers against the same run without them
-            from unimp.compare.fp8_scales import block_section
+            from unimp.compare.block_report import block_section
 
             plain = recipe.replace(block=None)
             bf16 = ({b: one(b, plain, f"{b} ({plain.policy.compute_dtype})") for b in backends}

@@ -281,5 +281,5 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "peak_memory_bytes": None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None,
         "trace": None if trace is None else trace.to_dict(),
         "fp8_scales": fp8,
-        "block_layers": list(getattr(step, "block_layers", ())) if spec.recipe.block is not None else None,
+        "block_layers": list(step.block_layers) if spec.recipe.block is not None else None,
     }

@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from unimp.trace import PLUMBING, OpRecord, Trace, fp8_scope
+from unimp.trace import KERAS_NOTES, PLUMBING, OpRecord, Trace, fp8_scope
 
 __all__ = ["NOTES", "native_op", "trace"]
 
@@ -67,11 +67,7 @@ _FORWARD = re.compile(r"forward(_\d+)?")
 _GRADIENT = re.compile(r"gradient_tape(_\d+)?")
 
 #: Why Keras runs an op in a dtype other than the recipe's: ``{op: (dtype, why)}``.
-NOTES = {
-    "softmax": ("float32", "keras.ops.dot_product_attention (MultiHeadAttention) takes it in float32"),
-    "layer_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
-    "batch_norm": ("float32", "Keras normalizes float16/bfloat16 inputs in float32"),
-}
+NOTES = KERAS_NOTES
 
 
 def native_op(name: str) -> str:
