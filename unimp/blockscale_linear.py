@@ -356,8 +356,7 @@ def _weight_grad_operand(ops: Any, a: Any, r: BlockLinearRule, role: str, bits: 
     and the amax is the transformed tensor's, as Transformer Engine's columnwise copy."""
     if r.hadamard:  # down M's columns: TE's transform of a's transpose, the same values
         a = random_hadamard_transform(a, axis=0, ops=ops)
-    t = ops.transpose(a)  # (C, M): the blocks along the last axis
-    return ops.transpose(_operand(ops, t, r, role, 1, bits)), _amax(ops, r, t)
+    return _operand(ops, a, r, role, 0, bits), _amax(ops, r, a)
 
 
 def _w_axis(layout: str, along: str) -> int:
