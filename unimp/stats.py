@@ -426,7 +426,7 @@ class TensorStats:
         """Inverse of :meth:`to_dict` (derived keys are ignored)."""
         return cls(
             int(d["size"]), float(d["scale"]), float(d["amax"]), float(d["min_nonzero"]),
-            dict(d["counts"]), dict(d.get("sums") or {}),
+            dict(d["counts"]), dict(d["sums"]),
         )  # fmt: skip
 
 
