@@ -175,44 +175,51 @@ def _rows(k: Any, backend: str, cfg: dict) -> list[dict]:
         spec = h.MODELS[model]
         for rec in cfg["recipes"]:
             for impl in ("unimp", "native"):
-                options = {"compile": True} if compiled and backend != "jax" else {}
-                with _compilations(backend) as graphs:
-                    t = k.Trainer(impl, spec, rec, cfg["device"], **options)
-                    for _ in range(WARMUP):
-                        t.one()
-                    t.sync()
-                    after_warmup = graphs(t)
-                    for _ in range(COMPILED_STEPS if compiled else 0):
-                        t.one()
-                    t.sync()
-                    compiled_counts = {**graphs(t), "recompiles": graphs(t)["graphs"] - after_warmup["graphs"]}
                 row = {"model": model, "model_desc": spec.describe(), "recipe": rec, "impl": impl,
                        "compiled": compiled}
-                # a TorchDispatchMode turns dynamo off (the step runs eagerly under it), so a
-                # compiled torch step's aten ops are not counted: its graphs and breaks are
-                counts = {"aten_ops": None} if compiled and backend == "torch" else count(k, t)
-                rows.append({**row, **counts, **(compiled_counts if compiled else {})})
+                if compiled:
+                    t, counts = _compiled_counts(k, backend, impl, spec, rec, cfg["device"])
+                    # a TorchDispatchMode turns dynamo off (the step runs eagerly under it), so a
+                    # compiled torch step's aten ops are not counted: its graphs and breaks are
+                    rows.append({**row, **(count(k, t) if backend != "torch" else {"aten_ops": None}), **counts})
+                    continue
+                t = k.Trainer(impl, spec, rec, cfg["device"])
+                for _ in range(WARMUP):
+                    t.one()
+                t.sync()
+                rows.append({**row, **count(k, t)})
     return rows
 
 
-@contextlib.contextmanager
-def _compilations(backend: str) -> Iterator[Any]:
-    """A function of a trainer: ``{"graphs": ..., "graph_breaks": ...}`` compiled so far in the
-    block (see the module's ``--compiled``)."""
+def _compiled_counts(k: Any, backend: str, impl: str, spec: Any, rec: str, device: Any) -> tuple[Any, dict]:
+    """A compiled trainer after the warm-up and :data:`COMPILED_STEPS` more steps, and its
+    ``{"graphs", "graph_breaks", "recompiles"}`` (see the module's ``--compiled``)."""
     if backend == "torch":
         import torch._dynamo as dynamo
         from torch._dynamo.utils import counters
 
         dynamo.reset()
         counters.clear()
-        yield lambda t: {
-            "graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values())),
-        }
+
+        def graphs(t: Any) -> tuple[int, int]:
+            return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
     elif backend == "tensorflow":
-        yield lambda t: {"graphs": t.tracing_count(), "graph_breaks": 0}
+        def graphs(t: Any) -> tuple[int, int]:
+            return t.tracing_count(), 0  # an XLA function compiles whole or fails
     else:
-        yield lambda t: {"graphs": int(t.jitted._cache_size()), "graph_breaks": 0}  # noqa: SLF001
+        def graphs(t: Any) -> tuple[int, int]:
+            return int(t.jitted._cache_size()), 0  # noqa: SLF001 - the native loop's jax.jit too
+
+    t = k.Trainer(impl, spec, rec, device, **({} if backend == "jax" else {"compile": True}))
+    for _ in range(WARMUP):
+        t.one()
+    t.sync()
+    after_warmup, _ = graphs(t)
+    for _ in range(COMPILED_STEPS):
+        t.one()
+    t.sync()
+    n, breaks = graphs(t)
+    return t, {"graphs": n, "graph_breaks": breaks, "recompiles": n - after_warmup}
 
 
 #: backend -> (the count in the table, its name)
