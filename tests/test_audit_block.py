@@ -9,7 +9,8 @@ from conftest import BACKENDS, require_backend
 
 from unimp.cli import main
 from unimp.compare.audit import audit_stats, initial_scale
-from unimp.compare.audit_block import BLOCK_TARGETS, TYPICAL, thresholds
+from unimp.compare.audit_block import TYPICAL, thresholds
+from unimp.recipe import BLOCK_RECIPES
 from unimp.stats import BLOCK_FORMATS, StepStats, reference_stats
 
 _rng = np.random.default_rng(1)
@@ -29,7 +30,7 @@ def test_the_typical_errors_are_the_rules_on_a_standard_normal_tensor():
     for fmt, (under, mse) in TYPICAL.items():
         assert s.underflow(fmt) == pytest.approx(under, abs=0.0006), fmt
         assert s.relative_mse(fmt) == pytest.approx(mse, rel=0.02), fmt
-    assert sorted(BLOCK_TARGETS.values()) == sorted(BLOCK_FORMATS)
+    assert sorted(BLOCK_RECIPES.values()) == sorted(BLOCK_FORMATS)
     t = thresholds("mxfp8", 0.01)
     assert (t["underflow"], t["relative_mse"]) == (0.01, pytest.approx(2.8e-3))
     assert thresholds("mxfp4", 0.3)["underflow"] == 0.3 and thresholds("mxfp4")["underflow"] == pytest.approx(0.176)

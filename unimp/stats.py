@@ -80,6 +80,7 @@ import numpy as np
 from unimp.blockscale_linear import BLOCK_LINEAR_RULES
 from unimp.blockscale_presets import quantization_sums
 from unimp.fp8.rule import NumpyOps
+from unimp.recipe import BLOCK_RECIPES
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -147,9 +148,9 @@ COUNT_FIELDS = ("zeros", "nonfinite") + tuple(
     f"{t}_{k}" for t in TARGETS for k in ("overflow", "subnormal", "flush")
 )
 #: The block-scaled formats the statistics can measure (``formats=``, ``stats_formats=``): the
-#: rules of the block recipes (:data:`unimp.recipe.BLOCK_RECIPES`; the recipe ``fp8-block`` is
-#: the rule ``fp8_block``), keys of :data:`unimp.blockscale_linear.BLOCK_LINEAR_RULES`.
-BLOCK_FORMATS = ("mxfp8", "fp8_block", "nvfp4", "mxfp4")
+#: rules of the block recipes (:data:`unimp.recipe.BLOCK_RECIPES`' values; the recipe
+#: ``fp8-block`` is the rule ``fp8_block``), keys of :data:`unimp.blockscale_linear.BLOCK_LINEAR_RULES`.
+BLOCK_FORMATS = tuple(BLOCK_RECIPES.values())
 #: The width the last axis is padded to with zeros (a multiple of every format's block):
 #: zeros change no block's or tensor's amax, so a partial block quantizes over the elements it
 #: has, as Transformer Engine quantizes a partial last tile.
@@ -180,7 +181,7 @@ def check_formats(formats: Any) -> tuple[str, ...]:
         )
     out: list[str] = []
     for name in names:
-        key = name.strip().lower().replace("-", "_")
+        key = BLOCK_RECIPES.get(name.strip().lower(), name.strip().lower())
         if key not in BLOCK_FORMATS:
             close = difflib.get_close_matches(key, BLOCK_FORMATS, n=1, cutoff=0.5)
             hint = f" Did you mean {close[0]!r}?" if close else ""

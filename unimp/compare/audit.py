@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from unimp.compare.audit_block import BLOCK_TARGETS, audit_block_stats
+from unimp.compare.audit_block import audit_block_stats
+from unimp.recipe import BLOCK_RECIPES
 from unimp.stats import StepStats, TensorStats, layer_of
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 #: What ``unimp audit --to`` reads the statistics as: a half dtype or a block recipe's format.
-TARGETS = ("float16", "bfloat16", *BLOCK_TARGETS)
+TARGETS = ("float16", "bfloat16", *BLOCK_RECIPES)
 #: The most steps ``unimp audit`` runs: statistics on every step of the first steps.
 MAX_STEPS = 1000
 
@@ -122,7 +123,7 @@ def audit_stats(
     Args:
         steps: the statistics of each audited step (taken at the target's initial scale).
         target: ``float16``, ``bfloat16`` or a block format of
-            :data:`unimp.compare.audit_block.BLOCK_TARGETS` (statistics taken with it).
+            :data:`unimp.recipe.BLOCK_RECIPES` (statistics taken with it).
         underflow_tolerance: flag a tensor when more than this fraction of its elements would
             flush to zero (0 <= tolerance < 1); for a block format, the least share named
             (:func:`unimp.compare.audit_block.thresholds`).
@@ -137,7 +138,7 @@ def audit_stats(
         raise ValueError(f"unknown target dtype {target!r}; choose one of {', '.join(TARGETS)}.")
     if not (0 <= underflow_tolerance < 1):
         raise ValueError(f"underflow tolerance must be in [0, 1), got {underflow_tolerance}.")
-    if target in BLOCK_TARGETS:
+    if target in BLOCK_RECIPES:
         return [Finding(*f) for f in audit_block_stats(steps, target, underflow_tolerance=underflow_tolerance)]
     worst: dict[tuple[str, str, str], tuple[float, int, TensorStats]] = {}
     order: list[str] = []
@@ -223,7 +224,7 @@ def initial_scale(target: str) -> float:
 
     if target not in TARGETS:
         raise ValueError(f"unknown target dtype {target!r}; choose one of {', '.join(TARGETS)}.")
-    recipe = target if target in BLOCK_TARGETS else f"mixed_{target}"
+    recipe = target if target in BLOCK_RECIPES else f"mixed_{target}"
     return float(get_recipe(recipe).loss_scale.initial_scale())
 
 

@@ -40,11 +40,8 @@ from unimp.blockscale_linear import BLOCK_LINEAR_RULES
 from unimp.recipe import BLOCK_RECIPES
 from unimp.stats import StepStats, TensorStats, layer_of
 
-__all__ = ["BLOCK_TARGETS", "TYPICAL", "audit_block_stats", "thresholds"]
+__all__ = ["TYPICAL", "audit_block_stats", "thresholds"]
 
-#: ``unimp audit --to`` names of the block formats: the block recipes' names (:data:`unimp.recipe.BLOCK_RECIPES`)
-#: -> the statistics' format (:data:`unimp.stats.BLOCK_FORMATS`).
-BLOCK_TARGETS = dict(BLOCK_RECIPES)
 
 #: Per format, ``(underflow share, relative MSE)`` of a standard normal float32 tensor (256 x 512,
 #: ``numpy.random.default_rng(0)``) as the statistics measure them, two digits: what an ordinary
@@ -65,7 +62,7 @@ def thresholds(target: str, underflow_tolerance: float = 0.01) -> dict[str, Any]
     """Where ``unimp audit --to <target>`` names a tensor, and why (module docstring).
 
     Args:
-        target: a key of :data:`BLOCK_TARGETS` (``"mxfp8"``, ``"fp8-block"``, ``"nvfp4"``,
+        target: a key of :data:`unimp.recipe.BLOCK_RECIPES` (``"mxfp8"``, ``"fp8-block"``, ``"nvfp4"``,
             ``"mxfp4"``).
         underflow_tolerance: the least underflow share that is named (``--underflow-tolerance``).
 
@@ -81,9 +78,9 @@ def thresholds(target: str, underflow_tolerance: float = 0.01) -> dict[str, Any]
         >>> t["underflow"], round(t["relative_mse"], 4)
         (0.136, 0.0364)
     """
-    if target not in BLOCK_TARGETS:
-        raise ValueError(f"unknown block format {target!r}; choose one of {', '.join(BLOCK_TARGETS)}.")
-    fmt = BLOCK_TARGETS[target]
+    if target not in BLOCK_RECIPES:
+        raise ValueError(f"unknown block format {target!r}; choose one of {', '.join(BLOCK_RECIPES)}.")
+    fmt = BLOCK_RECIPES[target]
     under, mse = TYPICAL[fmt]
     u = max(underflow_tolerance, _UNDERFLOW_TIMES * under)
     m = _ERROR_TIMES * mse
@@ -131,7 +128,7 @@ def audit_block_stats(
 
     Args:
         steps: statistics taken with the target's format (``stats_formats=[format]``).
-        target: a key of :data:`BLOCK_TARGETS`.
+        target: a key of :data:`unimp.recipe.BLOCK_RECIPES`.
         underflow_tolerance: see :func:`thresholds`.
 
     Returns:

@@ -26,7 +26,6 @@ from unimp.compare.audit import (
     parse_plant,
     plant_form,
 )
-from unimp.compare.audit_block import BLOCK_TARGETS
 from unimp.compare.audit_block import thresholds as block_thresholds
 from unimp.compare.data import Dataset, batches, load_dataset
 from unimp.compare.models import MODELS, hidden_size, init_weights
@@ -35,7 +34,7 @@ from unimp.compare.threads import MAX_THREADS, check_threads, threads
 from unimp.compare.user import KERAS_ENGINES, LOSSES, is_reference, load_data, user_model_backends
 from unimp.dtypes import keras_policy_name
 from unimp.loss_scale import DynamicLossScale, StaticLossScale
-from unimp.recipe import Recipe, get_recipe
+from unimp.recipe import BLOCK_RECIPES, Recipe, get_recipe
 
 __all__ = [
     "CompareConfig",
@@ -744,7 +743,7 @@ def run_audit(
         spec = RunSpec(
             recipe, cfg.model, weights, data, ds.x_test, ds.y_test, ds.num_classes,
             cfg.optimizer, cfg.lr, device_for(b, cfg.device), stats_every=1,
-            stats_formats=(BLOCK_TARGETS[to],) if to in BLOCK_TARGETS else (),
+            stats_formats=(BLOCK_RECIPES[to],) if to in BLOCK_RECIPES else (),
             log=None if log_dir is None else os.path.join(log_dir, f"{b}.jsonl"),
         )  # fmt: skip
         if progress_factory is None:
@@ -767,7 +766,7 @@ def run_audit(
         "underflow_tolerance": underflow_tolerance,
         "findings": findings,
         "clean": {b: not fs for b, fs in findings.items()},
-        **({"thresholds": block_thresholds(to, underflow_tolerance)} if to in BLOCK_TARGETS else {}),
+        **({"thresholds": block_thresholds(to, underflow_tolerance)} if to in BLOCK_RECIPES else {}),
     }
 
 
